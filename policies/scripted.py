@@ -1,0 +1,49 @@
+"""A deterministic scripted policy behind the real inference interface (tests, smoke job, demos)."""
+
+from __future__ import annotations
+
+import re
+
+from rollway.policies.base import ChatFormat, Generation, InferenceClient, SamplingParams
+from rollway.policies.config import ScriptRule
+
+SCRIPTED_LOGPROB = -0.01
+"""Behaviour logprob reported for every scripted token (a near-certain choice)."""
+
+
+def count_subsequence(haystack: list[int], needle: tuple[int, ...]) -> int:
+    """Non-overlapping occurrences of `needle` in `haystack`."""
+    n, count, i = len(needle), 0, 0
+    while n and i <= len(haystack) - n:
+        if tuple(haystack[i:i + n]) == needle:
+            count, i = count + 1, i + n
+        else:
+            i += 1
+    return count
+
+
+class ScriptedPolicy(InferenceClient):
+    """Plays `turns[k]` of the first rule matching the prompt, where k is the number of assistant
+    turns already in the prompt. Same prompt, same output: episodes are reproducible."""
+
+    def __init__(self, rules: list[ScriptRule], chat: ChatFormat, policy_version: int = 0):
+        if not rules:
+            raise ValueError("policy.script is empty: give at least one rule with `turns` for the scripted policy")
+        self.rules = [(re.compile(r.when), r.turns) for r in rules]
+        self.chat = chat
+        self.policy_version = policy_version
+
+    def _turns_for(self, prompt_text: str) -> list[str]:
+        for pattern, turns in self.rules:
+            if pattern.search(prompt_text):
+                return turns
+        raise LookupError("no policy.script rule matches this prompt; add a rule with when: ''")
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        turns = self._turns_for(self.chat.decode(prompt_ids))
+        k = max(0, count_subsequence(prompt_ids, self.chat.assistant_header_ids) - 1)
+        ids = self.chat.encode(turns[min(k, len(turns) - 1)]) + list(self.chat.stop_token_ids[:1])
+        finish = "stop"
+        if len(ids) > params.max_tokens:
+            ids, finish = ids[: params.max_tokens], "length"
+        return Generation(ids, [SCRIPTED_LOGPROB] * len(ids), finish, self.policy_version)

@@ -1,0 +1,94 @@
+"""The sandbox interface: an isolated workspace per episode that any worker can reattach to."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """Outcome of one command run inside a sandbox."""
+
+    exit_code: int
+    output: str
+    """stdout and stderr interleaved, already truncated to the configured size (with a notice)."""
+    timed_out: bool = False
+    truncated: bool = False
+    duration_s: float = 0.0
+
+
+class SandboxError(RuntimeError):
+    """The sandbox cannot be created or used; the message names the fix."""
+
+
+class Sandbox(ABC):
+    """One episode's isolated workspace.
+
+    The framework creates it in the init actor, reattaches to it by `handle` in whichever agent or
+    reward worker handles a later message (so all state must live in the sandbox, not in this
+    object), and destroys it in the reward actor.
+    """
+
+    @property
+    @abstractmethod
+    def handle(self) -> dict[str, Any]:
+        """Plain data (msgpack-able) from which `SandboxProvider.attach` rebuilds this object."""
+
+    @property
+    def workspace_path(self) -> str | None:
+        """Host folder holding the workspace when it is a local folder (tools may read it
+        directly, e.g. for code search); None when it lives elsewhere (a container)."""
+        return None
+
+    @abstractmethod
+    async def exec(self, command: str, timeout_s: float | None = None) -> ExecResult:
+        """Run a shell command in the workspace (cwd = workspace root)."""
+
+    @abstractmethod
+    async def read_file(self, path: str) -> str:
+        """Read a file; `path` is relative to the workspace root (absolute paths are refused)."""
+
+    @abstractmethod
+    async def write_file(self, path: str, content: str) -> None:
+        """Create or replace a file in the workspace (parents created)."""
+
+    @abstractmethod
+    async def diff(self) -> str:
+        """Unified diff (git style, a/ b/ prefixes) of the workspace against its base snapshot."""
+
+    @abstractmethod
+    async def destroy(self) -> None:
+        """Remove the workspace and everything it holds; safe to call twice."""
+
+
+@dataclass
+class SandboxSpec:
+    """What to build a sandbox from: a source folder to copy, or nothing (empty workspace)."""
+
+    source_dir: str | None = None
+    """Folder copied into the workspace as its base snapshot."""
+    image: str | None = None
+    """Container image (docker sandboxes)."""
+    files: dict[str, str] = field(default_factory=dict)
+    """Extra files written into the workspace after the copy (path -> content)."""
+    setup_commands: list[str] = field(default_factory=list)
+    """Commands run once in the new sandbox before the base snapshot is taken."""
+
+
+class SandboxProvider(ABC):
+    """Creates sandboxes of one kind. Chosen by `sandbox.type` through `build_sandbox_provider`."""
+
+    @abstractmethod
+    async def create(self, spec: SandboxSpec, name: str) -> Sandbox:
+        """Create a sandbox for one episode attempt; `name` is unique per attempt."""
+
+    @abstractmethod
+    async def attach(self, handle: dict[str, Any]) -> Sandbox:
+        """Rebuild a sandbox object from its handle (another worker may have created it)."""
+
+    @abstractmethod
+    async def check(self) -> dict[str, Any]:
+        """Which protections hold here, e.g. {"network_isolated": True, ...}; raises SandboxError
+        naming the fix when this kind of sandbox cannot run at all."""

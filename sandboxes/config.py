@@ -1,0 +1,30 @@
+"""Sandbox configuration (owned by the sandboxes package)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SandboxConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["local", "docker"] = "local"
+    """`local`: bubblewrap jail over a workspace folder. `docker`: one container per episode."""
+    root: str | None = None
+    """Folder under which episode workspaces are created; default a temp folder shared by workers."""
+    exec_timeout_s: float = Field(30.0, gt=0)
+    """Default wall-time limit for one command in the sandbox."""
+    memory_mb: int = Field(1024, ge=16)
+    """Address-space limit per command."""
+    max_processes: int = Field(256, ge=1)
+    """Process/thread limit per command (stops fork bombs)."""
+    max_output_bytes: int = Field(64_000, ge=256)
+    """Output captured per command; the rest is cut with a visible notice."""
+    max_file_mb: int = Field(256, ge=1)
+    """Largest file a command may write."""
+    image: str = "python:3.11-slim"
+    """Docker image when a task names none."""
+    python: str | None = None
+    """Python interpreter made visible inside the jail (default: the one running rollway)."""

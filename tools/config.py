@@ -1,0 +1,29 @@
+"""Tool and hint configuration (owned by the tools package)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ToolsConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: list[str] | None = None
+    """Tool names offered to the model; None uses the task set's default list."""
+    bash_timeout_s: float = Field(30.0, gt=0)
+    """Wall-time limit of one bash call."""
+    max_observation_chars: int = Field(4000, ge=100)
+    """Observation text longer than this is cut with a visible notice."""
+
+
+class HintsConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    budget_reminders: bool = True
+    """Remind the model how many turns / tokens remain when few are left."""
+    remind_when_turns_left: int = Field(2, ge=0)
+    """Turn-budget reminder starts when this many turns remain."""
+    repeat_action: bool = True
+    """Hint when the model repeats the same tool call."""
+    after_tool_error: bool = True
+    """Hint after a tool call fails."""
