@@ -7,7 +7,6 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
-
 from rollway.envs.config import TasksConfig
 from rollway.learning.config import LearnerConfig
 from rollway.policies.config import PolicyConfig
@@ -109,6 +108,9 @@ class SinkConfig(StrictModel):
 class RunSection(StrictModel):
     name: str = "rollway"
     """Run name, used in the run folder and logs."""
+    id: str | None = None
+    """Run identity, the prefix of every episode id; `rollway up` sets a fresh one. The sink and the
+    learner keep only episodes of this run (None: keep every episode they read)."""
     seed: int = 0
     """Seed for task sampling and anything else random in the pipeline."""
     dir: str | None = None

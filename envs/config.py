@@ -25,3 +25,6 @@ class TasksConfig(BaseModel):
     """Share of tasks in the `test` split."""
     test_timeout_s: float = Field(120.0, gt=0)
     """Wall-time limit for grading one episode's tests."""
+    cache_dir: str | None = None
+    """Folder for downloaded source archives, unpacked snapshots and prepared buggy trees (`swe`);
+    default `~/.cache/rollway`. Shared safely by workers on one machine."""

@@ -11,4 +11,12 @@ def build_taskset(cfg: TasksConfig) -> TaskSet:
         from rollway.envs.toy import ToyTaskSet
 
         return ToyTaskSet(cfg)
+    if cfg.type == "swe":
+        from rollway.envs.swe import SWETaskSet
+
+        return SWETaskSet(cfg)
+    if cfg.type == "humaneval":
+        from rollway.envs.humaneval import HumanEvalTaskSet
+
+        return HumanEvalTaskSet(cfg)
     raise NotImplementedError(f"tasks.type={cfg.type!r} is not built yet")

@@ -4,11 +4,132 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
+
+AdvantageName = Literal["grpo", "rloo", "drgrpo"]
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "token-sum-norm"]
 
 
 class LearnerConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """The learner actor's settings. `type: record` only records; `type: ppo` trains (PPO-clip
+    objective on group-relative advantages, i.e. GRPO / RLOO / Dr.GRPO by `advantage`)."""
 
-    type: Literal["record"] = "record"
-    """`record`: keep what arrives (no training)."""
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    type: Literal["record", "ppo", "grpo"] = "record"
+    """`record`: keep what arrives (no training). `ppo`: train with the clipped policy-gradient
+    objective; `grpo` is an alias of `ppo` (the estimator is chosen by `advantage`)."""
+
+    # --- model and device ---
+    model_path: str | None = None
+    """Policy weights: a local Hugging Face folder or a `.gguf` file. None uses the policy
+    loader's default model (SmolLM2-135M-Instruct)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """`auto` picks CUDA when available, else CPU."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype the weights are kept in (and saved in). float32 keeps AdamW updates exact."""
+    autocast_bf16: bool = False
+    """Run forward/backward under bf16 autocast (weights stay in `dtype`)."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature of the inference engine; logits are divided by it so the learner's
+    logprobs are those of the behaviour distribution. Keep equal to `agent.temperature`."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory on long episodes."""
+
+    # --- batching ---
+    group_size: int | None = Field(None, ge=1)
+    """Episodes per group; a group is complete when this many distinct episodes arrived.
+    None: the actor passes `scheduler.group_size`."""
+    groups_per_step: int = Field(1, ge=1)
+    """Complete groups buffered before one update (one policy version) runs."""
+    group_timeout_s: float | None = Field(None, gt=0)
+    """A group still incomplete this long after its first episode arrived is trained with what it
+    has (when at least 2 episodes) or dropped. None: wait (the scheduler re-issues lost episodes)."""
+    micro_batch_tokens: int = Field(4096, ge=1)
+    """Token budget (rows x padded length) of one forward/backward; gradients are accumulated
+    over micro-batches. A longer single episode still gets its own micro-batch."""
+    mini_batches: int = Field(1, ge=1)
+    """Optimizer steps per update: the batch is split into this many mini-batches."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over the batch per update. With mini_batches = ppo_epochs = 1 the update is a single
+    on-policy step (old logprobs = current, detached) and needs no extra forward pass."""
+
+    # --- optimizer ---
+    lr: float = Field(1e-6, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW decoupled weight decay."""
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    """AdamW beta1."""
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    """AdamW beta2."""
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    """Clip the global gradient norm to this before each optimizer step. None: no clipping."""
+
+    # --- advantages ---
+    advantage: AdvantageName = "grpo"
+    """`grpo`: (r - group mean) / (group std + eps). `rloo`: r minus the mean of the other
+    episodes of the group. `drgrpo`: r - group mean, no std division (pairs with token-sum-norm)."""
+    adv_eps: float = Field(1e-6, gt=0)
+    """Added to the group std in `grpo`."""
+    drop_degenerate_groups: bool = False
+    """Drop groups whose rewards are all equal (their advantage is zero anyway) from the batch,
+    so they cost no compute and do not dilute the token-mean."""
+    masked_stop_reasons: list[str] = Field(default_factory=lambda: ["length", "max_tokens", "error:*"])
+    """fnmatch patterns on `stop_reason`: such episodes (truncated or failed) get no loss."""
+    masked_in_baseline: bool = True
+    """Whether masked episodes still count in their group's baseline (mean/std)."""
+
+    # --- objective ---
+    clip_eps_low: float = Field(0.2, ge=0, lt=1)
+    """Lower clip: ratio below 1 - eps_low stops the push-down of negative-advantage tokens."""
+    clip_eps_high: float = Field(0.28, ge=0)
+    """Upper clip (clip-higher, DAPO): ratio above 1 + eps_high stops positive-advantage updates."""
+    dual_clip_c: float | None = Field(3.0, gt=1)
+    """Dual-clip bound for negative advantages: the per-token loss is at most -c * A. None: off."""
+    loss_agg: LossAgg | None = None
+    """`token-mean`: mean over all loss tokens of the batch. `seq-mean-token-mean`: mean per
+    episode, then over episodes. `token-sum-norm`: token sum / (loss_norm_tokens x episodes).
+    None: `token-sum-norm` for `drgrpo`, else `token-mean`."""
+    loss_norm_tokens: int = Field(4096, ge=1)
+    """The constant of `token-sum-norm` (Dr.GRPO); set it near `agent.max_total_tokens`."""
+    tis_cap: float | None = Field(2.0, gt=0)
+    """Truncated importance sampling: each token's loss is weighted by min(pi_old / mu, tis_cap),
+    mu the behaviour (inference) logprob. None: no correction."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of a k3 KL penalty to the initial (reference) policy; > 0 keeps a frozen copy."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Weight of an entropy bonus (subtracted from the loss)."""
+
+    # --- staleness ---
+    max_policy_lag: int | None = Field(None, ge=0)
+    """An episode whose lag (trainer version - oldest turn policy version) exceeds this is
+    dropped or down-weighted (`stale_policy`). None: no bound."""
+    stale_policy: Literal["drop", "downweight"] = "drop"
+    """What happens to an episode over `max_policy_lag`."""
+    stale_weight: float = Field(0.5, ge=0, le=1)
+    """Loss weight of a stale episode under `downweight`."""
+
+    # --- checkpoints and logging ---
+    checkpoint_every: int = Field(1, ge=1)
+    """Save a loadable weights folder every this many updates (each saved update is published)."""
+    keep_checkpoints: int | None = Field(3, ge=1)
+    """Keep this many newest checkpoint folders; None keeps all."""
+    save_optimizer: bool = True
+    """Save the AdamW state next to the weights (needed for an exact resume)."""
+    tensorboard: bool = True
+    """Write metrics to TensorBoard in run_dir/tb besides run_dir/metrics.jsonl."""
+    seed: int = 0
+    """Seed for the learner's torch RNG."""
+
+    @property
+    def trains(self) -> bool:
+        """True for a learner that updates weights."""
+        return self.type in ("ppo", "grpo")
+
+    @property
+    def effective_loss_agg(self) -> LossAgg:
+        """`loss_agg`, or the estimator's natural pairing when unset."""
+        if self.loss_agg is not None:
+            return self.loss_agg
+        return "token-sum-norm" if self.advantage == "drgrpo" else "token-mean"

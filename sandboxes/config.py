@@ -28,3 +28,14 @@ class SandboxConfig(BaseModel):
     """Docker image when a task names none."""
     python: str | None = None
     """Python interpreter made visible inside the jail (default: the one running rollway)."""
+    host_uid: int | None = None
+    """Host user bwrap runs as when rollway runs as root (default 65534, nobody). The kernel never
+    enforces RLIMIT_NPROC for host root, even inside a user namespace, so a jail mapped to root
+    would let a fork bomb through."""
+    output_kill_mb: int = Field(64, ge=1)
+    """A command that prints more than this is killed: beyond `max_output_bytes` output is only
+    counted, and this bounds how long a command like `yes` can keep a worker busy."""
+    bwrap: str = "bwrap"
+    """bubblewrap executable (name on PATH or absolute path)."""
+    ro_binds: list[str] = Field(default_factory=list)
+    """Extra host folders made visible read-only inside the jail at the same path (e.g. data)."""

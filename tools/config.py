@@ -14,6 +14,15 @@ class ToolsConfig(BaseModel):
     """Wall-time limit of one bash call."""
     max_observation_chars: int = Field(4000, ge=100)
     """Observation text longer than this is cut with a visible notice."""
+    max_calls_per_turn: int = Field(8, ge=1)
+    """Tool calls run per model message; later ones get an error observation instead."""
+    require_tool_call: bool = True
+    """A message without any tool call gets an observation explaining the call format (the episode
+    continues); False leaves such a turn without observations."""
+    search_max_results: int = Field(20, ge=1)
+    """Results `search` shows before its "... N more" notice."""
+    search_max_files: int = Field(20_000, ge=1)
+    """Source files `search` scans in one workspace; the rest is skipped with a notice."""
 
 
 class HintsConfig(BaseModel):
@@ -27,3 +36,5 @@ class HintsConfig(BaseModel):
     """Hint when the model repeats the same tool call."""
     after_tool_error: bool = True
     """Hint after a tool call fails."""
+    remind_when_tokens_left_fraction: float = Field(0.1, ge=0, le=1)
+    """Token-budget reminder starts when less than this fraction of the token budget remains."""

@@ -1,0 +1,197 @@
+"""Agent actor: one message = one turn. Generate, run tools in the sandbox, emit the next turn or
+the finished episode."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+
+import structlog
+from rollway.actors.base import Actor, MessageMeta, Output, failure_output
+from rollway.actors.episode import EpisodeState, observation_messages
+from rollway.actors.services import Services
+from rollway.policies.base import SamplingParams
+from rollway.schemas.messages import AgentStep, Observation, RewardRequest, TurnRecord
+from rollway.topics import AGENT_STEPS, REWARD_REQUESTS
+
+log = structlog.get_logger()
+
+LogReader = Callable[[str, int, int, str], Awaitable[list[tuple[int, AgentStep]]]]
+"""(topic, partition, from_offset, episode_id) -> [(offset, message)] of that episode, from
+`from_offset` to the current end of the partition."""
+
+MAX_CACHED_EPISODES = 4096
+
+
+class AgentActor(Actor):
+    name = "agent"
+    inputs = (AGENT_STEPS,)
+
+    def __init__(self, services: Services, read_log: LogReader | None = None):
+        self.s = services
+        self.cfg = services.cfg.agent
+        self.read_log = read_log
+        self.cache: OrderedDict[tuple[str, int], EpisodeState] = OrderedDict()
+        self.drift_count = 0
+
+    async def setup(self) -> None:
+        _ = self.s.tools, self.s.inference, self.s.sandboxes  # build now: fail fast on bad config
+
+    async def handle(self, msg: AgentStep, meta: MessageMeta) -> list[Output]:
+        state = await self._state_for(msg, meta)
+        if state is None:
+            return []  # duplicate delivery of a turn that was already run
+        msg_wait = time.time() - msg.sent_at if msg.sent_at else 0.0
+        state.timings["agent_queue"] = state.timings.get("agent_queue", 0.0) + max(0.0, msg_wait)
+        record, stop_reason = await self._run_turn(state)
+        new_messages = observation_messages(record)
+        state.apply(record, new_messages)
+        if stop_reason is None:
+            return [Output(AGENT_STEPS, msg.episode_id, self._next_step(state))]
+        self.cache.pop((msg.episode_id, msg.attempt), None)
+        return [Output(REWARD_REQUESTS, msg.episode_id, self._reward_request(state, stop_reason))]
+
+    def on_error(self, msg: AgentStep, error: BaseException) -> list[Output]:
+        self.cache.pop((msg.episode_id, msg.attempt), None)
+        return [failure_output(msg, self.name, error)]
+
+    # -- state ------------------------------------------------------------------------------
+    async def _state_for(self, msg: AgentStep, meta: MessageMeta) -> EpisodeState | None:
+        key = (msg.episode_id, msg.attempt)
+        state = self.cache.get(key)
+        if msg.turn == 0 and state is None:
+            state = EpisodeState.start(msg, meta.offset)
+            if self.read_log is not None and await self._already_advanced(msg, meta, meta.offset):
+                return None
+        elif state is None or state.next_turn != msg.turn:
+            if state is not None and state.next_turn > msg.turn:
+                return None
+            state = await self._rebuild(msg, meta)
+            if state is None:
+                return None
+        self.cache[key] = state
+        self.cache.move_to_end(key)
+        while len(self.cache) > MAX_CACHED_EPISODES:
+            self.cache.popitem(last=False)
+        return state
+
+    async def _already_advanced(self, msg: AgentStep, meta: MessageMeta, start: int) -> bool:
+        """True when the log already holds a later turn of this attempt (we crashed after producing
+        it but before committing): running the turn again would repeat its tool calls."""
+        later = await self.read_log(meta.topic, meta.partition, start, msg.episode_id)
+        return any(m.attempt == msg.attempt and m.turn > msg.turn for _, m in later)
+
+    async def _rebuild(self, msg: AgentStep, meta: MessageMeta) -> EpisodeState | None:
+        """Replay this attempt's turn messages from its turn-0 offset (another worker ran them)."""
+        if self.read_log is None or msg.start_offset is None:
+            raise RuntimeError(f"episode {msg.episode_id} turn {msg.turn} arrived without its history "
+                               "and this worker cannot read the log to rebuild it")
+        events = [(o, m) for o, m in await self.read_log(meta.topic, meta.partition, msg.start_offset,
+                                                          msg.episode_id) if m.attempt == msg.attempt]
+        if any(m.turn > msg.turn for _, m in events):
+            return None
+        by_turn = {m.turn: (o, m) for o, m in events if m.turn <= msg.turn}
+        if 0 not in by_turn:
+            raise RuntimeError(f"episode {msg.episode_id}: turn-0 message not found at offset {msg.start_offset}")
+        state = EpisodeState.start(by_turn[0][1], by_turn[0][0])
+        for turn in range(1, msg.turn + 1):
+            step = by_turn[turn][1]
+            state.apply(step.last, observation_messages(step.last))
+        state.timings = dict(msg.timings)
+        log.info("episode rebuilt from log", episode_id=msg.episode_id, turn=msg.turn)
+        return state
+
+    # -- one turn ---------------------------------------------------------------------------
+    async def _run_turn(self, state: EpisodeState) -> tuple[TurnRecord, str | None]:
+        chat, turn = self.s.chat, state.next_turn
+        budget = self.cfg.max_total_tokens - state.tokens_used
+        params = SamplingParams(temperature=self.cfg.temperature, top_p=self.cfg.top_p,
+                                max_tokens=max(1, min(self.cfg.max_tokens_per_turn, budget)),
+                                stop_token_ids=chat.stop_token_ids)
+        t0 = time.perf_counter()
+        gen = await self.s.inference.generate(state.token_ids, params)
+        gen_s = time.perf_counter() - t0
+        text = chat.decode(gen.token_ids)
+        t1 = time.perf_counter()
+        sandbox = await self.s.sandboxes.attach(state.first.sandbox)
+        outcome = await self._act(text, state, sandbox)
+        tool_s = time.perf_counter() - t1
+        used = state.tokens_used + len(gen.token_ids)
+        stop_reason = self._stop_reason(outcome.ends_episode, turn, used)
+        hints = [] if stop_reason else self._hints(state, outcome, turn, used)
+        record = TurnRecord(
+            turn=turn, completion_ids=list(gen.token_ids), logprobs=list(gen.logprobs),
+            policy_version=gen.policy_version, finish_reason=gen.finish_reason, assistant_text=text,
+            observations=outcome.observations, hints=hints, gen_seconds=gen_s, tool_seconds=tool_s)
+        if stop_reason is None:
+            record.observation_ids = self._observation_ids(state, record, gen.token_ids)
+            if state.tokens_used + len(record.completion_ids) + len(record.observation_ids) >= self.cfg.max_total_tokens:
+                record.observation_ids, stop_reason = [], "max_tokens"
+        state.timings["agent_gen"] = state.timings.get("agent_gen", 0.0) + gen_s
+        state.timings["agent_tool"] = state.timings.get("agent_tool", 0.0) + tool_s
+        return record, stop_reason
+
+    def _stop_reason(self, finished: bool, turn: int, used: int) -> str | None:
+        if finished:
+            return "finish"
+        if turn + 1 >= self.cfg.max_turns:
+            return "max_turns"
+        if used >= self.cfg.max_total_tokens:
+            return "max_tokens"
+        return None
+
+    def _observation_ids(self, state: EpisodeState, record: TurnRecord, completion: list[int]) -> list[int]:
+        chat = self.s.chat
+        history = [*state.messages, {"role": "assistant", "content": record.assistant_text}]
+        ids = chat.continuation(history, observation_messages(record), state.tools)
+        if not completion or completion[-1] not in chat.stop_token_ids:
+            ids = [chat.stop_token_ids[0], *ids]  # truncated turn: close it (not a model token)
+        if chat.drift(history, state.tools, state.token_ids + completion):
+            record.template_drift = True
+            self.drift_count += 1
+            log.warning("chat template drift: history re-renders differently", episode_id=state.first.episode_id,
+                        turn=record.turn, drift_count=self.drift_count)
+        return ids
+
+    async def _act(self, text: str, state: EpisodeState, sandbox) -> ToolOutcome:
+        from rollway.tools.registry import run_tool_calls
+
+        result = await run_tool_calls(text, self.s.tools, sandbox, self.s.cfg.tools)
+        observations = [Observation(tool=o.tool or "", arguments=o.arguments, content=o.content, is_error=o.is_error)
+                        for o in result.observations]
+        return ToolOutcome(observations, result.ends_episode, [(c.name, c.arguments) for c in result.calls])
+
+    def _hints(self, state: EpisodeState, outcome: ToolOutcome, turn: int, used: int) -> list[str]:
+        from rollway.tools.hints import HintEngine
+
+        previous = state.turns[-1] if state.turns else None
+        prev_calls = [(o.tool, o.arguments) for o in previous.observations if o.tool] if previous else []
+        return HintEngine(self.s.cfg.hints).hints(
+            turn=turn, max_turns=self.cfg.max_turns, tokens_used=used, max_tokens=self.cfg.max_total_tokens,
+            calls=outcome.calls, previous_calls=prev_calls,
+            errors=sum(o.is_error for o in outcome.observations))
+
+    # -- outputs ----------------------------------------------------------------------------
+    def _next_step(self, state: EpisodeState) -> AgentStep:
+        f = state.first
+        return AgentStep(episode_id=f.episode_id, group_id=f.group_id, task_id=f.task_id, attempt=f.attempt,
+                         sample_index=f.sample_index, turn=state.next_turn, sandbox=f.sandbox,
+                         start_offset=state.start_offset, last=state.turns[-1], deadline=f.deadline,
+                         timings=state.timings, sent_at=time.time())
+
+    def _reward_request(self, state: EpisodeState, stop_reason: str) -> RewardRequest:
+        f = state.first
+        return RewardRequest(episode_id=f.episode_id, group_id=f.group_id, task_id=f.task_id, attempt=f.attempt,
+                             sample_index=f.sample_index, sandbox=f.sandbox, prompt_ids=list(f.prompt_ids or []),
+                             messages=list(f.messages or []), turns=state.turns, stop_reason=stop_reason,
+                             deadline=f.deadline, timings=state.timings, sent_at=time.time())
+
+
+class ToolOutcome:
+    """What the tools did in one turn."""
+
+    def __init__(self, observations: list[Observation], ends_episode: bool, calls: list[tuple[str, dict]]):
+        self.observations = observations
+        self.ends_episode = ends_episode
+        self.calls = calls

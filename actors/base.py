@@ -1,0 +1,70 @@
+"""The actor contract: plain async logic between a decoded input message and its outputs."""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+from rollway.schemas.messages import EpisodeFailure, EpisodeRef, Message
+from rollway.topics import EPISODE_FAILURES, TopicSpec
+
+
+@dataclass(frozen=True)
+class Output:
+    """One message to produce. `key` is the episode id on per-episode topics."""
+
+    topic: TopicSpec
+    key: str | None
+    value: Message
+
+
+@dataclass(frozen=True)
+class MessageMeta:
+    """Where an input message came from (for rebuilds and dead letters)."""
+
+    topic: str
+    partition: int
+    offset: int
+    timestamp_ms: int = 0
+
+
+class Actor(ABC):
+    """One pipeline stage. The runner consumes `inputs`, calls `handle` once per message (up to the
+    stage's concurrency at a time, one at a time per key), produces the outputs, then commits."""
+
+    name: str = "actor"
+    inputs: tuple[TopicSpec, ...] = ()
+
+    async def setup(self) -> None:
+        """Called once before the first message."""
+
+    @abstractmethod
+    async def handle(self, msg: Any, meta: MessageMeta) -> list[Output]:
+        """Process one message; raise to dead-letter it (the runner also reports an episode failure
+        through `on_error`)."""
+
+    def on_error(self, msg: Any, error: BaseException) -> list[Output]:
+        """Extra outputs when `handle` raised for a decoded message (e.g. an EpisodeFailure)."""
+        return []
+
+    async def tick(self) -> list[Output]:
+        """Called periodically by the runner (the scheduler issues work here)."""
+        return []
+
+    @property
+    def done(self) -> bool:
+        """True when this actor has nothing left to do and its worker may exit."""
+        return False
+
+    async def close(self) -> None:
+        """Called once at shutdown."""
+
+
+def failure_output(msg: EpisodeRef, stage: str, error: BaseException, retryable: bool = True) -> Output:
+    """Tell the scheduler this attempt failed in `stage` (it re-issues or records the failure)."""
+    return Output(EPISODE_FAILURES, msg.episode_id, EpisodeFailure(
+        episode_id=msg.episode_id, group_id=msg.group_id, task_id=msg.task_id, attempt=msg.attempt,
+        sample_index=msg.sample_index, stage=stage, reason=f"{type(error).__name__}: {error}",
+        retryable=retryable, at=time.time()))

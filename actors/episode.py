@@ -1,0 +1,64 @@
+"""An episode's state as the agent rebuilds it from its event-sourced turn messages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollway.schemas.messages import AgentStep, TurnRecord
+
+
+@dataclass
+class EpisodeState:
+    """Everything the agent needs for the next turn. Built from the turn-0 message, then one
+    `TurnRecord` per later message (`apply`)."""
+
+    first: AgentStep
+    """The turn-0 message: identity, sandbox, prompt, messages, tools."""
+    start_offset: int
+    """Offset of the turn-0 message in its partition."""
+    turns: list[TurnRecord] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def start(cls, msg: AgentStep, offset: int) -> EpisodeState:
+        if msg.turn != 0 or msg.prompt_ids is None or msg.messages is None:
+            raise ValueError(f"episode {msg.episode_id}: turn-0 message without prompt_ids/messages")
+        return cls(first=msg, start_offset=offset, token_ids=list(msg.prompt_ids),
+                   messages=list(msg.messages), timings=dict(msg.timings))
+
+    @property
+    def next_turn(self) -> int:
+        """The turn this state is ready to run."""
+        return len(self.turns)
+
+    @property
+    def tools(self) -> list[dict[str, Any]]:
+        return self.first.tools or []
+
+    def apply(self, record: TurnRecord, new_messages: list[dict[str, Any]]) -> None:
+        """Append one finished turn: its completion, then the observation tokens."""
+        if record.turn != self.next_turn:
+            raise ValueError(f"episode {self.first.episode_id}: turn {record.turn} applied at {self.next_turn}")
+        self.turns.append(record)
+        self.token_ids += record.completion_ids + record.observation_ids
+        self.messages.append({"role": "assistant", "content": record.assistant_text})
+        self.messages += new_messages
+
+    @property
+    def tokens_used(self) -> int:
+        return len(self.token_ids)
+
+
+def observation_messages(record: TurnRecord) -> list[dict[str, Any]]:
+    """Chat messages that a turn's observations (and hints) add after the assistant message."""
+    msgs = [{"role": "tool" if o.tool else "user", "content": o.content} for o in record.observations]
+    if record.hints:
+        hint_text = "\n".join(record.hints)
+        if msgs:
+            msgs[-1] = {**msgs[-1], "content": msgs[-1]["content"] + "\n\n" + hint_text}
+        else:
+            msgs.append({"role": "user", "content": hint_text})
+    return msgs

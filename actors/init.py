@@ -1,0 +1,52 @@
+"""Init actor: build the episode's sandbox and first prompt, emit turn 0 to agent-steps."""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+from rollway.actors.base import Actor, MessageMeta, Output, failure_output
+from rollway.actors.services import Services
+from rollway.schemas.messages import AgentStep, InitRequest
+from rollway.topics import AGENT_STEPS, INIT_REQUESTS
+
+log = structlog.get_logger()
+
+
+def sandbox_name(episode_id: str, attempt: int) -> str:
+    """Unique per attempt, so a re-issued episode never shares a sandbox with a late original."""
+    return f"{episode_id}-a{attempt}"
+
+
+class InitActor(Actor):
+    name = "init"
+    inputs = (INIT_REQUESTS,)
+
+    def __init__(self, services: Services):
+        self.s = services
+
+    async def setup(self) -> None:
+        _ = self.s.taskset, self.s.sandboxes, self.s.chat, self.s.tools
+
+    async def handle(self, msg: InitRequest, meta: MessageMeta) -> list[Output]:
+        if msg.deadline and time.time() > msg.deadline:
+            log.info("init request past its deadline, skipped", episode_id=msg.episode_id, attempt=msg.attempt)
+            return []  # the scheduler has re-issued it (or will)
+        queue_s = max(0.0, time.time() - msg.issued_at)
+        task = self.s.taskset.get(msg.task_id)
+        t0 = time.perf_counter()
+        sandbox = await self.s.sandboxes.create(self.s.taskset.sandbox_spec(task),
+                                                sandbox_name(msg.episode_id, msg.attempt))
+        init_s = time.perf_counter() - t0
+        system = self.s.cfg.agent.system_prompt or self.s.taskset.system_prompt
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": task.prompt}]
+        tools = [t.spec() for t in self.s.tools.values()]
+        step = AgentStep(
+            episode_id=msg.episode_id, group_id=msg.group_id, task_id=msg.task_id, attempt=msg.attempt,
+            sample_index=msg.sample_index, turn=0, sandbox=sandbox.handle,
+            prompt_ids=self.s.chat.initial(messages, tools), messages=messages, tools=tools,
+            deadline=msg.deadline, timings={"init_queue": queue_s, "init": init_s}, sent_at=time.time())
+        return [Output(AGENT_STEPS, msg.episode_id, step)]
+
+    def on_error(self, msg: InitRequest, error: BaseException) -> list[Output]:
+        return [failure_output(msg, self.name, error)]

@@ -1,0 +1,168 @@
+"""Scheduler actor: issues n episodes per task (a group), tracks each with a deadline, re-issues lost
+ones, and holds back new groups while the pipeline is full or the policy lag is too large."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import structlog
+
+from rollway.actors.base import Actor, MessageMeta, Output
+from rollway.actors.services import Services
+from rollway.schemas.messages import EpisodeFailure, InitRequest, PolicyVersion, Trajectory
+from rollway.topics import EPISODE_FAILURES, INIT_REQUESTS, POLICY_VERSIONS, TRAJECTORIES
+
+log = structlog.get_logger()
+
+STATUS_FILE = "scheduler.json"
+
+
+@dataclass
+class Ticket:
+    """The scheduler's record of one episode."""
+
+    episode_id: str
+    group_id: str
+    task_id: str
+    sample_index: int
+    attempt: int = 0
+    issued_at: float = 0.0
+    deadline: float = 0.0
+    policy_version: int = 0
+    state: str = "pending"  # pending -> inflight -> completed | failed
+    reason: str = ""
+    reward: float | None = None
+
+
+def new_run_id() -> str:
+    return "r" + uuid.uuid4().hex[:8]
+
+
+class SchedulerActor(Actor):
+    name = "scheduler"
+    inputs = (TRAJECTORIES, EPISODE_FAILURES, POLICY_VERSIONS)
+
+    def __init__(self, services: Services):
+        self.s = services
+        self.cfg = services.cfg.scheduler
+        self.run_id = services.cfg.run.id or new_run_id()
+        self.groups: list[list[Ticket]] = []
+        self.next_group = 0
+        self.tickets: dict[str, Ticket] = {}
+        self.policy_version = 0
+        self.started_at = time.time()
+        self._dirty = True
+
+    async def setup(self) -> None:
+        tasks = self.s.taskset.tasks()
+        if not tasks:
+            raise ValueError("the task set is empty; check tasks.* in the config")
+        rng = random.Random(self.s.cfg.run.seed)
+        for epoch in range(self.cfg.epochs):
+            order = list(tasks)
+            if self.cfg.shuffle:
+                rng.shuffle(order)
+            for task in order[: self.cfg.num_tasks or len(order)]:
+                gid = f"{self.run_id}-g{len(self.groups):05d}"
+                self.groups.append([Ticket(f"{gid}-s{i}", gid, task.task_id, i) for i in range(self.cfg.group_size)])
+        for group in self.groups:
+            self.tickets.update({t.episode_id: t for t in group})
+        log.info("scheduler planned", run_id=self.run_id, groups=len(self.groups), episodes=len(self.tickets))
+
+    # -- inputs -----------------------------------------------------------------------------
+    async def handle(self, msg: Trajectory | EpisodeFailure | PolicyVersion, meta: MessageMeta) -> list[Output]:
+        if isinstance(msg, PolicyVersion):
+            self.policy_version = max(self.policy_version, msg.version)
+            return []
+        ticket = self.tickets.get(msg.episode_id)
+        if ticket is None or ticket.state != "inflight":
+            return []  # another run's episode, or a late duplicate of a finished one
+        if isinstance(msg, Trajectory):
+            ticket.state, ticket.reward = "completed", msg.reward
+            self._dirty = True
+            return []
+        if msg.attempt != ticket.attempt:
+            return []  # failure of an attempt that was already superseded
+        if msg.retryable and ticket.attempt + 1 < self.cfg.max_attempts:
+            log.warning("episode attempt failed, re-issuing", episode_id=ticket.episode_id,
+                        attempt=ticket.attempt, stage=msg.stage, reason=msg.reason)
+            return [self._issue(ticket, ticket.attempt + 1)]
+        self._fail(ticket, f"{msg.stage}: {msg.reason}")
+        return []
+
+    # -- issuing ----------------------------------------------------------------------------
+    async def tick(self) -> list[Output]:
+        now = time.time()
+        outputs = []
+        for t in self.tickets.values():
+            if t.state == "inflight" and now > t.deadline:
+                if t.attempt + 1 < self.cfg.max_attempts:
+                    log.warning("episode past its deadline, re-issuing", episode_id=t.episode_id, attempt=t.attempt)
+                    outputs.append(self._issue(t, t.attempt + 1))
+                else:
+                    self._fail(t, f"deadline: not finished within {self.cfg.episode_deadline_s}s "
+                                  f"after {self.cfg.max_attempts} attempts")
+        while self.next_group < len(self.groups) and self._room_for_group():
+            outputs += [self._issue(t, 0) for t in self.groups[self.next_group]]
+            self.next_group += 1
+        if self._dirty or outputs:
+            self._write_status()
+        return outputs
+
+    def _room_for_group(self) -> bool:
+        inflight = [t for t in self.tickets.values() if t.state == "inflight"]
+        if inflight and len(inflight) + self.cfg.group_size > self.cfg.max_inflight_episodes:
+            return False
+        if self.cfg.max_policy_lag is not None and inflight:
+            oldest = min(t.policy_version for t in inflight)
+            if self.policy_version - oldest > self.cfg.max_policy_lag:
+                return False
+        return True
+
+    def _issue(self, t: Ticket, attempt: int) -> Output:
+        now = time.time()
+        t.attempt, t.issued_at, t.deadline = attempt, now, now + self.cfg.episode_deadline_s
+        t.state, t.policy_version = "inflight", self.policy_version
+        self._dirty = True
+        return Output(INIT_REQUESTS, t.episode_id, InitRequest(
+            episode_id=t.episode_id, group_id=t.group_id, task_id=t.task_id, attempt=attempt,
+            sample_index=t.sample_index, issued_at=now, deadline=t.deadline))
+
+    def _fail(self, t: Ticket, reason: str) -> None:
+        log.error("episode failed", episode_id=t.episode_id, attempt=t.attempt, reason=reason)
+        t.state, t.reason = "failed", reason
+        self._dirty = True
+
+    # -- status -----------------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self.next_group >= len(self.groups) and all(
+            t.state in ("completed", "failed") for t in self.tickets.values())
+
+    def counts(self) -> dict[str, int]:
+        states = [t.state for t in self.tickets.values()]
+        return {"episodes_planned": len(states),
+                "episodes_scheduled": sum(s != "pending" for s in states),
+                "episodes_inflight": states.count("inflight"),
+                "episodes_completed": states.count("completed"),
+                "episodes_failed": states.count("failed")}
+
+    def _write_status(self) -> None:
+        run_dir = Path(self.s.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        status = {"run_id": self.run_id, "done": self.done, **self.counts(),
+                  "retries": sum(t.attempt for t in self.tickets.values()),
+                  "policy_version": self.policy_version, "elapsed_s": time.time() - self.started_at,
+                  "failed": [asdict(t) for t in self.tickets.values() if t.state == "failed"]}
+        tmp = run_dir / (STATUS_FILE + ".tmp")
+        tmp.write_text(json.dumps(status, indent=1))
+        tmp.replace(run_dir / STATUS_FILE)
+        self._dirty = False
+
+    async def close(self) -> None:
+        self._write_status()

@@ -1,0 +1,48 @@
+"""The domain objects stages share (task set, sandboxes, chat format, inference, tools), built once
+per worker from config and imported late so a worker only loads what its stage uses."""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+
+from rollway.core.config import RunConfig
+
+
+class Services:
+    def __init__(self, cfg: RunConfig, run_dir: Path):
+        self.cfg = cfg
+        self.run_dir = run_dir
+
+    @cached_property
+    def taskset(self):
+        from rollway.envs.factory import build_taskset
+
+        return build_taskset(self.cfg.tasks)
+
+    @cached_property
+    def sandboxes(self):
+        from rollway.sandboxes.factory import build_sandbox_provider
+
+        return build_sandbox_provider(self.cfg.sandbox)
+
+    @cached_property
+    def chat(self):
+        from rollway.policies.factory import build_chat_format
+
+        return build_chat_format(self.cfg.policy)
+
+    @cached_property
+    def inference(self):
+        from rollway.policies.factory import build_inference
+
+        return build_inference(self.cfg.policy, self.chat)
+
+    def tool_names(self) -> list[str]:
+        return list(self.cfg.tools.enabled or self.taskset.default_tools)
+
+    @cached_property
+    def tools(self):
+        from rollway.tools.registry import build_tools
+
+        return build_tools(self.tool_names(), self.cfg.tools)

@@ -1,0 +1,123 @@
+"""Kafka clients built from config: security settings, connect retries, topic creation."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import structlog
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExistsError
+from rollway.core.config import BrokerConfig, TopicsConfig
+from rollway.topics import ALL_TOPICS, TopicSpec
+
+log = structlog.get_logger()
+
+
+class BrokerUnavailable(RuntimeError):
+    """No broker answered within broker.connect_timeout_s."""
+
+
+def client_kwargs(cfg: BrokerConfig, bootstrap: str) -> dict[str, Any]:
+    """Connection settings shared by every producer, consumer and admin client."""
+    kw: dict[str, Any] = {"bootstrap_servers": bootstrap, "security_protocol": cfg.security_protocol}
+    if cfg.security_protocol.startswith("SASL"):
+        kw["sasl_mechanism"] = cfg.sasl_mechanism
+        kw["sasl_plain_username"] = cfg.sasl_username
+        kw["sasl_plain_password"] = cfg.sasl_password.get_secret_value() if cfg.sasl_password else None
+    if cfg.security_protocol.endswith("SSL"):
+        from aiokafka.helpers import create_ssl_context
+
+        kw["ssl_context"] = create_ssl_context(cafile=cfg.ssl_cafile)
+    return kw
+
+
+def topic_name(spec: TopicSpec, topics: TopicsConfig) -> str:
+    return topics.prefix + spec.name
+
+
+def partitions_for(spec: TopicSpec, topics: TopicsConfig) -> int:
+    if spec.partitions is not None:
+        return spec.partitions
+    return topics.partitions.get(spec.name, topics.default_partitions)
+
+
+async def start_with_retry(client: Any, cfg: BrokerConfig, what: str) -> None:
+    """Start an aiokafka client, retrying with exponential backoff until connect_timeout_s."""
+    deadline = time.monotonic() + cfg.connect_timeout_s
+    delay = 0.2
+    while True:
+        try:
+            await client.start()
+            return
+        except (KafkaConnectionError, KafkaError, OSError) as err:
+            await _close_quietly(client)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise BrokerUnavailable(
+                    f"{what}: no Kafka broker answered at {client_bootstrap(client)} within "
+                    f"{cfg.connect_timeout_s:.0f}s ({err}); start one with `rollway broker` or pass "
+                    f"--bootstrap HOST:PORT") from None
+            log.warning("broker unreachable, retrying", client=what, retry_in_s=round(min(delay, left), 2),
+                        error=str(err))
+            await asyncio.sleep(min(delay, left))
+            delay = min(delay * 2, 5.0)
+
+
+def client_bootstrap(client: Any) -> str:
+    servers = getattr(getattr(client, "_client", None), "_bootstrap_servers", None)
+    return str(servers) if servers else "the configured bootstrap"
+
+
+async def _close_quietly(client: Any) -> None:
+    try:
+        await client.stop() if hasattr(client, "stop") else await client.close()
+    except Exception:  # noqa: BLE001 - closing a client that never connected
+        pass
+
+
+async def make_producer(cfg: BrokerConfig, bootstrap: str) -> AIOKafkaProducer:
+    producer = AIOKafkaProducer(acks="all", linger_ms=2, max_request_size=16 * 1024 * 1024,
+                                **client_kwargs(cfg, bootstrap))
+    await start_with_retry(producer, cfg, "producer")
+    return producer
+
+
+async def make_consumer(cfg: BrokerConfig, bootstrap: str, *topics: str, group_id: str | None,
+                        **extra: Any) -> AIOKafkaConsumer:
+    consumer = AIOKafkaConsumer(
+        *topics, group_id=group_id, enable_auto_commit=False, auto_offset_reset="earliest",
+        max_partition_fetch_bytes=16 * 1024 * 1024, fetch_max_bytes=32 * 1024 * 1024,
+        **client_kwargs(cfg, bootstrap), **extra)
+    await start_with_retry(consumer, cfg, f"consumer {group_id or ''}".strip())
+    return consumer
+
+
+async def ensure_topics(cfg: BrokerConfig, topics: TopicsConfig, bootstrap: str,
+                        specs: tuple[TopicSpec, ...] = ALL_TOPICS) -> None:
+    """Create missing topics with their configured partition counts (existing ones are kept)."""
+    admin = AIOKafkaAdminClient(**client_kwargs(cfg, bootstrap))
+    await start_with_retry(admin, cfg, "admin")
+    try:
+        existing = set(await admin.list_topics())
+        new = [NewTopic(topic_name(s, topics), partitions_for(s, topics), topics.replication_factor,
+                        topic_configs={"retention.ms": str(s.retention_ms)})
+               for s in specs if topic_name(s, topics) not in existing]
+        if new:
+            try:
+                await admin.create_topics(new)
+            except TopicAlreadyExistsError:
+                pass  # another process created them first
+            await _wait_for_topics(admin, {t.name for t in new})
+    finally:
+        await admin.close()
+
+
+async def _wait_for_topics(admin: AIOKafkaAdminClient, names: set[str], timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not names <= set(await admin.list_topics()):
+        if time.monotonic() > deadline:
+            raise BrokerUnavailable(f"topics {sorted(names)} were not created within {timeout_s}s")
+        await asyncio.sleep(0.1)

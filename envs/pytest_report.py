@@ -1,0 +1,69 @@
+"""The pytest command used to build and grade SWE tasks, and the parser of its `-rA` summary."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+
+# -rA prints one summary line per test; the message after " - " is the first line of the crash.
+_SUMMARY_LINE = re.compile(r"^(PASSED|FAILED|ERROR|XFAIL|XPASS) (\S.*?)(?: - (.*))?$")
+_SECTION = re.compile(r"^=+ (.*?) =+$")
+
+
+@dataclass
+class PytestReport:
+    """Per-test outcomes of one pytest run, keyed by node id."""
+
+    outcomes: dict[str, str] = field(default_factory=dict)
+    """node id -> "passed" / "failed" / "error" / "xfail" / "xpass"."""
+    messages: dict[str, str] = field(default_factory=dict)
+    """node id -> first line of the failure message, when pytest printed one."""
+    collection_errors: dict[str, str] = field(default_factory=dict)
+    """File (or directory) that failed to import or collect -> message."""
+
+    def passed(self) -> set[str]:
+        return {node for node, outcome in self.outcomes.items() if outcome == "passed"}
+
+
+def parse_pytest_output(text: str) -> PytestReport:
+    """Read the `short test summary info` section that `pytest -rA` prints at the end."""
+    report = PytestReport()
+    in_summary = False
+    for line in text.splitlines():
+        section = _SECTION.match(line)
+        if section:
+            in_summary = "short test summary info" in section.group(1)
+            continue
+        match = _SUMMARY_LINE.match(line) if in_summary else None
+        if not match:
+            continue
+        kind, node, message = match.group(1), match.group(2).strip(), (match.group(3) or "").strip()
+        if kind == "ERROR" and "::" not in node:
+            report.collection_errors[node] = message
+            continue
+        # A test can error in teardown after passing: the worst outcome wins.
+        outcome = kind.lower()
+        if report.outcomes.get(node) not in (None, "passed"):
+            continue
+        report.outcomes[node] = outcome
+        if message:
+            report.messages[node] = message
+    return report
+
+
+def pytest_command(files: list[str], python: str = "python", python_path: tuple[str, ...] = (".",)) -> str:
+    """Shell command that runs these test files from the repository root.
+
+    The project's own `addopts` are cleared (they often name plugins that are not installed), the
+    cache is off (nothing written outside the tree), bytecode is not written (a mutation that keeps
+    a file's size and mtime second could otherwise reuse a stale .pyc), and the terminal is wide so
+    failure messages are not cut."""
+    env = f"PYTHONDONTWRITEBYTECODE=1 COLUMNS=250 PYTHONPATH={':'.join(python_path)}"
+    args = "-q -rA --tb=short --no-header -p no:cacheprovider -o addopts="
+    return f"{env} {shlex.quote(python)} -m pytest {args} {' '.join(shlex.quote(f) for f in files)}"
+
+
+def node_file(node_id: str) -> str:
+    """The test file part of a node id."""
+    return node_id.split("::", 1)[0]

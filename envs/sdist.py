@@ -1,0 +1,140 @@
+"""Source archives from the package index, unpacked once into cached repository snapshots."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_CACHE = Path("~/.cache/rollway").expanduser()
+
+
+class SdistError(RuntimeError):
+    """The source archive cannot be fetched or unpacked; the message says what to try."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """An unpacked source archive: the clean repository every task of one library starts from."""
+
+    sdist: str
+    """Requirement that names it, `name==version`."""
+    archive: str
+    """File name of the archive on the index."""
+    sha256: str
+    path: str
+    """Folder holding the unpacked tree (the archive's top folder)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def cache_root(cache_dir: str | os.PathLike[str] | None) -> Path:
+    return Path(cache_dir).expanduser() if cache_dir else DEFAULT_CACHE
+
+
+def parse_requirement(sdist: str) -> tuple[str, str]:
+    name, sep, version = sdist.partition("==")
+    if not sep or not name.strip() or not version.strip():
+        raise SdistError(f"--sdist {sdist!r}: pin one version, e.g. --sdist toolz==1.2.0")
+    return name.strip(), version.strip()
+
+
+def download_sdist(sdist: str, cache: Path) -> Path:
+    """The archive for `name==version`, downloaded with pip into `cache/sdists` unless already there."""
+    name, version = parse_requirement(sdist)
+    folder = cache / "sdists"
+    found = _find_archive(folder, name, version)
+    if found:
+        return found
+    folder.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+           "--disable-pip-version-check", "-q", "-d", str(folder), f"{name}=={version}"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    found = _find_archive(folder, name, version)
+    if done.returncode != 0 or not found:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise SdistError(
+            f"could not download the source archive of {sdist} ({' | '.join(tail)}); check the name and "
+            f"version on the package index, or put the archive into {folder} by hand"
+        )
+    return found
+
+
+def _find_archive(folder: Path, name: str, version: str) -> Path | None:
+    if not folder.is_dir():
+        return None
+    # Index file names normalise the project name (dashes, dots and case differ between releases).
+    wanted = {name.lower().replace("-", "_").replace(".", "_")}
+    for path in sorted(folder.iterdir()):
+        stem = path.name
+        for suffix in (".tar.gz", ".zip", ".tar.bz2", ".tgz"):
+            if stem.endswith(suffix):
+                base, _, ver = stem[: -len(suffix)].rpartition("-")
+                if ver == version and base.lower().replace("-", "_").replace(".", "_") in wanted:
+                    return path
+    return None
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def unpack(archive: Path, dest: Path) -> Path:
+    """Unpack into `dest` (atomically: a half-written folder is never visible) and return it."""
+    if dest.is_dir():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".unpack-") as tmp:
+        if archive.name.endswith(".zip"):
+            with zipfile.ZipFile(archive) as zf:
+                zf.extractall(tmp)
+        else:
+            with tarfile.open(archive) as tf:
+                tf.extractall(tmp, filter="data")
+        tops = [p for p in Path(tmp).iterdir()]
+        root = tops[0] if len(tops) == 1 and tops[0].is_dir() else Path(tmp)
+        try:
+            os.rename(root, dest)
+        except OSError:
+            if not dest.is_dir():  # another process won the race; anything else is a real failure
+                raise
+    return dest
+
+
+def prepare_snapshot(sdist: str, cache_dir: str | os.PathLike[str] | None = None) -> Snapshot:
+    """Download (if needed) and unpack `name==version` under the cache; return where it lives."""
+    cache = cache_root(cache_dir)
+    archive = download_sdist(sdist, cache)
+    sha = sha256_file(archive)
+    name, version = parse_requirement(sdist)
+    path = unpack(archive, cache / "snapshots" / f"{name}-{version}-{sha[:12]}")
+    return Snapshot(sdist=f"{name}=={version}", archive=archive.name, sha256=sha, path=str(path))
+
+
+def ensure_snapshot(info: dict[str, Any], cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The snapshot an instance names: its recorded path when present, else fetched again and checked
+    against the recorded sha256, so an instances file works on another machine."""
+    recorded = Path(info["path"])
+    if recorded.is_dir():
+        return recorded
+    snapshot = prepare_snapshot(info["sdist"], cache_dir)
+    if snapshot.sha256 != info["sha256"]:
+        shutil.rmtree(snapshot.path, ignore_errors=True)
+        raise SdistError(
+            f"the index now serves a different archive for {info['sdist']} (sha256 {snapshot.sha256[:12]}, "
+            f"instances expect {info['sha256'][:12]}); rebuild the instances with `rollway tasks build swe`"
+        )
+    return Path(snapshot.path)

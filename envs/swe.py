@@ -1,0 +1,180 @@
+"""SWE task set: repair a bug injected into a library snapshot; graded by FAIL_TO_PASS and PASS_TO_PASS tests."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+from rollway.envs.base import Grade, Task, TaskSet
+from rollway.envs.config import TasksConfig
+from rollway.envs.mutations import Mutation, apply_mutation
+from rollway.envs.pytest_report import node_file, parse_pytest_output, pytest_command
+from rollway.envs.sdist import cache_root, ensure_snapshot
+from rollway.envs.split import select_tasks
+from rollway.sandboxes.base import Sandbox, SandboxProvider, SandboxSpec
+
+SWE_SYSTEM_PROMPT = """You are a software engineer fixing a bug in a Python repository.
+The repository is checked out in your working directory. Tools run there; nothing else persists.
+Work like this:
+1. Read the issue and run the failing tests to see the failure yourself.
+2. Locate the cause in the library source (not in the tests): search, read the code.
+3. Make the smallest change that fixes it. Do not edit or delete tests.
+4. Re-run the failing tests and the rest of the affected test files.
+5. Call finish when the tests pass. Your final workspace changes are what gets graded."""
+
+# Workspace paths whose changes are never part of the answer: tool state and bytecode.
+_IGNORED = re.compile(r"(^|/)(\.rollway|__pycache__|\.pytest_cache)(/|$)|\.py[co]$")
+
+
+def load_instances(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Instances from a JSONL file written by `rollway tasks build swe`."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise FileNotFoundError(f"instances file {file} does not exist; create it with "
+                                "`rollway tasks build swe --sdist NAME==VERSION --out FILE`")
+    rows = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+    if not rows:
+        raise ValueError(f"{file} holds no instances; rebuild it with `rollway tasks build swe`")
+    return rows
+
+
+def prepare_buggy_copy(instance: dict[str, Any], cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The task's starting tree (snapshot + injected bug), made once per instance under the cache."""
+    mutation = Mutation.from_dict(instance["mutation"])
+    # Same instance content, same folder, in every process (hash() is salted per process).
+    tag = hashlib.sha256(json.dumps([instance["snapshot"]["sha256"], instance["mutation"]]).encode()).hexdigest()[:12]
+    dest = cache_root(cache_dir) / "buggy" / f"{instance['instance_id']}-{tag}"
+    if dest.is_dir():
+        return dest
+    snapshot = ensure_snapshot(instance["snapshot"], cache_dir)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".prepare-"))
+    try:
+        shutil.copytree(snapshot, tmp / "tree", symlinks=True)
+        target = tmp / "tree" / mutation.path
+        target.write_bytes(apply_mutation(target.read_bytes(), mutation))
+        try:
+            os.rename(tmp / "tree", dest)  # atomic: workers racing here all see a complete copy
+        except OSError:
+            if not dest.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def split_patch(patch: str) -> list[tuple[str, str]]:
+    """(path, section) per file of a git-style diff."""
+    sections: list[tuple[str, str]] = []
+    for chunk in re.split(r"(?m)^(?=diff --git )", patch):
+        if not chunk.strip():
+            continue
+        header = re.match(r"diff --git a/(\S+) b/(\S+)", chunk)
+        if header:
+            sections.append((header.group(2), chunk))
+        else:
+            sections.append(("", chunk))  # a plain unified diff without git headers: keep as is
+    return sections
+
+
+def answer_patch(patch: str, test_files: list[str]) -> tuple[str, list[str]]:
+    """The part of an agent's diff that is graded, and the files left out: tool state, bytecode and
+    the graded test files themselves (tests are reset, as in SWE-bench, so editing them cannot pass)."""
+    kept, dropped = [], []
+    protected = set(test_files)
+    for path, section in split_patch(patch):
+        if path and (_IGNORED.search(path) or path in protected or path.endswith("conftest.py")):
+            dropped.append(path)
+        else:
+            kept.append(section)
+    return "".join(kept), dropped
+
+
+def _count(expected: list[str], outcomes: dict[str, str]) -> dict[str, Any]:
+    failed = [t for t in expected if outcomes.get(t) != "passed"]
+    return {"passed": len(expected) - len(failed), "total": len(expected), "failed": failed[:20]}
+
+
+async def grade_patch(instance: dict[str, Any], patch: str, provider: SandboxProvider, *,
+                      test_timeout_s: float = 120.0, cache_dir: str | None = None) -> Grade:
+    """Apply `patch` to a fresh sandbox of the buggy tree and run the instance's tests there.
+
+    Reward 1.0 only when every FAIL_TO_PASS and PASS_TO_PASS test passes. The grading sandbox is
+    destroyed before returning, whatever happens."""
+    spec = SandboxSpec(source_dir=str(prepare_buggy_copy(instance, cache_dir)))
+    sandbox = await provider.create(spec, f"grade-{_safe(instance['instance_id'])}-{uuid.uuid4().hex[:8]}")
+    try:
+        return await _grade_in(sandbox, instance, patch, test_timeout_s)
+    finally:
+        await sandbox.destroy()
+
+
+def _safe(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", text)[:60]
+
+
+async def _grade_in(sandbox: Sandbox, instance: dict[str, Any], patch: str, timeout_s: float) -> Grade:
+    f2p, p2p = instance["FAIL_TO_PASS"], instance["PASS_TO_PASS"]
+    graded, dropped = answer_patch(patch, instance["test_files"])
+    details: dict[str, Any] = {"ignored_files": dropped, "patch_chars": len(graded)}
+    if graded.strip():
+        await sandbox.write_file(".rollway/grade/answer.patch", graded)
+        applied = await sandbox.exec(
+            # The ceiling stops git from finding an enclosing repository, where it would skip paths.
+            'GIT_CEILING_DIRECTORIES="$(dirname "$PWD")" git apply --whitespace=nowarn .rollway/grade/answer.patch 2>&1 '
+
+            "|| patch -p1 --batch --forward < .rollway/grade/answer.patch 2>&1", timeout_s=60)
+        if applied.exit_code != 0:
+            details["apply_output"] = applied.output[-2000:]
+            return Grade(0.0, False, stop_reason="apply_failed", details=details)
+    files = sorted({node_file(t) for t in f2p + p2p})
+    command = pytest_command(files, python_path=tuple(instance.get("python_path", ["."])))
+    ran = await sandbox.exec(f"mkdir -p .rollway/grade && {command} > .rollway/grade/pytest.log 2>&1; echo exit=$?", timeout_s=timeout_s)
+    if ran.timed_out:
+        details["timeout_s"] = timeout_s
+        return Grade(0.0, False, stop_reason="test_timeout", details=details)
+    outcomes = parse_pytest_output(await sandbox.read_file(".rollway/grade/pytest.log")).outcomes
+    details["fail_to_pass"] = _count(f2p, outcomes)
+    details["pass_to_pass"] = _count(p2p, outcomes)
+    resolved = not details["fail_to_pass"]["failed"] and not details["pass_to_pass"]["failed"]
+    return Grade(1.0 if resolved else 0.0, resolved, details=details)
+
+
+def task_prompt(instance: dict[str, Any]) -> str:
+    return (f"Repository: {instance['repo']} (source distribution, checked out in the working directory).\n\n"
+            f"Issue:\n{instance['problem_statement']}\n\n"
+            "Run a failing test with e.g. `python -m pytest -q "
+            f"{instance['FAIL_TO_PASS'][0]}`.")
+
+
+class SWETaskSet(TaskSet):
+    """Tasks from an instances file; each episode starts from the buggy tree of its instance."""
+
+    system_prompt = SWE_SYSTEM_PROMPT
+    default_tools = ("bash", "editor", "search", "finish")
+
+    def __init__(self, cfg: TasksConfig) -> None:
+        if not cfg.path:
+            raise ValueError("tasks.type=swe needs tasks.path, the instances file written by "
+                             "`rollway tasks build swe ... --out FILE`")
+        self.cfg = cfg
+        self.instances = {row["instance_id"]: row for row in load_instances(cfg.path)}
+        self._tasks = select_tasks(
+            [Task(iid, task_prompt(row), {"repo": row["repo"]}) for iid, row in self.instances.items()], cfg)
+
+    def tasks(self) -> list[Task]:
+        return list(self._tasks)
+
+    def sandbox_spec(self, task: Task) -> SandboxSpec:
+        return SandboxSpec(source_dir=str(prepare_buggy_copy(self.instances[task.task_id], self.cfg.cache_dir)))
+
+    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider) -> Grade:
+        return await grade_patch(self.instances[task.task_id], await sandbox.diff(), provider,
+                                 test_timeout_s=self.cfg.test_timeout_s, cache_dir=self.cfg.cache_dir)

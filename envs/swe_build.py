@@ -1,0 +1,354 @@
+"""Build SWE-bench-style instances by injecting small bugs into a library's sdist and keeping those its tests catch."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rollway.envs.mutations import Mutation, apply_mutation, iter_module_mutations
+from rollway.envs.pytest_report import PytestReport, node_file, parse_pytest_output, pytest_command
+from rollway.envs.sdist import Snapshot, parse_requirement, prepare_snapshot
+
+# Folders that hold no library code or tests worth running (docs, benchmarks, build output).
+_SKIP_DIRS = {".git", ".tox", ".nox", "build", "dist", "docs", "doc", "examples", "example", "bench",
+              "benchmarks", "benchmark", "__pycache__", ".rollway", "node_modules", "venv", ".venv"}
+_NOT_LIBRARY = {"setup.py", "conftest.py", "noxfile.py", "tasks.py", "versioneer.py", "_version.py",
+                "fabfile.py", "docs_conf.py"}
+
+
+class BuildError(RuntimeError):
+    """The library cannot yield tasks; the message says why and what to try."""
+
+
+@dataclass
+class BuildOptions:
+    sdist: str
+    max_tasks: int = 5
+    seed: int = 0
+    max_failing: int = 5
+    max_candidates: int = 400
+    """Give up after trying this many mutations."""
+    max_per_function: int = 1
+    """Keep at most this many bugs in one function, so tasks spread over the library."""
+    cache_dir: str | None = None
+    log: Callable[[str], None] = field(default=lambda line: print(line, file=sys.stderr, flush=True))
+
+
+# ---------------------------------------------------------------- layout of an unpacked sdist
+
+
+def _walk_py(root: Path) -> list[Path]:
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith(".")
+                             and not d.endswith(".egg-info"))
+        found += [Path(dirpath) / f for f in sorted(filenames) if f.endswith(".py")]
+    return found
+
+
+def _is_test_path(rel: Path) -> bool:
+    name = rel.name
+    in_tests_dir = any(part in ("tests", "test", "testing") for part in rel.parts[:-1])
+    return name.startswith("test_") or name.endswith("_test.py") or (in_tests_dir and name != "__init__.py")
+
+
+def find_test_files(root: Path) -> list[str]:
+    """Test modules pytest would collect by default naming: tests/ and test/ folders (top level or
+    inside the package) and test_*.py / *_test.py files anywhere outside docs and benchmarks."""
+    files = []
+    for path in _walk_py(root):
+        rel = path.relative_to(root)
+        if rel.name.startswith("test_") or rel.name.endswith("_test.py"):
+            files.append(rel.as_posix())
+    if not files:
+        raise BuildError(f"no test files (test_*.py or *_test.py) in {root}; this sdist ships no tests, "
+                         "pick another library or version")
+    return files
+
+
+def python_path(root: Path) -> tuple[str, ...]:
+    """Import roots, relative to the repository root: `.` and `src` for src-layout projects."""
+    return (".", "src") if (root / "src").is_dir() else (".",)
+
+
+def find_library_files(root: Path) -> dict[str, bytes]:
+    """Library source files (path relative to root -> bytes): modules under the import roots that
+    are neither tests nor packaging helpers."""
+    files: dict[str, bytes] = {}
+    for base in python_path(root):
+        base_dir = root / base
+        for path in _walk_py(base_dir):
+            rel_to_base = path.relative_to(base_dir)
+            if base == "." and rel_to_base.parts[0] == "src" and len(python_path(root)) > 1:
+                continue
+            if _is_test_path(rel_to_base) or path.name in _NOT_LIBRARY:
+                continue
+            if len(rel_to_base.parts) > 1 and not _is_package_dir(base_dir, rel_to_base):
+                continue  # scripts in tool folders are not importable library code
+            files[path.relative_to(root).as_posix()] = path.read_bytes()
+    if not files:
+        raise BuildError(f"no library modules found under {root}; is this a pure-Python project?")
+    return files
+
+
+def _is_package_dir(base: Path, rel: Path) -> bool:
+    """True when every folder from `base` down to the file has an __init__.py (a real package)."""
+    folder = base
+    for part in rel.parts[:-1]:
+        folder = folder / part
+        if not (folder / "__init__.py").is_file():
+            return False
+    return True
+
+
+# ---------------------------------------------------------------- running tests on the host
+
+
+@dataclass
+class Run:
+    report: PytestReport
+    output: str
+    duration_s: float
+    timed_out: bool
+
+
+def run_tests(root: Path, files: list[str], timeout_s: float) -> Run:
+    """Run pytest on `files` in `root` with this interpreter; the whole process group dies on timeout
+    (a mutated loop may never end, and it may have spawned workers)."""
+    cmd = pytest_command(files, python=sys.executable, python_path=python_path(root))
+    start = time.monotonic()
+    proc = subprocess.Popen(["bash", "-c", cmd], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True, stdin=subprocess.DEVNULL)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        timed_out = True
+    text = out.decode("utf-8", "replace")
+    return Run(parse_pytest_output(text), text, time.monotonic() - start, timed_out)
+
+
+@dataclass
+class Baseline:
+    test_files: list[str]
+    passing: set[str]
+    duration_s: float
+
+
+def run_baseline(root: Path, log: Callable[[str], None]) -> Baseline:
+    """Tests that pass on the clean tree, twice in a row (flaky tests would make bad tasks).
+    Files that fail to import here (a missing optional dependency) are dropped, not fatal."""
+    files = find_test_files(root)
+    first = run_tests(root, files, timeout_s=900)
+    if first.report.collection_errors:
+        broken = set(first.report.collection_errors)
+        log(f"baseline: dropping {len(broken)} test file(s) that do not import here: {sorted(broken)[:5]}")
+        files = [f for f in files if f not in broken and not any(f.startswith(b.rstrip("/") + "/") for b in broken)]
+        first = run_tests(root, files, timeout_s=900)
+    second = run_tests(root, files, timeout_s=900)
+    passing = first.report.passed() & second.report.passed()
+    failing = len(first.report.outcomes) - len(first.report.passed())
+    log(f"baseline: {len(passing)} passing tests in {len(files)} files ({failing} failing, dropped), "
+        f"{first.duration_s:.1f}s per run")
+    if not passing:
+        tail = "\n".join(first.output.strip().splitlines()[-15:])
+        raise BuildError(f"no test passes on the clean sdist in {root}; pytest said:\n{tail}\n"
+                         "install the test dependencies into the rollway venv or pick another library")
+    files = sorted({node_file(n) for n in passing})
+    return Baseline(files, passing, first.duration_s)
+
+
+# ---------------------------------------------------------------- candidates and instances
+
+
+def ordered_candidates(library: dict[str, bytes], seed: int) -> list[Mutation]:
+    """All candidate mutations in a seeded random order (same seed, same order)."""
+    candidates = list(iter_module_mutations(library))
+    random.Random(seed).shuffle(candidates)
+    return candidates
+
+
+def select_test_files(root: Path, baseline: Baseline, mutation: Mutation) -> list[str]:
+    """Test files that mention the mutated module or function (a fast first check); all when none do."""
+    module = Path(mutation.path).stem
+    names = {module if module != "__init__" else Path(mutation.path).parent.name,
+             mutation.function.split(".")[-1], mutation.function.split(".")[0]}
+    pattern = re.compile(r"\b(" + "|".join(re.escape(n) for n in sorted(names) if n) + r")\b")
+    chosen = [f for f in baseline.test_files if pattern.search((root / f).read_text("utf-8", "replace"))]
+    return chosen or baseline.test_files
+
+
+def make_patch(path: str, before: bytes, after: bytes) -> str:
+    """Git-style unified diff (a/ b/ prefixes) turning `before` into `after`."""
+    old = before.decode("utf-8").splitlines(keepends=True)
+    new = after.decode("utf-8").splitlines(keepends=True)
+    lines = [f"diff --git a/{path} b/{path}\n"]
+    for line in difflib.unified_diff(old, new, f"a/{path}", f"b/{path}", n=3):
+        lines.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
+    return "".join(lines)
+
+
+def problem_statement(sdist: str, failing: list[str], report: PytestReport) -> str:
+    """What a user would report: which tests fail and how, never where the bug is or how to fix it."""
+    lines = [f"Some behaviour of `{sdist}` is broken: tests of its own test suite fail on this checkout.",
+             "", "Failing tests:"]
+    for node in failing:
+        message = report.messages.get(node, "")
+        excerpt = (message[:300] + " ...") if len(message) > 300 else message
+        lines.append(f"- `{node}`" + (f": {excerpt}" if excerpt else ""))
+    lines += ["", "The rest of the test suite passes. Find the cause in the library source and fix it, "
+              "without changing the tests, so that these tests pass again."]
+    return "\n".join(lines)
+
+
+def _instance_id(sdist: str, mutation: Mutation, k: int) -> str:
+    name, version = parse_requirement(sdist)
+    func = re.sub(r"[^A-Za-z0-9_]", "_", mutation.function)
+    return f"{name.lower().replace('-', '_')}__{version}__{func}__{k}"
+
+
+def make_instance(snapshot: Snapshot, baseline: Baseline, root: Path, mutation: Mutation, k: int,
+                  failing: list[str], report: PytestReport, seed: int) -> dict[str, Any]:
+    clean = (root / mutation.path).read_bytes()
+    buggy = apply_mutation(clean, mutation)
+    fail_to_pass = sorted(failing)
+    pass_to_pass = sorted(baseline.passing - set(failing))
+    return {
+        "instance_id": _instance_id(snapshot.sdist, mutation, k),
+        "repo": snapshot.sdist,
+        "snapshot": snapshot.to_dict(),
+        "base_commit": f"sdist-sha256:{snapshot.sha256}",
+        "problem_statement": problem_statement(snapshot.sdist, fail_to_pass, report),
+        "FAIL_TO_PASS": fail_to_pass,
+        "PASS_TO_PASS": pass_to_pass,
+        "patch": make_patch(mutation.path, buggy, clean),
+        "test_patch": "",
+        "bug_patch": make_patch(mutation.path, clean, buggy),
+        "mutation": mutation.to_dict(),
+        "test_files": sorted({node_file(n) for n in fail_to_pass + pass_to_pass}),
+        "python_path": list(python_path(root)),
+        "test_command": pytest_command(sorted({node_file(n) for n in fail_to_pass + pass_to_pass}),
+                                       python_path=python_path(root)),
+        "seed": seed,
+    }
+
+
+# ---------------------------------------------------------------- the build loop
+
+
+class _Workspace:
+    """A scratch copy of the snapshot where mutations are applied and undone one at a time."""
+
+    def __init__(self, snapshot_path: Path) -> None:
+        self._tmp = tempfile.TemporaryDirectory(prefix="rollway-swe-build-")
+        self.root = Path(self._tmp.name) / "repo"
+        shutil.copytree(snapshot_path, self.root, symlinks=True)
+
+    def run_mutated(self, mutation: Mutation, files: list[str], timeout_s: float) -> Run:
+        target = self.root / mutation.path
+        clean = target.read_bytes()
+        target.write_bytes(apply_mutation(clean, mutation))
+        try:
+            return run_tests(self.root, files, timeout_s)
+        finally:
+            target.write_bytes(clean)
+
+    def close(self) -> None:
+        self._tmp.cleanup()
+
+
+def judge(run: Run, expected: set[str], max_failing: int) -> tuple[list[str] | None, str]:
+    """Failing tests when the mutant is a usable bug, else None and the reason it is not."""
+    if run.timed_out:
+        return None, "timeout"
+    if run.report.collection_errors:
+        return None, "collection error"
+    failing = sorted(t for t in expected if run.report.outcomes.get(t) != "passed")
+    if not failing:
+        return None, "no test fails"
+    if len(failing) > max_failing:
+        return None, f"{len(failing)} tests fail"
+    return failing, f"{len(failing)} failing"
+
+
+def build_instances(opts: BuildOptions) -> list[dict[str, Any]]:
+    """Mutate the library, keep mutants that 1..max_failing baseline tests catch, up to max_tasks."""
+    snapshot = prepare_snapshot(opts.sdist, opts.cache_dir)
+    opts.log(f"snapshot: {snapshot.sdist} sha256 {snapshot.sha256[:12]} at {snapshot.path}")
+    work = _Workspace(Path(snapshot.path))
+    try:
+        return _search(opts, snapshot, work)
+    finally:
+        work.close()
+
+
+def _search(opts: BuildOptions, snapshot: Snapshot, work: _Workspace) -> list[dict[str, Any]]:
+    baseline = run_baseline(work.root, opts.log)
+    library = find_library_files(work.root)
+    candidates = ordered_candidates(library, opts.seed)
+    opts.log(f"candidates: {len(candidates)} mutations in {len(library)} library files (seed {opts.seed})")
+    timeout_s = max(20.0, 4 * baseline.duration_s + 10)
+    per_function_index = _per_function_index(candidates)
+    kept: list[dict[str, Any]] = []
+    used: dict[tuple[str, str], int] = {}
+    for tried, mutation in enumerate(candidates[: opts.max_candidates], start=1):
+        if len(kept) >= opts.max_tasks:
+            break
+        key = (mutation.path, mutation.function)
+        if used.get(key, 0) >= opts.max_per_function:
+            continue
+        instance, verdict = _try(opts, snapshot, work, baseline, mutation, per_function_index[mutation],
+                                 timeout_s)
+        status = f"kept ({len(kept) + 1}/{opts.max_tasks})" if instance else "skipped"
+        opts.log(f"[{tried}/{min(len(candidates), opts.max_candidates)}] {mutation.path}:{mutation.line} "
+                 f"{mutation.function} {mutation.operator} {mutation.original!r}->{mutation.replacement!r}: "
+                 f"{verdict}, {status}")
+        if instance:
+            kept.append(instance)
+            used[key] = used.get(key, 0) + 1
+    if not kept:
+        raise BuildError(f"no mutation of {opts.sdist} made 1..{opts.max_failing} tests fail; try another "
+                         "--seed, a larger --max-failing or --max-candidates")
+    return kept
+
+
+def _per_function_index(candidates: list[Mutation]) -> dict[Mutation, int]:
+    """k in an instance id: the mutation's rank within its function, in source order (seed-free)."""
+    index: dict[Mutation, int] = {}
+    counts: dict[tuple[str, str], int] = {}
+    for m in sorted(candidates, key=lambda m: (m.path, m.start, m.end, m.replacement)):
+        key = (m.path, m.function)
+        index[m] = counts.get(key, 0)
+        counts[key] = index[m] + 1
+    return index
+
+
+def _try(opts: BuildOptions, snapshot: Snapshot, work: _Workspace, baseline: Baseline, mutation: Mutation,
+         k: int, timeout_s: float) -> tuple[dict[str, Any] | None, str]:
+    files = select_test_files(work.root, baseline, mutation)
+    expected = {t for t in baseline.passing if node_file(t) in set(files)}
+    run = work.run_mutated(mutation, files, timeout_s)
+    failing, verdict = judge(run, expected, opts.max_failing)
+    if failing is None:
+        return None, verdict
+    if files != baseline.test_files:
+        # The quick check ran a subset: FAIL_TO_PASS must come from the whole suite.
+        run = work.run_mutated(mutation, baseline.test_files, timeout_s)
+        failing, verdict = judge(run, baseline.passing, opts.max_failing)
+        if failing is None:
+            return None, f"whole suite: {verdict}"
+    return make_instance(snapshot, baseline, work.root, mutation, k, failing, run.report, opts.seed), verdict

@@ -1,0 +1,51 @@
+"""Toy shell tasks made in memory: small, real sandboxed work for the smoke job and tests."""
+
+from __future__ import annotations
+
+import random
+
+from rollway.envs.base import Grade, Task, TaskSet
+from rollway.envs.config import TasksConfig
+from rollway.sandboxes.base import Sandbox, SandboxProvider, SandboxSpec
+
+
+class ToyTaskSet(TaskSet):
+    """Task k: `numbers.txt` holds two integers; the agent must write their sum to `answer.txt`.
+    Graded by reading `answer.txt` back from the episode's sandbox."""
+
+    system_prompt = ("You are an agent working in a shell sandbox. Use the tools to inspect files and "
+                     "run commands. When the task is done, call finish.")
+    default_tools = ("bash", "finish")
+
+    def __init__(self, cfg: TasksConfig, seed: int = 1234):
+        rng = random.Random(seed)
+        self._tasks = []
+        for k in range(cfg.count):
+            a, b = rng.randint(1, 999), rng.randint(1, 999)
+            self._tasks.append(Task(
+                task_id=f"toy-{k:03d}",
+                prompt="The file numbers.txt holds two integers. Write their sum to answer.txt, then call finish.",
+                metadata={"a": a, "b": b}))
+        self._tasks = self._tasks[: cfg.limit or len(self._tasks)]
+        self._by_id = {t.task_id: t for t in self._tasks}
+
+    def tasks(self) -> list[Task]:
+        return list(self._tasks)
+
+    def get(self, task_id: str) -> Task:
+        try:
+            return self._by_id[task_id]
+        except KeyError:
+            raise KeyError(f"task {task_id!r} is not in the toy task set (tasks.count={len(self._tasks)})") from None
+
+    def sandbox_spec(self, task: Task) -> SandboxSpec:
+        return SandboxSpec(files={"numbers.txt": f"{task.metadata['a']} {task.metadata['b']}\n"})
+
+    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider) -> Grade:
+        expected = task.metadata["a"] + task.metadata["b"]
+        try:
+            answer = (await sandbox.read_file("answer.txt")).strip()
+        except (FileNotFoundError, OSError):
+            return Grade(0.0, False, details={"answer": None, "expected": expected})
+        ok = answer == str(expected)
+        return Grade(1.0 if ok else 0.0, ok, details={"answer": answer[:100], "expected": expected})

@@ -1,0 +1,88 @@
+"""Trajectories to padded tensors: training samples, micro-batch planning, right-padded collation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One episode ready for the loss. Per-token lists have the length of `token_ids`."""
+
+    episode_id: str
+    token_ids: list[int]
+    loss_mask: list[int]
+    """1 on model tokens that get loss; all 0 for a masked (truncated/failed/dropped) episode."""
+    behaviour_logprobs: list[float | None]
+    advantage: float
+    sample_weight: float = 1.0
+    """Staleness weight (1 unless down-weighted)."""
+
+    @property
+    def loss_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+
+@dataclass
+class MicroBatch:
+    """Right-padded tensors of a few samples; padding has attention 0 and loss mask False."""
+
+    input_ids_B_T: torch.Tensor
+    attention_mask_B_T: torch.Tensor
+    loss_mask_B_T: torch.Tensor
+    behaviour_B_T: torch.Tensor
+    behaviour_valid_B_T: torch.Tensor
+    advantages_B: torch.Tensor
+    token_weights_B: torch.Tensor
+    """Aggregation weight of each row's tokens (see `losses.sequence_loss_weights`)."""
+    rows: list[int]
+    """Indices of the samples (in the mini-batch) held by each row."""
+
+    @property
+    def real_tokens(self) -> int:
+        return int(self.attention_mask_B_T.sum())
+
+
+def plan_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Group sample indices so that rows x longest row <= token_budget (a longer single sample
+    gets a batch of its own). Sorting by length keeps padding small."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        longest = lengths[current[0]] if current else lengths[i]
+        if current and (len(current) + 1) * longest > token_budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def collate(samples: list[Sample], rows: list[int], token_weights: list[float], device: torch.device,
+            pad_id: int = 0) -> MicroBatch:
+    """Right-pad the chosen samples into one micro-batch on `device`."""
+    width = max(len(samples[i].token_ids) for i in rows)
+    shape = (len(rows), width)
+    ids = torch.full(shape, pad_id, dtype=torch.long)
+    attn = torch.zeros(shape, dtype=torch.long)
+    mask = torch.zeros(shape, dtype=torch.bool)
+    behaviour = torch.zeros(shape, dtype=torch.float32)
+    bvalid = torch.zeros(shape, dtype=torch.bool)
+    for r, i in enumerate(rows):
+        s = samples[i]
+        n = len(s.token_ids)
+        ids[r, :n] = torch.tensor(s.token_ids)
+        attn[r, :n] = 1
+        mask[r, :n] = torch.tensor(s.loss_mask, dtype=torch.bool)
+        behaviour[r, :n] = torch.tensor([0.0 if lp is None else lp for lp in s.behaviour_logprobs])
+        bvalid[r, :n] = torch.tensor([lp is not None for lp in s.behaviour_logprobs])
+    return MicroBatch(
+        ids.to(device), attn.to(device), mask.to(device), behaviour.to(device), bvalid.to(device),
+        torch.tensor([samples[i].advantage for i in rows], dtype=torch.float32, device=device),
+        torch.tensor([token_weights[i] for i in rows], dtype=torch.float32, device=device),
+        list(rows),
+    )

@@ -1,0 +1,63 @@
+"""Buffering trajectories into complete GRPO groups, oldest complete group first."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from rollway.schemas.messages import Trajectory
+
+
+@dataclass
+class _Group:
+    first_seen: float
+    episodes: dict[str, Trajectory] = field(default_factory=dict)
+
+
+class GroupBuffer:
+    """Holds trajectories by `group_id` until `group_size` distinct episodes arrived.
+
+    Duplicates of a buffered episode (at-least-once delivery, or a re-issued attempt that also
+    finished) are ignored: the first arrival wins."""
+
+    def __init__(self, group_size: int, timeout_s: float | None = None) -> None:
+        self.group_size = group_size
+        self.timeout_s = timeout_s
+        self._groups: dict[str, _Group] = {}
+        self._complete: list[str] = []
+
+    def add(self, traj: Trajectory, now: float | None = None) -> bool:
+        """Buffer `traj`; False when its episode is already buffered."""
+        group = self._groups.setdefault(traj.group_id, _Group(time.monotonic() if now is None else now))
+        if traj.episode_id in group.episodes:
+            return False
+        group.episodes[traj.episode_id] = traj
+        if len(group.episodes) == self.group_size:
+            self._complete.append(traj.group_id)
+        return True
+
+    @property
+    def complete_groups(self) -> int:
+        return len(self._complete)
+
+    def pending_episode_ids(self) -> set[str]:
+        return {e for g in self._groups.values() for e in g.episodes}
+
+    def pop_complete(self, n: int) -> list[list[Trajectory]]:
+        """The `n` oldest complete groups (each in sample order), or [] when fewer are complete."""
+        if len(self._complete) < n:
+            return []
+        ids, self._complete = self._complete[:n], self._complete[n:]
+        return [self._take(g) for g in ids]
+
+    def pop_expired(self, now: float | None = None) -> list[list[Trajectory]]:
+        """Incomplete groups older than the timeout, removed from the buffer."""
+        if self.timeout_s is None:
+            return []
+        now = time.monotonic() if now is None else now
+        old = [g for g, v in self._groups.items() if g not in self._complete and now - v.first_seen > self.timeout_s]
+        return [self._take(g) for g in old]
+
+    def _take(self, group_id: str) -> list[Trajectory]:
+        group = self._groups.pop(group_id)
+        return sorted(group.episodes.values(), key=lambda t: (t.sample_index, t.episode_id))

@@ -1,0 +1,157 @@
+"""The PPO clipped policy loss (clip-higher, dual-clip, truncated IS), aggregation and token stats.
+
+Scheme (decoupled PPO): three policies appear per token.
+  mu       behaviour policy: the inference engine's logprob, recorded in the trajectory;
+  pi_old   the learner's weights when the update started ("proximal" policy); on a single
+           on-policy optimizer step pi_old is pi_theta itself, detached, so the ratio is 1 with
+           gradient grad(log pi_theta);
+  pi_theta the weights being optimised.
+Per token, with r = pi_theta / pi_old and advantage A:
+  l = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)            (clip-higher: eps_high > eps_low)
+  l = min(l, -c A)               when A < 0                       (dual-clip bounds the loss)
+  l = w l,  w = min(pi_old / mu, C) (detached)                    (truncated importance sampling)
+w corrects for the engine sampling from mu != pi_old (policy lag, numerics of another kernel);
+truncating at C bounds the variance. Tokens without a behaviour logprob get w = 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from rollway.learning.config import LossAgg
+
+_MAX_LOG_RATIO = 20.0
+"""exp() of a log-ratio beyond this overflows float32 gradients; clamping changes no clipped loss."""
+
+
+def token_logprobs(logits_B_T_V: torch.Tensor, token_ids_B_T: torch.Tensor,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """Logprob of every token under the model, aligned with `token_ids_B_T`.
+
+    The logprob of token t comes from the logits at position t-1 (next-token prediction); position
+    0 has no predictor and gets 0 (it is always prompt, loss mask 0). Float32 whatever the logits."""
+    z_B_S_V = logits_B_T_V[:, :-1].float() / temperature
+    picked_B_S = z_B_S_V.gather(-1, token_ids_B_T[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return torch.nn.functional.pad(picked_B_S - torch.logsumexp(z_B_S_V, dim=-1), (1, 0))
+
+
+def token_entropy(logits_B_T_V: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of the distribution that predicted each token, aligned like `token_logprobs`."""
+    z_B_S_V = logits_B_T_V[:, :-1].float() / temperature
+    logp_B_S_V = torch.log_softmax(z_B_S_V, dim=-1)
+    entropy_B_S = -(logp_B_S_V.exp() * logp_B_S_V).sum(-1)
+    return torch.nn.functional.pad(entropy_B_S, (1, 0))
+
+
+def sequence_loss_weights(token_counts: list[int], sample_weights: list[float], mode: LossAgg,
+                          norm_tokens: int) -> list[float]:
+    """Per-token loss weight of each sequence of a mini-batch, so that sum(weight x token loss)
+    over all micro-batches is the aggregated loss. In every mode the weight is constant inside a
+    sequence, which lets gradient accumulation split the mini-batch anywhere.
+
+    token-mean: 1 / (loss tokens of the mini-batch); seq-mean-token-mean: 1 / (L_i x sequences);
+    token-sum-norm: 1 / (norm_tokens x sequences). Sequences count only with L_i > 0; the sample
+    weight (staleness) multiplies the weight and does not change the normaliser."""
+    live = [n for n in token_counts if n > 0]
+    if not live:
+        return [0.0] * len(token_counts)
+    weights = []
+    for n, w in zip(token_counts, sample_weights, strict=True):
+        if n == 0:
+            weights.append(0.0)
+        elif mode == "token-mean":
+            weights.append(w / sum(live))
+        elif mode == "seq-mean-token-mean":
+            weights.append(w / (n * len(live)))
+        elif mode == "token-sum-norm":
+            weights.append(w / (norm_tokens * len(live)))
+        else:
+            raise ValueError(f"unknown loss aggregation {mode!r}")
+    return weights
+
+
+@dataclass(frozen=True)
+class ClipParams:
+    """The knobs of `ppo_token_loss` (see the module docstring)."""
+
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    dual_clip_c: float | None = 3.0
+    tis_cap: float | None = 2.0
+
+
+@dataclass
+class TokenStats:
+    """Masked sums, maxima and minima accumulated over micro-batches; `summary()` gives means."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    maxs: dict[str, float] = field(default_factory=dict)
+    mins: dict[str, float] = field(default_factory=dict)
+    tokens: float = 0.0
+
+    def add(self, name: str, values_B_T: torch.Tensor, mask_B_T: torch.Tensor, extremes: bool = False) -> None:
+        vals = values_B_T.detach().float()[mask_B_T]
+        self.sums[name] = self.sums.get(name, 0.0) + float(vals.sum())
+        if extremes and vals.numel():
+            self.maxs[name] = max(self.maxs.get(name, -float("inf")), float(vals.max()))
+            self.mins[name] = min(self.mins.get(name, float("inf")), float(vals.min()))
+
+    def summary(self) -> dict[str, float]:
+        out = {f"{k}_mean": v / max(self.tokens, 1.0) for k, v in self.sums.items()}
+        out.update({f"{k}_max": v for k, v in self.maxs.items()})
+        out.update({f"{k}_min": v for k, v in self.mins.items()})
+        return out
+
+
+def ppo_token_loss(logprobs_B_T: torch.Tensor, old_logprobs_B_T: torch.Tensor, advantages_B: torch.Tensor,
+                   behaviour_logprobs_B_T: torch.Tensor, behaviour_valid_B_T: torch.Tensor,
+                   mask_B_T: torch.Tensor, params: ClipParams, stats: TokenStats | None = None) -> torch.Tensor:
+    """Per-token PPO loss (unaggregated, zero outside `mask_B_T`); optionally records stats."""
+    adv_B_T = advantages_B.to(logprobs_B_T.dtype).unsqueeze(-1).expand_as(logprobs_B_T)
+    log_ratio_B_T = (logprobs_B_T - old_logprobs_B_T).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio_B_T = torch.exp(log_ratio_B_T)
+    clipped_B_T = ratio_B_T.clamp(1.0 - params.eps_low, 1.0 + params.eps_high)
+    loss_B_T = -torch.minimum(ratio_B_T * adv_B_T, clipped_B_T * adv_B_T)
+    if params.dual_clip_c is not None:
+        loss_B_T = torch.where(adv_B_T < 0, torch.minimum(loss_B_T, -params.dual_clip_c * adv_B_T), loss_B_T)
+    tis_B_T = _tis_weights(old_logprobs_B_T, behaviour_logprobs_B_T, behaviour_valid_B_T, params.tis_cap)
+    loss_B_T = torch.where(mask_B_T, loss_B_T * tis_B_T, torch.zeros_like(loss_B_T))
+    if stats is not None:
+        _record(stats, ratio_B_T, log_ratio_B_T, adv_B_T, old_logprobs_B_T, behaviour_logprobs_B_T,
+                behaviour_valid_B_T & mask_B_T, tis_B_T, mask_B_T, params)
+    return loss_B_T
+
+
+def _tis_weights(old_B_T: torch.Tensor, behaviour_B_T: torch.Tensor, valid_B_T: torch.Tensor,
+                 cap: float | None) -> torch.Tensor:
+    """min(pi_old / mu, cap) where mu is known, else 1; never carries gradient."""
+    if cap is None:
+        return torch.ones_like(old_B_T)
+    log_w_B_T = (old_B_T.detach() - behaviour_B_T).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    w_B_T = torch.exp(log_w_B_T).clamp(max=cap)
+    return torch.where(valid_B_T, w_B_T, torch.ones_like(w_B_T))
+
+
+def _record(stats: TokenStats, ratio_B_T: torch.Tensor, log_ratio_B_T: torch.Tensor, adv_B_T: torch.Tensor,
+            old_B_T: torch.Tensor, behaviour_B_T: torch.Tensor, bvalid_B_T: torch.Tensor,
+            tis_B_T: torch.Tensor, mask_B_T: torch.Tensor, params: ClipParams) -> None:
+    """Clip fractions, ratio stats, approx KL (k3) to pi_old and mismatch to the behaviour policy."""
+    with torch.no_grad():
+        stats.tokens += float(mask_B_T.sum())
+        stats.add("clip_frac_low", ((ratio_B_T < 1 - params.eps_low) & (adv_B_T < 0)).float(), mask_B_T)
+        stats.add("clip_frac_high", ((ratio_B_T > 1 + params.eps_high) & (adv_B_T > 0)).float(), mask_B_T)
+        if params.dual_clip_c is not None:
+            stats.add("dual_clip_frac", ((ratio_B_T > params.dual_clip_c) & (adv_B_T < 0)).float(), mask_B_T)
+        stats.add("ratio", ratio_B_T, mask_B_T, extremes=True)
+        stats.add("approx_kl", (ratio_B_T - 1) - log_ratio_B_T, mask_B_T)
+        stats.add("tis_weight", tis_B_T, mask_B_T, extremes=True)
+        # KL(mu || pi_old) by k3 with samples from mu: how far the engine's numbers are from ours.
+        log_w_B_T = (old_B_T - behaviour_B_T).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        stats.add("behaviour_kl", torch.where(bvalid_B_T, torch.exp(log_w_B_T) - 1 - log_w_B_T, 0.0), mask_B_T)
+
+
+def k3_kl(logprobs_B_T: torch.Tensor, ref_logprobs_B_T: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi_theta || pi_ref) on samples from pi_theta (>= 0, unbiased)."""
+    log_r_B_T = (ref_logprobs_B_T - logprobs_B_T).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    return torch.exp(log_r_B_T) - 1 - log_r_B_T

@@ -1,0 +1,323 @@
+"""The built-in torch learner: trajectories in, PPO/GRPO updates, checkpoints and versions out."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from rollway.learning.advantages import build_advantage_estimator, group_advantages
+from rollway.learning.batching import Sample, collate, plan_micro_batches
+from rollway.learning.checkpoint import (
+    OPTIMIZER_FILE,
+    TrainerState,
+    latest_checkpoint,
+    load_state,
+    save_checkpoint,
+)
+from rollway.learning.config import LearnerConfig
+from rollway.learning.groups import GroupBuffer
+from rollway.learning.losses import (
+    ClipParams,
+    TokenStats,
+    k3_kl,
+    ppo_token_loss,
+    sequence_loss_weights,
+    token_entropy,
+    token_logprobs,
+)
+from rollway.learning.metrics import MetricsWriter, batch_metrics
+from rollway.learning.modeling import ModelFactory, default_factory, pick_device, torch_dtype
+from rollway.learning.staleness import lag_histogram, policy_lag, stale_weight
+from rollway.schemas.messages import Trajectory
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One finished update. Publish `PolicyVersion(version, checkpoint=str(checkpoint_path), step,
+    episodes_trained, metrics)` when `checkpoint_path` is not None."""
+
+    version: int
+    step: int
+    checkpoint_path: Path | None
+    """Loadable HF folder of this version; None when this update was not checkpointed."""
+    episodes_trained: int
+    """Total episodes consumed by updates so far (this run and before a resume)."""
+    episode_ids: list[str]
+    """Episodes this update consumed (trained, masked or dropped)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Prepared:
+    samples: list[Sample]
+    episode_ids: list[str]
+    metrics: dict[str, float]
+    lags: list[int]
+
+
+class Trainer:
+    """Buffers trajectories into groups and runs one update per `groups_per_step` complete groups.
+
+    Construction reads the newest checkpoint of `run_dir` (version, step, trained episode ids) but
+    builds the model and optimizer only at the first update. Not thread-safe: call from one task.
+    `model_factory(path_or_none) -> (model, tokenizer|None)` overrides the policy loader (tests)."""
+
+    def __init__(self, cfg: LearnerConfig, run_dir: Path, *, group_size: int | None = None,
+                 model_factory: ModelFactory | None = None) -> None:
+        if not cfg.trains:
+            raise ValueError("learner.type=record does not train; build a Trainer only for ppo/grpo")
+        size = cfg.group_size or group_size
+        if not size:
+            raise ValueError("group size unknown: set learner.group_size or pass scheduler.group_size")
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.device = pick_device(cfg.device)
+        self.dtype = torch_dtype(cfg.dtype)
+        self._factory = model_factory or default_factory(cfg.model_path, self.device, self.dtype)
+        self._buffer = GroupBuffer(size, cfg.group_timeout_s)
+        self._estimator = build_advantage_estimator(cfg)
+        self._clip = ClipParams(cfg.clip_eps_low, cfg.clip_eps_high, cfg.dual_clip_c, cfg.tis_cap)
+        ckpt = latest_checkpoint(self.run_dir)
+        self.state = load_state(ckpt) if ckpt else TrainerState()
+        self.latest_checkpoint: Path | None = ckpt
+        self.duplicates = 0
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._ref_model: Any = None
+        self._writer: MetricsWriter | None = None
+
+    # ---- public API -------------------------------------------------------------------------
+
+    def add(self, traj: Trajectory) -> list[StepResult]:
+        """Buffer one trajectory; run the updates its arrival makes possible (usually 0 or 1).
+        An episode already trained (or buffered) is ignored and counted in `duplicates`."""
+        _check_trajectory(traj)
+        if traj.episode_id in self.state.trained_episode_ids or not self._buffer.add(traj):
+            self.duplicates += 1
+            return []
+        return self._run_ready() + self.tick()
+
+    def tick(self, now: float | None = None) -> list[StepResult]:
+        """Train incomplete groups past `group_timeout_s` (call periodically, e.g. once a second)."""
+        expired = [g for g in self._buffer.pop_expired(now) if len(g) >= 2]
+        return self._train_all(expired) if expired else []
+
+    def flush(self) -> list[StepResult]:
+        """Train every complete group buffered now, even fewer than `groups_per_step` (shutdown)."""
+        groups = self._buffer.pop_complete(self._buffer.complete_groups)
+        return self._train_all(groups) if groups else []
+
+    def pending_episode_ids(self) -> set[str]:
+        """Episodes buffered but not yet trained (lost on a crash: do not commit their offsets)."""
+        return self._buffer.pending_episode_ids()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+    # ---- update -----------------------------------------------------------------------------
+
+    def _run_ready(self) -> list[StepResult]:
+        results = []
+        while groups := self._buffer.pop_complete(self.cfg.groups_per_step):
+            results += self._train_all(groups)
+        return results
+
+    def _train_all(self, groups: list[list[Trajectory]]) -> list[StepResult]:
+        result = self._update(groups)
+        return [result] if result is not None else []
+
+    def _update(self, groups: list[list[Trajectory]]) -> StepResult | None:
+        """One policy version from these groups; None when no episode had loss (no weight change)."""
+        prepared = self._prepare(groups)
+        self.state.trained_episode_ids.update(prepared.episode_ids)
+        self.state.episodes_trained += len(prepared.episode_ids)
+        metrics = {**prepared.metrics, **lag_histogram(prepared.lags)}
+        if not prepared.samples:
+            log.info("update skipped: no episode of %d groups has loss tokens", len(groups))
+            return None
+        self._ensure_model()
+        metrics.update(self._optimise(prepared.samples))
+        self.state.version += 1
+        self.state.step += 1
+        ckpt = self._maybe_checkpoint()
+        self._metrics_writer().write(self.state.step, metrics, {"staleness": prepared.lags})
+        return StepResult(self.state.version, self.state.step, ckpt, self.state.episodes_trained,
+                          prepared.episode_ids, metrics)
+
+    def _prepare(self, groups: list[list[Trajectory]]) -> _Prepared:
+        """Advantages per group, then masking and staleness per episode."""
+        samples, ids, lags, rewards, resolved, advs = [], [], [], [], [], []
+        masked = dropped = degenerate = 0
+        for group in groups:
+            ids += [t.episode_id for t in group]
+            rewards += [t.reward for t in group]
+            resolved += [t.resolved for t in group]
+            ga = group_advantages(self._estimator, [t.reward for t in group], [t.stop_reason for t in group], self.cfg)
+            degenerate += ga.degenerate
+            if ga.degenerate and self.cfg.drop_degenerate_groups:
+                continue
+            for traj, adv, keep in zip(group, ga.advantages, ga.loss_mask, strict=True):
+                lag = policy_lag(self.state.version, traj.turn_policy_versions)
+                weight = stale_weight(lag, self.cfg)
+                lags.append(lag)
+                masked += not keep
+                dropped += keep and weight == 0
+                if keep and weight > 0 and any(traj.loss_mask):
+                    samples.append(Sample(traj.episode_id, traj.token_ids, traj.loss_mask, traj.logprobs, adv, weight))
+                    advs.append(adv)
+        metrics = batch_metrics(rewards, resolved, advs, masked, dropped, degenerate, len(groups))
+        return _Prepared(samples, ids, metrics, lags)
+
+    def _optimise(self, samples: list[Sample]) -> dict[str, float]:
+        """ppo_epochs x mini_batches optimizer steps over `samples`; returns loss/optimizer metrics."""
+        start = time.perf_counter()
+        n_mb = min(self.cfg.mini_batches, len(samples))
+        minibatches = [list(range(i, len(samples), n_mb)) for i in range(n_mb)]
+        single_step = n_mb == 1 and self.cfg.ppo_epochs == 1
+        old = None if single_step else self._logprobs_no_grad(self.model, samples)
+        ref = self._logprobs_no_grad(self._ref_model, samples) if self.cfg.kl_coef > 0 else None
+        stats, totals = TokenStats(), {"loss": 0.0, "grad_norm": 0.0, "tokens": 0.0, "padded_tokens": 0.0}
+        for _ in range(self.cfg.ppo_epochs):
+            for rows in minibatches:
+                self._optimizer_step([samples[i] for i in rows], _pick(old, rows), _pick(ref, rows), stats, totals)
+        seconds = time.perf_counter() - start
+        steps = self.cfg.ppo_epochs * n_mb
+        return {**stats.summary(), "loss": totals["loss"] / steps, "grad_norm": totals["grad_norm"] / steps,
+                "train_tokens": totals["tokens"], "pad_fraction": 1 - totals["tokens"] / max(totals["padded_tokens"], 1),
+                "train_seconds": seconds, "tokens_per_second": totals["tokens"] / max(seconds, 1e-9),
+                "optimizer_steps": float(steps)}
+
+    def _optimizer_step(self, samples: list[Sample], old: list[torch.Tensor] | None,
+                        ref: list[torch.Tensor] | None, stats: TokenStats, totals: dict[str, float]) -> None:
+        """Accumulate gradients over token-budgeted micro-batches, clip, step."""
+        assert self.optimizer is not None
+        weights = sequence_loss_weights([s.loss_tokens for s in samples], [s.sample_weight for s in samples],
+                                        self.cfg.effective_loss_agg, self.cfg.loss_norm_tokens)
+        self.optimizer.zero_grad(set_to_none=True)
+        for rows in plan_micro_batches([len(s.token_ids) for s in samples], self.cfg.micro_batch_tokens):
+            mb = collate(samples, rows, weights, self.device)
+            loss = self._micro_loss(mb, _padded(old, rows, mb.input_ids_B_T), _padded(ref, rows, mb.input_ids_B_T), stats)
+            loss.backward()
+            totals["loss"] += float(loss.detach())
+            totals["tokens"] += mb.real_tokens
+            totals["padded_tokens"] += mb.input_ids_B_T.numel()
+        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")
+        totals["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        self.optimizer.step()
+        self.state.optimizer_steps += 1
+
+    def _micro_loss(self, mb: Any, old_B_T: torch.Tensor | None, ref_B_T: torch.Tensor | None,
+                    stats: TokenStats) -> torch.Tensor:
+        """Aggregated loss of one micro-batch (its share of the mini-batch loss)."""
+        with self._autocast():
+            logits_B_T_V = self.model(input_ids=mb.input_ids_B_T, attention_mask=mb.attention_mask_B_T).logits
+        logprobs_B_T = token_logprobs(logits_B_T_V, mb.input_ids_B_T, self.cfg.temperature)
+        # on the single on-policy step the "old" policy is the current one, without gradient
+        old_B_T = logprobs_B_T.detach() if old_B_T is None else old_B_T
+        loss_B_T = ppo_token_loss(logprobs_B_T, old_B_T, mb.advantages_B, mb.behaviour_B_T, mb.behaviour_valid_B_T,
+                                  mb.loss_mask_B_T, self._clip, stats)
+        w_B_T = mb.token_weights_B.unsqueeze(-1) * mb.loss_mask_B_T
+        entropy_B_T = token_entropy(logits_B_T_V if self.cfg.entropy_coef > 0 else logits_B_T_V.detach(),
+                                    self.cfg.temperature)
+        stats.add("entropy", entropy_B_T, mb.loss_mask_B_T)
+        loss = (loss_B_T * w_B_T).sum() - self.cfg.entropy_coef * (entropy_B_T * w_B_T).sum()
+        if ref_B_T is not None:
+            kl_B_T = k3_kl(logprobs_B_T, ref_B_T)
+            stats.add("kl_ref", kl_B_T, mb.loss_mask_B_T)
+            loss = loss + self.cfg.kl_coef * (kl_B_T * w_B_T).sum()
+        return loss
+
+    @torch.no_grad()
+    def _logprobs_no_grad(self, model: Any, samples: list[Sample]) -> list[torch.Tensor]:
+        """Per-sample logprobs (CPU, unpadded) under `model`, for pi_old or the reference."""
+        out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
+        for rows in plan_micro_batches([len(s.token_ids) for s in samples], self.cfg.micro_batch_tokens):
+            mb = collate(samples, rows, [0.0] * len(samples), self.device)
+            with self._autocast():
+                logits = model(input_ids=mb.input_ids_B_T, attention_mask=mb.attention_mask_B_T).logits
+            lp_B_T = token_logprobs(logits, mb.input_ids_B_T, self.cfg.temperature).cpu()
+            for r, i in enumerate(rows):
+                out[i] = lp_B_T[r, : len(samples[i].token_ids)]
+        return out
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if not self.cfg.autocast_bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+
+    # ---- model, checkpoints, metrics ----------------------------------------------------------
+
+    def _ensure_model(self) -> None:
+        """Build the model (from the newest checkpoint when resuming) and AdamW, once."""
+        if self.model is not None:
+            return
+        torch.manual_seed(self.cfg.seed)
+        ckpt = self.latest_checkpoint
+        self.model, self.tokenizer = self._factory(str(ckpt) if ckpt else None)
+        self.model.to(device=self.device, dtype=self.dtype)
+        self._set_mode(self.model)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay,
+                                           betas=(self.cfg.adam_beta1, self.cfg.adam_beta2))
+        if ckpt and (ckpt / OPTIMIZER_FILE).is_file():
+            self.optimizer.load_state_dict(torch.load(ckpt / OPTIMIZER_FILE, map_location=self.device))
+        if self.cfg.kl_coef > 0:
+            self._ref_model = self._factory(None)[0].to(device=self.device, dtype=self.dtype).eval()
+            self._ref_model.requires_grad_(False)
+
+    def _set_mode(self, model: Any) -> None:
+        # eval() turns dropout off so pi_old and pi_theta agree; HF checkpointing needs train().
+        if self.cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+            model.config.use_cache = False
+            model.train()
+        else:
+            model.eval()
+
+    def _maybe_checkpoint(self) -> Path | None:
+        if self.state.step % self.cfg.checkpoint_every:
+            return None
+        return self.save()
+
+    def save(self) -> Path:
+        """Write a checkpoint of the current version now (also called every `checkpoint_every`)."""
+        self._ensure_model()
+        opt = self.optimizer if self.cfg.save_optimizer else None
+        self.latest_checkpoint = save_checkpoint(self.run_dir, self.state, self.model, self.tokenizer, opt,
+                                                 self.cfg.keep_checkpoints)
+        return self.latest_checkpoint
+
+    def _metrics_writer(self) -> MetricsWriter:
+        if self._writer is None:
+            self._writer = MetricsWriter(self.run_dir, self.cfg.tensorboard)
+        return self._writer
+
+
+def _pick(values: list[torch.Tensor] | None, rows: list[int]) -> list[torch.Tensor] | None:
+    return None if values is None else [values[i] for i in rows]
+
+
+def _padded(values: list[torch.Tensor] | None, rows: list[int], like_B_T: torch.Tensor) -> torch.Tensor | None:
+    """Right-pad per-sample logprobs of the micro-batch rows to the micro-batch shape."""
+    if values is None:
+        return None
+    out_B_T = torch.zeros(like_B_T.shape, dtype=torch.float32)
+    for r, i in enumerate(rows):
+        out_B_T[r, : values[i].numel()] = values[i]
+    return out_B_T.to(like_B_T.device)
+
+
+def _check_trajectory(traj: Trajectory) -> None:
+    """The per-token invariants of `Trajectory`; a violation is a producer bug (dead-letter it)."""
+    n = len(traj.token_ids)
+    if len(traj.loss_mask) != n or len(traj.logprobs) != n:
+        raise ValueError(f"trajectory {traj.episode_id}: token_ids ({n}), loss_mask ({len(traj.loss_mask)}) "
+                         f"and logprobs ({len(traj.logprobs)}) must have equal length")

@@ -1,0 +1,128 @@
+"""The model's own chat template as an append-only ChatFormat (token-in, token-out across turns)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from rollway.policies.base import ChatFormat
+
+_PROBE_USER = {"role": "user", "content": "x"}
+_PROBE_REPLY = "\u2063rollway-probe\u2063"  # a string no template adds on its own
+
+
+def hermes_tools_note(tools: list[dict[str, Any]]) -> str:
+    """Tool list in the Hermes format, for templates that do not render `tools` themselves."""
+    listing = "\n".join(json.dumps(t.get("function", t), sort_keys=True) for t in tools)
+    return ("# Tools\n\nYou may call the functions below. Their signatures are inside <tools></tools>:\n"
+            f"<tools>\n{listing}\n</tools>\n\nTo call one, reply with a JSON object inside tags:\n"
+            '<tool_call>\n{"name": <function-name>, "arguments": <arguments-object>}\n</tool_call>')
+
+
+class HFChatFormat(ChatFormat):
+    """Renders with `tokenizer`'s chat template (or `chat_template`) and cuts renderings into turns.
+
+    `continuation` is the suffix the template adds after the assistant's stop token for the new
+    messages, so for an append-only template initial + completions + continuations == a full render.
+    Templates that rewrite history (strip earlier reasoning, re-tokenize across turns) make `drift`
+    report True; the accumulated ids stay what the model saw, which is what RL trains on."""
+
+    def __init__(self, tokenizer: Any, chat_template: str | None = None):
+        self.tokenizer = tokenizer
+        self.template = chat_template or tokenizer.chat_template
+        if not self.template:
+            raise ValueError("the tokenizer has no chat template: use a chat model or pass chat_template")
+        self.native_tools = "tools" in self.template
+        self._stop_text = self._probe_stop_text()
+        self._stop_ids = tuple(self.encode_special(self._stop_text))
+        self._header_ids = tuple(self._probe_header_ids())
+
+    # -- rendering ------------------------------------------------------------------------------
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], generation_prompt: bool) -> str:
+        """The template's text for `messages` (tools inlined into the system message if needed)."""
+        if tools and not self.native_tools:
+            messages = self._with_tools_in_system(messages, tools)
+        return self.tokenizer.apply_chat_template(
+            messages, tools=(tools or None) if self.native_tools else None, chat_template=self.template,
+            add_generation_prompt=generation_prompt, tokenize=False)
+
+    def _with_tools_in_system(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict]:
+        note = hermes_tools_note(tools)
+        if messages and messages[0]["role"] == "system":
+            return [{**messages[0], "content": f"{messages[0]['content']}\n\n{note}"}, *messages[1:]]
+        return [{"role": "system", "content": note}, *messages]
+
+    def encode_special(self, text: str) -> list[int]:
+        """Token ids of rendered template text (special-token strings become special tokens)."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _probe_stop_text(self) -> str:
+        # The text right after an assistant reply up to its first special token is the turn end.
+        text = self.render([_PROBE_USER, {"role": "assistant", "content": _PROBE_REPLY}], [], False)
+        after = text[text.index(_PROBE_REPLY) + len(_PROBE_REPLY):]
+        for token in sorted(self.tokenizer.all_special_tokens, key=len, reverse=True):
+            if token and after.lstrip().startswith(token):
+                return token
+        if self.tokenizer.eos_token:
+            return self.tokenizer.eos_token
+        raise ValueError("cannot tell which token ends an assistant turn in this chat template")
+
+    def _probe_header_ids(self) -> list[int]:
+        bare = self.render([_PROBE_USER], [], False)
+        prompt = self.render([_PROBE_USER], [], True)
+        if not prompt.startswith(bare):
+            raise ValueError("the chat template's generation prompt is not a suffix of the conversation")
+        return self.encode_special(prompt[len(bare):])
+
+    def _end_of_last_turn(self, text: str) -> int:
+        """Offset just after the last assistant turn's stop token in `text`."""
+        at = text.rfind(self._stop_text)
+        if at < 0:
+            raise ValueError(f"no {self._stop_text!r} in the rendered history: it must end with an assistant turn")
+        return at + len(self._stop_text)
+
+    # -- ChatFormat ------------------------------------------------------------------------------
+
+    def initial(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
+        return self.encode_special(self.render(messages, tools, True))
+
+    def continuation(self, history: list[dict[str, Any]], new: list[dict[str, Any]],
+                     tools: list[dict[str, Any]]) -> list[int]:
+        """Ids after the model's stop token (which must end its completion: if it hit max_tokens, the
+        caller appends `stop_token_ids[0]` first). For a template that rewrites history the suffix is
+        taken from a neutral one-turn context instead (and `drift` reports the mismatch)."""
+        if not history or history[-1]["role"] != "assistant":
+            raise ValueError("continuation() expects history to end with the assistant's completed turn")
+        prefix = self.render(history, tools, False)
+        full = self.render([*history, *new], tools, True)
+        cut = self._end_of_last_turn(prefix)
+        if full[:cut] != prefix[:cut]:
+            probe = [_PROBE_USER, {"role": "assistant", "content": _PROBE_REPLY}]
+            prefix = self.render(probe, [], False)
+            full = self.render([*probe, *new], [], True)
+            cut = self._end_of_last_turn(prefix)
+        return self.encode_special(full[cut:])
+
+    def drift(self, history: list[dict[str, Any]], tools: list[dict[str, Any]], token_ids: list[int]) -> bool:
+        """True when a from-scratch render of `history` differs from the accumulated `token_ids`
+        (which end with a generation prompt, or with the stop token if history ends with the assistant)."""
+        ends_with_reply = bool(history) and history[-1]["role"] == "assistant"
+        text = self.render(history, tools, not ends_with_reply)
+        if ends_with_reply:
+            text = text[: self._end_of_last_turn(text)]
+        return self.encode_special(text) != list(token_ids)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+
+    @property
+    def assistant_header_ids(self) -> tuple[int, ...]:
+        return self._header_ids
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return self._stop_ids

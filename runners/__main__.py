@@ -1,0 +1,5 @@
+import sys
+
+from rollway.runners.cli import main
+
+sys.exit(main())

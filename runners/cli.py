@@ -1,0 +1,38 @@
+"""The `rollway` command: every `rollway.runners.cmd_*` module is one subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+import rollway.runners as runners_pkg
+
+
+def command_modules() -> list:
+    names = sorted(m.name for m in pkgutil.iter_modules(runners_pkg.__path__) if m.name.startswith("cmd_"))
+    return [importlib.import_module(f"rollway.runners.{name}") for name in names]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rollway", description="Agent RL rollouts as a Kafka stream pipeline.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in command_modules():
+        p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""`rollway stage NAME CONFIG`: one worker of one stage; start more to scale the stage."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rollway.actors import STAGES
+from rollway.runners.common import add_config_arguments, load_or_exit
+
+NAME = "stage"
+HELP = "Run one worker of one pipeline stage against a Kafka broker."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", choices=STAGES, help="stage to run")
+    add_config_arguments(parser)
+    parser.add_argument("--bootstrap", required=True, help="Kafka bootstrap servers, HOST:PORT")
+    parser.add_argument("--run-dir", default=None, help="folder for this stage's files (default: run.dir or runs/<name>)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rollway.core.kafka import BrokerUnavailable
+    from rollway.core.logging import configure_logging
+    from rollway.runners.stage import run_stage_sync
+
+    cfg = load_or_exit(args, "stage")
+    run_dir = Path(args.run_dir or cfg.run.dir or f"runs/{cfg.run.name}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    configure_logging(args.name, run_dir)
+    try:
+        run_stage_sync(args.name, cfg, args.bootstrap, run_dir)
+    except BrokerUnavailable as err:
+        print(f"rollway stage {args.name}: {err}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,81 @@
+"""Build and run one stage worker (used by `rollway stage` and by `rollway up`'s child processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+from rollway.actors import STAGES
+from rollway.actors.base import Actor
+from rollway.actors.services import Services
+from rollway.core.config import RunConfig
+from rollway.core.kafka import ensure_topics
+from rollway.runners.stage_runtime import LogReader, StageWorker
+
+
+def build_actor(name: str, services: Services, log_reader: LogReader | None) -> Actor:
+    if name == "scheduler":
+        from rollway.actors.scheduler import SchedulerActor
+
+        return SchedulerActor(services)
+    if name == "init":
+        from rollway.actors.init import InitActor
+
+        return InitActor(services)
+    if name == "agent":
+        from rollway.actors.agent import AgentActor
+
+        return AgentActor(services, log_reader)
+    if name == "reward":
+        from rollway.actors.reward import RewardActor
+
+        return RewardActor(services)
+    if name == "learner":
+        from rollway.actors.learner import LearnerActor
+
+        return LearnerActor(services)
+    if name == "sink":
+        from rollway.actors.sink import SinkActor
+
+        return SinkActor(services)
+    raise ValueError(f"unknown stage {name!r}; stages are: {', '.join(STAGES)}")
+
+
+def stage_concurrency(name: str, cfg: RunConfig) -> int:
+    section = {"init": cfg.init, "agent": cfg.agent, "reward": cfg.reward}.get(name)
+    return section.concurrency if section is not None else 1
+
+
+def group_id(name: str, cfg: RunConfig) -> str:
+    # The scheduler reads every outcome of its own run, so its group is per run.
+    suffix = f"-{cfg.run.id}" if name == "scheduler" and cfg.run.id else ""
+    return f"{cfg.topics.prefix}rollway-{name}{suffix}"
+
+
+async def run_stage(name: str, cfg: RunConfig, bootstrap: str, run_dir: Path, stop: asyncio.Event | None = None) -> None:
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    await ensure_topics(cfg.broker, cfg.topics, bootstrap)
+    log_reader = LogReader(cfg, bootstrap) if name == "agent" else None
+    actor = build_actor(name, Services(cfg, run_dir), log_reader)
+    try:
+        await StageWorker(actor, cfg, bootstrap, stage_concurrency(name, cfg), group_id(name, cfg)).run(stop)
+    finally:
+        if log_reader is not None:
+            await log_reader.close()
+
+
+def run_stage_sync(name: str, cfg: RunConfig, bootstrap: str, run_dir: Path) -> None:
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(run_stage(name, cfg, bootstrap, run_dir))

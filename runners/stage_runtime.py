@@ -1,0 +1,238 @@
+"""Runs one actor as a Kafka stream processor: consume, handle (bounded concurrency, in order per
+key), produce, then commit; undecodable or failing messages go to dead-letters."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from typing import Any
+
+import structlog
+from aiokafka import ConsumerRebalanceListener, TopicPartition
+from aiokafka.errors import KafkaError
+
+from rollway.actors.base import Actor, MessageMeta, Output
+from rollway.core.config import RunConfig
+from rollway.core.kafka import make_consumer, make_producer, topic_name
+from rollway.schemas.codec import DecodeError, decode, encode
+from rollway.schemas.messages import AgentStep, DeadLetter
+from rollway.topics import DEAD_LETTERS, TopicSpec
+
+log = structlog.get_logger()
+
+COMMIT_INTERVAL_S = 0.5
+TICK_INTERVAL_S = 0.2
+
+
+class OffsetTracker:
+    """Per partition: offsets handed out and not yet finished. The committable offset is the lowest
+    unfinished one (or one past the highest fetched), so a crash never skips an unfinished message."""
+
+    def __init__(self) -> None:
+        self.pending: dict[TopicPartition, set[int]] = defaultdict(set)
+        self.fetched: dict[TopicPartition, int] = {}
+        self.committed: dict[TopicPartition, int] = {}
+
+    def start(self, tp: TopicPartition, offset: int) -> None:
+        self.pending[tp].add(offset)
+        self.fetched[tp] = max(self.fetched.get(tp, -1), offset)
+
+    def finish(self, tp: TopicPartition, offset: int) -> None:
+        self.pending[tp].discard(offset)
+
+    def to_commit(self) -> dict[TopicPartition, int]:
+        out = {}
+        for tp, high in self.fetched.items():
+            pos = min(self.pending[tp]) if self.pending[tp] else high + 1
+            if self.committed.get(tp) != pos:
+                out[tp] = pos
+        return out
+
+    def forget(self, tps: set[TopicPartition]) -> None:
+        for tp in tps:
+            self.pending.pop(tp, None)
+            self.fetched.pop(tp, None)
+            self.committed.pop(tp, None)
+
+
+class StageWorker:
+    """One worker process of one stage (a member of the stage's consumer group)."""
+
+    def __init__(self, actor: Actor, cfg: RunConfig, bootstrap: str, concurrency: int, group_id: str):
+        self.actor, self.cfg, self.bootstrap = actor, cfg, bootstrap
+        self.concurrency = concurrency
+        self.group_id = group_id
+        self.specs: dict[str, TopicSpec] = {topic_name(t, cfg.topics): t for t in actor.inputs}
+        self.offsets = OffsetTracker()
+        self.tasks: dict[asyncio.Task, TopicPartition] = {}
+        self.key_locks: dict[Any, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self.stats = {"handled": 0, "dead_lettered": 0, "produced": 0}
+        self.producer = self.consumer = None
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.producer = await make_producer(self.cfg.broker, self.bootstrap)
+        try:
+            self.consumer = await make_consumer(self.cfg.broker, self.bootstrap, group_id=self.group_id)
+            self.consumer.subscribe(list(self.specs), listener=_Rebalance(self))
+            await self.actor.setup()
+            log.info("stage worker started", stage=self.actor.name, group=self.group_id,
+                     topics=list(self.specs), concurrency=self.concurrency)
+            await self._loop(stop)
+            await self._drain()
+        finally:
+            await self.actor.close()
+            if self.consumer is not None:
+                await self.consumer.stop()
+            await self.producer.stop()
+            log.info("stage worker stopped", stage=self.actor.name, **self.stats)
+
+    async def _loop(self, stop: asyncio.Event) -> None:
+        last_commit = last_tick = 0.0
+        while not stop.is_set() and not self.actor.done:
+            free = self.concurrency - len(self.tasks)
+            if free > 0:
+                batches = await self.consumer.getmany(timeout_ms=100, max_records=free)
+                for tp, records in batches.items():
+                    for record in records:
+                        self._spawn(tp, record)
+            else:
+                await asyncio.wait(list(self.tasks), timeout=0.1, return_when=asyncio.FIRST_COMPLETED)
+            now = time.monotonic()
+            if now - last_tick >= TICK_INTERVAL_S:
+                await self._send(await self.actor.tick())
+                last_tick = now
+            if now - last_commit >= COMMIT_INTERVAL_S:
+                await self.commit()
+                last_commit = now
+
+    def _spawn(self, tp: TopicPartition, record: Any) -> None:
+        self.offsets.start(tp, record.offset)
+        task = asyncio.create_task(self._process(tp, record))
+        self.tasks[task] = tp
+        task.add_done_callback(self.tasks.pop)
+
+    async def _process(self, tp: TopicPartition, record: Any) -> None:
+        spec = self.specs[tp.topic]
+        meta = MessageMeta(tp.topic, tp.partition, record.offset, record.timestamp)
+        try:
+            msg = decode(record.value, spec.value)
+        except DecodeError as err:
+            outputs = [self._dead_letter(record, tp, f"decode: {err}")]
+        else:
+            async with self.key_locks[record.key]:
+                outputs = await self._handle(msg, meta, record, tp)
+            if not self.key_locks[record.key].locked():
+                self.key_locks.pop(record.key, None)
+        await self._send(outputs)
+        self.offsets.finish(tp, record.offset)
+
+    async def _handle(self, msg: Any, meta: MessageMeta, record: Any, tp: TopicPartition) -> list[Output]:
+        try:
+            outputs = await self.actor.handle(msg, meta)
+            self.stats["handled"] += 1
+            return outputs
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a failing message must not stop the stage
+            log.exception("handler failed; message dead-lettered", stage=self.actor.name,
+                          episode_id=getattr(msg, "episode_id", None), offset=record.offset)
+            return [self._dead_letter(record, tp, f"handler: {type(err).__name__}: {err}"),
+                    *self.actor.on_error(msg, err)]
+
+    def _dead_letter(self, record: Any, tp: TopicPartition, reason: str) -> Output:
+        self.stats["dead_lettered"] += 1
+        log.warning("dead letter", stage=self.actor.name, topic=tp.topic, partition=tp.partition,
+                    offset=record.offset, reason=reason[:500])
+        return Output(DEAD_LETTERS, None, DeadLetter(
+            source_topic=tp.topic, partition=tp.partition, offset=record.offset, key=record.key,
+            value=record.value, reason=reason, stage=self.actor.name, at=time.time()))
+
+    async def _send(self, outputs: list[Output]) -> None:
+        """Produce and wait for the broker's acks (before the input offset may be committed).
+        Retries with backoff while the broker is away, so a broker restart does not lose outputs."""
+        delay = 0.2
+        pending = list(outputs)
+        while pending:
+            out = pending[0]
+            try:
+                key = out.key.encode() if out.key is not None else None
+                await self.producer.send_and_wait(topic_name(out.topic, self.cfg.topics), encode(out.value), key=key)
+                pending.pop(0)
+                self.stats["produced"] += 1
+                delay = 0.2
+            except KafkaError as err:
+                log.warning("produce failed, retrying", stage=self.actor.name, error=str(err), retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    async def commit(self, tps: set[TopicPartition] | None = None) -> None:
+        offsets = {tp: o for tp, o in self.offsets.to_commit().items() if tps is None or tp in tps}
+        if not offsets:
+            return
+        try:
+            await self.consumer.commit(offsets)
+            self.offsets.committed.update(offsets)
+        except KafkaError as err:
+            log.warning("commit failed; will retry", stage=self.actor.name, error=str(err))
+
+    async def wait_for(self, tps: set[TopicPartition], timeout_s: float) -> None:
+        tasks = [t for t, tp in self.tasks.items() if tp in tps]
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
+
+    async def _drain(self, timeout_s: float = 30.0) -> None:
+        if self.tasks:
+            await asyncio.wait(list(self.tasks), timeout=timeout_s)
+        await self.commit()
+
+
+class _Rebalance(ConsumerRebalanceListener):
+    """Before giving partitions away, finish their in-flight messages and commit them, so the next
+    owner neither repeats nor skips work."""
+
+    def __init__(self, worker: StageWorker):
+        self.worker = worker
+
+    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        await self.worker.wait_for(set(revoked), timeout_s=20.0)
+        await self.worker.commit(set(revoked))
+        self.worker.offsets.forget(set(revoked))
+
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        log.info("partitions assigned", stage=self.worker.actor.name,
+                 partitions=sorted(f"{tp.topic}:{tp.partition}" for tp in assigned))
+
+
+class LogReader:
+    """Reads one episode's agent-steps back from the log (for a worker that lacks it in memory)."""
+
+    def __init__(self, cfg: RunConfig, bootstrap: str):
+        self.cfg, self.bootstrap = cfg, bootstrap
+        self.consumer = None
+        self.lock = asyncio.Lock()
+
+    async def __call__(self, topic: str, partition: int, from_offset: int, episode_id: str) -> list[tuple[int, AgentStep]]:
+        async with self.lock:
+            if self.consumer is None:
+                self.consumer = await make_consumer(self.cfg.broker, self.bootstrap, group_id=None)
+            tp = TopicPartition(topic, partition)
+            self.consumer.assign([tp])
+            end = (await self.consumer.end_offsets([tp]))[tp]
+            self.consumer.seek(tp, from_offset)
+            out: list[tuple[int, AgentStep]] = []
+            key = episode_id.encode()
+            while from_offset < end:
+                batch = await self.consumer.getmany(tp, timeout_ms=1000)
+                for record in batch.get(tp, []):
+                    from_offset = record.offset + 1
+                    if record.key == key:
+                        try:
+                            out.append((record.offset, decode(record.value, AgentStep)))
+                        except DecodeError:
+                            continue
+            return out
+
+    async def close(self) -> None:
+        if self.consumer is not None:
+            await self.consumer.stop()

@@ -1,0 +1,147 @@
+"""`rollway up`: the whole job on one machine: broker, one process per stage, run to the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rollway.actors import STAGES
+from rollway.core.config import RunConfig, dump_config
+
+# Start order: consumers of the later topics first, the scheduler (which issues work) last.
+START_ORDER = ("sink", "learner", "reward", "agent", "init", "scheduler")
+STAGE_TIME_KEYS = ("init_queue", "init", "agent_queue", "agent_gen", "agent_tool", "reward_queue", "reward")
+
+
+@dataclass
+class StageProcess:
+    stage: str
+    index: int
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+
+    def start(self) -> None:
+        out = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        out.close()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+@dataclass
+class Job:
+    """The processes of one `up` run."""
+
+    cfg: RunConfig
+    config_path: str
+    overrides: list[str]
+    bootstrap: str
+    run_dir: Path
+    workers: dict[str, int]
+    procs: list[StageProcess] = field(default_factory=list)
+    max_restarts: int = 3
+
+    def stage_argv(self, stage: str) -> list[str]:
+        return [sys.executable, "-m", "rollway.runners", "stage", stage, self.config_path, *self.overrides,
+                f"run.id={self.cfg.run.id}", "--bootstrap", self.bootstrap, "--run-dir", str(self.run_dir)]
+
+    def start(self) -> None:
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        for stage in START_ORDER:
+            for i in range(self.workers.get(stage, 1)):
+                p = StageProcess(stage, i, self.stage_argv(stage), self.run_dir / "logs" / f"{stage}-{i}.out")
+                p.start()
+                self.procs.append(p)
+
+    def scheduler_exit_code(self) -> int | None:
+        sched = [p for p in self.procs if p.stage == "scheduler"]
+        return sched[0].proc.poll() if sched else None
+
+    def restart_dead_workers(self) -> list[str]:
+        """Restart crashed non-scheduler workers (the log keeps their work), up to max_restarts each."""
+        notes = []
+        for p in self.procs:
+            if p.stage != "scheduler" and not p.alive and p.restarts < self.max_restarts:
+                code = p.proc.returncode if p.proc else None
+                p.restarts += 1
+                p.start()
+                notes.append(f"{p.stage}-{p.index} exited (code {code}); restarted ({p.restarts}/{self.max_restarts})")
+        return notes
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        for p in self.procs:
+            if p.alive:
+                p.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs:
+            if p.proc is None:
+                continue
+            try:
+                p.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.proc.pid, signal.SIGKILL)
+                p.proc.wait()
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def parse_workers(specs: list[str]) -> dict[str, int]:
+    """`agent=2` -> {"agent": 2}; every stage defaults to one worker."""
+    workers = {s: 1 for s in STAGES}
+    for spec in specs:
+        name, _, count = spec.partition("=")
+        if name not in STAGES or not count.isdigit() or int(count) < 1:
+            raise ValueError(f"--workers {spec!r}: expected STAGE=N with STAGE in {', '.join(STAGES)} and N >= 1")
+        if name == "scheduler" and int(count) != 1:
+            raise ValueError("--workers: the scheduler runs as exactly one process")
+        workers[name] = int(count)
+    return workers
+
+
+def summarize(run_dir: Path, cfg: RunConfig, wall_s: float, job: Job) -> dict:
+    sched = read_json(run_dir / "scheduler.json")
+    trajs = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines() if line] \
+        if (run_dir / "trajectories.jsonl").exists() else []
+    stage_totals = {k: round(sum(t["timings"].get(k, 0.0) for t in trajs), 4) for k in STAGE_TIME_KEYS}
+    rewards = [t["reward"] for t in trajs]
+    stop_reasons: dict[str, int] = {}
+    for t in trajs:
+        stop_reasons[t["stop_reason"]] = stop_reasons.get(t["stop_reason"], 0) + 1
+    return {
+        "run_id": cfg.run.id, "run_dir": str(run_dir),
+        "episodes_planned": sched.get("episodes_planned", 0),
+        "episodes_scheduled": sched.get("episodes_scheduled", 0),
+        "episodes_completed": sched.get("episodes_completed", 0),
+        "episodes_failed": sched.get("episodes_failed", 0),
+        "episodes_retried": sched.get("retries", 0),
+        "trajectories_written": len(trajs),
+        "reward_mean": round(sum(rewards) / len(rewards), 4) if rewards else None,
+        "pass_rate": round(sum(t["resolved"] for t in trajs) / len(trajs), 4) if trajs else None,
+        "turns_mean": round(sum(t["num_turns"] for t in trajs) / len(trajs), 3) if trajs else None,
+        "stop_reasons": stop_reasons,
+        "stage_seconds_total": stage_totals,
+        "wall_seconds": round(wall_s, 3),
+        "episodes_per_second": round(len(trajs) / wall_s, 4) if wall_s > 0 else None,
+        "worker_restarts": {f"{p.stage}-{p.index}": p.restarts for p in job.procs if p.restarts},
+        "failed": sched.get("failed", []),
+    }
+
+
+def write_run_files(run_dir: Path, cfg: RunConfig) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(dump_config(cfg), indent=1))

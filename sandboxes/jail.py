@@ -1,0 +1,249 @@
+"""Run one command in a fresh bubblewrap jail with wall-time, memory, process, file and output limits."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rollway.sandboxes.base import ExecResult, SandboxError
+from rollway.sandboxes.config import SandboxConfig
+
+JAIL_WORKSPACE = "/workspace"
+"""Where the workspace appears inside every jail (and the cwd of every command)."""
+JAIL_UID = 65534
+"""The unprivileged user (nobody) every command runs as inside the jail."""
+
+# Host /etc entries a shell, git and Python need; everything else in /etc stays invisible.
+_ETC_ENTRIES = (
+    "alternatives", "ca-certificates", "group", "hosts", "ld.so.cache", "ld.so.conf", "ld.so.conf.d",
+    "localtime", "mime.types", "nsswitch.conf", "os-release", "passwd", "protocols", "services", "ssl",
+)
+# Top-level system folders: merged-/usr systems have symlinks here, older ones real folders.
+_SYSTEM_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+
+# Applied by a bash inside the jail, after bwrap created the user namespace: RLIMIT_NPROC then
+# counts the processes of this jail only, so one jail's fork bomb cannot starve the others.
+_LIMITS_SCRIPT = 'ulimit -c 0 -v {as_kb} -u {nproc} -f {fsize_kb} || exit 125; exec bash -c "$1"'
+_BIND_SCRIPT = 'set -e; while [ "$1" != -- ]; do mount --bind -o ro "$1" "$2"; shift 2; done; shift; exec "$@"'
+
+
+@dataclass(frozen=True)
+class JailLimits:
+    """Per-command limits; every field comes from SandboxConfig unless a caller narrows it."""
+
+    timeout_s: float
+    memory_mb: int
+    max_processes: int
+    max_file_mb: int
+    max_output_bytes: int
+    output_kill_bytes: int
+
+    @classmethod
+    def from_config(cls, cfg: SandboxConfig, timeout_s: float | None = None) -> JailLimits:
+        return cls(
+            timeout_s=timeout_s or cfg.exec_timeout_s,
+            memory_mb=cfg.memory_mb,
+            max_processes=cfg.max_processes,
+            max_file_mb=cfg.max_file_mb,
+            max_output_bytes=cfg.max_output_bytes,
+            output_kill_bytes=max(cfg.output_kill_mb * 2**20, cfg.max_output_bytes),
+        )
+
+
+class OutputCapture:
+    """Keeps the first and last halves of a command's output, counting (not storing) the middle,
+    so a command that prints gigabytes costs a bounded amount of memory and the agent still sees
+    how its output began and ended (where test summaries are)."""
+
+    def __init__(self, limit: int) -> None:
+        self.head_limit = limit // 2
+        self.tail_limit = limit - self.head_limit
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.total = 0
+
+    def feed(self, chunk: bytes) -> None:
+        self.total += len(chunk)
+        room = self.head_limit - len(self.head)
+        if room > 0:
+            self.head += chunk[:room]
+            chunk = chunk[room:]
+        if chunk:
+            self.tail += chunk
+            if len(self.tail) > self.tail_limit:
+                del self.tail[: len(self.tail) - self.tail_limit]
+
+    @property
+    def omitted(self) -> int:
+        return self.total - len(self.head) - len(self.tail)
+
+    def text(self) -> str:
+        if self.omitted <= 0:
+            return bytes(self.head + self.tail).decode("utf-8", errors="replace")
+        notice = f"\n[output truncated: {self.omitted} bytes omitted]\n"
+        return self.head.decode("utf-8", errors="replace") + notice + self.tail.decode("utf-8", errors="replace")
+
+
+def python_mounts(python: str | None) -> tuple[str, list[str]]:
+    """(bin folder to put first on PATH, host folders to bind read-only) for the interpreter that
+    graded repositories run their tests with: a venv needs both its own folder and its base
+    interpreter's folder, bound at the same paths so the venv's symlinks resolve."""
+    if python is None:
+        prefix, base = sys.prefix, sys.base_prefix
+    else:
+        code = "import sys; print(sys.prefix); print(sys.base_prefix)"
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout
+        prefix, base = out.split()[:2]
+    mounts = [p for p in dict.fromkeys([prefix, base]) if not (p == "/usr" or p.startswith("/usr/"))]
+    return os.path.join(prefix, "bin"), mounts
+
+
+def _readable_by_others(path: str) -> bool:
+    """True when an unprivileged host user can reach `path` (every ancestor has o+x)."""
+    p = Path(path)
+    return all(os.stat(d).st_mode & 0o001 for d in [*reversed(p.parents), p])
+
+
+class JailRunner:
+    """Builds bwrap command lines and runs them with limits; one per provider, shared by its sandboxes."""
+
+    def __init__(self, cfg: SandboxConfig) -> None:
+        self.cfg = cfg
+        self.bwrap = shutil.which(cfg.bwrap) or cfg.bwrap
+        self.python_bin, self.ro_mounts = python_mounts(cfg.python)
+        self.ro_mounts += [p for p in cfg.ro_binds if p not in self.ro_mounts]
+        # As host root, RLIMIT_NPROC is never enforced (the kernel exempts uid 0 even inside a user
+        # namespace), so bwrap itself runs as an unprivileged host user.
+        self.host_uid: int | None = (cfg.host_uid if cfg.host_uid is not None else JAIL_UID) if os.geteuid() == 0 else None
+
+    def argv(self, workspace: str, command: str, limits: JailLimits, stage_dir: str | None = None) -> list[str]:
+        """The full command line: [staging of unreachable folders, uid switch,] bwrap, limits, command."""
+        staged, binds = self._staged_mounts(stage_dir)
+        jail = [self.bwrap, *self._namespace_args(), *self._filesystem_args(workspace, binds), *self._env_args()]
+        limits_script = _LIMITS_SCRIPT.format(
+            as_kb=limits.memory_mb * 1024, nproc=limits.max_processes, fsize_kb=limits.max_file_mb * 1024
+        )
+        jail += ["bash", "-c", limits_script, "rollway-jail", command]
+        if self.host_uid is None:
+            return jail
+        uid = str(self.host_uid)
+        jail = ["setpriv", "--reuid", uid, "--regid", uid, "--clear-groups", *jail]
+        if not staged:
+            return jail
+        return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", _BIND_SCRIPT, "sh", *staged, "--", *jail]
+
+    def _staged_mounts(self, stage_dir: str | None) -> tuple[list[str], list[tuple[str, str]]]:
+        """Folders the unprivileged host user cannot reach (e.g. a pyenv under a 0700 /root) are
+        bind-mounted onto empty stage folders in a private mount namespace that only this command
+        sees; returns (src dst pairs for that step, (source, jail path) pairs for bwrap)."""
+        staged: list[str] = []
+        binds: list[tuple[str, str]] = []
+        for i, path in enumerate(self.ro_mounts):
+            if self.host_uid is None or _readable_by_others(path) or stage_dir is None:
+                binds.append((path, path))
+                continue
+            stage = os.path.join(stage_dir, f"ro{i}")
+            os.makedirs(stage, exist_ok=True)
+            staged += [path, stage]
+            binds.append((stage, path))
+        return staged, binds
+
+    def _namespace_args(self) -> list[str]:
+        return [
+            "--unshare-all", "--unshare-user", "--uid", str(JAIL_UID), "--gid", str(JAIL_UID),
+            "--cap-drop", "ALL", "--hostname", "sandbox", "--die-with-parent", "--new-session",
+        ]  # fmt: skip
+
+    def _filesystem_args(self, workspace: str, binds: list[tuple[str, str]]) -> list[str]:
+        args = ["--ro-bind", "/usr", "/usr"]
+        for name in _SYSTEM_DIRS:
+            host = f"/{name}"
+            if os.path.islink(host):
+                args += ["--symlink", os.readlink(host), host]
+            elif os.path.isdir(host):
+                args += ["--ro-bind", host, host]
+        for name in _ETC_ENTRIES:
+            args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
+        args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+        for source, dest in binds:
+            args += ["--ro-bind", source, dest]
+        return args + ["--bind", workspace, JAIL_WORKSPACE, "--chdir", JAIL_WORKSPACE]
+
+    def _env_args(self) -> list[str]:
+        env = {
+            "PATH": f"{self.python_bin}:/usr/local/bin:/usr/bin:/bin",
+            "HOME": "/tmp",
+            "USER": "nobody",
+            "LANG": "C.UTF-8",
+            "TERM": "dumb",
+            "VIRTUAL_ENV": os.path.dirname(self.python_bin),
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+        args = ["--clearenv"]
+        for key, value in env.items():
+            args += ["--setenv", key, value]
+        return args
+
+    async def run(self, workspace: str, command: str, limits: JailLimits, stage_dir: str | None = None) -> ExecResult:
+        """Run `command` in a new jail; never raises for the command's own failures."""
+        argv = self.argv(workspace, command, limits, stage_dir)
+        return await run_limited(argv, limits)
+
+
+async def run_limited(argv: list[str], limits: JailLimits) -> ExecResult:
+    """Spawn `argv` in its own process group, read its merged output under the limits, and kill
+    the whole group on timeout or output flood (bwrap's --die-with-parent then takes down the
+    jail's pid namespace, so no process of the command survives)."""
+    start = time.monotonic()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            start_new_session=True, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+        )  # fmt: skip
+    except FileNotFoundError as exc:
+        raise SandboxError(f"cannot start {argv[0]!r}: {exc}; apt-get install bubblewrap util-linux") from exc
+    capture = OutputCapture(limits.max_output_bytes)
+    timed_out = flooded = False
+    try:
+        flooded = await asyncio.wait_for(_pump(proc, capture, limits.output_kill_bytes), limits.timeout_s)
+    except TimeoutError:
+        timed_out = True
+    except BaseException:  # cancelled (worker shutting down): leave no jail behind
+        _kill_group(proc.pid)
+        raise
+    if timed_out or flooded:
+        _kill_group(proc.pid)
+    exit_code = await proc.wait()
+    output = capture.text()
+    if timed_out:
+        output += f"\n[timed out after {limits.timeout_s:g}s: command killed]\n"
+    if flooded:
+        output += f"\n[command killed: more than {limits.output_kill_bytes} bytes of output]\n"
+    return ExecResult(
+        exit_code=exit_code, output=output, timed_out=timed_out,
+        truncated=capture.omitted > 0, duration_s=time.monotonic() - start,
+    )  # fmt: skip
+
+
+async def _pump(proc: asyncio.subprocess.Process, capture: OutputCapture, kill_bytes: int) -> bool:
+    """Read output to EOF; True (stop early) once the command has printed more than `kill_bytes`."""
+    assert proc.stdout is not None
+    while chunk := await proc.stdout.read(1 << 16):
+        capture.feed(chunk)
+        if capture.total > kill_bytes:
+            return True
+    return False
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)

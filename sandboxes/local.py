@@ -1,0 +1,229 @@
+"""Local sandboxes: a host workspace folder per episode, every command run in a fresh bubblewrap jail."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from rollway.sandboxes.base import ExecResult, Sandbox, SandboxError, SandboxProvider, SandboxSpec
+from rollway.sandboxes.config import SandboxConfig
+from rollway.sandboxes.jail import JailLimits, JailRunner
+
+DEFAULT_ROOT = "/tmp/rollway-sandboxes"
+"""Stable, so every worker process on this machine finds the workspaces the others created."""
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+_READY = "READY"
+# Interpreter caches would only add noise (and binary hunks) to an agent's diff.
+_EXCLUDES = "__pycache__/\n*.py[cod]\n.pytest_cache/\n"
+_GIT_ENV = {
+    "GIT_CONFIG_NOSYSTEM": "1",
+    "GIT_CONFIG_GLOBAL": os.devnull,  # the host user's diff.noprefix & co must not shape the diff
+    "GIT_AUTHOR_NAME": "rollway", "GIT_AUTHOR_EMAIL": "rollway@localhost",
+    "GIT_COMMITTER_NAME": "rollway", "GIT_COMMITTER_EMAIL": "rollway@localhost",
+    "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z",
+}  # fmt: skip
+
+
+class LocalSandbox(Sandbox):
+    """A workspace folder `<root>/<name>/workspace` plus, beside it and out of the jail's reach, the
+    git repository `<root>/<name>/base.git` holding the base snapshot (so an agent cannot rewrite
+    the base its diff is measured against)."""
+
+    def __init__(self, provider: LocalSandboxProvider, box_dir: Path) -> None:
+        self._provider = provider
+        self.box_dir = box_dir
+        self.workspace = box_dir / "workspace"
+        self.git_dir = box_dir / "base.git"
+
+    @property
+    def handle(self) -> dict[str, Any]:
+        return {"kind": "local", "path": str(self.workspace), "name": self.box_dir.name}
+
+    @property
+    def workspace_path(self) -> str | None:
+        return str(self.workspace)
+
+    async def exec(self, command: str, timeout_s: float | None = None) -> ExecResult:
+        if not self.workspace.is_dir():
+            raise SandboxError(f"sandbox {self.box_dir.name} was destroyed; create a new one")
+        limits = JailLimits.from_config(self._provider.config, timeout_s)
+        return await self._provider.runner.run(str(self.workspace), command, limits, self._provider.stage_dir)
+
+    async def read_file(self, path: str) -> str:
+        target = resolve_inside(self.workspace, path)
+        if not target.is_file():
+            raise SandboxError(f"{path!r} is not a file in the workspace")
+        return await asyncio.to_thread(target.read_text, encoding="utf-8", errors="replace")
+
+    async def write_file(self, path: str, content: str) -> None:
+        target = resolve_inside(self.workspace, path)
+        await asyncio.to_thread(self._write, target, content)
+
+    def _write(self, target: Path, content: str) -> None:
+        missing = [p for p in reversed(target.parents) if not p.exists()]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(content, encoding="utf-8")
+        for created in [*missing, target]:  # the jail user must be able to edit what we wrote
+            self._provider.give_to_jail(created)
+
+    async def diff(self) -> str:
+        return await asyncio.to_thread(self._diff)
+
+    def _diff(self) -> str:
+        """Stage the workspace into a throwaway copy of the base index (concurrent diffs and the
+        base snapshot stay untouched) and diff it against the base commit."""
+        with tempfile.NamedTemporaryFile(dir=self.box_dir, prefix="index.") as index:
+            shutil.copyfile(self.git_dir / "index", index.name)
+            env = {"GIT_INDEX_FILE": index.name}
+            self._git(["add", "--all", "."], env)
+            return self._git(
+                ["diff", "--cached", "--binary", "--no-renames", "--no-ext-diff", "--no-textconv",
+                 "--no-color", "--src-prefix=a/", "--dst-prefix=b/", "HEAD"], env,
+            )  # fmt: skip
+
+    def _git(self, args: list[str], env: dict[str, str] | None = None) -> str:
+        return run_git(self.git_dir, self.workspace, args, env)
+
+    async def destroy(self) -> None:
+        await asyncio.to_thread(remove_tree, self.box_dir)
+
+
+class LocalSandboxProvider(SandboxProvider):
+    """Creates bubblewrap sandboxes under `config.root`; any provider on the same machine with the
+    same root can attach to them."""
+
+    def __init__(self, config: SandboxConfig | None = None) -> None:
+        self.config = config or SandboxConfig()
+        self.root = Path(self.config.root or DEFAULT_ROOT)
+        self.runner = JailRunner(self.config)
+        self.stage_dir = str(self.root / ".stage")
+
+    def give_to_jail(self, path: Path) -> None:
+        """Hand a host-created file to the host user the jail runs as (no-op when not root)."""
+        if self.runner.host_uid is not None:
+            os.lchown(path, self.runner.host_uid, self.runner.host_uid)
+
+    async def create(self, spec: SandboxSpec, name: str) -> LocalSandbox:
+        """Build the workspace, run setup, snapshot the base. Idempotent per name: a redelivered
+        init message gets the finished sandbox back; a half-built one is rebuilt from scratch."""
+        box_dir = self._box_dir(name)
+        if (box_dir / _READY).exists():
+            return LocalSandbox(self, box_dir)
+        await asyncio.to_thread(self._prepare, spec, box_dir)
+        sandbox = LocalSandbox(self, box_dir)
+        try:
+            for command in spec.setup_commands:
+                result = await sandbox.exec(command)
+                if result.exit_code != 0 or result.timed_out:
+                    raise SandboxError(
+                        f"setup command {command!r} failed (exit {result.exit_code}, timed out: "
+                        f"{result.timed_out}); fix the task's setup_commands. Output:\n{result.output[-2000:]}"
+                    )
+            await asyncio.to_thread(self._snapshot, box_dir)
+        except BaseException:
+            await sandbox.destroy()
+            raise
+        return sandbox
+
+    def _box_dir(self, name: str) -> Path:
+        if not _NAME_RE.match(name):
+            raise SandboxError(f"sandbox name {name!r} must match {_NAME_RE.pattern} (it names a folder)")
+        return self.root / name
+
+    def _prepare(self, spec: SandboxSpec, box_dir: Path) -> None:
+        """Fresh folder with the source copy and extra files, owned by the jail's host user."""
+        self._ensure_root()
+        remove_tree(box_dir)
+        box_dir.mkdir(mode=0o711)
+        workspace = box_dir / "workspace"
+        if spec.source_dir:
+            if not os.path.isdir(spec.source_dir):
+                raise SandboxError(f"source_dir {spec.source_dir!r} is not a folder")
+            shutil.copytree(spec.source_dir, workspace, symlinks=True)
+        else:
+            workspace.mkdir()
+        workspace.chmod(0o755)
+        for rel, content in spec.files.items():
+            target = resolve_inside(workspace, rel)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(content, encoding="utf-8")
+        if self.runner.host_uid is not None:
+            for path in [workspace, *workspace.rglob("*")]:
+                self.give_to_jail(path)
+
+    def _ensure_root(self) -> None:
+        """The root is traversable (not listable) by others: the unprivileged jail user must reach
+        its workspace through it."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        if self.root.stat().st_uid != os.geteuid():
+            raise SandboxError(f"{self.root} belongs to another user; set sandbox.root to a folder of yours")
+        self.root.chmod(0o711)
+
+    def _snapshot(self, box_dir: Path) -> None:
+        git_dir, workspace = box_dir / "base.git", box_dir / "workspace"
+        git_dir.mkdir(mode=0o700)
+        run_git(git_dir, workspace, ["init", "--quiet"])
+        (git_dir / "info").mkdir(exist_ok=True)
+        (git_dir / "info" / "exclude").write_text(_EXCLUDES)
+        run_git(git_dir, workspace, ["add", "--all", "."])
+        run_git(git_dir, workspace, ["commit", "--quiet", "--allow-empty", "--no-verify", "-m", "base"])
+        (box_dir / _READY).touch()
+
+    async def attach(self, handle: dict[str, Any]) -> LocalSandbox:
+        if handle.get("kind") != "local":
+            raise SandboxError(f"handle {handle!r} is not a local sandbox; set sandbox.type to match its kind")
+        box_dir = self._box_dir(str(handle.get("name")))
+        if Path(handle.get("path", "")) != box_dir / "workspace":
+            raise SandboxError(f"handle path {handle.get('path')!r} is not under sandbox.root {self.root}; "
+                               "workers sharing sandboxes need the same sandbox.root")  # fmt: skip
+        if not (box_dir / _READY).exists():
+            raise SandboxError(f"sandbox {box_dir} does not exist (destroyed, or created on another machine)")
+        return LocalSandbox(self, box_dir)
+
+    async def check(self) -> dict[str, Any]:
+        from rollway.sandboxes.probes import probe_local
+
+        return await probe_local(self)
+
+
+def resolve_inside(workspace: Path, path: str) -> Path:
+    """Host path of workspace-relative `path`; refuses anything that would leave the workspace
+    (absolute paths, `..`, symlinks pointing out), because tools run these on the host as root."""
+    if not path or PurePosixPath(path).is_absolute():
+        raise SandboxError(f"path {path!r} must be relative to the workspace root ({workspace.name}/)")
+    if ".." in PurePosixPath(path).parts:
+        raise SandboxError(f"path {path!r} may not contain '..'")
+    root = os.path.realpath(workspace)
+    real = os.path.realpath(os.path.join(root, path))
+    if real != root and not real.startswith(root + os.sep):
+        raise SandboxError(f"path {path!r} resolves outside the workspace (through a symlink)")
+    return Path(real)
+
+
+def run_git(git_dir: Path, work_tree: Path, args: list[str], env: dict[str, str] | None = None) -> str:
+    """Host git on the snapshot repository; the jail never sees `git_dir`."""
+    cmd = ["git", "-c", "safe.directory=*", "-c", "core.autocrlf=false", "-c", "core.quotepath=false",
+           f"--git-dir={git_dir}", f"--work-tree={work_tree}", *args]  # fmt: skip
+    full_env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(git_dir), **_GIT_ENV, **(env or {})}
+    proc = subprocess.run(cmd, cwd=work_tree, env=full_env, capture_output=True)
+    if proc.returncode != 0:
+        raise SandboxError(f"git {' '.join(args)} failed: {proc.stderr.decode(errors='replace').strip()}")
+    return proc.stdout.decode("utf-8", errors="replace")
+
+
+def remove_tree(path: Path) -> None:
+    """rmtree that also clears folders the jail made read-only; silent when already gone."""
+
+    def unlock(func: Any, failed: str, _exc: Any) -> None:
+        os.chmod(os.path.dirname(failed), 0o700)
+        func(failed)
+
+    if path.exists() or path.is_symlink():
+        shutil.rmtree(path, onerror=unlock)

@@ -1,0 +1,180 @@
+"""One msgspec Struct per topic. Every per-episode message is keyed by its `episode_id`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+SCHEMA_VERSION = 1
+"""Bumped on any incompatible change; decoders reject other versions."""
+
+
+class Message(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    schema_version: int = SCHEMA_VERSION
+
+
+class EpisodeRef(Message, kw_only=True):
+    """Identity shared by every per-episode message. An episode is one sample of a GRPO group;
+    a re-issued episode keeps its id and group and gets the next `attempt`."""
+
+    episode_id: str
+    group_id: str
+    task_id: str
+    attempt: int = 0
+    sample_index: int = 0
+    """Position of this episode inside its group (0..n-1)."""
+
+
+class InitRequest(EpisodeRef, kw_only=True):
+    """scheduler -> init actor: create this episode's sandbox and first turn."""
+
+    issued_at: float
+    """Wall-clock time (unix seconds) the scheduler issued this attempt."""
+    deadline: float
+    """Wall-clock time after which the scheduler re-issues the episode."""
+
+
+class Observation(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What one tool call returned, as the model will read it."""
+
+    tool: str
+    """Tool name, or "" for a call that could not be parsed."""
+    arguments: dict[str, Any] = {}
+    content: str
+    is_error: bool = False
+
+
+class TurnRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The delta one agent turn adds to the episode: the completion, then the observation tokens.
+
+    Invariants: `logprobs` has the length of `completion_ids`; appending `completion_ids` then
+    `observation_ids` to the previous token sequence gives the sequence the model sees next.
+    """
+
+    turn: int
+    completion_ids: list[int]
+    logprobs: list[float]
+    policy_version: int
+    finish_reason: str
+    assistant_text: str
+    observations: list[Observation] = []
+    hints: list[str] = []
+    """Hints the framework appended to this turn's observation (recorded for analysis)."""
+    observation_ids: list[int] = []
+    """Tool output and the next generation prompt (loss mask 0). Empty on the final turn."""
+    gen_seconds: float = 0.0
+    tool_seconds: float = 0.0
+    template_drift: bool = False
+    """True when re-rendering the history from scratch differed from the accumulated ids."""
+
+
+class AgentStep(EpisodeRef, kw_only=True):
+    """init -> agent (turn 0) and agent -> agent (turn k): run turn `turn` of this episode.
+
+    Event-sourced: turn 0 carries the initial prompt; turn k > 0 carries only the previous turn's
+    delta (`last`). The full state is the turn-0 message plus every later `last`, in order.
+    """
+
+    turn: int
+    sandbox: dict[str, Any]
+    """Sandbox handle; any worker reattaches to the sandbox from it."""
+    start_offset: int | None = None
+    """Offset of this episode's turn-0 message in the same partition (None on turn 0 itself); a
+    worker without the episode in memory rebuilds it from there."""
+    prompt_ids: list[int] | None = None
+    """Turn 0 only: the initial prompt token ids (loss mask 0)."""
+    messages: list[dict[str, Any]] | None = None
+    """Turn 0 only: the initial chat messages (system, user)."""
+    tools: list[dict[str, Any]] | None = None
+    """Turn 0 only: OpenAI tool specs offered to the model."""
+    last: TurnRecord | None = None
+    """Turn k > 0: the delta of turn k-1."""
+    deadline: float = 0.0
+    timings: dict[str, float] = {}
+    """Stage seconds so far (init, queue waits), carried forward to the trajectory."""
+    sent_at: float = 0.0
+    """Wall-clock time the producer sent this message (for hop latency)."""
+
+
+class RewardRequest(EpisodeRef, kw_only=True):
+    """agent -> reward actor: the finished episode, to be graded. One message per episode, so
+    carrying every turn here keeps bytes per episode linear in its length."""
+
+    sandbox: dict[str, Any]
+    prompt_ids: list[int]
+    messages: list[dict[str, Any]]
+    turns: list[TurnRecord]
+    stop_reason: str
+    """Why the agent stopped: finish, max_turns, max_tokens, length, error:..."""
+    deadline: float = 0.0
+    timings: dict[str, float] = {}
+    sent_at: float = 0.0
+
+
+class Trajectory(EpisodeRef, kw_only=True):
+    """reward actor -> learner, sink, scheduler: a graded episode, token-exact.
+
+    Invariants: `token_ids`, `loss_mask` and `logprobs` have equal length (the whole episode:
+    prompt, completions, observations); `loss_mask` is 1 exactly on tokens the model produced;
+    `logprobs` holds the behaviour logprob there and None elsewhere; `turn_policy_versions` and
+    `turn_spans` have one entry per turn.
+    """
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float | None]
+    turn_policy_versions: list[int]
+    turn_spans: list[tuple[int, int]]
+    """[start, end) of each turn's completion inside `token_ids`."""
+    reward: float
+    resolved: bool
+    stop_reason: str
+    num_turns: int
+    prompt_length: int
+    """Tokens of the initial prompt (the start of `token_ids`)."""
+    grade: dict[str, Any] = {}
+    """Grader details: partial test counts and the like."""
+    timings: dict[str, float] = {}
+    """Seconds per stage: init, agent_gen, agent_tool, reward, and queue waits."""
+    turns: list[TurnRecord] = []
+    """Per-turn record (text, tool calls, observations, hints) for viewers and replay."""
+    messages: list[dict[str, Any]] = []
+    """Initial chat messages."""
+    template_drift_turns: int = 0
+    created_at: float = 0.0
+
+
+class EpisodeFailure(EpisodeRef, kw_only=True):
+    """any stage -> scheduler: this attempt failed in infrastructure (not a low reward)."""
+
+    stage: str
+    reason: str
+    retryable: bool = True
+    at: float = 0.0
+
+
+class PolicyVersion(Message, kw_only=True):
+    """learner -> inference engines, scheduler: a new policy is available."""
+
+    version: int
+    checkpoint: str | None = None
+    """Folder with the weights (safetensors), None for a learner that does not train."""
+    step: int = 0
+    episodes_trained: int = 0
+    created_at: float = 0.0
+    metrics: dict[str, float] = {}
+
+
+class DeadLetter(Message, kw_only=True):
+    """any stage -> dead-letters: a message that could not be decoded or handled."""
+
+    source_topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    """The original bytes, untouched."""
+    reason: str
+    stage: str
+    at: float

@@ -1,0 +1,51 @@
+"""Shared fixtures: one embedded broker per test session, fresh topic names per test."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def broker():
+    from rollway.runners.broker import EmbeddedBroker
+
+    b = EmbeddedBroker(0).start()
+    yield b
+    b.stop()
+
+
+@pytest.fixture
+def topic_prefix() -> str:
+    """A fresh topic set (and consumer groups) per test on the shared broker."""
+    return f"t{uuid.uuid4().hex[:8]}-"
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 30.0, interval_s: float = 0.1,
+               what: str = "condition") -> None:
+    """Poll `predicate` until true; fail the test with `what` after the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture
+def cli_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env

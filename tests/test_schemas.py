@@ -1,0 +1,98 @@
+"""Schema round trips and strict decoding."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from rollway.actors.reward import assemble
+from rollway.schemas import (
+    AgentStep, DeadLetter, DecodeError, EpisodeFailure, InitRequest, Observation, PolicyVersion,
+    RewardRequest, Trajectory, TurnRecord, decode, encode,
+)
+from rollway.topics import ALL_TOPICS, BY_NAME, get_topic
+
+REF = dict(episode_id="r1-g00000-s0", group_id="r1-g00000", task_id="toy-000", attempt=1, sample_index=0)
+
+
+def turn(k: int, n_completion: int = 3, n_obs: int = 2) -> TurnRecord:
+    return TurnRecord(turn=k, completion_ids=list(range(n_completion)), logprobs=[-0.5] * n_completion,
+                      policy_version=k, finish_reason="stop", assistant_text="hi",
+                      observations=[Observation(tool="bash", arguments={"command": "ls"}, content="a\nb")],
+                      hints=["2 turns left"], observation_ids=[9] * n_obs)
+
+
+SAMPLES = [
+    InitRequest(**REF, issued_at=1.0, deadline=2.0),
+    AgentStep(**REF, turn=0, sandbox={"kind": "local", "path": "/x"}, prompt_ids=[1, 2],
+              messages=[{"role": "user", "content": "x"}], tools=[]),
+    AgentStep(**REF, turn=2, sandbox={"kind": "local"}, start_offset=7, last=turn(1)),
+    RewardRequest(**REF, sandbox={}, prompt_ids=[1], messages=[], turns=[turn(0)], stop_reason="finish"),
+    Trajectory(**REF, token_ids=[1, 2], loss_mask=[0, 1], logprobs=[None, -0.1], turn_policy_versions=[0],
+               turn_spans=[(1, 2)], reward=1.0, resolved=True, stop_reason="finish", num_turns=1, prompt_length=1),
+    EpisodeFailure(**REF, stage="init", reason="boom"),
+    PolicyVersion(version=3, checkpoint="/ckpt", metrics={"loss": 0.5}),
+    DeadLetter(source_topic="agent-steps", partition=1, offset=5, key=b"k", value=b"\xff\x00", reason="x",
+               stage="agent", at=1.0),
+]
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg):
+    assert decode(encode(msg), type(msg)) == msg
+
+
+def test_every_topic_has_a_schema_and_episode_topics_are_keyed():
+    names = {t.name for t in ALL_TOPICS}
+    assert {"init-requests", "agent-steps", "reward-requests", "trajectories", "policy-versions",
+            "dead-letters"} <= names
+    for name in ("init-requests", "agent-steps", "reward-requests", "trajectories"):
+        assert BY_NAME[name].keyed_by_episode
+    with pytest.raises(KeyError, match="topics are"):
+        get_topic("nope")
+
+
+def test_wrong_type_is_a_decode_failure():
+    raw = msgspec.msgpack.encode({**REF, "issued_at": "yesterday", "deadline": 2.0, "schema_version": 1})
+    with pytest.raises(DecodeError, match="issued_at"):
+        decode(raw, InitRequest)
+
+
+def test_missing_field_is_a_decode_failure():
+    raw = msgspec.msgpack.encode({"episode_id": "e", "group_id": "g", "task_id": "t", "issued_at": 1.0})
+    with pytest.raises(DecodeError, match="deadline"):
+        decode(raw, InitRequest)
+
+
+def test_unknown_field_and_other_version_and_garbage_are_decode_failures():
+    with pytest.raises(DecodeError, match="unknown field"):
+        decode(msgspec.msgpack.encode({**REF, "issued_at": 1.0, "deadline": 2.0, "extra": 1}), InitRequest)
+    with pytest.raises(DecodeError, match="schema_version 99"):
+        decode(msgspec.msgpack.encode({**REF, "issued_at": 1.0, "deadline": 2.0, "schema_version": 99}), InitRequest)
+    for garbage in (b"", b"\xc1\xc1", b"not msgpack at all", None):
+        with pytest.raises(DecodeError):
+            decode(garbage, AgentStep)
+
+
+def test_turn_message_carries_only_its_delta():
+    """Bytes per turn message stay flat as the episode grows (event sourcing, not full history)."""
+    sizes = [len(encode(AgentStep(**REF, turn=k + 1, sandbox={}, start_offset=0, last=turn(k)))) for k in range(50)]
+    assert max(sizes) - min(sizes) < 8  # only the turn numbers' encoded widths differ
+
+
+def test_assemble_builds_equal_length_token_arrays_with_mask_on_model_tokens():
+    req = RewardRequest(**REF, sandbox={}, prompt_ids=[100, 101, 102], messages=[],
+                        turns=[turn(0, 3, 2), turn(1, 4, 0)], stop_reason="finish")
+    out = assemble(req)
+    n = len(out["token_ids"])
+    assert n == 3 + 3 + 2 + 4 and len(out["loss_mask"]) == n and len(out["logprobs"]) == n
+    assert out["loss_mask"] == [0, 0, 0, 1, 1, 1, 0, 0, 1, 1, 1, 1]
+    assert [lp is not None for lp in out["logprobs"]] == [bool(m) for m in out["loss_mask"]]
+    assert out["turn_spans"] == [(3, 6), (8, 12)]
+
+
+def test_assemble_rejects_misaligned_logprobs():
+    bad = turn(0)
+    bad.logprobs = [-1.0]
+    with pytest.raises(ValueError, match="logprobs"):
+        assemble(RewardRequest(**REF, sandbox={}, prompt_ids=[1], messages=[], turns=[bad], stop_reason="finish"))

@@ -1,0 +1,171 @@
+"""Build tools by name and run one model message's tool calls into observations."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollway.sandboxes.base import Sandbox
+from rollway.tools.base import Tool, ToolCall
+from rollway.tools.bash import BashTool
+from rollway.tools.config import ToolsConfig
+from rollway.tools.editor import EditorTool
+from rollway.tools.finish import FinishTool
+from rollway.tools.parsing import CallError, parse_tool_calls
+from rollway.tools.schema import example_value
+from rollway.tools.search import SearchTool
+
+log = logging.getLogger(__name__)
+
+TOOL_FACTORIES: dict[str, Callable[[ToolsConfig], Tool]] = {
+    "bash": BashTool,
+    "editor": EditorTool,
+    "search": SearchTool,
+    "finish": FinishTool,
+}
+"""Built-in tools by name; `register_tool` adds more."""
+
+
+def register_tool(name: str, factory: Callable[[ToolsConfig], Tool]) -> None:
+    """Make a tool available to `build_tools` (call at import time of the module defining it)."""
+    TOOL_FACTORIES[name] = factory
+
+
+def build_tools(names: Sequence[str], cfg: ToolsConfig) -> dict[str, Tool]:
+    """The named tools, in the given order, keyed by name."""
+    unknown = [name for name in names if name not in TOOL_FACTORIES]
+    if unknown:
+        raise ValueError(f"unknown tool(s) {', '.join(map(repr, unknown))}; available tools: "
+                         f"{', '.join(sorted(TOOL_FACTORIES))}. Fix tools.enabled or the task set's default_tools.")
+    return {name: TOOL_FACTORIES[name](cfg) for name in names}
+
+
+def tool_specs(tools: Mapping[str, Tool]) -> list[dict[str, Any]]:
+    """The OpenAI `tools` list (also what chat templates render into the system prompt)."""
+    return [tool.spec() for tool in tools.values()]
+
+
+@dataclass
+class Observation:
+    """What the model reads back for one call (or for a message without a valid call)."""
+
+    content: str
+    tool: str | None = None
+    """Tool name; None when the call could not be parsed or no call was made."""
+    call_id: str | None = None
+    arguments: dict[str, Any] = field(default_factory=dict)
+    """The call's arguments as parsed ({} when it could not be parsed)."""
+    is_error: bool = False
+    ends_episode: bool = False
+    truncated: bool = False
+    internal_error: bool = False
+    """The tool itself failed (a bug or a broken sandbox), not the model's call."""
+    duration_s: float = 0.0
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def as_message(self) -> dict[str, Any]:
+        """An OpenAI-style `tool` chat message."""
+        message: dict[str, Any] = {"role": "tool", "content": self.content}
+        if self.call_id is not None:
+            message["tool_call_id"] = self.call_id
+        if self.tool is not None:
+            message["name"] = self.tool
+        return message
+
+
+@dataclass
+class ToolTurn:
+    """The outcome of running one model message's tool calls."""
+
+    calls: list[ToolCall]
+    """Valid calls found in the message, in order (the ones that ran and any skipped)."""
+    observations: list[Observation]
+    """One per call or parse error, in message order."""
+    ends_episode: bool = False
+    """`finish` was called."""
+
+    @property
+    def errors(self) -> int:
+        return sum(observation.is_error for observation in self.observations)
+
+    @property
+    def internal_errors(self) -> int:
+        return sum(observation.internal_error for observation in self.observations)
+
+
+async def run_tool_calls(output: Any, tools: Mapping[str, Tool], sandbox: Sandbox, cfg: ToolsConfig) -> ToolTurn:
+    """Parse `output` (assistant text, message dict or tool-call list), run each valid call in
+    order, and return one observation per call. Never raises for anything the model or a tool does;
+    calls after `finish` or past `cfg.max_calls_per_turn` are not run."""
+    parsed = parse_tool_calls(output, tools)
+    if not parsed.items:
+        return ToolTurn([], [_no_call_observation(tools)] if cfg.require_tool_call else [])
+    turn = ToolTurn(calls=parsed.calls, observations=[])
+    for index, item in enumerate(parsed.items):
+        observation = await _run_item(item, index, turn, tools, sandbox, cfg)
+        observation.content, observation.truncated = truncate_observation(observation.content,
+                                                                          cfg.max_observation_chars)
+        turn.ends_episode = turn.ends_episode or observation.ends_episode
+        turn.observations.append(observation)
+    return turn
+
+
+async def _run_item(item: ToolCall | CallError, index: int, turn: ToolTurn, tools: Mapping[str, Tool],
+                    sandbox: Sandbox, cfg: ToolsConfig) -> Observation:
+    if isinstance(item, CallError):
+        return Observation(item.message, item.name, item.call_id, is_error=True)
+    if turn.ends_episode:
+        return Observation("Not run: `finish` was called earlier in this message.", item.name, item.call_id,
+                           item.arguments)
+    if index >= cfg.max_calls_per_turn:
+        return Observation(f"Not run: at most {cfg.max_calls_per_turn} tool calls run per message. "
+                           "Make fewer calls and wait for their results.", item.name, item.call_id,
+                           item.arguments, is_error=True)
+    return await run_call(item, tools[item.name], sandbox)
+
+
+async def run_call(call: ToolCall, tool: Tool, sandbox: Sandbox) -> Observation:
+    """Run one validated call; an exception from the tool becomes an error observation so a tool
+    bug or a failing sandbox cannot crash the agent worker."""
+    started = time.monotonic()
+    try:
+        result = await tool.call(call.arguments, sandbox)
+    except Exception as error:  # noqa: BLE001 - deliberate: the worker must survive tool bugs
+        log.exception("tool %s failed on arguments %r", call.name, call.arguments)
+        return Observation(
+            f"The tool `{call.name}` failed internally ({type(error).__name__}: {error}). This is not "
+            "a problem with your call's format; try again or use another tool.",
+            call.name, call.call_id, call.arguments, is_error=True, internal_error=True,
+            duration_s=time.monotonic() - started, metadata={"exception": repr(error)},
+        )
+    return Observation(result.content, call.name, call.call_id, call.arguments, is_error=result.is_error,
+                       ends_episode=result.ends_episode, duration_s=time.monotonic() - started,
+                       metadata=dict(result.metadata))
+
+
+def truncate_observation(text: str, max_chars: int) -> tuple[str, bool]:
+    """`text` cut to at most `max_chars` (head and tail kept, a notice in between), and whether it
+    was cut. The tail matters: errors and test summaries come last."""
+    if len(text) <= max_chars:
+        return text, False
+    notice = ("\n\n[... {cut} characters cut: the output was longer than {limit} characters. "
+              "Narrow it (grep, head, tail, a view_range) to see the middle. ...]\n\n")
+    room = max(0, max_chars - len(notice.format(cut=len(text), limit=max_chars)))
+    head, tail = text[: room * 2 // 3], text[len(text) - room // 3:] if room // 3 else ""
+    return head + notice.format(cut=len(text) - len(head) - len(tail), limit=max_chars) + tail, True
+
+
+def _no_call_observation(tools: Mapping[str, Tool]) -> Observation:
+    text = "Your message contained no tool call, so nothing happened."
+    if tools:
+        first = next(iter(tools.values()))
+        example = json.dumps({"name": first.name, "arguments": example_value(first.parameters)})
+        text += (f" To act, call one of the tools ({', '.join(tools)}) like this:\n"
+                 f"<tool_call>\n{example}\n</tool_call>")
+    if "finish" in tools:
+        text += "\nWhen you are done, call `finish`."
+    return Observation(text, is_error=True)

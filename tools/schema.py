@@ -1,0 +1,145 @@
+"""A small JSON-schema validator (the subset tool parameters use) and example-call rendering."""
+
+from __future__ import annotations
+
+import difflib
+import json
+from typing import Any
+
+_TYPE_NAMES = {
+    "string": "a string",
+    "integer": "an integer",
+    "number": "a number",
+    "boolean": "true or false",
+    "object": "an object",
+    "array": "an array",
+    "null": "null",
+}
+
+
+def _json_type(value: Any) -> str:
+    """The JSON type name of a decoded value (bool is checked before int: bool subclasses int)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+def _type_matches(value: Any, expected: str) -> bool:
+    actual = _json_type(value)
+    if expected == "number":
+        return actual in ("integer", "number")
+    if expected == "integer":
+        # JSON has one number type: 3.0 is an integer by JSON-schema rules.
+        return actual == "integer" or (actual == "number" and float(value).is_integer())
+    return actual == expected
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def validate(value: Any, schema: dict[str, Any], where: str = "arguments") -> list[str]:
+    """All violations of `schema` by `value`, each naming the place (`arguments.view_range[1]`).
+
+    Supports: type (name or list), enum, properties, required, additionalProperties (bool),
+    items, minItems/maxItems, minimum/maximum, minLength.
+    """
+    expected = schema.get("type")
+    if expected is not None:
+        names = expected if isinstance(expected, list) else [expected]
+        if not any(_type_matches(value, name) for name in names):
+            wanted = " or ".join(_TYPE_NAMES.get(name, name) for name in names)
+            return [f"{where}: expected {wanted}, got {_json_type(value)} {_show(value)}"]
+    if "enum" in schema and value not in schema["enum"]:
+        options = ", ".join(_show(option) for option in schema["enum"])
+        return [f"{where}: {_show(value)} is not one of {options}"]
+    if isinstance(value, dict):
+        return _validate_object(value, schema, where)
+    if isinstance(value, list):
+        return _validate_array(value, schema, where)
+    return _validate_scalar(value, schema, where)
+
+
+def _validate_object(value: dict[str, Any], schema: dict[str, Any], where: str) -> list[str]:
+    errors: list[str] = []
+    properties: dict[str, Any] = schema.get("properties", {})
+    for key in schema.get("required", []):
+        if key not in value:
+            errors.append(f"{where}: missing required key {key!r}")
+    for key, item in value.items():
+        if key in properties:
+            errors.extend(validate(item, properties[key], f"{where}.{key}"))
+        elif schema.get("additionalProperties", True) is False:
+            close = difflib.get_close_matches(key, list(properties), n=1)
+            suggestion = f" (did you mean {close[0]!r}?)" if close else ""
+            errors.append(f"{where}: unknown key {key!r}{suggestion}; allowed keys: {', '.join(properties)}")
+    return errors
+
+
+def _validate_array(value: list[Any], schema: dict[str, Any], where: str) -> list[str]:
+    errors: list[str] = []
+    if "minItems" in schema and len(value) < schema["minItems"]:
+        errors.append(f"{where}: needs at least {schema['minItems']} items, got {len(value)}")
+    if "maxItems" in schema and len(value) > schema["maxItems"]:
+        errors.append(f"{where}: takes at most {schema['maxItems']} items, got {len(value)}")
+    if isinstance(schema.get("items"), dict):
+        for index, item in enumerate(value):
+            errors.extend(validate(item, schema["items"], f"{where}[{index}]"))
+    return errors
+
+
+def _validate_scalar(value: Any, schema: dict[str, Any], where: str) -> list[str]:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if "minimum" in schema and value < schema["minimum"]:
+            return [f"{where}: must be >= {schema['minimum']}, got {value}"]
+        if "maximum" in schema and value > schema["maximum"]:
+            return [f"{where}: must be <= {schema['maximum']}, got {value}"]
+    if isinstance(value, str) and len(value) < schema.get("minLength", 0):
+        return [f"{where}: must have at least {schema['minLength']} characters"]
+    return []
+
+
+def example_value(schema: dict[str, Any]) -> Any:
+    """A placeholder value of the right shape, used to show the model a well-formed call."""
+    if "enum" in schema:
+        return schema["enum"][0]
+    kind = schema.get("type")
+    kind = kind[0] if isinstance(kind, list) else kind
+    if kind == "object":
+        return {key: example_value(sub) for key, sub in schema.get("properties", {}).items()
+                if key in schema.get("required", [])}
+    if kind == "array":
+        item = example_value(schema.get("items", {}))
+        return [item] * max(1, schema.get("minItems", 1))
+    return {"integer": 1, "number": 1.0, "boolean": True, "null": None}.get(kind or "", f"<{kind or 'value'}>")
+
+
+def describe_parameters(schema: dict[str, Any]) -> str:
+    """One line per parameter: name, type, required/optional, allowed values, description."""
+    required = set(schema.get("required", []))
+    lines = []
+    for key, sub in schema.get("properties", {}).items():
+        kind = sub.get("type", "any")
+        kind = " | ".join(kind) if isinstance(kind, list) else kind
+        if kind == "array" and isinstance(sub.get("items"), dict):
+            kind = f"array of {sub['items'].get('type', 'any')}"
+        parts = [f"- {key} ({kind}, {'required' if key in required else 'optional'})"]
+        if "enum" in sub:
+            parts.append("one of " + ", ".join(_show(option) for option in sub["enum"]))
+        if sub.get("description"):
+            parts.append(sub["description"].strip().splitlines()[0])
+        lines.append(": ".join(parts[:1]) + (": " + "; ".join(parts[1:]) if len(parts) > 1 else ""))
+    return "\n".join(lines) if lines else "(no parameters)"
