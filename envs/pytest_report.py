@@ -7,7 +7,7 @@ import shlex
 from dataclasses import dataclass, field
 
 # -rA prints one summary line per test; the message after " - " is the first line of the crash.
-_SUMMARY_LINE = re.compile(r"^(PASSED|FAILED|ERROR|XFAIL|XPASS) (\S.*?)(?: - (.*))?$")
+_SUMMARY_LINE = re.compile(r"^(PASSED|FAILED|ERROR|XFAIL|XPASS) (\S.*)$")
 _SECTION = re.compile(r"^=+ (.*?) =+$")
 
 
@@ -38,7 +38,7 @@ def parse_pytest_output(text: str) -> PytestReport:
         match = _SUMMARY_LINE.match(line) if in_summary else None
         if not match:
             continue
-        kind, node, message = match.group(1), match.group(2).strip(), (match.group(3) or "").strip()
+        kind, (node, message) = match.group(1), _split_node(match.group(2))
         if kind == "ERROR" and "::" not in node:
             report.collection_errors[node] = message
             continue
@@ -50,6 +50,16 @@ def parse_pytest_output(text: str) -> PytestReport:
         if message:
             report.messages[node] = message
     return report
+
+
+def _split_node(rest: str) -> tuple[str, str]:
+    """Node id and message of `nodeid - message`; a " - " inside parametrize brackets is the id's."""
+    depth = 0
+    for i, char in enumerate(rest):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if depth == 0 and rest.startswith(" - ", i):
+            return rest[:i].strip(), rest[i + 3 :].strip()
+    return rest.strip(), ""
 
 
 def pytest_command(files: list[str], python: str = "python", python_path: tuple[str, ...] = (".",)) -> str:

@@ -6,7 +6,7 @@ import random
 
 from rollway.envs.base import Grade, Task, TaskSet
 from rollway.envs.config import TasksConfig
-from rollway.sandboxes.base import Sandbox, SandboxProvider, SandboxSpec
+from rollway.sandboxes.base import Sandbox, SandboxError, SandboxProvider, SandboxSpec
 
 
 class ToyTaskSet(TaskSet):
@@ -45,7 +45,7 @@ class ToyTaskSet(TaskSet):
         expected = task.metadata["a"] + task.metadata["b"]
         try:
             answer = (await sandbox.read_file("answer.txt")).strip()
-        except (FileNotFoundError, OSError):
+        except (FileNotFoundError, OSError, SandboxError):
             return Grade(0.0, False, details={"answer": None, "expected": expected})
         ok = answer == str(expected)
         return Grade(1.0 if ok else 0.0, ok, details={"answer": answer[:100], "expected": expected})

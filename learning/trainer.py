@@ -141,8 +141,8 @@ class Trainer:
         self.state.trained_episode_ids.update(prepared.episode_ids)
         self.state.episodes_trained += len(prepared.episode_ids)
         metrics = {**prepared.metrics, **lag_histogram(prepared.lags)}
-        if not prepared.samples:
-            log.info("update skipped: no episode of %d groups has loss tokens", len(groups))
+        if not self._has_signal(prepared.samples):
+            log.info("update skipped: no episode of %d groups has loss and signal", len(groups))
             return None
         self._ensure_model()
         metrics.update(self._optimise(prepared.samples))
@@ -152,6 +152,13 @@ class Trainer:
         self._metrics_writer().write(self.state.step, metrics, {"staleness": prepared.lags})
         return StepResult(self.state.version, self.state.step, ckpt, self.state.episodes_trained,
                           prepared.episode_ids, metrics)
+
+    def _has_signal(self, samples: list[Sample]) -> bool:
+        """False when the update could only move weights through Adam momentum: no sample, or all
+        advantages zero without a KL or entropy term."""
+        if self.cfg.kl_coef > 0 or self.cfg.entropy_coef > 0:
+            return bool(samples)
+        return any(s.advantage != 0 for s in samples)
 
     def _prepare(self, groups: list[list[Trajectory]]) -> _Prepared:
         """Advantages per group, then masking and staleness per episode."""

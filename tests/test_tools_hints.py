@@ -11,7 +11,9 @@ LS_AGAIN = ToolCall("bash", {"command": "ls"}, call_id="b")
 
 
 def hints(cfg: HintsConfig | None = None, **overrides) -> list[str]:
-    args = dict(turn=0, max_turns=30, tokens_used=0, max_tokens=10_000, calls=[LS], previous_calls=[], errors=0)
+    args = dict(
+        turn=0, max_turns=30, tokens_used=0, max_tokens=10_000, calls=[LS], previous_calls=[], errors=0
+    )
     return HintEngine(cfg).hints(**(args | overrides))
 
 

@@ -7,7 +7,6 @@ import json
 from typing import Any
 
 import pytest
-
 from rollway.tools.base import Tool, ToolCall, ToolResult
 from rollway.tools.config import ToolsConfig
 from rollway.tools.parsing import CallError, parse_tool_calls
@@ -24,13 +23,16 @@ def hermes(name: str, arguments: Any) -> str:
 
 def test_hermes_several_calls_with_whitespace_fences_and_string_arguments() -> None:
     text = (
-        "Let me look.\n<tool_call>  {\"name\": \"bash\", \"arguments\": {\"command\": \"ls\"}}  </tool_call>\n"
-        "<tool_call>\n```json\n{\"name\": \"editor\", \"arguments\": \"{\\\"command\\\": \\\"view\\\", "
-        "\\\"path\\\": \\\"a.py\\\"}\"}\n```\n</tool_call>"
+        'Let me look.\n<tool_call>  {"name": "bash", "arguments": {"command": "ls"}}  </tool_call>\n'
+        '<tool_call>\n```json\n{"name": "editor", "arguments": "{\\"command\\": \\"view\\", '
+        '\\"path\\": \\"a.py\\"}"}\n```\n</tool_call>'
     )
     parsed = parse_tool_calls(text, TOOLS)
     assert parsed.errors == []
-    assert parsed.calls == [ToolCall("bash", {"command": "ls"}), ToolCall("editor", {"command": "view", "path": "a.py"})]
+    assert parsed.calls == [
+        ToolCall("bash", {"command": "ls"}),
+        ToolCall("editor", {"command": "view", "path": "a.py"}),
+    ]
 
 
 def test_hermes_unclosed_last_call_is_parsed() -> None:
@@ -51,7 +53,9 @@ def test_bad_json_becomes_error_showing_the_format() -> None:
 
 
 def test_python_dict_literal_is_tolerated() -> None:
-    parsed = parse_tool_calls("<tool_call>{'name': 'bash', 'arguments': {'command': 'pwd'}}</tool_call>", TOOLS)
+    parsed = parse_tool_calls(
+        "<tool_call>{'name': 'bash', 'arguments': {'command': 'pwd'}}</tool_call>", TOOLS
+    )
     assert parsed.calls == [ToolCall("bash", {"command": "pwd"})]
 
 
@@ -85,16 +89,22 @@ def test_schema_violations_explain_the_fix(arguments: dict[str, Any], expected: 
 def test_enum_and_array_item_violations() -> None:
     [error] = parse_tool_calls(hermes("editor", {"command": "open", "path": "a.py"}), TOOLS).errors
     assert '"open" is not one of "view", "create"' in error.message
-    [error] = parse_tool_calls(hermes("editor", {"command": "view", "path": "a", "view_range": [1, "9"]}), TOOLS).errors
+    [error] = parse_tool_calls(
+        hermes("editor", {"command": "view", "path": "a", "view_range": [1, "9"]}), TOOLS
+    ).errors
     assert "arguments.view_range[1]: expected an integer, got string" in error.message
 
 
 def test_openai_tool_calls_message_and_list() -> None:
-    message = {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": '{"command": "ls"}'}},
-        {"id": "c2", "type": "function", "function": {"name": "finish", "arguments": ""}},
-        {"id": "c3", "type": "function", "function": {"name": "bash", "arguments": "{not json"}},
-    ]}
+    message = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": '{"command": "ls"}'}},
+            {"id": "c2", "type": "function", "function": {"name": "finish", "arguments": ""}},
+            {"id": "c3", "type": "function", "function": {"name": "bash", "arguments": "{not json"}},
+        ],
+    }
     parsed = parse_tool_calls(message, TOOLS)
     assert parsed.format == "openai"
     assert parsed.calls == [ToolCall("bash", {"command": "ls"}, "c1"), ToolCall("finish", {}, "c2")]
@@ -108,8 +118,18 @@ def test_openai_schema_error_shows_openai_format() -> None:
     assert "function `bash` with arguments" in error.message and "<tool_call>" not in error.message
 
 
-@pytest.mark.parametrize("garbage", [None, 42, [1, "x"], {"tool_calls": [None]}, "<tool_call></tool_call>",
-                                     '<tool_call>["a", 1]</tool_call>', "<tool_call>" * 3])
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        None,
+        42,
+        [1, "x"],
+        {"tool_calls": [None]},
+        "<tool_call></tool_call>",
+        '<tool_call>["a", 1]</tool_call>',
+        "<tool_call>" * 3,
+    ],
+)
 def test_never_raises(garbage: Any) -> None:
     parsed = parse_tool_calls(garbage, TOOLS)
     assert all(isinstance(item, (ToolCall, CallError)) for item in parsed.items)
@@ -139,7 +159,12 @@ class _BrokenTool(Tool):
 
 def test_run_tool_calls_survives_tool_bugs_and_stops_after_finish() -> None:
     tools = {"broken": _BrokenTool(), "finish": TOOLS["finish"]}
-    text = hermes("broken", {}) + hermes("nope", {}) + hermes("finish", {"message": "done"}) + hermes("broken", {})
+    text = (
+        hermes("broken", {})
+        + hermes("nope", {})
+        + hermes("finish", {"message": "done"})
+        + hermes("broken", {})
+    )
     turn = asyncio.run(run_tool_calls(text, tools, None, CFG))  # neither tool touches the sandbox
     first, unknown, finish, skipped = turn.observations
     assert first.is_error and first.internal_error and "failed internally (KeyError" in first.content
@@ -152,14 +177,20 @@ def test_run_tool_calls_survives_tool_bugs_and_stops_after_finish() -> None:
 def test_message_without_call_gets_format_reminder() -> None:
     turn = asyncio.run(run_tool_calls("Hmm.", TOOLS, None, CFG))
     [observation] = turn.observations
-    assert observation.is_error and "no tool call" in observation.content and "<tool_call>" in observation.content
+    assert (
+        observation.is_error
+        and "no tool call" in observation.content
+        and "<tool_call>" in observation.content
+    )
     quiet = asyncio.run(run_tool_calls("Hmm.", TOOLS, None, ToolsConfig(require_tool_call=False)))
     assert quiet.observations == []
 
 
 def test_too_many_calls_are_refused() -> None:
     text = hermes("finish", {}) * 3
-    turn = asyncio.run(run_tool_calls(text, {"broken": _BrokenTool()}, None, ToolsConfig(max_calls_per_turn=1)))
+    turn = asyncio.run(
+        run_tool_calls(text, {"broken": _BrokenTool()}, None, ToolsConfig(max_calls_per_turn=1))
+    )
     assert len(turn.observations) == 3 and all(o.is_error for o in turn.observations)
 
 

@@ -5,12 +5,18 @@ from __future__ import annotations
 import ast
 import asyncio
 import re
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import click
 import pytest
 import yaml
-
+from rollway.sandboxes.base import ExecResult, Sandbox, SandboxSpec
+from rollway.sandboxes.config import SandboxConfig
+from rollway.sandboxes.local import LocalSandboxProvider, remove_tree
 from rollway.tools.config import ToolsConfig
 from rollway.tools.search import SearchTool, search_folder
 
@@ -51,8 +57,10 @@ def test_qualified_method_and_module_qualified_lookup() -> None:
     text = search("definition", "Loader.__init__")
     assert text.startswith("1 definition of `Loader.__init__`")  # the other loaders' __init__ are left out
     assert first_hit(text) == f"yaml/loader.py:{expected}"
-    assert first_hit(search("definition", "yaml.constructor.SafeConstructor")) == \
-        f"yaml/constructor.py:{ast_def('yaml/constructor.py', 'SafeConstructor').lineno}"
+    assert (
+        first_hit(search("definition", "yaml.constructor.SafeConstructor"))
+        == f"yaml/constructor.py:{ast_def('yaml/constructor.py', 'SafeConstructor').lineno}"
+    )
 
 
 def test_method_on_click_group() -> None:
@@ -97,8 +105,11 @@ def test_results_are_bounded_with_notice() -> None:
 
 def test_outline_matches_ast() -> None:
     text = search("outline", under="yaml/loader.py")
-    expected = [f"class {c.name}  [{c.lineno}-{c.end_lineno}]" for c in ast_tree("yaml/loader.py").body
-                if isinstance(c, ast.ClassDef)]
+    expected = [
+        f"class {c.name}  [{c.lineno}-{c.end_lineno}]"
+        for c in ast_tree("yaml/loader.py").body
+        if isinstance(c, ast.ClassDef)
+    ]
     top_level = [line for line in text.splitlines() if line.startswith("class ")]
     assert top_level == expected
     init = ast_def("yaml/loader.py", "Loader.__init__")
@@ -147,26 +158,71 @@ def test_javascript(tmp_path: Path) -> None:
     assert first_hit(run("definition", "render")) == "store.js:10"  # node_modules is skipped
     assert first_hit(run("definition", "Store.clear")) == "store.js:12"
     outline = run("outline", "", "store.js")
-    assert "class Store  [3-8]" in outline and "  method add  [5-7]" in outline and "function ids  [11-11]" in outline
+    assert (
+        "class Store  [3-8]" in outline
+        and "  method add  [5-7]" in outline
+        and "function ids  [11-11]" in outline
+    )
     refs = run("references", "parse")
     assert re.findall(r"^(\S+:\d+)  ", refs, re.MULTILINE) == ["store.js:1", "store.js:6"]
 
 
-class _FolderSandbox:
-    """Not a stand-in for exec: search never runs commands when the workspace is a host folder."""
+class HiddenFolderSandbox(Sandbox):
+    """A real sandbox seen as if it lived elsewhere (no host folder): search must list and read
+    through exec/read_file instead."""
 
-    def __init__(self, path: str) -> None:
-        self.workspace_path = path
+    def __init__(self, inner: Sandbox) -> None:
+        self.inner = inner
+
+    @property
+    def handle(self) -> dict[str, Any]:
+        return self.inner.handle
+
+    async def exec(self, command: str, timeout_s: float | None = None) -> ExecResult:
+        return await self.inner.exec(command, timeout_s)
+
+    async def read_file(self, path: str) -> str:
+        return await self.inner.read_file(path)
+
+    async def write_file(self, path: str, content: str) -> None:
+        await self.inner.write_file(path, content)
+
+    async def diff(self) -> str:
+        return await self.inner.diff()
+
+    async def destroy(self) -> None:
+        await self.inner.destroy()
 
 
-def test_tool_arguments_and_errors() -> None:
+@pytest.fixture(scope="module")
+def yaml_box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sandbox]:
+    """A real local sandbox holding a copy of PyYAML and a symlink pointing out of the workspace."""
+    source = tmp_path_factory.mktemp("src")
+    shutil.copytree(Path(SITE, "yaml"), source / "yaml", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    secret = tmp_path_factory.mktemp("host") / "secret.py"
+    secret.write_text("def leaked_secret():\n    pass\n")
+    (source / "escape.py").symlink_to(secret)
+    root = tempfile.mkdtemp(prefix="rollway-tools-test-")  # the jail user cannot traverse tmp_path parents
+    provider = LocalSandboxProvider(SandboxConfig(root=root))
+    yield asyncio.run(provider.create(SandboxSpec(source_dir=str(source)), "search-test"))
+    remove_tree(Path(root))
+
+
+@pytest.mark.parametrize("hide_folder", [False, True])
+def test_tool_in_real_sandbox(yaml_box: Sandbox, hide_folder: bool) -> None:
+    sandbox = HiddenFolderSandbox(yaml_box) if hide_folder else yaml_box
     tool = SearchTool(ToolsConfig())
-    sandbox = _FolderSandbox(SITE)
-    result = asyncio.run(tool.call({"action": "definition", "name": "echo", "path": "click"}, sandbox))
-    assert not result.is_error and first_hit(result.content).startswith("click/utils.py:")
-    assert asyncio.run(tool.call({"action": "outline"}, sandbox)).is_error
-    assert asyncio.run(tool.call({"action": "references"}, sandbox)).is_error
-    assert asyncio.run(tool.call({"action": "outline", "path": "../etc"}, sandbox)).is_error
+    run = lambda **arguments: asyncio.run(tool.call(arguments, sandbox))  # noqa: E731
+    expected = ast_def("yaml/loader.py", "SafeLoader.__init__").lineno
+    assert (
+        first_hit(run(action="definition", name="SafeLoader.__init__").content)
+        == f"yaml/loader.py:{expected}"
+    )
+    assert "yaml/composer.py:" in run(action="references", name="ScalarNode").content
+    assert "class Loader  [" in run(action="outline", path="/workspace/yaml/loader.py").content
+    assert run(action="definition", name="leaked_secret").content.startswith("No definition")
+    assert run(action="outline").is_error and run(action="references").is_error
+    assert run(action="outline", path="../etc").is_error
 
 
 @pytest.mark.parametrize("module", [yaml, click])

@@ -31,16 +31,25 @@ class BashTool(Tool):
     async def call(self, arguments: dict[str, Any], sandbox: Sandbox) -> ToolResult:
         command = arguments["command"]
         if not command.strip():
-            return ToolResult("The command is empty: pass a shell command, e.g. {\"command\": \"ls\"}.",
-                              is_error=True)
+            return ToolResult(
+                'The command is empty: pass a shell command, e.g. {"command": "ls"}.', is_error=True
+            )
         result = await sandbox.exec(command, timeout_s=self.cfg.bash_timeout_s)
         output = result.output if result.output.strip() else "(no output)"
-        metadata = {"exit_code": result.exit_code, "timed_out": result.timed_out,
-                    "duration_s": result.duration_s, "truncated": result.truncated}
+        metadata = {
+            "exit_code": result.exit_code,
+            "timed_out": result.timed_out,
+            "duration_s": result.duration_s,
+            "truncated": result.truncated,
+        }
         if result.timed_out:
-            note = (f"The command timed out after {self.cfg.bash_timeout_s:g} s and was killed. "
-                    "Run something smaller (one test file, fewer iterations) or add your own limit.")
+            note = (
+                f"The command timed out after {self.cfg.bash_timeout_s:g} s and was killed. "
+                "Run something smaller (one test file, fewer iterations) or add your own limit."
+            )
             # A timeout is a failed call; a nonzero exit code is not (grep without matches, a
             # failing test run are normal answers), so only timeouts set is_error.
-            return ToolResult(f"{note}\nOutput before the timeout:\n{output}", is_error=True, metadata=metadata)
+            return ToolResult(
+                f"{note}\nOutput before the timeout:\n{output}", is_error=True, metadata=metadata
+            )
         return ToolResult(f"Exit code: {result.exit_code}\n{output}", metadata=metadata)

@@ -1,8 +1,9 @@
-"""Per-file symbol and identifier index built with tree-sitter, cached by content in the process."""
+"""Per-file definitions and identifier uses found with tree-sitter, cached by content in the process."""
 
 from __future__ import annotations
 
 import hashlib
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -12,23 +13,40 @@ import tree_sitter_javascript
 import tree_sitter_python
 
 LANGUAGE_BY_SUFFIX = {
-    ".py": "python", ".pyi": "python",
-    ".js": "javascript", ".mjs": "javascript", ".cjs": "javascript", ".jsx": "javascript",
+    ".py": "python",
+    ".pyi": "python",
+    ".js": "javascript",
+    ".mjs": "javascript",
+    ".cjs": "javascript",
+    ".jsx": "javascript",
 }
 _LANGUAGES = {
     "python": tree_sitter.Language(tree_sitter_python.language()),
     "javascript": tree_sitter.Language(tree_sitter_javascript.language()),
 }
-_IDENTIFIER_QUERIES = {
-    "python": "(identifier) @id",
-    "javascript": "[(identifier) (property_identifier) (private_property_identifier) "
-                  "(shorthand_property_identifier) (shorthand_property_identifier_pattern)] @id",
+_IDENTIFIER_TYPES = {
+    "identifier",
+    "property_identifier",
+    "private_property_identifier",
+    "shorthand_property_identifier",
+    "shorthand_property_identifier_pattern",
 }
 _JS_FUNCTION_VALUES = {"arrow_function", "function_expression", "function", "generator_function"}
 # Statements whose bodies may hold definitions that still belong to the enclosing scope.
-_CONTAINER_SUFFIXES = ("_statement", "_clause", "block", "module", "program", "class_body",
-                       "statement_block", "declaration_list")
+_CONTAINER_SUFFIXES = (
+    "_statement",
+    "_clause",
+    "block",
+    "module",
+    "program",
+    "class_body",
+    "statement_block",
+    "declaration_list",
+)
 CACHE_MAX_FILES = 20_000
+"""Symbol tables kept (small: names and line numbers)."""
+TREE_CACHE_MAX_BYTES = 64_000_000
+"""Source bytes whose syntax trees are kept; trees are large, so they are bounded by size."""
 
 
 @dataclass(frozen=True)
@@ -48,11 +66,11 @@ class Symbol:
 
 @dataclass(frozen=True)
 class FileIndex:
-    """Definitions in source order and identifier uses by name (definition names left out)."""
+    """Definitions of one file in source order."""
 
     symbols: tuple[Symbol, ...]
-    uses: dict[str, tuple[int, ...]]
-    """name -> sorted distinct line numbers where the identifier is used."""
+    name_points: frozenset[tuple[int, int]]
+    """(row, byte column) of every definition's name, so `find_uses` can leave them out."""
 
 
 def language_of(path: str) -> str | None:
@@ -61,25 +79,86 @@ def language_of(path: str) -> str | None:
     return LANGUAGE_BY_SUFFIX.get(path[dot:]) if dot != -1 else None
 
 
-_cache: OrderedDict[tuple[str, bytes], FileIndex] = OrderedDict()
+_symbols: OrderedDict[tuple[str, bytes], FileIndex] = OrderedDict()
+_trees: OrderedDict[tuple[str, bytes], tuple[tree_sitter.Tree, int]] = OrderedDict()
+_tree_bytes = 0
 _cache_lock = threading.Lock()
 _local = threading.local()
 
 
+def _key(source: bytes, language: str) -> tuple[str, bytes]:
+    """Content-hash key: the many copies of one repository that parallel episodes hold (a GRPO
+    group) share one parse, and an edited file is parsed afresh."""
+    return language, hashlib.blake2b(source, digest_size=16).digest()
+
+
 def index_file(source: bytes, language: str) -> FileIndex:
-    """The index of one file. Keyed by content hash, so the many copies of one repository that
-    parallel episodes hold (a GRPO group) share one parse."""
-    key = (language, hashlib.blake2b(source, digest_size=16).digest())
+    """The definitions of one file (cached)."""
+    key = _key(source, language)
     with _cache_lock:
-        if key in _cache:
-            _cache.move_to_end(key)
-            return _cache[key]
-    index = _build_index(source, language)
+        if key in _symbols:
+            _symbols.move_to_end(key)
+            return _symbols[key]
+    symbols: list[Symbol] = []
+    points: set[tuple[int, int]] = set()
+    walker = _PythonWalker if language == "python" else _JavaScriptWalker
+    walker(symbols, points).walk(_tree(source, language, key).root_node, [], "module")
+    index = FileIndex(tuple(symbols), frozenset(points))
     with _cache_lock:
-        _cache[key] = index
-        while len(_cache) > CACHE_MAX_FILES:
-            _cache.popitem(last=False)
+        _symbols[key] = index
+        while len(_symbols) > CACHE_MAX_FILES:
+            _symbols.popitem(last=False)
     return index
+
+
+def find_uses(source: bytes, language: str, name: str) -> list[int]:
+    """Sorted distinct lines where `name` is used as an identifier (not in strings or comments,
+    not where it is defined). Looks only at the places the text occurs, not at every node."""
+    pattern = re.compile(rb"(?<![\w$])" + re.escape(name.encode()) + rb"(?![\w$])")
+    spans = [match.span() for match in pattern.finditer(source)]
+    if not spans:
+        return []
+    key = _key(source, language)
+    root, defined = _tree(source, language, key).root_node, index_file(source, language).name_points
+    lines = set()
+    for start, end in spans:
+        node = root.descendant_for_byte_range(start, end)
+        if (
+            node is not None
+            and node.type in _IDENTIFIER_TYPES
+            and (node.start_byte, node.end_byte) == (start, end)
+        ):
+            if node.start_point not in defined:
+                lines.add(node.start_point[0] + 1)
+    return sorted(lines)
+
+
+def definition_filter(name: str) -> re.Pattern[bytes]:
+    """Matches (a superset of) the files that can define `name`, so search parses only those:
+    def/class/function NAME, NAME = ..., NAME: ..., a, NAME = ..., JS methods and fields."""
+    n = re.escape(name.encode())
+    return re.compile(
+        rb"(?:def|class|function\*?)\s+" + n + rb"(?![\w$])"
+        rb"|(?<![\w$])" + n + rb"[ \t]*=(?!=)"
+        rb"|^[ \t]*(?:[\w$]+[ \t]+)*[*#]?" + n + rb"[ \t]*[:;(,=]",
+        re.MULTILINE,
+    )
+
+
+def _tree(source: bytes, language: str, key: tuple[str, bytes]) -> tree_sitter.Tree:
+    global _tree_bytes
+    with _cache_lock:
+        if key in _trees:
+            _trees.move_to_end(key)
+            return _trees[key][0]
+    tree = _parser(language).parse(source)
+    with _cache_lock:
+        if key not in _trees:
+            _trees[key] = (tree, len(source))
+            _tree_bytes += len(source)
+        while _tree_bytes > TREE_CACHE_MAX_BYTES and len(_trees) > 1:
+            _tree_bytes -= _trees.popitem(last=False)[1][1]
+    return tree
 
 
 def _parser(language: str) -> tree_sitter.Parser:
@@ -90,24 +169,6 @@ def _parser(language: str) -> tree_sitter.Parser:
     return parsers[language]
 
 
-def _build_index(source: bytes, language: str) -> FileIndex:
-    root = _parser(language).parse(source).root_node
-    symbols: list[Symbol] = []
-    name_positions: set[tuple[int, int]] = set()
-    walker = _PythonWalker if language == "python" else _JavaScriptWalker
-    walker(symbols, name_positions).walk(root, [], "module")
-    return FileIndex(tuple(symbols), _identifier_uses(root, language, name_positions))
-
-
-def _identifier_uses(root: tree_sitter.Node, language: str, skip: set[tuple[int, int]]) -> dict[str, tuple[int, ...]]:
-    query = tree_sitter.Query(_LANGUAGES[language], _IDENTIFIER_QUERIES[language])
-    uses: dict[str, set[int]] = {}
-    for node in tree_sitter.QueryCursor(query).captures(root).get("id", []):
-        if node.start_point not in skip:
-            uses.setdefault(node.text.decode("utf-8", "replace"), set()).add(node.start_point[0] + 1)
-    return {name: tuple(sorted(lines)) for name, lines in uses.items()}
-
-
 class _Walker:
     """Collects definitions, tracking the enclosing qualified name and scope kind."""
 
@@ -115,14 +176,27 @@ class _Walker:
         self.symbols = symbols
         self.name_positions = name_positions
 
-    def add(self, name_node: tree_sitter.Node, scope: list[str], kind: str, node: tree_sitter.Node,
-            start: tree_sitter.Node | None = None) -> list[str]:
+    def add(
+        self,
+        name_node: tree_sitter.Node,
+        scope: list[str],
+        kind: str,
+        node: tree_sitter.Node,
+        start: tree_sitter.Node | None = None,
+    ) -> list[str]:
         name = name_node.text.decode("utf-8", "replace")
         self.name_positions.add(name_node.start_point)
-        self.symbols.append(Symbol(
-            name=name, qualname=".".join([*scope, name]), kind=kind, line=name_node.start_point[0] + 1,
-            start_line=(start or node).start_point[0] + 1, end_line=node.end_point[0] + 1, depth=len(scope),
-        ))
+        self.symbols.append(
+            Symbol(
+                name=name,
+                qualname=".".join([*scope, name]),
+                kind=kind,
+                line=name_node.start_point[0] + 1,
+                start_line=(start or node).start_point[0] + 1,
+                end_line=node.end_point[0] + 1,
+                depth=len(scope),
+            )
+        )
         return [*scope, name]
 
     def walk(self, node: tree_sitter.Node, scope: list[str], scope_kind: str) -> None:
@@ -154,11 +228,16 @@ class _PythonWalker(_Walker):
             return True
         return False
 
-    def _assignment(self, node: tree_sitter.Node, scope: list[str], kind: str, statement: tree_sitter.Node) -> None:
+    def _assignment(
+        self, node: tree_sitter.Node, scope: list[str], kind: str, statement: tree_sitter.Node
+    ) -> None:
         while node.type == "assignment":
             left = node.child_by_field_name("left")
-            targets = [left] if left is not None and left.type == "identifier" else (
-                [c for c in left.named_children if c.type == "identifier"] if left is not None else [])
+            targets = (
+                [left]
+                if left is not None and left.type == "identifier"
+                else ([c for c in left.named_children if c.type == "identifier"] if left is not None else [])
+            )
             for target in targets:
                 self.add(target, scope, kind, statement)
             node = node.child_by_field_name("right") or statement  # `a = b = 1` chains assignments
@@ -168,13 +247,17 @@ class _JavaScriptWalker(_Walker):
     def visit(self, node: tree_sitter.Node, scope: list[str], scope_kind: str) -> bool:
         name = node.child_by_field_name("name")
         if node.type in ("function_declaration", "generator_function_declaration") and name is not None:
-            self.walk(node.child_by_field_name("body") or node, self.add(name, scope, "function", node), "function")
+            self.walk(
+                node.child_by_field_name("body") or node, self.add(name, scope, "function", node), "function"
+            )
             return True
         if node.type in ("class_declaration", "class") and name is not None:
             self.walk(node.child_by_field_name("body") or node, self.add(name, scope, "class", node), "class")
             return True
         if node.type == "method_definition" and name is not None:
-            self.walk(node.child_by_field_name("body") or node, self.add(name, scope, "method", node), "function")
+            self.walk(
+                node.child_by_field_name("body") or node, self.add(name, scope, "method", node), "function"
+            )
             return True
         if node.type == "field_definition" and node.child_by_field_name("property") is not None:
             self.add(node.child_by_field_name("property"), scope, "attribute", node)
@@ -187,18 +270,24 @@ class _JavaScriptWalker(_Walker):
             return self._member_assignment(node.named_children[0], scope, node)
         return False
 
-    def _declarator(self, node: tree_sitter.Node, scope: list[str], scope_kind: str, statement: tree_sitter.Node) -> None:
+    def _declarator(
+        self, node: tree_sitter.Node, scope: list[str], scope_kind: str, statement: tree_sitter.Node
+    ) -> None:
         name, value = node.child_by_field_name("name"), node.child_by_field_name("value")
         if name is None or name.type != "identifier":
             return
         if value is not None and value.type in _JS_FUNCTION_VALUES | {"class"}:
             kind = "class" if value.type == "class" else "function"
             inner = self.add(name, scope, kind, statement)
-            self.walk(value.child_by_field_name("body") or value, inner, "class" if kind == "class" else "function")
+            self.walk(
+                value.child_by_field_name("body") or value, inner, "class" if kind == "class" else "function"
+            )
         elif scope_kind == "module":
             self.add(name, scope, "variable", statement)
 
-    def _member_assignment(self, node: tree_sitter.Node, scope: list[str], statement: tree_sitter.Node) -> bool:
+    def _member_assignment(
+        self, node: tree_sitter.Node, scope: list[str], statement: tree_sitter.Node
+    ) -> bool:
         """`Foo.prototype.bar = function` and `module.exports.baz = () => ...` define functions."""
         left, right = node.child_by_field_name("left"), node.child_by_field_name("right")
         if node.type != "assignment_expression" or left is None or right is None:

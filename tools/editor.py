@@ -38,13 +38,27 @@ class EditorTool(Tool):
         "type": "object",
         "properties": {
             "command": {"type": "string", "enum": ["view", "create", "str_replace", "insert", "undo_edit"]},
-            "path": {"type": "string", "minLength": 1, "description": "File or directory, relative to the root."},
+            "path": {
+                "type": "string",
+                "minLength": 1,
+                "description": "File or directory, relative to the root.",
+            },
             "file_text": {"type": "string", "description": "Content of the new file (create)."},
             "old_str": {"type": "string", "description": "Exact text to replace (str_replace)."},
-            "new_str": {"type": "string", "description": "Replacement (str_replace) or text to insert (insert)."},
-            "insert_line": {"type": "integer", "minimum": 0, "description": "Insert after this line (insert)."},
+            "new_str": {
+                "type": "string",
+                "description": "Replacement (str_replace) or text to insert (insert).",
+            },
+            "insert_line": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "Insert after this line (insert).",
+            },
             "view_range": {
-                "type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2,
+                "type": "array",
+                "items": {"type": "integer"},
+                "minItems": 2,
+                "maxItems": 2,
                 "description": "[start, end] lines to view, 1-based inclusive; end -1 means to the end.",
             },
         },
@@ -61,15 +75,18 @@ class EditorTool(Tool):
         except PathError as error:
             return _error(str(error))
         handler = {
-            "view": self._view, "create": self._create, "str_replace": self._str_replace,
-            "insert": self._insert, "undo_edit": self._undo,
+            "view": self._view,
+            "create": self._create,
+            "str_replace": self._str_replace,
+            "insert": self._insert,
+            "undo_edit": self._undo,
         }[arguments["command"]]
         return await handler(path, arguments, sandbox)
 
     async def _view(self, path: str, arguments: dict[str, Any], sandbox: Sandbox) -> ToolResult:
         kind = await _path_kind(path, sandbox)
         if kind == "missing":
-            return _error(f"{path} does not exist. List a folder with view on it, e.g. path \".\".")
+            return _error(f'{path} does not exist. List a folder with view on it, e.g. path ".".')
         if kind == "dir":
             return await _list_dir(path, sandbox)
         content = await sandbox.read_file(path)
@@ -79,15 +96,19 @@ class EditorTool(Tool):
             start, end = (int(v) for v in arguments["view_range"])
             end = len(lines) if end == -1 else end
             if not (1 <= start <= max(len(lines), 1)) or end < start:
-                return _error(f"view_range {arguments['view_range']} is outside {path}, which has "
-                              f"{len(lines)} lines: use 1 <= start <= {len(lines)} and end >= start or -1.")
+                return _error(
+                    f"view_range {arguments['view_range']} is outside {path}, which has "
+                    f"{len(lines)} lines: use 1 <= start <= {len(lines)} and end >= start or -1."
+                )
             end = min(end, len(lines))
         header = f"{path} (lines {start}-{end} of {len(lines)}):" if lines else f"{path} is empty."
-        return ToolResult(header + "\n" + _numbered(lines[start - 1:end], start))
+        return ToolResult(header + "\n" + _numbered(lines[start - 1 : end], start))
 
     async def _create(self, path: str, arguments: dict[str, Any], sandbox: Sandbox) -> ToolResult:
         if "file_text" not in arguments:
-            return _error('create needs file_text, e.g. {"command": "create", "path": "a.py", "file_text": "..."}')
+            return _error(
+                'create needs file_text, e.g. {"command": "create", "path": "a.py", "file_text": "..."}'
+            )
         kind = await _path_kind(path, sandbox)
         if kind == "dir":
             return _error(f"{path} is a directory; give a file path.")
@@ -107,7 +128,7 @@ class EditorTool(Tool):
         positions = _find_all(content, old)
         if len(positions) != 1:
             return _error(_match_problem(path, content, old, positions))
-        updated = content[: positions[0]] + new + content[positions[0] + len(old):]
+        updated = content[: positions[0]] + new + content[positions[0] + len(old) :]
         await _push_history(sandbox, path, content)
         await sandbox.write_file(path, updated)
         first = content.count("\n", 0, positions[0]) + 1
@@ -115,15 +136,18 @@ class EditorTool(Tool):
 
     async def _insert(self, path: str, arguments: dict[str, Any], sandbox: Sandbox) -> ToolResult:
         if "insert_line" not in arguments or "new_str" not in arguments:
-            return _error('insert needs insert_line and new_str, e.g. {"command": "insert", "path": "a.py", '
-                          '"insert_line": 3, "new_str": "x = 1"}')
+            return _error(
+                'insert needs insert_line and new_str, e.g. {"command": "insert", "path": "a.py", '
+                '"insert_line": 3, "new_str": "x = 1"}'
+            )
         content = await _read_existing(path, sandbox)
         if isinstance(content, ToolResult):
             return content
         lines, after = _lines(content), int(arguments["insert_line"])
         if after > len(lines):
-            return _error(f"insert_line {after} is past the end of {path} ({len(lines)} lines); "
-                          f"use 0..{len(lines)}.")
+            return _error(
+                f"insert_line {after} is past the end of {path} ({len(lines)} lines); use 0..{len(lines)}."
+            )
         new_lines = _lines(arguments["new_str"]) or [""]
         updated_lines = lines[:after] + new_lines + lines[after:]
         updated = "\n".join(updated_lines) + ("\n" if content.endswith("\n") or not content else "")
@@ -139,8 +163,11 @@ class EditorTool(Tool):
             await sandbox.exec(f"rm -f -- {shlex.quote(path)}")
             return ToolResult(f"Undid the creation of {path}: the file is removed.")
         await sandbox.write_file(path, previous)
-        return ToolResult(f"Undid the last edit of {path}. It now reads:\n" + _numbered(_lines(previous)[:40], 1)
-                          + ("\n..." if len(_lines(previous)) > 40 else ""))
+        return ToolResult(
+            f"Undid the last edit of {path}. It now reads:\n"
+            + _numbered(_lines(previous)[:40], 1)
+            + ("\n..." if len(_lines(previous)) > 40 else "")
+        )
 
 
 def _error(message: str) -> ToolResult:
@@ -153,8 +180,10 @@ async def _path_kind(path: str, sandbox: Sandbox) -> str:
         full = os.path.join(sandbox.workspace_path, path)
         return "dir" if os.path.isdir(full) else "file" if os.path.isfile(full) else "missing"
     quoted = shlex.quote(path)
-    result = await sandbox.exec(f"if [ -d {quoted} ]; then echo dir; elif [ -f {quoted} ]; then echo file; "
-                                "else echo missing; fi", timeout_s=10)
+    result = await sandbox.exec(
+        f"if [ -d {quoted} ]; then echo dir; elif [ -f {quoted} ]; then echo file; else echo missing; fi",
+        timeout_s=10,
+    )
     return result.output.strip() or "missing"
 
 
@@ -167,8 +196,10 @@ async def _read_existing(path: str, sandbox: Sandbox) -> str | ToolResult:
 
 
 async def _list_dir(path: str, sandbox: Sandbox) -> ToolResult:
-    command = (f"find {shlex.quote(path)} -maxdepth 2 -not -path '*/.*' -not -path '*/__pycache__*' "
-               f"| sort | head -n 400")
+    command = (
+        f"find {shlex.quote(path)} -maxdepth 2 -not -path '*/.*' -not -path '*/__pycache__*' "
+        f"| sort | head -n 400"
+    )
     result = await sandbox.exec(command, timeout_s=30)
     entries = [line.removeprefix("./") for line in result.output.splitlines() if line not in (".", path)]
     listing = "\n".join(entries) if entries else "(empty)"
@@ -195,14 +226,18 @@ def _find_all(content: str, needle: str) -> list[int]:
 def _match_problem(path: str, content: str, old: str, positions: list[int]) -> str:
     if positions:
         lines = ", ".join(str(content.count("\n", 0, p) + 1) for p in positions)
-        return (f"old_str occurs {len(positions)} times in {path}, starting at lines {lines}. "
-                "Include more surrounding lines in old_str so that it matches exactly once.")
+        return (
+            f"old_str occurs {len(positions)} times in {path}, starting at lines {lines}. "
+            "Include more surrounding lines in old_str so that it matches exactly once."
+        )
     message = f"old_str was not found in {path}; it must match the file exactly, including whitespace."
     first = next((line.strip() for line in old.split("\n") if line.strip()), "")
     near = [str(n) for n, line in enumerate(_lines(content), 1) if first and first in line]
     if near:
-        message += (f" Its first line appears (maybe with other indentation, or followed by different lines) "
-                    f"at line(s) {', '.join(near[:10])}; view those lines and copy them exactly.")
+        message += (
+            f" Its first line appears (maybe with other indentation, or followed by different lines) "
+            f"at line(s) {', '.join(near[:10])}; view those lines and copy them exactly."
+        )
     else:
         message += " View the file first and copy the text you want to replace."
     return message
@@ -211,9 +246,11 @@ def _match_problem(path: str, content: str, old: str, positions: list[int]) -> s
 def _edited(path: str, content: str, first: int, last: int) -> ToolResult:
     lines = _lines(content)
     start, end = max(1, first - SNIPPET_CONTEXT), min(len(lines), last + SNIPPET_CONTEXT)
-    snippet = _numbered(lines[start - 1:end], start)
-    return ToolResult(f"Edited {path}. Lines {start}-{end} now read:\n{snippet}\n"
-                      "Check the result; undo_edit reverts this edit.")
+    snippet = _numbered(lines[start - 1 : end], start)
+    return ToolResult(
+        f"Edited {path}. Lines {start}-{end} now read:\n{snippet}\n"
+        "Check the result; undo_edit reverts this edit."
+    )
 
 
 def _history_path(path: str) -> str:

@@ -39,8 +39,10 @@ class HintEngine:
         if self.cfg.after_tool_error and errors:
             hints.append(self._error_hint(errors))
         if self.cfg.repeat_action and _signature(calls) and _signature(calls) == _signature(previous_calls):
-            hints.append("You repeated exactly the same tool call as in your previous turn, and nothing "
-                         "else changed, so the result is the same. Try something different.")
+            hints.append(
+                "You repeated exactly the same tool call as in your previous turn, and nothing "
+                "else changed, so the result is the same. Try something different."
+            )
         if self.cfg.budget_reminders:
             hints.extend(self._budget_hints(turn, max_turns, tokens_used, max_tokens))
         return hints
@@ -58,8 +60,9 @@ class HintEngine:
         if max_tokens and tokens_used < max_tokens:
             left = max_tokens - tokens_used
             if left < self.cfg.remind_when_tokens_left_fraction * max_tokens:
-                hints.append(f"About {left} tokens of your budget are left: keep messages short, "
-                             "and finish soon.")
+                hints.append(
+                    f"About {left} tokens of your budget are left: keep messages short, and finish soon."
+                )
         return hints
 
 
@@ -67,8 +70,9 @@ def _signature(calls: Sequence[CallLike]) -> Counter[str]:
     """Calls compared by name and arguments only (ids differ every turn), order ignored."""
     pairs = [(c.name, c.arguments) if isinstance(c, ToolCall) else (c[0], c[1]) for c in calls]
     # Unparsable calls (no name) are left out: two malformed turns are not a "repeated call".
-    return Counter(f"{name}:{json.dumps(arguments, sort_keys=True, default=str)}"
-                   for name, arguments in pairs if name)
+    return Counter(
+        f"{name}:{json.dumps(arguments, sort_keys=True, default=str)}" for name, arguments in pairs if name
+    )
 
 
 def render_hints(hints: Sequence[str]) -> str:

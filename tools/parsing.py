@@ -72,7 +72,9 @@ def _parse_raw(output: Any) -> ParsedOutput:
     if isinstance(output, str):
         return ParsedOutput(items=_parse_hermes(output), format="hermes")
     if isinstance(output, (list, tuple)):
-        items = [item if isinstance(item, ToolCall) else _parse_openai(item, i) for i, item in enumerate(output)]
+        items = [
+            item if isinstance(item, ToolCall) else _parse_openai(item, i) for i, item in enumerate(output)
+        ]
         return ParsedOutput(items=items, format="openai")
     if isinstance(output, ToolCall):
         return ParsedOutput(items=[output], format="openai")
@@ -101,9 +103,11 @@ def _parse_hermes(text: str) -> list[ToolCall | CallError]:
         if isinstance(decoded, str):
             number = len(items) + 1
             snippet = body if len(body) <= 300 else body[:300] + "..."
-            items.append(CallError(
-                f"Tool call #{number} is not valid JSON ({decoded}).\nYou wrote:\n{snippet}\n{_generic_usage('hermes')}"
-            ))
+            items.append(
+                CallError(
+                    f"Tool call #{number} is not valid JSON ({decoded}).\nYou wrote:\n{snippet}\n{_generic_usage('hermes')}"
+                )
+            )
             continue
         for value in decoded:
             items.append(_call_from_object(value, len(items) + 1))
@@ -151,8 +155,10 @@ def _decode_concatenated(body: str) -> list[Any]:
 
 def _call_from_object(value: Any, number: int) -> ToolCall | CallError:
     if not isinstance(value, dict):
-        return CallError(f"Tool call #{number} must be a JSON object, got: {json.dumps(value)[:200]}\n"
-                         f"{_generic_usage('hermes')}")
+        return CallError(
+            f"Tool call #{number} must be a JSON object, got: {json.dumps(value)[:200]}\n"
+            f"{_generic_usage('hermes')}"
+        )
     inner = value.get("function") if isinstance(value.get("function"), dict) else value
     name = inner.get("name")
     if not isinstance(name, str) or not name.strip():
@@ -160,7 +166,9 @@ def _call_from_object(value: Any, number: int) -> ToolCall | CallError:
     raw_arguments = inner.get("arguments", inner.get("parameters", {}))
     arguments = _decode_arguments(raw_arguments)
     if isinstance(arguments, str):
-        return CallError(f"Tool call #{number} (`{name}`): {arguments}\n{_generic_usage('hermes')}", name=name)
+        return CallError(
+            f"Tool call #{number} (`{name}`): {arguments}\n{_generic_usage('hermes')}", name=name
+        )
     return ToolCall(name=name.strip(), arguments=arguments, call_id=value.get("id"))
 
 
@@ -187,14 +195,19 @@ def check_call(call: ToolCall, tools: Mapping[str, Tool], fmt: CallFormat = "her
         return CallError(
             f"Unknown tool `{call.name}`.{hint} Available tools: {', '.join(tools) or '(none)'}.\n"
             f"{_generic_usage(fmt)}",
-            call.call_id, call.name,
+            call.call_id,
+            call.name,
         )
     problems = validate(call.arguments, tool.parameters)
     if not problems:
         return call
     return CallError(
-        f"Invalid arguments for `{call.name}`:\n" + "\n".join(f"- {p}" for p in problems) + "\n" + usage(tool, fmt),
-        call.call_id, call.name,
+        f"Invalid arguments for `{call.name}`:\n"
+        + "\n".join(f"- {p}" for p in problems)
+        + "\n"
+        + usage(tool, fmt),
+        call.call_id,
+        call.name,
     )
 
 
@@ -205,11 +218,15 @@ def usage(tool: Tool, fmt: CallFormat = "hermes") -> str:
         shown = f"<tool_call>\n{json.dumps(example)}\n</tool_call>"
     else:
         shown = f"function `{tool.name}` with arguments {json.dumps(example['arguments'])}"
-    return f"Call it like this:\n{shown}\nParameters of `{tool.name}`:\n{describe_parameters(tool.parameters)}"
+    return (
+        f"Call it like this:\n{shown}\nParameters of `{tool.name}`:\n{describe_parameters(tool.parameters)}"
+    )
 
 
 def _generic_usage(fmt: CallFormat) -> str:
     if fmt == "hermes":
-        return ('Write each tool call as one JSON object between tags:\n'
-                '<tool_call>\n{"name": "<tool name>", "arguments": {"<parameter>": <value>}}\n</tool_call>')
+        return (
+            "Write each tool call as one JSON object between tags:\n"
+            '<tool_call>\n{"name": "<tool name>", "arguments": {"<parameter>": <value>}}\n</tool_call>'
+        )
     return 'Each tool call needs a function name and JSON-object arguments, e.g. {"command": "ls"}.'

@@ -20,8 +20,10 @@ async def resolve_workspace_path(raw: str, sandbox: Sandbox) -> str:
     if posixpath.isabs(path):
         path = await _strip_root(path, sandbox)
         if posixpath.isabs(path):
-            raise PathError(f"{raw} is outside the workspace; paths are relative to the repository root, "
-                            "e.g. src/module.py.")
+            raise PathError(
+                f"{raw} is outside the workspace; paths are relative to the repository root, "
+                "e.g. src/module.py."
+            )
     path = posixpath.normpath(path or ".")
     if path == ".." or path.startswith("../"):
         raise PathError(f"{raw} is outside the workspace; paths are relative to the repository root.")
@@ -41,5 +43,5 @@ async def _strip_root(path: str, sandbox: Sandbox) -> str:
         if path == root:
             return "."
         if path.startswith(root + "/"):
-            return path[len(root) + 1:]
+            return path[len(root) + 1 :]
     return path

@@ -39,8 +39,10 @@ def build_tools(names: Sequence[str], cfg: ToolsConfig) -> dict[str, Tool]:
     """The named tools, in the given order, keyed by name."""
     unknown = [name for name in names if name not in TOOL_FACTORIES]
     if unknown:
-        raise ValueError(f"unknown tool(s) {', '.join(map(repr, unknown))}; available tools: "
-                         f"{', '.join(sorted(TOOL_FACTORIES))}. Fix tools.enabled or the task set's default_tools.")
+        raise ValueError(
+            f"unknown tool(s) {', '.join(map(repr, unknown))}; available tools: "
+            f"{', '.join(sorted(TOOL_FACTORIES))}. Fix tools.enabled or the task set's default_tools."
+        )
     return {name: TOOL_FACTORIES[name](cfg) for name in names}
 
 
@@ -97,7 +99,9 @@ class ToolTurn:
         return sum(observation.internal_error for observation in self.observations)
 
 
-async def run_tool_calls(output: Any, tools: Mapping[str, Tool], sandbox: Sandbox, cfg: ToolsConfig) -> ToolTurn:
+async def run_tool_calls(
+    output: Any, tools: Mapping[str, Tool], sandbox: Sandbox, cfg: ToolsConfig
+) -> ToolTurn:
     """Parse `output` (assistant text, message dict or tool-call list), run each valid call in
     order, and return one observation per call. Never raises for anything the model or a tool does;
     calls after `finish` or past `cfg.max_calls_per_turn` are not run."""
@@ -107,24 +111,37 @@ async def run_tool_calls(output: Any, tools: Mapping[str, Tool], sandbox: Sandbo
     turn = ToolTurn(calls=parsed.calls, observations=[])
     for index, item in enumerate(parsed.items):
         observation = await _run_item(item, index, turn, tools, sandbox, cfg)
-        observation.content, observation.truncated = truncate_observation(observation.content,
-                                                                          cfg.max_observation_chars)
+        observation.content, observation.truncated = truncate_observation(
+            observation.content, cfg.max_observation_chars
+        )
         turn.ends_episode = turn.ends_episode or observation.ends_episode
         turn.observations.append(observation)
     return turn
 
 
-async def _run_item(item: ToolCall | CallError, index: int, turn: ToolTurn, tools: Mapping[str, Tool],
-                    sandbox: Sandbox, cfg: ToolsConfig) -> Observation:
+async def _run_item(
+    item: ToolCall | CallError,
+    index: int,
+    turn: ToolTurn,
+    tools: Mapping[str, Tool],
+    sandbox: Sandbox,
+    cfg: ToolsConfig,
+) -> Observation:
     if isinstance(item, CallError):
         return Observation(item.message, item.name, item.call_id, is_error=True)
     if turn.ends_episode:
-        return Observation("Not run: `finish` was called earlier in this message.", item.name, item.call_id,
-                           item.arguments)
+        return Observation(
+            "Not run: `finish` was called earlier in this message.", item.name, item.call_id, item.arguments
+        )
     if index >= cfg.max_calls_per_turn:
-        return Observation(f"Not run: at most {cfg.max_calls_per_turn} tool calls run per message. "
-                           "Make fewer calls and wait for their results.", item.name, item.call_id,
-                           item.arguments, is_error=True)
+        return Observation(
+            f"Not run: at most {cfg.max_calls_per_turn} tool calls run per message. "
+            "Make fewer calls and wait for their results.",
+            item.name,
+            item.call_id,
+            item.arguments,
+            is_error=True,
+        )
     return await run_call(item, tools[item.name], sandbox)
 
 
@@ -139,12 +156,24 @@ async def run_call(call: ToolCall, tool: Tool, sandbox: Sandbox) -> Observation:
         return Observation(
             f"The tool `{call.name}` failed internally ({type(error).__name__}: {error}). This is not "
             "a problem with your call's format; try again or use another tool.",
-            call.name, call.call_id, call.arguments, is_error=True, internal_error=True,
-            duration_s=time.monotonic() - started, metadata={"exception": repr(error)},
+            call.name,
+            call.call_id,
+            call.arguments,
+            is_error=True,
+            internal_error=True,
+            duration_s=time.monotonic() - started,
+            metadata={"exception": repr(error)},
         )
-    return Observation(result.content, call.name, call.call_id, call.arguments, is_error=result.is_error,
-                       ends_episode=result.ends_episode, duration_s=time.monotonic() - started,
-                       metadata=dict(result.metadata))
+    return Observation(
+        result.content,
+        call.name,
+        call.call_id,
+        call.arguments,
+        is_error=result.is_error,
+        ends_episode=result.ends_episode,
+        duration_s=time.monotonic() - started,
+        metadata=dict(result.metadata),
+    )
 
 
 def truncate_observation(text: str, max_chars: int) -> tuple[str, bool]:
@@ -152,10 +181,12 @@ def truncate_observation(text: str, max_chars: int) -> tuple[str, bool]:
     was cut. The tail matters: errors and test summaries come last."""
     if len(text) <= max_chars:
         return text, False
-    notice = ("\n\n[... {cut} characters cut: the output was longer than {limit} characters. "
-              "Narrow it (grep, head, tail, a view_range) to see the middle. ...]\n\n")
+    notice = (
+        "\n\n[... {cut} characters cut: the output was longer than {limit} characters. "
+        "Narrow it (grep, head, tail, a view_range) to see the middle. ...]\n\n"
+    )
     room = max(0, max_chars - len(notice.format(cut=len(text), limit=max_chars)))
-    head, tail = text[: room * 2 // 3], text[len(text) - room // 3:] if room // 3 else ""
+    head, tail = text[: room * 2 // 3], text[len(text) - room // 3 :] if room // 3 else ""
     return head + notice.format(cut=len(text) - len(head) - len(tail), limit=max_chars) + tail, True
 
 
@@ -164,8 +195,10 @@ def _no_call_observation(tools: Mapping[str, Tool]) -> Observation:
     if tools:
         first = next(iter(tools.values()))
         example = json.dumps({"name": first.name, "arguments": example_value(first.parameters)})
-        text += (f" To act, call one of the tools ({', '.join(tools)}) like this:\n"
-                 f"<tool_call>\n{example}\n</tool_call>")
+        text += (
+            f" To act, call one of the tools ({', '.join(tools)}) like this:\n"
+            f"<tool_call>\n{example}\n</tool_call>"
+        )
     if "finish" in tools:
         text += "\nWhen you are done, call `finish`."
     return Observation(text, is_error=True)

@@ -119,12 +119,17 @@ def example_value(schema: dict[str, Any]) -> Any:
     kind = schema.get("type")
     kind = kind[0] if isinstance(kind, list) else kind
     if kind == "object":
-        return {key: example_value(sub) for key, sub in schema.get("properties", {}).items()
-                if key in schema.get("required", [])}
+        return {
+            key: example_value(sub)
+            for key, sub in schema.get("properties", {}).items()
+            if key in schema.get("required", [])
+        }
     if kind == "array":
         item = example_value(schema.get("items", {}))
         return [item] * max(1, schema.get("minItems", 1))
-    return {"integer": 1, "number": 1.0, "boolean": True, "null": None}.get(kind or "", f"<{kind or 'value'}>")
+    return {"integer": 1, "number": 1.0, "boolean": True, "null": None}.get(
+        kind or "", f"<{kind or 'value'}>"
+    )
 
 
 def describe_parameters(schema: dict[str, Any]) -> str:

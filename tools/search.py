@@ -5,13 +5,23 @@ from __future__ import annotations
 import asyncio
 import difflib
 import os
+import re
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from rollway.sandboxes.base import Sandbox
 from rollway.tools.base import Tool, ToolResult
-from rollway.tools.code_index import LANGUAGE_BY_SUFFIX, FileIndex, Symbol, index_file, language_of
+from rollway.tools.code_index import (
+    LANGUAGE_BY_SUFFIX,
+    FileIndex,
+    Symbol,
+    definition_filter,
+    find_uses,
+    index_file,
+    language_of,
+)
 from rollway.tools.config import ToolsConfig
 from rollway.tools.paths import PRIVATE_DIR, PathError, resolve_workspace_path
 
@@ -51,7 +61,10 @@ class SearchTool(Tool):
         "properties": {
             "action": {"type": "string", "enum": ["definition", "source", "references", "outline"]},
             "name": {"type": "string", "description": "Symbol name, e.g. parse or Parser.parse."},
-            "path": {"type": "string", "description": "File or folder relative to the root (required for outline)."},
+            "path": {
+                "type": "string",
+                "description": "File or folder relative to the root (required for outline).",
+            },
         },
         "required": ["action"],
         "additionalProperties": False,
@@ -63,45 +76,78 @@ class SearchTool(Tool):
     async def call(self, arguments: dict[str, Any], sandbox: Sandbox) -> ToolResult:
         action, name = arguments["action"], str(arguments.get("name") or "").strip()
         if action == "outline" and not arguments.get("path"):
-            return ToolResult('outline needs path, e.g. {"action": "outline", "path": "src/module.py"}',
-                              is_error=True)
+            return ToolResult(
+                'outline needs path, e.g. {"action": "outline", "path": "src/module.py"}', is_error=True
+            )
         if action != "outline" and not name:
-            return ToolResult(f'{action} needs name, e.g. {{"action": "{action}", "name": "MyClass.method"}}',
-                              is_error=True)
+            return ToolResult(
+                f'{action} needs name, e.g. {{"action": "{action}", "name": "MyClass.method"}}', is_error=True
+            )
         try:
             under = await resolve_workspace_path(arguments.get("path") or ".", sandbox)
         except PathError as error:
             return ToolResult(str(error), is_error=True)
         limit = MAX_OUTLINE_ENTRIES if action == "outline" else self.cfg.search_max_files
         if sandbox.workspace_path:
-            return await asyncio.to_thread(search_folder, sandbox.workspace_path, action, name, under, self.cfg, limit)
-        files, skipped = await _collect_remote(sandbox, under, _needle(action, name), limit)
+            return await asyncio.to_thread(
+                search_folder, sandbox.workspace_path, action, name, under, self.cfg, limit
+            )
+        files, skipped = await _collect_remote(sandbox, under, _file_filter(action, name), limit)
         result = await asyncio.to_thread(_answer, action, name, under, files, skipped, self.cfg)
         if result.metadata.get("not_found") and action != "references":
             result.content += await asyncio.to_thread(_suggestions, files, name)
         return result
 
 
-def search_folder(root: str, action: str, name: str = "", under: str = ".", cfg: ToolsConfig | None = None,
-                  max_files: int | None = None) -> ToolResult:
+def search_folder(
+    root: str,
+    action: str,
+    name: str = "",
+    under: str = ".",
+    cfg: ToolsConfig | None = None,
+    max_files: int | None = None,
+) -> ToolResult:
     """Run one search over a host folder (blocking: parses files; call it in a thread)."""
     cfg = cfg or ToolsConfig()
     max_files = max_files or cfg.search_max_files
-    files, skipped = _collect_local(root, under, _needle(action, name), max_files)
+    files, skipped = _collect_local(root, under, _file_filter(action, name), max_files)
     result = _answer(action, name, under, files, skipped, cfg)
     if result.metadata.get("not_found") and action in ("definition", "source"):
         # The name filter hid near-misses (typos, other case); widen it to a prefix for suggestions.
-        prefix = name.rsplit(".", 1)[-1][: max(3, len(name.rsplit(".", 1)[-1]) // 2)]
-        result.content += _suggestions(_collect_local(root, under, prefix, max_files)[0], name)
+        result.content += _suggestions(_collect_local(root, under, _prefix_filter(name), max_files)[0], name)
     return result
 
 
-def _needle(action: str, name: str) -> str:
-    """Text a file must contain to be parsed at all: pre-filtering keeps cold searches fast."""
-    return "" if action == "outline" else name.rsplit(".", 1)[-1]
+@dataclass(frozen=True)
+class _FileFilter:
+    """Which files are worth parsing (pre-filtering keeps cold searches fast): `grep` is a
+    substring every accepted file contains, ignoring case (pre-filters inside a sandbox), and
+    `accepts` the exact test on a file's bytes."""
+
+    grep: str
+    accepts: Callable[[bytes], bool]
 
 
-def _answer(action: str, name: str, under: str, files: dict[str, bytes], skipped: int, cfg: ToolsConfig) -> ToolResult:
+def _file_filter(action: str, name: str) -> _FileFilter:
+    short = name.rsplit(".", 1)[-1]
+    if action == "outline":
+        return _FileFilter("", lambda data: True)
+    if action == "references":
+        word = re.compile(rb"(?<![\w$])" + re.escape(short.encode()) + rb"(?![\w$])")
+        return _FileFilter(short, lambda data: word.search(data) is not None)
+    pattern = definition_filter(short)
+    return _FileFilter(short, lambda data: pattern.search(data) is not None)
+
+
+def _prefix_filter(name: str) -> _FileFilter:
+    short = name.rsplit(".", 1)[-1]
+    prefix = short[: max(3, len(short) // 2)].lower()
+    return _FileFilter(prefix, lambda data: prefix.encode() in data.lower())
+
+
+def _answer(
+    action: str, name: str, under: str, files: dict[str, bytes], skipped: int, cfg: ToolsConfig
+) -> ToolResult:
     if not files and action == "outline":
         return ToolResult(f"No Python or JavaScript file at {under}.", is_error=True)
     indexed = {path: (index_file(data, language_of(path)), data) for path, data in files.items()}
@@ -116,10 +162,11 @@ def _answer(action: str, name: str, under: str, files: dict[str, bytes], skipped
     return ToolResult(text, metadata={"not_found": text.startswith("No ")})
 
 
-def _collect_local(root: str, under: str, needle: str, max_files: int) -> tuple[dict[str, bytes], int]:
+def _collect_local(
+    root: str, under: str, wanted: _FileFilter, max_files: int
+) -> tuple[dict[str, bytes], int]:
     paths = _walk_local(root, under)
     files: dict[str, bytes] = {}
-    lowered = needle.lower().encode()
     real_root = os.path.realpath(root)
     for path in paths[:max_files]:
         # This runs on the host, maybe as root: a symlink the agent made must not reveal host files.
@@ -130,7 +177,7 @@ def _collect_local(root: str, under: str, needle: str, max_files: int) -> tuple[
                 data = handle.read(MAX_FILE_BYTES + 1)
         except OSError:
             continue
-        if len(data) <= MAX_FILE_BYTES and (not needle or lowered in data.lower()):
+        if len(data) <= MAX_FILE_BYTES and wanted.accepts(data):
             files[path] = data
     return files, max(0, len(paths) - max_files)
 
@@ -149,25 +196,35 @@ def _walk_local(root: str, under: str) -> list[str]:
     return found
 
 
-async def _collect_remote(sandbox: Sandbox, under: str, needle: str, max_files: int) -> tuple[dict[str, bytes], int]:
+async def _collect_remote(
+    sandbox: Sandbox, under: str, wanted: _FileFilter, max_files: int
+) -> tuple[dict[str, bytes], int]:
     """Without a host folder: list (and pre-filter with grep) in the sandbox, then read each file."""
     suffixes = " -o ".join(f"-name '*{suffix}'" for suffix in LANGUAGE_BY_SUFFIX)
-    command = (f"find {shlex.quote(under)} \\( -name '.*' -o -name node_modules -o -name __pycache__ \\) "
-               f"-prune -o -type f \\( {suffixes} \\) -size -{MAX_FILE_BYTES // 1000}k -print")
-    if needle:
-        command += f" | xargs -r grep -liF -- {shlex.quote(needle)}"
+    command = (
+        f"find {shlex.quote(under)} \\( -path '*/.*' -o -name node_modules -o -name __pycache__ \\) "
+        f"-prune -o -type f \\( {suffixes} \\) -size -{MAX_FILE_BYTES // 1000}k -print"
+    )
+    if wanted.grep:
+        command += f" | xargs -r grep -liF -- {shlex.quote(wanted.grep)}"
     result = await sandbox.exec(command + " | sort", timeout_s=60)
     paths = [os.path.normpath(line) for line in result.output.splitlines() if language_of(line.strip())]
     files = {path: (await sandbox.read_file(path)).encode() for path in paths[:max_files]}
-    return files, max(0, len(paths) - max_files)
+    return {path: data for path, data in files.items() if wanted.accepts(data)}, max(
+        0, len(paths) - max_files
+    )
 
 
 def _is_test(path: str) -> bool:
     parts = path.lower().split("/")
     stem = parts[-1].split(".")[0]
     return any(p in ("test", "tests", "testing", "__tests__") for p in parts[:-1]) or (
-        stem.startswith("test_") or stem.endswith(("_test", "_tests")) or ".test." in parts[-1]
-        or ".spec." in parts[-1] or stem == "conftest")
+        stem.startswith("test_")
+        or stem.endswith(("_test", "_tests"))
+        or ".test." in parts[-1]
+        or ".spec." in parts[-1]
+        or stem == "conftest"
+    )
 
 
 def _module_name(path: str) -> str:
@@ -204,13 +261,17 @@ def _bounded(hits: list[_Hit], limit: int, narrow: str) -> str:
     return "\n".join(lines)
 
 
-def _find_definitions(indexed: dict[str, tuple[FileIndex, bytes]], query: str) -> list[tuple[tuple, str, Symbol]]:
+def _find_definitions(
+    indexed: dict[str, tuple[FileIndex, bytes]], query: str
+) -> list[tuple[tuple, str, Symbol]]:
     found = []
     for path, (index, _) in indexed.items():
         for symbol in index.symbols:
             level = _match_level(symbol, path, query)
             if level is not None:
-                found.append(((level, _KIND_RANK.get(symbol.kind, 3), *_file_rank(path), symbol.line), path, symbol))
+                found.append(
+                    ((level, _KIND_RANK.get(symbol.kind, 3), *_file_rank(path), symbol.line), path, symbol)
+                )
     found.sort(key=lambda item: item[0])
     if "." in query and found and found[0][0][0] < 2:
         # A qualified query that matched qualified names: unrelated same-named symbols are noise.
@@ -218,7 +279,9 @@ def _find_definitions(indexed: dict[str, tuple[FileIndex, bytes]], query: str) -
     return found
 
 
-def _definitions(indexed: dict[str, tuple[FileIndex, bytes]], query: str, limit: int, show_source: bool) -> str:
+def _definitions(
+    indexed: dict[str, tuple[FileIndex, bytes]], query: str, limit: int, show_source: bool
+) -> str:
     found = _find_definitions(indexed, query)
     if not found:
         return _no_definition(indexed, query, limit)
@@ -227,15 +290,19 @@ def _definitions(indexed: dict[str, tuple[FileIndex, bytes]], query: str, limit:
         note = f"No exact match for `{query}`; showing definitions named `{query.rsplit('.', 1)[-1]}`.\n"
     if show_source:
         return note + _source(indexed, found)
-    hits = [_Hit(rank, path, s.line, f"{s.kind} {s.qualname}: {_line_text(indexed[path][1], s.line)}")
-            for rank, path, s in found]
+    hits = [
+        _Hit(rank, path, s.line, f"{s.kind} {s.qualname}: {_line_text(indexed[path][1], s.line)}")
+        for rank, path, s in found
+    ]
     header = f"{len(found)} definition{'s' if len(found) > 1 else ''} of `{query}` (best match first):"
-    return note + header + "\n" + _bounded(hits, limit, "give a qualified name such as Class.method, or `path`")
+    return (
+        note + header + "\n" + _bounded(hits, limit, "give a qualified name such as Class.method, or `path`")
+    )
 
 
 def _source(indexed: dict[str, tuple[FileIndex, bytes]], found: list[tuple[tuple, str, Symbol]]) -> str:
     _, path, symbol = found[0]
-    lines = indexed[path][1].decode("utf-8", "replace").split("\n")[symbol.start_line - 1:symbol.end_line]
+    lines = indexed[path][1].decode("utf-8", "replace").split("\n")[symbol.start_line - 1 : symbol.end_line]
     shown = lines[:MAX_SOURCE_LINES]
     body = "\n".join(f"{number:6}\t{text}" for number, text in enumerate(shown, symbol.start_line))
     text = f"{symbol.kind} {symbol.qualname} at {path}:{symbol.line} (lines {symbol.start_line}-{symbol.end_line}):\n{body}"
@@ -257,7 +324,9 @@ def _no_definition(indexed: dict[str, tuple[FileIndex, bytes]], query: str, limi
 
 def _suggestions(files: dict[str, bytes], query: str) -> str:
     """A "Similar names" line from the definitions in `files`; empty when none is close."""
-    names = sorted({s.qualname for path, data in files.items() for s in index_file(data, language_of(path)).symbols})
+    names = sorted(
+        {s.qualname for path, data in files.items() for s in index_file(data, language_of(path)).symbols}
+    )
     close = difflib.get_close_matches(query, names, n=5, cutoff=0.6)
     short = query.rsplit(".", 1)[-1].lower()
     close += [n for n in names if short in n.lower() and n not in close][: 5 - len(close)]
@@ -267,8 +336,8 @@ def _suggestions(files: dict[str, bytes], query: str) -> str:
 def _reference_hits(indexed: dict[str, tuple[FileIndex, bytes]], query: str) -> list[_Hit]:
     name = query.rsplit(".", 1)[-1]
     hits = []
-    for path, (index, data) in indexed.items():
-        for line in index.uses.get(name, ()):
+    for path, (_, data) in indexed.items():
+        for line in find_uses(data, language_of(path), name):
             text = _line_text(data, line)
             # For `Class.method`, lines spelling the qualified name out are the likeliest uses.
             qualified_miss = "." in query and query not in text
@@ -281,8 +350,10 @@ def _references(indexed: dict[str, tuple[FileIndex, bytes]], query: str, limit: 
     if not hits:
         return f"No references to `{query}` found in the searched Python and JavaScript files."
     files = len({hit.path for hit in hits})
-    header = f"{len(hits)} lines use `{query.rsplit('.', 1)[-1]}` in {files} file{'s' if files > 1 else ''} " \
-             "(non-test files first):"
+    header = (
+        f"{len(hits)} lines use `{query.rsplit('.', 1)[-1]}` in {files} file{'s' if files > 1 else ''} "
+        "(non-test files first):"
+    )
     return header + "\n" + _bounded(hits, limit, "give `path` to narrow to a file or folder")
 
 
@@ -295,8 +366,12 @@ def _outline(indexed: dict[str, tuple[FileIndex, bytes]], under: str) -> str:
         return "\n".join([f"Outline of {under} ({len(symbols)} symbols, [first-last line]):", *shown, *more])
     lines = [f"Top-level symbols of the {len(indexed)} source files under {under}:"]
     for path in sorted(indexed, key=_file_rank)[:MAX_OUTLINE_ENTRIES]:
-        top = [f"{s.name}:{s.line}" for s in indexed[path][0].symbols if s.depth == 0 and s.kind != "variable"]
-        lines.append(f"{path}: {', '.join(top[:30]) or '(no classes or functions)'}{' ...' if len(top) > 30 else ''}")
+        top = [
+            f"{s.name}:{s.line}" for s in indexed[path][0].symbols if s.depth == 0 and s.kind != "variable"
+        ]
+        lines.append(
+            f"{path}: {', '.join(top[:30]) or '(no classes or functions)'}{' ...' if len(top) > 30 else ''}"
+        )
     if len(indexed) > MAX_OUTLINE_ENTRIES:
         lines.append(f"... {len(indexed) - MAX_OUTLINE_ENTRIES} more files; outline a subfolder")
     return "\n".join(lines)

@@ -1,0 +1,104 @@
+"""`rollway tasks`: build SWE task instances from a library's sdist, and verify them in real sandboxes."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+NAME = "tasks"
+HELP = "build SWE-style task instances from a package's sdist (build) and check their gold patches (verify)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="tasks_command", required=True, metavar="{build,verify}")
+    build = sub.add_parser("build", help="inject bugs into a library and keep those its tests catch")
+    build.add_argument("kind", choices=["swe"], help="task family to build")
+    build.add_argument("--sdist", required=True, help="source archive on the package index, NAME==VERSION")
+    build.add_argument("--max-tasks", type=int, default=5, help="stop after this many instances (default 5)")
+    build.add_argument("--seed", type=int, default=0, help="order of the mutations tried (default 0)")
+    build.add_argument("--out", required=True, help="instances file to write (JSONL)")
+    build.add_argument("--max-failing", type=int, default=5,
+                       help="keep a bug only when 1..K tests fail with it (default 5)")
+    build.add_argument("--max-candidates", type=int, default=400,
+                       help="give up after trying this many mutations (default 400)")
+    build.add_argument("--cache", default=None, help="cache folder for sdists and snapshots (default ~/.cache/rollway)")
+    verify = sub.add_parser("verify", help="grade each instance's gold patch and an empty patch in the local sandbox")
+    verify.add_argument("file", help="instances file (JSONL) from `rollway tasks build swe`")
+    verify.add_argument("--json", action="store_true", help="print the result as JSON")
+    verify.add_argument("--timeout", type=float, default=120.0, help="test time limit per grading, seconds")
+    verify.add_argument("--cache", default=None, help="cache folder for snapshots (default ~/.cache/rollway)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.tasks_command == "build":
+        return _build(args)
+    return asyncio.run(_verify(args))
+
+
+def _build(args: argparse.Namespace) -> int:
+    from rollway.envs.sdist import SdistError
+    from rollway.envs.swe_build import BuildError, BuildOptions, build_instances
+
+    if args.max_tasks < 1 or args.max_failing < 1:
+        print("error: --max-tasks and --max-failing must be at least 1", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    opts = BuildOptions(sdist=args.sdist, max_tasks=args.max_tasks, seed=args.seed, max_failing=args.max_failing,
+                        max_candidates=args.max_candidates, cache_dir=args.cache)
+    try:
+        instances = build_instances(opts)
+    except (BuildError, SdistError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(row) + "\n" for row in instances))
+    print(f"wrote {len(instances)} instances to {out} in {time.monotonic() - started:.1f}s"
+          + ("" if len(instances) == args.max_tasks else f" (asked for {args.max_tasks})"))
+    return 0
+
+
+async def verify_instances(instances: list[dict[str, Any]], timeout_s: float = 120.0,
+                           cache_dir: str | None = None) -> dict[str, Any]:
+    """Grade gold and empty patches of every instance in the local bubblewrap sandbox."""
+    from rollway.envs.swe import grade_patch
+    from rollway.sandboxes.config import SandboxConfig
+    from rollway.sandboxes.local import LocalSandboxProvider
+
+    provider = LocalSandboxProvider(SandboxConfig())
+    rows = []
+    for inst in instances:
+        gold = await grade_patch(inst, inst["patch"], provider, test_timeout_s=timeout_s, cache_dir=cache_dir)
+        empty = await grade_patch(inst, "", provider, test_timeout_s=timeout_s, cache_dir=cache_dir)
+        rows.append({"instance_id": inst["instance_id"], "gold_resolved": gold.resolved,
+                     "empty_resolved": empty.resolved, "gold_stop_reason": gold.stop_reason,
+                     "empty_stop_reason": empty.stop_reason})
+    return {"total": len(rows), "gold_resolved": sum(r["gold_resolved"] for r in rows),
+            "empty_resolved": sum(r["empty_resolved"] for r in rows), "instances": rows}
+
+
+async def _verify(args: argparse.Namespace) -> int:
+    from rollway.envs.swe import load_instances
+
+    try:
+        instances = load_instances(args.file)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    summary = await verify_instances(instances, args.timeout, args.cache)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        for row in summary["instances"]:
+            print(f"{row['instance_id']}: gold {'resolved' if row['gold_resolved'] else 'NOT resolved'}"
+                  f"{' (' + row['gold_stop_reason'] + ')' if row['gold_stop_reason'] else ''}, "
+                  f"empty {'RESOLVED' if row['empty_resolved'] else 'not resolved'}")
+        print(f"gold_resolved {summary['gold_resolved']}/{summary['total']}, "
+              f"empty_resolved {summary['empty_resolved']}/{summary['total']}")
+    ok = summary["gold_resolved"] == summary["total"] and summary["empty_resolved"] == 0
+    return 0 if ok else 1

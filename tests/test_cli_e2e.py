@@ -1,0 +1,181 @@
+"""End to end through the real CLI: `rollway up`, separate stage processes, replay, dead letters."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT, wait_until
+
+pytestmark = pytest.mark.e2e
+ROLLWAY = [sys.executable, "-m", "rollway.runners"]
+
+
+def rollway(*args: str, timeout: float = 180, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([*ROLLWAY, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kw)
+
+
+def replay(topic: str, bootstrap: str, *extra: str) -> list[dict]:
+    out = rollway("replay", topic, "--bootstrap", bootstrap, "--json", *extra, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+
+
+def test_up_runs_the_smoke_job_to_completion(tmp_path):
+    run_dir = tmp_path / "run"
+    t0 = time.monotonic()
+    out = rollway("up", "examples/smoke.yaml", "--run-dir", str(run_dir))
+    wall = time.monotonic() - t0
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["episodes_scheduled"] == summary["episodes_completed"] == 8
+    assert summary["episodes_failed"] == 0
+    assert summary["reward_mean"] == 1.0 and summary["turns_mean"] == 4
+    assert set(summary["stage_seconds_total"]) >= {"init", "agent_gen", "agent_tool", "reward"}
+    assert summary["stage_seconds_total"]["init"] > 0
+    trajs = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines()]
+    assert len({t["episode_id"] for t in trajs}) == 8
+    assert {t["group_id"] for t in trajs}.__len__() == 4
+    for t in trajs:
+        assert len(t["token_ids"]) == len(t["loss_mask"]) == len(t["logprobs"]) > 0
+    assert wall < 60, f"smoke job took {wall:.1f}s"
+    assert (run_dir / "logs" / "agent.jsonl").exists()
+    # Every stage's log lines carry the stage name.
+    line = json.loads((run_dir / "logs" / "agent.jsonl").read_text().splitlines()[0])
+    assert line["stage"] == "agent"
+
+
+def test_config_errors_name_the_key(tmp_path):
+    out = rollway("up", "examples/smoke.yaml", "agent.max_turnz=3", "--run-dir", str(tmp_path))
+    assert out.returncode == 2 and "agent.max_turnz" in out.stderr
+    out = rollway("up", "examples/smoke.yaml", "scheduler.group_size=zero", "--run-dir", str(tmp_path))
+    assert out.returncode == 2 and "scheduler.group_size" in out.stderr
+    out = rollway("up", "examples/missing.yaml")
+    assert out.returncode == 2 and "does not exist" in out.stderr
+
+
+def test_broker_reports_a_taken_port():
+    from rollway.runners.broker import EmbeddedBroker
+
+    with EmbeddedBroker() as b:
+        out = rollway("broker", "--port", str(b.port), timeout=30)
+    assert out.returncode != 0 and "already in use" in out.stderr
+
+
+def test_every_command_has_help():
+    from rollway.runners.cli import command_modules
+
+    for module in command_modules():
+        out = rollway(module.NAME, "--help", timeout=60)
+        assert out.returncode == 0 and "usage:" in out.stdout, module.NAME
+
+
+def test_separate_processes_two_agent_workers_replay_and_dead_letters(tmp_path):
+    """Broker, then every stage as its own process (two agent workers); garbage on agent-steps
+    is dead-lettered while the job completes; replay shows exactly the completed episodes."""
+    from rollway.runners.broker import free_port
+
+    port = free_port()
+    bootstrap = f"127.0.0.1:{port}"
+    run_dir, logs = tmp_path / "run", tmp_path / "logs"
+    logs.mkdir()
+    procs: list[subprocess.Popen] = []
+
+    def start(*args: str, name: str) -> subprocess.Popen:
+        f = open(logs / f"{name}.out", "wb")
+        p = subprocess.Popen([*ROLLWAY, *args], stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        procs.append(p)
+        return p
+
+    common = ["examples/smoke.yaml", "--bootstrap", bootstrap, "--run-dir", str(run_dir), "run.id=mp1",
+              "tasks.count=6", "agent.concurrency=2"]
+    try:
+        start("broker", "--port", str(port), name="broker")
+        wait_until(lambda: _listening(port), 15, what="broker")
+        for stage in ("sink", "learner", "reward", "init"):
+            start("stage", stage, *common, name=stage)
+        start("stage", "agent", *common, name="agent-0")
+        start("stage", "agent", *common, name="agent-1")
+        time.sleep(4)  # let both agent workers join the group before work arrives
+        _produce_garbage(bootstrap)
+        sched = start("stage", "scheduler", *common, name="scheduler")
+        sched.wait(timeout=120)
+        assert sched.returncode == 0, (logs / "scheduler.out").read_text()[-2000:]
+        status = json.loads((run_dir / "scheduler.json").read_text())
+        assert status["done"] and status["episodes_completed"] == 12 and status["episodes_failed"] == 0
+
+        trajs = replay("trajectories", bootstrap)
+        episodes = {m["value"]["episode_id"] for m in trajs}
+        assert len(episodes) == status["episodes_completed"]
+        for m in trajs:
+            v = m["value"]
+            assert len(v["token_ids"]) == len(v["loss_mask"]) > 0
+            assert m["key"] == v["episode_id"] and m["partition"] >= 0 and m["offset"] >= 0
+        dead = replay("dead-letters", bootstrap)
+        assert any(d["value"]["reason"].startswith("decode:") and d["value"]["source_topic"] == "agent-steps"
+                   for d in dead)
+        # Both agent workers did turns (the partitions were split between them).
+        for name in ("agent-0", "agent-1"):
+            assert "partitions assigned" in (logs / f"{name}.out").read_text()
+        steps = replay("agent-steps", bootstrap, "--episode", sorted(episodes)[0])
+        assert [s["value"]["turn"] for s in steps] == [0, 1, 2, 3]
+        assert len({s["partition"] for s in steps}) == 1
+        wait_until(lambda: json.loads((run_dir / "sink-status.json").read_text())["episodes_written"] == 12, 30,
+                   what="sink")
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def _listening(port: int) -> bool:
+    from rollway.runners.broker import port_in_use
+
+    return port_in_use(port)
+
+
+def _produce_garbage(bootstrap: str) -> None:
+    import asyncio
+
+    from aiokafka import AIOKafkaProducer
+
+    async def go():
+        p = AIOKafkaProducer(bootstrap_servers=bootstrap)
+        await p.start()
+        try:
+            for i in range(3):
+                await p.send_and_wait("agent-steps", b"\x00garbage" + bytes([i]), key=b"junk%d" % i)
+        finally:
+            await p.stop()
+
+    from rollway.core.config import RunConfig
+    from rollway.core.kafka import ensure_topics
+
+    asyncio.run(ensure_topics(RunConfig().broker, RunConfig().topics, bootstrap))
+    asyncio.run(go())
+
+
+def test_compose_file_has_kafka_and_a_service_per_stage():
+    from rollway.actors import STAGES
+
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    services = compose["services"]
+    assert "apache/kafka" in services["kafka"]["image"]
+    assert "broker,controller" in services["kafka"]["environment"]["KAFKA_PROCESS_ROLES"]
+    for stage in STAGES:
+        cmd = services[stage]["command"]
+        assert cmd[:3] == ["rollway", "stage", stage] and "--bootstrap" in cmd
+        assert cmd[cmd.index("--bootstrap") + 1] == "kafka:9092"

@@ -1,0 +1,201 @@
+"""SWE tasks: mutation operators, the sdist task builder on toolz, grading in the real local sandbox."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from rollway.envs.config import TasksConfig
+from rollway.envs.factory import build_taskset
+from rollway.envs.mutations import Mutation, apply_mutation, find_mutations
+from rollway.envs.pytest_report import parse_pytest_output
+from rollway.envs.swe import answer_patch, grade_patch, load_instances, prepare_buggy_copy
+from rollway.envs.swe_build import make_patch, ordered_candidates
+from rollway.runners import cmd_tasks
+from rollway.sandboxes.local import LocalSandboxProvider
+
+SDIST = "toolz==1.2.0"
+
+
+def mutations_of(source: str) -> list[Mutation]:
+    return find_mutations("m.py", source.encode())
+
+
+def mutated(source: str, mutation: Mutation) -> str:
+    return apply_mutation(source.encode(), mutation).decode()
+
+
+@pytest.mark.parametrize(
+    ("source", "operator", "original", "replacement", "expected_line"),
+    [
+        ("def f(a, b):\n    return a < b  # keep\n", "compare", "<", "<=", "    return a <= b  # keep"),
+        ("def f(a, b):\n    return a in b\n", "compare", "in", "not in", "    return a not in b"),
+        ("def f(a, b):\n    return a is not b\n", "compare", "is not", "is", "    return a is b"),
+        ("def f(a, b):\n    return a and b\n", "boolean", "and", "or", "    return a or b"),
+        ("def f(a):\n    return not (a or 1)\n", "not_removed", "not ", "", "    return (a or 1)"),
+        ("def f(a, b):\n    return a + b\n", "arithmetic", "+", "-", "    return a - b"),
+        ("def f(a, b):\n    return a * b\n", "arithmetic", "*", "//", "    return a // b"),
+        ("def f(a):\n    a += 2\n", "arithmetic", "+=", "-=", "    a -= 2"),
+        ("def f(a):\n    return a[:3]\n", "off_by_one", "3", "4", "    return a[:4]"),
+        ("def f(a, n):\n    return a[:n]\n", "slice_bound", "n", "n + 1", "    return a[:n + 1]"),
+        ("def f(a):\n    return True\n", "return_value", "True", "False", "    return False"),
+        ("def f(a):\n    return a.x\n", "return_value", "a.x", "None", "    return None"),
+        ("def f(a):\n    if a.ok:\n        return 1\n", "condition_negated", "a.ok", "not (a.ok)",
+         "    if not (a.ok):"),
+    ],
+)
+def test_each_operator_edits_only_its_span(source, operator, original, replacement, expected_line):
+    found = [m for m in mutations_of(source) if m.operator == operator and m.original == original
+             and m.replacement == replacement]
+    assert len(found) == 1, [(m.operator, m.original, m.replacement) for m in mutations_of(source)]
+    new = mutated(source, found[0])
+    ast.parse(new)
+    assert expected_line in new.splitlines()
+    # Everything outside the span is byte-identical.
+    m = found[0]
+    assert new.encode()[: m.start] == source.encode()[: m.start]
+    assert new.encode()[m.start + len(m.replacement.encode()) :] == source.encode()[m.end :]
+
+
+def test_mutations_skip_docstrings_strings_and_module_level_code():
+    source = 'X = 1 + 2\n\ndef f(s):\n    """Doc 1 < 2."""\n    return "a" + s\n'
+    kinds = {(m.operator, m.original) for m in mutations_of(source)}
+    assert ("arithmetic", "+") not in kinds  # string concatenation and module-level code stay
+    assert all(m.function == "f" for m in mutations_of(source))
+
+
+def test_mutation_spans_are_byte_offsets_with_non_ascii_text():
+    source = 'def f(a):\n    x = "héllo"; return a < 3\n'
+    for m in mutations_of(source):
+        ast.parse(mutated(source, m))
+    lt = next(m for m in mutations_of(source) if m.original == "<")
+    assert "return a <= 3" in mutated(source, lt)
+
+
+def test_apply_mutation_refuses_a_different_file():
+    m = next(iter(mutations_of("def f(a):\n    return a < 1\n")))
+    with pytest.raises(ValueError, match="rebuild"):
+        apply_mutation(b"def f(a):\n    return b\n", m)
+
+
+def test_candidate_order_is_deterministic_for_a_seed():
+    files = {"m.py": b"def f(a, b):\n    if a < b and b:\n        return a + 1\n    return b[1:a]\n"}
+    assert ordered_candidates(files, 3) == ordered_candidates(files, 3)
+    assert ordered_candidates(files, 3) != ordered_candidates(files, 4)
+
+
+def test_parse_pytest_summary():
+    text = (".F\n=========================== short test summary info ============================\n"
+            "PASSED t/test_a.py::test_ok\nFAILED t/test_a.py::test_bad[1 - 2] - AssertionError: assert 1 == 2\n"
+            "ERROR t/test_b.py - ImportError: no module\n1 failed, 1 passed, 1 error in 0.1s\n")
+    report = parse_pytest_output(text)
+    assert report.outcomes == {"t/test_a.py::test_ok": "passed", "t/test_a.py::test_bad[1 - 2]": "failed"}
+    assert report.messages["t/test_a.py::test_bad[1 - 2]"] == "AssertionError: assert 1 == 2"
+    assert report.collection_errors == {"t/test_b.py": "ImportError: no module"}
+
+
+def test_answer_patch_drops_tool_state_and_test_edits():
+    patch = (make_patch("pkg/m.py", b"a = 1\n", b"a = 2\n") + make_patch(".rollway/x", b"", b"y\n")
+             + make_patch("pkg/tests/test_m.py", b"x\n", b"y\n"))
+    kept, dropped = answer_patch(patch, ["pkg/tests/test_m.py"])
+    assert "pkg/m.py" in kept and ".rollway" not in kept and "test_m" not in kept
+    assert dropped == [".rollway/x", "pkg/tests/test_m.py"]
+
+
+# ---------------------------------------------------------------- end to end on toolz
+
+
+def cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="rollway tasks")
+    cmd_tasks.add_arguments(parser)
+    return cmd_tasks.run(parser.parse_args(argv))
+
+
+@pytest.fixture(scope="module")
+def toolz_instances(tmp_path_factory) -> Path:
+    """Two toolz tasks built once for the module (the sdist is cached under ~/.cache/rollway)."""
+    out = tmp_path_factory.mktemp("swe") / "toolz.jsonl"
+    assert cli(["build", "swe", "--sdist", SDIST, "--max-tasks", "2", "--seed", "1", "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture
+def provider() -> LocalSandboxProvider:
+    return LocalSandboxProvider()
+
+
+@pytest.mark.slow
+def test_build_writes_swe_bench_style_instances(toolz_instances):
+    rows = load_instances(toolz_instances)
+    assert len(rows) == 2
+    for row in rows:
+        assert row["instance_id"].startswith("toolz__1.2.0__")
+        assert row["repo"] == SDIST and len(row["snapshot"]["sha256"]) == 64
+        assert 1 <= len(row["FAIL_TO_PASS"]) <= 5 and row["PASS_TO_PASS"]
+        assert not set(row["FAIL_TO_PASS"]) & set(row["PASS_TO_PASS"])
+        assert row["patch"].startswith("diff --git a/") and row["test_patch"] == ""
+        # The statement names the failing tests but never shows the mutated source line.
+        assert row["FAIL_TO_PASS"][0] in row["problem_statement"]
+        changed = [ln[1:].strip() for ln in row["patch"].splitlines() if ln[:1] in "+-" and ln[:3] not in ("+++", "---")]
+        assert not any(line and line in row["problem_statement"] for line in changed)
+
+
+@pytest.mark.slow
+def test_build_is_deterministic_for_a_seed(toolz_instances, tmp_path):
+    again = tmp_path / "again.jsonl"
+    assert cli(["build", "swe", "--sdist", SDIST, "--max-tasks", "1", "--seed", "1", "--out", str(again)]) == 0
+    assert load_instances(again)[0] == load_instances(toolz_instances)[0]
+
+
+@pytest.mark.slow
+def test_verify_gold_resolves_and_empty_does_not(toolz_instances, capsys):
+    assert cli(["verify", str(toolz_instances), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["total"], summary["gold_resolved"], summary["empty_resolved"]) == (2, 2, 0)
+
+
+@pytest.mark.slow
+def test_grade_reports_apply_failure_and_test_timeout(toolz_instances, provider):
+    row = load_instances(toolz_instances)[0]
+    bad = make_patch(row["mutation"]["path"], b"no such text\n", b"other text\n")
+    grade = asyncio.run(grade_patch(row, bad, provider))
+    assert (grade.reward, grade.stop_reason) == (0.0, "apply_failed")
+    grade = asyncio.run(grade_patch(row, row["patch"], provider, test_timeout_s=0.3))
+    assert (grade.reward, grade.stop_reason) == (0.0, "test_timeout")
+
+
+@pytest.mark.slow
+def test_taskset_grades_the_episode_sandbox(toolz_instances, provider):
+    taskset = build_taskset(TasksConfig(type="swe", path=str(toolz_instances)))
+    task = taskset.tasks()[0]
+    row = taskset.instances[task.task_id]
+    assert taskset.default_tools == ("bash", "editor", "search", "finish")
+    path = row["mutation"]["path"]
+    buggy = prepare_buggy_copy(row) / path
+    assert (buggy.read_bytes() != (Path(row["snapshot"]["path"]) / path).read_bytes())
+
+    async def episode(fix: bool, edit_tests: bool) -> float:
+        sandbox = await provider.create(taskset.sandbox_spec(task), f"swe-test-{fix}-{edit_tests}")
+        try:
+            await sandbox.write_file(".rollway/notes.txt", "tool state, not graded\n")
+            if fix:  # what a successful agent leaves behind: the original source
+                await sandbox.write_file(path, (Path(row["snapshot"]["path"]) / path).read_text())
+            if edit_tests:  # deleting the failing test must not count
+                test_file = row["FAIL_TO_PASS"][0].split("::")[0]
+                await sandbox.write_file(test_file, "")
+            return (await taskset.grade(task, sandbox, provider)).reward
+        finally:
+            await sandbox.destroy()
+
+    assert asyncio.run(episode(fix=True, edit_tests=False)) == 1.0
+    assert asyncio.run(episode(fix=False, edit_tests=True)) == 0.0
+
+
+def test_build_reports_a_missing_sdist(tmp_path, capsys):
+    code = cli(["build", "swe", "--sdist", "toolz", "--out", str(tmp_path / "x.jsonl")])
+    assert code == 1 and "pin one version" in capsys.readouterr().err

@@ -1,0 +1,180 @@
+"""The stage runtime against the real embedded broker: dead letters, consumer groups, commits."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from aiokafka import AIOKafkaConsumer
+
+from conftest import run
+from rollway.actors.base import Actor, MessageMeta, Output
+from rollway.core.config import BrokerConfig, RunConfig
+from rollway.core.kafka import BrokerUnavailable, ensure_topics, make_producer, topic_name
+from rollway.runners.stage_runtime import LogReader, StageWorker
+from rollway.schemas import AgentStep, DeadLetter, InitRequest, decode, encode
+from rollway.topics import AGENT_STEPS, DEAD_LETTERS, INIT_REQUESTS
+
+pytestmark = pytest.mark.broker
+
+
+class Forward(Actor):
+    """Turns init-requests into turn-0 agent-steps and remembers what it saw."""
+
+    name = "forward"
+    inputs = (INIT_REQUESTS,)
+
+    def __init__(self, fail_on: str | None = None):
+        self.seen: list[tuple[str, int]] = []
+        self.fail_on = fail_on
+
+    async def handle(self, msg: InitRequest, meta: MessageMeta) -> list[Output]:
+        if msg.episode_id == self.fail_on:
+            raise RuntimeError("this episode breaks the handler")
+        self.seen.append((msg.episode_id, meta.partition))
+        return [Output(AGENT_STEPS, msg.episode_id, AgentStep(
+            episode_id=msg.episode_id, group_id=msg.group_id, task_id=msg.task_id, turn=0, sandbox={}))]
+
+
+def config(prefix: str, partitions: int = 4) -> RunConfig:
+    return RunConfig.model_validate({"topics": {"prefix": prefix, "default_partitions": partitions},
+                                     "broker": {"connect_timeout_s": 10}})
+
+
+def init_request(i: int) -> InitRequest:
+    return InitRequest(episode_id=f"e{i}", group_id="g", task_id="t", issued_at=time.time(), deadline=time.time() + 60)
+
+
+async def read_all(cfg: RunConfig, bootstrap: str, spec, expect: int, timeout_s: float = 20.0) -> list:
+    consumer = AIOKafkaConsumer(topic_name(spec, cfg.topics), bootstrap_servers=bootstrap,
+                                auto_offset_reset="earliest", group_id=None)
+    await consumer.start()
+    out = []
+    try:
+        deadline = time.monotonic() + timeout_s
+        while len(out) < expect and time.monotonic() < deadline:
+            for records in (await consumer.getmany(timeout_ms=200)).values():
+                out += records
+    finally:
+        await consumer.stop()
+    return out
+
+
+async def produce(cfg: RunConfig, bootstrap: str, spec, items: list[tuple[bytes | None, bytes]]) -> None:
+    producer = await make_producer(cfg.broker, bootstrap)
+    try:
+        for key, value in items:
+            await producer.send_and_wait(topic_name(spec, cfg.topics), value, key=key)
+    finally:
+        await producer.stop()
+
+
+def test_garbage_goes_to_dead_letters_and_the_stage_keeps_running(broker, topic_prefix):
+    cfg = config(topic_prefix)
+
+    async def scenario():
+        await ensure_topics(cfg.broker, cfg.topics, broker.bootstrap)
+        actor, stop = Forward(fail_on="e3"), asyncio.Event()
+        worker = StageWorker(actor, cfg, broker.bootstrap, concurrency=4, group_id=f"{topic_prefix}fwd")
+        task = asyncio.create_task(worker.run(stop))
+        await produce(cfg, broker.bootstrap, INIT_REQUESTS,
+                      [(b"e1", encode(init_request(1))), (b"bad", b"\xc1 garbage"), (b"e2", encode(init_request(2))),
+                       (b"e3", encode(init_request(3)))])
+        steps = await read_all(cfg, broker.bootstrap, AGENT_STEPS, expect=2)
+        dead = await read_all(cfg, broker.bootstrap, DEAD_LETTERS, expect=2)
+        stop.set()
+        await task
+        return steps, dead
+
+    steps, dead = run(scenario())
+    assert sorted(r.key for r in steps) == [b"e1", b"e2"]
+    letters = sorted((decode(r.value, DeadLetter) for r in dead), key=lambda d: d.reason)
+    assert len(letters) == 2
+    decode_letter, handler_letter = letters
+    assert decode_letter.value == b"\xc1 garbage" and decode_letter.key == b"bad"
+    assert decode_letter.reason.startswith("decode:") and decode_letter.source_topic.endswith("init-requests")
+    assert decode_letter.offset >= 0 and decode_letter.stage == "forward"
+    assert handler_letter.reason.startswith("handler: RuntimeError") and handler_letter.key == b"e3"
+
+
+def test_two_workers_split_the_partitions_and_commits_survive_restart(broker, topic_prefix):
+    cfg = config(topic_prefix, partitions=4)
+    group = f"{topic_prefix}fwd"
+
+    async def scenario():
+        await ensure_topics(cfg.broker, cfg.topics, broker.bootstrap)
+        a, b, stop = Forward(), Forward(), asyncio.Event()
+        tasks = [asyncio.create_task(StageWorker(x, cfg, broker.bootstrap, 2, group).run(stop)) for x in (a, b)]
+        await asyncio.sleep(3)  # let the group settle on two members
+        await produce(cfg, broker.bootstrap, INIT_REQUESTS, [(f"e{i}".encode(), encode(init_request(i))) for i in range(40)])
+        deadline = time.monotonic() + 30
+        while len(a.seen) + len(b.seen) < 40 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        stop.set()
+        await asyncio.gather(*tasks)
+        # A new worker of the same group starts after the committed offsets: nothing is handled twice.
+        c, stop2 = Forward(), asyncio.Event()
+        t = asyncio.create_task(StageWorker(c, cfg, broker.bootstrap, 2, group).run(stop2))
+        await produce(cfg, broker.bootstrap, INIT_REQUESTS, [(b"late", encode(init_request(99)))])
+        deadline = time.monotonic() + 20
+        while not c.seen and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        stop2.set()
+        await t
+        return a.seen, b.seen, c.seen
+
+    seen_a, seen_b, seen_c = run(scenario())
+    ids_a, ids_b = {e for e, _ in seen_a}, {e for e, _ in seen_b}
+    assert ids_a | ids_b == {f"e{i}" for i in range(40)}
+    assert not ids_a & ids_b, "a message was handled by both workers"
+    assert ids_a and ids_b, "one worker got no partitions"
+    assert not {p for _, p in seen_a} & {p for _, p in seen_b}
+    assert [e for e, _ in seen_c] == ["e99"]
+
+
+def test_log_reader_returns_one_episodes_messages(broker, topic_prefix):
+    cfg = config(topic_prefix, partitions=1)
+
+    async def scenario():
+        await ensure_topics(cfg.broker, cfg.topics, broker.bootstrap)
+        msgs = [AgentStep(episode_id=eid, group_id="g", task_id="t", turn=k, sandbox={})
+                for k in range(3) for eid in ("x", "y")]
+        await produce(cfg, broker.bootstrap, AGENT_STEPS, [(m.episode_id.encode(), encode(m)) for m in msgs])
+        reader = LogReader(cfg, broker.bootstrap)
+        try:
+            return await reader(topic_name(AGENT_STEPS, cfg.topics), 0, 1, "x")
+        finally:
+            await reader.close()
+
+    got = run(scenario())
+    assert [(o, m.turn) for o, m in got] == [(2, 1), (4, 2)]
+
+
+def test_unreachable_broker_retries_then_fails_clearly_within_bound():
+    from rollway.runners.broker import free_port
+
+    cfg = BrokerConfig(connect_timeout_s=2.0)
+    t0 = time.monotonic()
+    with pytest.raises(BrokerUnavailable, match="rollway broker"):
+        run(make_producer(cfg, f"127.0.0.1:{free_port()}"))
+    assert 1.5 < time.monotonic() - t0 < 10
+
+
+def test_topics_are_created_with_configured_partitions(broker, topic_prefix):
+    cfg = RunConfig.model_validate({"topics": {"prefix": topic_prefix, "partitions": {"agent-steps": 6}}})
+
+    async def scenario():
+        await ensure_topics(cfg.broker, cfg.topics, broker.bootstrap)
+        consumer = AIOKafkaConsumer(bootstrap_servers=broker.bootstrap)
+        await consumer.start()
+        try:
+            return {name: len(consumer.partitions_for_topic(name) or ()) for name in
+                    (await consumer.topics()) if name.startswith(topic_prefix)}
+        finally:
+            await consumer.stop()
+
+    parts = run(scenario())
+    assert parts[f"{topic_prefix}agent-steps"] == 6
+    assert parts[f"{topic_prefix}init-requests"] == 4
+    assert parts[f"{topic_prefix}policy-versions"] == 1
