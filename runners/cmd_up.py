@@ -37,6 +37,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"rollway up: {err}", file=sys.stderr)
         return 2
+    if (run_dir / "trajectories.jsonl").exists() or (run_dir / "summary.json").exists():
+        print(f"rollway up: run folder {run_dir} already holds a run; choose another --run-dir or delete it",
+              file=sys.stderr)
+        return 2
     write_run_files(run_dir, cfg)
     broker = None
     if args.bootstrap is None and cfg.broker.bootstrap is None:

@@ -1,0 +1,26 @@
+# One set of commands for humans and CI.
+VENV := .venv
+PY := $(VENV)/bin/python
+ROLLWAY := $(VENV)/bin/rollway
+
+.PHONY: setup smoke test lint format demo bench clean
+
+$(VENV)/.ready: pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh
+
+setup: $(VENV)/.ready
+
+smoke: $(VENV)/.ready          ## the smoke job: 8 scripted episodes through the whole pipeline
+	$(ROLLWAY) up examples/smoke.yaml
+
+test: $(VENV)/.ready           ## the whole test suite
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
+
+lint: $(VENV)/.ready
+	$(VENV)/bin/ruff check .
+
+format: $(VENV)/.ready
+	$(VENV)/bin/ruff format .
+
+clean:
+	rm -rf runs .pytest_cache

