@@ -63,9 +63,11 @@ class AgentActor(Actor):
         if msg.turn == 0 and state is None:
             state = EpisodeState.start(msg, meta.offset)
             if self.read_log is not None and await self._already_advanced(msg, meta, meta.offset):
+                await self._discard_duplicate_sandbox(msg, None)
                 return None
         elif state is None or state.next_turn != msg.turn:
             if state is not None and state.next_turn > msg.turn:
+                await self._discard_duplicate_sandbox(msg, state)
                 return None
             state = await self._rebuild(msg, meta)
             if state is None:
@@ -75,6 +77,13 @@ class AgentActor(Actor):
         while len(self.cache) > MAX_CACHED_EPISODES:
             self.cache.popitem(last=False)
         return state
+
+    async def _discard_duplicate_sandbox(self, msg: AgentStep, state: EpisodeState | None) -> None:
+        """A second turn-0 of one attempt (init redelivered after a crash) came with its own sandbox;
+        the episode goes on in the first one, so this one would leak."""
+        if msg.turn == 0 and (state is None or msg.sandbox != state.first.sandbox):
+            await (await self.s.sandboxes.attach(msg.sandbox)).destroy()
+            log.info("duplicate turn 0 dropped", episode_id=msg.episode_id, attempt=msg.attempt)
 
     async def _already_advanced(self, msg: AgentStep, meta: MessageMeta, start: int) -> bool:
         """True when the log already holds a later turn of this attempt (we crashed after producing

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 
 import structlog
 from rollway.actors.base import Actor, MessageMeta, Output, failure_output
@@ -14,8 +15,9 @@ log = structlog.get_logger()
 
 
 def sandbox_name(episode_id: str, attempt: int) -> str:
-    """Unique per attempt, so a re-issued episode never shares a sandbox with a late original."""
-    return f"{episode_id}-a{attempt}"
+    """Unique per creation: a re-issued attempt, or an init request redelivered after a crash, never
+    shares (or wipes) a sandbox that another copy of the episode may already be using."""
+    return f"{episode_id}-a{attempt}-{uuid.uuid4().hex[:6]}"
 
 
 class InitActor(Actor):

@@ -50,6 +50,9 @@ class RewardActor(Actor):
     async def handle(self, msg: RewardRequest, meta: MessageMeta) -> list[Output]:
         key = (msg.episode_id, msg.attempt)
         if key in self.graded:
+            # A second copy of this attempt (redelivery after a crash): its sandbox, if it had its own,
+            # would leak. destroy() is idempotent for the one already graded.
+            await (await self.s.sandboxes.attach(msg.sandbox)).destroy()
             return []
         queue_s = max(0.0, time.time() - msg.sent_at) if msg.sent_at else 0.0
         t0 = time.perf_counter()

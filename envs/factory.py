@@ -19,4 +19,8 @@ def build_taskset(cfg: TasksConfig) -> TaskSet:
         from rollway.envs.humaneval import HumanEvalTaskSet
 
         return HumanEvalTaskSet(cfg)
+    if cfg.type == "sim":
+        from rollway.envs.sim import SimTaskSet
+
+        return SimTaskSet(cfg)
     raise NotImplementedError(f"tasks.type={cfg.type!r} is not built yet")

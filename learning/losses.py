@@ -25,23 +25,42 @@ _MAX_LOG_RATIO = 20.0
 """exp() of a log-ratio beyond this overflows float32 gradients; clamping changes no clipped loss."""
 
 
-def token_logprobs(logits_B_T_V: torch.Tensor, token_ids_B_T: torch.Tensor,
-                   temperature: float = 1.0) -> torch.Tensor:
+def _predicting_logits(logits_B_T_V: torch.Tensor, mask_B_T: torch.Tensor | None,
+                       temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 logits of the positions that predict the selected tokens (N x V), and the B x T-1
+    selection. Selecting first keeps the float32 copy to the loss tokens (agent episodes are mostly
+    observation tokens)."""
+    B, T, _ = logits_B_T_V.shape
+    sel_B_S = torch.ones(B, T - 1, dtype=torch.bool, device=logits_B_T_V.device) if mask_B_T is None \
+        else mask_B_T[:, 1:]
+    z_N_V = logits_B_T_V[:, :-1][sel_B_S].float()
+    return (z_N_V / temperature if temperature != 1.0 else z_N_V), sel_B_S
+
+
+def _scatter(values_N: torch.Tensor, sel_B_S: torch.Tensor) -> torch.Tensor:
+    """Values at the selected predicted positions back to B x T (0 elsewhere and at position 0)."""
+    out_B_S = torch.zeros(sel_B_S.shape, dtype=values_N.dtype, device=values_N.device)
+    return torch.nn.functional.pad(out_B_S.masked_scatter(sel_B_S, values_N), (1, 0))
+
+
+def token_logprobs(logits_B_T_V: torch.Tensor, token_ids_B_T: torch.Tensor, temperature: float = 1.0,
+                   mask_B_T: torch.Tensor | None = None) -> torch.Tensor:
     """Logprob of every token under the model, aligned with `token_ids_B_T`.
 
     The logprob of token t comes from the logits at position t-1 (next-token prediction); position
-    0 has no predictor and gets 0 (it is always prompt, loss mask 0). Float32 whatever the logits."""
-    z_B_S_V = logits_B_T_V[:, :-1].float() / temperature
-    picked_B_S = z_B_S_V.gather(-1, token_ids_B_T[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return torch.nn.functional.pad(picked_B_S - torch.logsumexp(z_B_S_V, dim=-1), (1, 0))
+    0 has no predictor and gets 0 (it is always prompt, loss mask 0), as do tokens outside
+    `mask_B_T` when given. Float32 whatever the logits dtype."""
+    z_N_V, sel_B_S = _predicting_logits(logits_B_T_V, mask_B_T, temperature)
+    picked_N = z_N_V.gather(-1, token_ids_B_T[:, 1:][sel_B_S].unsqueeze(-1)).squeeze(-1)
+    return _scatter(picked_N - torch.logsumexp(z_N_V, dim=-1), sel_B_S)
 
 
-def token_entropy(logits_B_T_V: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_entropy(logits_B_T_V: torch.Tensor, temperature: float = 1.0,
+                  mask_B_T: torch.Tensor | None = None) -> torch.Tensor:
     """Entropy of the distribution that predicted each token, aligned like `token_logprobs`."""
-    z_B_S_V = logits_B_T_V[:, :-1].float() / temperature
-    logp_B_S_V = torch.log_softmax(z_B_S_V, dim=-1)
-    entropy_B_S = -(logp_B_S_V.exp() * logp_B_S_V).sum(-1)
-    return torch.nn.functional.pad(entropy_B_S, (1, 0))
+    z_N_V, sel_B_S = _predicting_logits(logits_B_T_V, mask_B_T, temperature)
+    logp_N_V = torch.log_softmax(z_N_V, dim=-1)
+    return _scatter(-(logp_N_V.exp() * logp_N_V).sum(-1), sel_B_S)
 
 
 def sequence_loss_weights(token_counts: list[int], sample_weights: list[float], mode: LossAgg,

@@ -227,14 +227,14 @@ class Trainer:
         """Aggregated loss of one micro-batch (its share of the mini-batch loss)."""
         with self._autocast():
             logits_B_T_V = self.model(input_ids=mb.input_ids_B_T, attention_mask=mb.attention_mask_B_T).logits
-        logprobs_B_T = token_logprobs(logits_B_T_V, mb.input_ids_B_T, self.cfg.temperature)
+        logprobs_B_T = token_logprobs(logits_B_T_V, mb.input_ids_B_T, self.cfg.temperature, mb.loss_mask_B_T)
         # on the single on-policy step the "old" policy is the current one, without gradient
         old_B_T = logprobs_B_T.detach() if old_B_T is None else old_B_T
         loss_B_T = ppo_token_loss(logprobs_B_T, old_B_T, mb.advantages_B, mb.behaviour_B_T, mb.behaviour_valid_B_T,
                                   mb.loss_mask_B_T, self._clip, stats)
         w_B_T = mb.token_weights_B.unsqueeze(-1) * mb.loss_mask_B_T
         entropy_B_T = token_entropy(logits_B_T_V if self.cfg.entropy_coef > 0 else logits_B_T_V.detach(),
-                                    self.cfg.temperature)
+                                    self.cfg.temperature, mb.loss_mask_B_T)
         stats.add("entropy", entropy_B_T, mb.loss_mask_B_T)
         loss = (loss_B_T * w_B_T).sum() - self.cfg.entropy_coef * (entropy_B_T * w_B_T).sum()
         if ref_B_T is not None:
@@ -251,7 +251,7 @@ class Trainer:
             mb = collate(samples, rows, [0.0] * len(samples), self.device)
             with self._autocast():
                 logits = model(input_ids=mb.input_ids_B_T, attention_mask=mb.attention_mask_B_T).logits
-            lp_B_T = token_logprobs(logits, mb.input_ids_B_T, self.cfg.temperature).cpu()
+            lp_B_T = token_logprobs(logits, mb.input_ids_B_T, self.cfg.temperature, mb.loss_mask_B_T).cpu()
             for r, i in enumerate(rows):
                 out[i] = lp_B_T[r, : len(samples[i].token_ids)]
         return out

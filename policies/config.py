@@ -21,9 +21,10 @@ class ScriptRule(BaseModel):
 class PolicyConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    type: Literal["scripted", "openai"] = "scripted"
+    type: Literal["scripted", "openai", "sim"] = "scripted"
     """`scripted`: deterministic outputs from `script` (tests, smoke job). `openai`: an
-    OpenAI-compatible completions endpoint (`rollway serve`, vLLM, others) at `base_url`."""
+    OpenAI-compatible completions endpoint (`rollway serve`, vLLM, others) at `base_url`. `sim`: the
+    benchmark's simulated inference server at `base_url` (`rollway.bench.sim_server`)."""
     chat_format: Literal["bytes-chatml", "hf"] = "bytes-chatml"
     """How messages become token ids. `bytes-chatml`: ChatML over UTF-8 bytes (scripted policy).
     `hf`: the model's own tokenizer and chat template."""

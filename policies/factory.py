@@ -19,4 +19,8 @@ def build_inference(cfg: PolicyConfig, chat: ChatFormat) -> InferenceClient:
         from rollway.policies.scripted import ScriptedPolicy
 
         return ScriptedPolicy(cfg.script, chat)
+    if cfg.type == "sim":
+        from rollway.bench.sim_client import SimInferenceClient
+
+        return SimInferenceClient(cfg)
     raise NotImplementedError(f"policy.type={cfg.type!r} is not built yet")

@@ -7,14 +7,14 @@ import time
 
 
 class Progress:
-    def __init__(self, total_hint: int | None = None, every_s: float = 3.0):
+    def __init__(self, every_s: float = 3.0, enabled: bool = True):
+        self.enabled = enabled
         self.tty = sys.stderr.isatty()
         self.every_s = every_s
         self.last = 0.0
         self.started = time.monotonic()
         self.bar = None
         self.task = None
-        self.total_hint = total_hint
 
     def _line(self, sched: dict, sink: dict) -> str:
         return (f"episodes {sched.get('episodes_completed', 0)}/{sched.get('episodes_planned', '?')} done, "
@@ -22,7 +22,7 @@ class Progress:
                 f"{sink.get('episodes_written', 0)} written, {time.monotonic() - self.started:.0f}s")
 
     def update(self, sched: dict, sink: dict) -> None:
-        if not sched:
+        if not sched or not self.enabled:
             return
         if self.tty:
             self._update_bar(sched, sink)
@@ -31,7 +31,8 @@ class Progress:
             self.last = time.monotonic()
 
     def _update_bar(self, sched: dict, sink: dict) -> None:
-        from rich.progress import BarColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
+        from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
+        from rich.progress import Progress as RichProgress
 
         if self.bar is None:
             self.bar = RichProgress(TextColumn("[bold]episodes"), BarColumn(), TextColumn("{task.description}"),

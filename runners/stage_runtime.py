@@ -6,23 +6,25 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import structlog
 from aiokafka import ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
-
 from rollway.actors.base import Actor, MessageMeta, Output
 from rollway.core.config import RunConfig
-from rollway.core.kafka import make_consumer, make_producer, topic_name
+from rollway.core.kafka import ensure_topics, make_consumer, make_producer, topic_name
 from rollway.schemas.codec import DecodeError, decode, encode
 from rollway.schemas.messages import AgentStep, DeadLetter
+from rollway.runners.stage_queue import Backlog, HopTrace
 from rollway.topics import DEAD_LETTERS, TopicSpec
 
 log = structlog.get_logger()
 
 COMMIT_INTERVAL_S = 0.5
 TICK_INTERVAL_S = 0.2
+TOPIC_CHECK_INTERVAL_S = 5.0
 
 
 class OffsetTracker:
@@ -59,9 +61,14 @@ class OffsetTracker:
 class StageWorker:
     """One worker process of one stage (a member of the stage's consumer group)."""
 
-    def __init__(self, actor: Actor, cfg: RunConfig, bootstrap: str, concurrency: int, group_id: str):
+    def __init__(self, actor: Actor, cfg: RunConfig, bootstrap: str, concurrency: int, group_id: str,
+                 prefetch: int = 0, trace_path: Path | None = None):
         self.actor, self.cfg, self.bootstrap = actor, cfg, bootstrap
         self.concurrency = concurrency
+        self.prefetch = prefetch
+        """Messages fetched beyond `concurrency` into `backlog`, started by `actor.priority`."""
+        self.backlog = Backlog()
+        self.trace = HopTrace(trace_path, actor.name) if trace_path is not None else None
         self.group_id = group_id
         self.specs: dict[str, TopicSpec] = {topic_name(t, cfg.topics): t for t in actor.inputs}
         self.offsets = OffsetTracker()
@@ -85,20 +92,27 @@ class StageWorker:
             if self.consumer is not None:
                 await self.consumer.stop()
             await self.producer.stop()
+            if self.trace is not None:
+                self.trace.close()
             log.info("stage worker stopped", stage=self.actor.name, **self.stats)
 
     async def _loop(self, stop: asyncio.Event) -> None:
         last_commit = last_tick = 0.0
+        last_topic_check = time.monotonic()
         while not stop.is_set() and not self.actor.done:
-            free = self.concurrency - len(self.tasks)
+            free = self.concurrency + self.prefetch - len(self.tasks) - len(self.backlog)
             if free > 0:
+                polled_at = time.time()
                 batches = await self.consumer.getmany(timeout_ms=100, max_records=free)
                 for tp, records in batches.items():
                     for record in records:
-                        self._spawn(tp, record)
+                        self._admit(tp, record, polled_at)
             else:
                 await asyncio.wait(list(self.tasks), timeout=0.1, return_when=asyncio.FIRST_COMPLETED)
             now = time.monotonic()
+            if now - last_topic_check >= TOPIC_CHECK_INTERVAL_S and not self.consumer.assignment():
+                await self._recreate_topics()  # a restarted in-memory broker comes back empty
+                last_topic_check = now
             if now - last_tick >= TICK_INTERVAL_S:
                 await self._send(await self.actor.tick())
                 last_tick = now
@@ -106,11 +120,35 @@ class StageWorker:
                 await self.commit()
                 last_commit = now
 
+    def _admit(self, tp: TopicPartition, record: Any, polled_at: float) -> None:
+        """Start a fetched message now or, with prefetch, queue it by priority (its offset stays
+        uncommitted meanwhile, so a crash or a rebalance cannot skip it)."""
+        if self.trace is not None:
+            self.trace.fetched(tp, record.offset, polled_at, time.time())
+        if not self.prefetch:
+            self._spawn(tp, record)
+            return
+        self.offsets.start(tp, record.offset)
+        self.backlog.push(self._priority(tp, record), tp, record)
+        self._start_backlog()
+
+    def _priority(self, tp: TopicPartition, record: Any) -> float:
+        try:
+            return self.actor.priority(decode(record.value, self.specs[tp.topic].value))
+        except DecodeError:
+            return float("inf")  # dead-letter it right away
+
+    def _start_backlog(self, _done: Any = None) -> None:
+        while self.backlog and len(self.tasks) < self.concurrency:
+            self._spawn(*self.backlog.pop())
+
     def _spawn(self, tp: TopicPartition, record: Any) -> None:
         self.offsets.start(tp, record.offset)
         task = asyncio.create_task(self._process(tp, record))
         self.tasks[task] = tp
         task.add_done_callback(self.tasks.pop)
+        if self.prefetch:
+            task.add_done_callback(self._start_backlog)  # a freed slot takes the best queued message
 
     async def _process(self, tp: TopicPartition, record: Any) -> None:
         spec = self.specs[tp.topic]
@@ -121,7 +159,12 @@ class StageWorker:
             outputs = [self._dead_letter(record, tp, f"decode: {err}")]
         else:
             async with self.key_locks[record.key]:
-                outputs = await self._handle(msg, meta, record, tp)
+                # Every log line written while handling carries the episode id.
+                with structlog.contextvars.bound_contextvars(episode_id=getattr(msg, "episode_id", None)):
+                    started = time.time()
+                    outputs = await self._handle(msg, meta, record, tp)
+                    if self.trace is not None:
+                        self.trace.handled(tp, record, msg, started, time.time())
             if not self.key_locks[record.key].locked():
                 self.key_locks.pop(record.key, None)
         await self._send(outputs)
@@ -164,7 +207,15 @@ class StageWorker:
             except KafkaError as err:
                 log.warning("produce failed, retrying", stage=self.actor.name, error=str(err), retry_in_s=delay)
                 await asyncio.sleep(delay)
+                if delay >= 1.6:
+                    await self._recreate_topics()
                 delay = min(delay * 2, 5.0)
+
+    async def _recreate_topics(self) -> None:
+        try:
+            await ensure_topics(self.cfg.broker, self.cfg.topics, self.bootstrap)
+        except Exception as err:  # noqa: BLE001 - the broker may still be down; the caller retries
+            log.warning("could not (re)create topics", stage=self.actor.name, error=str(err))
 
     async def commit(self, tps: set[TopicPartition] | None = None) -> None:
         offsets = {tp: o for tp, o in self.offsets.to_commit().items() if tps is None or tp in tps}
@@ -195,6 +246,7 @@ class _Rebalance(ConsumerRebalanceListener):
         self.worker = worker
 
     async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        self.worker.backlog.drop(set(revoked))
         await self.worker.wait_for(set(revoked), timeout_s=20.0)
         await self.worker.commit(set(revoked))
         self.worker.offsets.forget(set(revoked))

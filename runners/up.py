@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -143,5 +145,61 @@ def summarize(run_dir: Path, cfg: RunConfig, wall_s: float, job: Job) -> dict:
 
 
 def write_run_files(run_dir: Path, cfg: RunConfig) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(dump_config(cfg), indent=1))
+
+
+class JobFailed(RuntimeError):
+    """The job did not run to completion (timeout, scheduler crash); the message says where to look."""
+
+
+def run_job(cfg: RunConfig, config_path: str, overrides: list[str], bootstrap: str, run_dir: Path,
+            workers: dict[str, int], on_tick: Callable[[Job], None] | None = None, quiet: bool = False,
+            max_restarts: int = 3) -> dict:
+    """Start every stage process, wait for the scheduler to finish and the sink/learner to catch up,
+    stop the processes, write and return `summary.json`. Crashed workers are restarted."""
+    from rollway.core.kafka import ensure_topics
+    from rollway.runners.progress import Progress
+
+    asyncio.run(ensure_topics(cfg.broker, cfg.topics, bootstrap))
+    job = Job(cfg, config_path, overrides, bootstrap, run_dir, workers, max_restarts=max_restarts)
+    t0 = time.monotonic()
+    job.start()
+    if not quiet:
+        print(f"rollway: run {cfg.run.id} on {bootstrap}, run folder {run_dir}", file=sys.stderr)
+    progress = Progress(enabled=not quiet)
+    try:
+        while (code := job.scheduler_exit_code()) is None:
+            if time.monotonic() - t0 > cfg.run.timeout_s:
+                raise JobFailed(f"timed out after {cfg.run.timeout_s:.0f}s (run.timeout_s); see {run_dir / 'logs'}")
+            for note in job.restart_dead_workers():
+                print(f"rollway: {note}", file=sys.stderr)
+            if on_tick is not None:
+                on_tick(job)
+            progress.update(read_json(run_dir / "scheduler.json"), read_json(run_dir / "sink-status.json"))
+            time.sleep(0.25)
+        sched = read_json(run_dir / "scheduler.json")
+        if code != 0 or not sched.get("done"):
+            raise JobFailed(f"the scheduler exited with code {code}; see {run_dir / 'logs' / 'scheduler-0.out'}")
+        wait_for_consumers(run_dir, sched["episodes_completed"], job)
+    finally:
+        progress.close()
+        job.stop()
+    summary = summarize(run_dir, cfg, time.monotonic() - t0, job)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def wait_for_consumers(run_dir: Path, completed: int, job: Job, timeout_s: float = 90.0) -> None:
+    """The scheduler has seen every outcome; wait until the sink and learner have too (restarting
+    them if they crash meanwhile)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        sink = read_json(run_dir / "sink-status.json").get("episodes_written", 0)
+        learner = read_json(run_dir / "learner-status.json").get("episodes_received", 0)
+        if sink >= completed and learner >= completed:
+            return
+        job.restart_dead_workers()
+        time.sleep(0.2)
+    print(f"rollway: sink/learner did not catch up within {timeout_s:.0f}s; the summary may be incomplete",
+          file=sys.stderr)

@@ -10,8 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field
 class SandboxConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    type: Literal["local", "docker"] = "local"
-    """`local`: bubblewrap jail over a workspace folder. `docker`: one container per episode."""
+    type: Literal["local", "docker", "sim"] = "local"
+    """`local`: bubblewrap jail over a workspace folder. `docker`: one container per episode. `sim`:
+    simulated start-up/command/test times for benchmarks (`rollway bench pipeline`)."""
     root: str | None = None
     """Folder under which episode workspaces are created; default a temp folder shared by workers."""
     exec_timeout_s: float = Field(30.0, gt=0)

@@ -11,4 +11,8 @@ def build_sandbox_provider(cfg: SandboxConfig) -> SandboxProvider:
         from rollway.sandboxes.local import LocalSandboxProvider
 
         return LocalSandboxProvider(cfg)
+    if cfg.type == "sim":
+        from rollway.sandboxes.sim import SimSandboxProvider
+
+        return SimSandboxProvider(cfg)
     raise NotImplementedError(f"sandbox.type={cfg.type!r} is not built yet")

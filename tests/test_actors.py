@@ -215,16 +215,20 @@ def test_unknown_task_is_an_error_naming_the_task(tmp_path):
         s.taskset.get("toy-999")
 
 
-def test_reward_grades_once_per_attempt(tmp_path):
+def test_reward_grades_once_per_attempt_and_cleans_up_duplicates(tmp_path):
     s = services(tmp_path)
 
     async def scenario():
         traj = await play_episode(s, episode_id="r1-g0-s3")
         reward = RewardActor(s)
-        req = RewardRequest(episode_id="r1-g0-s3", group_id="r1-g0", task_id="toy-001", sandbox={},
-                            prompt_ids=[], messages=[], turns=[], stop_reason="finish")
         reward.graded.add(("r1-g0-s3", 0))
+        from rollway.sandboxes.base import SandboxSpec
+
+        dup_box = await s.sandboxes.create(SandboxSpec(files={"x": "1"}), "dup-r1-g0-s3")
+        req = RewardRequest(episode_id="r1-g0-s3", group_id="r1-g0", task_id="toy-001", sandbox=dup_box.handle,
+                            prompt_ids=[], messages=[], turns=[], stop_reason="finish")
         assert await reward.handle(req, meta()) == []
+        assert not Path(dup_box.workspace_path).exists()
         return traj
 
     assert run(scenario()).reward == 1.0

@@ -96,3 +96,15 @@ def test_logprob_of_token_comes_from_previous_position() -> None:
 def test_entropy_of_uniform_is_log_vocab() -> None:
     ent = token_entropy(torch.zeros(1, 3, 11))
     assert ent[0, 1:].tolist() == pytest.approx([math.log(11)] * 2, abs=1e-6)
+
+
+def test_masked_logprobs_match_full_computation_and_carry_gradient() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(2, 5, 9, requires_grad=True)
+    ids = torch.randint(0, 9, (2, 5))
+    mask = torch.tensor([[0, 0, 1, 1, 0], [0, 1, 0, 1, 1]], dtype=torch.bool)
+    full = token_logprobs(logits, ids)
+    masked = token_logprobs(logits, ids, mask_B_T=mask)
+    assert torch.allclose(masked[mask], full[mask]) and (masked[~mask] == 0).all()
+    masked.sum().backward()
+    assert logits.grad[0, 0].abs().sum() == 0 and logits.grad[0, 1].abs().sum() > 0  # position 1 predicts token 2

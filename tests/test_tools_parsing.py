@@ -200,3 +200,18 @@ def test_truncation_keeps_head_and_tail_with_notice() -> None:
     assert truncated and len(cut) <= 1000
     assert cut.startswith("HEAD") and cut.endswith("TAIL") and "characters cut" in cut
     assert truncate_observation("short", 1000) == ("short", False)
+
+
+def test_qwen3_coder_xml_calls_are_typed_by_schema() -> None:
+    text = (
+        "<tool_call>\n<function=editor>\n<parameter=command>\nview\n</parameter>\n"
+        "<parameter=path>\nsrc/a.py\n</parameter>\n<parameter=view_range>\n[3, 9]\n</parameter>\n"
+        "</function>\n</tool_call>\n<tool_call><function=bash><parameter=command>echo '[1]'</parameter>"
+        "</function></tool_call>"
+    )
+    parsed = parse_tool_calls(text, TOOLS)
+    assert parsed.errors == []
+    assert parsed.calls == [
+        ToolCall("editor", {"command": "view", "path": "src/a.py", "view_range": [3, 9]}),
+        ToolCall("bash", {"command": "echo '[1]'"}),
+    ]

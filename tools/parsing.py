@@ -18,6 +18,10 @@ CallFormat = Literal["openai", "hermes"]
 # Non-greedy up to the closing tag, or to the end of the text: generation often stops on the
 # closing tag's stop token, leaving the last call unclosed.
 _TAG_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+_XML_FUNCTION_RE = re.compile(r"<function=([^>\n]+)>")
+_XML_PARAMETER_RE = re.compile(
+    r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|\Z)", re.DOTALL
+)
 _FENCE_RE = re.compile(r"^```[\w-]*\s*\n?(.*?)\n?\s*```$", re.DOTALL)
 
 
@@ -55,7 +59,7 @@ def parse_tool_calls(output: Any, tools: Mapping[str, Tool] | None = None) -> Pa
     `content`), a list of OpenAI tool-call dicts, or a list of `ToolCall`. Never raises: every
     problem becomes a `CallError` whose message says what was wrong and how to call correctly.
     """
-    parsed = _parse_raw(output)
+    parsed = _parse_raw(output, tools or {})
     if tools is not None:
         parsed.items = [
             check_call(item, tools, parsed.format) if isinstance(item, ToolCall) else item
@@ -64,13 +68,13 @@ def parse_tool_calls(output: Any, tools: Mapping[str, Tool] | None = None) -> Pa
     return parsed
 
 
-def _parse_raw(output: Any) -> ParsedOutput:
+def _parse_raw(output: Any, tools: Mapping[str, Tool]) -> ParsedOutput:
     if isinstance(output, Mapping):
         if output.get("tool_calls"):
-            return _parse_raw(list(output["tool_calls"]))
-        return _parse_raw(output.get("content") or "")
+            return _parse_raw(list(output["tool_calls"]), tools)
+        return _parse_raw(output.get("content") or "", tools)
     if isinstance(output, str):
-        return ParsedOutput(items=_parse_hermes(output), format="hermes")
+        return ParsedOutput(items=_parse_hermes(output, tools), format="hermes")
     if isinstance(output, (list, tuple)):
         items = [
             item if isinstance(item, ToolCall) else _parse_openai(item, i) for i, item in enumerate(output)
@@ -95,10 +99,13 @@ def _parse_openai(raw: Any, index: int) -> ToolCall | CallError:
     return ToolCall(name=name.strip(), arguments=arguments, call_id=call_id)
 
 
-def _parse_hermes(text: str) -> list[ToolCall | CallError]:
+def _parse_hermes(text: str, tools: Mapping[str, Tool]) -> list[ToolCall | CallError]:
     items: list[ToolCall | CallError] = []
     for match in _TAG_RE.finditer(text):
         body = _strip_fences(match.group(1).strip())
+        if body.startswith("<function="):
+            items.append(_call_from_xml(body, len(items) + 1, tools))
+            continue
         decoded = _decode_json_values(body)
         if isinstance(decoded, str):
             number = len(items) + 1
@@ -112,6 +119,26 @@ def _parse_hermes(text: str) -> list[ToolCall | CallError]:
         for value in decoded:
             items.append(_call_from_object(value, len(items) + 1))
     return items
+
+
+def _call_from_xml(body: str, number: int, tools: Mapping[str, Tool]) -> ToolCall | CallError:
+    """Qwen3-Coder's XML call: <function=NAME><parameter=KEY>VALUE</parameter>...</function>.
+    Values arrive as text; those the tool's schema types otherwise are decoded as JSON."""
+    match = _XML_FUNCTION_RE.match(body)
+    if match is None:
+        return CallError(f"Tool call #{number}: cannot read the function name.\n{_generic_usage('hermes')}")
+    name = match.group(1).strip()
+    properties = tools[name].parameters.get("properties", {}) if name in tools else {}
+    arguments = {}
+    for key, raw in _XML_PARAMETER_RE.findall(body):
+        value = raw.strip("\n")
+        if properties.get(key.strip(), {}).get("type", "string") != "string":
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                pass  # left as text: validation then says which type was expected
+        arguments[key.strip()] = value
+    return ToolCall(name=name, arguments=arguments)
 
 
 def _strip_fences(body: str) -> str:

@@ -17,7 +17,7 @@ from rollway.tools.code_index import (
     LANGUAGE_BY_SUFFIX,
     FileIndex,
     Symbol,
-    definition_filter,
+    could_define,
     find_uses,
     index_file,
     language_of,
@@ -132,11 +132,11 @@ def _file_filter(action: str, name: str) -> _FileFilter:
     short = name.rsplit(".", 1)[-1]
     if action == "outline":
         return _FileFilter("", lambda data: True)
+    needle = short.encode()
     if action == "references":
         word = re.compile(rb"(?<![\w$])" + re.escape(short.encode()) + rb"(?![\w$])")
-        return _FileFilter(short, lambda data: word.search(data) is not None)
-    pattern = definition_filter(short)
-    return _FileFilter(short, lambda data: pattern.search(data) is not None)
+        return _FileFilter(short, lambda data: needle in data and word.search(data) is not None)
+    return _FileFilter(short, could_define(short))
 
 
 def _prefix_filter(name: str) -> _FileFilter:

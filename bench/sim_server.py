@@ -1,0 +1,170 @@
+"""A simulated GPU inference server speaking the OpenAI completions API, with its own utilisation record."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+
+from rollway.bench.workload import EpisodePlan, WorkloadConfig, read_plans
+from rollway.policies.chat import IM_END, BytesChatML
+from rollway.policies.scripted import count_subsequence
+
+SIM_LOGPROB = -0.05
+MARKER_RE = re.compile(rb"\[sim-episode (\d+)\]")
+
+
+@dataclass
+class _Request:
+    episode: int
+    token_ids: list[int]
+    prompt_len: int
+    prefill_tokens: int
+    done: asyncio.Future
+    produced: int = 0
+
+
+@dataclass
+class SimEngine:
+    """Continuous batching in simulation: every step serves all running sequences one token and lasts
+    a + b * running + p * newly_prefilled_tokens seconds; at most `cap` sequences run, the rest wait.
+    The completion of turn k of episode e is the plan's text, so episodes are reproducible."""
+
+    plans: dict[int, EpisodePlan]
+    a: float
+    b: float
+    p: float
+    cap: int
+    waiting: deque = field(default_factory=deque)
+    running: list = field(default_factory=list)
+    steps: list = field(default_factory=list)
+    """(start, end, running sequences) of every step, wall-clock seconds."""
+    cached: dict = field(default_factory=dict)
+    """Episode -> tokens already in the KV cache (prefix caching: only new prompt tokens prefill)."""
+    requests: int = 0
+
+    def __post_init__(self) -> None:
+        self.chat = BytesChatML()
+        self.wake = asyncio.Event()
+
+    def completion_ids(self, prompt_ids: list[int]) -> tuple[int, list[int]]:
+        match = MARKER_RE.search(bytes(t for t in prompt_ids[:8192] if t < 256))
+        if match is None:
+            raise ValueError("prompt has no [sim-episode N] marker: the sim server only plays sim tasks")
+        plan = self.plans[int(match.group(1))]
+        turn = max(0, count_subsequence(prompt_ids, self.chat.assistant_header_ids) - 1)
+        text = plan.turns[min(turn, plan.num_turns - 1)].text
+        return plan.index, [*self.chat.encode(text), IM_END]
+
+    async def generate(self, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], str]:
+        episode, ids = self.completion_ids(prompt_ids)
+        finish = "stop"
+        if len(ids) > max_tokens:
+            ids, finish = ids[:max_tokens], "length"
+        new = max(0, len(prompt_ids) - self.cached.get(episode, 0))
+        req = _Request(episode, ids, len(prompt_ids), new, asyncio.get_running_loop().create_future())
+        self.waiting.append(req)
+        self.requests += 1
+        self.wake.set()
+        await req.done
+        return ids, finish
+
+    async def run(self) -> None:
+        clock = 0.0
+        while True:
+            if not self.running and not self.waiting:
+                self.wake.clear()
+                await self.wake.wait()
+            prefill = 0
+            while self.waiting and len(self.running) < self.cap:
+                req = self.waiting.popleft()
+                prefill += req.prefill_tokens
+                self.running.append(req)
+            clock = await self._step(clock, prefill)
+
+    async def _step(self, clock: float, prefill: int) -> float:
+        start = time.time()
+        # Back-to-back steps keep their own schedule, so timer overshoot under load does not add up.
+        begin = clock if 0 <= start - clock < 0.002 else start
+        end = begin + self.a + self.b * len(self.running) + self.p * prefill
+        await asyncio.sleep(max(0.0, end - time.time()))
+        self.steps.append((start, time.time(), len(self.running)))
+        for req in self.running:
+            req.produced += 1
+            if req.produced >= len(req.token_ids):
+                self.cached[req.episode] = req.prompt_len + len(req.token_ids)
+                req.done.set_result(None)
+        self.running = [r for r in self.running if r.produced < len(r.token_ids)]
+        return end
+
+
+def busy_stats(steps: list[tuple[float, float, int]], t0: float, t1: float, cap: int) -> dict[str, float]:
+    """Over [t0, t1]: share of wall time with >= 1 running sequence, and mean running sequences."""
+    busy = active = 0.0
+    for s, e, n in steps:
+        overlap = max(0.0, min(e, t1) - max(s, t0))
+        busy += overlap
+        active += overlap * n
+    span = max(t1 - t0, 1e-9)
+    return {"busy_fraction": busy / span, "mean_active_sequences": active / span,
+            "mean_active_fraction_of_cap": active / span / cap}
+
+
+def build_app(engine: SimEngine) -> web.Application:
+    async def completions(request: web.Request) -> web.Response:
+        body = await request.json()
+        prompt = body["prompt"]
+        if not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
+            return web.json_response({"error": {"message": "prompt must be a list of token ids"}}, status=400)
+        ids, finish = await engine.generate(prompt, int(body.get("max_tokens", 256)))
+        return web.json_response({
+            "object": "text_completion", "model": body.get("model", "sim"),
+            "choices": [{"index": 0, "text": engine.chat.decode(ids), "token_ids": ids, "finish_reason": finish,
+                         "logprobs": {"token_logprobs": [SIM_LOGPROB] * len(ids)}}],
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids)}})
+
+    async def steps(request: web.Request) -> web.Response:
+        t0, t1 = float(request.query.get("t0", 0)), float(request.query.get("t1", 1e18))
+        return web.json_response({"cap": engine.cap, "requests": engine.requests,
+                                  "steps": [s for s in engine.steps if s[1] >= t0 and s[0] <= t1]})
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    async def start_engine(app: web.Application) -> None:
+        app["engine_task"] = asyncio.create_task(engine.run())
+
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.add_routes([web.post("/v1/completions", completions), web.get("/sim/steps", steps),
+                    web.get("/health", health)])
+    app.on_startup.append(start_engine)
+    return app
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Simulated inference server for `rollway bench pipeline`.")
+    parser.add_argument("--plans", required=True, help="plans file written by the benchmark")
+    parser.add_argument("--workload", required=True, help="WorkloadConfig as JSON")
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args()
+    cfg = WorkloadConfig.model_validate(json.loads(args.workload))
+    plans = {p.index: p for p in read_plans(Path(args.plans))}
+    engine = SimEngine(plans, cfg.step_base_s, cfg.step_per_seq_s, cfg.prefill_per_token_s, cfg.slots)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    web.run_app(build_app(engine), host="127.0.0.1", port=args.port, print=None, access_log=None)
+
+
+if __name__ == "__main__":
+    main()

