@@ -52,6 +52,11 @@ class AgentActor(Actor):
         self.cache.pop((msg.episode_id, msg.attempt), None)
         return [Output(REWARD_REQUESTS, msg.episode_id, self._reward_request(state, stop_reason))]
 
+    def priority(self, msg: AgentStep) -> float:
+        """With a backlog, later turns first: finish running episodes (and free their sandboxes)
+        before starting new ones."""
+        return float(msg.turn)
+
     def on_error(self, msg: AgentStep, error: BaseException) -> list[Output]:
         self.cache.pop((msg.episode_id, msg.attempt), None)
         return [failure_output(msg, self.name, error)]
@@ -118,7 +123,7 @@ class AgentActor(Actor):
         params = SamplingParams(temperature=self.cfg.temperature, top_p=self.cfg.top_p,
                                 max_tokens=max(1, min(self.cfg.max_tokens_per_turn, budget)),
                                 stop_token_ids=chat.stop_token_ids)
-        t0 = time.perf_counter()
+        t0, gen_started_at = time.perf_counter(), time.time()
         gen = await self.s.inference.generate(state.token_ids, params)
         gen_s = time.perf_counter() - t0
         text = chat.decode(gen.token_ids)
@@ -132,7 +137,9 @@ class AgentActor(Actor):
         record = TurnRecord(
             turn=turn, completion_ids=list(gen.token_ids), logprobs=list(gen.logprobs),
             policy_version=gen.policy_version, finish_reason=gen.finish_reason, assistant_text=text,
-            observations=outcome.observations, hints=hints, gen_seconds=gen_s, tool_seconds=tool_s)
+            observations=outcome.observations, hints=hints, gen_seconds=gen_s, tool_seconds=tool_s,
+            gen_started_at=gen_started_at, gen_ended_at=gen_started_at + gen_s,
+            tool_ended_at=gen_started_at + (t1 - t0) + tool_s)
         if stop_reason is None:
             record.observation_ids = self._observation_ids(state, record, gen.token_ids)
             if state.tokens_used + len(record.completion_ids) + len(record.observation_ids) >= self.cfg.max_total_tokens:
@@ -194,7 +201,8 @@ class AgentActor(Actor):
         return RewardRequest(episode_id=f.episode_id, group_id=f.group_id, task_id=f.task_id, attempt=f.attempt,
                              sample_index=f.sample_index, sandbox=f.sandbox, prompt_ids=list(f.prompt_ids or []),
                              messages=list(f.messages or []), turns=state.turns, stop_reason=stop_reason,
-                             deadline=f.deadline, timings=state.timings, sent_at=time.time())
+                             deadline=f.deadline, timings=state.timings, sent_at=time.time(),
+                             stamps={**f.stamps, "agent_end": time.time()})
 
 
 class ToolOutcome:

@@ -45,6 +45,10 @@ class Actor(ABC):
         """Process one message; raise to dead-letter it (the runner also reports an episode failure
         through `on_error`)."""
 
+    def priority(self, msg: Any) -> float:
+        """Order of queued messages when the stage prefetches (`prefetch` > 0): higher runs first."""
+        return 0.0
+
     def on_error(self, msg: Any, error: BaseException) -> list[Output]:
         """Extra outputs when `handle` raised for a decoded message (e.g. an EpisodeFailure)."""
         return []

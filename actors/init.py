@@ -36,18 +36,18 @@ class InitActor(Actor):
             return []  # the scheduler has re-issued it (or will)
         queue_s = max(0.0, time.time() - msg.issued_at)
         task = self.s.taskset.get(msg.task_id)
-        t0 = time.perf_counter()
+        t0, init_start = time.perf_counter(), time.time()
         sandbox = await self.s.sandboxes.create(self.s.taskset.sandbox_spec(task),
                                                 sandbox_name(msg.episode_id, msg.attempt))
         init_s = time.perf_counter() - t0
-        system = self.s.cfg.agent.system_prompt or self.s.taskset.system_prompt
-        messages = [{"role": "system", "content": system}, {"role": "user", "content": task.prompt}]
-        tools = [t.spec() for t in self.s.tools.values()]
+        messages = self.s.taskset.initial_messages(task, self.s.cfg.agent.system_prompt)
+        tools = [t.spec() for t in self.s.tools.values()] if self.s.taskset.describe_tools else []
         step = AgentStep(
             episode_id=msg.episode_id, group_id=msg.group_id, task_id=msg.task_id, attempt=msg.attempt,
             sample_index=msg.sample_index, turn=0, sandbox=sandbox.handle,
             prompt_ids=self.s.chat.initial(messages, tools), messages=messages, tools=tools,
-            deadline=msg.deadline, timings={"init_queue": queue_s, "init": init_s}, sent_at=time.time())
+            deadline=msg.deadline, timings={"init_queue": queue_s, "init": init_s}, sent_at=time.time(),
+            stamps={"issued": msg.issued_at, "init_start": init_start, "init_end": init_start + init_s})
         return [Output(AGENT_STEPS, msg.episode_id, step)]
 
     def on_error(self, msg: InitRequest, error: BaseException) -> list[Output]:

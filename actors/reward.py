@@ -55,13 +55,14 @@ class RewardActor(Actor):
             await (await self.s.sandboxes.attach(msg.sandbox)).destroy()
             return []
         queue_s = max(0.0, time.time() - msg.sent_at) if msg.sent_at else 0.0
-        t0 = time.perf_counter()
+        t0, reward_start = time.perf_counter(), time.time()
         sandbox = await self.s.sandboxes.attach(msg.sandbox)
         try:
             grade = await self.s.taskset.grade(self.s.taskset.get(msg.task_id), sandbox, self.s.sandboxes)
         finally:
             await sandbox.destroy()
         timings = {**msg.timings, "reward_queue": queue_s, "reward": time.perf_counter() - t0}
+        stamps = {**msg.stamps, "reward_start": reward_start, "reward_end": reward_start + timings["reward"]}
         traj = Trajectory(
             episode_id=msg.episode_id, group_id=msg.group_id, task_id=msg.task_id, attempt=msg.attempt,
             sample_index=msg.sample_index, **assemble(msg),
@@ -69,8 +70,10 @@ class RewardActor(Actor):
             resolved=grade.resolved, stop_reason=grade.stop_reason or msg.stop_reason,
             num_turns=len(msg.turns), prompt_length=len(msg.prompt_ids), grade=grade.details, timings=timings,
             turns=msg.turns, messages=msg.messages, template_drift_turns=sum(t.template_drift for t in msg.turns),
-            created_at=time.time())
+            created_at=time.time(), stamps=stamps)
         self.graded.add(key)
+        log.info("episode graded", reward=grade.reward, resolved=grade.resolved, stop_reason=traj.stop_reason,
+                 turns=traj.num_turns, task_id=msg.task_id)
         return [Output(TRAJECTORIES, msg.episode_id, traj)]
 
     def on_error(self, msg: RewardRequest, error: BaseException) -> list[Output]:

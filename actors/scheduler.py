@@ -13,8 +13,8 @@ from pathlib import Path
 import structlog
 from rollway.actors.base import Actor, MessageMeta, Output
 from rollway.actors.services import Services
-from rollway.schemas.messages import EpisodeFailure, InitRequest, PolicyVersion, Trajectory
-from rollway.topics import EPISODE_FAILURES, INIT_REQUESTS, POLICY_VERSIONS, TRAJECTORIES
+from rollway.schemas.messages import EpisodeFailure, InitRequest, PolicyVersion, RewardRequest, Trajectory
+from rollway.topics import EPISODE_FAILURES, INIT_REQUESTS, POLICY_VERSIONS, REWARD_REQUESTS, TRAJECTORIES
 
 log = structlog.get_logger()
 
@@ -36,6 +36,8 @@ class Ticket:
     state: str = "pending"  # pending -> inflight -> completed | failed
     reason: str = ""
     reward: float | None = None
+    at_reward: bool = False
+    """This attempt has left the agent stage (seen on reward-requests; only with init_lookahead)."""
 
 
 def new_run_id() -> str:
@@ -55,6 +57,13 @@ class SchedulerActor(Actor):
         self.tickets: dict[str, Ticket] = {}
         self.policy_version = 0
         self.started_at = time.time()
+        self.pre_reward_bound: int | None = None
+        if self.cfg.init_lookahead is not None:
+            # Sandboxes are made at most `init_lookahead` ahead of agent capacity: count the episodes
+            # not yet at the reward stage, which needs the reward-requests stream too.
+            slots = self.cfg.agent_slots or services.cfg.agent.concurrency
+            self.pre_reward_bound = slots + self.cfg.init_lookahead
+            self.inputs = (*SchedulerActor.inputs, REWARD_REQUESTS)
         self._dirty = True
 
     async def setup(self) -> None:
@@ -74,13 +83,17 @@ class SchedulerActor(Actor):
         log.info("scheduler planned", run_id=self.run_id, groups=len(self.groups), episodes=len(self.tickets))
 
     # -- inputs -----------------------------------------------------------------------------
-    async def handle(self, msg: Trajectory | EpisodeFailure | PolicyVersion, meta: MessageMeta) -> list[Output]:
+    async def handle(self, msg: Trajectory | EpisodeFailure | PolicyVersion | RewardRequest,
+                     meta: MessageMeta) -> list[Output]:
         if isinstance(msg, PolicyVersion):
             self.policy_version = max(self.policy_version, msg.version)
             return []
         ticket = self.tickets.get(msg.episode_id)
         if ticket is None or ticket.state != "inflight":
             return []  # another run's episode, or a late duplicate of a finished one
+        if isinstance(msg, RewardRequest):
+            ticket.at_reward = ticket.at_reward or msg.attempt == ticket.attempt
+            return []
         if isinstance(msg, Trajectory):
             ticket.state, ticket.reward = "completed", msg.reward
             self._dirty = True
@@ -117,6 +130,10 @@ class SchedulerActor(Actor):
         inflight = [t for t in self.tickets.values() if t.state == "inflight"]
         if inflight and len(inflight) + self.cfg.group_size > self.cfg.max_inflight_episodes:
             return False
+        before_reward = sum(not t.at_reward for t in inflight)
+        if self.pre_reward_bound is not None and before_reward and \
+                before_reward + self.cfg.group_size > self.pre_reward_bound:
+            return False
         if self.cfg.max_policy_lag is not None and inflight:
             oldest = min(t.policy_version for t in inflight)
             if self.policy_version - oldest > self.cfg.max_policy_lag:
@@ -126,7 +143,7 @@ class SchedulerActor(Actor):
     def _issue(self, t: Ticket, attempt: int) -> Output:
         now = time.time()
         t.attempt, t.issued_at, t.deadline = attempt, now, now + self.cfg.episode_deadline_s
-        t.state, t.policy_version = "inflight", self.policy_version
+        t.state, t.policy_version, t.at_reward = "inflight", self.policy_version, False
         self._dirty = True
         return Output(INIT_REQUESTS, t.episode_id, InitRequest(
             episode_id=t.episode_id, group_id=t.group_id, task_id=t.task_id, attempt=attempt,

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
-
 from rollway.bench.workload import EpisodePlan, WorkloadConfig, read_plans
 from rollway.policies.chat import IM_END, BytesChatML
 from rollway.policies.scripted import count_subsequence
@@ -135,6 +134,9 @@ def build_app(engine: SimEngine) -> web.Application:
         return web.json_response({"cap": engine.cap, "requests": engine.requests,
                                   "steps": [s for s in engine.steps if s[1] >= t0 and s[0] <= t1]})
 
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "sim", "object": "model"}]})
+
     async def health(request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
 
@@ -142,7 +144,7 @@ def build_app(engine: SimEngine) -> web.Application:
         app["engine_task"] = asyncio.create_task(engine.run())
 
     app = web.Application(client_max_size=64 * 1024 * 1024)
-    app.add_routes([web.post("/v1/completions", completions), web.get("/sim/steps", steps),
+    app.add_routes([web.post("/v1/completions", completions), web.get("/sim/steps", steps), web.get("/v1/models", models),
                     web.get("/health", health)])
     app.on_startup.append(start_engine)
     return app

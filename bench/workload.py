@@ -69,6 +69,9 @@ class WorkloadConfig(BaseModel):
     """Pipeline: sandboxes started at once (init.concurrency)."""
     grade_concurrency: int = Field(8, ge=1)
     """Pipeline: gradings at once (reward.concurrency)."""
+    fetch_max_wait_ms: int = Field(10, ge=1)
+    """Pipeline: broker.fetch_max_wait_ms of every consumer (the embedded broker answers a waiting
+    fetch only when this expires, so it bounds each hop's delivery delay)."""
     agent_prefetch: int = Field(4, ge=0)
     """Pipeline: agent-steps an agent worker holds beyond its concurrency, to run later turns first."""
 
@@ -161,12 +164,17 @@ def ideal_makespan(plans: list[EpisodePlan], cfg: WorkloadConfig) -> dict[str, f
       inference       min I + [sum k (a + b C) / C + p sum q] + min G   (a step serves <= C sequences;
                       nothing generates before the first sandbox exists, the last turn is then graded)
       agent slots     min I + sum turn_min / C + min G
+      joint           min I + min G + min over S >= K/C of max(a S + b K + p Q, (a K + b K^2/S + p Q + X) / C)
+                      with K = sum k, Q = sum q, X = sum x: if the server runs S steps (n_t sequences in
+                      step t, sum n_t = K) it is busy sum (a + b n_t) + p Q = a S + b K + p Q, while the
+                      agent slots hold generation for sum n_t (a + b n_t) >= a K + b K^2 / S
+                      (Cauchy-Schwarz) plus each turn's prefill and tool time, within C slots
       init            sum I / init_concurrency + min_e (T_e + G_e)
       grading         min_e (I_e + T_e) + sum G / grade_concurrency
     The baseline runs the same turns through C slots, so the first three terms bound it too.
     """
     a, b, p, c = cfg.step_base_s, cfg.step_per_seq_s, cfg.prefill_per_token_s, cfg.slots
-    tokens = prefill = slot_work = 0.0
+    tokens = prefill = slot_work = tool_work = 0.0
     agent_s, paths = [], []
     for e in plans:
         t_e = 0.0
@@ -174,6 +182,7 @@ def ideal_makespan(plans: list[EpisodePlan], cfg: WorkloadConfig) -> dict[str, f
             q = len(e.prompt.encode()) if j == 0 else e.turns[j - 1].observation_bytes
             tokens, prefill = tokens + t.completion_tokens, prefill + q
             t_e += t.completion_tokens * (a + b) + p * q + t.tool_s
+            tool_work += t.tool_s
         agent_s.append(t_e)
         slot_work += t_e
         paths.append(e.init_s + t_e + e.grade_s)
@@ -182,12 +191,22 @@ def ideal_makespan(plans: list[EpisodePlan], cfg: WorkloadConfig) -> dict[str, f
         "critical_path": max(paths),
         "inference": min_i + tokens * (a + b * c) / c + p * prefill + min_g,
         "agent_slots": min_i + slot_work / c + min_g,
+        "joint": min_i + _joint_bound(a, b, p * prefill, tokens, tool_work, c) + min_g,
         "init": sum(e.init_s for e in plans) / cfg.init_concurrency
         + min(t + e.grade_s for t, e in zip(agent_s, plans, strict=True)),
         "grading": min(e.init_s + t for t, e in zip(agent_s, plans, strict=True))
         + sum(e.grade_s for e in plans) / cfg.grade_concurrency,
     }
     return {"ideal_makespan": max(bounds.values()), "bottleneck": max(bounds, key=bounds.get), **bounds}
+
+
+def _joint_bound(a: float, b: float, prefill_s: float, k: float, x: float, c: int) -> float:
+    """min over S >= k/c of max(server(S), slots(S)): server(S) grows with S and slots(S) shrinks, so
+    the minimum is where they cross (the positive root of a quadratic in S) or at S = k/c."""
+    qa, qb, qc = a * c, b * k * c + prefill_s * c - a * k - prefill_s - x, -b * k * k
+    root = (-qb + math.sqrt(qb * qb - 4 * qa * qc)) / (2 * qa)
+    s = max(root, k / c)
+    return max(a * s + b * k + prefill_s, (a * k + b * k * k / s + prefill_s + x) / c)
 
 
 def workload_summary(plans: list[EpisodePlan]) -> dict[str, float]:

@@ -41,6 +41,10 @@ class BrokerConfig(StrictModel):
     """A consumer that stops heartbeating (a killed worker) loses its partitions after this long."""
     heartbeat_interval_ms: int = Field(1500, ge=100)
     """Consumer heartbeat period; well under session_timeout_ms."""
+    fetch_max_wait_ms: int = Field(500, ge=1)
+    """Longest a consumer's fetch waits at the broker for new data. The embedded broker (Tansu) does
+    not answer a waiting fetch when data arrives, so this is added to every hop there: set it to
+    about 10 for low hop latency (at the cost of more idle fetch requests)."""
 
     @model_validator(mode="after")
     def _sasl_needs_mechanism(self) -> BrokerConfig:
@@ -63,6 +67,10 @@ class TopicsConfig(StrictModel):
 class StageConfig(StrictModel):
     concurrency: int = Field(4, ge=1)
     """Messages this worker handles at once (in-flight episodes per worker)."""
+    prefetch: int = Field(0, ge=0)
+    """Messages a worker fetches beyond `concurrency` and holds in a local queue, started by the
+    actor's priority when a slot frees (the agent runs later turns first, so episodes closest to
+    finishing go ahead of new ones). 0: strict fetch order."""
 
 
 class SchedulerConfig(StrictModel):
@@ -83,6 +91,14 @@ class SchedulerConfig(StrictModel):
     episode's policy version. None: no bound."""
     shuffle: bool = True
     """Shuffle tasks per epoch (seeded by run.seed)."""
+    init_lookahead: int | None = Field(None, ge=0)
+    """Bound on sandboxes started ahead of agent capacity: new episodes wait while the episodes issued
+    but not yet handed to the reward stage (initialising, waiting for or in the agent) number
+    `agent_slots + init_lookahead`. The scheduler then also reads reward-requests to see episodes
+    leave the agent. None: no such bound (only max_inflight_episodes)."""
+    agent_slots: int | None = Field(None, ge=1)
+    """Total agent concurrency across agent workers (workers x agent.concurrency), for
+    init_lookahead. None: agent.concurrency (one agent worker)."""
 
 
 class AgentConfig(StageConfig):
@@ -121,6 +137,26 @@ class RunSection(StrictModel):
     """Run folder; `rollway up --run-dir` overrides it. Default runs/<name>-<time>."""
     timeout_s: float = Field(3600.0, gt=0)
     """`rollway up` gives up (non-zero exit) after this long."""
+    trace: bool = False
+    """Every stage worker writes one line per handled message (sent, fetched, handling start/end)
+    to trace/STAGE-PID.jsonl in the run folder: hop latencies for `rollway bench pipeline`."""
+
+
+Engine = Literal["aiokafka", "faust"]
+StageName = Literal["scheduler", "init", "agent", "reward", "learner", "sink"]
+
+
+class RuntimeConfig(StrictModel):
+    engine: Engine = "aiokafka"
+    """Stream engine of every stage worker: `aiokafka` (the built-in StageWorker) or `faust` (a
+    faust-streaming agent with a changelog-backed dedup table; runners/faust_runtime.py)."""
+    engines: dict[StageName, Engine] = Field(default_factory=dict)
+    """Per-stage overrides of `engine`, e.g. {sink: faust, learner: faust}
+    (command line: runtime.engines.sink=faust)."""
+
+    def engine_for(self, stage: StageName) -> Engine:
+        """The engine that runs `stage`: its override, else `engine`."""
+        return self.engines.get(stage, self.engine)
 
 
 class RunConfig(StrictModel):
@@ -140,6 +176,7 @@ class RunConfig(StrictModel):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     sink: SinkConfig = Field(default_factory=SinkConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
 
 
 class ConfigError(ValueError):

@@ -91,6 +91,7 @@ async def make_consumer(cfg: BrokerConfig, bootstrap: str, *topics: str, group_i
         *topics, group_id=group_id, enable_auto_commit=False, auto_offset_reset="earliest",
         max_partition_fetch_bytes=16 * 1024 * 1024, fetch_max_bytes=32 * 1024 * 1024,
         session_timeout_ms=cfg.session_timeout_ms, heartbeat_interval_ms=cfg.heartbeat_interval_ms,
+        fetch_max_wait_ms=cfg.fetch_max_wait_ms,
         **client_kwargs(cfg, bootstrap), **extra)
     await start_with_retry(consumer, cfg, f"consumer {group_id or ''}".strip())
     return consumer

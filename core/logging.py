@@ -24,6 +24,14 @@ def _redact_processor(_, __, event_dict: dict) -> dict:
     return event_dict
 
 
+def _console_prefix(_, __, event_dict: dict) -> dict:
+    """Console lines start with `[stage episode]` so a reader can follow one episode by eye."""
+    tags = [str(v) for v in (event_dict.pop("stage", None), event_dict.pop("episode_id", None)) if v]
+    if tags:
+        event_dict["event"] = f"[{' '.join(tags)}] {event_dict.get('event', '')}"
+    return event_dict
+
+
 def configure_logging(stage: str, run_dir: Path | None = None, level: str = "INFO") -> None:
     """Console lines to stderr; with a run folder also `logs/<stage>.jsonl` there."""
     shared = [
@@ -36,7 +44,8 @@ def configure_logging(stage: str, run_dir: Path | None = None, level: str = "INF
     handlers: list[logging.Handler] = []
     console = logging.StreamHandler(sys.stderr)
     console.setFormatter(structlog.stdlib.ProcessorFormatter(
-        processor=structlog.dev.ConsoleRenderer(colors=False), foreign_pre_chain=shared))
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, _console_prefix,
+                    structlog.dev.ConsoleRenderer(colors=False)], foreign_pre_chain=shared))
     handlers.append(console)
     if run_dir is not None:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)

@@ -36,6 +36,14 @@ class TaskSet(ABC):
 
     system_prompt: str = "You are a helpful agent. Use the tools to solve the task, then call finish."
     default_tools: tuple[str, ...] = ("bash", "finish")
+    describe_tools: bool = True
+    """Render the tools' JSON specs into the prompt. Small models may do better with worked
+    examples in `initial_messages` instead."""
+
+    def initial_messages(self, task: Task, system_prompt: str | None = None) -> list[dict[str, Any]]:
+        """The chat the model sees first (the init actor calls this). Default: system, then the task."""
+        return [{"role": "system", "content": system_prompt or self.system_prompt},
+                {"role": "user", "content": task.prompt}]
 
     @abstractmethod
     def tasks(self) -> list[Task]:

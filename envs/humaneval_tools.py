@@ -56,3 +56,12 @@ class PythonTool(Tool):
             text += f"\n[exit code {exit_code}]"
         return ToolResult(text if text.strip() else "(no output)", is_error=timed_out or exit_code != 0,
                           metadata={"exit_code": exit_code, "timed_out": timed_out})
+
+
+def _register() -> None:
+    from rollway.tools.registry import register_tool
+
+    register_tool("python", PythonTool)
+
+
+_register()

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
 from rollway.policies.base import SamplingParams
 
 
@@ -310,8 +309,8 @@ class BatchEngine:
         temps = torch.tensor([s.request.params.temperature for s in rows], device=logits_B_V.device)
         greedy = temps == 0
         scaled = logits_B_V / torch.where(greedy, 1.0, temps)[:, None]
-        top_p = torch.tensor([1.0 if g else s.request.params.top_p for s, g in zip(rows, greedy.tolist())],
-                             device=logits_B_V.device)
+        top_p = [1.0 if g else s.request.params.top_p for s, g in zip(rows, greedy.tolist(), strict=True)]
+        top_p = torch.tensor(top_p, device=logits_B_V.device)
         if bool((top_p < 1).any()):
             scaled = self._nucleus(scaled, top_p)
         return F.log_softmax(scaled, dim=-1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class ScriptRule(BaseModel):
@@ -21,18 +21,40 @@ class ScriptRule(BaseModel):
 class PolicyConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    type: Literal["scripted", "openai", "sim"] = "scripted"
+    type: Literal["scripted", "openai", "local"] = "scripted"
     """`scripted`: deterministic outputs from `script` (tests, smoke job). `openai`: an
-    OpenAI-compatible completions endpoint (`rollway serve`, vLLM, others) at `base_url`. `sim`: the
-    benchmark's simulated inference server at `base_url` (`rollway.bench.sim_server`)."""
+    OpenAI-compatible completions endpoint (`rollway serve`, vLLM, others) at `base_url`. `local`:
+    the built-in batching engine inside this process (loads `model`; no HTTP)."""
     chat_format: Literal["bytes-chatml", "hf"] = "bytes-chatml"
     """How messages become token ids. `bytes-chatml`: ChatML over UTF-8 bytes (scripted policy).
-    `hf`: the model's own tokenizer and chat template."""
+    `hf`: the model's own tokenizer and chat template (from `tokenizer`, else `model`)."""
     script: list[ScriptRule] = Field(default_factory=list)
     """Scripted policy: the first rule whose `when` matches the prompt plays its turns."""
     base_url: str | None = None
     """OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1."""
     model: str | None = None
-    """Model name sent to the server, or a local model folder / GGUF file for the tokenizer."""
+    """Local model: 'smollm2' (the bundled SmolLM2-135M-Instruct GGUF), a .gguf file or a Hugging Face
+    folder. For `openai`, also the model name sent to the server (None: the server's first model)."""
+    tokenizer: str | None = None
+    """Where the `hf` chat format loads its tokenizer when `model` is only a server-side name
+    (a local folder or 'smollm2'). None: `model`, else the bundled SmolLM2."""
     request_timeout_s: float = Field(300.0, gt=0)
     """Per-request timeout to the inference server."""
+    max_retries: int = Field(5, ge=0)
+    """Retries (exponential backoff from 0.5 s) on connection errors and 5xx answers."""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """`local`: weights dtype (bf16 decodes batches faster on CPU; fp32 for bit-stable tests)."""
+    device: str | None = None
+    """`local`: torch device; None picks CUDA when present, else CPU."""
+    max_batch: int = Field(8, ge=1)
+    """`local`: sequences decoded together (continuous batching)."""
+    max_model_len: int = Field(2048, ge=16)
+    """`local`: prompt + completion tokens per sequence."""
+    threads: int = Field(0, ge=0)
+    """`local`: torch CPU threads; 0 keeps torch's default (1 is faster on shared, busy cores)."""
+
+    @model_validator(mode="after")
+    def _needs(self) -> PolicyConfig:
+        if self.type == "openai" and not self.base_url:
+            raise ValueError("policy.type=openai needs policy.base_url (e.g. http://127.0.0.1:8000/v1)")
+        return self

@@ -35,6 +35,7 @@ def prepare_run_dir(args: argparse.Namespace, cfg, prog: str) -> Path:
 def run(args: argparse.Namespace) -> int:
     from rollway.actors.scheduler import new_run_id
     from rollway.core.kafka import BrokerUnavailable
+    from rollway.core.logging import configure_logging
     from rollway.runners.broker import BrokerError, EmbeddedBroker
     from rollway.runners.up import JobFailed, parse_workers, run_job, write_run_files
 
@@ -47,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"rollway up: {err}", file=sys.stderr)
         return 2
     write_run_files(run_dir, cfg)
+    configure_logging("up", run_dir)
     broker = None
     try:
         if args.bootstrap is None and cfg.broker.bootstrap is None:
@@ -59,6 +61,21 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if broker is not None:
             broker.stop()
+    write_report_or_warn(run_dir)
     print(json.dumps({k: summary[k] for k in ("episodes_scheduled", "episodes_completed", "episodes_failed",
                                               "reward_mean", "wall_seconds")}))
     return 0
+
+
+def write_report_or_warn(run_dir: Path) -> None:
+    """The run's results are already on disk; a report that cannot be drawn must not fail the run."""
+    import structlog
+    from rollway.runners.report import write_report
+
+    try:
+        path = write_report(run_dir)
+    except Exception as err:  # noqa: BLE001 - deliberate: the report is retried by `rollway report DIR`
+        structlog.get_logger().warning("report not written; retry with `rollway report DIR`",
+                                       run_dir=str(run_dir), error=f"{type(err).__name__}: {err}")
+        return
+    structlog.get_logger().info("report written", path=str(path))

@@ -22,7 +22,9 @@ Guarantees, and how they compare with the aiokafka `StageWorker`:
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -31,13 +33,19 @@ from typing import Any
 import structlog
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
-
 from rollway.actors.base import Actor, MessageMeta, Output
 from rollway.core.config import BrokerConfig, RunConfig
 from rollway.core.kafka import client_kwargs, start_with_retry, topic_name
-from rollway.runners.stage_runtime import COMMIT_INTERVAL_S, TICK_INTERVAL_S
+from rollway.runners.stage_runtime import COMMIT_INTERVAL_S, STATUS_INTERVAL_S, TICK_INTERVAL_S
 from rollway.schemas.codec import DecodeError, decode, encode
-from rollway.schemas.messages import DeadLetter, EpisodeFailure, InitRequest, Message, RewardRequest, Trajectory
+from rollway.schemas.messages import (
+    DeadLetter,
+    EpisodeFailure,
+    InitRequest,
+    Message,
+    RewardRequest,
+    Trajectory,
+)
 from rollway.topics import DEAD_LETTERS, TopicSpec
 
 log = structlog.get_logger()
@@ -106,6 +114,10 @@ def build_app(cfg: RunConfig, bootstrap: str, group_id: str, run_dir: Path) -> A
         topic_allow_declare=False, topic_disable_leader=True,
         consumer_auto_offset_reset="earliest", producer_acks=-1,
         broker_commit_interval=COMMIT_INTERVAL_S, table_standby_replicas=0,
+        # The aiokafka worker's settings instead of Faust's 60 s: Tansu answers a new group's first
+        # JoinGroup only after half the session timeout, so Faust's default meant a 30 s start.
+        broker_session_timeout=cfg.broker.session_timeout_ms / 1000,
+        broker_heartbeat_interval=cfg.broker.heartbeat_interval_ms / 1000,
         producer_max_request_size=16 * 1024 * 1024, consumer_max_fetch_size=16 * 1024 * 1024,
     )
 
@@ -136,8 +148,8 @@ class FaustStage:
     """One worker process of one stage as a Faust app: one agent over the actor's input topics."""
 
     def __init__(self, actor: Actor, cfg: RunConfig, bootstrap: str, concurrency: int, group_id: str,
-                 run_dir: Path):
-        self.actor, self.cfg, self.group_id = actor, cfg, group_id
+                 run_dir: Path, status_path: Path | None = None):
+        self.actor, self.cfg, self.group_id, self.status_path = actor, cfg, group_id, status_path
         self.app = build_app(cfg, bootstrap, group_id, run_dir)
         self.specs: dict[str, TopicSpec] = {topic_name(t, cfg.topics): t for t in actor.inputs}
         self.tables: dict[str, Any] = {} if actor.name in NO_DEDUP_STAGES else {
@@ -145,6 +157,7 @@ class FaustStage:
             for name, spec in self.specs.items()}
         self.key_locks: dict[Any, asyncio.Lock] = defaultdict(asyncio.Lock)
         self.stats = {"handled": 0, "skipped_duplicates": 0, "dead_lettered": 0, "produced": 0}
+        self.in_flight = 0
         self.failure: BaseException | None = None
         self._register(concurrency)
 
@@ -153,7 +166,11 @@ class FaustStage:
 
         async def process(stream: Any) -> None:
             async for event in stream.events():
-                await self._guard(self._process(event))
+                self.in_flight += 1
+                try:
+                    await self._guard(self._process(event))
+                finally:
+                    self.in_flight -= 1
 
         async def tick() -> None:
             await self._guard(self._tick())
@@ -178,14 +195,33 @@ class FaustStage:
             await self.app.start()
             log.info("faust stage worker started", stage=self.actor.name, group=self.group_id,
                      topics=list(self.specs), dedup_tables=len(self.tables))
-            while not (stop.is_set() or self.actor.done or self.failure or self.app.should_stop):
-                await asyncio.sleep(0.1)
+            await self._wait(stop)
         finally:
             await self.app.stop()
             await self.actor.close()
+            self.write_status()
             log.info("faust stage worker stopped", stage=self.actor.name, **self.stats)
         if self.failure is not None:
             raise self.failure
+
+    async def _wait(self, stop: asyncio.Event) -> None:
+        last_status = 0.0
+        while not (stop.is_set() or self.actor.done or self.failure or self.app.should_stop):
+            if time.monotonic() - last_status >= STATUS_INTERVAL_S:
+                self.write_status()
+                last_status = time.monotonic()
+            await asyncio.sleep(0.1)
+
+    def write_status(self) -> None:
+        """The same status file as StageWorker's, for `rollway up`'s progress display."""
+        if self.status_path is None:
+            return
+        status = {"stage": self.actor.name, "pid": os.getpid(), "engine": "faust", "in_flight": self.in_flight,
+                  "backlog": 0, **self.stats, "updated_at": time.time()}
+        self.status_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.status_path.with_name(self.status_path.name + ".tmp")
+        tmp.write_text(json.dumps(status))
+        tmp.replace(self.status_path)  # readers never see a half-written file
 
     async def _tick(self) -> None:
         await self._send(await self.actor.tick())
@@ -255,9 +291,9 @@ class FaustStage:
 
 
 async def run_faust_worker(actor: Actor, cfg: RunConfig, bootstrap: str, concurrency: int, group_id: str,
-                           run_dir: Path, stop: asyncio.Event) -> None:
+                           run_dir: Path, stop: asyncio.Event, status_path: Path | None = None) -> None:
     """Run `actor` as a Faust worker until `stop` is set or the actor is done."""
-    stage = FaustStage(actor, cfg, bootstrap, concurrency, group_id, run_dir)
+    stage = FaustStage(actor, cfg, bootstrap, concurrency, group_id, run_dir, status_path)
     if stage.tables:
         await ensure_changelog_topics(cfg, bootstrap, group_id, [stage.specs[name] for name in stage.tables])
     await stage.run(stop)

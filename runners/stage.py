@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from pathlib import Path
 
@@ -47,6 +48,11 @@ def stage_concurrency(name: str, cfg: RunConfig) -> int:
     return section.concurrency if section is not None else 1
 
 
+def stage_prefetch(name: str, cfg: RunConfig) -> int:
+    section = {"init": cfg.init, "agent": cfg.agent, "reward": cfg.reward}.get(name)
+    return section.prefetch if section is not None else 0
+
+
 def group_id(name: str, cfg: RunConfig) -> str:
     # The scheduler reads every outcome of its own run, so its group is per run.
     suffix = f"-{cfg.run.id}" if name == "scheduler" and cfg.run.id else ""
@@ -65,7 +71,16 @@ async def run_stage(name: str, cfg: RunConfig, bootstrap: str, run_dir: Path, st
     log_reader = LogReader(cfg, bootstrap) if name == "agent" else None
     actor = build_actor(name, Services(cfg, run_dir), log_reader)
     try:
-        await StageWorker(actor, cfg, bootstrap, stage_concurrency(name, cfg), group_id(name, cfg)).run(stop)
+        status = run_dir / "status" / f"{name}-{os.getpid()}.json"
+        if cfg.runtime.engine_for(name) == "faust":
+            from rollway.runners.faust_runtime import run_faust_worker  # imports faust only when chosen
+
+            await run_faust_worker(actor, cfg, bootstrap, stage_concurrency(name, cfg), group_id(name, cfg),
+                                   run_dir, stop, status_path=status)
+            return
+        trace = run_dir / "trace" / f"{name}-{os.getpid()}.jsonl" if cfg.run.trace else None
+        await StageWorker(actor, cfg, bootstrap, stage_concurrency(name, cfg), group_id(name, cfg),
+                          prefetch=stage_prefetch(name, cfg), trace_path=trace, status_path=status).run(stop)
     finally:
         if log_reader is not None:
             await log_reader.close()

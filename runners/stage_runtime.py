@@ -4,6 +4,8 @@ key), produce, then commit; undecodable or failing messages go to dead-letters."
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -15,9 +17,9 @@ from aiokafka.errors import KafkaError
 from rollway.actors.base import Actor, MessageMeta, Output
 from rollway.core.config import RunConfig
 from rollway.core.kafka import ensure_topics, make_consumer, make_producer, topic_name
+from rollway.runners.stage_queue import Backlog, HopTrace
 from rollway.schemas.codec import DecodeError, decode, encode
 from rollway.schemas.messages import AgentStep, DeadLetter
-from rollway.runners.stage_queue import Backlog, HopTrace
 from rollway.topics import DEAD_LETTERS, TopicSpec
 
 log = structlog.get_logger()
@@ -25,6 +27,7 @@ log = structlog.get_logger()
 COMMIT_INTERVAL_S = 0.5
 TICK_INTERVAL_S = 0.2
 TOPIC_CHECK_INTERVAL_S = 5.0
+STATUS_INTERVAL_S = 0.5
 
 
 class OffsetTracker:
@@ -62,7 +65,7 @@ class StageWorker:
     """One worker process of one stage (a member of the stage's consumer group)."""
 
     def __init__(self, actor: Actor, cfg: RunConfig, bootstrap: str, concurrency: int, group_id: str,
-                 prefetch: int = 0, trace_path: Path | None = None):
+                 prefetch: int = 0, trace_path: Path | None = None, status_path: Path | None = None):
         self.actor, self.cfg, self.bootstrap = actor, cfg, bootstrap
         self.concurrency = concurrency
         self.prefetch = prefetch
@@ -76,6 +79,23 @@ class StageWorker:
         self.key_locks: dict[Any, asyncio.Lock] = defaultdict(asyncio.Lock)
         self.stats = {"handled": 0, "dead_lettered": 0, "produced": 0}
         self.producer = self.consumer = None
+        self.status_path = status_path
+        """Small JSON file with this worker's counts, rewritten at most every STATUS_INTERVAL_S (for
+        `rollway up`'s progress display)."""
+        self._status_written = 0.0
+
+    def write_status(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.status_path is None or (not force and now - self._status_written < STATUS_INTERVAL_S):
+            return
+        self._status_written = now
+        status = {"stage": self.actor.name, "pid": os.getpid(), "in_flight": len(self.tasks),
+                  "backlog": len(self.backlog), **self.stats, "updated_at": time.time(),
+                  "partitions": len(self.consumer.assignment()) if self.consumer is not None else 0}
+        self.status_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.status_path.with_name(self.status_path.name + ".tmp")
+        tmp.write_text(json.dumps(status))
+        tmp.replace(self.status_path)  # readers never see a half-written file
 
     async def run(self, stop: asyncio.Event) -> None:
         self.producer = await make_producer(self.cfg.broker, self.bootstrap)
@@ -94,6 +114,7 @@ class StageWorker:
             await self.producer.stop()
             if self.trace is not None:
                 self.trace.close()
+            self.write_status(force=True)
             log.info("stage worker stopped", stage=self.actor.name, **self.stats)
 
     async def _loop(self, stop: asyncio.Event) -> None:
@@ -119,6 +140,7 @@ class StageWorker:
             if now - last_commit >= COMMIT_INTERVAL_S:
                 await self.commit()
                 last_commit = now
+            self.write_status()
 
     def _admit(self, tp: TopicPartition, record: Any, polled_at: float) -> None:
         """Start a fetched message now or, with prefetch, queue it by priority (its offset stays
@@ -254,6 +276,7 @@ class _Rebalance(ConsumerRebalanceListener):
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         log.info("partitions assigned", stage=self.worker.actor.name,
                  partitions=sorted(f"{tp.topic}:{tp.partition}" for tp in assigned))
+        self.worker.write_status(force=True)  # `rollway up` starts the scheduler once every worker has some
 
 
 class LogReader:

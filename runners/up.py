@@ -13,8 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import structlog
 from rollway.actors import STAGES
 from rollway.core.config import RunConfig, dump_config
+
+log = structlog.get_logger()
 
 # Start order: consumers of the later topics first, the scheduler (which issues work) last.
 START_ORDER = ("sink", "learner", "reward", "agent", "init", "scheduler")
@@ -60,10 +63,23 @@ class Job:
     def start(self) -> None:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         for stage in START_ORDER:
+            if stage == "scheduler":
+                self.wait_until_consuming()
             for i in range(self.workers.get(stage, 1)):
                 p = StageProcess(stage, i, self.stage_argv(stage), self.run_dir / "logs" / f"{stage}-{i}.out")
                 p.start()
                 self.procs.append(p)
+
+    def wait_until_consuming(self, timeout_s: float = 30.0) -> None:
+        """Hold the scheduler back until every worker started so far owns partitions (its group has
+        settled), so the first episodes neither wait for nor get moved by consumer-group joins.
+        Gives up silently after timeout_s: the job still runs, only its start is slower."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            status = [read_json(self.run_dir / "status" / f"{p.stage}-{p.proc.pid}.json") for p in self.procs]
+            if all(s.get("partitions", 0) > 0 for s in status):
+                return
+            time.sleep(0.1)
 
     def scheduler_exit_code(self) -> int | None:
         sched = [p for p in self.procs if p.stage == "scheduler"]
@@ -161,19 +177,24 @@ def run_job(cfg: RunConfig, config_path: str, overrides: list[str], bootstrap: s
     from rollway.core.kafka import ensure_topics
     from rollway.runners.progress import Progress
 
+    if not quiet and not structlog.is_configured():
+        from rollway.core.logging import configure_logging
+
+        configure_logging("up", run_dir)  # callers other than `rollway up` (chaos) get the same lines
     asyncio.run(ensure_topics(cfg.broker, cfg.topics, bootstrap))
     job = Job(cfg, config_path, overrides, bootstrap, run_dir, workers, max_restarts=max_restarts)
     t0 = time.monotonic()
     job.start()
     if not quiet:
-        print(f"rollway: run {cfg.run.id} on {bootstrap}, run folder {run_dir}", file=sys.stderr)
-    progress = Progress(enabled=not quiet)
+        log.info("run started", run_id=cfg.run.id, bootstrap=bootstrap, run_dir=str(run_dir),
+                 workers=",".join(f"{k}={v}" for k, v in workers.items()))
+    progress = Progress(enabled=not quiet, run_dir=run_dir)
     try:
         while (code := job.scheduler_exit_code()) is None:
             if time.monotonic() - t0 > cfg.run.timeout_s:
                 raise JobFailed(f"timed out after {cfg.run.timeout_s:.0f}s (run.timeout_s); see {run_dir / 'logs'}")
             for note in job.restart_dead_workers():
-                print(f"rollway: {note}", file=sys.stderr)
+                log.warning("worker restarted", note=note)
             if on_tick is not None:
                 on_tick(job)
             progress.update(read_json(run_dir / "scheduler.json"), read_json(run_dir / "sink-status.json"))
@@ -182,11 +203,15 @@ def run_job(cfg: RunConfig, config_path: str, overrides: list[str], bootstrap: s
         if code != 0 or not sched.get("done"):
             raise JobFailed(f"the scheduler exited with code {code}; see {run_dir / 'logs' / 'scheduler-0.out'}")
         wait_for_consumers(run_dir, sched["episodes_completed"], job)
+        progress.update(sched, read_json(run_dir / "sink-status.json"))  # the final counts
     finally:
         progress.close()
         job.stop()
     summary = summarize(run_dir, cfg, time.monotonic() - t0, job)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    if not quiet:
+        log.info("run finished", **{k: summary[k] for k in ("episodes_completed", "episodes_failed", "reward_mean",
+                                                            "pass_rate", "wall_seconds")})
     return summary
 
 
@@ -201,5 +226,4 @@ def wait_for_consumers(run_dir: Path, completed: int, job: Job, timeout_s: float
             return
         job.restart_dead_workers()
         time.sleep(0.2)
-    print(f"rollway: sink/learner did not catch up within {timeout_s:.0f}s; the summary may be incomplete",
-          file=sys.stderr)
+    log.warning(f"sink/learner did not catch up within {timeout_s:.0f}s; the summary may be incomplete")

@@ -5,14 +5,18 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from rollway.core.plugins import PluginRef
 
 
 class SandboxConfig(BaseModel):
+    """The `sandbox:` section: which kind of sandbox every episode gets, and the limits of one command."""
+
     model_config = ConfigDict(extra="forbid")
 
-    type: Literal["local", "docker", "sim"] = "local"
+    type: Literal["local", "docker", "sim"] | PluginRef = "local"
     """`local`: bubblewrap jail over a workspace folder. `docker`: one container per episode. `sim`:
-    simulated start-up/command/test times for benchmarks (`rollway bench pipeline`)."""
+    simulated start-up/command/test times for benchmarks (`rollway bench pipeline`). `python:MODULE:CLASS`
+    (or `python:FILE.py:CLASS`): your own SandboxProvider subclass (README, "Writing a sandbox")."""
     root: str | None = None
     """Folder under which episode workspaces are created; default a temp folder shared by workers."""
     exec_timeout_s: float = Field(30.0, gt=0)
@@ -40,3 +44,7 @@ class SandboxConfig(BaseModel):
     """bubblewrap executable (name on PATH or absolute path)."""
     ro_binds: list[str] = Field(default_factory=list)
     """Extra host folders made visible read-only inside the jail at the same path (e.g. data)."""
+    workspace_mb: int = Field(2048, ge=16)
+    """Size of a docker sandbox's workspace volume (a tmpfs owned by the sandbox user)."""
+    tmp_mb: int = Field(512, ge=1)
+    """Size of the private /tmp (a tmpfs, so it counts against host memory) inside a local jail."""

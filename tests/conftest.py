@@ -49,3 +49,20 @@ def cli_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+@pytest.fixture(scope="session")
+def smoke_run(broker, tmp_path_factory):
+    """One real `rollway up examples/smoke.yaml` on the session broker, shared by the report, show and
+    re-run tests: its run folder, topic prefix and console output."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    run_dir = tmp_path_factory.mktemp("smoke") / "run"
+    prefix = f"smoke{uuid.uuid4().hex[:6]}-"
+    out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", "examples/smoke.yaml", "--bootstrap",
+                          broker.bootstrap, "--run-dir", str(run_dir), f"topics.prefix={prefix}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return SimpleNamespace(run_dir=run_dir, prefix=prefix, bootstrap=broker.bootstrap, stderr=out.stderr)

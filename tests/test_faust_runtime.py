@@ -10,14 +10,14 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 from conftest import ROOT, run
-from test_stage_runtime import Forward, config, init_request, produce, read_all
-
-from rollway.runners.faust_runtime import FaustStage, dedup_key, ensure_changelog_topics, run_faust_worker
 from rollway.core.kafka import ensure_topics
+from rollway.runners.faust_runtime import FaustStage, dedup_key, ensure_changelog_topics, run_faust_worker
 from rollway.schemas import AgentStep, DeadLetter, decode, encode
 from rollway.topics import AGENT_STEPS, DEAD_LETTERS, INIT_REQUESTS
+from test_stage_runtime import Forward, config, init_request, produce, read_all
 
 pytestmark = pytest.mark.broker
 
@@ -69,3 +69,58 @@ def test_faust_worker_forwards_and_dead_letters_garbage(broker, topic_prefix, tm
     assert decode_letter.reason.startswith("decode:") and decode_letter.source_topic == f"{topic_prefix}init-requests"
     assert decode_letter.offset >= 0 and decode_letter.stage == "forward"
     assert handler_letter.reason.startswith("handler: RuntimeError") and handler_letter.key == b"e3"
+
+
+def test_dedup_table_survives_a_worker_restart(broker, topic_prefix, tmp_path):
+    """A second worker of the group rebuilds the handled set from the changelog and skips a
+    redelivered (episode, attempt) while a new attempt of the same episode still runs."""
+    cfg = config(topic_prefix, partitions=2)
+    group = f"{topic_prefix}init"
+
+    async def one_worker(items: list, expect_seen: int, expect_skipped: int) -> FaustStage:
+        actor, stop = InitForward(), asyncio.Event()
+        stage = FaustStage(actor, cfg, broker.bootstrap, 2, group, tmp_path)
+        await ensure_changelog_topics(cfg, broker.bootstrap, group, [INIT_REQUESTS])
+        task = asyncio.create_task(stage.run(stop))
+        await produce(cfg, broker.bootstrap, INIT_REQUESTS, [(m.episode_id.encode(), encode(m)) for m in items])
+        await wait_for(lambda: len(actor.seen) >= expect_seen and
+                       stage.stats["skipped_duplicates"] >= expect_skipped)
+        stop.set()
+        await task
+        return stage
+
+    async def scenario():
+        await ensure_topics(cfg.broker, cfg.topics, broker.bootstrap)
+        first = await one_worker([init_request(1), init_request(2), init_request(1)], 2, 1)
+        retry = msgspec.structs.replace(init_request(2), attempt=1)
+        second = await one_worker([init_request(2), retry, init_request(5)], 2, 1)
+        return first, second
+
+    first, second = run(scenario())
+    assert sorted(e for e, _ in first.actor.seen) == ["e1", "e2"]
+    assert sorted(e for e, _ in second.actor.seen) == ["e2", "e5"]  # e2 is attempt 1 here
+    assert second.stats["skipped_duplicates"] == 1 and second.stats["handled"] == 2
+
+
+def test_dedup_keys():
+    from rollway.schemas.messages import AgentStep as Step
+
+    assert dedup_key(init_request(7)) == "e7/0"
+    assert dedup_key(Step(episode_id="e7", group_id="g", task_id="t", turn=1, sandbox={})) is None
+
+
+def test_smoke_job_with_reward_learner_and_sink_on_faust(tmp_path):
+    run_dir = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "rollway.runners", "up", "examples/smoke.yaml", "runtime.engines.reward=faust",
+         "runtime.engines.learner=faust", "runtime.engines.sink=faust", "--run-dir", str(run_dir)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["episodes_scheduled"] == summary["episodes_completed"] == 8
+    assert summary["episodes_failed"] == 0 and summary["trajectories_written"] == 8
+    records = (run_dir / "learner-records.jsonl").read_text().splitlines()
+    assert len({json.loads(line)["episode_id"] for line in records}) == len(records) == 8
+    for stage in ("reward", "learner", "sink"):
+        assert "faust stage worker started" in (run_dir / "logs" / f"{stage}-0.out").read_text()
+    assert "faust stage worker" not in (run_dir / "logs" / "agent-0.out").read_text()

@@ -1,0 +1,100 @@
+"""The baseline: bounded async batching. A fixed number of slots, each running one episode's init, agent
+turns and grading in sequence with the real actors' `handle`, in-process, no broker."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rollway.actors.agent import AgentActor
+from rollway.actors.base import MessageMeta
+from rollway.actors.init import InitActor
+from rollway.actors.reward import RewardActor
+from rollway.actors.scheduler import SchedulerActor, Ticket
+from rollway.actors.services import Services
+from rollway.core.config import RunConfig
+from rollway.schemas.messages import AgentStep, InitRequest, RewardRequest, Trajectory
+
+NO_DEADLINE_S = 1e9
+
+
+@dataclass
+class BaselineResult:
+    trajectories: list[Trajectory]
+    issued_at: dict[str, float]
+    """Episode id -> when its slot started it."""
+    started: float
+    ended: float
+    peak_busy_slots: int
+    slots: int
+    busy_slots_log: list[tuple[float, int]] = field(default_factory=list)
+
+    @property
+    def makespan(self) -> float:
+        return self.ended - self.started
+
+
+class BatchDispatcher:
+    """Runs episodes in the scheduler's order through `slots` slots; a slot takes the next episode
+    only when its current one is graded (the bounded async batching of the reference system)."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, slots: int):
+        self.services = Services(cfg, run_dir)
+        self.slots = slots
+        self.init, self.agent, self.reward = (InitActor(self.services), AgentActor(self.services),
+                                              RewardActor(self.services))
+        self.offsets = itertools.count()
+        self.busy = self.peak = 0
+        self.busy_log: list[tuple[float, int]] = []
+        self.issued_at: dict[str, float] = {}
+
+    async def plan(self) -> list[Ticket]:
+        """The same episodes in the same order as the pipeline's scheduler issues them."""
+        scheduler = SchedulerActor(self.services)
+        await scheduler.setup()
+        return [t for group in scheduler.groups for t in group]
+
+    async def run(self) -> BaselineResult:
+        queue = deque(await self.plan())
+        for actor in (self.init, self.agent, self.reward):
+            await actor.setup()
+        results: list[Trajectory] = []
+        started = time.time()
+        await asyncio.gather(*(self._slot(queue, results) for _ in range(self.slots)))
+        ended = max(t.created_at for t in results) if results else time.time()
+        return BaselineResult(results, self.issued_at, started, ended, self.peak, self.slots, self.busy_log)
+
+    async def _slot(self, queue: deque[Ticket], results: list[Trajectory]) -> None:
+        while queue:
+            ticket = queue.popleft()
+            self._count(+1)
+            try:
+                results.append(await self.episode(ticket))
+            finally:
+                self._count(-1)
+
+    def _count(self, delta: int) -> None:
+        self.busy += delta
+        self.peak = max(self.peak, self.busy)
+        self.busy_log.append((time.time(), self.busy))
+
+    def _meta(self, topic: str) -> MessageMeta:
+        return MessageMeta(topic, 0, next(self.offsets))
+
+    async def episode(self, t: Ticket) -> Trajectory:
+        now = time.time()
+        self.issued_at[t.episode_id] = now
+        req = InitRequest(episode_id=t.episode_id, group_id=t.group_id, task_id=t.task_id,
+                          sample_index=t.sample_index, issued_at=now, deadline=now + NO_DEADLINE_S)
+        msg: AgentStep | RewardRequest = (await self.init.handle(req, self._meta("init-requests")))[0].value
+        while isinstance(msg, AgentStep):
+            msg = (await self.agent.handle(msg, self._meta("agent-steps")))[0].value
+        return (await self.reward.handle(msg, self._meta("reward-requests")))[0].value
+
+
+async def run_baseline(cfg: RunConfig, run_dir: Path, slots: int) -> BaselineResult:
+    return await BatchDispatcher(cfg, run_dir, slots).run()

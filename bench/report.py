@@ -1,0 +1,141 @@
+"""Figures of a benchmark run: broker hops and overhead, bytes per episode, utilisation plot, text table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+CHAIN_TOPICS = ("init-requests", "agent-steps", "reward-requests")
+"""Hops inside an episode's lifetime (issue -> graded)."""
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+def read_trace(run_dir: Path) -> list[dict[str, Any]]:
+    lines = []
+    for path in sorted((run_dir / "trace").glob("*.jsonl")):
+        lines += [json.loads(line) for line in path.read_text().splitlines() if line]
+    return lines
+
+
+def hop_stats(trace: list[dict[str, Any]], issued_at: dict[str, float], created_at: dict[str, float]) -> dict:
+    """Hop latency = handling start - `sent_at` (what the brief asks: it includes waiting for a free
+    slot). Broker transit = fetch time - max(sent_at, start of the poll that fetched it): the time
+    the message spent in produce, log and fetch while the consumer was waiting for work, i.e. the
+    delay the broker itself adds; waiting for a busy stage is queueing, not broker overhead.
+
+    broker_overhead_fraction = sum of transit over every hop inside episode lifetimes / sum of
+    episode lifetimes (issued -> graded). The makespan is a chain of episode lifetimes (each slot
+    runs one episode after another), so this is the broker's share of it. The last-finishing
+    episode's own share is reported beside it."""
+    hops = [h for h in trace if h["sent"] and h["topic"].split(".")[-1] in CHAIN_TOPICS
+            and h["episode_id"] in created_at]
+    latency = [h["started"] - h["sent"] for h in hops]
+    transit: dict[str, float] = {}
+    for h in hops:
+        t = max(0.0, h["fetched"] - max(h["sent"], h["polled"]))
+        transit[h["episode_id"]] = transit.get(h["episode_id"], 0.0) + t
+    lifetimes = {e: created_at[e] - issued_at[e] for e in created_at if e in issued_at}
+    last = max(created_at, key=created_at.get)
+    return {"hops": len(hops), "hop_latency_p50_ms": 1000 * percentile(latency, 50),
+            "hop_latency_p99_ms": 1000 * percentile(latency, 99),
+            "broker_transit_p50_ms": 1000 * percentile([max(0.0, h["fetched"] - max(h["sent"], h["polled"]))
+                                                         for h in hops], 50),
+            "broker_overhead_fraction": sum(transit.values()) / max(1e-9, sum(lifetimes.values())),
+            "broker_overhead_last_episode_fraction": transit.get(last, 0.0) / max(1e-9, lifetimes[last])}
+
+
+def linear_fit(xs: list[float], ys: list[float]) -> dict[str, float]:
+    """Least squares y = intercept + slope x, with r^2."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else 0.0
+    intercept = my - slope * mx
+    ss_tot = sum((y - my) ** 2 for y in ys)
+    ss_res = sum((y - intercept - slope * x) ** 2 for x, y in zip(xs, ys, strict=True))
+    return {"bytes_per_turn": slope, "bytes_fixed": intercept, "r2": 1 - ss_res / ss_tot if ss_tot else 1.0}
+
+
+def bytes_vs_turns(bytes_per_episode: dict[str, int], turns: dict[str, int]) -> dict[str, Any]:
+    episodes = [e for e in turns if e in bytes_per_episode]
+    xs, ys = [turns[e] for e in episodes], [bytes_per_episode[e] for e in episodes]
+    by_turns: dict[int, list[int]] = {}
+    for x, y in zip(xs, ys, strict=True):
+        by_turns.setdefault(x, []).append(y)
+    return {"bytes_per_episode_mean": sum(ys) / len(ys), "fit": linear_fit(xs, ys),
+            "mean_bytes_by_turns": {k: round(sum(v) / len(v)) for k, v in sorted(by_turns.items())}}
+
+
+def utilisation_series(steps: list[list[float]], t0: float, t1: float, bin_s: float) -> list[dict[str, float]]:
+    """Busy fraction and mean running sequences per time bin (relative to t0)."""
+    bins = max(1, int((t1 - t0) / bin_s + 0.999))
+    busy, active = [0.0] * bins, [0.0] * bins
+    for s, e, n in steps:
+        s, e = max(s, t0), min(e, t1)
+        while s < e:
+            i = min(bins - 1, int((s - t0) / bin_s))
+            cut = min(e, t0 + (i + 1) * bin_s)
+            busy[i] += cut - s
+            active[i] += (cut - s) * n
+            s = cut if cut > s else e
+    return [{"t": i * bin_s, "busy": busy[i] / bin_s, "active": active[i] / bin_s} for i in range(bins)]
+
+
+def plot_utilisation(series: dict[str, list[dict[str, float]]], cap: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True)
+    for label, points in series.items():
+        ts = [p["t"] for p in points]
+        top.plot(ts, [p["busy"] for p in points], label=label, drawstyle="steps-post")
+        bottom.plot(ts, [p["active"] / cap for p in points], label=label, drawstyle="steps-post")
+    top.set_ylabel("busy fraction\n(>= 1 sequence)")
+    bottom.set_ylabel("running sequences / cap")
+    bottom.set_xlabel("seconds since the mode's first episode was issued")
+    for ax in (top, bottom):
+        ax.set_ylim(0, 1.05)
+        ax.grid(alpha=0.3)
+    top.legend(loc="lower center")
+    top.set_title("Simulated inference server utilisation: pipelined vs bounded async batching")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def format_text(result: dict[str, Any]) -> str:
+    b, p = result["baseline"], result["pipeline"]
+    lines = [
+        f"workload: {result['workload_summary']}",
+        f"{'mode':<22}{'makespan_s':>11}{'busy':>7}{'active/cap':>11}{'peak_sbx':>9}{'sbx_s/ep':>9}",
+        *(f"{m['label']:<22}{m['makespan_s']:>11.2f}{m['busy_fraction']:>7.2f}"
+          f"{m['mean_active_fraction_of_cap']:>11.2f}{m['peak_live_sandboxes']:>9}"
+          f"{m['sandbox_seconds_per_episode']:>9.2f}" for m in (b, p)),
+        f"ratio (baseline/pipeline) {result['ratio']:.3f}   ideal_makespan {result['ideal_makespan']:.2f}s "
+        f"({result['ideal']['bottleneck']})   efficiency {result['efficiency']:.3f}",
+        f"pipeline sandbox bound {p['sandbox_bound']} (peak {p['peak_live_sandboxes']}, "
+        f"within: {p['peak_live_sandboxes'] <= p['sandbox_bound']})",
+        f"broker: hop p50 {p['hop_latency_p50_ms']:.1f} ms, p99 {p['hop_latency_p99_ms']:.1f} ms, transit p50 "
+        f"{p['broker_transit_p50_ms']:.1f} ms, {p['messages_per_second']:.1f} msg/s, "
+        f"broker_overhead_fraction {p['broker_overhead_fraction']:.4f}",
+        f"bytes/episode {p['bytes']['bytes_per_episode_mean']:.0f} = {p['bytes']['fit']['bytes_fixed']:.0f} + "
+        f"{p['bytes']['fit']['bytes_per_turn']:.0f} x turns (r2 {p['bytes']['fit']['r2']:.3f})",
+        f"plot: {result['plot']}",
+    ]
+    if result.get("scaling"):
+        lines.append(f"{'agent workers':<15}{'makespan_s':>11}{'ratio':>7}{'efficiency':>11}{'busy':>7}"
+                     f"{'hop_p50_ms':>11}{'hop_p99_ms':>11}{'peak_sbx':>9}{'overhead':>9}")
+        lines += [f"{r['agent_workers']:<15}{r['makespan_s']:>11.2f}{r['ratio']:>7.3f}{r['efficiency']:>11.3f}"
+                  f"{r['busy_fraction']:>7.2f}{r['hop_latency_p50_ms']:>11.1f}{r['hop_latency_p99_ms']:>11.1f}"
+                  f"{r['peak_live_sandboxes']:>9}{r['broker_overhead_fraction']:>9.4f}"
+                  for r in result["scaling"]]
+    return "\n".join(lines)

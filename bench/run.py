@@ -1,0 +1,132 @@
+"""`rollway bench pipeline`: both modes on one seeded workload, one shared simulated server and broker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from rollway.bench import report
+from rollway.bench.baseline import BaselineResult, run_baseline
+from rollway.bench.pipeline import PipelineRun, load_run_config, run_config, run_pipeline
+from rollway.bench.sim_server import busy_stats
+from rollway.bench.workload import (
+    WorkloadConfig,
+    ideal_makespan,
+    plan_workload,
+    workload_summary,
+    write_plans,
+)
+from rollway.runners.broker import EmbeddedBroker, free_port
+from rollway.sandboxes.sim import live_sandbox_stats
+
+
+class SimServer:
+    """The simulated inference server as its own process (shared by every agent worker)."""
+
+    def __init__(self, plans_path: Path, wl: WorkloadConfig, log_path: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.argv = [sys.executable, "-m", "rollway.bench.sim_server", "--plans", str(plans_path),
+                     "--workload", wl.model_dump_json(), "--port", str(self.port)]
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> SimServer:
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1).read()
+                return self
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the sim server did not start; see {self.log_path}") from None
+                time.sleep(0.1)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+    def steps(self, t0: float, t1: float) -> tuple[list[list[float]], int]:
+        url = f"http://127.0.0.1:{self.port}/sim/steps?t0={t0}&t1={t1}"
+        data = json.loads(urllib.request.urlopen(url, timeout=30).read())
+        return data["steps"], data["cap"]
+
+
+def mode_figures(label: str, started: float, ended: float, episodes: int, server: SimServer,
+                 sandbox_root: Path) -> tuple[dict[str, Any], list[dict[str, float]]]:
+    steps, cap = server.steps(started, ended)
+    sandboxes = live_sandbox_stats(sandbox_root)
+    figures = {"label": label, "makespan_s": ended - started, "episodes": episodes,
+               **busy_stats(steps, started, ended, cap),
+               "peak_live_sandboxes": sandboxes["peak_live_sandboxes"],
+               "sandbox_seconds_per_episode": sandboxes["sandbox_seconds"] / max(1, episodes),
+               "sandboxes_leaked": sandboxes["leaked"]}
+    return figures, report.utilisation_series(steps, started, ended, bin_s=max(0.25, (ended - started) / 120))
+
+
+def baseline_mode(wl: WorkloadConfig, out: Path, server: SimServer) -> tuple[dict, list, BaselineResult]:
+    run_dir = out / "baseline"
+    data = run_config(wl, out / "plans.jsonl", run_dir / "sandboxes", server.url, "baseline")
+    cfg = load_run_config(data, run_dir / "config.yaml")
+    result = asyncio.run(run_baseline(cfg, run_dir, wl.slots))
+    figures, series = mode_figures(f"baseline ({wl.slots} slots)", result.started, result.ended,
+                                   len(result.trajectories), server, run_dir / "sandboxes")
+    figures["peak_busy_slots"] = result.peak_busy_slots
+    return figures, series, result
+
+
+def pipeline_mode(wl: WorkloadConfig, out: Path, server: SimServer, bootstrap: str,
+                  workers: int) -> tuple[dict, list, PipelineRun]:
+    name = f"pipeline-a{workers}"
+    run_dir = out / name
+    data = run_config(wl, out / "plans.jsonl", run_dir / "sandboxes", server.url, name, workers)
+    run = run_pipeline(data, run_dir, bootstrap, workers)
+    figures, series = mode_figures(f"pipeline ({workers} agent worker{'s' * (workers > 1)})", run.started,
+                                   run.ended, len(run.created_at), server, run_dir / "sandboxes")
+    figures.update(report.hop_stats(report.read_trace(run_dir), run.issued_at, run.created_at))
+    figures.update({"agent_workers": workers, "sandbox_bound": wl.sandbox_bound,
+                    "messages": run.messages, "messages_per_second": run.messages / run.makespan,
+                    "bytes": report.bytes_vs_turns(run.bytes_per_episode, run.turns),
+                    "episodes_failed": run.summary.get("episodes_failed")})
+    return figures, series, run
+
+
+def run_bench(wl: WorkloadConfig, out: Path, scaling: list[int], say=print) -> dict[str, Any]:
+    """Baseline once, the pipeline once per agent-worker count (the first one is the headline)."""
+    out.mkdir(parents=True, exist_ok=True)
+    plans = plan_workload(wl)
+    write_plans(plans, out / "plans.jsonl")
+    ideal = ideal_makespan(plans, wl)
+    runs: dict[int, dict] = {}
+    series: dict[str, list] = {}
+    with SimServer(out / "plans.jsonl", wl, out / "sim-server.log") as server, \
+            EmbeddedBroker(log_path=out / "broker.log") as broker:
+        say(f"bench: baseline, {wl.episodes} episodes, {wl.slots} slots")
+        baseline, series["baseline"], _ = baseline_mode(wl, out, server)
+        for workers in scaling:
+            say(f"bench: pipeline, {workers} agent worker(s)")
+            runs[workers], s, _ = pipeline_mode(wl, out, server, broker.bootstrap, workers)
+            series.setdefault("pipeline", s)
+    headline = runs[scaling[0]]
+    for r in runs.values():
+        r["ratio"] = baseline["makespan_s"] / r["makespan_s"]
+        r["efficiency"] = ideal["ideal_makespan"] / r["makespan_s"]
+    plot = out / "utilisation.png"
+    report.plot_utilisation({baseline["label"]: series["baseline"], headline["label"]: series["pipeline"]},
+                            wl.slots, plot)
+    return {"workload": wl.model_dump(), "workload_summary": workload_summary(plans), "ideal": ideal,
+            "ideal_makespan": ideal["ideal_makespan"], "baseline": baseline, "pipeline": headline,
+            "ratio": headline["ratio"], "efficiency": headline["efficiency"],
+            "broker_overhead_fraction": headline["broker_overhead_fraction"],
+            "scaling": [runs[w] for w in scaling] if len(scaling) > 1 else [],
+            "plot": str(plot), "out_dir": str(out),
+            "utilisation_series": {"baseline": series["baseline"], "pipeline": series["pipeline"]}}

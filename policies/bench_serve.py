@@ -1,0 +1,101 @@
+"""`rollway bench serve`: generated tokens/s of the engine with 1 and with N concurrent clients."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from typing import Any
+
+TARGET_RATIO = 4.0
+"""Batching should make N=8 concurrent clients at least this many times faster than one."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens generated per request (EOS ignored)")
+    parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request")
+    parser.add_argument("--clients", type=int, default=8, help="concurrent clients of the second run")
+    parser.add_argument("--rounds", type=int, default=2, help="sequential requests per client")
+    parser.add_argument("--url", default=None, help="benchmark a running server (e.g. vLLM) at this /v1 URL "
+                        "instead of starting the built-in engine")
+    parser.add_argument("--model", default=None, help="model for the built-in engine (default: smollm2)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--max-batch", type=int, default=8)
+
+
+def run(args: argparse.Namespace) -> int:
+    server = None
+    url = args.url
+    if url is None:
+        from rollway.policies.cpu_engine import BackgroundServer, build_engine  # loads torch: keep it late
+
+        engine = build_engine(args.model, dtype=args.dtype, max_batch=args.max_batch, threads=args.threads)
+        server = BackgroundServer(engine).start()
+        url = server.base_url
+    try:
+        result = asyncio.run(measure(url, args))
+    finally:
+        if server is not None:
+            server.stop()
+    print(json.dumps(result) if args.json else report(result))
+    return 0
+
+
+async def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as http:
+        model = (await _post_or_get(http, f"{url}/models"))["data"][0]["id"]
+        await _complete(http, url, model, _prompt(0, args.prompt_len), 4)  # warm-up: first-call costs
+        single = await _rate(http, url, model, 1, args)
+        many = await _rate(http, url, model, args.clients, args)
+    return {"url": url, "model": model, "tokens": args.tokens, "prompt_len": args.prompt_len,
+            "rounds": args.rounds, "clients": args.clients, "tokens_per_s_1": round(single, 1),
+            f"tokens_per_s_{args.clients}": round(many, 1), "ratio": round(many / single, 2),
+            "target_ratio": TARGET_RATIO, "target_met": many / single >= TARGET_RATIO}
+
+
+async def _rate(http: Any, url: str, model: str, clients: int, args: argparse.Namespace) -> float:
+    async def client(k: int) -> int:
+        n = 0
+        for r in range(args.rounds):
+            n += await _complete(http, url, model, _prompt(1000 * k + r + 1, args.prompt_len), args.tokens)
+        return n
+
+    start = time.perf_counter()
+    counts = await asyncio.gather(*(client(k) for k in range(clients)))
+    return sum(counts) / (time.perf_counter() - start)
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)  # same length for every request; content varies so nothing can be shared
+    return [rng.randrange(100, 30000) for _ in range(length)]
+
+
+async def _complete(http: Any, url: str, model: str, prompt: list[int], tokens: int) -> int:
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 1.0, "ignore_eos": True,
+            "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True}
+    answer = await _post_or_get(http, f"{url}/completions", body)
+    return answer["usage"]["completion_tokens"]
+
+
+async def _post_or_get(http: Any, url: str, body: dict | None = None) -> dict:
+    request = http.post(url, json=body) if body is not None else http.get(url)
+    async with request as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{url} answered {resp.status}: {await resp.text()}")
+        return await resp.json()
+
+
+def report(r: dict[str, Any]) -> str:
+    many = r[f"tokens_per_s_{r['clients']}"]
+    verdict = "met" if r["target_met"] else "NOT met"
+    return (f"bench serve: {r['model']} at {r['url']} ({r['prompt_len']}-token prompts, {r['tokens']} tokens, "
+            f"{r['rounds']} requests per client)\n"
+            f"  1 client:  {r['tokens_per_s_1']:8.1f} tokens/s\n"
+            f"  {r['clients']} clients: {many:8.1f} tokens/s\n"
+            f"  ratio {r['ratio']:.2f}x (target >= {TARGET_RATIO:.0f}x: {verdict})")

@@ -1,0 +1,44 @@
+"""`policy.type: local`: the built-in batching engine in this process, no HTTP in between."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rollway.policies.base import Generation, InferenceClient, SamplingParams
+from rollway.policies.config import PolicyConfig
+
+
+class LocalEngineClient(InferenceClient):
+    """Sends each turn straight to a `BatchEngine` (concurrent turns share its batches)."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+
+    @classmethod
+    def from_config(cls, cfg: PolicyConfig) -> LocalEngineClient:
+        import torch  # late: heavy
+        from rollway.policies.batching import BatchEngine
+        from rollway.policies.model_loading import eos_token_ids, load_causal_lm
+
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        model = load_causal_lm(cfg.model, dtype=cfg.dtype, device=cfg.device)
+        return cls(BatchEngine(model, eos_token_ids(model), cfg.max_batch, cfg.max_model_len).start())
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        from rollway.policies.batching import EngineRequest
+
+        out = await self.engine.generate(EngineRequest(list(prompt_ids), params))
+        return Generation(out.token_ids, out.logprobs, out.finish_reason, out.policy_version)
+
+    async def load_weights(self, path: str | Path, version: int) -> int:
+        """Load a safetensors checkpoint folder as policy `version` (after running turns finish)."""
+        return await self.engine.update_weights(path, version)
+
+    async def close(self) -> None:
+        self.engine.stop()

@@ -1,0 +1,121 @@
+"""InferenceClient over an OpenAI-compatible completions endpoint (`rollway serve`, vLLM) with token ids."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+from rollway.policies.base import Generation, InferenceClient, SamplingParams
+
+VERSION_HEADER = "X-Policy-Version"
+
+
+class InferenceRequestError(RuntimeError):
+    """The server rejected a request (4xx): retrying will not help."""
+
+
+def completion_payload(model: str, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:
+    """The /v1/completions body: token-id prompt, sampled-token logprobs, token ids back (vLLM fields)."""
+    body: dict[str, Any] = {
+        "model": model, "prompt": list(prompt_ids), "max_tokens": params.max_tokens,
+        "temperature": params.temperature, "top_p": params.top_p, "logprobs": 0,
+        "stop_token_ids": list(params.stop_token_ids),
+        "return_tokens_as_token_ids": True,  # logprobs.tokens as "token_id:N" (older vLLM)
+        "return_token_ids": True,  # choices[0].token_ids (vLLM >= 0.10.2)
+    }
+    if params.seed is not None:
+        body["seed"] = params.seed
+    return body
+
+
+def parse_completion(body: dict[str, Any], fallback_version: int) -> Generation:
+    """A Generation from a completions response; the version comes from the body when the server says."""
+    choice = body["choices"][0]
+    logprobs = choice.get("logprobs") or {}
+    token_ids = choice.get("token_ids")
+    if token_ids is None:
+        token_ids = [int(t.removeprefix("token_id:")) for t in logprobs.get("tokens") or []]
+    token_logprobs = [float(x) if x is not None else 0.0 for x in logprobs.get("token_logprobs") or []]
+    if len(token_logprobs) != len(token_ids):
+        raise ValueError(f"the server returned {len(token_ids)} tokens but {len(token_logprobs)} logprobs: "
+                         "it must support `logprobs` and token-id output (vLLM: --return-tokens-as-token-ids)")
+    version = body.get("policy_version", fallback_version)
+    return Generation(list(token_ids), token_logprobs, choice.get("finish_reason") or "length", int(version))
+
+
+class OpenAICompletionsClient(InferenceClient):
+    """Calls `{base_url}/completions` once per turn. `model` None: the first model of /v1/models.
+
+    `policy_version`: the server's (rollway engine) or, for servers that do not report one (vLLM), the
+    version last passed to `load_weights`."""
+
+    def __init__(self, base_url: str, model: str | None = None, timeout: float = 300.0,
+                 max_retries: int = 5, backoff_s: float = 0.5, policy_version: int = 0):
+        self.base_url = base_url.rstrip("/")
+        self.root_url = self.base_url.removesuffix("/v1")
+        self.model = model
+        self.timeout = aiohttp.ClientTimeout(total=timeout)
+        self.max_retries, self.backoff_s = max_retries, backoff_s
+        self.policy_version = policy_version
+        self._session: aiohttp.ClientSession | None = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=self.timeout)
+        return self._session
+
+    async def _request(self, method: str, url: str, body: Any = None) -> tuple[dict, Any]:
+        """JSON answer and headers; retries connection failures and 5xx with exponential backoff."""
+        for attempt in range(self.max_retries + 1):
+            try:
+                async with self._http().request(method, url, json=body) as resp:
+                    if resp.status < 400:
+                        return await resp.json(content_type=None), resp.headers
+                    text = await resp.text()
+                    if resp.status < 500:
+                        raise InferenceRequestError(f"{method} {url} -> {resp.status}: {_message(text)}")
+                    error: Exception = RuntimeError(f"{method} {url} -> {resp.status}: {_message(text)}")
+            except (TimeoutError, aiohttp.ClientConnectionError) as err:
+                error = err
+            if attempt < self.max_retries:
+                await asyncio.sleep(self.backoff_s * 2**attempt)
+        raise ConnectionError(f"{method} {url} failed after {self.max_retries + 1} attempts: {error!r}; "
+                              "is the inference server running (rollway serve / vllm serve)?") from error
+
+    async def model_name(self) -> str:
+        if self.model is None:
+            body, _ = await self._request("GET", f"{self.base_url}/models")
+            self.model = body["data"][0]["id"]
+        return self.model
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        payload = completion_payload(await self.model_name(), prompt_ids, params)
+        body, headers = await self._request("POST", f"{self.base_url}/completions", payload)
+        version = int(headers.get(VERSION_HEADER, self.policy_version))
+        return parse_completion(body, version)
+
+    async def load_weights(self, path: str, version: int) -> int:
+        """Make the server load the safetensors checkpoint folder `path` (a path on the server's machine)
+        as policy `version`, through vLLM's dev-mode endpoints (see `rollway.policies.vllm`)."""
+        from rollway.policies.vllm import weight_update_calls
+
+        for method, route, body in weight_update_calls(path, version):
+            await self._request(method, f"{self.root_url}{route}", body)
+        self.policy_version = version
+        return version
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+def _message(text: str) -> str:
+    """The `error.message` of an OpenAI-style error body, else the raw text (shortened)."""
+    import json
+
+    try:
+        return json.loads(text)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return text[:500]

@@ -1,0 +1,80 @@
+"""`rollway bench`: benchmarks. `pipeline` (pipelined vs batched rollout), `serve`, `learner`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+from pathlib import Path
+
+NAME = "bench"
+HELP = "Benchmarks: pipeline (pipelined vs bounded-batch rollout), serve (inference engine), learner."
+
+DELEGATES = {"serve": "rollway.policies.bench_serve", "learner": "rollway.learning.bench"}
+"""Subcommands owned by other packages: each module has add_arguments(parser) and run(args)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    p = sub.add_parser("pipeline", help="pipelined vs bounded async batching on one seeded simulated workload",
+                       description="Runs the bounded-batch baseline and the Kafka pipeline (rollway up) on the "
+                                   "same seeded workload against one simulated inference server; prints makespans, "
+                                   "ratio, ideal makespan, efficiency, utilisation, broker overhead, sandboxes.")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--seed", type=int, default=None, help="workload seed (same as seed=S)")
+    p.add_argument("--out", default=None, help="output folder (default runs/bench-pipeline-<time>)")
+    p.add_argument("--scaling", default="1,2,4",
+                   help="agent worker counts to run the pipeline with (comma list; the first is the headline)")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="workload settings, e.g. episodes=32 init_s_median=4 (see rollway.bench.workload)")
+    p.set_defaults(_bench=run_pipeline_bench)
+    for name, module in DELEGATES.items():
+        d = sub.add_parser(name, help=f"see {module}")
+        _delegate_arguments(d, module)
+        d.set_defaults(_bench=lambda args, module=module: importlib.import_module(module).run(args))
+
+
+def _delegate_arguments(parser: argparse.ArgumentParser, module: str) -> None:
+    """The delegate's own arguments when its module is importable; otherwise run() says what is missing."""
+    try:
+        importlib.import_module(module).add_arguments(parser)
+    except ImportError:
+        parser.set_defaults(_missing=module)
+
+
+def run(args: argparse.Namespace) -> int:
+    missing = getattr(args, "_missing", None)
+    if missing:
+        print(f"rollway bench {args.bench}: {missing} is not available in this install", file=sys.stderr)
+        return 2
+    return int(args._bench(args) or 0)
+
+
+def run_pipeline_bench(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+    from rollway.bench.report import format_text
+    from rollway.bench.run import run_bench
+    from rollway.bench.workload import WorkloadConfig
+    from rollway.core.config import ConfigError, apply_override
+
+    data: dict = {}
+    try:
+        for override in args.overrides:
+            apply_override(data, override)
+        if args.seed is not None:
+            data["seed"] = args.seed
+        wl = WorkloadConfig.model_validate(data)
+        scaling = [int(w) for w in args.scaling.split(",") if w.strip()] or [1]
+    except (ConfigError, ValidationError, ValueError) as err:
+        print(f"rollway bench pipeline: {err}", file=sys.stderr)
+        return 2
+    out = Path(args.out or f"runs/bench-pipeline-{time.strftime('%Y%m%d-%H%M%S')}")
+    result = run_bench(wl, out, scaling, say=lambda m: print(m, file=sys.stderr, flush=True))
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    if args.json:
+        print(json.dumps({k: v for k, v in result.items() if k != "utilisation_series"}))
+    else:
+        print(format_text(result))
+    return 0

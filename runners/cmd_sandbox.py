@@ -1,0 +1,56 @@
+"""`rollway sandbox check`: attack a throwaway sandbox and report which protections hold here."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from typing import Any
+
+NAME = "sandbox"
+HELP = "Check that the sandbox (bubblewrap or Docker) contains a hostile agent on this machine."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="sandbox_command", required=True, metavar="ACTION")
+    check = sub.add_parser("check", help="probe network, filesystem, user and limit protections")
+    check.add_argument("config", nargs="?", default=None, help="run config YAML (its `sandbox:` section)")
+    check.add_argument(
+        "overrides", nargs="*", default=[], help="dotted overrides, e.g. sandbox.memory_mb=512"
+    )
+    check.add_argument("--type", choices=["local", "docker"], default=None, help="override sandbox.type")
+    check.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    """0 when every protection holds, 1 when one does not, 2 when the sandbox cannot run at all."""
+    from rollway.core.config import ConfigError, load_config
+    from rollway.sandboxes.base import SandboxError
+    from rollway.sandboxes.factory import build_sandbox_provider
+
+    overrides = list(getattr(args, "overrides", []) or [])
+    config = args.config
+    if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
+        config, overrides = None, [config, *overrides]  # `sandbox check key=value` without a file
+    if args.type:
+        overrides.append(f"sandbox.type={args.type}")
+    try:
+        cfg = load_config(config, overrides).sandbox
+        report = asyncio.run(build_sandbox_provider(cfg).check())
+    except (SandboxError, ConfigError) as exc:
+        if args.json:
+            print(json.dumps({"ok": False, "error": str(exc)}))
+        print(f"rollway sandbox check: {exc}", file=sys.stderr)
+        return 2
+    ok = bool(report.get("all_protections_hold"))
+    print(json.dumps(report, indent=2) if args.json else _table(report))
+    return 0 if ok else 1
+
+
+def _table(report: dict[str, Any]) -> str:
+    lines = []
+    for key, value in report.items():
+        mark = ("ok  " if value else "FAIL") if isinstance(value, bool) else "    "
+        lines.append(f"{mark} {key}: {value}")
+    return "\n".join(lines)

@@ -1,0 +1,124 @@
+"""Episode re-run: replay a recorded episode's model outputs through the tools in a fresh sandbox
+built from the same task, and report every turn whose observations differ from the recorded ones."""
+
+from __future__ import annotations
+
+import difflib
+import re
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rollway.core.config import RunConfig
+
+VOLATILE_PATTERNS = (
+    (r"\b[A-Z][a-z]{2} +\d{1,2} +(\d\d:\d\d|\d{4})\b", "<date>"),  # `ls -l` modification times
+    (r"\b\d{4}-\d\d-\d\d[T ]\d\d:\d\d(:\d\d(\.\d+)?)?(Z|[+-]\d\d:?\d\d)?\b", "<timestamp>"),
+    (r"\b\d+\.\d+ ?s(econds)?\b", "<seconds>"),  # test runners' durations ("in 0.53s")
+)
+"""Parts of an observation that change from run to run without anything being different (a fresh
+sandbox has new file times); blanked before comparing unless --exact."""
+
+
+@dataclass
+class TurnDifference:
+    turn: int
+    index: int
+    """Position of the observation inside the turn."""
+    tool: str
+    arguments: dict[str, Any]
+    recorded: str
+    replayed: str
+    diff: str
+
+
+@dataclass
+class RerunResult:
+    episode_id: str
+    task_id: str
+    turns: int
+    differences: list[TurnDifference] = field(default_factory=list)
+    recorded_reward: float | None = None
+    replayed_reward: float | None = None
+
+    @property
+    def differing_turns(self) -> list[int]:
+        return sorted({d.turn for d in self.differences})
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "identical": not self.differences, "differing_turns": self.differing_turns}
+
+
+def normalizer(exact: bool, extra: list[str]) -> Any:
+    """A function blanking the volatile parts of an observation (and any --ignore patterns)."""
+    pats = [] if exact else [(re.compile(p), r) for p, r in VOLATILE_PATTERNS]
+    pats += [(re.compile(p), "<ignored>") for p in extra]
+
+    def normalize(text: str) -> str:
+        for pat, repl in pats:
+            text = pat.sub(repl, text)
+        return text
+
+    return normalize
+
+
+def recorded_content(obs: dict[str, Any], hints: list[str]) -> str:
+    """The tool's own output: hint text the framework appended to the observation is not the tool's."""
+    text = obs["content"]
+    suffix = "\n\n" + "\n".join(hints) if hints else ""
+    return text[: -len(suffix)] if suffix and text.endswith(suffix) else text
+
+
+def short_diff(recorded: str, replayed: str, max_lines: int = 20) -> str:
+    lines = list(difflib.unified_diff(recorded.splitlines(), replayed.splitlines(), "recorded", "replayed",
+                                      lineterm="", n=1))
+    if len(lines) > max_lines:
+        lines = [*lines[:max_lines], f"... {len(lines) - max_lines} more diff lines"]
+    return "\n".join(lines)
+
+
+def compare_turn(turn: dict[str, Any], replayed: list[Any], normalize: Any) -> list[TurnDifference]:
+    recorded = turn.get("observations", [])
+    out = []
+    for i in range(max(len(recorded), len(replayed))):
+        rec = recorded_content(recorded[i], turn.get("hints", [])) if i < len(recorded) else "<no observation>"
+        new = replayed[i].content if i < len(replayed) else "<no observation>"
+        if normalize(rec) != normalize(new):
+            src = recorded[i] if i < len(recorded) else {"tool": replayed[i].tool, "arguments": replayed[i].arguments}
+            out.append(TurnDifference(turn["turn"], i, src.get("tool") or "", src.get("arguments") or {}, rec, new,
+                                      short_diff(rec, new)))
+    return out
+
+
+async def rerun_episode(traj: dict[str, Any], cfg: RunConfig, normalize: Any, grade: bool = True) -> RerunResult:
+    """Run each recorded turn's `assistant_text` through the tools, in order, in a new sandbox."""
+    from rollway.actors.services import Services
+    from rollway.tools.registry import run_tool_calls
+
+    s = Services(cfg, Path("."))
+    task = s.taskset.get(traj["task_id"])
+    sandbox = await s.sandboxes.create(s.taskset.sandbox_spec(task), f"rerun-{uuid.uuid4().hex[:8]}")
+    result = RerunResult(traj["episode_id"], traj["task_id"], len(traj.get("turns", [])),
+                         recorded_reward=traj.get("reward"))
+    try:
+        for turn in traj.get("turns", []):
+            replayed = await run_tool_calls(turn["assistant_text"], s.tools, sandbox, cfg.tools)
+            result.differences += compare_turn(turn, replayed.observations, normalize)
+        if grade:
+            result.replayed_reward = (await s.taskset.grade(task, sandbox, s.sandboxes)).reward
+    finally:
+        await sandbox.destroy()
+    return result
+
+
+def format_result(r: RerunResult) -> str:
+    lines = [f"episode {r.episode_id} (task {r.task_id}): re-ran {r.turns} turns in a fresh sandbox; "
+             + (f"{len(r.differing_turns)} turn(s) differ: {', '.join(map(str, r.differing_turns))}"
+                if r.differences else "every observation matches")]
+    if r.replayed_reward is not None:
+        lines.append(f"reward: recorded {r.recorded_reward:g}, replayed {r.replayed_reward:g}")
+    for d in r.differences:
+        lines.append(f"\nturn {d.turn}, observation {d.index}: {d.tool} {d.arguments}")
+        lines += [f"  {x}" for x in d.diff.splitlines()]
+    return "\n".join(lines)

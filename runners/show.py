@@ -1,0 +1,99 @@
+"""Render recorded episodes turn by turn with rich: model output, tool calls, observations, hints,
+reward, timings. The same renderables print to a terminal or export as HTML."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from rich.console import Console, Group, RenderableType
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+
+def _clip(text: str, max_chars: int) -> str:
+    if max_chars <= 0 or len(text) <= max_chars:
+        return text
+    return text[: max_chars // 2] + f"\n[... {len(text) - max_chars} characters not shown (--max-chars) ...]\n" \
+        + text[-max_chars // 2:]
+
+
+def _ms(seconds: float) -> str:
+    if seconds < 0.01:
+        return f"{seconds * 1000:.1f} ms"
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def episode_list(trajs: list[dict[str, Any]]) -> Table:
+    table = Table(title=f"{len(trajs)} episodes", title_justify="left")
+    for col in ("episode", "task", "reward", "turns", "stop reason"):
+        table.add_column(col)
+    for t in trajs:
+        table.add_row(t["episode_id"], t["task_id"], f"{t['reward']:g}", str(t["num_turns"]), t["stop_reason"])
+    return table
+
+
+def episode_header(t: dict[str, Any]) -> Table:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold cyan")
+    grid.add_column()
+    rows = [("episode", t["episode_id"]), ("task", t["task_id"]), ("group", f"{t['group_id']} (sample "
+            f"{t.get('sample_index', 0)}, attempt {t.get('attempt', 0)})"),
+            ("reward", f"{t['reward']:g} ({'resolved' if t['resolved'] else 'not resolved'})"),
+            ("stop reason", t["stop_reason"]), ("turns", str(t["num_turns"])),
+            ("tokens", f"{len(t.get('token_ids', []))} ({t.get('prompt_length', 0)} prompt, "
+             f"{sum(t.get('loss_mask', []))} model)"),
+            ("grade", json.dumps(t.get("grade", {}))),
+            ("timings", ", ".join(f"{k} {_ms(v)}" for k, v in t.get("timings", {}).items()))]
+    for key, value in rows:
+        grid.add_row(key, Text(value))
+    return grid
+
+
+def turn_panel(turn: dict[str, Any], max_chars: int) -> Panel:
+    parts: list[RenderableType] = [Text("model output", style="bold magenta"),
+                                   Text(_clip(turn["assistant_text"], max_chars))]
+    for obs in turn.get("observations", []):
+        label = f"tool call: {obs['tool']}" if obs.get("tool") else "no valid tool call"
+        head = Text(label, style="bold red" if obs.get("is_error") else "bold green")
+        if obs.get("arguments"):
+            head.append(" " + json.dumps(obs["arguments"], ensure_ascii=False), style="green")
+        parts += [Text(""), head, Text("observation" + (" (error)" if obs.get("is_error") else ""), style="bold"),
+                  Text(_clip(obs["content"], max_chars), style="dim")]
+    for hint in turn.get("hints", []):
+        parts += [Text(""), Text(f"hint: {hint}", style="yellow")]
+    title = (f"turn {turn['turn']} · policy v{turn['policy_version']} · finish {turn['finish_reason']} · "
+             f"gen {_ms(turn.get('gen_seconds', 0.0))} · tools {_ms(turn.get('tool_seconds', 0.0))}"
+             f" · {len(turn.get('completion_ids', []))} tokens")
+    return Panel(Group(*parts), title=title, title_align="left")
+
+
+def prompt_panel(t: dict[str, Any], max_chars: int) -> Panel:
+    parts = []
+    for m in t.get("messages", []):
+        parts += [Text(m["role"], style="bold blue"), Text(_clip(str(m["content"]), max_chars))]
+    return Panel(Group(*parts), title="prompt", title_align="left")
+
+
+def episode_view(t: dict[str, Any], max_chars: int = 2000) -> Group:
+    return Group(episode_header(t), prompt_panel(t, max_chars),
+                 *(turn_panel(turn, max_chars) for turn in t.get("turns", [])),
+                 Text(f"end: {t['stop_reason']}, reward {t['reward']:g}", style="bold"))
+
+
+def render(trajs: list[dict[str, Any]], episode: dict[str, Any], listing: bool, max_chars: int,
+           console: Console) -> None:
+    if listing:
+        console.print(episode_list(trajs))
+        console.print()
+    console.print(episode_view(episode, max_chars))
+
+
+def render_html(trajs: list[dict[str, Any]], episode: dict[str, Any], listing: bool, max_chars: int) -> str:
+    """Self-contained HTML (inline styles) of the same view."""
+    import io
+
+    console = Console(record=True, width=130, file=io.StringIO(), force_terminal=True)
+    render(trajs, episode, listing, max_chars, console)
+    return console.export_html(inline_styles=True, theme=None)

@@ -1,0 +1,135 @@
+"""The run report of a real smoke run, opened in headless Chromium; progress and log lines of `up`."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+pytestmark = pytest.mark.e2e
+SECTIONS = ("summary", "reward", "timeline", "inference", "tools", "stop_reasons", "episodes")
+
+
+def chromium_screenshot(html_path, out_png, tmp_path) -> None:
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert exe, "chromium is not installed: run `make setup` (scripts/setup.sh installs it with apt)"
+    proc = subprocess.run(
+        [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars",
+         f"--user-data-dir={tmp_path / 'chromium-profile'}", f"--screenshot={out_png}",
+         "--window-size=1400,3000", f"file://{html_path}"],
+        capture_output=True, text=True, timeout=120)
+    assert out_png.exists(), f"chromium wrote no screenshot (exit {proc.returncode}): {proc.stderr[-2000:]}"
+
+
+def colour_share(pixels: list[tuple[int, int, int]], rgb: tuple[int, int, int], tol: int = 12) -> float:
+    near = sum(all(abs(p[i] - rgb[i]) <= tol for i in range(3)) for p in pixels)
+    return near / len(pixels)
+
+
+def test_report_html_shows_curves_and_timeline_in_chromium(smoke_run, tmp_path):
+    from PIL import Image
+
+    report = smoke_run.run_dir / "report.html"
+    html = report.read_text()
+    for section in SECTIONS:
+        assert f"<section id='{section}'>" in html, section
+    assert html.count("data:image/png;base64,") == 5  # no learner metrics in the smoke run
+    assert not re.search(r"""(src|href)=['"]?(https?:|//)""", html), "the report must not load external assets"
+    for name in ("reward", "timeline", "inference", "tools", "stop_reasons"):
+        assert (smoke_run.run_dir / "plots" / f"{name}.png").stat().st_size > 5000, name
+
+    shot = tmp_path / "report.png"
+    chromium_screenshot(report, shot, tmp_path)
+    img = Image.open(shot).convert("RGB")
+    assert img.size == (1400, 3000)
+    small = img.resize((700, 1500))
+    pixels = [small.getpixel((x, y)) for y in range(small.height) for x in range(small.width)]
+    assert sum(p != (255, 255, 255) for p in pixels) / len(pixels) > 0.05, "the screenshot is blank"
+    # The inlined plots rendered: the timeline's tool bars (green) and the reward curve (blue) are visible.
+    assert colour_share(pixels, (0x54, 0xA2, 0x4B)) > 0.002, "no timeline bars in the screenshot"
+    assert colour_share(pixels, (0x4C, 0x78, 0xA8)) > 0.001, "no reward curve in the screenshot"
+
+
+def test_report_command_adds_learner_curves_and_handles_old_trajectories(smoke_run, tmp_path):
+    run_dir = tmp_path / "old"
+    run_dir.mkdir()
+    lines = []
+    for line in (smoke_run.run_dir / "trajectories.jsonl").read_text().splitlines():
+        t = json.loads(line)
+        t.pop("stamps")  # as written before stamps existed
+        for turn in t["turns"]:
+            for key in ("gen_started_at", "gen_ended_at", "tool_ended_at"):
+                turn.pop(key)
+        lines.append(json.dumps(t))
+    (run_dir / "trajectories.jsonl").write_text("\n".join(lines) + "\n")
+    (run_dir / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "reward_mean": s / 4, "pass_rate": s / 5, "loss": 1 / s}) + "\n" for s in range(1, 5)))
+    out = subprocess.run([sys.executable, "-m", "rollway.runners", "report", str(run_dir)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    html = (run_dir / "report.html").read_text()
+    assert "<section id='learner'>" in html and "<section id='reward'>" in html
+    assert "<section id='timeline'>" not in html  # no timestamps recorded: no timeline, no error
+    assert (run_dir / "plots" / "learner.png").exists()
+
+
+def test_utilisation_counts_overlapping_generations_once():
+    from rollway.runners.report import busy_fraction, in_flight_steps
+
+    assert busy_fraction([(0, 2), (1, 3), (5, 6)], 0, 10) == pytest.approx(0.4)
+    assert busy_fraction([], 0, 10) == 0.0
+    assert in_flight_steps([(0, 2), (1, 3)]) == ([0, 1, 2, 3], [1, 2, 1, 0])
+
+
+def test_trajectories_carry_stage_stamps_in_order(smoke_run):
+    for line in (smoke_run.run_dir / "trajectories.jsonl").read_text().splitlines():
+        t = json.loads(line)
+        st = t["stamps"]
+        assert st["issued"] <= st["init_start"] <= st["init_end"] <= t["turns"][0]["gen_started_at"]
+        for turn in t["turns"]:
+            assert turn["gen_started_at"] <= turn["gen_ended_at"] <= turn["tool_ended_at"]
+        assert t["turns"][-1]["tool_ended_at"] <= st["agent_end"] <= st["reward_start"] <= st["reward_end"]
+
+
+def test_up_shows_progress_per_stage_and_logs_with_stage_and_episode(smoke_run):
+    progress = [x for x in smoke_run.stderr.splitlines() if x.startswith("rollway: episodes")]
+    assert progress, smoke_run.stderr[-2000:]
+    last = progress[-1]
+    assert "8/8" in last and "ep/s" in last and "reward 1.000" in last
+    for stage in ("init", "agent", "reward"):
+        assert re.search(rf"\| {stage}: \d+ handled, \d+ in flight", last), last
+    assert "agent: 32 handled" in last
+    assert "[up] run finished" in smoke_run.stderr and "report written" in smoke_run.stderr
+    up_lines = [json.loads(x) for x in (smoke_run.run_dir / "logs" / "up.jsonl").read_text().splitlines()]
+    assert {x["stage"] for x in up_lines} == {"up"}
+    graded = [json.loads(x) for x in (smoke_run.run_dir / "logs" / "reward.jsonl").read_text().splitlines()
+              if "episode graded" in x]
+    assert len(graded) == 8 and all(x["stage"] == "reward" and x["episode_id"] for x in graded)
+    assert "[reward r" in (smoke_run.run_dir / "logs" / "reward-0.out").read_text()
+    status = {json.loads(p.read_text())["stage"]: json.loads(p.read_text())
+              for p in (smoke_run.run_dir / "status").glob("*.json")}
+    assert status["agent"]["handled"] == 32 and status["init"]["handled"] == 8
+
+
+def test_progress_display_prints_plain_lines_when_not_a_terminal(tmp_path):
+    import io
+
+    from rollway.runners.progress import Progress
+
+    (tmp_path / "status").mkdir()
+    (tmp_path / "status" / "agent-1.json").write_text(json.dumps(
+        {"stage": "agent", "handled": 5, "in_flight": 2, "backlog": 0, "dead_lettered": 1, "updated_at": 9e12}))
+    (tmp_path / "trajectories.jsonl").write_text(json.dumps({"reward": 1.0, "resolved": True}) + "\n")
+    stream = io.StringIO()
+    p = Progress(every_s=0, run_dir=tmp_path, stream=stream)
+    p.update({"episodes_completed": 1, "episodes_planned": 4, "episodes_inflight": 2}, {"episodes_written": 1})
+    p.close()
+    line = stream.getvalue().splitlines()[0]
+    assert line.startswith("rollway: episodes 1/4") and "reward 1.000, pass 100%" in line
+    assert "agent: 5 handled, 2 in flight, 1 dead-lettered" in line

@@ -1,0 +1,88 @@
+"""`rollway replay --rerun`: recorded model outputs re-run against a fresh sandbox of the same task."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+pytestmark = pytest.mark.e2e
+FILE_TASKSET = "python:examples/extending/custom_taskset.py:FileTaskSet"
+
+
+def rollway(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rollway.runners", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def first_episode(run_dir) -> str:
+    return json.loads((run_dir / "trajectories.jsonl").read_text().splitlines()[0])["episode_id"]
+
+
+def test_rerun_of_a_recorded_episode_matches(smoke_run):
+    ep = first_episode(smoke_run.run_dir)
+    out = rollway("replay", "--rerun", ep, "--run-dir", str(smoke_run.run_dir))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "re-ran 4 turns" in out.stdout and "every observation matches" in out.stdout
+
+
+def test_rerun_reads_the_episode_from_the_topic(smoke_run):
+    ep = first_episode(smoke_run.run_dir)
+    # The episode from the broker; the config (and its topic prefix) from the run folder.
+    out = rollway("replay", "--rerun", ep, "--bootstrap", smoke_run.bootstrap, "--run-dir", str(smoke_run.run_dir),
+                  "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    result = json.loads(out.stdout)
+    assert result["identical"] and result["episode_id"] == ep and result["replayed_reward"] == 1.0
+
+
+def test_rerun_reports_the_turns_that_see_a_changed_repository(broker, tmp_path):
+    tasks = tmp_path / "tasks.jsonl"
+    task = {"task_id": "sum-1", "prompt": "Write the sum of numbers.txt to answer.txt, then call finish.",
+            "files": {"numbers.txt": "3 4\n"}, "answer": "7"}
+    tasks.write_text(json.dumps(task) + "\n")
+    run_dir = tmp_path / "run"
+    out = rollway("up", "examples/smoke.yaml", "--bootstrap", broker.bootstrap, "--run-dir", str(run_dir),
+                  f"tasks.type={FILE_TASKSET}", f"tasks.path={tasks}", "scheduler.group_size=1",
+                  f"topics.prefix=rerun{tmp_path.name[-6:]}-")
+    assert out.returncode == 0, out.stderr[-3000:]
+    ep = first_episode(run_dir)
+    assert rollway("replay", "--rerun", ep, "--run-dir", str(run_dir)).returncode == 0
+
+    # Same task id, different repository: `cat numbers.txt` (turn 1) and the sum (turn 2) change;
+    # `ls -la` (turn 0) does not (same file size) and `finish` (turn 3) does not.
+    tasks.write_text(json.dumps({**task, "files": {"numbers.txt": "5 4\n"}}) + "\n")
+    out = rollway("replay", "--rerun", ep, "--run-dir", str(run_dir), "--json")
+    assert out.returncode == 1, out.stdout + out.stderr
+    result = json.loads(out.stdout)
+    assert result["differing_turns"] == [1, 2]
+    first = result["differences"][0]
+    assert first["tool"] == "bash" and first["arguments"] == {"command": "cat numbers.txt"}
+    assert "-3 4" in first["diff"] and "+5 4" in first["diff"]
+    assert result["recorded_reward"] == 1.0 and result["replayed_reward"] == 0.0
+    text = rollway("replay", "--rerun", ep, "--run-dir", str(run_dir))
+    assert text.returncode == 1 and "2 turn(s) differ: 1, 2" in text.stdout and "+5 4" in text.stdout
+
+
+def test_comparison_ignores_hints_and_file_times_but_not_content():
+    from rollway.runners.rerun import compare_turn, normalizer
+    from rollway.tools.registry import Observation
+
+    turn = {"turn": 0, "hints": ["2 turns left."], "observations": [
+        {"tool": "bash", "arguments": {}, "content": "-rw-r--r-- 1 nobody nogroup 5 Nov 22 00:25 a\n\n2 turns left."}]}
+    same = [Observation("-rw-r--r-- 1 nobody nogroup 5 Nov 23 13:05 a", "bash")]
+    assert compare_turn(turn, same, normalizer(False, [])) == []
+    assert len(compare_turn(turn, same, normalizer(True, []))) == 1
+    other = [Observation("-rw-r--r-- 1 nobody nogroup 6 Nov 22 00:25 a", "bash")]
+    assert compare_turn(turn, other, normalizer(False, []))[0].turn == 0
+    assert compare_turn(turn, [], normalizer(False, []))[0].replayed == "<no observation>"
+
+
+def test_replay_without_a_topic_or_rerun_says_what_to_give(capsys):
+    from rollway.runners.cli import main
+
+    assert main(["replay"]) == 2 and "TOPIC --bootstrap" in capsys.readouterr().err
+    assert main(["replay", "--rerun", "x"]) == 2 and "--run-dir" in capsys.readouterr().err
