@@ -14,7 +14,7 @@ from pathlib import Path
 from aiohttp import web
 from rollway.bench.workload import EpisodePlan, WorkloadConfig, read_plans
 from rollway.policies.chat import IM_END, BytesChatML
-from rollway.policies.scripted import count_subsequence
+from rollway.policies.base import count_subsequence
 
 SIM_LOGPROB = -0.05
 MARKER_RE = re.compile(rb"\[sim-episode (\d+)\]")

@@ -74,8 +74,41 @@ class ChatFormat(ABC):
     def stop_token_ids(self) -> tuple[int, ...]:
         """Tokens that end an assistant turn."""
 
+    @property
+    def user_header_ids(self) -> tuple[int, ...] | None:
+        """Token ids that open a user turn, when the format has them (None: unknown)."""
+        return None
+
+    def turns_since_user(self, prompt_ids: list[int]) -> int:
+        """Assistant turns in `prompt_ids` after the last user message (worked examples given as
+        earlier turns do not count); the generation prompt at the end is not a finished turn."""
+        start = 0
+        if self.user_header_ids:
+            start = last_index_of(prompt_ids, self.user_header_ids) + 1
+        return max(0, count_subsequence(prompt_ids[start:], self.assistant_header_ids) - 1)
+
     def drift(self, history: list[dict[str, Any]], tools: list[dict[str, Any]],
               token_ids: list[int]) -> bool:
         """True when rendering `history` from scratch would not give `token_ids` (the template is
         not append-only). Default: no check."""
         return False
+
+
+def count_subsequence(haystack: list[int], needle: tuple[int, ...]) -> int:
+    """Non-overlapping occurrences of `needle` in `haystack`."""
+    n, count, i = len(needle), 0, 0
+    while n and i <= len(haystack) - n:
+        if tuple(haystack[i:i + n]) == needle:
+            count, i = count + 1, i + n
+        else:
+            i += 1
+    return count
+
+
+def last_index_of(haystack: list[int], needle: tuple[int, ...]) -> int:
+    """Start of the last occurrence of `needle`, or -1."""
+    n = len(needle)
+    for i in range(len(haystack) - n, -1, -1):
+        if tuple(haystack[i:i + n]) == needle:
+            return i
+    return -1

@@ -52,5 +52,9 @@ class BytesChatML(ChatFormat):
         return (IM_START, *b"assistant\n")
 
     @property
+    def user_header_ids(self) -> tuple[int, ...]:
+        return (IM_START, *b"user\n")
+
+    @property
     def stop_token_ids(self) -> tuple[int, ...]:
         return (IM_END,)

@@ -11,17 +11,6 @@ SCRIPTED_LOGPROB = -0.01
 """Behaviour logprob reported for every scripted token (a near-certain choice)."""
 
 
-def count_subsequence(haystack: list[int], needle: tuple[int, ...]) -> int:
-    """Non-overlapping occurrences of `needle` in `haystack`."""
-    n, count, i = len(needle), 0, 0
-    while n and i <= len(haystack) - n:
-        if tuple(haystack[i:i + n]) == needle:
-            count, i = count + 1, i + n
-        else:
-            i += 1
-    return count
-
-
 class ScriptedPolicy(InferenceClient):
     """Plays `turns[k]` of the first rule matching the prompt, where k is the number of assistant
     turns already in the prompt. Same prompt, same output: episodes are reproducible."""
@@ -41,7 +30,7 @@ class ScriptedPolicy(InferenceClient):
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         turns = self._turns_for(self.chat.decode(prompt_ids))
-        k = max(0, count_subsequence(prompt_ids, self.chat.assistant_header_ids) - 1)
+        k = self.chat.turns_since_user(prompt_ids)
         ids = self.chat.encode(turns[min(k, len(turns) - 1)]) + list(self.chat.stop_token_ids[:1])
         finish = "stop"
         if len(ids) > params.max_tokens:

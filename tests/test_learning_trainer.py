@@ -80,12 +80,11 @@ def test_checkpoint_is_loadable_and_resume_never_retrains(tmp_path: Path) -> Non
 
 
 def test_masked_and_stale_episodes_get_no_loss(tmp_path: Path) -> None:
-    trainer = Trainer(_cfg(max_policy_lag=1), tmp_path, model_factory=tiny_model_factory())
+    trainer = Trainer(_cfg(max_policy_lag=1, group_size=3), tmp_path, model_factory=tiny_model_factory())
     trainer.state.version = 3
     group = [make_trajectory("fresh", "g", PROMPT, GOOD, 1.0, versions=[3], sample_index=0),
              make_trajectory("stale", "g", PROMPT, BAD, 0.0, versions=[1], sample_index=1),
              make_trajectory("cut", "g", PROMPT, BAD, 0.0, versions=[3], stop_reason="length", sample_index=2)]
-    trainer._buffer.group_size = 3
     [result] = [r for t in group for r in trainer.add(t)]
     m = result.metrics
     assert m["episodes_masked"] == 1 and m["episodes_dropped_stale"] == 1

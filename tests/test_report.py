@@ -6,10 +6,8 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 
 import pytest
-from conftest import ROOT
 
 pytestmark = pytest.mark.e2e
 SECTIONS = ("summary", "reward", "timeline", "inference", "tools", "stop_reasons", "episodes")
@@ -70,9 +68,9 @@ def test_report_command_adds_learner_curves_and_handles_old_trajectories(smoke_r
     (run_dir / "trajectories.jsonl").write_text("\n".join(lines) + "\n")
     (run_dir / "metrics.jsonl").write_text("".join(
         json.dumps({"step": s, "reward_mean": s / 4, "pass_rate": s / 5, "loss": 1 / s}) + "\n" for s in range(1, 5)))
-    out = subprocess.run([sys.executable, "-m", "rollway.runners", "report", str(run_dir)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
+    from rollway.runners.cli import main
+
+    assert main(["report", str(run_dir)]) == 0
     html = (run_dir / "report.html").read_text()
     assert "<section id='learner'>" in html and "<section id='reward'>" in html
     assert "<section id='timeline'>" not in html  # no timestamps recorded: no timeline, no error

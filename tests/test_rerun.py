@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 from conftest import ROOT
@@ -18,28 +19,43 @@ def rollway(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
+@pytest.fixture
+def replay(capsys, monkeypatch):
+    """`rollway replay ARGS` in this process, from the repository root (plugin paths are relative)."""
+    from rollway.runners.cli import main
+
+    monkeypatch.chdir(ROOT)
+
+    def run(*args: str) -> SimpleNamespace:
+        code = main(["replay", *args])
+        out = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+
+    return run
+
+
 def first_episode(run_dir) -> str:
     return json.loads((run_dir / "trajectories.jsonl").read_text().splitlines()[0])["episode_id"]
 
 
-def test_rerun_of_a_recorded_episode_matches(smoke_run):
+def test_rerun_of_a_recorded_episode_matches(smoke_run, replay):
     ep = first_episode(smoke_run.run_dir)
-    out = rollway("replay", "--rerun", ep, "--run-dir", str(smoke_run.run_dir))
+    out = replay("--rerun", ep, "--run-dir", str(smoke_run.run_dir))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "re-ran 4 turns" in out.stdout and "every observation matches" in out.stdout
 
 
-def test_rerun_reads_the_episode_from_the_topic(smoke_run):
+def test_rerun_reads_the_episode_from_the_topic(smoke_run, replay):
     ep = first_episode(smoke_run.run_dir)
     # The episode from the broker; the config (and its topic prefix) from the run folder.
-    out = rollway("replay", "--rerun", ep, "--bootstrap", smoke_run.bootstrap, "--run-dir", str(smoke_run.run_dir),
+    out = replay("--rerun", ep, "--bootstrap", smoke_run.bootstrap, "--run-dir", str(smoke_run.run_dir),
                   "--json")
     assert out.returncode == 0, out.stdout + out.stderr
     result = json.loads(out.stdout)
     assert result["identical"] and result["episode_id"] == ep and result["replayed_reward"] == 1.0
 
 
-def test_rerun_reports_the_turns_that_see_a_changed_repository(broker, tmp_path):
+def test_rerun_reports_the_turns_that_see_a_changed_repository(broker, replay, tmp_path):
     tasks = tmp_path / "tasks.jsonl"
     task = {"task_id": "sum-1", "prompt": "Write the sum of numbers.txt to answer.txt, then call finish.",
             "files": {"numbers.txt": "3 4\n"}, "answer": "7"}
@@ -50,12 +66,12 @@ def test_rerun_reports_the_turns_that_see_a_changed_repository(broker, tmp_path)
                   f"topics.prefix=rerun{tmp_path.name[-6:]}-")
     assert out.returncode == 0, out.stderr[-3000:]
     ep = first_episode(run_dir)
-    assert rollway("replay", "--rerun", ep, "--run-dir", str(run_dir)).returncode == 0
+    assert replay("--rerun", ep, "--run-dir", str(run_dir)).returncode == 0
 
     # Same task id, different repository: `cat numbers.txt` (turn 1) and the sum (turn 2) change;
     # `ls -la` (turn 0) does not (same file size) and `finish` (turn 3) does not.
     tasks.write_text(json.dumps({**task, "files": {"numbers.txt": "5 4\n"}}) + "\n")
-    out = rollway("replay", "--rerun", ep, "--run-dir", str(run_dir), "--json")
+    out = replay("--rerun", ep, "--run-dir", str(run_dir), "--json")
     assert out.returncode == 1, out.stdout + out.stderr
     result = json.loads(out.stdout)
     assert result["differing_turns"] == [1, 2]
@@ -63,7 +79,7 @@ def test_rerun_reports_the_turns_that_see_a_changed_repository(broker, tmp_path)
     assert first["tool"] == "bash" and first["arguments"] == {"command": "cat numbers.txt"}
     assert "-3 4" in first["diff"] and "+5 4" in first["diff"]
     assert result["recorded_reward"] == 1.0 and result["replayed_reward"] == 0.0
-    text = rollway("replay", "--rerun", ep, "--run-dir", str(run_dir))
+    text = replay("--rerun", ep, "--run-dir", str(run_dir))
     assert text.returncode == 1 and "2 turn(s) differ: 1, 2" in text.stdout and "+5 4" in text.stdout
 
 
@@ -81,8 +97,6 @@ def test_comparison_ignores_hints_and_file_times_but_not_content():
     assert compare_turn(turn, [], normalizer(False, []))[0].replayed == "<no observation>"
 
 
-def test_replay_without_a_topic_or_rerun_says_what_to_give(capsys):
-    from rollway.runners.cli import main
-
-    assert main(["replay"]) == 2 and "TOPIC --bootstrap" in capsys.readouterr().err
-    assert main(["replay", "--rerun", "x"]) == 2 and "--run-dir" in capsys.readouterr().err
+def test_replay_without_a_topic_or_rerun_says_what_to_give(replay):
+    assert replay().returncode == 2 and "TOPIC --bootstrap" in replay().stderr
+    assert "--run-dir" in replay("--rerun", "x").stderr

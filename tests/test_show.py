@@ -3,25 +3,33 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+from types import SimpleNamespace
 
 import pytest
-from conftest import ROOT
 
 pytestmark = pytest.mark.e2e
 
 
-def show(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rollway.runners", "show", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env={"COLUMNS": "140", "PATH": "/usr/bin:/bin"})
+@pytest.fixture
+def show(capsys, monkeypatch):
+    """`rollway show ARGS` in this process (the CLI as users call it, without a second interpreter)."""
+    from rollway.runners.cli import main
+
+    monkeypatch.setenv("COLUMNS", "140")
+
+    def run(*args: str) -> SimpleNamespace:
+        code = main(["show", *args])
+        out = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+
+    return run
 
 
 def episodes(run_dir) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "trajectories.jsonl").read_text().splitlines()]
 
 
-def test_show_lists_episodes_and_renders_the_first_turn_by_turn(smoke_run):
+def test_show_lists_episodes_and_renders_the_first_turn_by_turn(smoke_run, show):
     out = show(str(smoke_run.run_dir))
     assert out.returncode == 0, out.stderr
     trajs = episodes(smoke_run.run_dir)
@@ -32,7 +40,7 @@ def test_show_lists_episodes_and_renders_the_first_turn_by_turn(smoke_run):
         assert text in out.stdout, text
 
 
-def test_show_one_episode_as_html(smoke_run, tmp_path):
+def test_show_one_episode_as_html(smoke_run, show, tmp_path):
     t = episodes(smoke_run.run_dir)[3]
     out = show(str(smoke_run.run_dir), "--episode", t["episode_id"], "--html", str(tmp_path / "ep.html"))
     assert out.returncode == 0, out.stderr
@@ -42,7 +50,7 @@ def test_show_one_episode_as_html(smoke_run, tmp_path):
     assert "numbers.txt" in html and answer in html and "8 episodes" not in html
 
 
-def test_show_reads_episodes_from_the_topic(smoke_run):
+def test_show_reads_episodes_from_the_topic(smoke_run, show):
     t = episodes(smoke_run.run_dir)[-1]
     out = show("--bootstrap", smoke_run.bootstrap, "--topic-prefix", smoke_run.prefix, "--episode", t["episode_id"])
     assert out.returncode == 0, out.stderr
@@ -51,8 +59,6 @@ def test_show_reads_episodes_from_the_topic(smoke_run):
     assert out.returncode == 0 and "8 episodes" in out.stdout
 
 
-def test_show_names_a_missing_episode(smoke_run, capsys):
-    from rollway.runners.cli import main
-
-    assert main(["show", str(smoke_run.run_dir), "--episode", "nope"]) == 2
-    assert "episode 'nope' is not in" in capsys.readouterr().err
+def test_show_names_a_missing_episode(smoke_run, show):
+    out = show(str(smoke_run.run_dir), "--episode", "nope")
+    assert out.returncode == 2 and "episode 'nope' is not in" in out.stderr
