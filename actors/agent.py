@@ -11,7 +11,7 @@ import structlog
 from rollway.actors.base import Actor, MessageMeta, Output, failure_output
 from rollway.actors.episode import EpisodeState, observation_messages
 from rollway.actors.services import Services
-from rollway.policies.base import SamplingParams
+from rollway.policies.base import SamplingParams, episode_seed
 from rollway.schemas.messages import AgentStep, Observation, RewardRequest, TurnRecord
 from rollway.topics import AGENT_STEPS, REWARD_REQUESTS
 
@@ -120,9 +120,11 @@ class AgentActor(Actor):
     async def _run_turn(self, state: EpisodeState) -> tuple[TurnRecord, str | None]:
         chat, turn = self.s.chat, state.next_turn
         budget = self.cfg.max_total_tokens - state.tokens_used
+        f = state.first
         params = SamplingParams(temperature=self.cfg.temperature, top_p=self.cfg.top_p,
                                 max_tokens=max(1, min(self.cfg.max_tokens_per_turn, budget)),
-                                stop_token_ids=chat.stop_token_ids)
+                                stop_token_ids=chat.stop_token_ids,
+                                seed=episode_seed(f.episode_id, f.attempt) + turn)
         t0, gen_started_at = time.perf_counter(), time.time()
         gen = await self.s.inference.generate(state.token_ids, params)
         gen_s = time.perf_counter() - t0

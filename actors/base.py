@@ -53,6 +53,11 @@ class Actor(ABC):
         """Extra outputs when `handle` raised for a decoded message (e.g. an EpisodeFailure)."""
         return []
 
+    def held_offsets(self) -> set[tuple[str, int, int]]:
+        """(topic, partition, offset) of handled messages whose effect is not durable yet (e.g.
+        buffered for a later training step); the runner does not commit past them."""
+        return set()
+
     async def tick(self) -> list[Output]:
         """Called periodically by the runner (the scheduler issues work here)."""
         return []

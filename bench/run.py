@@ -103,6 +103,8 @@ def pipeline_mode(wl: WorkloadConfig, out: Path, server: SimServer, bootstrap: s
 def run_bench(wl: WorkloadConfig, out: Path, scaling: list[int], say=print) -> dict[str, Any]:
     """Baseline once, the pipeline once per agent-worker count (the first one is the headline)."""
     out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    say = (lambda m, _say=say: _say(f"[{time.monotonic() - t0:5.0f}s] {m}"))
     plans = plan_workload(wl)
     write_plans(plans, out / "plans.jsonl")
     ideal = ideal_makespan(plans, wl)

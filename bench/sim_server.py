@@ -13,8 +13,8 @@ from pathlib import Path
 
 from aiohttp import web
 from rollway.bench.workload import EpisodePlan, WorkloadConfig, read_plans
-from rollway.policies.chat import IM_END, BytesChatML
 from rollway.policies.base import count_subsequence
+from rollway.policies.chat import IM_END, BytesChatML
 
 SIM_LOGPROB = -0.05
 MARKER_RE = re.compile(rb"\[sim-episode (\d+)\]")
@@ -27,6 +27,7 @@ class _Request:
     prompt_len: int
     prefill_tokens: int
     done: asyncio.Future
+    arrived: float
     produced: int = 0
 
 
@@ -48,6 +49,8 @@ class SimEngine:
     cached: dict = field(default_factory=dict)
     """Episode -> tokens already in the KV cache (prefix caching: only new prompt tokens prefill)."""
     requests: int = 0
+    step_prefill: int = 0
+    """Prompt tokens admitted at the current step's start (they lengthen that step)."""
 
     def __post_init__(self) -> None:
         self.chat = BytesChatML()
@@ -68,7 +71,7 @@ class SimEngine:
         if len(ids) > max_tokens:
             ids, finish = ids[:max_tokens], "length"
         new = max(0, len(prompt_ids) - self.cached.get(episode, 0))
-        req = _Request(episode, ids, len(prompt_ids), new, asyncio.get_running_loop().create_future())
+        req = _Request(episode, ids, len(prompt_ids), new, asyncio.get_running_loop().create_future(), time.time())
         self.waiting.append(req)
         self.requests += 1
         self.wake.set()
@@ -76,32 +79,63 @@ class SimEngine:
         return ids, finish
 
     async def run(self) -> None:
-        clock = 0.0
+        """Steps run on a simulated clock `vt`: whenever the loop wakes it replays every step that has
+        ended by now, so a late wake-up under CPU load delays answers a little but never slows the
+        simulated GPU down (its throughput follows the model exactly)."""
+        vt = time.time()
         while True:
             if not self.running and not self.waiting:
                 self.wake.clear()
                 await self.wake.wait()
-            prefill = 0
-            while self.waiting and len(self.running) < self.cap:
-                req = self.waiting.popleft()
-                prefill += req.prefill_tokens
-                self.running.append(req)
-            clock = await self._step(clock, prefill)
+                vt = max(vt, time.time())
+            vt = self._catch_up(vt, time.time())
+            self.wake.clear()
+            try:  # sleep to the next finish (or a little); an arrival to an idle engine wakes us early
+                await asyncio.wait_for(self.wake.wait(), timeout=max(0.0, self._next_event(vt) - time.time()))
+            except TimeoutError:
+                pass
 
-    async def _step(self, clock: float, prefill: int) -> float:
-        start = time.time()
-        # Back-to-back steps keep their own schedule, so timer overshoot under load does not add up.
-        begin = clock if 0 <= start - clock < 0.002 else start
-        end = begin + self.a + self.b * len(self.running) + self.p * prefill
-        await asyncio.sleep(max(0.0, end - time.time()))
-        self.steps.append((start, time.time(), len(self.running)))
+    def _admit(self, vt: float) -> None:
+        """At a step boundary, requests that arrived by then join (up to the cap)."""
+        while self.waiting and len(self.running) < self.cap and self.waiting[0].arrived <= vt:
+            req = self.waiting.popleft()
+            self.step_prefill += req.prefill_tokens
+            self.running.append(req)
+
+    def _step_s(self) -> float:
+        return self.a + self.b * len(self.running) + self.p * self.step_prefill
+
+    def _catch_up(self, vt: float, now: float) -> float:
+        while True:
+            self._admit(vt)
+            if not self.running:
+                if not self.waiting or self.waiting[0].arrived > now:
+                    return max(vt, now) if not self.waiting else vt
+                vt = max(vt, self.waiting[0].arrived)  # idle until the next arrival
+                continue
+            dt = self._step_s()
+            if vt + dt > now:
+                return vt
+            self._finish_step(vt, vt + dt)
+            vt += dt
+
+    def _finish_step(self, start: float, end: float) -> None:
+        self.steps.append((start, end, len(self.running)))
+        self.step_prefill = 0
         for req in self.running:
             req.produced += 1
             if req.produced >= len(req.token_ids):
                 self.cached[req.episode] = req.prompt_len + len(req.token_ids)
                 req.done.set_result(None)
         self.running = [r for r in self.running if r.produced < len(r.token_ids)]
-        return end
+
+    def _next_event(self, vt: float) -> float:
+        """When to look again: the first running sequence's finish at the current step time, but at
+        least every 20 ms (arrivals change the batch and so the step time)."""
+        if not self.running:
+            return vt + 0.001
+        left = min(len(r.token_ids) - r.produced for r in self.running)
+        return vt + min(0.02, left * self._step_s())
 
 
 def busy_stats(steps: list[tuple[float, float, int]], t0: float, t1: float, cap: int) -> dict[str, float]:

@@ -24,14 +24,14 @@ class WorkloadConfig(BaseModel):
 
     seed: int = 0
     """Seed of the workload: episode k's plan depends only on (seed, k)."""
-    episodes: int = Field(64, ge=1)
+    episodes: int = Field(160, ge=1)
     """Episodes per mode."""
-    turns_median: float = Field(7.0, gt=0)
+    turns_median: float = Field(5.0, gt=0)
     """Median model turns per episode (the last one calls finish)."""
     turns_sigma: float = Field(0.4, ge=0)
     turns_max: int = Field(20, ge=1)
     """Turns are clipped to [2, turns_max]."""
-    thought_tokens_median: float = Field(40.0, gt=0)
+    thought_tokens_median: float = Field(30.0, gt=0)
     """Completion tokens before the tool call (the tool call itself adds about 80 byte-tokens)."""
     thought_tokens_sigma: float = Field(0.6, ge=0)
     observation_bytes_median: float = Field(300.0, gt=0)
@@ -39,13 +39,13 @@ class WorkloadConfig(BaseModel):
     observation_bytes_sigma: float = Field(0.8, ge=0)
     prompt_bytes: int = Field(600, ge=0)
     """Task statement length (bytes, one token each in the byte-level chat format)."""
-    tool_s_median: float = Field(0.15, ge=0)
+    tool_s_median: float = Field(0.1, ge=0)
     """Tool execution time per turn."""
     tool_s_sigma: float = Field(0.8, ge=0)
-    init_s_median: float = Field(2.5, ge=0)
+    init_s_median: float = Field(1.0, ge=0)
     """Sandbox start (container/repo copy) time."""
     init_s_sigma: float = Field(0.5, ge=0)
-    grade_s_median: float = Field(2.5, ge=0)
+    grade_s_median: float = Field(1.0, ge=0)
     """Grading (test run) time."""
     grade_s_sigma: float = Field(0.5, ge=0)
     max_tail_s: float = Field(20.0, gt=0)
@@ -53,9 +53,9 @@ class WorkloadConfig(BaseModel):
     resolve_rate: float = Field(0.4, ge=0, le=1)
     """Share of episodes that pass their tests (reward 1)."""
     # -- simulated inference server ---------------------------------------------------------
-    step_base_s: float = Field(0.004, gt=0)
+    step_base_s: float = Field(0.003, gt=0)
     """Decode step time a in a + b * active_sequences (memory-bound part of a GPU step)."""
-    step_per_seq_s: float = Field(0.0001, ge=0)
+    step_per_seq_s: float = Field(0.00005, ge=0)
     """Decode step time b per active sequence."""
     prefill_per_token_s: float = Field(0.00002, ge=0)
     """Extra step time per newly prefilled prompt token (prefix cache: only new tokens count)."""
@@ -65,9 +65,9 @@ class WorkloadConfig(BaseModel):
     concurrency, and the server's cap."""
     init_lookahead: int = Field(6, ge=0)
     """Pipeline: episodes initialised ahead of agent capacity (scheduler.init_lookahead)."""
-    init_concurrency: int = Field(8, ge=1)
+    init_concurrency: int = Field(16, ge=1)
     """Pipeline: sandboxes started at once (init.concurrency)."""
-    grade_concurrency: int = Field(8, ge=1)
+    grade_concurrency: int = Field(12, ge=1)
     """Pipeline: gradings at once (reward.concurrency)."""
     fetch_max_wait_ms: int = Field(10, ge=1)
     """Pipeline: broker.fetch_max_wait_ms of every consumer (the embedded broker answers a waiting

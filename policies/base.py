@@ -15,6 +15,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     """Generation ends after producing one of these (the stop token is part of the output)."""
     seed: int | None = None
+    """Per-request sampling seed. The agent seeds turn k of an episode with `episode_seed(...) + k`,
+    so a re-run of an episode draws the same samples."""
 
 
 @dataclass(frozen=True)
@@ -112,3 +114,10 @@ def last_index_of(haystack: list[int], needle: tuple[int, ...]) -> int:
         if tuple(haystack[i:i + n]) == needle:
             return i
     return -1
+
+
+def episode_seed(episode_id: str, attempt: int) -> int:
+    """A stable 31-bit seed per episode attempt (independent of Python's hash randomisation)."""
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(f"{episode_id}/{attempt}".encode()).digest()[:4], "big") >> 1

@@ -16,7 +16,8 @@ TARGET_RATIO = 4.0
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--tokens", type=int, default=64, help="tokens generated per request (EOS ignored)")
-    parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request")
+    parser.add_argument("--prompt-len", type=int, default=32,
+                        help="prompt tokens per request (short: measures decoding, not prefill)")
     parser.add_argument("--clients", type=int, default=8, help="concurrent clients of the second run")
     parser.add_argument("--rounds", type=int, default=2, help="sequential requests per client")
     parser.add_argument("--url", default=None, help="benchmark a running server (e.g. vLLM) at this /v1 URL "

@@ -16,6 +16,10 @@ class ScriptRule(BaseModel):
     """Regular expression searched in the decoded prompt; "" matches every prompt."""
     turns: list[str]
     """Assistant outputs, one per turn; the last one repeats if the episode runs longer."""
+    alternatives: list[list[str]] = []
+    """Other scripts for the same prompts. With temperature > 0 each episode plays `turns` or one of
+    these with equal probability, chosen by the episode's request seed (so samples of one group can
+    differ, deterministically)."""
 
 
 class PolicyConfig(BaseModel):

@@ -18,19 +18,22 @@ class ScriptedPolicy(InferenceClient):
     def __init__(self, rules: list[ScriptRule], chat: ChatFormat, policy_version: int = 0):
         if not rules:
             raise ValueError("policy.script is empty: give at least one rule with `turns` for the scripted policy")
-        self.rules = [(re.compile(r.when), r.turns) for r in rules]
+        self.rules = [(re.compile(r.when), [r.turns, *r.alternatives]) for r in rules]
         self.chat = chat
         self.policy_version = policy_version
 
-    def _turns_for(self, prompt_text: str) -> list[str]:
-        for pattern, turns in self.rules:
+    def _scripts_for(self, prompt_text: str) -> list[list[str]]:
+        for pattern, scripts in self.rules:
             if pattern.search(prompt_text):
-                return turns
+                return scripts
         raise LookupError("no policy.script rule matches this prompt; add a rule with when: ''")
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        turns = self._turns_for(self.chat.decode(prompt_ids))
+        scripts = self._scripts_for(self.chat.decode(prompt_ids))
         k = self.chat.turns_since_user(prompt_ids)
+        turns = scripts[0]
+        if len(scripts) > 1 and params.temperature > 0 and params.seed is not None:
+            turns = scripts[(params.seed - k) % len(scripts)]  # the episode's seed, same on every turn
         ids = self.chat.encode(turns[min(k, len(turns) - 1)]) + list(self.chat.stop_token_ids[:1])
         finish = "stop"
         if len(ids) > params.max_tokens:

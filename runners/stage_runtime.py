@@ -46,10 +46,11 @@ class OffsetTracker:
     def finish(self, tp: TopicPartition, offset: int) -> None:
         self.pending[tp].discard(offset)
 
-    def to_commit(self) -> dict[TopicPartition, int]:
+    def to_commit(self, held: set[tuple[str, int, int]] = frozenset()) -> dict[TopicPartition, int]:
         out = {}
         for tp, high in self.fetched.items():
-            pos = min(self.pending[tp]) if self.pending[tp] else high + 1
+            blocked = self.pending[tp] | {o for t, p, o in held if t == tp.topic and p == tp.partition}
+            pos = min(blocked) if blocked else high + 1
             if self.committed.get(tp) != pos:
                 out[tp] = pos
         return out
@@ -240,7 +241,8 @@ class StageWorker:
             log.warning("could not (re)create topics", stage=self.actor.name, error=str(err))
 
     async def commit(self, tps: set[TopicPartition] | None = None) -> None:
-        offsets = {tp: o for tp, o in self.offsets.to_commit().items() if tps is None or tp in tps}
+        held = self.actor.held_offsets()
+        offsets = {tp: o for tp, o in self.offsets.to_commit(held).items() if tps is None or tp in tps}
         if not offsets:
             return
         try:
