@@ -125,6 +125,15 @@ class SinkConfig(StrictModel):
     """File format of the trajectories the sink writes into the run folder."""
 
 
+class EvalConfig(StrictModel):
+    attempts: int = Field(4, ge=1)
+    """Samples per task (`rollway eval` runs them as one group per task)."""
+    ks: list[int] = Field(default_factory=lambda: [1])
+    """pass@k values reported besides pass@attempts."""
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature during evaluation."""
+
+
 class RunSection(StrictModel):
     name: str = "rollway"
     """Run name, used in the run folder and logs."""
@@ -176,6 +185,7 @@ class RunConfig(StrictModel):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     sink: SinkConfig = Field(default_factory=SinkConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
 
 

@@ -36,6 +36,7 @@ class HFChatFormat(ChatFormat):
         self._stop_text = self._probe_stop_text()
         self._stop_ids = tuple(self.encode_special(self._stop_text))
         self._header_ids = tuple(self._probe_header_ids())
+        self._user_header_ids = self._probe_user_header_ids()
 
     # -- rendering ------------------------------------------------------------------------------
 
@@ -74,6 +75,13 @@ class HFChatFormat(ChatFormat):
         if not prompt.startswith(bare):
             raise ValueError("the chat template's generation prompt is not a suffix of the conversation")
         return self.encode_special(prompt[len(bare):])
+
+    def _probe_user_header_ids(self) -> tuple[int, ...] | None:
+        # A user turn opens with the text from the last special token before its content.
+        text = self.render([{"role": "user", "content": _PROBE_REPLY}], [], False)
+        before = text[: text.index(_PROBE_REPLY)]
+        at = max(before.rfind(t) for t in self.tokenizer.all_special_tokens if t)
+        return tuple(self.encode_special(before[at:])) if at >= 0 else None
 
     def _end_of_last_turn(self, text: str) -> int:
         """Offset just after the last assistant turn's stop token in `text`."""
@@ -126,3 +134,7 @@ class HFChatFormat(ChatFormat):
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
         return self._stop_ids
+
+    @property
+    def user_header_ids(self) -> tuple[int, ...] | None:
+        return self._user_header_ids

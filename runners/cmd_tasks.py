@@ -64,7 +64,7 @@ def _build(args: argparse.Namespace) -> int:
 
 
 async def verify_instances(instances: list[dict[str, Any]], timeout_s: float = 120.0,
-                           cache_dir: str | None = None) -> dict[str, Any]:
+                           cache_dir: str | None = None, progress: Any = None) -> dict[str, Any]:
     """Grade gold and empty patches of every instance in the local bubblewrap sandbox."""
     from rollway.envs.swe import grade_patch
     from rollway.sandboxes.config import SandboxConfig
@@ -78,6 +78,8 @@ async def verify_instances(instances: list[dict[str, Any]], timeout_s: float = 1
         rows.append({"instance_id": inst["instance_id"], "gold_resolved": gold.resolved,
                      "empty_resolved": empty.resolved, "gold_stop_reason": gold.stop_reason,
                      "empty_stop_reason": empty.stop_reason})
+        if progress is not None:  # a rollway.runners.progress.ProgressDisplay
+            progress.update(len(rows), len(instances), f"{sum(r['gold_resolved'] for r in rows)} gold resolved")
     return {"total": len(rows), "gold_resolved": sum(r["gold_resolved"] for r in rows),
             "empty_resolved": sum(r["empty_resolved"] for r in rows), "instances": rows}
 
@@ -90,7 +92,13 @@ async def _verify(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    summary = await verify_instances(instances, args.timeout, args.cache)
+    from rollway.runners.progress import ProgressDisplay
+
+    progress = ProgressDisplay("instances verified", every_s=10.0)
+    try:
+        summary = await verify_instances(instances, args.timeout, args.cache, progress)
+    finally:
+        progress.close()
     if args.json:
         print(json.dumps(summary, indent=2))
     else:

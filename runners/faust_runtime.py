@@ -217,11 +217,18 @@ class FaustStage:
         if self.status_path is None:
             return
         status = {"stage": self.actor.name, "pid": os.getpid(), "engine": "faust", "in_flight": self.in_flight,
-                  "backlog": 0, **self.stats, "updated_at": time.time()}
+                  "backlog": 0, **self.stats, "updated_at": time.time(), "partitions": self._input_partitions()}
         self.status_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.status_path.with_name(self.status_path.name + ".tmp")
         tmp.write_text(json.dumps(status))
         tmp.replace(self.status_path)  # readers never see a half-written file
+
+    def _input_partitions(self) -> int:
+        """Input partitions this worker owns (`rollway up` starts the scheduler once all own some)."""
+        try:
+            return sum(tp.topic in self.specs for tp in self.app.consumer.assignment())
+        except Exception:  # noqa: BLE001 - not started or already stopped: owns nothing
+            return 0
 
     async def _tick(self) -> None:
         await self._send(await self.actor.tick())

@@ -53,12 +53,13 @@ class ProgressDisplay:
 
         if self._live is None:
             self._bar = RichProgress(TextColumn(f"[bold]{self.title}"), BarColumn(), MofNCompleteColumn(),
-                                     TimeElapsedColumn(), TextColumn("{task.description}"), auto_refresh=False)
+                                     TimeElapsedColumn(), auto_refresh=False)
             self._task = self._bar.add_task("", total=total)
             self._live = Live(console=Console(file=self.stream), refresh_per_second=4)
             self._live.start()
-        self._bar.update(self._task, completed=done, total=total, description=text)
-        self._live.update(Group(self._bar, _rows_table(rows)))
+        self._bar.update(self._task, completed=done, total=total)
+        # The text goes on its own line: beside the bar a long text would squeeze the bar away.
+        self._live.update(Group(self._bar, _rows_table({"": text, **rows})))
 
     def close(self) -> None:
         if self._live is not None:

@@ -60,6 +60,10 @@ def test_continuation_starts_after_stop_token_and_ends_with_generation_prompt(to
     assert tokenizer.decode(ids) == "\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
     assert tuple(ids[-len(chat.assistant_header_ids):]) == chat.assistant_header_ids
     assert chat.stop_token_ids == (tokenizer.convert_tokens_to_ids("<|im_end|>"),)
+    assert tokenizer.decode(chat.user_header_ids) == "<|im_start|>user\n"
+    prompt = chat.initial([*history, {"role": "user", "content": "again"}], []) + chat.encode("ok") + [2]
+    assert chat.turns_since_user(prompt + chat.continuation([*history, {"role": "assistant", "content": "ok"}],
+                                                            [{"role": "tool", "content": "1"}], [])) == 1
 
 
 def test_tools_go_into_the_system_message_in_hermes_format(tokenizer):

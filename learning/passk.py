@@ -1,0 +1,35 @@
+"""pass@k with the unbiased estimator of Chen et al. (2021): 1 - C(n-c, k) / C(n, k)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from math import comb
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of k samples drawn without replacement from n attempts, c of
+    them correct, is correct."""
+    if not 0 <= c <= n or k < 1 or k > n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n (n={n}, c={c}, k={k})")
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def evaluate_attempts(attempts: list[tuple[str, bool]], ks: list[int]) -> dict:
+    """{task_id: [correct?...]} -> pass@k for each k, overall (mean over tasks) and per task.
+    A k larger than a task's attempt count is left out for that task."""
+    by_task: dict[str, list[bool]] = defaultdict(list)
+    for task_id, ok in attempts:
+        by_task[task_id].append(ok)
+    per_task = {}
+    for task_id, results in sorted(by_task.items()):
+        n, c = len(results), sum(results)
+        per_task[task_id] = {"n": n, "correct": c,
+                             **{f"pass@{k}": round(pass_at_k(n, c, k), 6) for k in ks if k <= n}}
+    overall = {}
+    for k in ks:
+        values = [t[f"pass@{k}"] for t in per_task.values() if f"pass@{k}" in t]
+        if values:
+            overall[f"pass@{k}"] = round(sum(values) / len(values), 6)
+    return {"tasks": len(per_task), "attempts": len(attempts), **overall, "per_task": per_task}

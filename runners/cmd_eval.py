@@ -1,0 +1,73 @@
+"""`rollway eval CONFIG`: k attempts per task, no training; pass@1 and pass@k to DIR/eval.json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rollway.runners.common import add_config_arguments, load_or_exit
+
+NAME = "eval"
+HELP = "Evaluate the policy: k attempts per task at a set temperature, pass@k into DIR/eval.json."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    parser.add_argument("--run-dir", default=None, help="run folder (default runs/<name>-eval-<time>)")
+    parser.add_argument("--bootstrap", default=None, help="use this Kafka cluster instead of the embedded broker")
+    parser.add_argument("--workers", action="append", default=[], metavar="STAGE=N", help="processes per stage")
+
+
+def eval_overrides(cfg) -> list[str]:
+    """What turns a training config into an evaluation: one group of `attempts` per task, one pass,
+    the evaluation temperature, and a learner that only records."""
+    return [f"scheduler.group_size={cfg.eval.attempts}", "scheduler.epochs=1", "scheduler.num_tasks=null",
+            f"agent.temperature={cfg.eval.temperature}", "learner.type=record"]
+
+
+def write_eval(run_dir: Path, cfg) -> dict:
+    from rollway.learning.passk import evaluate_attempts
+
+    trajs = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines() if line]
+    ks = sorted({*cfg.eval.ks, cfg.eval.attempts})
+    result = {"temperature": cfg.eval.temperature, "attempts_per_task": cfg.eval.attempts,
+              "reward_mean": round(sum(t["reward"] for t in trajs) / len(trajs), 6) if trajs else None,
+              **evaluate_attempts([(t["task_id"], bool(t["resolved"])) for t in trajs], ks)}
+    (run_dir / "eval.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def run(args: argparse.Namespace) -> int:
+    import time
+
+    from rollway.actors.scheduler import new_run_id
+    from rollway.core.config import load_config
+    from rollway.core.kafka import BrokerUnavailable
+    from rollway.runners.broker import BrokerError, EmbeddedBroker
+    from rollway.runners.cmd_up import prepare_run_dir
+    from rollway.runners.up import JobFailed, parse_workers, run_job, write_run_files
+
+    base = load_or_exit(args, "eval")
+    overrides = [*args.overrides, *eval_overrides(base)]
+    cfg = load_config(args.config, overrides)
+    cfg.run.id = cfg.run.id or new_run_id()
+    args.run_dir = args.run_dir or f"runs/{cfg.run.name}-eval-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = prepare_run_dir(args, cfg, "eval")
+    write_run_files(run_dir, cfg)
+    broker = None
+    try:
+        if args.bootstrap is None and cfg.broker.bootstrap is None:
+            broker = EmbeddedBroker(cfg.broker.port, log_path=run_dir / "logs" / "broker.out").start()
+        bootstrap = args.bootstrap or cfg.broker.bootstrap or broker.bootstrap
+        run_job(cfg, args.config, overrides, bootstrap, run_dir, parse_workers(args.workers))
+    except (BrokerError, BrokerUnavailable, JobFailed, ValueError) as err:
+        print(f"rollway eval: {err}", file=sys.stderr)
+        return 1
+    finally:
+        if broker is not None:
+            broker.stop()
+    result = write_eval(run_dir, cfg)
+    print(json.dumps({k: v for k, v in result.items() if k != "per_task"}))
+    return 0
