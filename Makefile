@@ -16,6 +16,9 @@ smoke: $(VENV)/.ready          ## the smoke job: 8 scripted episodes through the
 test: $(VENV)/.ready           ## the whole test suite
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
 
+bench: $(VENV)/.ready          ## pipelined vs bounded-batch rollout on the simulated workload (a few minutes)
+	$(ROLLWAY) bench pipeline
+
 lint: $(VENV)/.ready
 	$(VENV)/bin/ruff check .
 

@@ -66,6 +66,13 @@ class SinkActor(Actor):
 
     async def close(self) -> None:
         if self.s.cfg.sink.format == "parquet" and (self.dir / TRAJECTORIES_FILE).exists():
-            from rollway.learning.export import export_jsonl_to_parquet
+            export_parquet(self.dir / TRAJECTORIES_FILE, self.dir / "trajectories.parquet")
 
-            export_jsonl_to_parquet(self.dir / TRAJECTORIES_FILE, self.dir / "trajectories.parquet")
+
+def export_parquet(jsonl: Path, out: Path) -> int:
+    """The run's trajectories as Parquet in the documented trainer-facing columns (learning/EXPORT.md)."""
+    import msgspec
+    from rollway.learning.export import write_trajectories
+
+    trajs = [msgspec.convert(json.loads(line), Trajectory) for line in jsonl.read_text().splitlines() if line]
+    return write_trajectories(out, trajs)

@@ -174,13 +174,15 @@ def build_app(engine: SimEngine) -> web.Application:
     async def health(request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
 
-    async def start_engine(app: web.Application) -> None:
-        app["engine_task"] = asyncio.create_task(engine.run())
+    async def run_engine(app: web.Application):
+        task = asyncio.create_task(engine.run())
+        yield
+        task.cancel()
 
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.add_routes([web.post("/v1/completions", completions), web.get("/sim/steps", steps), web.get("/v1/models", models),
                     web.get("/health", health)])
-    app.on_startup.append(start_engine)
+    app.cleanup_ctx.append(run_engine)
     return app
 
 

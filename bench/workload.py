@@ -42,10 +42,10 @@ class WorkloadConfig(BaseModel):
     tool_s_median: float = Field(0.1, ge=0)
     """Tool execution time per turn."""
     tool_s_sigma: float = Field(0.8, ge=0)
-    init_s_median: float = Field(1.0, ge=0)
+    init_s_median: float = Field(1.3, ge=0)
     """Sandbox start (container/repo copy) time."""
     init_s_sigma: float = Field(0.5, ge=0)
-    grade_s_median: float = Field(1.0, ge=0)
+    grade_s_median: float = Field(1.3, ge=0)
     """Grading (test run) time."""
     grade_s_sigma: float = Field(0.5, ge=0)
     max_tail_s: float = Field(20.0, gt=0)
@@ -57,13 +57,13 @@ class WorkloadConfig(BaseModel):
     """Decode step time a in a + b * active_sequences (memory-bound part of a GPU step)."""
     step_per_seq_s: float = Field(0.00005, ge=0)
     """Decode step time b per active sequence."""
-    prefill_per_token_s: float = Field(0.00002, ge=0)
+    prefill_per_token_s: float = Field(0.000003, ge=0)
     """Extra step time per newly prefilled prompt token (prefix cache: only new tokens count)."""
     # -- resources (both modes) ---------------------------------------------------------------
     slots: int = Field(16, ge=1)
     """Concurrent sequences at the inference server: the baseline's slots, the pipeline's total agent
     concurrency, and the server's cap."""
-    init_lookahead: int = Field(6, ge=0)
+    init_lookahead: int = Field(8, ge=0)
     """Pipeline: episodes initialised ahead of agent capacity (scheduler.init_lookahead)."""
     init_concurrency: int = Field(16, ge=1)
     """Pipeline: sandboxes started at once (init.concurrency)."""
@@ -72,7 +72,7 @@ class WorkloadConfig(BaseModel):
     fetch_max_wait_ms: int = Field(10, ge=1)
     """Pipeline: broker.fetch_max_wait_ms of every consumer (the embedded broker answers a waiting
     fetch only when this expires, so it bounds each hop's delivery delay)."""
-    agent_prefetch: int = Field(4, ge=0)
+    agent_prefetch: int = Field(8, ge=0)
     """Pipeline: agent-steps an agent worker holds beyond its concurrency, to run later turns first."""
 
     @property

@@ -36,6 +36,10 @@ class PolicyConfig(BaseModel):
     """Scripted policy: the first rule whose `when` matches the prompt plays its turns."""
     base_url: str | None = None
     """OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1."""
+    launch: bool = False
+    """`openai` only: `rollway up`/`eval`/`chaos` start the built-in engine (`rollway serve` with
+    model, dtype, max_batch, max_model_len, threads) on a free loopback port and point `base_url`
+    at it; the learner's new policies are loaded into it."""
     model: str | None = None
     """Local model: 'smollm2' (the bundled SmolLM2-135M-Instruct GGUF), a .gguf file or a Hugging Face
     folder. For `openai`, also the model name sent to the server (None: the server's first model)."""
@@ -59,6 +63,7 @@ class PolicyConfig(BaseModel):
 
     @model_validator(mode="after")
     def _needs(self) -> PolicyConfig:
-        if self.type == "openai" and not self.base_url:
-            raise ValueError("policy.type=openai needs policy.base_url (e.g. http://127.0.0.1:8000/v1)")
+        if self.type == "openai" and not self.base_url and not self.launch:
+            raise ValueError("policy.type=openai needs policy.base_url (e.g. http://127.0.0.1:8000/v1) "
+                             "or policy.launch=true")
         return self

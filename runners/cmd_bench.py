@@ -58,6 +58,7 @@ def run_pipeline_bench(args: argparse.Namespace) -> int:
     from rollway.bench.run import run_bench
     from rollway.bench.workload import WorkloadConfig
     from rollway.core.config import ConfigError, apply_override
+    from rollway.core.logging import configure_logging
 
     data: dict = {}
     try:
@@ -71,6 +72,7 @@ def run_pipeline_bench(args: argparse.Namespace) -> int:
         print(f"rollway bench pipeline: {err}", file=sys.stderr)
         return 2
     out = Path(args.out or f"runs/bench-pipeline-{time.strftime('%Y%m%d-%H%M%S')}")
+    configure_logging("bench", level="WARNING")  # the in-process baseline would log every episode
     result = run_bench(wl, out, scaling, say=lambda m: print(m, file=sys.stderr, flush=True))
     (out / "result.json").write_text(json.dumps(result, indent=1))
     if args.json:

@@ -239,3 +239,24 @@ def test_agent_step_for_unknown_history_without_log_is_an_error(tmp_path):
     step = AgentStep(episode_id="e", group_id="g", task_id="toy-000", turn=2, sandbox={}, start_offset=0)
     with pytest.raises(RuntimeError, match="rebuild"):
         run(AgentActor(s).handle(step, meta()))
+
+
+def test_sink_writes_parquet_for_other_trainers(tmp_path):
+    from rollway.learning.export import read_rows
+
+    s = services(tmp_path, "sink.format=parquet", "run.id=r1")
+
+    async def scenario():
+        traj = await play_episode(s, episode_id="r1-g0-s7")
+        sink = SinkActor(s)
+        await sink.setup()
+        await sink.handle(traj, meta())
+        await sink.close()
+        return traj
+
+    traj = run(scenario())
+    [row] = read_rows(tmp_path / "run" / "trajectories.parquet")
+    assert row["episode_id"] == "r1-g0-s7" and row["reward"] == 1.0
+    assert row["prompt_ids"] == traj.token_ids[: traj.prompt_length]
+    assert row["prompt_ids"] + row["response_ids"] == traj.token_ids
+    assert len(row["response_loss_mask"]) == len(row["response_ids"])

@@ -6,7 +6,6 @@ import asyncio
 import time
 
 import pytest
-
 from conftest import ROOT, run
 from rollway.actors.base import MessageMeta
 from rollway.actors.scheduler import SchedulerActor

@@ -165,9 +165,6 @@ def test_through_run_tool_calls_and_diff(box) -> None:
     assert "+TOTAL = 42" in diff
 
 
-@pytest.mark.xfail(
-    reason="the sandbox's diff must exclude .rollway/ (editor undo history); reported", strict=False
-)
 def test_diff_leaves_out_tool_state(box) -> None:
     _, sandbox = box
     edit(sandbox, command="insert", path="README.md", insert_line=0, new_str="zero")

@@ -1,0 +1,77 @@
+"""The benchmark end to end: the in-process baseline against the simulated server, and a tiny
+`rollway bench pipeline --json` run of both modes (real broker, real stage processes)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from aiohttp import web
+from conftest import ROOT, run
+from rollway.bench.baseline import BatchDispatcher
+from rollway.bench.pipeline import load_run_config, run_config
+from rollway.bench.sim_server import SimEngine, build_app
+from rollway.bench.workload import WorkloadConfig, ideal_makespan, plan_workload, write_plans
+from rollway.runners.broker import free_port
+from rollway.sandboxes.sim import live_sandbox_stats
+
+TINY = ["episodes=6", "slots=2", "init_lookahead=1", "init_concurrency=2", "grade_concurrency=2",
+        "init_s_median=0.3", "grade_s_median=0.3", "turns_median=3", "tool_s_median=0.05",
+        "thought_tokens_median=10", "step_base_s=0.002"]
+
+
+def test_baseline_never_exceeds_its_slots_and_takes_at_least_the_ideal_makespan(tmp_path):
+    wl = WorkloadConfig(episodes=7, slots=3, init_s_median=0.2, grade_s_median=0.2, turns_median=3,
+                        tool_s_median=0.03, thought_tokens_median=10, step_base_s=0.002)
+    plans = plan_workload(wl)
+    write_plans(plans, tmp_path / "plans.jsonl")
+    port = free_port()
+    data = run_config(wl, tmp_path / "plans.jsonl", tmp_path / "sandboxes", f"http://127.0.0.1:{port}/v1", "b")
+    cfg = load_run_config(data, tmp_path / "config.yaml")
+
+    async def go():
+        engine = SimEngine({p.index: p for p in plans}, wl.step_base_s, wl.step_per_seq_s,
+                           wl.prefill_per_token_s, wl.slots)
+        runner = web.AppRunner(build_app(engine))
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            return await BatchDispatcher(cfg, tmp_path / "run", wl.slots).run(), engine
+        finally:
+            await runner.cleanup()
+
+    result, engine = run(go())
+    assert len(result.trajectories) == 7 and all(t.stop_reason == "finish" for t in result.trajectories)
+    assert result.peak_busy_slots == 3 and max(n for _, n in result.busy_slots_log) <= 3
+    assert max(n for _, _, n in engine.steps) <= 3, "the server never sees more sequences than slots"
+    assert result.makespan >= ideal_makespan(plans, wl)["ideal_makespan"]
+    assert sorted(t.num_turns for t in result.trajectories) == sorted(p.num_turns for p in plans)
+    sandboxes = live_sandbox_stats(tmp_path / "sandboxes")
+    assert sandboxes["peak_live_sandboxes"] <= 3 and sandboxes["leaked"] == 0
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_bench_pipeline_json_reports_every_figure(tmp_path):
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollway.runners", "bench", "pipeline", "--json", "--seed", "3", "--scaling", "1",
+         "--out", str(out), *TINY], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("ratio", "ideal_makespan", "efficiency", "broker_overhead_fraction", "baseline", "pipeline", "plot"):
+        assert key in result
+    b, p = result["baseline"], result["pipeline"]
+    for mode in (b, p):
+        assert mode["episodes"] == 6 and 0 < mode["busy_fraction"] <= 1
+        assert mode["makespan_s"] >= result["ideal_makespan"]
+        assert mode["sandboxes_leaked"] == 0 and mode["sandbox_seconds_per_episode"] > 0
+    assert b["peak_live_sandboxes"] <= 2
+    assert p["peak_live_sandboxes"] <= p["sandbox_bound"] == 2 + 1 + 2
+    for key in ("hop_latency_p50_ms", "hop_latency_p99_ms", "messages_per_second"):
+        assert p[key] > 0
+    assert p["bytes"]["fit"]["bytes_per_turn"] > 0 and p["episodes_failed"] == 0
+    assert result["ratio"] == pytest.approx(b["makespan_s"] / p["makespan_s"])
+    assert (out / "utilisation.png").stat().st_size > 0
