@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 from rollway.learning.config import LearnerConfig
-from rollway.learning.testing import make_trajectory
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Run 1 + `steps` updates on synthetic groups; tokens/s counts real tokens through
     forward+backward (the prompt included: it is computed too) over update wall time."""
+    from rollway.learning.testing import make_trajectory
     from rollway.learning.trainer import Trainer
 
     cfg = LearnerConfig(type="ppo", model_path=args.model, group_size=args.batch, dtype=args.dtype,

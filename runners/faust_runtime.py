@@ -8,15 +8,20 @@ Guarantees, and how they compare with the aiokafka `StageWorker`:
   unacked one. A crash redelivers whatever was in flight.
 - Exactly-once effect: for init, reward, learner and sink, the stage keeps a Faust `Table` per input
   topic (memory store, compacted changelog topic) of the dedup keys it has handled, so a worker that
-  takes a partition over, on this machine or another, skips redelivered episodes. The agent
-  deduplicates turns itself from the log (and must see duplicates to tear down their sandboxes); the
-  scheduler ignores outcomes of finished tickets.
+  takes a partition over, on this machine or another, skips redelivered episodes. An entry is
+  written after the outputs are acked (a dead-lettered message counts as handled), so a crash in
+  between repeats the work once, as the aiokafka worker would. The agent deduplicates turns itself
+  from the log (and must see duplicates to tear down their sandboxes); the scheduler ignores
+  outcomes of finished tickets.
 - Ordering: with `concurrency == 1` an agent handles a partition strictly in log order, as the
   aiokafka worker does. With `concurrency > 1` Faust's actors share one queue, so two messages of one
   partition, even of one key, may be handled in either order; a per-key lock still keeps one episode
   to one handler at a time. That is enough here because one episode has at most one outstanding
   message per topic in normal operation (turn k+1 exists only after turn k was handled); the rare
   overlaps (a re-issued attempt, a redelivery) are told apart by attempt and turn in the message.
+- Groups: the consumer group is the aiokafka worker's, so a stage can switch engines between runs
+  and keep its committed offsets. Do not run both engines in one group at once: Faust's assignor
+  (protocol "faust") and aiokafka's ("roundrobin") have no protocol in common.
 """
 
 from __future__ import annotations

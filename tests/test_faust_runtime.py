@@ -13,19 +13,20 @@ from pathlib import Path
 import msgspec
 import pytest
 from conftest import ROOT, run
+from rollway.core.config import BrokerConfig
 from rollway.core.kafka import ensure_topics
-from rollway.runners.faust_runtime import FaustStage, dedup_key, ensure_changelog_topics, run_faust_worker
+from rollway.runners.faust_runtime import (
+    FaustStage,
+    dedup_key,
+    ensure_changelog_topics,
+    faust_credentials,
+    run_faust_worker,
+)
 from rollway.schemas import AgentStep, DeadLetter, decode, encode
 from rollway.topics import AGENT_STEPS, DEAD_LETTERS, INIT_REQUESTS
 from test_stage_runtime import Forward, config, init_request, produce, read_all
 
 pytestmark = pytest.mark.broker
-
-
-class InitForward(Forward):
-    """Forward under a deduplicated stage's name (init: one effect per (episode, attempt))."""
-
-    name = "init"
 
 
 async def start_worker(actor: Forward, cfg, bootstrap: str, group: str, run_dir: Path,
@@ -78,7 +79,7 @@ def test_dedup_table_survives_a_worker_restart(broker, topic_prefix, tmp_path):
     group = f"{topic_prefix}init"
 
     async def one_worker(items: list, expect_seen: int, expect_skipped: int) -> FaustStage:
-        actor, stop = InitForward(), asyncio.Event()
+        actor, stop = Forward(), asyncio.Event()
         stage = FaustStage(actor, cfg, broker.bootstrap, 2, group, tmp_path)
         await ensure_changelog_topics(cfg, broker.bootstrap, group, [INIT_REQUESTS])
         task = asyncio.create_task(stage.run(stop))
@@ -102,13 +103,17 @@ def test_dedup_table_survives_a_worker_restart(broker, topic_prefix, tmp_path):
     assert second.stats["skipped_duplicates"] == 1 and second.stats["handled"] == 2
 
 
-def test_dedup_keys():
-    from rollway.schemas.messages import AgentStep as Step
-
+def test_dedup_keys_and_credentials():
     assert dedup_key(init_request(7)) == "e7/0"
-    assert dedup_key(Step(episode_id="e7", group_id="g", task_id="t", turn=1, sandbox={})) is None
+    assert dedup_key(AgentStep(episode_id="e7", group_id="g", task_id="t", turn=1, sandbox={})) is None
+    assert faust_credentials(BrokerConfig()) is None
+    sasl = faust_credentials(BrokerConfig(security_protocol="SASL_SSL", sasl_mechanism="SCRAM-SHA-512",
+                                          sasl_username="u", sasl_password="p"))
+    assert (sasl.protocol.value, sasl.mechanism.value, sasl.password) == ("SASL_SSL", "SCRAM-SHA-512", "p")
+    assert faust_credentials(BrokerConfig(security_protocol="SSL")).protocol.value == "SSL"
 
 
+@pytest.mark.e2e
 def test_smoke_job_with_reward_learner_and_sink_on_faust(tmp_path):
     run_dir = tmp_path / "run"
     out = subprocess.run(
