@@ -40,7 +40,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 from rollway.actors.base import Actor, MessageMeta, Output
 from rollway.core.config import BrokerConfig, RunConfig
-from rollway.core.kafka import client_kwargs, start_with_retry, topic_name
+from rollway.core.kafka import BrokerUnavailable, client_kwargs, start_with_retry, topic_name
 from rollway.runners.stage_runtime import COMMIT_INTERVAL_S, STATUS_INTERVAL_S, TICK_INTERVAL_S
 from rollway.schemas.codec import DecodeError, decode, encode
 from rollway.schemas.messages import (
@@ -145,8 +145,18 @@ async def ensure_changelog_topics(cfg: RunConfig, bootstrap: str, group_id: str,
             await admin.create_topics(new)
         except TopicAlreadyExistsError:
             pass  # another worker of this stage created them first
+        await _wait_for_topics(admin, {t.name for t in new})
     finally:
         await admin.close()
+
+
+async def _wait_for_topics(admin: AIOKafkaAdminClient, names: set[str], timeout_s: float = 15.0) -> None:
+    # Faust subscribes to the changelogs at start; a topic not yet in the metadata would stall recovery.
+    deadline = time.monotonic() + timeout_s
+    while not names <= set(await admin.list_topics()):
+        if time.monotonic() > deadline:
+            raise BrokerUnavailable(f"changelog topics {sorted(names)} were not created within {timeout_s}s")
+        await asyncio.sleep(0.1)
 
 
 class FaustStage:
