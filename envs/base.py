@@ -50,11 +50,16 @@ class TaskSet(ABC):
         """All tasks of the configured split, in a stable order."""
 
     def get(self, task_id: str) -> Task:
-        """The task with this id; KeyError naming the id when absent."""
-        for task in self.tasks():
-            if task.task_id == task_id:
-                return task
-        raise KeyError(f"task {task_id!r} is not in this task set; check tasks.* in the config")
+        """The task with this id; KeyError naming the id when absent. Indexed on first use (every
+        init and reward message looks its task up)."""
+        index = self.__dict__.get("_task_index")
+        if index is None:
+            index = self.__dict__["_task_index"] = {t.task_id: t for t in self.tasks()}
+        try:
+            return index[task_id]
+        except KeyError:
+            raise KeyError(f"task {task_id!r} is not in this {type(self).__name__} ({len(index)} tasks); "
+                           "check tasks.* in the config (count, split, limit, path)") from None
 
     @abstractmethod
     def sandbox_spec(self, task: Task) -> SandboxSpec:

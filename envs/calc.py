@@ -110,16 +110,10 @@ class CalcTaskSet(TaskSet):
             tasks.append(Task(task_id=f"calc-{k:04d}", prompt=f"What is {a} {op} {b}?",
                               metadata={"expression": f"{a} {op} {b}", "expected": evaluate(f"{a} {op} {b}")}))
         self._tasks = select_tasks(tasks, cfg)
-        self._by_id = {t.task_id: t for t in self._tasks}
 
     def tasks(self) -> list[Task]:
         return list(self._tasks)
 
-    def get(self, task_id: str) -> Task:
-        try:
-            return self._by_id[task_id]
-        except KeyError:
-            raise KeyError(f"task {task_id!r} is not in this calc task set (check tasks.count/split)") from None
 
     def sandbox_spec(self, task: Task) -> SandboxSpec:
         return SandboxSpec()

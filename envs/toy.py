@@ -27,16 +27,10 @@ class ToyTaskSet(TaskSet):
                 prompt="The file numbers.txt holds two integers. Write their sum to answer.txt, then call finish.",
                 metadata={"a": a, "b": b}))
         self._tasks = self._tasks[: cfg.limit or len(self._tasks)]
-        self._by_id = {t.task_id: t for t in self._tasks}
 
     def tasks(self) -> list[Task]:
         return list(self._tasks)
 
-    def get(self, task_id: str) -> Task:
-        try:
-            return self._by_id[task_id]
-        except KeyError:
-            raise KeyError(f"task {task_id!r} is not in the toy task set (tasks.count={len(self._tasks)})") from None
 
     def sandbox_spec(self, task: Task) -> SandboxSpec:
         return SandboxSpec(files={"numbers.txt": f"{task.metadata['a']} {task.metadata['b']}\n"})

@@ -217,10 +217,10 @@ def _run_stages(cfg: RunConfig, config_path: str, overrides: list[str], bootstra
         if code != 0 or not sched.get("done"):
             raise JobFailed(f"the scheduler exited with code {code}; see {run_dir / 'logs' / 'scheduler-0.out'}")
         wait_for_consumers(run_dir, sched["episodes_completed"], job)
-        progress.update(sched, read_json(run_dir / "sink-status.json"))  # the final counts
     finally:
+        job.stop()  # workers write their final status files as they stop
+        progress.update(read_json(run_dir / "scheduler.json"), read_json(run_dir / "sink-status.json"))
         progress.close()
-        job.stop()
     summary = summarize(run_dir, cfg, time.monotonic() - t0, job)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     if not quiet:
