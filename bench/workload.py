@@ -24,9 +24,9 @@ class WorkloadConfig(BaseModel):
 
     seed: int = 0
     """Seed of the workload: episode k's plan depends only on (seed, k)."""
-    episodes: int = Field(160, ge=1)
+    episodes: int = Field(192, ge=1)
     """Episodes per mode."""
-    turns_median: float = Field(5.0, gt=0)
+    turns_median: float = Field(4.0, gt=0)
     """Median model turns per episode (the last one calls finish)."""
     turns_sigma: float = Field(0.4, ge=0)
     turns_max: int = Field(20, ge=1)
@@ -42,10 +42,10 @@ class WorkloadConfig(BaseModel):
     tool_s_median: float = Field(0.1, ge=0)
     """Tool execution time per turn."""
     tool_s_sigma: float = Field(0.8, ge=0)
-    init_s_median: float = Field(1.3, ge=0)
+    init_s_median: float = Field(1.1, ge=0)
     """Sandbox start (container/repo copy) time."""
     init_s_sigma: float = Field(0.5, ge=0)
-    grade_s_median: float = Field(1.3, ge=0)
+    grade_s_median: float = Field(1.1, ge=0)
     """Grading (test run) time."""
     grade_s_sigma: float = Field(0.5, ge=0)
     max_tail_s: float = Field(20.0, gt=0)
@@ -63,9 +63,10 @@ class WorkloadConfig(BaseModel):
     slots: int = Field(16, ge=1)
     """Concurrent sequences at the inference server: the baseline's slots, the pipeline's total agent
     concurrency, and the server's cap."""
-    init_lookahead: int = Field(8, ge=0)
-    """Pipeline: episodes initialised ahead of agent capacity (scheduler.init_lookahead)."""
-    init_concurrency: int = Field(16, ge=1)
+    init_lookahead: int = Field(16, ge=0)
+    """Pipeline: episodes initialised ahead of agent capacity (scheduler.init_lookahead). Rule of thumb:
+    agent throughput (episodes/s) x (init time + scheduling delay), with margin for the long tail."""
+    init_concurrency: int = Field(32, ge=1)
     """Pipeline: sandboxes started at once (init.concurrency)."""
     grade_concurrency: int = Field(12, ge=1)
     """Pipeline: gradings at once (reward.concurrency)."""
