@@ -138,7 +138,19 @@ class SchedulerActor(Actor):
             oldest = min(t.policy_version for t in inflight)
             if self.policy_version - oldest > self.cfg.max_policy_lag:
                 return False
-        return True
+        return self._within_update_budget()
+
+    def _within_update_budget(self) -> bool:
+        """Rollouts may run at most max_policy_lag updates ahead of a training learner: episode i
+        belongs to update i // per_update, which may start once the learner reaches version
+        (that update - max_policy_lag)."""
+        learner = self.s.cfg.learner
+        if self.cfg.max_policy_lag is None or not learner.trains:
+            return True
+        per_update = learner.groups_per_step * (learner.group_size or self.cfg.group_size)
+        issued = self.next_group * self.cfg.group_size
+        allowed = (self.policy_version + 1 + self.cfg.max_policy_lag) * per_update
+        return issued + self.cfg.group_size <= allowed
 
     def _issue(self, t: Ticket, attempt: int) -> Output:
         now = time.time()

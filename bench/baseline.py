@@ -64,7 +64,10 @@ class BatchDispatcher:
             await actor.setup()
         results: list[Trajectory] = []
         started = time.time()
-        await asyncio.gather(*(self._slot(queue, results) for _ in range(self.slots)))
+        try:
+            await asyncio.gather(*(self._slot(queue, results) for _ in range(self.slots)))
+        finally:
+            await self.services.inference.close()
         ended = max(t.created_at for t in results) if results else time.time()
         return BaselineResult(results, self.issued_at, started, ended, self.peak, self.slots, self.busy_log)
 

@@ -104,7 +104,11 @@ def run_bench(wl: WorkloadConfig, out: Path, scaling: list[int], say=print) -> d
     """Baseline once, the pipeline once per agent-worker count (the first one is the headline)."""
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    say = (lambda m, _say=say: _say(f"[{time.monotonic() - t0:5.0f}s] {m}"))
+    print_progress = say
+
+    def say(message: str) -> None:
+        print_progress(f"[{time.monotonic() - t0:5.0f}s] {message}")
+
     plans = plan_workload(wl)
     write_plans(plans, out / "plans.jsonl")
     ideal = ideal_makespan(plans, wl)

@@ -87,8 +87,10 @@ class SchedulerConfig(StrictModel):
     max_attempts: int = Field(3, ge=1)
     """Attempts per episode before it is recorded failed."""
     max_policy_lag: int | None = Field(None, ge=0)
-    """New groups wait while the learner is more than this many versions ahead of the oldest in-flight
-    episode's policy version. None: no bound."""
+    """Bounded staleness, both ways. New groups wait while the learner is more than this many
+    versions ahead of the oldest in-flight episode's policy version; and, when the learner trains,
+    while the episodes issued would exceed (learner version + 1 + max_policy_lag) x episodes per
+    update, so rollouts never run more than this many updates ahead of the learner. None: no bound."""
     shuffle: bool = True
     """Shuffle tasks per epoch (seeded by run.seed)."""
     init_lookahead: int | None = Field(None, ge=0)

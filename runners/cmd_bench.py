@@ -68,6 +68,9 @@ def run_pipeline_bench(args: argparse.Namespace) -> int:
             data["seed"] = args.seed
         wl = WorkloadConfig.model_validate(data)
         scaling = [int(w) for w in args.scaling.split(",") if w.strip()] or [1]
+        if any(w < 1 or wl.slots % w for w in scaling):
+            raise ValueError(f"--scaling {args.scaling}: each agent worker count must divide slots={wl.slots}, "
+                             "so every run has the same total agent concurrency")
     except (ConfigError, ValidationError, ValueError) as err:
         print(f"rollway bench pipeline: {err}", file=sys.stderr)
         return 2

@@ -260,3 +260,23 @@ def test_sink_writes_parquet_for_other_trainers(tmp_path):
     assert row["prompt_ids"] == traj.token_ids[: traj.prompt_length]
     assert row["prompt_ids"] + row["response_ids"] == traj.token_ids
     assert len(row["response_loss_mask"]) == len(row["response_ids"])
+
+
+def test_scheduler_runs_at_most_max_policy_lag_updates_ahead_of_a_training_learner(tmp_path):
+    s = services(tmp_path, "tasks.count=4", "scheduler.group_size=2", "scheduler.max_inflight_episodes=100",
+                 "scheduler.max_policy_lag=1", "learner.type=ppo", "learner.groups_per_step=1", "run.id=rW")
+
+    async def scenario():
+        sched = SchedulerActor(s)
+        await sched.setup()
+        first = await sched.tick()
+        assert len(first) == 4  # updates 0 and 1 (2 episodes each) may be in flight at version 0
+        assert await sched.tick() == []
+        await sched.handle(PolicyVersion(version=1), meta())
+        # The lag rule on in-flight episodes holds until the version-0 episodes finish...
+        for t in sched.tickets.values():
+            if t.state == "inflight":
+                t.state = "completed"
+        assert len(await sched.tick()) == 2  # ...then exactly one more update's worth is released
+
+    run(scenario())
