@@ -8,6 +8,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
 import structlog
+
 from rollway.actors.base import Actor, MessageMeta, Output, failure_output
 from rollway.actors.episode import EpisodeState, observation_messages
 from rollway.actors.services import Services

@@ -6,6 +6,7 @@ import time
 import uuid
 
 import structlog
+
 from rollway.actors.base import Actor, MessageMeta, Output, failure_output
 from rollway.actors.services import Services
 from rollway.schemas.messages import AgentStep, InitRequest

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import structlog
+
 from rollway.actors.base import Actor, MessageMeta, Output
 from rollway.actors.services import Services
 from rollway.actors.sink import belongs_to_run

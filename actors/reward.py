@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import structlog
+
 from rollway.actors.base import Actor, MessageMeta, Output, failure_output
 from rollway.actors.services import Services
 from rollway.schemas.messages import RewardRequest, Trajectory

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import structlog
+
 from rollway.actors.base import Actor, MessageMeta, Output
 from rollway.actors.services import Services
 from rollway.schemas.messages import EpisodeFailure, InitRequest, PolicyVersion, RewardRequest, Trajectory

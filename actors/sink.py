@@ -72,6 +72,7 @@ class SinkActor(Actor):
 def export_parquet(jsonl: Path, out: Path) -> int:
     """The run's trajectories as Parquet in the documented trainer-facing columns (learning/EXPORT.md)."""
     import msgspec
+
     from rollway.learning.export import write_trajectories
 
     trajs = [msgspec.convert(json.loads(line), Trajectory) for line in jsonl.read_text().splitlines() if line]

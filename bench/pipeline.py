@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 from aiokafka import TopicPartition
+
 from rollway.bench.workload import WorkloadConfig
 from rollway.core.config import RunConfig, load_config
 from rollway.core.kafka import make_consumer, partitions_for, topic_name

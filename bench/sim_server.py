@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
+
 from rollway.bench.workload import EpisodePlan, WorkloadConfig, read_plans
 from rollway.policies.base import count_subsequence
 from rollway.policies.chat import IM_END, BytesChatML

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+
 from rollway.envs.config import TasksConfig
 from rollway.learning.config import LearnerConfig
 from rollway.policies.config import PolicyConfig

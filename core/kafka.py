@@ -10,6 +10,7 @@ import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExistsError
+
 from rollway.core.config import BrokerConfig, TopicsConfig
 from rollway.topics import ALL_TOPICS, TopicSpec
 

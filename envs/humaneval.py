@@ -10,8 +10,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from rollway.envs.base import Grade, Task, TaskSet
 from rollway.envs import humaneval_tools  # noqa: F401 - registers the `python` tool
+from rollway.envs.base import Grade, Task, TaskSet
 from rollway.envs.config import TasksConfig
 from rollway.envs.split import select_tasks
 from rollway.sandboxes.base import Sandbox, SandboxProvider, SandboxSpec

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
 from rollway.learning.config import LearnerConfig
 
 

@@ -30,7 +30,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Run 1 + `steps` updates on synthetic groups; tokens/s counts real tokens through
     forward+backward (the prompt included: it is computed too) over update wall time."""
-    from rollway.learning.testing import make_trajectory
     from rollway.learning.trainer import Trainer
 
     cfg = LearnerConfig(type="ppo", model_path=args.model, group_size=args.batch, dtype=args.dtype,
@@ -58,6 +57,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _one_update(trainer: Any, group: str, args: argparse.Namespace, vocab: int) -> dict[str, float]:
+    from rollway.learning.testing import make_trajectory
+
     rng = random.Random(group)
     prompt = [rng.randrange(vocab) for _ in range(args.prompt_len)]
     results = []

@@ -31,6 +31,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
 from rollway.schemas.messages import Trajectory
 
 SCHEMA = pa.schema([

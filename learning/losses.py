@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
 from rollway.learning.config import LossAgg
 
 _MAX_LOG_RATIO = 20.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from rollway.learning.modeling import ModelFactory
 from rollway.schemas.messages import Trajectory
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from rollway.learning.advantages import build_advantage_estimator, group_advantages
 from rollway.learning.batching import Sample, collate, plan_micro_batches
 from rollway.learning.checkpoint import (

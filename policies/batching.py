@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
 from rollway.policies.base import SamplingParams
 
 

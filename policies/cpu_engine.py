@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+
 from rollway.policies.base import SamplingParams
 
 VERSION_HEADER = "X-Policy-Version"
@@ -269,6 +270,7 @@ def build_engine(model: str | None = None, dtype: str = "bfloat16", device: str 
     """Load the model (see `model_loading`) and start a `BatchEngine` behind an `EngineServer`.
     `threads` > 0 sets torch's CPU threads (1 is much faster when the cores are shared)."""
     import torch
+
     from rollway.policies.batching import BatchEngine
     from rollway.policies.model_loading import (
         DEFAULT_MODEL,

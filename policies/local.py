@@ -18,6 +18,7 @@ class LocalEngineClient(InferenceClient):
     @classmethod
     def from_config(cls, cfg: PolicyConfig) -> LocalEngineClient:
         import torch  # late: heavy
+
         from rollway.policies.batching import BatchEngine
         from rollway.policies.model_loading import eos_token_ids, load_causal_lm
 

@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 import aiohttp
+
 from rollway.policies.base import Generation, InferenceClient, SamplingParams
 
 VERSION_HEADER = "X-Policy-Version"

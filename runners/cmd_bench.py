@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
 
 def run_pipeline_bench(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
+
     from rollway.bench.report import format_text
     from rollway.bench.run import run_bench
     from rollway.bench.workload import WorkloadConfig

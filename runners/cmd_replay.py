@@ -52,6 +52,7 @@ def _jsonable(value: Any) -> Any:
 async def read_topic(args: argparse.Namespace, emit) -> int:
     import msgspec
     from aiokafka import TopicPartition
+
     from rollway.core.config import BrokerConfig
     from rollway.core.kafka import make_consumer
     from rollway.schemas.codec import DecodeError, decode

@@ -31,6 +31,7 @@ def load(args: argparse.Namespace) -> tuple[list[dict], str]:
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
+
     from rollway.core.kafka import BrokerUnavailable
     from rollway.runners.episodes import EpisodeNotFound, find_episode
     from rollway.runners.show import render, render_html

@@ -70,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
 def write_report_or_warn(run_dir: Path) -> None:
     """The run's results are already on disk; a report that cannot be drawn must not fail the run."""
     import structlog
+
     from rollway.runners.report import write_report
 
     try:

@@ -38,6 +38,7 @@ from typing import Any
 import structlog
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
+
 from rollway.actors.base import Actor, MessageMeta, Output
 from rollway.core.config import BrokerConfig, RunConfig
 from rollway.core.kafka import BrokerUnavailable, client_kwargs, start_with_retry, topic_name

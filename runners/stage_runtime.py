@@ -14,6 +14,7 @@ from typing import Any
 import structlog
 from aiokafka import ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
+
 from rollway.actors.base import Actor, MessageMeta, Output
 from rollway.core.config import RunConfig
 from rollway.core.kafka import ensure_topics, make_consumer, make_producer, topic_name

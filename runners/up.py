@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
+
 from rollway.actors import STAGES
 from rollway.core.config import RunConfig, dump_config
 

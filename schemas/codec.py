@@ -6,6 +6,7 @@ from functools import cache
 from typing import Any, TypeVar
 
 import msgspec
+
 from rollway.schemas.messages import SCHEMA_VERSION, Message
 
 M = TypeVar("M", bound=Message)

@@ -6,8 +6,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, run
+
 from rollway.actors.agent import AgentActor
 from rollway.actors.base import MessageMeta
 from rollway.actors.init import InitActor

@@ -10,6 +10,7 @@ import sys
 import pytest
 from aiohttp import web
 from conftest import ROOT, run
+
 from rollway.bench.baseline import BatchDispatcher
 from rollway.bench.pipeline import load_run_config, run_config
 from rollway.bench.sim_server import SimEngine, build_app

@@ -7,6 +7,7 @@ import time
 
 import pytest
 from conftest import ROOT, run
+
 from rollway.actors.base import MessageMeta
 from rollway.actors.scheduler import SchedulerActor
 from rollway.actors.services import Services

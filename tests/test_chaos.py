@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
+
 from rollway.runners.chaos import count_outcomes
 
 pytestmark = pytest.mark.e2e

@@ -8,11 +8,9 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import ROOT, wait_until
 
 pytestmark = pytest.mark.e2e

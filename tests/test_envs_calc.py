@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import run
+from test_actors import play_episode, services
+
 from rollway.envs.calc import CalcTaskSet, evaluate
 from rollway.envs.config import TasksConfig
-from test_actors import play_episode, services
 
 
 def test_evaluate_allows_integer_arithmetic_only():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from rollway.envs.config import TasksConfig
 from rollway.envs.factory import build_taskset
 from rollway.envs.humaneval import SOLUTION_FILE, HumanEvalTaskSet, grade_solution, load_problems

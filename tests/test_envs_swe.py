@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from rollway.envs.config import TasksConfig
 from rollway.envs.factory import build_taskset
 from rollway.envs.mutations import Mutation, apply_mutation, find_mutations

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import yaml
-
 from conftest import ROOT
 
 RIGHT = '<tool_call>{"name": "answer", "arguments": {"value": "158"}}</tool_call>'

@@ -13,6 +13,8 @@ from pathlib import Path
 import msgspec
 import pytest
 from conftest import ROOT, run
+from test_stage_runtime import Forward, config, init_request, produce, read_all
+
 from rollway.core.config import BrokerConfig
 from rollway.core.kafka import ensure_topics
 from rollway.runners.faust_runtime import (
@@ -24,7 +26,6 @@ from rollway.runners.faust_runtime import (
 )
 from rollway.schemas import AgentStep, DeadLetter, decode, encode
 from rollway.topics import AGENT_STEPS, DEAD_LETTERS, INIT_REQUESTS
-from test_stage_runtime import Forward, config, init_request, produce, read_all
 
 pytestmark = pytest.mark.broker
 

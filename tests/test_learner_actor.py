@@ -7,12 +7,12 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT, run
+from test_actors import services
+
 from rollway.actors.base import MessageMeta
 from rollway.actors.learner import LearnerActor
 from rollway.learning.testing import make_trajectory, tiny_model_factory
-from test_actors import services
 
 
 def learner_services(tmp_path, *extra: str):

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from rollway.learning.advantages import (
     DrGRPOAdvantage,
     GRPOAdvantage,

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+
 from rollway.learning.export import ParquetTrajectoryWriter, read_rows, read_trajectories, write_trajectories
 from rollway.learning.testing import make_trajectory
 

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from rollway.learning.losses import (
     ClipParams,
     TokenStats,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from rollway.learning.config import LearnerConfig
 from rollway.learning.staleness import lag_histogram, policy_lag, stale_weight
 from rollway.learning.testing import make_trajectory, tiny_model_factory

@@ -7,6 +7,7 @@ import math
 
 import aiohttp
 import pytest
+
 from rollway.policies.base import SamplingParams
 from rollway.policies.openai_client import InferenceRequestError, OpenAICompletionsClient
 
@@ -19,6 +20,7 @@ QUESTIONS = ["What is 2+2?", "Name three colors.", "Write a haiku about the sea,
 def server():
     """One fp32 engine for the module (fp32: batched and single decoding agree bit-for-bit in argmax)."""
     import torch
+
     from rollway.policies.cpu_engine import BackgroundServer, build_engine
 
     threads = torch.get_num_threads()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from rollway.policies.hf_chat import HFChatFormat
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "Run a shell command",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
+
 from rollway.policies.base import SamplingParams
 from rollway.policies.config import PolicyConfig
 from rollway.policies.factory import build_inference

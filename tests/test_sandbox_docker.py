@@ -14,6 +14,7 @@ from typing import Any
 
 import docker.errors
 import pytest
+
 from rollway.runners import cmd_sandbox
 from rollway.sandboxes.base import SandboxError, SandboxSpec
 from rollway.sandboxes.config import SandboxConfig

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
+
 from rollway.runners import cmd_sandbox
 from rollway.sandboxes.base import SandboxError, SandboxSpec
 from rollway.sandboxes.config import SandboxConfig

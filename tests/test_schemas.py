@@ -7,8 +7,18 @@ import pytest
 
 from rollway.actors.reward import assemble
 from rollway.schemas import (
-    AgentStep, DeadLetter, DecodeError, EpisodeFailure, InitRequest, Observation, PolicyVersion,
-    RewardRequest, Trajectory, TurnRecord, decode, encode,
+    AgentStep,
+    DeadLetter,
+    DecodeError,
+    EpisodeFailure,
+    InitRequest,
+    Observation,
+    PolicyVersion,
+    RewardRequest,
+    Trajectory,
+    TurnRecord,
+    decode,
+    encode,
 )
 from rollway.topics import ALL_TOPICS, BY_NAME, get_topic
 

@@ -7,8 +7,8 @@ import time
 
 import pytest
 from aiokafka import AIOKafkaConsumer
-
 from conftest import run
+
 from rollway.actors.base import Actor, MessageMeta, Output
 from rollway.core.config import BrokerConfig, RunConfig
 from rollway.core.kafka import BrokerUnavailable, ensure_topics, make_producer, topic_name

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 import pytest
+
 from rollway.tools.base import Tool, ToolCall, ToolResult
 from rollway.tools.config import ToolsConfig
 from rollway.tools.parsing import CallError, parse_tool_calls

@@ -14,6 +14,7 @@ from typing import Any
 import click
 import pytest
 import yaml
+
 from rollway.sandboxes.base import ExecResult, Sandbox, SandboxSpec
 from rollway.sandboxes.config import SandboxConfig
 from rollway.sandboxes.local import LocalSandboxProvider, remove_tree
