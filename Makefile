@@ -3,12 +3,15 @@ VENV := .venv
 PY := $(VENV)/bin/python
 ROLLWAY := $(VENV)/bin/rollway
 
-.PHONY: setup smoke test lint format demo bench clean
+.PHONY: setup run smoke test lint format demo bench clean
 
 $(VENV)/.ready: pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
 
 setup: $(VENV)/.ready
+
+run: $(VENV)/.ready            ## a short learning run (4 groups x 8 episodes, 2 updates) on SmolLM2-135M
+	$(ROLLWAY) up examples/learn.yaml scheduler.num_tasks=4
 
 smoke: $(VENV)/.ready          ## the smoke job: 8 scripted episodes through the whole pipeline
 	$(ROLLWAY) up examples/smoke.yaml

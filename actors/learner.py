@@ -37,6 +37,7 @@ class LearnerActor(Actor):
         self._where: dict[str, tuple[str, int, int]] = {}
         self._uncheckpointed: set[str] = set()
         self.version = 0
+        self._announced = 0  # episodes_trained last published
 
     async def setup(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -46,6 +47,7 @@ class LearnerActor(Actor):
         if self.s.cfg.learner.trains:
             self.trainer = await asyncio.to_thread(self._build_trainer)
             self.version = self.trainer.state.version
+            self._announced = self.trainer.state.episodes_trained
             if self.trainer.latest_checkpoint is not None:
                 # Resumed: make sure the engine serves what the checkpoint holds.
                 await self._sync_engine(self.trainer.latest_checkpoint, self.version)
@@ -86,7 +88,16 @@ class LearnerActor(Actor):
 
     async def _publish(self, results) -> list[Output]:
         outputs = []
+        trained = self.trainer.state.episodes_trained if self.trainer else 0
+        if not results and trained > self._announced:
+            # Consumed without a weight change (every group had equal rewards): same version, but
+            # the scheduler must still see the learner's progress or it waits for it forever.
+            outputs.append(Output(POLICY_VERSIONS, None, PolicyVersion(
+                version=self.version, step=self.trainer.state.step, episodes_trained=trained,
+                created_at=time.time())))
+            self._announced = trained
         for r in results:
+            self._announced = max(self._announced, r.episodes_trained)
             if r.checkpoint_path is None:
                 self._uncheckpointed |= set(r.episode_ids)
             else:

@@ -57,6 +57,7 @@ class SchedulerActor(Actor):
         self.next_group = 0
         self.tickets: dict[str, Ticket] = {}
         self.policy_version = 0
+        self.learner_episodes = 0  # episodes the learner has consumed (trained or found no signal in)
         self.started_at = time.time()
         self.pre_reward_bound: int | None = None
         if self.cfg.init_lookahead is not None:
@@ -88,6 +89,7 @@ class SchedulerActor(Actor):
                      meta: MessageMeta) -> list[Output]:
         if isinstance(msg, PolicyVersion):
             self.policy_version = max(self.policy_version, msg.version)
+            self.learner_episodes = max(self.learner_episodes, msg.episodes_trained)
             return []
         ticket = self.tickets.get(msg.episode_id)
         if ticket is None or ticket.state != "inflight":
@@ -142,15 +144,16 @@ class SchedulerActor(Actor):
         return self._within_update_budget()
 
     def _within_update_budget(self) -> bool:
-        """Rollouts may run at most max_policy_lag updates ahead of a training learner: episode i
-        belongs to update i // per_update, which may start once the learner reaches version
-        (that update - max_policy_lag)."""
+        """Rollouts may run at most max_policy_lag updates ahead of a training learner: issued
+        episodes stay within (1 + max_policy_lag) updates' worth of what the learner has consumed.
+        Counting consumed episodes, not versions, keeps this going when an update is skipped for
+        lack of signal (all rewards in its groups equal)."""
         learner = self.s.cfg.learner
         if self.cfg.max_policy_lag is None or not learner.trains:
             return True
         per_update = learner.groups_per_step * (learner.group_size or self.cfg.group_size)
         issued = self.next_group * self.cfg.group_size
-        allowed = (self.policy_version + 1 + self.cfg.max_policy_lag) * per_update
+        allowed = self.learner_episodes + (1 + self.cfg.max_policy_lag) * per_update
         return issued + self.cfg.group_size <= allowed
 
     def _issue(self, t: Ticket, attempt: int) -> Output:

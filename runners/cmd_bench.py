@@ -1,4 +1,4 @@
-"""`rollway bench`: benchmarks. `pipeline` (pipelined vs batched rollout), `serve`, `learner`."""
+"""`rollway bench`: benchmarks. `pipeline` (pipelined vs batched rollout), `serve`, `learner`, `learn`."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ import time
 from pathlib import Path
 
 NAME = "bench"
-HELP = "Benchmarks: pipeline (pipelined vs bounded-batch rollout), serve (inference engine), learner."
+HELP = ("Benchmarks: pipeline (pipelined vs bounded-batch rollout), serve (inference engine), learner "
+        "(training tokens/s), learn (held-out pass rate before and after a training run).")
 
-DELEGATES = {"serve": "rollway.policies.bench_serve", "learner": "rollway.learning.bench"}
+DELEGATES = {"serve": "rollway.policies.bench_serve", "learner": "rollway.learning.bench",
+             "learn": "rollway.bench.learn"}
 """Subcommands owned by other packages: each module has add_arguments(parser) and run(args)."""
 
 

@@ -272,11 +272,15 @@ def test_scheduler_runs_at_most_max_policy_lag_updates_ahead_of_a_training_learn
         first = await sched.tick()
         assert len(first) == 4  # updates 0 and 1 (2 episodes each) may be in flight at version 0
         assert await sched.tick() == []
-        await sched.handle(PolicyVersion(version=1), meta())
+        await sched.handle(PolicyVersion(version=1, episodes_trained=2), meta())
         # The lag rule on in-flight episodes holds until the version-0 episodes finish...
         for t in sched.tickets.values():
             if t.state == "inflight":
                 t.state = "completed"
         assert len(await sched.tick()) == 2  # ...then exactly one more update's worth is released
+        assert await sched.tick() == []
+        # An update skipped for lack of signal keeps the version but still releases work.
+        await sched.handle(PolicyVersion(version=1, episodes_trained=4), meta())
+        assert len(await sched.tick()) == 2
 
     run(scenario())

@@ -88,3 +88,19 @@ def test_up_with_a_training_learner_publishes_policy_versions(tmp_path, broker):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert 0 < summary["reward_mean"] < 1
     assert (run_dir / "metrics.jsonl").exists()
+
+
+def test_learner_announces_progress_when_a_step_has_no_signal(tmp_path):
+    """All-equal rewards give no update; the scheduler still has to learn the episodes were consumed."""
+    s = learner_services(tmp_path)
+
+    async def scenario():
+        actor = LearnerActor(s, trainer_factory=tiny_model_factory())
+        await actor.setup()
+        await actor.handle(traj(0, 1.0), MessageMeta("trajectories", 0, 1))
+        [out] = await actor.handle(traj(1, 1.0), MessageMeta("trajectories", 0, 2))
+        await actor.close()
+        return out.value
+
+    pv = run(scenario())
+    assert pv.version == 0 and pv.checkpoint is None and pv.episodes_trained == 2
