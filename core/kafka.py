@@ -109,16 +109,19 @@ async def ensure_topics(cfg: BrokerConfig, topics: TopicsConfig, bootstrap: str,
                         topic_configs={"retention.ms": str(s.retention_ms)})
                for s in specs if topic_name(s, topics) not in existing]
         if new:
-            try:
-                await admin.create_topics(new)
-            except TopicAlreadyExistsError:
-                pass  # another process created them first
-            await _wait_for_topics(admin, {t.name for t in new})
+            await create_topics(admin, new)
     finally:
         await admin.close()
 
 
-async def _wait_for_topics(admin: AIOKafkaAdminClient, names: set[str], timeout_s: float = 15.0) -> None:
+async def create_topics(admin: AIOKafkaAdminClient, new: list[NewTopic], timeout_s: float = 15.0) -> None:
+    """Create topics (tolerating a concurrent creator) and wait until the metadata lists them: a
+    consumer subscribing to a topic not yet in the metadata would stall."""
+    try:
+        await admin.create_topics(new)
+    except TopicAlreadyExistsError:
+        pass  # another process created them first
+    names = {t.name for t in new}
     deadline = time.monotonic() + timeout_s
     while not names <= set(await admin.list_topics()):
         if time.monotonic() > deadline:

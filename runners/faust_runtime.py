@@ -37,22 +37,27 @@ from typing import Any
 
 import structlog
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaError, TopicAlreadyExistsError
+from aiokafka.errors import KafkaError
 
 from rollway.actors.base import Actor, MessageMeta, Output
 from rollway.core.config import BrokerConfig, RunConfig
-from rollway.core.kafka import BrokerUnavailable, client_kwargs, start_with_retry, topic_name
-from rollway.runners.stage_runtime import COMMIT_INTERVAL_S, STATUS_INTERVAL_S, TICK_INTERVAL_S
+from rollway.core.kafka import client_kwargs, create_topics, start_with_retry, topic_name
+from rollway.runners.stage_runtime import (
+    COMMIT_INTERVAL_S,
+    STATUS_INTERVAL_S,
+    TICK_INTERVAL_S,
+    dead_letter,
+    handle_or_dead_letter,
+)
 from rollway.schemas.codec import DecodeError, decode, encode
 from rollway.schemas.messages import (
-    DeadLetter,
     EpisodeFailure,
     InitRequest,
     Message,
     RewardRequest,
     Trajectory,
 )
-from rollway.topics import DEAD_LETTERS, TopicSpec
+from rollway.topics import TopicSpec
 
 log = structlog.get_logger()
 
@@ -142,22 +147,9 @@ async def ensure_changelog_topics(cfg: RunConfig, bootstrap: str, group_id: str,
         counts = {d["topic"]: len(d["partitions"]) for d in described}
         new = [NewTopic(changelog_name(group_id, s), counts[topic_name(s, cfg.topics)], cfg.topics.replication_factor,
                         topic_configs={"cleanup.policy": "compact"}) for s in missing]
-        try:
-            await admin.create_topics(new)
-        except TopicAlreadyExistsError:
-            pass  # another worker of this stage created them first
-        await _wait_for_topics(admin, {t.name for t in new})
+        await create_topics(admin, new)  # Faust subscribes to the changelogs at start
     finally:
         await admin.close()
-
-
-async def _wait_for_topics(admin: AIOKafkaAdminClient, names: set[str], timeout_s: float = 15.0) -> None:
-    # Faust subscribes to the changelogs at start; a topic not yet in the metadata would stall recovery.
-    deadline = time.monotonic() + timeout_s
-    while not names <= set(await admin.list_topics()):
-        if time.monotonic() > deadline:
-            raise BrokerUnavailable(f"changelog topics {sorted(names)} were not created within {timeout_s}s")
-        await asyncio.sleep(0.1)
 
 
 class FaustStage:
@@ -264,33 +256,18 @@ class FaustStage:
                 self.stats["skipped_duplicates"] += 1
                 return
             meta = MessageMeta(message.topic, message.partition, message.offset, int(message.timestamp * 1000))
-            await self._send(await self._handle(msg, meta, event))
+            outputs = await handle_or_dead_letter(self.actor, msg, meta, lambda r: self._dead_letter(event, r))
+            self.stats["handled"] += 1
+            await self._send(outputs)
             if table is not None and key is not None:
                 table[key] = time.time()  # after the acks: a crash before this only repeats work
         if not self.key_locks[event.key].locked():
             self.key_locks.pop(event.key, None)
 
-    async def _handle(self, msg: Any, meta: MessageMeta, event: Any) -> list[Output]:
-        try:
-            outputs = await self.actor.handle(msg, meta)
-            self.stats["handled"] += 1
-            return outputs
-        except asyncio.CancelledError:
-            raise
-        except Exception as err:  # noqa: BLE001 - a failing message must not stop the stage
-            log.exception("handler failed; message dead-lettered", stage=self.actor.name,
-                          episode_id=getattr(msg, "episode_id", None), offset=meta.offset)
-            return [self._dead_letter(event, f"handler: {type(err).__name__}: {err}"),
-                    *self.actor.on_error(msg, err)]
-
     def _dead_letter(self, event: Any, reason: str) -> Output:
-        message = event.message
+        m = event.message
         self.stats["dead_lettered"] += 1
-        log.warning("dead letter", stage=self.actor.name, topic=message.topic, partition=message.partition,
-                    offset=message.offset, reason=reason[:500])
-        return Output(DEAD_LETTERS, None, DeadLetter(
-            source_topic=message.topic, partition=message.partition, offset=message.offset, key=event.key,
-            value=event.value, reason=reason, stage=self.actor.name, at=time.time()))
+        return dead_letter(self.actor.name, m.topic, m.partition, m.offset, event.key, event.value, reason)
 
     async def _send(self, outputs: list[Output]) -> None:
         """Produce each output and wait for the broker's ack, retrying with backoff while the broker

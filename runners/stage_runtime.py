@@ -8,6 +8,7 @@ import json
 import os
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,28 @@ COMMIT_INTERVAL_S = 0.5
 TICK_INTERVAL_S = 0.2
 TOPIC_CHECK_INTERVAL_S = 5.0
 STATUS_INTERVAL_S = 0.5
+
+
+async def handle_or_dead_letter(actor: Actor, msg: Any, meta: MessageMeta,
+                                dead_letter_for: Callable[[str], Output]) -> list[Output]:
+    """`actor.handle`, or on an exception the dead letter plus the actor's failure outputs: a failing
+    message must not stop the stage (shared by the aiokafka and Faust runtimes)."""
+    try:
+        return await actor.handle(msg, meta)
+    except asyncio.CancelledError:
+        raise
+    except Exception as err:  # noqa: BLE001 - see docstring
+        log.exception("handler failed; message dead-lettered", stage=actor.name,
+                      episode_id=getattr(msg, "episode_id", None), offset=meta.offset)
+        return [dead_letter_for(f"handler: {type(err).__name__}: {err}"), *actor.on_error(msg, err)]
+
+
+def dead_letter(stage: str, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None,
+                reason: str) -> Output:
+    """The dead-letters message for one input: original bytes, reason and source."""
+    log.warning("dead letter", stage=stage, topic=topic, partition=partition, offset=offset, reason=reason[:500])
+    return Output(DEAD_LETTERS, None, DeadLetter(source_topic=topic, partition=partition, offset=offset, key=key,
+                                                 value=value, reason=reason, stage=stage, at=time.time()))
 
 
 class OffsetTracker:
@@ -186,7 +209,9 @@ class StageWorker:
                 # Every log line written while handling carries the episode id.
                 with structlog.contextvars.bound_contextvars(episode_id=getattr(msg, "episode_id", None)):
                     started = time.time()
-                    outputs = await self._handle(msg, meta, record, tp)
+                    outputs = await handle_or_dead_letter(self.actor, msg, meta,
+                                                          lambda r: self._dead_letter(record, tp, r))
+                    self.stats["handled"] += 1
                     if self.trace is not None:
                         self.trace.handled(tp, record, msg, started, time.time())
             if not self.key_locks[record.key].locked():
@@ -194,26 +219,9 @@ class StageWorker:
         await self._send(outputs)
         self.offsets.finish(tp, record.offset)
 
-    async def _handle(self, msg: Any, meta: MessageMeta, record: Any, tp: TopicPartition) -> list[Output]:
-        try:
-            outputs = await self.actor.handle(msg, meta)
-            self.stats["handled"] += 1
-            return outputs
-        except asyncio.CancelledError:
-            raise
-        except Exception as err:  # noqa: BLE001 - a failing message must not stop the stage
-            log.exception("handler failed; message dead-lettered", stage=self.actor.name,
-                          episode_id=getattr(msg, "episode_id", None), offset=record.offset)
-            return [self._dead_letter(record, tp, f"handler: {type(err).__name__}: {err}"),
-                    *self.actor.on_error(msg, err)]
-
     def _dead_letter(self, record: Any, tp: TopicPartition, reason: str) -> Output:
         self.stats["dead_lettered"] += 1
-        log.warning("dead letter", stage=self.actor.name, topic=tp.topic, partition=tp.partition,
-                    offset=record.offset, reason=reason[:500])
-        return Output(DEAD_LETTERS, None, DeadLetter(
-            source_topic=tp.topic, partition=tp.partition, offset=record.offset, key=record.key,
-            value=record.value, reason=reason, stage=self.actor.name, at=time.time()))
+        return dead_letter(self.actor.name, tp.topic, tp.partition, record.offset, record.key, record.value, reason)
 
     async def _send(self, outputs: list[Output]) -> None:
         """Produce and wait for the broker's acks (before the input offset may be committed).

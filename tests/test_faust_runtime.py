@@ -37,7 +37,8 @@ async def start_worker(actor: Forward, cfg, bootstrap: str, group: str, run_dir:
     return task, stop
 
 
-async def wait_for(predicate, timeout_s: float = 30.0) -> None:
+async def wait_for(predicate, timeout_s: float = 60.0) -> None:
+    # Generous: a restarted member waits out the old one on Tansu (about 8 s idle, more under load).
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, "timed out waiting for the faust worker"
