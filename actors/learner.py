@@ -62,14 +62,14 @@ class LearnerActor(Actor):
     async def handle(self, msg: Trajectory, meta: MessageMeta) -> list[Output]:
         if not belongs_to_run(msg.episode_id, self.s.cfg.run.id) or msg.episode_id in self.seen:
             return []
-        outputs: list[Output] = []
-        if self.trainer is not None:
-            self._where[msg.episode_id] = (meta.topic, meta.partition, meta.offset)
-            async with self._lock:
-                results = await asyncio.to_thread(self.trainer.add, msg)
-            outputs = await self._publish(results)
         self._record(msg)
-        return outputs
+        if self.trainer is None:
+            return []
+        self._where[msg.episode_id] = (meta.topic, meta.partition, meta.offset)
+        async with self._lock:
+            self._write_status(training=True)  # `rollway up` waits for this before stopping the learner
+            results = await asyncio.to_thread(self.trainer.add, msg)
+        return await self._publish(results)
 
     async def tick(self) -> list[Output]:
         if self.trainer is None or self._lock.locked():
@@ -131,10 +131,10 @@ class LearnerActor(Actor):
         self.seen.add(msg.episode_id)
         self._write_status()
 
-    def _write_status(self) -> None:
+    def _write_status(self, training: bool = False) -> None:
         tmp = self.dir / (STATUS_FILE + ".tmp")
         tmp.write_text(json.dumps({
-            "episodes_received": len(self.seen), "policy_version": self.version,
+            "episodes_received": len(self.seen), "policy_version": self.version, "training": training,
             "episodes_buffered": len(self.trainer.pending_episode_ids()) if self.trainer else 0,
             "updated_at": time.time()}))
         tmp.replace(self.dir / STATUS_FILE)

@@ -230,14 +230,18 @@ def _run_stages(cfg: RunConfig, config_path: str, overrides: list[str], bootstra
     return summary
 
 
-def wait_for_consumers(run_dir: Path, completed: int, job: Job, timeout_s: float = 90.0) -> None:
-    """The scheduler has seen every outcome; wait until the sink and learner have too (restarting
-    them if they crash meanwhile)."""
+def wait_for_consumers(run_dir: Path, completed: int, job: Job, timeout_s: float = 90.0,
+                       training_timeout_s: float = 1800.0) -> None:
+    """The scheduler has seen every outcome; wait until the sink and learner have too, and until an
+    update the last episodes started has finished (restarting crashed workers meanwhile)."""
     deadline = time.monotonic() + timeout_s
+    hard_deadline = time.monotonic() + training_timeout_s
     while time.monotonic() < deadline:
         sink = read_json(run_dir / "sink-status.json").get("episodes_written", 0)
-        learner = read_json(run_dir / "learner-status.json").get("episodes_received", 0)
-        if sink >= completed and learner >= completed:
+        learner = read_json(run_dir / "learner-status.json")
+        if learner.get("training"):  # an update in progress extends the wait, up to training_timeout_s
+            deadline = min(hard_deadline, max(deadline, time.monotonic() + timeout_s))
+        elif sink >= completed and learner.get("episodes_received", 0) >= completed:
             return
         job.restart_dead_workers()
         time.sleep(0.2)
