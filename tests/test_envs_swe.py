@@ -199,3 +199,68 @@ def test_taskset_grades_the_episode_sandbox(toolz_instances, provider):
 def test_build_reports_a_missing_sdist(tmp_path, capsys):
     code = cli(["build", "swe", "--sdist", "toolz", "--out", str(tmp_path / "x.jsonl")])
     assert code == 1 and "pin one version" in capsys.readouterr().err
+
+
+def editor_fix_calls(patch: str) -> list[str]:
+    """The gold patch as editor str_replace calls (hunk context + removed lines -> context + added)."""
+    calls, path, old, new = [], None, [], []
+
+    def flush() -> None:
+        if old or new:
+            args = {"command": "str_replace", "path": path, "old_str": "\n".join(old), "new_str": "\n".join(new)}
+            calls.append(f"<tool_call>{json.dumps({'name': 'editor', 'arguments': args})}</tool_call>")
+        old.clear()
+        new.clear()
+
+    for line in patch.splitlines():
+        if line.startswith("+++ b/"):
+            path = line[6:]
+        elif line.startswith(("diff --git", "---", "+++", "index ")):
+            continue
+        elif line.startswith("@@"):
+            flush()
+        elif line[:1] in (" ", "-"):
+            old.append(line[1:])
+            if line[0] == " ":
+                new.append(line[1:])
+        elif line[:1] == "+":
+            new.append(line[1:])
+    flush()
+    return calls
+
+
+@pytest.mark.slow
+def test_scripted_editor_fix_is_resolved_through_the_pipeline_and_doing_nothing_is_not(
+        toolz_instances, broker, tmp_path):
+    """`rollway up` on two built tasks: the scripted policy repairs the first with editor calls
+    (the gold patch as str_replace) and only calls finish on the second."""
+    import re
+    import subprocess
+    import sys
+
+    import yaml
+
+    rows = load_instances(toolz_instances)
+    fix, idle = rows[0], rows[1]
+    finish = '<tool_call>{"name": "finish", "arguments": {}}</tool_call>'
+    cfg = {"run": {"name": "swe-e2e", "timeout_s": 400},
+           "tasks": {"type": "swe", "path": str(toolz_instances)},
+           "scheduler": {"group_size": 1, "episode_deadline_s": 300},
+           # byte-level tokens (scripted policy): room for long editor calls and SWE prompts
+           "agent": {"max_turns": 6, "max_tokens_per_turn": 4096, "max_total_tokens": 100000},
+           "reward": {"concurrency": 2},
+           "policy": {"type": "scripted", "script": [
+               {"when": re.escape(fix["FAIL_TO_PASS"][0]), "turns": [*editor_fix_calls(fix["patch"]), finish]},
+               {"when": "", "turns": [finish]}]}}
+    config = tmp_path / "swe.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    assert not set(fix["FAIL_TO_PASS"]) & set(idle["FAIL_TO_PASS"])
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", str(config), "--run-dir", str(run_dir),
+                          "--bootstrap", broker.bootstrap, f"topics.prefix=swe{tmp_path.name[-6:]}-"],
+                         capture_output=True, text=True, timeout=420)
+    assert out.returncode == 0, out.stderr[-3000:]
+    trajs = {json.loads(x)["task_id"]: json.loads(x) for x in (run_dir / "trajectories.jsonl").read_text().splitlines()}
+    assert trajs[fix["instance_id"]]["resolved"] and trajs[fix["instance_id"]]["reward"] == 1.0
+    assert all(not o["is_error"] for t in trajs[fix["instance_id"]]["turns"] for o in t["observations"])
+    assert not trajs[idle["instance_id"]]["resolved"] and trajs[idle["instance_id"]]["reward"] == 0.0
