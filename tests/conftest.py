@@ -8,8 +8,11 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from rollway.sandboxes.base import ExecResult, Sandbox
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -66,3 +69,30 @@ def smoke_run(broker, tmp_path_factory):
                          cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     return SimpleNamespace(run_dir=run_dir, prefix=prefix, bootstrap=broker.bootstrap, stderr=out.stderr)
+
+
+class HiddenFolderSandbox(Sandbox):
+    """A real sandbox seen as if it lived elsewhere (no host folder): tools must then list and read
+    through exec/read_file instead of the host folder."""
+
+    def __init__(self, inner: Sandbox) -> None:
+        self.inner = inner
+
+    @property
+    def handle(self) -> dict[str, Any]:
+        return self.inner.handle
+
+    async def exec(self, command: str, timeout_s: float | None = None) -> ExecResult:
+        return await self.inner.exec(command, timeout_s)
+
+    async def read_file(self, path: str) -> str:
+        return await self.inner.read_file(path)
+
+    async def write_file(self, path: str, content: str) -> None:
+        await self.inner.write_file(path, content)
+
+    async def diff(self) -> str:
+        return await self.inner.diff()
+
+    async def destroy(self) -> None:
+        await self.inner.destroy()

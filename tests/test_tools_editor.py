@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import HiddenFolderSandbox
 
-from rollway.sandboxes.base import ExecResult, Sandbox, SandboxSpec
+from rollway.sandboxes.base import Sandbox, SandboxSpec
 from rollway.sandboxes.config import SandboxConfig
 from rollway.sandboxes.local import LocalSandboxProvider, remove_tree
 from rollway.tools.config import ToolsConfig
@@ -23,32 +24,6 @@ SOURCE = {
     "README.md": "one\ntwo\nthree\n",
 }
 EDITOR = EditorTool(ToolsConfig())
-
-
-class HiddenFolderSandbox(Sandbox):
-    """A real sandbox seen as if it lived elsewhere (no host folder), to exercise the exec path."""
-
-    def __init__(self, inner: Sandbox) -> None:
-        self.inner = inner
-
-    @property
-    def handle(self) -> dict[str, Any]:
-        return self.inner.handle
-
-    async def exec(self, command: str, timeout_s: float | None = None) -> ExecResult:
-        return await self.inner.exec(command, timeout_s)
-
-    async def read_file(self, path: str) -> str:
-        return await self.inner.read_file(path)
-
-    async def write_file(self, path: str, content: str) -> None:
-        await self.inner.write_file(path, content)
-
-    async def diff(self) -> str:
-        return await self.inner.diff()
-
-    async def destroy(self) -> None:
-        await self.inner.destroy()
 
 
 @pytest.fixture(scope="module")

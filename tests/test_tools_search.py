@@ -9,13 +9,13 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import click
 import pytest
 import yaml
+from conftest import HiddenFolderSandbox
 
-from rollway.sandboxes.base import ExecResult, Sandbox, SandboxSpec
+from rollway.sandboxes.base import Sandbox, SandboxSpec
 from rollway.sandboxes.config import SandboxConfig
 from rollway.sandboxes.local import LocalSandboxProvider, remove_tree
 from rollway.tools.config import ToolsConfig
@@ -166,33 +166,6 @@ def test_javascript(tmp_path: Path) -> None:
     )
     refs = run("references", "parse")
     assert re.findall(r"^(\S+:\d+)  ", refs, re.MULTILINE) == ["store.js:1", "store.js:6"]
-
-
-class HiddenFolderSandbox(Sandbox):
-    """A real sandbox seen as if it lived elsewhere (no host folder): search must list and read
-    through exec/read_file instead."""
-
-    def __init__(self, inner: Sandbox) -> None:
-        self.inner = inner
-
-    @property
-    def handle(self) -> dict[str, Any]:
-        return self.inner.handle
-
-    async def exec(self, command: str, timeout_s: float | None = None) -> ExecResult:
-        return await self.inner.exec(command, timeout_s)
-
-    async def read_file(self, path: str) -> str:
-        return await self.inner.read_file(path)
-
-    async def write_file(self, path: str, content: str) -> None:
-        await self.inner.write_file(path, content)
-
-    async def diff(self) -> str:
-        return await self.inner.diff()
-
-    async def destroy(self) -> None:
-        await self.inner.destroy()
 
 
 @pytest.fixture(scope="module")
