@@ -14,6 +14,7 @@ import structlog
 from rollway.actors.base import Actor, MessageMeta, Output
 from rollway.actors.services import Services
 from rollway.actors.sink import belongs_to_run
+from rollway.core.files import write_json_atomic
 from rollway.schemas.messages import PolicyVersion, Trajectory
 from rollway.topics import POLICY_VERSIONS, TRAJECTORIES
 
@@ -132,12 +133,10 @@ class LearnerActor(Actor):
         self._write_status()
 
     def _write_status(self, training: bool = False) -> None:
-        tmp = self.dir / (STATUS_FILE + ".tmp")
-        tmp.write_text(json.dumps({
+        write_json_atomic(self.dir / STATUS_FILE, {
             "episodes_received": len(self.seen), "policy_version": self.version, "training": training,
             "episodes_buffered": len(self.trainer.pending_episode_ids()) if self.trainer else 0,
-            "updated_at": time.time()}))
-        tmp.replace(self.dir / STATUS_FILE)
+            "updated_at": time.time()})
 
     async def close(self) -> None:
         # Buffered groups are not trained at shutdown: their offsets were held back, so the next

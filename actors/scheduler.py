@@ -3,7 +3,6 @@ ones, and holds back new groups while the pipeline is full or the policy lag is 
 
 from __future__ import annotations
 
-import json
 import random
 import time
 import uuid
@@ -14,6 +13,7 @@ import structlog
 
 from rollway.actors.base import Actor, MessageMeta, Output
 from rollway.actors.services import Services
+from rollway.core.files import write_json_atomic
 from rollway.schemas.messages import EpisodeFailure, InitRequest, PolicyVersion, RewardRequest, Trajectory
 from rollway.topics import EPISODE_FAILURES, INIT_REQUESTS, POLICY_VERSIONS, REWARD_REQUESTS, TRAJECTORIES
 
@@ -191,9 +191,7 @@ class SchedulerActor(Actor):
                   "retries": sum(t.attempt for t in self.tickets.values()),
                   "policy_version": self.policy_version, "elapsed_s": time.time() - self.started_at,
                   "failed": [asdict(t) for t in self.tickets.values() if t.state == "failed"]}
-        tmp = run_dir / (STATUS_FILE + ".tmp")
-        tmp.write_text(json.dumps(status, indent=1))
-        tmp.replace(run_dir / STATUS_FILE)
+        write_json_atomic(run_dir / STATUS_FILE, status, indent=1)
         self._dirty = False
 
     async def close(self) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from rollway.actors.base import Actor, MessageMeta, Output
 from rollway.actors.services import Services
+from rollway.core.files import write_json_atomic
 from rollway.schemas.codec import to_builtins
 from rollway.schemas.messages import EpisodeFailure, Trajectory
 from rollway.topics import EPISODE_FAILURES, TRAJECTORIES
@@ -59,10 +60,8 @@ class SinkActor(Actor):
         return []
 
     def _write_status(self) -> None:
-        tmp = self.dir / (STATUS_FILE + ".tmp")
-        tmp.write_text(json.dumps({"episodes_written": len(self.written), "failures_seen": self.failures,
-                                   "updated_at": time.time()}))
-        tmp.replace(self.dir / STATUS_FILE)
+        write_json_atomic(self.dir / STATUS_FILE, {"episodes_written": len(self.written),
+                                                   "failures_seen": self.failures, "updated_at": time.time()})
 
     async def close(self) -> None:
         if self.s.cfg.sink.format == "parquet" and (self.dir / TRAJECTORIES_FILE).exists():

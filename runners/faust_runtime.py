@@ -27,7 +27,6 @@ Guarantees, and how they compare with the aiokafka `StageWorker`:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
@@ -41,6 +40,7 @@ from aiokafka.errors import KafkaError
 
 from rollway.actors.base import Actor, MessageMeta, Output
 from rollway.core.config import BrokerConfig, RunConfig
+from rollway.core.files import write_json_atomic
 from rollway.core.kafka import client_kwargs, create_topics, start_with_retry, topic_name
 from rollway.runners.stage_runtime import (
     COMMIT_INTERVAL_S,
@@ -227,9 +227,7 @@ class FaustStage:
         status = {"stage": self.actor.name, "pid": os.getpid(), "engine": "faust", "in_flight": self.in_flight,
                   "backlog": 0, **self.stats, "updated_at": time.time(), "partitions": self._input_partitions()}
         self.status_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.status_path.with_name(self.status_path.name + ".tmp")
-        tmp.write_text(json.dumps(status))
-        tmp.replace(self.status_path)  # readers never see a half-written file
+        write_json_atomic(self.status_path, status)
 
     def _input_partitions(self) -> int:
         """Input partitions this worker owns (`rollway up` starts the scheduler once all own some)."""

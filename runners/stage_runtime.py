@@ -4,7 +4,6 @@ key), produce, then commit; undecodable or failing messages go to dead-letters."
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
 from collections import defaultdict
@@ -18,6 +17,7 @@ from aiokafka.errors import KafkaError
 
 from rollway.actors.base import Actor, MessageMeta, Output
 from rollway.core.config import RunConfig
+from rollway.core.files import write_json_atomic
 from rollway.core.kafka import ensure_topics, make_consumer, make_producer, topic_name
 from rollway.runners.stage_queue import Backlog, HopTrace
 from rollway.schemas.codec import DecodeError, decode, encode
@@ -118,9 +118,7 @@ class StageWorker:
                   "backlog": len(self.backlog), **self.stats, "updated_at": time.time(),
                   "partitions": len(self.consumer.assignment()) if self.consumer is not None else 0}
         self.status_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.status_path.with_name(self.status_path.name + ".tmp")
-        tmp.write_text(json.dumps(status))
-        tmp.replace(self.status_path)  # readers never see a half-written file
+        write_json_atomic(self.status_path, status)
 
     async def run(self, stop: asyncio.Event) -> None:
         self.producer = await make_producer(self.cfg.broker, self.bootstrap)
