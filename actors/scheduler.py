@@ -4,10 +4,12 @@ ones, and holds back new groups while the pipeline is full or the policy lag is 
 from __future__ import annotations
 
 import random
+import statistics
 import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import structlog
 
@@ -18,6 +20,7 @@ from rollway.schemas.messages import EpisodeFailure, InitRequest, PolicyVersion,
 from rollway.topics import EPISODE_FAILURES, INIT_REQUESTS, POLICY_VERSIONS, REWARD_REQUESTS, TRAJECTORIES
 
 log = structlog.get_logger()
+T = TypeVar("T")
 
 STATUS_FILE = "scheduler.json"
 
@@ -39,6 +42,24 @@ class Ticket:
     reward: float | None = None
     at_reward: bool = False
     """This attempt has left the agent stage (seen on reward-requests; only with init_lookahead)."""
+
+
+def johnson_order(items: list[T], costs: list[tuple[float, float] | None]) -> list[T]:
+    """Johnson's rule for a two-stage flow shop (stage 1 = sandbox start, stage 2 = grading, the agent
+    turns in between): items whose first stage is no longer than their second, by first stage
+    ascending, then the others. Johnson orders those by second stage descending (makespan-optimal for
+    two machines); here they go by first + second stage descending, because the last sandboxes to
+    start are no longer hidden behind agent work either. So the run starts with the fastest sandboxes
+    and ends with the cheapest tasks. Items with no estimate take the median estimate; the sorts are
+    stable, so ties keep the given order."""
+    known = [c for c in costs if c is not None]
+    if not known:
+        return list(items)
+    median = (statistics.median(c[0] for c in known), statistics.median(c[1] for c in known))
+    filled = [c if c is not None else median for c in costs]
+    first = sorted((i for i, c in enumerate(filled) if c[0] <= c[1]), key=lambda i: filled[i][0])
+    second = sorted((i for i, c in enumerate(filled) if c[0] > c[1]), key=lambda i: -sum(filled[i]))
+    return [items[i] for i in first + second]
 
 
 def new_run_id() -> str:
@@ -77,7 +98,10 @@ class SchedulerActor(Actor):
             order = list(tasks)
             if self.cfg.shuffle:
                 rng.shuffle(order)
-            for task in order[: self.cfg.num_tasks or len(order)]:
+            order = order[: self.cfg.num_tasks or len(order)]
+            if self.cfg.order == "johnson":
+                order = johnson_order(order, [self.s.taskset.cost_estimate(t) for t in order])
+            for task in order:
                 gid = f"{self.run_id}-g{len(self.groups):05d}"
                 self.groups.append([Ticket(f"{gid}-s{i}", gid, task.task_id, i) for i in range(self.cfg.group_size)])
         for group in self.groups:
@@ -134,7 +158,9 @@ class SchedulerActor(Actor):
         if inflight and len(inflight) + self.cfg.group_size > self.cfg.max_inflight_episodes:
             return False
         before_reward = sum(not t.at_reward for t in inflight)
-        if self.pre_reward_bound is not None and before_reward and \
+        remaining = (len(self.groups) - self.next_group) * self.cfg.group_size
+        tail = self.cfg.lift_lookahead_at_end and len(inflight) + remaining <= self.cfg.max_inflight_episodes
+        if self.pre_reward_bound is not None and not tail and before_reward and \
                 before_reward + self.cfg.group_size > self.pre_reward_bound:
             return False
         if self.cfg.max_policy_lag is not None and inflight:

@@ -51,6 +51,50 @@ def hop_stats(trace: list[dict[str, Any]], issued_at: dict[str, float], created_
             "broker_overhead_last_episode_fraction": transit.get(last, 0.0) / max(1e-9, lifetimes[last])}
 
 
+def inference_latency(request_log: list[list[float]], trajectories: list[dict[str, Any]]) -> dict[str, float]:
+    """Where a turn's generation time goes, per request (ms, means): waiting for a step boundary and a
+    free sequence slot at the server (`admission`), the server's steps (`engine`), the answer leaving
+    after its last step (`answer_lag`), and everything the agent saw beyond the server's own
+    arrival-to-answer time (`client`: HTTP, JSON, the agent's event loop)."""
+    n = len(request_log)
+    if not n:
+        return {}
+    served = sum(answered - arrived for arrived, _, _, answered in request_log)
+    agent_gen = sum(t["timings"].get("agent_gen", 0.0) for t in trajectories)
+    return {
+        "inference_requests": n,
+        "inference_admission_ms": 1000 * sum(a - r for r, a, _, _ in request_log) / n,
+        "inference_engine_ms": 1000 * sum(f - a for _, a, f, _ in request_log) / n,
+        "inference_answer_lag_ms": 1000 * sum(ans - f for _, _, f, ans in request_log) / n,
+        "inference_client_ms": 1000 * (agent_gen - served) / n,
+    }
+
+
+def agent_slot_phases(trace: list[dict[str, Any]], started: float, ended: float, slots: int) -> dict[str, float]:
+    """From the agent stage's handling intervals: `ramp_up_s` (start -> every agent slot busy for the
+    first time), `drain_s` (the last moment every slot was busy -> end) and `slots_busy_fraction`
+    (agent slot-seconds used / slots x makespan). Start-up and drain are where a finite batch cannot
+    keep the bottleneck full; the ideal makespan credits them only the shortest init and grading."""
+    turns = [h for h in trace if h["stage"] == "agent" and h.get("started") and h.get("ended")]
+    if not turns:
+        return {}
+    events = sorted([(h["started"], 1) for h in turns] + [(h["ended"], -1) for h in turns])
+    busy, first_full, last_full = 0, None, None
+    for t, delta in events:
+        was_full = busy >= slots
+        busy += delta
+        if busy >= slots and first_full is None:
+            first_full = t
+        if was_full and busy < slots:
+            last_full = t  # a full period ends here
+    used = sum(h["ended"] - h["started"] for h in turns)
+    return {
+        "ramp_up_s": (first_full if first_full is not None else ended) - started,
+        "drain_s": ended - (last_full if last_full is not None else started),
+        "slots_busy_fraction": used / max(1e-9, slots * (ended - started)),
+    }
+
+
 def linear_fit(xs: list[float], ys: list[float]) -> dict[str, float]:
     """Least squares y = intercept + slope x, with r^2."""
     n = len(xs)
@@ -124,6 +168,15 @@ def format_text(result: dict[str, Any]) -> str:
         f"({result['ideal']['bottleneck']})   efficiency {result['efficiency']:.3f}",
         f"pipeline sandbox bound {p['sandbox_bound']} (peak {p['peak_live_sandboxes']}, "
         f"within: {p['peak_live_sandboxes'] <= p['sandbox_bound']})",
+        f"pipeline agent slots: all busy after {p.get('ramp_up_s', 0):.2f}s ramp-up, draining for the last "
+        f"{p.get('drain_s', 0):.2f}s, busy {p.get('slots_busy_fraction', 0):.2f} of slot time",
+        *(
+            f"{m['label']:<22}inference per request: admission {m['inference_admission_ms']:.1f} ms, engine "
+            f"{m['inference_engine_ms']:.0f} ms, answer lag {m['inference_answer_lag_ms']:.1f} ms, client "
+            f"{m['inference_client_ms']:.1f} ms"
+            for m in (b, p)
+            if "inference_requests" in m
+        ),
         f"broker: hop p50 {p['hop_latency_p50_ms']:.1f} ms, p99 {p['hop_latency_p99_ms']:.1f} ms, transit p50 "
         f"{p['broker_transit_p50_ms']:.1f} ms, {p['messages_per_second']:.1f} msg/s, "
         f"broker_overhead_fraction {p['broker_overhead_fraction']:.4f}",

@@ -55,18 +55,21 @@ class SimServer:
             self.proc.terminate()
             self.proc.wait(10)
 
-    def steps(self, t0: float, t1: float) -> tuple[list[list[float]], int]:
+    def steps(self, t0: float, t1: float) -> dict[str, Any]:
+        """The server's steps, cap and request log over [t0, t1]."""
         url = f"http://127.0.0.1:{self.port}/sim/steps?t0={t0}&t1={t1}"
-        data = json.loads(urllib.request.urlopen(url, timeout=30).read())
-        return data["steps"], data["cap"]
+        return json.loads(urllib.request.urlopen(url, timeout=30).read())
 
 
-def mode_figures(label: str, started: float, ended: float, episodes: int, server: SimServer,
-                 sandbox_root: Path) -> tuple[dict[str, Any], list[dict[str, float]]]:
-    steps, cap = server.steps(started, ended)
+def mode_figures(label: str, started: float, ended: float, trajectories: list[dict[str, Any]],
+                 server: SimServer, sandbox_root: Path) -> tuple[dict[str, Any], list[dict[str, float]]]:
+    data = server.steps(started, ended)
+    steps, cap = data["steps"], data["cap"]
     sandboxes = live_sandbox_stats(sandbox_root)
+    episodes = len(trajectories)
     figures = {"label": label, "makespan_s": ended - started, "episodes": episodes,
                **busy_stats(steps, started, ended, cap),
+               **report.inference_latency(data["request_log"], trajectories),
                "peak_live_sandboxes": sandboxes["peak_live_sandboxes"],
                "sandbox_seconds_per_episode": sandboxes["sandbox_seconds"] / max(1, episodes),
                "sandboxes_leaked": sandboxes["leaked"]}
@@ -78,8 +81,9 @@ def baseline_mode(wl: WorkloadConfig, out: Path, server: SimServer) -> tuple[dic
     data = run_config(wl, out / "plans.jsonl", run_dir / "sandboxes", server.url, "baseline")
     cfg = load_run_config(data, run_dir / "config.yaml")
     result = asyncio.run(run_baseline(cfg, run_dir, wl.slots))
+    trajectories = [{"timings": t.timings, "num_turns": t.num_turns} for t in result.trajectories]
     figures, series = mode_figures(f"baseline ({wl.slots} slots)", result.started, result.ended,
-                                   len(result.trajectories), server, run_dir / "sandboxes")
+                                   trajectories, server, run_dir / "sandboxes")
     figures["peak_busy_slots"] = result.peak_busy_slots
     return figures, series, result
 
@@ -90,9 +94,13 @@ def pipeline_mode(wl: WorkloadConfig, out: Path, server: SimServer, bootstrap: s
     run_dir = out / name
     data = run_config(wl, out / "plans.jsonl", run_dir / "sandboxes", server.url, name, workers)
     run = run_pipeline(data, run_dir, bootstrap, workers)
+    lines = (run_dir / "trajectories.jsonl").read_text().splitlines()
+    trajectories = [json.loads(line) for line in lines if line]
     figures, series = mode_figures(f"pipeline ({workers} agent worker{'s' * (workers > 1)})", run.started,
-                                   run.ended, len(run.created_at), server, run_dir / "sandboxes")
-    figures.update(report.hop_stats(report.read_trace(run_dir), run.issued_at, run.created_at))
+                                   run.ended, trajectories, server, run_dir / "sandboxes")
+    trace = report.read_trace(run_dir)
+    figures.update(report.hop_stats(trace, run.issued_at, run.created_at))
+    figures.update(report.agent_slot_phases(trace, run.started, run.ended, wl.slots))
     figures.update({"agent_workers": workers, "sandbox_bound": wl.sandbox_bound,
                     "messages": run.messages, "messages_per_second": run.messages / run.makespan,
                     "bytes": report.bytes_vs_turns(run.bytes_per_episode, run.turns),

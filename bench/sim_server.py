@@ -30,6 +30,10 @@ class _Request:
     done: asyncio.Future
     arrived: float
     produced: int = 0
+    admitted: float = 0.0
+    """Simulated time of the step boundary it joined at."""
+    finished: float = 0.0
+    """Simulated time its last token was produced."""
 
 
 @dataclass
@@ -52,6 +56,9 @@ class SimEngine:
     requests: int = 0
     step_prefill: int = 0
     """Prompt tokens admitted at the current step's start (they lengthen that step)."""
+    request_log: list = field(default_factory=list)
+    """(arrived, admitted, finished, answered) of every request, wall-clock seconds: the engine's
+    queueing (admitted - arrived) and how late the answer leaves after its last step (answered - finished)."""
 
     def __post_init__(self) -> None:
         self.chat = BytesChatML()
@@ -77,6 +84,7 @@ class SimEngine:
         self.requests += 1
         self.wake.set()
         await req.done
+        self.request_log.append((req.arrived, req.admitted, req.finished, time.time()))
         return ids, finish
 
     async def run(self) -> None:
@@ -100,6 +108,7 @@ class SimEngine:
         """At a step boundary, requests that arrived by then join (up to the cap)."""
         while self.waiting and len(self.running) < self.cap and self.waiting[0].arrived <= vt:
             req = self.waiting.popleft()
+            req.admitted = vt
             self.step_prefill += req.prefill_tokens
             self.running.append(req)
 
@@ -126,6 +135,7 @@ class SimEngine:
         for req in self.running:
             req.produced += 1
             if req.produced >= len(req.token_ids):
+                req.finished = end
                 self.cached[req.episode] = req.prompt_len + len(req.token_ids)
                 req.done.set_result(None)
         self.running = [r for r in self.running if r.produced < len(r.token_ids)]
@@ -167,7 +177,8 @@ def build_app(engine: SimEngine) -> web.Application:
     async def steps(request: web.Request) -> web.Response:
         t0, t1 = float(request.query.get("t0", 0)), float(request.query.get("t1", 1e18))
         return web.json_response({"cap": engine.cap, "requests": engine.requests,
-                                  "steps": [s for s in engine.steps if s[1] >= t0 and s[0] <= t1]})
+                                  "steps": [s for s in engine.steps if s[1] >= t0 and s[0] <= t1],
+                                  "request_log": [r for r in engine.request_log if t0 <= r[0] <= t1]})
 
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "sim", "object": "model"}]})

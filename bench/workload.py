@@ -7,6 +7,7 @@ import math
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -52,6 +53,12 @@ class WorkloadConfig(BaseModel):
     """Every drawn duration is clipped here, so one freak draw cannot dominate a short benchmark."""
     resolve_rate: float = Field(0.4, ge=0, le=1)
     """Share of episodes that pass their tests (reward 1)."""
+    estimate_sigma: float = Field(0.3, ge=0)
+    """The scheduler knows a task's sandbox-start and grading times only as estimates (from earlier
+    timed runs of the task): true time x lognormal(0, estimate_sigma). 0: exact."""
+    order: Literal["given", "johnson"] = "johnson"
+    """Issue order of both modes (scheduler.order): `johnson` orders by the estimates, `given` keeps
+    the plan's (seeded, shuffled) order."""
     # -- simulated inference server ---------------------------------------------------------
     step_base_s: float = Field(0.003, gt=0)
     """Decode step time a in a + b * active_sequences (memory-bound part of a GPU step)."""
@@ -70,6 +77,8 @@ class WorkloadConfig(BaseModel):
     """Pipeline: sandboxes started at once (init.concurrency)."""
     grade_concurrency: int = Field(12, ge=1)
     """Pipeline: gradings at once (reward.concurrency)."""
+    lift_lookahead_at_end: bool = True
+    """Pipeline: scheduler.lift_lookahead_at_end (start the last sandboxes early, within the bound)."""
     fetch_max_wait_ms: int = Field(10, ge=1)
     """Pipeline: broker.fetch_max_wait_ms of every consumer (the embedded broker answers a waiting
     fetch only when this expires, so it bounds each hop's delivery delay)."""
@@ -100,6 +109,9 @@ class EpisodePlan:
     resolved: bool
     prompt: str
     turns: list[TurnPlan]
+    init_s_estimate: float = 0.0
+    """What the scheduler is told init_s is (the task's expected_init_s)."""
+    grade_s_estimate: float = 0.0
 
     @property
     def num_turns(self) -> int:
@@ -127,8 +139,12 @@ def plan_episode(cfg: WorkloadConfig, index: int) -> EpisodePlan:
     grade_s = _lognormal(rng, cfg.grade_s_median, cfg.grade_s_sigma, cfg.max_tail_s)
     resolved = rng.random() < cfg.resolve_rate
     prompt = MARKER.format(index=index) + " Fix the failing test. " + "x" * cfg.prompt_bytes
-    return EpisodePlan(index, round(init_s, 3), round(grade_s, 3), resolved, prompt,
+    plan = EpisodePlan(index, round(init_s, 3), round(grade_s, 3), resolved, prompt,
                        [_turn(rng, cfg, last=t == turns - 1) for t in range(turns)])
+    noise = random.Random(f"rollway-bench-estimate:{cfg.seed}:{index}")  # own stream: the plan stays the same
+    plan.init_s_estimate = round(plan.init_s * math.exp(noise.gauss(0.0, cfg.estimate_sigma)), 3)
+    plan.grade_s_estimate = round(plan.grade_s * math.exp(noise.gauss(0.0, cfg.estimate_sigma)), 3)
+    return plan
 
 
 def plan_workload(cfg: WorkloadConfig) -> list[EpisodePlan]:

@@ -94,11 +94,22 @@ class SchedulerConfig(StrictModel):
     update, so rollouts never run more than this many updates ahead of the learner. None: no bound."""
     shuffle: bool = True
     """Shuffle tasks per epoch (seeded by run.seed)."""
+    order: Literal["given", "johnson"] = "given"
+    """Issue order within an epoch. `given`: the task set's order (shuffled if `shuffle`). `johnson`:
+    Johnson's rule on the tasks' expected sandbox-start and grading times (TaskSet.cost_estimate):
+    first the tasks that start faster than they grade, shortest start first (agent slots fill
+    sooner), then the rest, longest grading first (the last episodes grade fastest, so the run's
+    tail is short). Tasks without an estimate are ranked as the median task."""
     init_lookahead: int | None = Field(None, ge=0)
     """Bound on sandboxes started ahead of agent capacity: new episodes wait while the episodes issued
     but not yet handed to the reward stage (initialising, waiting for or in the agent) number
     `agent_slots + init_lookahead`. The scheduler then also reads reward-requests to see episodes
     leave the agent. None: no such bound (only max_inflight_episodes)."""
+    lift_lookahead_at_end: bool = False
+    """Once every episode not yet issued fits within max_inflight_episodes, issue them all without
+    waiting for init_lookahead: the last sandboxes are then ready when agent slots free up, instead of
+    starting one by one as the run drains (a shorter tail, more sandbox-seconds; live sandboxes stay
+    within max_inflight_episodes)."""
     agent_slots: int | None = Field(None, ge=1)
     """Total agent concurrency across agent workers (workers x agent.concurrency), for
     init_lookahead. None: agent.concurrency (one agent worker)."""

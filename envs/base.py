@@ -61,6 +61,15 @@ class TaskSet(ABC):
             raise KeyError(f"task {task_id!r} is not in this {type(self).__name__} ({len(index)} tasks); "
                            "check tasks.* in the config (count, split, limit, path)") from None
 
+    def cost_estimate(self, task: Task) -> tuple[float, float] | None:
+        """Expected (sandbox start, grading) seconds of this task, for `scheduler.order: johnson`; None
+        when unknown. Default: the metadata keys `expected_init_s` and `expected_grade_s` (a task
+        builder writes them from its own timed runs of the task)."""
+        init_s, grade_s = task.metadata.get("expected_init_s"), task.metadata.get("expected_grade_s")
+        if init_s is None or grade_s is None:
+            return None
+        return float(init_s), float(grade_s)
+
     @abstractmethod
     def sandbox_spec(self, task: Task) -> SandboxSpec:
         """How the init actor builds this task's sandbox."""

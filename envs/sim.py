@@ -26,7 +26,8 @@ class SimTaskSet(TaskSet):
         plans = read_plans(cfg.path)[: cfg.limit or None]
         self._tasks = [Task(task_id=f"sim-{p.index:05d}", prompt=p.prompt,
                             metadata={"index": p.index, "init_s": p.init_s, "grade_s": p.grade_s,
-                                      "resolved": p.resolved}) for p in plans]
+                                      "resolved": p.resolved, "expected_init_s": p.init_s_estimate,
+                                      "expected_grade_s": p.grade_s_estimate}) for p in plans]
         self._by_id = {t.task_id: t for t in self._tasks}
 
     def tasks(self) -> list[Task]:

@@ -14,7 +14,7 @@ from conftest import ROOT, run
 from rollway.bench.baseline import BatchDispatcher
 from rollway.bench.pipeline import load_run_config, run_config
 from rollway.bench.sim_server import SimEngine, build_app
-from rollway.bench.workload import WorkloadConfig, ideal_makespan, plan_workload, write_plans
+from rollway.bench.workload import WorkloadConfig, ideal_makespan, plan_workload, read_plans, write_plans
 from rollway.runners.broker import free_port
 from rollway.sandboxes.sim import live_sandbox_stats
 
@@ -74,5 +74,12 @@ def test_bench_pipeline_json_reports_every_figure(tmp_path):
     for key in ("hop_latency_p50_ms", "hop_latency_p99_ms", "messages_per_second"):
         assert p[key] > 0
     assert p["bytes"]["fit"]["bytes_per_turn"] > 0 and p["episodes_failed"] == 0
+    turns = sum(e.num_turns for e in read_plans(out / "plans.jsonl"))
+    for mode in (b, p):  # every model call went through the server, and the agent saw about its time
+        assert mode["inference_requests"] >= 2 * 6 and mode["inference_engine_ms"] > 0
+        assert -5 < mode["inference_client_ms"] < 0.5 * mode["inference_engine_ms"]
+    assert b["inference_requests"] == p["inference_requests"] == turns
+    assert 0 < p["ramp_up_s"] < p["makespan_s"] and 0 < p["drain_s"] < p["makespan_s"]
+    assert 0 < p["slots_busy_fraction"] <= 1
     assert result["ratio"] == pytest.approx(b["makespan_s"] / p["makespan_s"])
     assert (out / "utilisation.png").stat().st_size > 0

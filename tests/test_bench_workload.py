@@ -9,11 +9,17 @@ import pytest
 from conftest import ROOT, run
 
 from rollway.actors.base import MessageMeta
-from rollway.actors.scheduler import SchedulerActor
+from rollway.actors.scheduler import SchedulerActor, johnson_order
 from rollway.actors.services import Services
-from rollway.bench.report import bytes_vs_turns, linear_fit, utilisation_series
+from rollway.bench.report import (
+    agent_slot_phases,
+    bytes_vs_turns,
+    inference_latency,
+    linear_fit,
+    utilisation_series,
+)
 from rollway.bench.sim_server import SimEngine, busy_stats
-from rollway.bench.workload import WorkloadConfig, ideal_makespan, plan_episode, plan_workload
+from rollway.bench.workload import WorkloadConfig, ideal_makespan, plan_episode, plan_workload, write_plans
 from rollway.core.config import load_config
 from rollway.policies.chat import BytesChatML
 from rollway.runners.stage_queue import Backlog
@@ -70,6 +76,10 @@ def test_sim_server_step_time_grows_with_concurrent_sequences():
     assert t8 > 2.5 * t1, "8 sequences at once must decode each token much slower than one"
     assert max(n for _, _, n in crowded.steps) == 8
     assert len(crowded.steps) <= tokens + 1
+    assert len(crowded.request_log) == 8
+    for arrived, admitted, finished, answered in crowded.request_log:
+        assert arrived <= admitted < finished <= answered
+        assert finished - admitted >= (len(plans[0].turns[0].text) // 2) * 0.004, "served step by step"
     capped = SimEngine(plans, a=0.002, b=0.0, p=0.0, cap=2)
     generate_all(capped, prompts[:6])
     assert max(n for _, _, n in capped.steps) == 2, "the cap bounds running sequences"
@@ -148,3 +158,107 @@ def test_scheduler_init_lookahead_bounds_episodes_before_the_reward_stage(tmp_pa
     assert run(s.tick()) == [], "a graded episode was already past the agent: no new place"
     default = scheduler(tmp_path)
     assert all(t.name != "reward-requests" for t in default.inputs), "off by default"
+
+
+def test_johnson_order_starts_with_fast_sandboxes_and_ends_with_fast_ones():
+    costs = {"a": (3.0, 5.0), "b": (1.0, 4.0), "c": (4.0, 1.0), "d": (2.0, 0.5), "e": (5.0, 3.0), "f": None}
+    order = johnson_order(list(costs), list(costs.values()))
+    # start <= grading, by start ascending; f (no estimate) ranks as the median task (3.0, 3.0).
+    assert order[:3] == ["b", "a", "f"]
+    # then the rest by start + grading descending: the run ends with the cheapest task.
+    assert order[3:] == ["e", "c", "d"]
+    assert johnson_order(["x", "y"], [None, None]) == ["x", "y"], "no estimates: the given order"
+
+
+def test_scheduler_issues_in_johnson_order_from_the_task_estimates(tmp_path):
+    cfg = WorkloadConfig(episodes=12, seed=5)
+    plans = plan_workload(cfg)
+    write_plans(plans, tmp_path / "plans.jsonl")
+    base = [
+        "tasks.type=sim",
+        f"tasks.path={tmp_path / 'plans.jsonl'}",
+        "sandbox.type=sim",
+        f"sandbox.root={tmp_path / 'boxes'}",
+        "scheduler.group_size=1",
+        "scheduler.max_inflight_episodes=12",
+        "run.id=rJ",
+    ]
+    issued = {}
+    for order in ("given", "johnson"):
+        s = SchedulerActor(
+            Services(
+                load_config(ROOT / "examples" / "smoke.yaml", [*base, f"scheduler.order={order}"]),
+                tmp_path / order,
+            )
+        )
+        run(s.setup())
+        issued[order] = [o.value.task_id for o in run(s.tick())]
+    assert sorted(issued["given"]) == sorted(issued["johnson"]) and len(issued["johnson"]) == 12
+    by_id = {f"sim-{p.index:05d}": (p.init_s_estimate, p.grade_s_estimate) for p in plans}
+    assert issued["johnson"] == johnson_order(issued["given"], [by_id[t] for t in issued["given"]])
+    assert issued["johnson"] != issued["given"]
+    first = [by_id[t] for t in issued["johnson"] if by_id[t][0] <= by_id[t][1]]
+    assert first == sorted(first), "fast-starting tasks first, fastest start first"
+
+
+def test_estimates_are_noisy_but_do_not_change_the_plan():
+    exact = plan_workload(WorkloadConfig(episodes=30, seed=2, estimate_sigma=0.0))
+    noisy = plan_workload(WorkloadConfig(episodes=30, seed=2, estimate_sigma=0.3))
+    assert [(p.init_s, p.grade_s, p.turns) for p in exact] == [(p.init_s, p.grade_s, p.turns) for p in noisy]
+    assert all(p.init_s_estimate == p.init_s and p.grade_s_estimate == p.grade_s for p in exact)
+    ratios = [p.init_s_estimate / p.init_s for p in noisy if p.init_s > 0]
+    assert any(abs(r - 1) > 0.05 for r in ratios) and all(0.2 < r < 5 for r in ratios)
+
+
+def test_request_log_splits_generation_time():
+    log = [(0.0, 0.002, 0.402, 0.403), (1.0, 1.001, 1.201, 1.203)]
+    trajectories = [{"timings": {"agent_gen": 0.403 + 0.203 + 0.006}}]  # 3 ms per request beyond the server
+    figures = inference_latency(log, trajectories)
+    assert figures["inference_requests"] == 2
+    assert figures["inference_admission_ms"] == pytest.approx(1.5)
+    assert figures["inference_engine_ms"] == pytest.approx(300.0)
+    assert figures["inference_answer_lag_ms"] == pytest.approx(1.5)
+    assert figures["inference_client_ms"] == pytest.approx(3.0)
+
+
+def test_agent_slot_phases_find_ramp_up_and_drain():
+    turn = lambda s, e: {"stage": "agent", "started": s, "ended": e}  # noqa: E731
+    trace = [turn(1.0, 5.0), turn(2.0, 9.0), turn(4.0, 6.0), {"stage": "init", "started": 0.0, "ended": 1.0}]
+    phases = agent_slot_phases(trace, 0.0, 10.0, slots=2)
+    assert phases["ramp_up_s"] == pytest.approx(2.0)  # both slots busy first at t=2
+    assert phases["drain_s"] == pytest.approx(4.0)  # last time both busy: 6 (third turn ends while 2 remain)
+    assert phases["slots_busy_fraction"] == pytest.approx((4 + 7 + 2) / 20)
+
+
+def test_lift_lookahead_at_end_starts_the_last_sandboxes_within_the_inflight_bound(tmp_path):
+    s = scheduler(
+        tmp_path,
+        "scheduler.max_inflight_episodes=8",
+        "scheduler.init_lookahead=1",
+        "scheduler.agent_slots=2",
+        "scheduler.lift_lookahead_at_end=true",
+    )
+    run(s.setup())
+    assert len(run(s.tick())) == 3, "10 left do not fit in 8: the look-ahead still binds"
+    done = 0
+    for msg in list(s.tickets.values())[:2]:  # two episodes finish: 7 left to issue, 1 in flight
+        ref = {"episode_id": msg.episode_id, "group_id": msg.group_id, "task_id": msg.task_id, "attempt": 0}
+        traj = Trajectory(
+            **ref,
+            token_ids=[],
+            loss_mask=[],
+            logprobs=[],
+            turn_policy_versions=[],
+            turn_spans=[],
+            reward=1.0,
+            resolved=True,
+            stop_reason="finish",
+            num_turns=0,
+            prompt_length=0,
+        )
+        run(s.handle(traj, MessageMeta("trajectories", 0, done)))
+        done += 1
+    issued = run(s.tick())
+    inflight = sum(t.state == "inflight" for t in s.tickets.values())
+    assert len(issued) == 7 and inflight == 8, "everything left fits in max_inflight_episodes: issued at once"
+    assert run(s.tick()) == []
