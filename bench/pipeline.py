@@ -38,7 +38,7 @@ def run_config(wl: WorkloadConfig, plans_path: Path, sandbox_root: Path, server_
         "scheduler": {"group_size": 1, "max_inflight_episodes": wl.sandbox_bound,
                       "init_lookahead": wl.init_lookahead, "agent_slots": per_worker * agent_workers,
                       "episode_deadline_s": 1800, "max_attempts": 1, "order": wl.order,
-                      "lift_lookahead_at_end": wl.lift_lookahead_at_end},
+                      "final_wave": wl.final_wave},
         "init": {"concurrency": wl.init_concurrency},
         "agent": {"concurrency": per_worker, "prefetch": wl.agent_prefetch, "max_turns": wl.turns_max + 1,
                   "max_tokens_per_turn": 8192, "max_total_tokens": 1_000_000},

@@ -77,8 +77,9 @@ class WorkloadConfig(BaseModel):
     """Pipeline: sandboxes started at once (init.concurrency)."""
     grade_concurrency: int = Field(12, ge=1)
     """Pipeline: gradings at once (reward.concurrency)."""
-    lift_lookahead_at_end: bool = True
-    """Pipeline: scheduler.lift_lookahead_at_end (start the last sandboxes early, within the bound)."""
+    final_wave: bool = True
+    """Pipeline: scheduler.final_wave (start the last sandboxes early, within the bound, and run the
+    newest episodes' turns first)."""
     fetch_max_wait_ms: int = Field(10, ge=1)
     """Pipeline: broker.fetch_max_wait_ms of every consumer (the embedded broker answers a waiting
     fetch only when this expires, so it bounds each hop's delivery delay)."""
