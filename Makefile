@@ -19,7 +19,7 @@ smoke: $(VENV)/.ready          ## the smoke job: 8 scripted episodes through the
 test: $(VENV)/.ready           ## the whole test suite
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
 
-bench: $(VENV)/.ready          ## pipelined vs bounded-batch rollout on the simulated workload (a few minutes)
+bench: $(VENV)/.ready          ## pipelined vs bounded-batch rollout on the simulated workload (about 6 minutes)
 	$(ROLLWAY) bench pipeline
 
 lint: $(VENV)/.ready
