@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from math import comb
 
 import yaml
 from conftest import ROOT
@@ -15,7 +16,7 @@ WRONG = '<tool_call>{"name": "answer", "arguments": {"value": "7"}}</tool_call>'
 
 
 def test_eval_reports_pass_at_k_from_sampled_attempts(tmp_path, broker):
-    cfg = {"run": {"name": "evaltest"}, "tasks": {"type": "calc", "count": 2},
+    cfg = {"run": {"name": "evaltest", "id": "ev1"}, "tasks": {"type": "calc", "count": 2},  # id: seeds are fixed
            "scheduler": {"episode_deadline_s": 60}, "agent": {"max_turns": 3},
            "eval": {"attempts": 6, "ks": [1, 2], "temperature": 1.0},
            "policy": {"type": "scripted", "script": [
@@ -34,4 +35,7 @@ def test_eval_reports_pass_at_k_from_sampled_attempts(tmp_path, broker):
     assert hard["correct"] == 0 and hard["pass@6"] == 0.0
     assert 0 < easy["correct"] < 6 and easy["pass@6"] == 1.0  # seeded: some samples right, some wrong
     assert abs(result["pass@1"] - (easy["correct"] / 6 + 0) / 2) < 1e-5
-    assert result["pass@1"] < result["pass@2"] < result["pass@6"] == 0.5
+    # The unbiased estimator, per task 1 - C(n - c, k) / C(n, k), averaged over tasks (hard: 0).
+    c = easy["correct"]
+    assert abs(result["pass@2"] - (1 - comb(6 - c, 2) / comb(6, 2)) / 2) < 1e-5
+    assert result["pass@1"] < result["pass@2"] <= result["pass@6"] == 0.5
