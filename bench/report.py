@@ -160,8 +160,8 @@ def format_text(result: dict[str, Any]) -> str:
     b, p = result["baseline"], result["pipeline"]
     lines = [
         f"workload: {result['workload_summary']}",
-        f"{'mode':<22}{'makespan_s':>11}{'busy':>7}{'active/cap':>11}{'peak_sbx':>9}{'sbx_s/ep':>9}",
-        *(f"{m['label']:<22}{m['makespan_s']:>11.2f}{m['busy_fraction']:>7.2f}"
+        f"{'mode':<27}{'makespan_s':>11}{'busy':>7}{'active/cap':>11}{'peak_sbx':>9}{'sbx_s/ep':>9}",
+        *(f"{m['label']:<27}{m['makespan_s']:>11.2f}{m['busy_fraction']:>7.2f}"
           f"{m['mean_active_fraction_of_cap']:>11.2f}{m['peak_live_sandboxes']:>9}"
           f"{m['sandbox_seconds_per_episode']:>9.2f}" for m in (b, p)),
         f"ratio (baseline/pipeline) {result['ratio']:.3f}   ideal_makespan {result['ideal_makespan']:.2f}s "
@@ -171,7 +171,7 @@ def format_text(result: dict[str, Any]) -> str:
         f"pipeline agent slots: all busy after {p.get('ramp_up_s', 0):.2f}s ramp-up, draining for the last "
         f"{p.get('drain_s', 0):.2f}s, busy {p.get('slots_busy_fraction', 0):.2f} of slot time",
         *(
-            f"{m['label']:<22}inference per request: admission {m['inference_admission_ms']:.1f} ms, engine "
+            f"{m['label']:<27}inference per request: admission {m['inference_admission_ms']:.1f} ms, engine "
             f"{m['inference_engine_ms']:.0f} ms, answer lag {m['inference_answer_lag_ms']:.1f} ms, client "
             f"{m['inference_client_ms']:.1f} ms"
             for m in (b, p)

@@ -13,6 +13,7 @@ from conftest import ROOT, run
 
 from rollway.bench.baseline import BatchDispatcher
 from rollway.bench.pipeline import load_run_config, run_config
+from rollway.bench.report import format_text
 from rollway.bench.sim_server import SimEngine, build_app
 from rollway.bench.workload import WorkloadConfig, ideal_makespan, plan_workload, read_plans, write_plans
 from rollway.runners.broker import free_port
@@ -83,3 +84,6 @@ def test_bench_pipeline_json_reports_every_figure(tmp_path):
     assert 0 < p["slots_busy_fraction"] <= 1
     assert result["ratio"] == pytest.approx(b["makespan_s"] / p["makespan_s"])
     assert (out / "utilisation.png").stat().st_size > 0
+    text = format_text(result)  # what `rollway bench pipeline` prints without --json
+    assert f"efficiency {result['efficiency']:.3f}" in text and "ramp-up" in text
+    assert text.count("inference per request") == 2
