@@ -23,6 +23,8 @@ LogReader = Callable[[str, int, int, str], Awaitable[list[tuple[int, AgentStep]]
 `from_offset` to the current end of the partition."""
 
 MAX_CACHED_EPISODES = 4096
+FINAL_WAVE_PRIORITY = 1e6
+"""Above any turn number: final-wave episodes outrank the rest of the backlog."""
 
 
 class AgentActor(Actor):
@@ -55,8 +57,11 @@ class AgentActor(Actor):
 
     def priority(self, msg: AgentStep) -> float:
         """With a backlog, later turns first: finish running episodes (and free their sandboxes)
-        before starting new ones. (Long episodes, the ones a run's end waits for, are pushed
-        through too.)"""
+        before starting new ones. Final-wave episodes go before all others, earliest turn first:
+        once nothing is left to issue, the run ends when its longest remaining episode does, and
+        the episodes with the most turns left are the newest."""
+        if msg.final_wave:
+            return FINAL_WAVE_PRIORITY - msg.turn
         return float(msg.turn)
 
     def on_error(self, msg: AgentStep, error: BaseException) -> list[Output]:
@@ -198,7 +203,7 @@ class AgentActor(Actor):
         return AgentStep(episode_id=f.episode_id, group_id=f.group_id, task_id=f.task_id, attempt=f.attempt,
                          sample_index=f.sample_index, turn=state.next_turn, sandbox=f.sandbox,
                          start_offset=state.start_offset, last=state.turns[-1], deadline=f.deadline,
-                         timings=state.timings, sent_at=time.time())
+                         timings=state.timings, sent_at=time.time(), final_wave=f.final_wave)
 
     def _reward_request(self, state: EpisodeState, stop_reason: str) -> RewardRequest:
         f = state.first

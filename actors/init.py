@@ -48,6 +48,7 @@ class InitActor(Actor):
             sample_index=msg.sample_index, turn=0, sandbox=sandbox.handle,
             prompt_ids=self.s.chat.initial(messages, tools), messages=messages, tools=tools,
             deadline=msg.deadline, timings={"init_queue": queue_s, "init": init_s}, sent_at=time.time(),
+            final_wave=msg.final_wave,
             stamps={"issued": msg.issued_at, "init_start": init_start, "init_end": init_start + init_s})
         return [Output(AGENT_STEPS, msg.episode_id, step)]
 

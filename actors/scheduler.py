@@ -147,7 +147,8 @@ class SchedulerActor(Actor):
                     self._fail(t, f"deadline: not finished within {self.cfg.episode_deadline_s}s "
                                   f"after {self.cfg.max_attempts} attempts")
         while self.next_group < len(self.groups) and self._room_for_group():
-            outputs += [self._issue(t, 0) for t in self.groups[self.next_group]]
+            final = self._final_wave([t for t in self.tickets.values() if t.state == "inflight"])
+            outputs += [self._issue(t, 0, final) for t in self.groups[self.next_group]]
             self.next_group += 1
         if self._dirty or outputs:
             self._write_status()
@@ -185,14 +186,14 @@ class SchedulerActor(Actor):
         allowed = self.learner_episodes + (1 + self.cfg.max_policy_lag) * per_update
         return issued + self.cfg.group_size <= allowed
 
-    def _issue(self, t: Ticket, attempt: int) -> Output:
+    def _issue(self, t: Ticket, attempt: int, final_wave: bool = False) -> Output:
         now = time.time()
         t.attempt, t.issued_at, t.deadline = attempt, now, now + self.cfg.episode_deadline_s
         t.state, t.policy_version, t.at_reward = "inflight", self.policy_version, False
         self._dirty = True
         return Output(INIT_REQUESTS, t.episode_id, InitRequest(
             episode_id=t.episode_id, group_id=t.group_id, task_id=t.task_id, attempt=attempt,
-            sample_index=t.sample_index, issued_at=now, deadline=t.deadline))
+            sample_index=t.sample_index, issued_at=now, deadline=t.deadline, final_wave=final_wave))
 
     def _fail(self, t: Ticket, reason: str) -> None:
         log.error("episode failed", episode_id=t.episode_id, attempt=t.attempt, reason=reason)

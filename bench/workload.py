@@ -80,7 +80,8 @@ class WorkloadConfig(BaseModel):
     grade_concurrency: int = Field(12, ge=1)
     """Pipeline: gradings at once (reward.concurrency)."""
     final_wave: bool = True
-    """Pipeline: scheduler.final_wave (start the last sandboxes at once, within the bound)."""
+    """Pipeline: scheduler.final_wave (start the last sandboxes early, within the bound, and run the
+    newest episodes' turns first)."""
     fetch_max_wait_ms: int = Field(10, ge=1)
     """Pipeline: broker.fetch_max_wait_ms of every consumer (the embedded broker answers a waiting
     fetch only when this expires, so it bounds each hop's delivery delay)."""

@@ -106,10 +106,11 @@ class SchedulerConfig(StrictModel):
     `agent_slots + init_lookahead`. The scheduler then also reads reward-requests to see episodes
     leave the agent. None: no such bound (only max_inflight_episodes)."""
     final_wave: bool = False
-    """Once every episode not yet issued fits within max_inflight_episodes (the final wave), issue
-    them all without waiting for init_lookahead: the last sandboxes are then ready when agent slots
-    free up instead of starting one by one as the run drains. A shorter tail for more
-    sandbox-seconds; live sandboxes stay within max_inflight_episodes."""
+    """Drain fast. Once every episode not yet issued fits within max_inflight_episodes (the final
+    wave), issue them all without waiting for init_lookahead, so the last sandboxes are ready when
+    agent slots free up, and mark them `final_wave` so agents run their earliest turns first (the
+    newest episodes have the most turns left). A shorter tail for more sandbox-seconds; live
+    sandboxes stay within max_inflight_episodes."""
     agent_slots: int | None = Field(None, ge=1)
     """Total agent concurrency across agent workers (workers x agent.concurrency), for
     init_lookahead. None: agent.concurrency (one agent worker)."""

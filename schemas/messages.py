@@ -33,6 +33,8 @@ class InitRequest(EpisodeRef, kw_only=True):
     """Wall-clock time (unix seconds) the scheduler issued this attempt."""
     deadline: float
     """Wall-clock time after which the scheduler re-issues the episode."""
+    final_wave: bool = False
+    """Issued in the run's final wave (scheduler.final_wave): agents run its earliest turns first."""
 
 
 class Observation(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -105,6 +107,9 @@ class AgentStep(EpisodeRef, kw_only=True):
     keeps them)."""
     sent_at: float = 0.0
     """Wall-clock time the producer sent this message (for hop latency)."""
+    final_wave: bool = False
+    """Copied from the InitRequest: with a backlog, the agent runs final-wave turns first, earliest
+    turn first (in the drain, the episodes with the most turns left decide when the run ends)."""
 
 
 class RewardRequest(EpisodeRef, kw_only=True):

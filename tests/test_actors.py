@@ -205,6 +205,12 @@ def test_init_skips_requests_past_deadline(tmp_path):
         await init.setup()
         old = InitRequest(episode_id="e", group_id="g", task_id="toy-000", issued_at=0.0, deadline=1.0)
         assert await init.handle(old, meta()) == []
+        now = time.time()
+        fresh = InitRequest(episode_id="f", group_id="g", task_id="toy-000", issued_at=now, deadline=now + 60,
+                            final_wave=True)
+        (out,) = await init.handle(fresh, meta())
+        assert out.value.turn == 0 and out.value.final_wave, "the final-wave mark reaches the agent"
+        await (await s.sandboxes.attach(out.value.sandbox)).destroy()
 
     run(scenario())
 

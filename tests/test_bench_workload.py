@@ -8,6 +8,7 @@ import time
 import pytest
 from conftest import ROOT, run
 
+from rollway.actors.agent import AgentActor
 from rollway.actors.base import MessageMeta
 from rollway.actors.scheduler import SchedulerActor, johnson_order
 from rollway.actors.services import Services
@@ -26,7 +27,7 @@ from rollway.runners.stage_queue import Backlog
 from rollway.sandboxes.base import SandboxSpec
 from rollway.sandboxes.config import SandboxConfig
 from rollway.sandboxes.sim import SIM_SPEC_FILE, SimSandboxProvider, live_sandbox_stats
-from rollway.schemas import RewardRequest, Trajectory
+from rollway.schemas import AgentStep, RewardRequest, Trajectory
 
 
 def test_workload_is_a_pure_function_of_seed_and_episode_index():
@@ -239,7 +240,9 @@ def test_final_wave_starts_the_last_sandboxes_within_the_inflight_bound(tmp_path
         "scheduler.final_wave=true",
     )
     run(s.setup())
-    assert len(run(s.tick())) == 3, "10 left do not fit in 8: the look-ahead still binds"
+    first = run(s.tick())
+    assert len(first) == 3, "10 left do not fit in 8: the look-ahead still binds"
+    assert not any(o.value.final_wave for o in first)
     done = 0
     for msg in list(s.tickets.values())[:2]:  # two episodes finish: 7 left to issue, 1 in flight
         ref = {"episode_id": msg.episode_id, "group_id": msg.group_id, "task_id": msg.task_id, "attempt": 0}
@@ -261,5 +264,14 @@ def test_final_wave_starts_the_last_sandboxes_within_the_inflight_bound(tmp_path
     issued = run(s.tick())
     inflight = sum(t.state == "inflight" for t in s.tickets.values())
     assert len(issued) == 7 and inflight == 8, "everything left fits in max_inflight_episodes: issued at once"
+    assert all(o.value.final_wave for o in issued)
     assert run(s.tick()) == []
 
+
+def test_agent_runs_final_wave_turns_first_earliest_turn_first():
+    agent = AgentActor.__new__(AgentActor)
+    step = lambda turn, final: AgentStep(episode_id="e", group_id="g", task_id="t", turn=turn,  # noqa: E731
+                                         sandbox={}, final_wave=final)
+    backlog = [step(5, False), step(0, False), step(0, True), step(3, True)]
+    ranked = sorted(backlog, key=agent.priority, reverse=True)
+    assert [(m.turn, m.final_wave) for m in ranked] == [(0, True), (3, True), (5, False), (0, False)]
