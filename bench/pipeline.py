@@ -37,7 +37,7 @@ def run_config(wl: WorkloadConfig, plans_path: Path, sandbox_root: Path, server_
         "policy": {"type": "openai", "base_url": server_url, "model": "sim"},
         "scheduler": {"group_size": 1, "max_inflight_episodes": wl.sandbox_bound,
                       "init_lookahead": wl.init_lookahead, "agent_slots": per_worker * agent_workers,
-                      "episode_deadline_s": 1800, "max_attempts": 1, "order": wl.order,
+                      "episode_deadline_s": wl.episode_deadline_s, "max_attempts": 2, "order": wl.order,
                       "final_wave": wl.final_wave},
         "init": {"concurrency": wl.init_concurrency},
         "agent": {"concurrency": per_worker, "prefetch": wl.agent_prefetch, "max_turns": wl.turns_max + 1,

@@ -167,7 +167,8 @@ def format_text(result: dict[str, Any]) -> str:
         f"ratio (baseline/pipeline) {result['ratio']:.3f}   ideal_makespan {result['ideal_makespan']:.2f}s "
         f"({result['ideal']['bottleneck']})   efficiency {result['efficiency']:.3f}",
         f"pipeline sandbox bound {p['sandbox_bound']} (peak {p['peak_live_sandboxes']}, "
-        f"within: {p['peak_live_sandboxes'] <= p['sandbox_bound']})",
+        f"within: {p['peak_live_sandboxes'] <= p['sandbox_bound']}), episodes re-issued after their deadline: "
+        f"{p.get('episodes_retried', 0)}",
         f"pipeline agent slots: all busy after {p.get('ramp_up_s', 0):.2f}s ramp-up, draining for the last "
         f"{p.get('drain_s', 0):.2f}s, busy {p.get('slots_busy_fraction', 0):.2f} of slot time",
         *(

@@ -104,7 +104,8 @@ def pipeline_mode(wl: WorkloadConfig, out: Path, server: SimServer, bootstrap: s
     figures.update({"agent_workers": workers, "sandbox_bound": wl.sandbox_bound,
                     "messages": run.messages, "messages_per_second": run.messages / run.makespan,
                     "bytes": report.bytes_vs_turns(run.bytes_per_episode, run.turns),
-                    "episodes_failed": run.summary.get("episodes_failed")})
+                    "episodes_failed": run.summary.get("episodes_failed"),
+                    "episodes_retried": run.summary.get("episodes_retried")})
     return figures, series, run
 
 

@@ -82,6 +82,10 @@ class WorkloadConfig(BaseModel):
     final_wave: bool = True
     """Pipeline: scheduler.final_wave (start the last sandboxes early, within the bound, and run the
     newest episodes' turns first)."""
+    episode_deadline_s: float = Field(120.0, gt=0)
+    """Pipeline: an episode not graded this long after it was issued is re-issued once
+    (scheduler.episode_deadline_s). Far above any planned episode's lifetime at the defaults, so it
+    fires only if a message is stuck; the output counts re-issues as `episodes_retried`."""
     fetch_max_wait_ms: int = Field(10, ge=1)
     """Pipeline: broker.fetch_max_wait_ms of every consumer (the embedded broker answers a waiting
     fetch only when this expires, so it bounds each hop's delivery delay)."""
