@@ -102,6 +102,9 @@ class StageWorker:
         self.offsets = OffsetTracker()
         self.tasks: dict[asyncio.Task, TopicPartition] = {}
         self.key_locks: dict[Any, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self.key_users: dict[Any, int] = defaultdict(int)
+        """Messages holding or awaiting each key's lock (`locked()` is False while a woken waiter has
+        not yet taken it, so it cannot tell when the lock may be dropped)."""
         self.stats = {"handled": 0, "dead_lettered": 0, "produced": 0}
         self.producer = self.consumer = None
         self.status_path = status_path
@@ -203,17 +206,22 @@ class StageWorker:
         except DecodeError as err:
             outputs = [self._dead_letter(record, tp, f"decode: {err}")]
         else:
-            async with self.key_locks[record.key]:
-                # Every log line written while handling carries the episode id.
-                with structlog.contextvars.bound_contextvars(episode_id=getattr(msg, "episode_id", None)):
-                    started = time.time()
-                    outputs = await handle_or_dead_letter(self.actor, msg, meta,
-                                                          lambda r: self._dead_letter(record, tp, r))
-                    self.stats["handled"] += 1
-                    if self.trace is not None:
-                        self.trace.handled(tp, record, msg, started, time.time())
-            if not self.key_locks[record.key].locked():
-                self.key_locks.pop(record.key, None)
+            lock = self.key_locks[record.key]
+            self.key_users[record.key] += 1  # the lock stays while anyone holds or awaits it
+            try:
+                async with lock:
+                    # Every log line written while handling carries the episode id.
+                    with structlog.contextvars.bound_contextvars(episode_id=getattr(msg, "episode_id", None)):
+                        started = time.time()
+                        outputs = await handle_or_dead_letter(self.actor, msg, meta,
+                                                              lambda r: self._dead_letter(record, tp, r))
+                        self.stats["handled"] += 1
+                        if self.trace is not None:
+                            self.trace.handled(tp, record, msg, started, time.time())
+            finally:
+                self.key_users[record.key] -= 1
+                if not self.key_users[record.key]:
+                    del self.key_users[record.key], self.key_locks[record.key]
         await self._send(outputs)
         self.offsets.finish(tp, record.offset)
 

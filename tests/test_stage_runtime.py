@@ -178,3 +178,46 @@ def test_topics_are_created_with_configured_partitions(broker, topic_prefix):
     assert parts[f"{topic_prefix}agent-steps"] == 6
     assert parts[f"{topic_prefix}init-requests"] == 4
     assert parts[f"{topic_prefix}policy-versions"] == 1
+
+
+class SlowPerKey(Actor):
+    """Holds each message a while and records overlapping handling of one key."""
+
+    name = "slow"
+    inputs = (INIT_REQUESTS,)
+
+    def __init__(self):
+        self.running: dict[str, int] = {}
+        self.overlaps = 0
+        self.handled = 0
+
+    async def handle(self, msg: InitRequest, meta: MessageMeta) -> list[Output]:
+        self.running[msg.episode_id] = self.running.get(msg.episode_id, 0) + 1
+        self.overlaps += self.running[msg.episode_id] > 1
+        await asyncio.sleep(0.3)
+        self.running[msg.episode_id] -= 1
+        self.handled += 1
+        return []
+
+
+def test_messages_of_one_key_never_run_at_once(broker, topic_prefix):
+    """Three messages of one key, two slots: the third starts while the second has just been woken
+    for the key's lock; it must still wait for it (per-key order is the runtime's promise)."""
+    cfg = config(topic_prefix, partitions=1)
+
+    async def scenario():
+        await ensure_topics(cfg.broker, cfg.topics, broker.bootstrap)
+        actor, stop = SlowPerKey(), asyncio.Event()
+        worker = StageWorker(actor, cfg, broker.bootstrap, concurrency=2, prefetch=1, group_id=f"{topic_prefix}slow")
+        task = asyncio.create_task(worker.run(stop))
+        await produce(cfg, broker.bootstrap, INIT_REQUESTS, [(b"e1", encode(init_request(1)))] * 3)
+        deadline = time.monotonic() + 30
+        while actor.handled < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        stop.set()
+        await task
+        return actor
+
+    actor = run(scenario())
+    assert actor.handled == 3
+    assert actor.overlaps == 0
