@@ -146,16 +146,18 @@ class SchedulerActor(Actor):
                 else:
                     self._fail(t, f"deadline: not finished within {self.cfg.episode_deadline_s}s "
                                   f"after {self.cfg.max_attempts} attempts")
-        while self.next_group < len(self.groups) and self._room_for_group():
-            final = self._final_wave([t for t in self.tickets.values() if t.state == "inflight"])
+        while self.next_group < len(self.groups):
+            inflight = [t for t in self.tickets.values() if t.state == "inflight"]
+            if not self._room_for_group(inflight):
+                break
+            final = self._final_wave(inflight)
             outputs += [self._issue(t, 0, final) for t in self.groups[self.next_group]]
             self.next_group += 1
         if self._dirty or outputs:
             self._write_status()
         return outputs
 
-    def _room_for_group(self) -> bool:
-        inflight = [t for t in self.tickets.values() if t.state == "inflight"]
+    def _room_for_group(self, inflight: list[Ticket]) -> bool:
         if inflight and len(inflight) + self.cfg.group_size > self.cfg.max_inflight_episodes:
             return False
         before_reward = sum(not t.at_reward for t in inflight)

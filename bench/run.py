@@ -81,7 +81,7 @@ def baseline_mode(wl: WorkloadConfig, out: Path, server: SimServer) -> tuple[dic
     data = run_config(wl, out / "plans.jsonl", run_dir / "sandboxes", server.url, "baseline")
     cfg = load_run_config(data, run_dir / "config.yaml")
     result = asyncio.run(run_baseline(cfg, run_dir, wl.slots))
-    trajectories = [{"timings": t.timings, "num_turns": t.num_turns} for t in result.trajectories]
+    trajectories = [{"timings": t.timings} for t in result.trajectories]
     figures, series = mode_figures(f"baseline ({wl.slots} slots)", result.started, result.ended,
                                    trajectories, server, run_dir / "sandboxes")
     figures["peak_busy_slots"] = result.peak_busy_slots

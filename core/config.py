@@ -98,8 +98,8 @@ class SchedulerConfig(StrictModel):
     """Issue order within an epoch. `given`: the task set's order (shuffled if `shuffle`). `johnson`:
     Johnson's rule on the tasks' expected sandbox-start and grading times (TaskSet.cost_estimate):
     first the tasks that start faster than they grade, shortest start first (agent slots fill
-    sooner), then the rest, longest grading first (the last episodes grade fastest, so the run's
-    tail is short). Tasks without an estimate are ranked as the median task."""
+    sooner), then the rest by start + grading descending (the run ends with its cheapest tasks, so
+    its tail is short). Tasks without an estimate are ranked as the median task."""
     init_lookahead: int | None = Field(None, ge=0)
     """Bound on sandboxes started ahead of agent capacity: new episodes wait while the episodes issued
     but not yet handed to the reward stage (initialising, waiting for or in the agent) number
