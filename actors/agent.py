@@ -23,8 +23,6 @@ LogReader = Callable[[str, int, int, str], Awaitable[list[tuple[int, AgentStep]]
 `from_offset` to the current end of the partition."""
 
 MAX_CACHED_EPISODES = 4096
-FINAL_WAVE_PRIORITY = 1e6
-"""Above any turn number: final-wave episodes outrank the rest of the backlog."""
 
 
 class AgentActor(Actor):
@@ -37,6 +35,8 @@ class AgentActor(Actor):
         self.read_log = read_log
         self.cache: OrderedDict[tuple[str, int], EpisodeState] = OrderedDict()
         self.drift_count = 0
+        self.final_wave = False
+        """Set by the first final-wave message this worker sees: the run is draining."""
 
     async def setup(self) -> None:
         _ = self.s.tools, self.s.inference, self.s.sandboxes  # build now: fail fast on bad config
@@ -57,12 +57,15 @@ class AgentActor(Actor):
 
     def priority(self, msg: AgentStep) -> float:
         """With a backlog, later turns first: finish running episodes (and free their sandboxes)
-        before starting new ones. Final-wave episodes go before all others, earliest turn first:
-        once nothing is left to issue, the run ends when its longest remaining episode does, and
-        the episodes with the most turns left are the newest."""
-        if msg.final_wave:
-            return FINAL_WAVE_PRIORITY - msg.turn
-        return float(msg.turn)
+        before starting new ones. Once the run drains (the first final-wave message), earliest turn
+        first, for every episode: nothing is left to issue, the run ends when its longest remaining
+        episode does, and the episodes with the fewest turns done have the most left. Episodes
+        issued just before the final wave are no different from those in it: ranking only marked
+        messages first left their first turns waiting seconds behind the wave."""
+        if msg.final_wave and not self.final_wave:
+            self.final_wave = True
+            self.priority_epoch += 1  # the runtime re-ranks what it already queued
+        return -float(msg.turn) if self.final_wave else float(msg.turn)
 
     def on_error(self, msg: AgentStep, error: BaseException) -> list[Output]:
         self.cache.pop((msg.episode_id, msg.attempt), None)

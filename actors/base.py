@@ -45,6 +45,10 @@ class Actor(ABC):
         """Process one message; raise to dead-letter it (the runner also reports an episode failure
         through `on_error`)."""
 
+    priority_epoch = 0
+    """Bumped by an actor whose ranking rule changed (from inside `priority`): the runtime then
+    ranks the messages it already queued again."""
+
     def priority(self, msg: Any) -> float:
         """Order of queued messages when the stage prefetches (`prefetch` > 0): higher runs first."""
         return 0.0

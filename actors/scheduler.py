@@ -16,6 +16,7 @@ import structlog
 from rollway.actors.base import Actor, MessageMeta, Output
 from rollway.actors.services import Services
 from rollway.core.files import write_json_atomic
+from rollway.envs.base import TaskCost
 from rollway.schemas.messages import EpisodeFailure, InitRequest, PolicyVersion, RewardRequest, Trajectory
 from rollway.topics import EPISODE_FAILURES, INIT_REQUESTS, POLICY_VERSIONS, REWARD_REQUESTS, TRAJECTORIES
 
@@ -44,7 +45,16 @@ class Ticket:
     """This attempt has left the agent stage (seen on reward-requests; only with init_lookahead)."""
 
 
-def johnson_order(items: list[T], costs: list[tuple[float, float] | None]) -> list[T]:
+def _filled(costs: list[TaskCost | None]) -> list[TaskCost] | None:
+    """The costs with unknown ones replaced by the median task's (None when none is known)."""
+    known = [c for c in costs if c is not None]
+    if not known:
+        return None
+    median = TaskCost(statistics.median(c.init_s for c in known), statistics.median(c.grade_s for c in known))
+    return [c if c is not None else median for c in costs]
+
+
+def johnson_order(items: list[T], costs: list[TaskCost | None]) -> list[T]:
     """Johnson's rule for a two-stage flow shop (stage 1 = sandbox start, stage 2 = grading, the agent
     turns in between): items whose first stage is no longer than their second, by first stage
     ascending, then the others. Johnson orders those by second stage descending (makespan-optimal for
@@ -52,14 +62,34 @@ def johnson_order(items: list[T], costs: list[tuple[float, float] | None]) -> li
     start are no longer hidden behind agent work either. So the run starts with the fastest sandboxes
     and ends with the cheapest tasks. Items with no estimate take the median estimate; the sorts are
     stable, so ties keep the given order."""
-    known = [c for c in costs if c is not None]
-    if not known:
+    filled = _filled(costs)
+    if filled is None:
         return list(items)
-    median = (statistics.median(c[0] for c in known), statistics.median(c[1] for c in known))
-    filled = [c if c is not None else median for c in costs]
-    first = sorted((i for i, c in enumerate(filled) if c[0] <= c[1]), key=lambda i: filled[i][0])
-    second = sorted((i for i, c in enumerate(filled) if c[0] > c[1]), key=lambda i: -sum(filled[i]))
+    ends = [c.init_s + c.grade_s for c in filled]
+    first = sorted((i for i, c in enumerate(filled) if c.init_s <= c.grade_s), key=lambda i: filled[i].init_s)
+    second = sorted((i for i, c in enumerate(filled) if c.init_s > c.grade_s), key=lambda i: -ends[i])
     return [items[i] for i in first + second]
+
+
+def ends_order(items: list[T], costs: list[TaskCost | None], head: int, tail: int) -> list[T]:
+    """Order only the ends of the run: the `head` items with the shortest sandbox start first,
+    shortest first (they are issued at once and the agent slots wait for them); the `tail` items
+    cheapest in start + grading last, dearest first (the final wave: its sandboxes must be ready when
+    slots free up and its gradings end the run); everything between in the given order. Sorting the
+    middle too (as Johnson's rule does) lines up the slow-starting sandboxes one after another, and a
+    bounded init look-ahead cannot hide a run of them: in the benchmark the agent slots then starve
+    mid-run. Items with no estimate take the median estimate; sorts are stable."""
+    filled = _filled(costs)
+    if filled is None:
+        return list(items)
+    ends = [c.init_s + c.grade_s for c in filled]
+    first = sorted(range(len(items)), key=lambda i: filled[i].init_s)[:head]
+    taken = set(first)
+    rest = [i for i in range(len(items)) if i not in taken]
+    last = sorted(sorted(rest, key=lambda i: ends[i])[:tail], key=lambda i: -ends[i])
+    taken |= set(last)
+    middle = [i for i in rest if i not in taken]
+    return [items[i] for i in first + middle + last]
 
 
 def new_run_id() -> str:
@@ -99,8 +129,14 @@ class SchedulerActor(Actor):
             if self.cfg.shuffle:
                 rng.shuffle(order)
             order = order[: self.cfg.num_tasks or len(order)]
+            costs = [self.s.taskset.cost_estimate(t) for t in order] if self.cfg.order != "given" else []
             if self.cfg.order == "johnson":
-                order = johnson_order(order, [self.s.taskset.cost_estimate(t) for t in order])
+                order = johnson_order(order, costs)
+            elif self.cfg.order == "ends":
+                size = self.cfg.group_size
+                first_burst = min(self.cfg.max_inflight_episodes, self.pre_reward_bound or self.cfg.max_inflight_episodes)
+                order = ends_order(order, costs, head=-(-first_burst // size),
+                                   tail=-(-self.cfg.max_inflight_episodes // size))
             for task in order:
                 gid = f"{self.run_id}-g{len(self.groups):05d}"
                 self.groups.append([Ticket(f"{gid}-s{i}", gid, task.task_id, i) for i in range(self.cfg.group_size)])

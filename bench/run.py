@@ -55,6 +55,12 @@ class SimServer:
             self.proc.terminate()
             self.proc.wait(10)
 
+    def reset(self) -> None:
+        """Empty the server's prefix cache before a mode: both modes run the same episodes, and a
+        warm cache would spare the second one its prompts' prefill."""
+        urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{self.port}/sim/reset", method="POST"),
+                               timeout=30).read()
+
     def steps(self, t0: float, t1: float) -> dict[str, Any]:
         """The server's steps, cap and request log over [t0, t1]."""
         url = f"http://127.0.0.1:{self.port}/sim/steps?t0={t0}&t1={t1}"
@@ -70,6 +76,7 @@ def mode_figures(label: str, started: float, ended: float, trajectories: list[di
     figures = {"label": label, "makespan_s": ended - started, "episodes": episodes,
                **busy_stats(steps, started, ended, cap),
                **report.inference_latency(data["request_log"], trajectories),
+               "prefill_tokens": data["prefill_tokens"],
                "peak_live_sandboxes": sandboxes["peak_live_sandboxes"],
                "sandbox_seconds_per_episode": sandboxes["sandbox_seconds"] / max(1, episodes),
                "sandboxes_leaked": sandboxes["leaked"]}
@@ -78,6 +85,7 @@ def mode_figures(label: str, started: float, ended: float, trajectories: list[di
 
 def baseline_mode(wl: WorkloadConfig, out: Path, server: SimServer) -> tuple[dict, list, BaselineResult]:
     run_dir = out / "baseline"
+    server.reset()
     data = run_config(wl, out / "plans.jsonl", run_dir / "sandboxes", server.url, "baseline")
     cfg = load_run_config(data, run_dir / "config.yaml")
     result = asyncio.run(run_baseline(cfg, run_dir, wl.slots))
@@ -92,6 +100,7 @@ def pipeline_mode(wl: WorkloadConfig, out: Path, server: SimServer, bootstrap: s
                   workers: int) -> tuple[dict, list, PipelineRun]:
     name = f"pipeline-a{workers}"
     run_dir = out / name
+    server.reset()
     data = run_config(wl, out / "plans.jsonl", run_dir / "sandboxes", server.url, name, workers)
     run = run_pipeline(data, run_dir, bootstrap, workers)
     lines = (run_dir / "trajectories.jsonl").read_text().splitlines()

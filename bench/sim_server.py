@@ -59,6 +59,8 @@ class SimEngine:
     request_log: list = field(default_factory=list)
     """(arrived, admitted, finished, answered) of every request, wall-clock seconds: the engine's
     queueing (admitted - arrived) and how late the answer leaves after its last step (answered - finished)."""
+    prefill_log: list = field(default_factory=list)
+    """(arrived, prompt tokens prefilled) of every request."""
 
     def __post_init__(self) -> None:
         self.chat = BytesChatML()
@@ -85,7 +87,15 @@ class SimEngine:
         self.wake.set()
         await req.done
         self.request_log.append((req.arrived, req.admitted, req.finished, time.time()))
+        self.prefill_log.append((req.arrived, new))
         return ids, finish
+
+    def reset_cache(self) -> int:
+        """Forget every cached prefix (a new run starts cold: the benchmark's modes replay the same
+        episodes, and the second must not find the first's prompts cached). Returns entries dropped."""
+        dropped = len(self.cached)
+        self.cached.clear()
+        return dropped
 
     async def run(self) -> None:
         """Steps run on a simulated clock `vt`: whenever the loop wakes it replays every step that has
@@ -178,7 +188,11 @@ def build_app(engine: SimEngine) -> web.Application:
         t0, t1 = float(request.query.get("t0", 0)), float(request.query.get("t1", 1e18))
         return web.json_response({"cap": engine.cap, "requests": engine.requests,
                                   "steps": [s for s in engine.steps if s[1] >= t0 and s[0] <= t1],
-                                  "request_log": [r for r in engine.request_log if t0 <= r[0] <= t1]})
+                                  "request_log": [r for r in engine.request_log if t0 <= r[0] <= t1],
+                                  "prefill_tokens": sum(n for at, n in engine.prefill_log if t0 <= at <= t1)})
+
+    async def reset(request: web.Request) -> web.Response:
+        return web.json_response({"dropped": engine.reset_cache()})
 
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "sim", "object": "model"}]})
@@ -193,7 +207,7 @@ def build_app(engine: SimEngine) -> web.Application:
 
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.add_routes([web.post("/v1/completions", completions), web.get("/sim/steps", steps), web.get("/v1/models", models),
-                    web.get("/health", health)])
+                    web.get("/health", health), web.post("/sim/reset", reset)])
     app.cleanup_ctx.append(run_engine)
     return app
 

@@ -58,9 +58,9 @@ class WorkloadConfig(BaseModel):
     estimate_sigma: float = Field(0.3, ge=0)
     """The scheduler knows a task's sandbox-start and grading times only as estimates (from earlier
     timed runs of the task): true time x lognormal(0, estimate_sigma). 0: exact."""
-    order: Literal["given", "johnson"] = "johnson"
-    """Issue order of both modes (scheduler.order): `johnson` orders by the estimates, `given` keeps
-    the plan's (seeded, shuffled) order."""
+    order: Literal["given", "johnson", "ends"] = "ends"
+    """Issue order of both modes (scheduler.order): `ends` orders the first burst and the final wave
+    by the estimates, `johnson` the whole run, `given` keeps the plan's (seeded, shuffled) order."""
     # -- simulated inference server ---------------------------------------------------------
     step_base_s: float = Field(0.003, gt=0)
     """Decode step time a in a + b * active_sequences (memory-bound part of a GPU step)."""

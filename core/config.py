@@ -94,12 +94,16 @@ class SchedulerConfig(StrictModel):
     update, so rollouts never run more than this many updates ahead of the learner. None: no bound."""
     shuffle: bool = True
     """Shuffle tasks per epoch (seeded by run.seed)."""
-    order: Literal["given", "johnson"] = "given"
+    order: Literal["given", "johnson", "ends"] = "given"
     """Issue order within an epoch. `given`: the task set's order (shuffled if `shuffle`). `johnson`:
     Johnson's rule on the tasks' expected sandbox-start and grading times (TaskSet.cost_estimate):
     first the tasks that start faster than they grade, shortest start first (agent slots fill
     sooner), then the rest by start + grading descending (the run ends with its cheapest tasks, so
-    its tail is short). Tasks without an estimate are ranked as the median task."""
+    its tail is short). `ends`: order only the ends by those estimates: the first burst of issues
+    (min(max_inflight_episodes, agent_slots + init_lookahead) episodes) fastest start first, the last
+    max_inflight_episodes cheapest in start + grading, and the given order between (sorting the middle
+    lines up slow-starting sandboxes, which a bounded init_lookahead cannot hide). Tasks without an
+    estimate are ranked as the median task."""
     init_lookahead: int | None = Field(None, ge=0)
     """Bound on sandboxes started ahead of agent capacity: new episodes wait while the episodes issued
     but not yet handed to the reward stage (initialising, waiting for or in the agent) number
@@ -108,9 +112,10 @@ class SchedulerConfig(StrictModel):
     final_wave: bool = False
     """Drain fast. Once every episode not yet issued fits within max_inflight_episodes (the final
     wave), issue them all without waiting for init_lookahead, so the last sandboxes are ready when
-    agent slots free up, and mark them `final_wave` so agents run their earliest turns first (the
-    newest episodes have the most turns left). A shorter tail for more sandbox-seconds; live
-    sandboxes stay within max_inflight_episodes."""
+    agent slots free up, and mark them `final_wave`; an agent worker that sees the mark runs every
+    episode's earliest turns first from then on (the episodes with the fewest turns done have the
+    most left). A shorter tail for more sandbox-seconds; live sandboxes stay within
+    max_inflight_episodes."""
     agent_slots: int | None = Field(None, ge=1)
     """Total agent concurrency across agent workers (workers x agent.concurrency), for
     init_lookahead. None: agent.concurrency (one agent worker)."""

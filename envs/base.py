@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from rollway.sandboxes.base import Sandbox, SandboxProvider, SandboxSpec
 
@@ -29,6 +29,15 @@ class Grade:
     agent's stop reason in the trajectory."""
     details: dict[str, Any] = field(default_factory=dict)
     """Partial counts and test names, e.g. {"fail_to_pass": {"passed": 1, "total": 2}}."""
+
+
+class TaskCost(NamedTuple):
+    """A task's expected cost, as the scheduler's issue order sees it."""
+
+    init_s: float
+    """Sandbox start, seconds."""
+    grade_s: float
+    """Grading, seconds."""
 
 
 class TaskSet(ABC):
@@ -61,14 +70,14 @@ class TaskSet(ABC):
             raise KeyError(f"task {task_id!r} is not in this {type(self).__name__} ({len(index)} tasks); "
                            "check tasks.* in the config (count, split, limit, path)") from None
 
-    def cost_estimate(self, task: Task) -> tuple[float, float] | None:
-        """Expected (sandbox start, grading) seconds of this task, for `scheduler.order: johnson`; None
-        when unknown. Default: the metadata keys `expected_init_s` and `expected_grade_s` (a task
-        builder writes them from its own timed runs of the task)."""
+    def cost_estimate(self, task: Task) -> TaskCost | None:
+        """Expected sandbox-start and grading seconds of this task, for `scheduler.order` (johnson,
+        ends); None when unknown. Default: the metadata keys `expected_init_s` and `expected_grade_s`
+        (a task builder writes them from its own timed runs of the task)."""
         init_s, grade_s = task.metadata.get("expected_init_s"), task.metadata.get("expected_grade_s")
         if init_s is None or grade_s is None:
             return None
-        return float(init_s), float(grade_s)
+        return TaskCost(float(init_s), float(grade_s))
 
     @abstractmethod
     def sandbox_spec(self, task: Task) -> SandboxSpec:

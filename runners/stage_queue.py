@@ -5,6 +5,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,11 @@ class Backlog:
     def pop(self) -> tuple[TopicPartition, Any]:
         _, _, tp, record = heapq.heappop(self.heap)
         return tp, record
+
+    def rerank(self, priority: Callable[[TopicPartition, Any], float]) -> None:
+        """Rank every queued message again (fetch order among equals stays)."""
+        self.heap = [(-priority(tp, record), seq, tp, record) for _, seq, tp, record in self.heap]
+        heapq.heapify(self.heap)
 
     def drop(self, tps: set[TopicPartition]) -> None:
         """Forget queued messages of partitions given away (uncommitted, so their next owner reads them)."""

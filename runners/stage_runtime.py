@@ -177,7 +177,10 @@ class StageWorker:
             self._spawn(tp, record)
             return
         self.offsets.start(tp, record.offset)
+        epoch = self.actor.priority_epoch
         self.backlog.push(self._priority(tp, record), tp, record)
+        if self.actor.priority_epoch != epoch:
+            self.backlog.rerank(self._priority)
         self._start_backlog()
 
     def _priority(self, tp: TopicPartition, record: Any) -> float:

@@ -34,7 +34,7 @@ class InitRequest(EpisodeRef, kw_only=True):
     deadline: float
     """Wall-clock time after which the scheduler re-issues the episode."""
     final_wave: bool = False
-    """Issued in the run's final wave (scheduler.final_wave): agents run its earliest turns first."""
+    """Issued in the run's final wave (scheduler.final_wave): tells the agents the run is draining."""
 
 
 class Observation(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -108,8 +108,9 @@ class AgentStep(EpisodeRef, kw_only=True):
     sent_at: float = 0.0
     """Wall-clock time the producer sent this message (for hop latency)."""
     final_wave: bool = False
-    """Copied from the InitRequest: with a backlog, the agent runs final-wave turns first, earliest
-    turn first (in the drain, the episodes with the most turns left decide when the run ends)."""
+    """Copied from the InitRequest. An agent worker that sees it ranks its backlog earliest turn
+    first from then on, for every episode (in the drain, the episodes with the most turns left
+    decide when the run ends)."""
 
 
 class RewardRequest(EpisodeRef, kw_only=True):

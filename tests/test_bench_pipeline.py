@@ -81,6 +81,9 @@ def test_bench_pipeline_json_reports_every_figure(tmp_path):
         assert mode["inference_requests"] >= 2 * 6 and mode["inference_engine_ms"] > 0
         assert -5 < mode["inference_client_ms"] < 0.5 * mode["inference_engine_ms"]
     assert b["inference_requests"] == p["inference_requests"] == turns
+    # Both modes start with a cold prefix cache: the pipeline must not find the baseline's prompts
+    # cached (same episodes), so both prefill the same prompt tokens.
+    assert b["prefill_tokens"] == p["prefill_tokens"] > 0
     assert 0 < p["ramp_up_s"] < p["makespan_s"] and 0 < p["drain_s"] < p["makespan_s"]
     assert 0 < p["slots_busy_fraction"] <= 1
     assert result["ratio"] == pytest.approx(b["makespan_s"] / p["makespan_s"])

@@ -10,7 +10,7 @@ from conftest import ROOT, run
 
 from rollway.actors.agent import AgentActor
 from rollway.actors.base import MessageMeta
-from rollway.actors.scheduler import SchedulerActor, johnson_order
+from rollway.actors.scheduler import SchedulerActor, ends_order, johnson_order
 from rollway.actors.services import Services
 from rollway.bench.report import (
     agent_slot_phases,
@@ -22,6 +22,7 @@ from rollway.bench.report import (
 from rollway.bench.sim_server import SimEngine, busy_stats
 from rollway.bench.workload import WorkloadConfig, ideal_makespan, plan_episode, plan_workload, write_plans
 from rollway.core.config import load_config
+from rollway.envs.base import TaskCost
 from rollway.policies.chat import BytesChatML
 from rollway.runners.stage_queue import Backlog
 from rollway.sandboxes.base import SandboxSpec
@@ -84,6 +85,25 @@ def test_sim_server_step_time_grows_with_concurrent_sequences():
     capped = SimEngine(plans, a=0.002, b=0.0, p=0.0, cap=2)
     generate_all(capped, prompts[:6])
     assert max(n for _, _, n in capped.steps) == 2, "the cap bounds running sequences"
+
+
+def test_sim_server_prefills_only_new_tokens_until_its_cache_is_reset():
+    plans = {p.index: p for p in plan_workload(WorkloadConfig(episodes=1))}
+    prompt = BytesChatML().initial([{"role": "user", "content": plans[0].prompt}], [])
+    engine = SimEngine(plans, a=0.001, b=0.0, p=0.0, cap=4)
+
+    async def go() -> list[int]:
+        task = asyncio.create_task(engine.run())
+        await engine.generate(prompt, 10_000)
+        await engine.generate(prompt, 10_000)  # the same prompt again (a second run of the episode)
+        dropped = engine.reset_cache()
+        await engine.generate(prompt, 10_000)
+        task.cancel()
+        return dropped
+
+    assert run(go()) == 1
+    assert [n for _, n in engine.prefill_log] == [len(prompt), 0, len(prompt)], \
+        "a cached prefix is not prefilled again; after a reset the run starts cold"
 
 
 def test_busy_fraction_and_mean_active_sequences():
@@ -161,14 +181,33 @@ def test_scheduler_init_lookahead_bounds_episodes_before_the_reward_stage(tmp_pa
     assert all(t.name != "reward-requests" for t in default.inputs), "off by default"
 
 
+def cost(init_s: float, grade_s: float) -> TaskCost:
+    return TaskCost(init_s, grade_s)
+
+
 def test_johnson_order_starts_with_fast_sandboxes_and_ends_with_fast_ones():
-    costs = {"a": (3.0, 5.0), "b": (1.0, 4.0), "c": (4.0, 1.0), "d": (2.0, 0.5), "e": (5.0, 3.0), "f": None}
+    costs = {"a": cost(3.0, 5.0), "b": cost(1.0, 4.0), "c": cost(4.0, 1.0), "d": cost(2.0, 0.5), "e": cost(5.0, 3.0),
+             "f": None}
     order = johnson_order(list(costs), list(costs.values()))
     # start <= grading, by start ascending; f (no estimate) ranks as the median task (3.0, 3.0).
     assert order[:3] == ["b", "a", "f"]
     # then the rest by start + grading descending: the run ends with the cheapest task.
     assert order[3:] == ["e", "c", "d"]
     assert johnson_order(["x", "y"], [None, None]) == ["x", "y"], "no estimates: the given order"
+
+
+def test_ends_order_sorts_the_first_burst_and_the_final_wave_only():
+    costs = {"a": cost(3.0, 3.0), "b": cost(0.5, 4.0), "c": cost(6.0, 0.2), "d": cost(2.0, 2.0), "e": cost(0.2, 9.0),
+             "f": cost(5.0, 5.0), "g": cost(1.0, 0.5), "h": None, "i": cost(0.9, 0.4)}
+    order = ends_order(list(costs), list(costs.values()), head=2, tail=3)
+    assert order[:2] == ["e", "b"], "the fastest sandbox starts first"
+    # the 3 cheapest left in start + grading, dearest first: d (4.0), g (1.5), i (1.3)
+    assert order[-3:] == ["d", "g", "i"]
+    # the middle keeps the given order; h has no estimate and ranks as the median task
+    assert order[2:-3] == ["a", "c", "f", "h"]
+    assert ends_order(["x", "y"], [None, None], 1, 1) == ["x", "y"], "no estimates: the given order"
+    assert sorted(ends_order(list(costs), list(costs.values()), head=6, tail=6)) == sorted(costs), \
+        "ends that overlap still issue every task once"
 
 
 def test_scheduler_issues_in_johnson_order_from_the_task_estimates(tmp_path):
@@ -195,11 +234,29 @@ def test_scheduler_issues_in_johnson_order_from_the_task_estimates(tmp_path):
         run(s.setup())
         issued[order] = [o.value.task_id for o in run(s.tick())]
     assert sorted(issued["given"]) == sorted(issued["johnson"]) and len(issued["johnson"]) == 12
-    by_id = {f"sim-{p.index:05d}": (p.init_s_estimate, p.grade_s_estimate) for p in plans}
+    by_id = {f"sim-{p.index:05d}": cost(p.init_s_estimate, p.grade_s_estimate) for p in plans}
     assert issued["johnson"] == johnson_order(issued["given"], [by_id[t] for t in issued["given"]])
     assert issued["johnson"] != issued["given"]
     first = [by_id[t] for t in issued["johnson"] if by_id[t][0] <= by_id[t][1]]
     assert first == sorted(first), "fast-starting tasks first, fastest start first"
+
+
+def test_scheduler_plans_ends_order_around_its_first_burst_and_final_wave(tmp_path):
+    plans = plan_workload(WorkloadConfig(episodes=14, seed=4))
+    write_plans(plans, tmp_path / "plans.jsonl")
+    overrides = [f"tasks.path={tmp_path / 'plans.jsonl'}", f"sandbox.root={tmp_path / 'boxes'}", "tasks.type=sim",
+                 "sandbox.type=sim", "scheduler.group_size=1", "run.id=rE", "scheduler.max_inflight_episodes=5",
+                 "scheduler.init_lookahead=1", "scheduler.agent_slots=2"]
+    planned = {}
+    for order in ("given", "ends"):
+        cfg = load_config(ROOT / "examples" / "smoke.yaml", [*overrides, f"scheduler.order={order}"])
+        s = SchedulerActor(Services(cfg, tmp_path / order))
+        run(s.setup())
+        planned[order] = [g[0].task_id for g in s.groups]
+    by_id = {f"sim-{p.index:05d}": cost(p.init_s_estimate, p.grade_s_estimate) for p in plans}
+    # first burst = agent_slots + init_lookahead = 3 (under max_inflight 5); final wave = 5
+    assert planned["ends"] == ends_order(planned["given"], [by_id[t] for t in planned["given"]], head=3, tail=5)
+    assert planned["ends"] != planned["given"]
 
 
 def test_estimates_are_noisy_but_do_not_change_the_plan():
@@ -209,6 +266,7 @@ def test_estimates_are_noisy_but_do_not_change_the_plan():
     assert all(p.init_s_estimate == p.init_s and p.grade_s_estimate == p.grade_s for p in exact)
     ratios = [p.init_s_estimate / p.init_s for p in noisy if p.init_s > 0]
     assert any(abs(r - 1) > 0.05 for r in ratios) and all(0.2 < r < 5 for r in ratios)
+
 
 
 def test_request_log_splits_generation_time():
@@ -268,10 +326,15 @@ def test_final_wave_starts_the_last_sandboxes_within_the_inflight_bound(tmp_path
     assert run(s.tick()) == []
 
 
-def test_agent_runs_final_wave_turns_first_earliest_turn_first():
+def test_agent_ranks_later_turns_first_until_the_run_drains_then_earliest_first():
     agent = AgentActor.__new__(AgentActor)
+    agent.final_wave = False
     step = lambda turn, final: AgentStep(episode_id="e", group_id="g", task_id="t", turn=turn,  # noqa: E731
                                          sandbox={}, final_wave=final)
-    backlog = [step(5, False), step(0, False), step(0, True), step(3, True)]
-    ranked = sorted(backlog, key=agent.priority, reverse=True)
-    assert [(m.turn, m.final_wave) for m in ranked] == [(0, True), (3, True), (5, False), (0, False)]
+    queued = [step(5, False), step(0, False), step(3, False)]
+    assert [m.turn for m in sorted(queued, key=agent.priority, reverse=True)] == [5, 3, 0]
+    epoch = agent.priority_epoch
+    agent.priority(step(2, True))  # the first final-wave message: the run drains
+    assert agent.final_wave and agent.priority_epoch == epoch + 1, "the runtime is told to re-rank"
+    ranked = sorted([*queued, step(2, True), step(1, True)], key=agent.priority, reverse=True)
+    assert [(m.turn, m.final_wave) for m in ranked] == [(0, False), (1, True), (2, True), (3, False), (5, False)]

@@ -9,6 +9,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer
 from conftest import run
 
+from rollway.actors.agent import AgentActor
 from rollway.actors.base import Actor, MessageMeta, Output
 from rollway.core.config import BrokerConfig, RunConfig
 from rollway.core.kafka import BrokerUnavailable, ensure_topics, make_producer, topic_name
@@ -221,3 +222,48 @@ def test_messages_of_one_key_never_run_at_once(broker, topic_prefix):
     actor = run(scenario())
     assert actor.handled == 3
     assert actor.overlaps == 0
+
+
+class RanksLikeTheAgent(Actor):
+    """The agent's ranking rule (later turns first, earliest first once a final-wave message is seen)
+    with a handler that only records the order and holds the first message a while."""
+
+    name = "ranked"
+    inputs = (AGENT_STEPS,)
+    priority = AgentActor.priority
+
+    def __init__(self):
+        self.final_wave = False
+        self.order: list[tuple[str, int]] = []
+
+    async def handle(self, msg: AgentStep, meta: MessageMeta) -> list[Output]:
+        self.order.append((msg.episode_id, msg.turn))
+        if len(self.order) == 1:
+            await asyncio.sleep(1.0)  # the rest arrive and queue meanwhile
+        return []
+
+
+def test_backlog_is_ranked_again_when_the_run_starts_draining(broker, topic_prefix):
+    """Queued turns ranked 'later turn first' must be re-ranked 'earliest turn first' when a
+    final-wave message arrives; otherwise a first turn queued before the wave waits behind it."""
+    cfg = config(topic_prefix, partitions=1)
+    step = lambda e, turn, final: (e.encode(), encode(AgentStep(  # noqa: E731
+        episode_id=e, group_id="g", task_id="t", turn=turn, sandbox={}, final_wave=final)))
+
+    async def scenario():
+        await ensure_topics(cfg.broker, cfg.topics, broker.bootstrap)
+        actor, stop = RanksLikeTheAgent(), asyncio.Event()
+        worker = StageWorker(actor, cfg, broker.bootstrap, concurrency=1, prefetch=8, group_id=f"{topic_prefix}rank")
+        task = asyncio.create_task(worker.run(stop))
+        await produce(cfg, broker.bootstrap, AGENT_STEPS,
+                      [step("busy", 9, False), step("new", 0, False), step("old", 3, False), step("wave", 1, True)])
+        deadline = time.monotonic() + 30
+        while len(actor.order) < 4 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        stop.set()
+        await task
+        return actor.order
+
+    order = run(scenario())
+    assert order[0] == ("busy", 9)
+    assert order[1:] == [("new", 0), ("wave", 1), ("old", 3)]
