@@ -65,9 +65,9 @@ def johnson_order(items: list[T], costs: list[TaskCost | None]) -> list[T]:
     filled = _filled(costs)
     if filled is None:
         return list(items)
-    ends = [c.init_s + c.grade_s for c in filled]
+    total = [c.init_s + c.grade_s for c in filled]
     first = sorted((i for i, c in enumerate(filled) if c.init_s <= c.grade_s), key=lambda i: filled[i].init_s)
-    second = sorted((i for i, c in enumerate(filled) if c.init_s > c.grade_s), key=lambda i: -ends[i])
+    second = sorted((i for i, c in enumerate(filled) if c.init_s > c.grade_s), key=lambda i: -total[i])
     return [items[i] for i in first + second]
 
 
@@ -82,11 +82,11 @@ def ends_order(items: list[T], costs: list[TaskCost | None], head: int, tail: in
     filled = _filled(costs)
     if filled is None:
         return list(items)
-    ends = [c.init_s + c.grade_s for c in filled]
+    total = [c.init_s + c.grade_s for c in filled]
     first = sorted(range(len(items)), key=lambda i: filled[i].init_s)[:head]
     taken = set(first)
     rest = [i for i in range(len(items)) if i not in taken]
-    last = sorted(sorted(rest, key=lambda i: ends[i])[:tail], key=lambda i: -ends[i])
+    last = sorted(sorted(rest, key=lambda i: total[i])[:tail], key=lambda i: -total[i])
     taken |= set(last)
     middle = [i for i in rest if i not in taken]
     return [items[i] for i in first + middle + last]
