@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import pkgutil
+import signal
 import sys
 
 import rollway.runners as runners_pkg
@@ -35,10 +36,25 @@ def main(argv: list[str] | None = None) -> int:
             args.overrides = [*args.overrides, *extra]
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    # SIGTERM (kill, a job manager, a CI timeout) unwinds like Ctrl-C: every command's `finally`
+    # stops what it started (stage processes, broker, engine, sim server), which run in their own
+    # sessions and would otherwise outlive it. `rollway stage` installs its own graceful handler.
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except Terminated:
+        return 143
+
+
+class Terminated(BaseException):
+    """Raised in the main thread by SIGTERM (a BaseException, so `except Exception` does not stop it)."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # unwind once, whatever arrives meanwhile
+    raise Terminated()
 
 
 if __name__ == "__main__":

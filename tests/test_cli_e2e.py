@@ -51,6 +51,52 @@ def test_up_runs_the_smoke_job_to_completion(tmp_path):
     assert line["stage"] == "agent"
 
 
+def alive(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has exited (its parent has not reaped it yet)
+
+
+def pids_with(fragment: str) -> set[int]:
+    """Processes whose command line contains `fragment`."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmdline = open(f"/proc/{entry}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if fragment in cmdline:
+                found.add(int(entry))
+    return found
+
+
+def test_sigterm_stops_up_and_everything_it_started(tmp_path):
+    """Stage processes and the broker run in their own sessions; a SIGTERM to `rollway up` (kill, a
+    job manager) must stop them too, not leave them running."""
+    from rollway.runners.broker import free_port
+
+    run_dir, port = tmp_path / "run", free_port()
+    up = subprocess.Popen([*ROLLWAY, "up", "examples/smoke.yaml", "tasks.count=400", f"broker.port={port}",
+                           "--run-dir", str(run_dir)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_until(lambda: len(list((run_dir / "status").glob("*.json"))) >= 6, timeout_s=60,
+                   what="every stage process writing its status")
+        stages = pids_with(f"--run-dir {run_dir}") - {up.pid}
+        broker = pids_with(f"tcp://127.0.0.1:{port}")
+        assert len(stages) >= 6 and broker and all(alive(p) for p in stages | broker)
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(60) == 143
+        wait_until(lambda: not any(alive(p) for p in stages | broker), timeout_s=30,
+                   what="the stage processes and the broker to exit")
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+
+
 def test_config_errors_name_the_key(tmp_path):
     out = rollway("up", "examples/smoke.yaml", "agent.max_turnz=3", "--run-dir", str(tmp_path))
     assert out.returncode == 2 and "agent.max_turnz" in out.stderr
