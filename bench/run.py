@@ -57,7 +57,7 @@ class SimServer:
 
     def reset(self) -> None:
         """Empty the server's prefix cache before a mode: both modes run the same episodes, and a
-        warm cache would spare the second one its prompts' prefill."""
+        warm cache would spare the second one the prefill of each episode's first prompt."""
         urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{self.port}/sim/reset", method="POST"),
                                timeout=30).read()
 
