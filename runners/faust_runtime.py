@@ -30,7 +30,6 @@ import asyncio
 import logging
 import os
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +41,7 @@ from rollway.actors.base import Actor, MessageMeta, Output
 from rollway.core.config import BrokerConfig, RunConfig
 from rollway.core.files import write_json_atomic
 from rollway.core.kafka import client_kwargs, create_topics, start_with_retry, topic_name
+from rollway.runners.stage_queue import KeyLocks
 from rollway.runners.stage_runtime import (
     COMMIT_INTERVAL_S,
     STATUS_INTERVAL_S,
@@ -163,7 +163,7 @@ class FaustStage:
         self.tables: dict[str, Any] = {} if actor.name in NO_DEDUP_STAGES else {
             name: self.app.Table(table_name(spec), default=None, key_type=str, value_type=float)
             for name, spec in self.specs.items()}
-        self.key_locks: dict[Any, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self.key_locks = KeyLocks()
         self.stats = {"handled": 0, "skipped_duplicates": 0, "dead_lettered": 0, "produced": 0}
         self.in_flight = 0
         self.failure: BaseException | None = None
@@ -249,7 +249,7 @@ class FaustStage:
             return
         key = dedup_key(msg)
         table = self.tables.get(message.topic)
-        async with self.key_locks[event.key]:
+        async with self.key_locks.hold(event.key):
             if table is not None and key is not None and table.get(key) is not None:
                 self.stats["skipped_duplicates"] += 1
                 return
@@ -259,8 +259,6 @@ class FaustStage:
             await self._send(outputs)
             if table is not None and key is not None:
                 table[key] = time.time()  # after the acks: a crash before this only repeats work
-        if not self.key_locks[event.key].locked():
-            self.key_locks.pop(event.key, None)
 
     def _dead_letter(self, event: Any, reason: str) -> Output:
         m = event.message

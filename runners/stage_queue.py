@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import heapq
 import itertools
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,32 @@ class Backlog:
         """Forget queued messages of partitions given away (uncommitted, so their next owner reads them)."""
         self.heap = [item for item in self.heap if item[2] not in tps]
         heapq.heapify(self.heap)
+
+
+class KeyLocks:
+    """One lock per message key, so messages of one key (one episode) never run at once. A key's lock
+    is dropped when no message holds or awaits it any more: `Lock.locked()` cannot tell, since it is
+    False while a woken waiter has not yet taken the lock, and a message arriving then would get a
+    fresh lock and run beside that waiter."""
+
+    def __init__(self) -> None:
+        self.locks: dict[Any, asyncio.Lock] = {}
+        self.users: dict[Any, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.locks)
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: Any) -> AsyncIterator[None]:
+        lock = self.locks.setdefault(key, asyncio.Lock())
+        self.users[key] = self.users.get(key, 0) + 1
+        try:
+            async with lock:
+                yield
+        finally:
+            self.users[key] -= 1
+            if not self.users[key]:
+                del self.users[key], self.locks[key]
 
 
 def sent_time(msg: Any) -> float:

@@ -19,7 +19,7 @@ from rollway.actors.base import Actor, MessageMeta, Output
 from rollway.core.config import RunConfig
 from rollway.core.files import write_json_atomic
 from rollway.core.kafka import ensure_topics, make_consumer, make_producer, topic_name
-from rollway.runners.stage_queue import Backlog, HopTrace
+from rollway.runners.stage_queue import Backlog, HopTrace, KeyLocks
 from rollway.schemas.codec import DecodeError, decode, encode
 from rollway.schemas.messages import AgentStep, DeadLetter
 from rollway.topics import DEAD_LETTERS, TopicSpec
@@ -101,10 +101,7 @@ class StageWorker:
         self.specs: dict[str, TopicSpec] = {topic_name(t, cfg.topics): t for t in actor.inputs}
         self.offsets = OffsetTracker()
         self.tasks: dict[asyncio.Task, TopicPartition] = {}
-        self.key_locks: dict[Any, asyncio.Lock] = defaultdict(asyncio.Lock)
-        self.key_users: dict[Any, int] = defaultdict(int)
-        """Messages holding or awaiting each key's lock (`locked()` is False while a woken waiter has
-        not yet taken it, so it cannot tell when the lock may be dropped)."""
+        self.key_locks = KeyLocks()
         self.stats = {"handled": 0, "dead_lettered": 0, "produced": 0}
         self.producer = self.consumer = None
         self.status_path = status_path
@@ -209,22 +206,15 @@ class StageWorker:
         except DecodeError as err:
             outputs = [self._dead_letter(record, tp, f"decode: {err}")]
         else:
-            lock = self.key_locks[record.key]
-            self.key_users[record.key] += 1  # the lock stays while anyone holds or awaits it
-            try:
-                async with lock:
-                    # Every log line written while handling carries the episode id.
-                    with structlog.contextvars.bound_contextvars(episode_id=getattr(msg, "episode_id", None)):
-                        started = time.time()
-                        outputs = await handle_or_dead_letter(self.actor, msg, meta,
-                                                              lambda r: self._dead_letter(record, tp, r))
-                        self.stats["handled"] += 1
-                        if self.trace is not None:
-                            self.trace.handled(tp, record, msg, started, time.time())
-            finally:
-                self.key_users[record.key] -= 1
-                if not self.key_users[record.key]:
-                    del self.key_users[record.key], self.key_locks[record.key]
+            async with self.key_locks.hold(record.key):
+                # Every log line written while handling carries the episode id.
+                with structlog.contextvars.bound_contextvars(episode_id=getattr(msg, "episode_id", None)):
+                    started = time.time()
+                    outputs = await handle_or_dead_letter(self.actor, msg, meta,
+                                                          lambda r: self._dead_letter(record, tp, r))
+                    self.stats["handled"] += 1
+                    if self.trace is not None:
+                        self.trace.handled(tp, record, msg, started, time.time())
         await self._send(outputs)
         self.offsets.finish(tp, record.offset)
 

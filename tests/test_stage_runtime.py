@@ -13,6 +13,7 @@ from rollway.actors.agent import AgentActor
 from rollway.actors.base import Actor, MessageMeta, Output
 from rollway.core.config import BrokerConfig, RunConfig
 from rollway.core.kafka import BrokerUnavailable, ensure_topics, make_producer, topic_name
+from rollway.runners.stage_queue import KeyLocks
 from rollway.runners.stage_runtime import LogReader, StageWorker
 from rollway.schemas import AgentStep, DeadLetter, InitRequest, decode, encode
 from rollway.topics import AGENT_STEPS, DEAD_LETTERS, INIT_REQUESTS
@@ -267,3 +268,37 @@ def test_backlog_is_ranked_again_when_the_run_starts_draining(broker, topic_pref
     order = run(scenario())
     assert order[0] == ("busy", 9)
     assert order[1:] == [("new", 0), ("wave", 1), ("old", 3)]
+
+
+def test_key_locks_keep_one_key_exclusive_across_a_woken_waiter_and_clean_up():
+    """Message 3 of a key arrives in the instant after message 1 released the key's lock and before
+    the woken message 2 took it: it must queue behind message 2, not get a fresh lock beside it.
+    (Both stage runtimes, the aiokafka one and the faust one, lock keys with KeyLocks.)"""
+    locks, running, order, spawned = KeyLocks(), [], [], []
+    overlaps = 0
+
+    async def message(name: str, spawn: str | None = None, fail: bool = False) -> None:
+        nonlocal overlaps
+        async with locks.hold("episode-1"):
+            running.append(name)
+            overlaps += len(running) > 1
+            order.append(name)
+            await asyncio.sleep(0.01)
+            running.remove(name)
+            if spawn:  # its first step runs before the woken waiter's
+                spawned.append(asyncio.create_task(message(spawn)))
+            if fail:
+                raise RuntimeError("the handler failed")
+
+    async def scenario() -> None:
+        first = asyncio.create_task(message("m1", spawn="m3"))
+        await asyncio.sleep(0)
+        second = asyncio.create_task(message("m2", fail=True))
+        await first
+        with pytest.raises(RuntimeError):
+            await second
+        await asyncio.gather(*spawned)
+
+    run(scenario())
+    assert overlaps == 0 and order == ["m1", "m2", "m3"]
+    assert len(locks) == 0 and not locks.users, "no lock is kept once nobody holds or awaits it"
