@@ -59,13 +59,13 @@ def inference_latency(request_log: list[list[float]], trajectories: list[dict[st
     n = len(request_log)
     if not n:
         return {}
-    served = sum(answered - arrived for arrived, _, _, answered in request_log)
+    served = sum(answered - arrived for arrived, _, _, answered, *_ in request_log)
     agent_gen = sum(t["timings"].get("agent_gen", 0.0) for t in trajectories)
     return {
         "inference_requests": n,
-        "inference_admission_ms": 1000 * sum(a - r for r, a, _, _ in request_log) / n,
-        "inference_engine_ms": 1000 * sum(f - a for _, a, f, _ in request_log) / n,
-        "inference_answer_lag_ms": 1000 * sum(ans - f for _, _, f, ans in request_log) / n,
+        "inference_admission_ms": 1000 * sum(a - r for r, a, _, _, *_ in request_log) / n,
+        "inference_engine_ms": 1000 * sum(f - a for _, a, f, _, *_ in request_log) / n,
+        "inference_answer_lag_ms": 1000 * sum(ans - f for _, _, f, ans, *_ in request_log) / n,
         "inference_client_ms": 1000 * (agent_gen - served) / n,
     }
 

@@ -57,10 +57,9 @@ class SimEngine:
     step_prefill: int = 0
     """Prompt tokens admitted at the current step's start (they lengthen that step)."""
     request_log: list = field(default_factory=list)
-    """(arrived, admitted, finished, answered) of every request, wall-clock seconds: the engine's
-    queueing (admitted - arrived) and how late the answer leaves after its last step (answered - finished)."""
-    prefill_log: list = field(default_factory=list)
-    """(arrived, prompt tokens prefilled) of every request."""
+    """(arrived, admitted, finished, answered, prefilled) of every request: wall-clock seconds (the
+    engine's queueing is admitted - arrived, how late the answer leaves after its last step is
+    answered - finished) and the prompt tokens it prefilled."""
 
     def __post_init__(self) -> None:
         self.chat = BytesChatML()
@@ -86,8 +85,7 @@ class SimEngine:
         self.requests += 1
         self.wake.set()
         await req.done
-        self.request_log.append((req.arrived, req.admitted, req.finished, time.time()))
-        self.prefill_log.append((req.arrived, new))
+        self.request_log.append((req.arrived, req.admitted, req.finished, time.time(), new))
         return ids, finish
 
     def reset_cache(self) -> int:
@@ -189,7 +187,7 @@ def build_app(engine: SimEngine) -> web.Application:
         return web.json_response({"cap": engine.cap, "requests": engine.requests,
                                   "steps": [s for s in engine.steps if s[1] >= t0 and s[0] <= t1],
                                   "request_log": [r for r in engine.request_log if t0 <= r[0] <= t1],
-                                  "prefill_tokens": sum(n for at, n in engine.prefill_log if t0 <= at <= t1)})
+                                  "prefill_tokens": sum(r[4] for r in engine.request_log if t0 <= r[0] <= t1)})
 
     async def reset(request: web.Request) -> web.Response:
         return web.json_response({"dropped": engine.reset_cache()})

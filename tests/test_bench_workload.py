@@ -79,7 +79,7 @@ def test_sim_server_step_time_grows_with_concurrent_sequences():
     assert max(n for _, _, n in crowded.steps) == 8
     assert len(crowded.steps) <= tokens + 1
     assert len(crowded.request_log) == 8
-    for arrived, admitted, finished, answered in crowded.request_log:
+    for arrived, admitted, finished, answered, _ in crowded.request_log:
         assert arrived <= admitted < finished <= answered
         assert finished - admitted >= (len(plans[0].turns[0].text) // 2) * 0.004, "served step by step"
     capped = SimEngine(plans, a=0.002, b=0.0, p=0.0, cap=2)
@@ -102,7 +102,7 @@ def test_sim_server_prefills_only_new_tokens_until_its_cache_is_reset():
         return dropped
 
     assert run(go()) == 1
-    assert [n for _, n in engine.prefill_log] == [len(prompt), 0, len(prompt)], \
+    assert [prefilled for *_, prefilled in engine.request_log] == [len(prompt), 0, len(prompt)], \
         "a cached prefix is not prefilled again; after a reset the run starts cold"
 
 
@@ -181,13 +181,9 @@ def test_scheduler_init_lookahead_bounds_episodes_before_the_reward_stage(tmp_pa
     assert all(t.name != "reward-requests" for t in default.inputs), "off by default"
 
 
-def cost(init_s: float, grade_s: float) -> TaskCost:
-    return TaskCost(init_s, grade_s)
-
-
 def test_johnson_order_starts_with_fast_sandboxes_and_ends_with_fast_ones():
-    costs = {"a": cost(3.0, 5.0), "b": cost(1.0, 4.0), "c": cost(4.0, 1.0), "d": cost(2.0, 0.5), "e": cost(5.0, 3.0),
-             "f": None}
+    costs = {"a": TaskCost(3.0, 5.0), "b": TaskCost(1.0, 4.0), "c": TaskCost(4.0, 1.0), "d": TaskCost(2.0, 0.5),
+             "e": TaskCost(5.0, 3.0), "f": None}
     order = johnson_order(list(costs), list(costs.values()))
     # start <= grading, by start ascending; f (no estimate) ranks as the median task (3.0, 3.0).
     assert order[:3] == ["b", "a", "f"]
@@ -197,8 +193,8 @@ def test_johnson_order_starts_with_fast_sandboxes_and_ends_with_fast_ones():
 
 
 def test_ends_order_sorts_the_first_burst_and_the_final_wave_only():
-    costs = {"a": cost(3.0, 3.0), "b": cost(0.5, 4.0), "c": cost(6.0, 0.2), "d": cost(2.0, 2.0), "e": cost(0.2, 9.0),
-             "f": cost(5.0, 5.0), "g": cost(1.0, 0.5), "h": None, "i": cost(0.9, 0.4)}
+    costs = {"a": TaskCost(3.0, 3.0), "b": TaskCost(0.5, 4.0), "c": TaskCost(6.0, 0.2), "d": TaskCost(2.0, 2.0),
+             "e": TaskCost(0.2, 9.0), "f": TaskCost(5.0, 5.0), "g": TaskCost(1.0, 0.5), "h": None, "i": TaskCost(0.9, 0.4)}
     order = ends_order(list(costs), list(costs.values()), head=2, tail=3)
     assert order[:2] == ["e", "b"], "the fastest sandbox starts first"
     # the 3 cheapest left in start + grading, dearest first: d (4.0), g (1.5), i (1.3)
@@ -234,7 +230,7 @@ def test_scheduler_issues_in_johnson_order_from_the_task_estimates(tmp_path):
         run(s.setup())
         issued[order] = [o.value.task_id for o in run(s.tick())]
     assert sorted(issued["given"]) == sorted(issued["johnson"]) and len(issued["johnson"]) == 12
-    by_id = {f"sim-{p.index:05d}": cost(p.init_s_estimate, p.grade_s_estimate) for p in plans}
+    by_id = {f"sim-{p.index:05d}": TaskCost(p.init_s_estimate, p.grade_s_estimate) for p in plans}
     assert issued["johnson"] == johnson_order(issued["given"], [by_id[t] for t in issued["given"]])
     assert issued["johnson"] != issued["given"]
     first = [by_id[t] for t in issued["johnson"] if by_id[t][0] <= by_id[t][1]]
@@ -253,7 +249,7 @@ def test_scheduler_plans_ends_order_around_its_first_burst_and_final_wave(tmp_pa
         s = SchedulerActor(Services(cfg, tmp_path / order))
         run(s.setup())
         planned[order] = [g[0].task_id for g in s.groups]
-    by_id = {f"sim-{p.index:05d}": cost(p.init_s_estimate, p.grade_s_estimate) for p in plans}
+    by_id = {f"sim-{p.index:05d}": TaskCost(p.init_s_estimate, p.grade_s_estimate) for p in plans}
     # first burst = agent_slots + init_lookahead = 3 (under max_inflight 5); final wave = 5
     assert planned["ends"] == ends_order(planned["given"], [by_id[t] for t in planned["given"]], head=3, tail=5)
     assert planned["ends"] != planned["given"]
@@ -266,7 +262,6 @@ def test_estimates_are_noisy_but_do_not_change_the_plan():
     assert all(p.init_s_estimate == p.init_s and p.grade_s_estimate == p.grade_s for p in exact)
     ratios = [p.init_s_estimate / p.init_s for p in noisy if p.init_s > 0]
     assert any(abs(r - 1) > 0.05 for r in ratios) and all(0.2 < r < 5 for r in ratios)
-
 
 
 def test_request_log_splits_generation_time():
