@@ -3,14 +3,16 @@ the finished episode."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import structlog
 
 from rollway.actors.base import Actor, MessageMeta, Output, failure_output
 from rollway.actors.episode import EpisodeState, observation_messages
+from rollway.actors.gate import RankedGate
 from rollway.actors.services import Services
 from rollway.policies.base import SamplingParams, episode_seed
 from rollway.schemas.messages import AgentStep, Observation, RewardRequest, TurnRecord
@@ -37,6 +39,9 @@ class AgentActor(Actor):
         self.drift_count = 0
         self.final_wave = False
         """Set by the first final-wave message this worker sees: the run is draining."""
+        self.model_slots = RankedGate(self.cfg.concurrency) if self.cfg.tool_overlap else None
+        """With tool_overlap, the model-call slots turns take in `priority` order (else the stage's
+        own concurrency bounds the calls)."""
 
     async def setup(self) -> None:
         _ = self.s.tools, self.s.inference, self.s.sandboxes  # build now: fail fast on bad config
@@ -47,7 +52,7 @@ class AgentActor(Actor):
             return []  # duplicate delivery of a turn that was already run
         msg_wait = time.time() - msg.sent_at if msg.sent_at else 0.0
         state.timings["agent_queue"] = state.timings.get("agent_queue", 0.0) + max(0.0, msg_wait)
-        record, stop_reason = await self._run_turn(state)
+        record, stop_reason = await self._run_turn(state, lambda: self._rank(msg.turn))
         new_messages = observation_messages(record)
         state.apply(record, new_messages)
         if stop_reason is None:
@@ -65,7 +70,10 @@ class AgentActor(Actor):
         if msg.final_wave and not self.final_wave:
             self.final_wave = True
             self.priority_epoch += 1  # the runtime re-ranks what it already queued
-        return -float(msg.turn) if self.final_wave else float(msg.turn)
+        return self._rank(msg.turn)
+
+    def _rank(self, turn: int) -> float:
+        return -float(turn) if self.final_wave else float(turn)
 
     def on_error(self, msg: AgentStep, error: BaseException) -> list[Output]:
         self.cache.pop((msg.episode_id, msg.attempt), None)
@@ -127,7 +135,7 @@ class AgentActor(Actor):
         return state
 
     # -- one turn ---------------------------------------------------------------------------
-    async def _run_turn(self, state: EpisodeState) -> tuple[TurnRecord, str | None]:
+    async def _run_turn(self, state: EpisodeState, rank: Callable[[], float]) -> tuple[TurnRecord, str | None]:
         chat, turn = self.s.chat, state.next_turn
         budget = self.cfg.max_total_tokens - state.tokens_used
         f = state.first
@@ -135,9 +143,12 @@ class AgentActor(Actor):
                                 max_tokens=max(1, min(self.cfg.max_tokens_per_turn, budget)),
                                 stop_token_ids=chat.stop_token_ids,
                                 seed=episode_seed(f.episode_id, f.attempt) + turn)
-        t0, gen_started_at = time.perf_counter(), time.time()
-        gen = await self.s.inference.generate(state.token_ids, params)
-        gen_s = time.perf_counter() - t0
+        async with self._model_slot(rank) as waited:
+            t0, gen_started_at = time.perf_counter(), time.time()
+            gen = await self.s.inference.generate(state.token_ids, params)
+            gen_s = time.perf_counter() - t0
+        if waited:
+            state.timings["agent_slot_wait"] = state.timings.get("agent_slot_wait", 0.0) + waited
         text = chat.decode(gen.token_ids)
         t1 = time.perf_counter()
         sandbox = await self.s.sandboxes.attach(state.first.sandbox)
@@ -159,6 +170,16 @@ class AgentActor(Actor):
         state.timings["agent_gen"] = state.timings.get("agent_gen", 0.0) + gen_s
         state.timings["agent_tool"] = state.timings.get("agent_tool", 0.0) + tool_s
         return record, stop_reason
+
+    @contextlib.asynccontextmanager
+    async def _model_slot(self, rank: Callable[[], float]) -> AsyncIterator[float]:
+        """Holds a model-call slot (with tool_overlap) and yields how long the turn waited for it."""
+        if self.model_slots is None:
+            yield 0.0
+            return
+        t0 = time.perf_counter()
+        async with self.model_slots.slot(rank):
+            yield time.perf_counter() - t0
 
     def _stop_reason(self, finished: bool, turn: int, used: int) -> str | None:
         if finished:

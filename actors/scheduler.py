@@ -114,7 +114,7 @@ class SchedulerActor(Actor):
         if self.cfg.init_lookahead is not None:
             # Sandboxes are made at most `init_lookahead` ahead of agent capacity: count the episodes
             # not yet at the reward stage, which needs the reward-requests stream too.
-            slots = self.cfg.agent_slots or services.cfg.agent.concurrency
+            slots = self.cfg.agent_slots or services.cfg.agent.concurrency + services.cfg.agent.tool_overlap
             self.pre_reward_bound = slots + self.cfg.init_lookahead
             self.inputs = (*SchedulerActor.inputs, REWARD_REQUESTS)
         self._dirty = True

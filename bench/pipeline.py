@@ -25,9 +25,10 @@ EPISODE_TOPICS = (INIT_REQUESTS, AGENT_STEPS, REWARD_REQUESTS, TRAJECTORIES)
 
 def run_config(wl: WorkloadConfig, plans_path: Path, sandbox_root: Path, server_url: str, name: str,
                agent_workers: int = 1) -> dict[str, Any]:
-    """The job config of one mode. The pipeline's total agent concurrency equals the baseline's slots
-    and the server's cap; it is split evenly over the agent workers."""
-    per_worker = -(-wl.slots // agent_workers)
+    """The job config of one mode (the baseline reads its scheduler's order and actor settings from it
+    too). The pipeline's total agent concurrency (model calls at once) equals the baseline's slots and
+    the server's cap; it and `tool_overlap` are split evenly over the agent workers."""
+    per_worker, overlap = -(-wl.slots // agent_workers), -(-wl.tool_overlap // agent_workers)
     return {
         "run": {"name": name, "id": name, "seed": wl.seed, "timeout_s": 1800, "trace": True},
         "topics": {"prefix": f"{name}.", "default_partitions": 8},
@@ -36,11 +37,12 @@ def run_config(wl: WorkloadConfig, plans_path: Path, sandbox_root: Path, server_
         "sandbox": {"type": "sim", "root": str(sandbox_root)},
         "policy": {"type": "openai", "base_url": server_url, "model": "sim"},
         "scheduler": {"group_size": 1, "max_inflight_episodes": wl.sandbox_bound,
-                      "init_lookahead": wl.init_lookahead, "agent_slots": per_worker * agent_workers,
+                      "init_lookahead": wl.init_lookahead, "agent_slots": (per_worker + overlap) * agent_workers,
                       "episode_deadline_s": wl.episode_deadline_s, "max_attempts": 2, "order": wl.order,
                       "final_wave": wl.final_wave},
         "init": {"concurrency": wl.init_concurrency},
-        "agent": {"concurrency": per_worker, "prefetch": wl.agent_prefetch, "max_turns": wl.turns_max + 1,
+        "agent": {"concurrency": per_worker, "tool_overlap": overlap,
+                  "prefetch": wl.agent_prefetch, "max_turns": wl.turns_max + 1,
                   "max_tokens_per_turn": 8192, "max_total_tokens": 1_000_000},
         "reward": {"concurrency": wl.grade_concurrency},
     }

@@ -70,15 +70,26 @@ def inference_latency(request_log: list[list[float]], trajectories: list[dict[st
     }
 
 
-def agent_slot_phases(trace: list[dict[str, Any]], started: float, ended: float, slots: int) -> dict[str, float]:
-    """From the agent stage's handling intervals: `ramp_up_s` (start -> every agent slot busy for the
+def model_slot_intervals(trace: list[dict[str, Any]], trajectories: list[dict[str, Any]],
+                         tool_overlap: int) -> list[tuple[float, float]]:
+    """When the agent held its model-call slots: a whole turn's handling (trace) when tool calls hold
+    the slot too (tool_overlap 0), else each turn's generation (trajectories)."""
+    if not tool_overlap:
+        return [(h["started"], h["ended"]) for h in trace
+                if h["stage"] == "agent" and h.get("started") and h.get("ended")]
+    return [(u["gen_started_at"], u["gen_ended_at"]) for t in trajectories for u in t.get("turns", [])
+            if u.get("gen_started_at") and u.get("gen_ended_at")]
+
+
+def agent_slot_phases(intervals: list[tuple[float, float]], started: float, ended: float,
+                      slots: int) -> dict[str, float]:
+    """From when the agent's model-call slots were held: `ramp_up_s` (start -> every slot busy for the
     first time), `drain_s` (the last moment every slot was busy -> end) and `slots_busy_fraction`
-    (agent slot-seconds used / slots x makespan). Start-up and drain are where a finite batch cannot
-    keep the bottleneck full; the ideal makespan credits them only the shortest init and grading."""
-    turns = [h for h in trace if h["stage"] == "agent" and h.get("started") and h.get("ended")]
-    if not turns:
+    (slot-seconds used / slots x makespan). Start-up and drain are where a finite batch cannot keep
+    the bottleneck full; the ideal makespan credits them only the shortest init and grading."""
+    if not intervals:
         return {}
-    events = sorted([(h["started"], 1) for h in turns] + [(h["ended"], -1) for h in turns])
+    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
     busy, first_full, last_full = 0, None, None
     for t, delta in events:
         was_full = busy >= slots
@@ -87,7 +98,7 @@ def agent_slot_phases(trace: list[dict[str, Any]], started: float, ended: float,
             first_full = t
         if was_full and busy < slots:
             last_full = t  # a full period ends here
-    used = sum(h["ended"] - h["started"] for h in turns)
+    used = sum(e - s for s, e in intervals)
     return {
         "ramp_up_s": (first_full if first_full is not None else ended) - started,
         "drain_s": ended - (last_full if last_full is not None else started),
@@ -169,7 +180,9 @@ def format_text(result: dict[str, Any]) -> str:
         f"pipeline sandbox bound {p['sandbox_bound']} (peak {p['peak_live_sandboxes']}, "
         f"within: {p['peak_live_sandboxes'] <= p['sandbox_bound']}), episodes re-issued after their deadline: "
         f"{p.get('episodes_retried', 0)}",
-        f"pipeline agent slots: all busy after {p.get('ramp_up_s', 0):.2f}s ramp-up, draining for the last "
+        f"pipeline model-call slots ({result['workload']['slots']}, the baseline's slots; turns at once: "
+        f"{result['workload']['slots'] + result['workload']['tool_overlap']}): "
+        f"all busy after {p.get('ramp_up_s', 0):.2f}s ramp-up, draining for the last "
         f"{p.get('drain_s', 0):.2f}s, busy {p.get('slots_busy_fraction', 0):.2f} of slot time",
         *(
             f"{m['label']:<27}inference per request: admission {m['inference_admission_ms']:.1f} ms, engine "

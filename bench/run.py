@@ -109,7 +109,8 @@ def pipeline_mode(wl: WorkloadConfig, out: Path, server: SimServer, bootstrap: s
                                    run.ended, trajectories, server, run_dir / "sandboxes")
     trace = report.read_trace(run_dir)
     figures.update(report.hop_stats(trace, run.issued_at, run.created_at))
-    figures.update(report.agent_slot_phases(trace, run.started, run.ended, wl.slots))
+    held = report.model_slot_intervals(trace, trajectories, wl.tool_overlap)
+    figures.update(report.agent_slot_phases(held, run.started, run.ended, wl.slots))
     figures.update({"agent_workers": workers, "sandbox_bound": wl.sandbox_bound,
                     "messages": run.messages, "messages_per_second": run.messages / run.makespan,
                     "bytes": report.bytes_vs_turns(run.bytes_per_episode, run.turns),

@@ -21,14 +21,57 @@ SIM_LOGPROB = -0.05
 MARKER_RE = re.compile(rb"\[sim-episode (\d+)\]")
 
 
+BLOCK_TOKENS = 16
+"""KV-cache block size (vLLM's default): prefixes are shared across requests in whole blocks."""
+
+
+class PrefixCache:
+    """vLLM's automatic prefix caching, in simulation. Across requests, a prompt reuses the longest
+    run of whole blocks some earlier request prefilled (chained block hashes, as vLLM keys them): the
+    system prompt and tool list every episode shares is prefilled once per run, not once per episode.
+    Within an episode, the next turn's prompt reuses the previous prompt and completion to the token.
+    Nothing is evicted (the simulated GPU's KV memory is taken to be ample)."""
+
+    def __init__(self) -> None:
+        self.blocks: set[int] = set()
+        self.episodes: dict[int, int] = {}
+        """Episode -> tokens of its last prompt and completion, cached."""
+
+    def prefill(self, episode: int, prompt_ids: list[int]) -> int:
+        """Prompt tokens this request must prefill; its prompt's whole blocks are cached from now on."""
+        cached = self.episodes.get(episode, 0)
+        if cached:  # a later turn: its prefix is the episode's own earlier prompt and completion
+            return max(0, len(prompt_ids) - cached)
+        shared, key, hit = 0, 0, True
+        for start in range(0, len(prompt_ids) - BLOCK_TOKENS + 1, BLOCK_TOKENS):
+            key = hash((key, *prompt_ids[start:start + BLOCK_TOKENS]))
+            if hit and key in self.blocks:
+                shared += BLOCK_TOKENS
+            else:
+                hit = False
+                self.blocks.add(key)
+        return len(prompt_ids) - shared
+
+    def finished(self, episode: int, tokens: int) -> None:
+        self.episodes[episode] = tokens
+
+    def reset(self) -> int:
+        """Forget everything; returns the episodes forgotten."""
+        dropped = len(self.episodes)
+        self.episodes.clear()
+        self.blocks.clear()
+        return dropped
+
+
 @dataclass
 class _Request:
     episode: int
     token_ids: list[int]
-    prompt_len: int
-    prefill_tokens: int
+    prompt_ids: list[int]
     done: asyncio.Future
     arrived: float
+    prefill_tokens: int = 0
+    """Prompt tokens not found in the prefix cache when it was admitted."""
     produced: int = 0
     admitted: float = 0.0
     """Simulated time of the step boundary it joined at."""
@@ -51,8 +94,8 @@ class SimEngine:
     running: list = field(default_factory=list)
     steps: list = field(default_factory=list)
     """(start, end, running sequences) of every step, wall-clock seconds."""
-    cached: dict = field(default_factory=dict)
-    """Episode -> tokens already in the KV cache (prefix caching: only new prompt tokens prefill)."""
+    cache: PrefixCache = field(default_factory=PrefixCache)
+    """Prefix caching: only prompt tokens not yet in the KV cache are prefilled."""
     requests: int = 0
     step_prefill: int = 0
     """Prompt tokens admitted at the current step's start (they lengthen that step)."""
@@ -79,21 +122,18 @@ class SimEngine:
         finish = "stop"
         if len(ids) > max_tokens:
             ids, finish = ids[:max_tokens], "length"
-        new = max(0, len(prompt_ids) - self.cached.get(episode, 0))
-        req = _Request(episode, ids, len(prompt_ids), new, asyncio.get_running_loop().create_future(), time.time())
+        req = _Request(episode, ids, prompt_ids, asyncio.get_running_loop().create_future(), time.time())
         self.waiting.append(req)
         self.requests += 1
         self.wake.set()
         await req.done
-        self.request_log.append((req.arrived, req.admitted, req.finished, time.time(), new))
+        self.request_log.append((req.arrived, req.admitted, req.finished, time.time(), req.prefill_tokens))
         return ids, finish
 
     def reset_cache(self) -> int:
         """Forget every cached prefix (a new run starts cold: the benchmark's modes replay the same
-        episodes, and the second must not find the first's prompts cached). Returns entries dropped."""
-        dropped = len(self.cached)
-        self.cached.clear()
-        return dropped
+        episodes, and the second must not find the first's prompts cached). Returns episodes dropped."""
+        return self.cache.reset()
 
     async def run(self) -> None:
         """Steps run on a simulated clock `vt`: whenever the loop wakes it replays every step that has
@@ -117,6 +157,7 @@ class SimEngine:
         while self.waiting and len(self.running) < self.cap and self.waiting[0].arrived <= vt:
             req = self.waiting.popleft()
             req.admitted = vt
+            req.prefill_tokens = self.cache.prefill(req.episode, req.prompt_ids)
             self.step_prefill += req.prefill_tokens
             self.running.append(req)
 
@@ -144,7 +185,7 @@ class SimEngine:
             req.produced += 1
             if req.produced >= len(req.token_ids):
                 req.finished = end
-                self.cached[req.episode] = req.prompt_len + len(req.token_ids)
+                self.cache.finished(req.episode, len(req.prompt_ids) + len(req.token_ids))
                 req.done.set_result(None)
         self.running = [r for r in self.running if r.produced < len(r.token_ids)]
 

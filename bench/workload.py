@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 MARKER = "[sim-episode {index:05d}]"
 """Written into each sim task's prompt: the simulated model reads it to find the episode's plan."""
+MARKER_BYTES = len(MARKER.format(index=0))
 TOOL_CALL = '<tool_call>{{"name": "bash", "arguments": {{"command": "sim-exec {seconds:.3f} {out_bytes}"}}}}</tool_call>'
 FINISH_CALL = '<tool_call>{"name": "finish", "arguments": {}}</tool_call>'
 
@@ -72,6 +73,11 @@ class WorkloadConfig(BaseModel):
     slots: int = Field(16, ge=1)
     """Concurrent sequences at the inference server: the baseline's slots, the pipeline's total agent
     concurrency, and the server's cap."""
+    tool_overlap: int = Field(8, ge=0)
+    """Pipeline: turns the agent stage runs beyond `slots` (agent.tool_overlap, split over the agent
+    workers): a turn holds a model-call slot only while it generates, so tool calls no longer keep
+    server sequences idle. The server still runs at most `slots` sequences. 0: a turn holds its slot
+    through generation and tools, as a baseline slot does."""
     init_lookahead: int = Field(16, ge=0)
     """Pipeline: episodes initialised ahead of agent capacity (scheduler.init_lookahead). Rule of thumb:
     agent throughput (episodes/s) x (init time + scheduling delay), with margin for the long tail."""
@@ -94,8 +100,9 @@ class WorkloadConfig(BaseModel):
 
     @property
     def sandbox_bound(self) -> int:
-        """Most sandboxes the pipeline may hold at once: agent capacity + look-ahead + grading."""
-        return self.slots + self.init_lookahead + self.grade_concurrency
+        """Most sandboxes the pipeline may hold at once: turns the agent runs at once (slots +
+        tool_overlap) + look-ahead + grading."""
+        return self.slots + self.tool_overlap + self.init_lookahead + self.grade_concurrency
 
 
 @dataclass
@@ -178,44 +185,51 @@ def ideal_makespan(plans: list[EpisodePlan], cfg: WorkloadConfig) -> dict[str, f
     """A true lower bound on the pipeline's makespan for these plans and resources.
 
     With a = step_base_s, b = step_per_seq_s, p = prefill_per_token_s, C = slots (the server's cap and
-    the total agent concurrency), for turn j of episode e with k tokens, q new prompt tokens (at least
-    the observation bytes; the first turn at least the prompt bytes) and tool time x:
+    the agent's model calls at once), H = C + tool_overlap (turns the agent runs at once), for turn j
+    of episode e with k tokens, q new prompt tokens (at least the observation bytes; the first turn at
+    least the task text after its marker, since prefix caching shares the system prompt, the tool list
+    and whole blocks up to where episodes' markers differ) and tool time x:
       gen_min = k (a + b) + p q        a decode step with >= 1 sequence lasts >= a + b
-      turn_min = gen_min + x           an agent slot is held for generation and the tool call
+      turn_min = gen_min + x           a turn runs its generation, then its tool call
       T_e = sum of turn_min;  path_e = I_e + T_e + G_e (init, turns, grading, in sequence)
     and the bound is the largest of
       critical path   max_e path_e
       inference       min I + [sum k (a + b C) / C + p sum q] + min G   (a step serves <= C sequences;
                       nothing generates before the first sandbox exists, the last turn is then graded)
-      agent slots     min I + sum turn_min / C + min G
-      joint           min I + min G + min over S >= K/C of max(a S + b K + p Q, (a K + b K^2/S + p Q + X) / C)
+      model slots     min I + sum gen_min / C + min G    (a model-call slot is held while generating)
+      turn slots      min I + sum turn_min / H + min G   (a turn holds one of H for generation and tool)
+      joint           min I + min G + min over S >= K/C of
+                      max(a S + b K + p Q, (a K + b K^2/S + p Q) / C, (a K + b K^2/S + p Q + X) / H)
                       with K = sum k, Q = sum q, X = sum x: if the server runs S steps (n_t sequences in
                       step t, sum n_t = K) it is busy sum (a + b n_t) + p Q = a S + b K + p Q, while the
-                      agent slots hold generation for sum n_t (a + b n_t) >= a K + b K^2 / S
-                      (Cauchy-Schwarz) plus each turn's prefill and tool time, within C slots
+                      model-call slots hold generation for sum n_t (a + b n_t) >= a K + b K^2 / S
+                      (Cauchy-Schwarz) plus each turn's prefill, and the turn slots that plus tool time
       init            sum I / init_concurrency + min_e (T_e + G_e)
       grading         min_e (I_e + T_e) + sum G / grade_concurrency
-    The baseline runs the same turns through C slots, so the first three terms bound it too.
+    The baseline runs the same turns through C slots (C <= H), so every term but init and grading
+    bounds it too.
     """
     a, b, p, c = cfg.step_base_s, cfg.step_per_seq_s, cfg.prefill_per_token_s, cfg.slots
-    tokens = prefill = slot_work = tool_work = 0.0
+    h = c + cfg.tool_overlap
+    tokens = prefill = gen_work = tool_work = 0.0
     agent_s, paths = [], []
     for e in plans:
         t_e = 0.0
         for j, t in enumerate(e.turns):
-            q = len(e.prompt.encode()) if j == 0 else e.turns[j - 1].observation_bytes
+            q = len(e.prompt.encode()) - MARKER_BYTES if j == 0 else e.turns[j - 1].observation_bytes
             tokens, prefill = tokens + t.completion_tokens, prefill + q
-            t_e += t.completion_tokens * (a + b) + p * q + t.tool_s
-            tool_work += t.tool_s
+            gen = t.completion_tokens * (a + b) + p * q
+            t_e += gen + t.tool_s
+            gen_work, tool_work = gen_work + gen, tool_work + t.tool_s
         agent_s.append(t_e)
-        slot_work += t_e
         paths.append(e.init_s + t_e + e.grade_s)
     min_i, min_g = min(e.init_s for e in plans), min(e.grade_s for e in plans)
     bounds = {
         "critical_path": max(paths),
         "inference": min_i + tokens * (a + b * c) / c + p * prefill + min_g,
-        "agent_slots": min_i + slot_work / c + min_g,
-        "joint": min_i + _joint_bound(a, b, p * prefill, tokens, tool_work, c) + min_g,
+        "model_slots": min_i + gen_work / c + min_g,
+        "turn_slots": min_i + (gen_work + tool_work) / h + min_g,
+        "joint": min_i + _joint_bound(a, b, p * prefill, tokens, tool_work, c, h) + min_g,
         "init": sum(e.init_s for e in plans) / cfg.init_concurrency
         + min(t + e.grade_s for t, e in zip(agent_s, plans, strict=True)),
         "grading": min(e.init_s + t for t, e in zip(agent_s, plans, strict=True))
@@ -224,13 +238,22 @@ def ideal_makespan(plans: list[EpisodePlan], cfg: WorkloadConfig) -> dict[str, f
     return {"ideal_makespan": max(bounds.values()), "bottleneck": max(bounds, key=bounds.get), **bounds}
 
 
-def _joint_bound(a: float, b: float, prefill_s: float, k: float, x: float, c: int) -> float:
-    """min over S >= k/c of max(server(S), slots(S)): server(S) grows with S and slots(S) shrinks, so
-    the minimum is where they cross (the positive root of a quadratic in S) or at S = k/c."""
-    qa, qb, qc = a * c, b * k * c + prefill_s * c - a * k - prefill_s - x, -b * k * k
-    root = (-qb + math.sqrt(qb * qb - 4 * qa * qc)) / (2 * qa)
-    s = max(root, k / c)
-    return max(a * s + b * k + prefill_s, (a * k + b * k * k / s + prefill_s + x) / c)
+def _joint_bound(a: float, b: float, prefill_s: float, k: float, x: float, c: int, h: int) -> float:
+    """min over S >= k/c of max(server(S), model_slots(S), turn_slots(S)). server(S) grows with S and
+    both slot terms shrink, so the minimum is at S = k/c or where the server meets the larger slot
+    term: at the later of its two crossings (each the positive root of a quadratic in S)."""
+    def server(s: float) -> float:
+        return a * s + b * k + prefill_s
+
+    def slots(s: float, extra: float, n: int) -> float:
+        return (a * k + b * k * k / s + prefill_s + extra) / n
+
+    def crossing(extra: float, n: int) -> float:  # a S + b k + P = (a k + b k^2 / S + P + extra) / n
+        qa, qb, qc = a * n, b * k * n + prefill_s * n - a * k - prefill_s - extra, -b * k * k
+        return (-qb + math.sqrt(qb * qb - 4 * qa * qc)) / (2 * qa)
+
+    s = max(k / c, crossing(0.0, c), crossing(x, h))
+    return max(server(s), slots(s, 0.0, c), slots(s, x, h))
 
 
 def workload_summary(plans: list[EpisodePlan]) -> dict[str, float]:

@@ -117,11 +117,20 @@ class SchedulerConfig(StrictModel):
     most left). A shorter tail for more sandbox-seconds; live sandboxes stay within
     max_inflight_episodes."""
     agent_slots: int | None = Field(None, ge=1)
-    """Total agent concurrency across agent workers (workers x agent.concurrency), for
-    init_lookahead. None: agent.concurrency (one agent worker)."""
+    """Turns the agent stage runs at once across its workers (workers x (agent.concurrency +
+    agent.tool_overlap)), for init_lookahead. None: one agent worker's."""
 
 
 class AgentConfig(StageConfig):
+    concurrency: int = Field(4, ge=1)
+    """Model calls this worker has at the inference server at once (its share of the server's
+    sequences); with tool_overlap 0 also the turns it handles at once."""
+    tool_overlap: int = Field(0, ge=0)
+    """Turns handled beyond `concurrency`. A turn then holds one of the `concurrency` model-call slots
+    only while the model generates, not while its tool calls run in the sandbox, so another turn's
+    generation fills the slot meanwhile (waiting turns take freed slots in `priority` order). The
+    server never sees more than `concurrency` sequences from this worker. 0: a turn holds its slot
+    through generation and tools."""
     max_turns: int = Field(8, ge=1)
     """Turns (model calls) per episode before it stops with stop_reason `max_turns`."""
     max_tokens_per_turn: int = Field(256, ge=1)

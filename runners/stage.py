@@ -44,7 +44,10 @@ def build_actor(name: str, services: Services, log_reader: LogReader | None) -> 
 
 
 def stage_concurrency(name: str, cfg: RunConfig) -> int:
-    section = {"init": cfg.init, "agent": cfg.agent, "reward": cfg.reward}.get(name)
+    """Messages a worker of this stage handles at once."""
+    if name == "agent":
+        return cfg.agent.concurrency + cfg.agent.tool_overlap
+    section = {"init": cfg.init, "reward": cfg.reward}.get(name)
     return section.concurrency if section is not None else 1
 
 

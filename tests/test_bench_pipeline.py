@@ -13,7 +13,7 @@ from conftest import ROOT, run
 
 from rollway.bench.baseline import BatchDispatcher
 from rollway.bench.pipeline import load_run_config, run_config
-from rollway.bench.report import format_text
+from rollway.bench.report import format_text, model_slot_intervals
 from rollway.bench.sim_server import SimEngine, build_app
 from rollway.bench.workload import WorkloadConfig, ideal_makespan, plan_workload, read_plans, write_plans
 from rollway.runners.broker import free_port
@@ -21,7 +21,7 @@ from rollway.sandboxes.sim import live_sandbox_stats
 
 TINY = ["episodes=6", "slots=2", "init_lookahead=1", "init_concurrency=2", "grade_concurrency=2",
         "init_s_median=0.3", "grade_s_median=0.3", "turns_median=3", "tool_s_median=0.05",
-        "thought_tokens_median=10", "step_base_s=0.002"]
+        "thought_tokens_median=10", "step_base_s=0.002", "tool_overlap=1"]
 
 
 def test_baseline_never_exceeds_its_slots_and_takes_at_least_the_ideal_makespan(tmp_path):
@@ -54,6 +54,19 @@ def test_baseline_never_exceeds_its_slots_and_takes_at_least_the_ideal_makespan(
     assert sandboxes["peak_live_sandboxes"] <= 3 and sandboxes["leaked"] == 0
 
 
+def turns_planned(out) -> int:
+    return sum(e.num_turns for e in read_plans(out / "plans.jsonl"))
+
+
+def most_at_once(intervals: list[tuple[float, float]]) -> int:
+    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])  # an end sorts first
+    running = peak = 0
+    for _, delta in events:
+        running += delta
+        peak = max(peak, running)
+    return peak
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_bench_pipeline_json_reports_every_figure(tmp_path):
@@ -71,12 +84,16 @@ def test_bench_pipeline_json_reports_every_figure(tmp_path):
         assert mode["makespan_s"] >= result["ideal_makespan"]
         assert mode["sandboxes_leaked"] == 0 and mode["sandbox_seconds_per_episode"] > 0
     assert b["peak_live_sandboxes"] <= 2
-    assert p["peak_live_sandboxes"] <= p["sandbox_bound"] == 2 + 1 + 2
+    assert p["peak_live_sandboxes"] <= p["sandbox_bound"] == 2 + 1 + 1 + 2
+    lines = (out / "pipeline-a1" / "trajectories.jsonl").read_text().splitlines()
+    calls = model_slot_intervals([], [json.loads(line) for line in lines], tool_overlap=1)
+    assert len(calls) == turns_planned(out) and most_at_once(calls) <= 2, \
+        "3 turns at once (tool_overlap 1), but never more than 2 model calls (slots)"
     for key in ("hop_latency_p50_ms", "hop_latency_p99_ms", "messages_per_second"):
         assert p[key] > 0
     assert p["bytes"]["fit"]["bytes_per_turn"] > 0 and p["episodes_failed"] == 0
     assert isinstance(p["episodes_retried"], int)  # > 0 only if a message got stuck (deadline re-issue)
-    turns = sum(e.num_turns for e in read_plans(out / "plans.jsonl"))
+    turns = turns_planned(out)
     for mode in (b, p):  # every model call went through the server, and the agent saw about its time
         assert mode["inference_requests"] >= 2 * 6 and mode["inference_engine_ms"] > 0
         assert -5 < mode["inference_client_ms"] < 0.5 * mode["inference_engine_ms"]

@@ -17,13 +17,14 @@ from rollway.bench.report import (
     bytes_vs_turns,
     inference_latency,
     linear_fit,
+    model_slot_intervals,
     utilisation_series,
 )
 from rollway.bench.sim_server import SimEngine, busy_stats
 from rollway.bench.workload import WorkloadConfig, ideal_makespan, plan_episode, plan_workload, write_plans
 from rollway.core.config import load_config
 from rollway.envs.base import TaskCost
-from rollway.policies.chat import BytesChatML
+from rollway.policies.chat import IM_END, BytesChatML
 from rollway.runners.stage_queue import Backlog
 from rollway.sandboxes.base import SandboxSpec
 from rollway.sandboxes.config import SandboxConfig
@@ -104,6 +105,42 @@ def test_sim_server_prefills_only_new_tokens_until_its_cache_is_reset():
     assert run(go()) == 1
     assert [prefilled for *_, prefilled in engine.request_log] == [len(prompt), 0, len(prompt)], \
         "a cached prefix is not prefilled again; after a reset the run starts cold"
+
+
+def test_sim_server_shares_the_common_prompt_prefix_across_episodes_in_whole_blocks():
+    """Like vLLM's automatic prefix caching: the system prompt and tools every episode starts with are
+    prefilled once; each episode still prefills its own task text, which the ideal makespan counts."""
+    plans = {p.index: p for p in plan_workload(WorkloadConfig(episodes=40))}
+    chat = BytesChatML()
+    tools = [{"type": "function", "function": {"name": "bash", "description": "Run a command. " * 40,
+                                               "parameters": {"type": "object", "properties": {}}}}]
+
+    def first_prompt(i: int) -> list[int]:
+        return chat.initial([{"role": "system", "content": "You are an agent."},
+                             {"role": "user", "content": plans[i].prompt}], tools)
+
+    engine = SimEngine(plans, a=0.001, b=0.0, p=0.0, cap=4)
+    order = [0, 31, 30, 7, 39]
+
+    async def go() -> list[int]:
+        task = asyncio.create_task(engine.run())
+        ids, _ = await engine.generate(first_prompt(0), 10_000)
+        for i in order[1:]:
+            await engine.generate(first_prompt(i), 10_000)
+        later = first_prompt(0) + ids + chat.continuation([], [{"role": "user", "content": "ok " * 50}], tools)
+        await engine.generate(later, 10_000)
+        task.cancel()
+
+    run(go())
+    prefilled = [r[4] for r in engine.request_log]
+    task_at = len(first_prompt(0)) - len(plans[0].prompt.encode()) - len([IM_END, *b"\n", *chat.assistant_header_ids])
+    assert prefilled[0] == len(first_prompt(0)), "the first episode finds nothing cached"
+    for i, n in zip(order[1:], prefilled[1:5], strict=True):
+        shared = len(first_prompt(i)) - n
+        assert shared % 16 == 0 and shared > task_at - 16, "system prompt and tools come from the cache"
+        assert n >= len(plans[i].prompt.encode()) - 19, "the task text past the marker is prefilled (ideal_makespan's q)"
+    assert prefilled[5] == len(chat.continuation([], [{"role": "user", "content": "ok " * 50}], tools)), \
+        "a later turn prefills only what follows the episode's previous prompt and completion"
 
 
 def test_busy_fraction_and_mean_active_sequences():
@@ -278,7 +315,11 @@ def test_request_log_splits_generation_time():
 def test_agent_slot_phases_find_ramp_up_and_drain():
     turn = lambda s, e: {"stage": "agent", "started": s, "ended": e}  # noqa: E731
     trace = [turn(1.0, 5.0), turn(2.0, 9.0), turn(4.0, 6.0), {"stage": "init", "started": 0.0, "ended": 1.0}]
-    phases = agent_slot_phases(trace, 0.0, 10.0, slots=2)
+    trajectories = [{"turns": [{"gen_started_at": 1.0, "gen_ended_at": 3.0}, {"gen_started_at": 4.0, "gen_ended_at": 5.0}]}]
+    # Tool calls hold the model-call slot (tool_overlap 0): whole turns count; else only generation.
+    assert model_slot_intervals(trace, trajectories, tool_overlap=0) == [(1.0, 5.0), (2.0, 9.0), (4.0, 6.0)]
+    assert model_slot_intervals(trace, trajectories, tool_overlap=4) == [(1.0, 3.0), (4.0, 5.0)]
+    phases = agent_slot_phases(model_slot_intervals(trace, trajectories, 0), 0.0, 10.0, slots=2)
     assert phases["ramp_up_s"] == pytest.approx(2.0)  # both slots busy first at t=2
     assert phases["drain_s"] == pytest.approx(4.0)  # last time both busy: 6 (third turn ends while 2 remain)
     assert phases["slots_busy_fraction"] == pytest.approx((4 + 7 + 2) / 20)

@@ -231,7 +231,7 @@ class RanksLikeTheAgent(Actor):
 
     name = "ranked"
     inputs = (AGENT_STEPS,)
-    priority = AgentActor.priority
+    priority, _rank = AgentActor.priority, AgentActor._rank
 
     def __init__(self):
         self.final_wave = False
