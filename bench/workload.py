@@ -229,7 +229,7 @@ def ideal_makespan(plans: list[EpisodePlan], cfg: WorkloadConfig) -> dict[str, f
         "inference": min_i + tokens * (a + b * c) / c + p * prefill + min_g,
         "model_slots": min_i + gen_work / c + min_g,
         "turn_slots": min_i + (gen_work + tool_work) / h + min_g,
-        "joint": min_i + _joint_bound(a, b, p * prefill, tokens, tool_work, c, h) + min_g,
+        "joint": min_i + joint_bound(a, b, p * prefill, tokens, tool_work, c, h) + min_g,
         "init": sum(e.init_s for e in plans) / cfg.init_concurrency
         + min(t + e.grade_s for t, e in zip(agent_s, plans, strict=True)),
         "grading": min(e.init_s + t for t, e in zip(agent_s, plans, strict=True))
@@ -238,7 +238,7 @@ def ideal_makespan(plans: list[EpisodePlan], cfg: WorkloadConfig) -> dict[str, f
     return {"ideal_makespan": max(bounds.values()), "bottleneck": max(bounds, key=bounds.get), **bounds}
 
 
-def _joint_bound(a: float, b: float, prefill_s: float, k: float, x: float, c: int, h: int) -> float:
+def joint_bound(a: float, b: float, prefill_s: float, k: float, x: float, c: int, h: int) -> float:
     """min over S >= k/c of max(server(S), model_slots(S), turn_slots(S)). server(S) grows with S and
     both slot terms shrink, so the minimum is at S = k/c or where the server meets the larger slot
     term: at the later of its two crossings (each the positive root of a quadratic in S)."""

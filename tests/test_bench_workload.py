@@ -21,7 +21,14 @@ from rollway.bench.report import (
     utilisation_series,
 )
 from rollway.bench.sim_server import SimEngine, busy_stats
-from rollway.bench.workload import WorkloadConfig, ideal_makespan, plan_episode, plan_workload, write_plans
+from rollway.bench.workload import (
+    WorkloadConfig,
+    ideal_makespan,
+    joint_bound,
+    plan_episode,
+    plan_workload,
+    write_plans,
+)
 from rollway.core.config import load_config
 from rollway.envs.base import TaskCost
 from rollway.policies.chat import IM_END, BytesChatML
@@ -53,6 +60,34 @@ def test_ideal_makespan_takes_the_binding_resource():
     assert ideal["ideal_makespan"] >= sum(e.grade_s for e in plan_workload(cfg))
     fast = ideal_makespan(plan_workload(cfg.model_copy(update={"grade_concurrency": 12})), cfg)
     assert fast["ideal_makespan"] >= fast["critical_path"] and fast["ideal_makespan"] >= fast["joint"]
+
+
+@pytest.mark.parametrize("overlap", [0, 3, 8])
+def testjoint_bound_is_the_minimum_over_step_counts_of_its_three_terms(overlap):
+    """joint_bound solves min over S >= K/C of max(server, model slots, turn slots) in closed form;
+    a fine grid over S must never find a smaller value, and must come within a hair of it."""
+    a, b, prefill_s, k, x, c = 0.003, 0.00005, 2.4, 190_000.0, 170.0, 16
+    h = c + overlap
+
+    def worst(s: float) -> float:
+        slots = (a * k + b * k * k / s + prefill_s) / c
+        return max(a * s + b * k + prefill_s, slots, slots * c / h + x / h)
+
+    grid = [k / c * (1 + i / 2000) for i in range(40_000)]
+    best = min(worst(s) for s in grid)
+    assert joint_bound(a, b, prefill_s, k, x, c, h) <= best + 1e-9
+    assert joint_bound(a, b, prefill_s, k, x, c, h) >= best * (1 - 1e-4)
+
+
+def test_tool_overlap_lowers_the_bound_only_through_the_turn_slots():
+    cfg = WorkloadConfig(episodes=60)
+    plans = plan_workload(cfg)
+    held = ideal_makespan(plans, cfg.model_copy(update={"tool_overlap": 0}))
+    free = ideal_makespan(plans, cfg.model_copy(update={"tool_overlap": 8}))
+    assert held["turn_slots"] >= held["model_slots"] and free["turn_slots"] < held["turn_slots"]
+    for key in ("critical_path", "inference", "model_slots", "init", "grading"):
+        assert free[key] == held[key]
+    assert held["inference"] <= free["ideal_makespan"] <= held["ideal_makespan"]
 
 
 def generate_all(engine: SimEngine, prompts: list[list[int]]) -> float:
