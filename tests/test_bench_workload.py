@@ -63,7 +63,7 @@ def test_ideal_makespan_takes_the_binding_resource():
 
 
 @pytest.mark.parametrize("overlap", [0, 3, 8])
-def testjoint_bound_is_the_minimum_over_step_counts_of_its_three_terms(overlap):
+def test_joint_bound_is_the_minimum_over_step_counts_of_its_three_terms(overlap):
     """joint_bound solves min over S >= K/C of max(server, model slots, turn slots) in closed form;
     a fine grid over S must never find a smaller value, and must come within a hair of it."""
     a, b, prefill_s, k, x, c = 0.003, 0.00005, 2.4, 190_000.0, 170.0, 16
