@@ -84,16 +84,17 @@ def model_slot_intervals(trace: list[dict[str, Any]], trajectories: list[dict[st
 def agent_slot_phases(intervals: list[tuple[float, float]], started: float, ended: float,
                       slots: int) -> dict[str, float]:
     """From when the agent's model-call slots were held: `ramp_up_s` (start -> every slot busy for the
-    first time), `drain_s` (the last moment every slot was busy -> end) and `slots_busy_fraction`
-    (slot-seconds used / slots x makespan). Start-up and drain are where a finite batch cannot keep
+    first time), `drain_s` (the last moment every slot was busy -> end), `slots_busy_fraction`
+    (slot-seconds used / slots x makespan) and `peak_busy_slots` (most held at once). Start-up and drain are where a finite batch cannot keep
     the bottleneck full; the ideal makespan credits them only the shortest init and grading."""
     if not intervals:
         return {}
     events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
-    busy, first_full, last_full = 0, None, None
+    busy, peak, first_full, last_full = 0, 0, None, None
     for t, delta in events:
         was_full = busy >= slots
         busy += delta
+        peak = max(peak, busy)
         if busy >= slots and first_full is None:
             first_full = t
         if was_full and busy < slots:
@@ -103,6 +104,7 @@ def agent_slot_phases(intervals: list[tuple[float, float]], started: float, ende
         "ramp_up_s": (first_full if first_full is not None else ended) - started,
         "drain_s": ended - (last_full if last_full is not None else started),
         "slots_busy_fraction": used / max(1e-9, slots * (ended - started)),
+        "peak_busy_slots": peak,
     }
 
 

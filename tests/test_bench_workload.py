@@ -358,6 +358,9 @@ def test_agent_slot_phases_find_ramp_up_and_drain():
     assert phases["ramp_up_s"] == pytest.approx(2.0)  # both slots busy first at t=2
     assert phases["drain_s"] == pytest.approx(4.0)  # last time both busy: 6 (third turn ends while 2 remain)
     assert phases["slots_busy_fraction"] == pytest.approx((4 + 7 + 2) / 20)
+    assert phases["peak_busy_slots"] == 3  # all three turns at t=4..5
+    # A slot freed and taken again at the same instant is one slot, not two.
+    assert agent_slot_phases([(0.0, 1.0), (1.0, 2.0)], 0.0, 2.0, slots=1)["peak_busy_slots"] == 1
 
 
 def test_final_wave_starts_the_last_sandboxes_within_the_inflight_bound(tmp_path):
