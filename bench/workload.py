@@ -29,7 +29,7 @@ class WorkloadConfig(BaseModel):
     episodes: int = Field(384, ge=1)
     """Episodes per mode: one RL step's batch (48 tasks x 8 samples, say). A rollout stream pays its
     start-up and drain once per run, not per batch; with fewer episodes here those one-off phases
-    weigh more (192 episodes: efficiency 0.83-0.86 against 0.87-0.90 at 384, README)."""
+    weigh more (192 episodes: efficiency 0.83-0.88 against 0.90-0.94 at 384, README)."""
     turns_median: float = Field(4.0, gt=0)
     """Median model turns per episode (the last one calls finish)."""
     turns_sigma: float = Field(0.4, ge=0)
@@ -71,8 +71,8 @@ class WorkloadConfig(BaseModel):
     """Extra step time per newly prefilled prompt token (prefix cache: only new tokens count)."""
     # -- resources (both modes) ---------------------------------------------------------------
     slots: int = Field(16, ge=1)
-    """Concurrent sequences at the inference server: the baseline's slots, the pipeline's total agent
-    concurrency, and the server's cap."""
+    """Concurrent sequences at the inference server: the baseline's slots, the pipeline's model calls
+    at once (agent concurrency), and the server's cap."""
     tool_overlap: int = Field(16, ge=0)
     """Pipeline: turns the agent stage runs beyond `slots` (agent.tool_overlap, split over the agent
     workers): a turn holds a model-call slot only while it generates, so tool calls no longer keep
