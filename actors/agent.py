@@ -7,6 +7,7 @@ import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import structlog
 
@@ -14,6 +15,7 @@ from rollway.actors.base import Actor, MessageMeta, Output, failure_output
 from rollway.actors.episode import EpisodeState, observation_messages
 from rollway.actors.gate import RankedGate
 from rollway.actors.services import Services
+from rollway.core.faults import fault_point
 from rollway.policies.base import SamplingParams, episode_seed
 from rollway.schemas.messages import AgentStep, Observation, RewardRequest, TurnRecord
 from rollway.topics import AGENT_STEPS, REWARD_REQUESTS
@@ -46,7 +48,7 @@ class AgentActor(Actor):
     async def setup(self) -> None:
         _ = self.s.tools, self.s.inference, self.s.sandboxes  # build now: fail fast on bad config
 
-    async def handle(self, msg: AgentStep, meta: MessageMeta) -> list[Output]:
+    async def _handle_turn(self, msg: AgentStep, meta: MessageMeta) -> list[Output]:
         state = await self._state_for(msg, meta)
         if state is None:
             return []  # duplicate delivery of a turn that was already run
@@ -74,6 +76,15 @@ class AgentActor(Actor):
 
     def _rank(self, turn: int) -> float:
         return -float(turn) if self.final_wave else float(turn)
+
+    async def handle(self, msg: AgentStep, meta: MessageMeta) -> list[Output]:
+        try:
+            return await self._handle_turn(msg, meta)
+        except TurnReplayed as err:
+            log.warning("turn re-run detected; attempt failed for a fresh sandbox", episode_id=msg.episode_id,
+                        turn=msg.turn, attempt=msg.attempt)
+            self.cache.pop((msg.episode_id, msg.attempt), None)
+            return [failure_output(msg, self.name, err)]
 
     def on_error(self, msg: AgentStep, error: BaseException) -> list[Output]:
         self.cache.pop((msg.episode_id, msg.attempt), None)
@@ -152,7 +163,13 @@ class AgentActor(Actor):
         text = chat.decode(gen.token_ids)
         t1 = time.perf_counter()
         sandbox = await self.s.sandboxes.attach(state.first.sandbox)
+        if not await claim_turn(sandbox, state.first.attempt, turn):
+            await sandbox.destroy()
+            raise TurnReplayed(f"episode {state.first.episode_id} attempt {state.first.attempt} turn {turn} already "
+                               "ran its tool calls once (a crash or rebalance before its produce); the sandbox was "
+                               "destroyed and the attempt fails so the scheduler re-issues it in a fresh sandbox")
         outcome = await self._act(text, state, sandbox)
+        fault_point("agent.after_tools")
         tool_s = time.perf_counter() - t1
         used = state.tokens_used + len(gen.token_ids)
         stop_reason = self._stop_reason(outcome.ends_episode, turn, used)
@@ -245,3 +262,28 @@ class ToolOutcome:
         self.observations = observations
         self.ends_episode = ends_episode
         self.calls = calls
+
+
+TURN_MARKERS = ".rollway/turns"
+"""Workspace folder of per-turn markers (git-excluded like the rest of .rollway/, so never in a diff)."""
+
+
+class TurnReplayed(RuntimeError):
+    """A turn's tool calls already started once in this sandbox: running them again could apply them
+    twice (a non-idempotent edit, a second `git commit`)."""
+
+
+async def claim_turn(sandbox, attempt: int, turn: int) -> bool:
+    """Atomically mark that the tool calls of (attempt, turn) start now in this sandbox; False when
+    the mark exists (the turn is being re-run after a crash or a rebalance). `mkdir` is atomic."""
+    name = f"a{attempt}-t{turn}"
+    if sandbox.workspace_path is not None:
+        folder = Path(sandbox.workspace_path) / TURN_MARKERS
+        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            (folder / name).mkdir()
+        except FileExistsError:
+            return False
+        return True
+    result = await sandbox.exec(f"mkdir -p {TURN_MARKERS} && mkdir {TURN_MARKERS}/{name} 2>/dev/null")
+    return result.exit_code == 0

@@ -81,3 +81,9 @@ def failure_output(msg: EpisodeRef, stage: str, error: BaseException, retryable:
         episode_id=msg.episode_id, group_id=msg.group_id, task_id=msg.task_id, attempt=msg.attempt,
         sample_index=msg.sample_index, stage=stage, reason=f"{type(error).__name__}: {error}",
         retryable=retryable, at=time.time()))
+
+
+class FatalActorError(RuntimeError):
+    """Raised by `handle`/`tick` when the actor's in-memory state can no longer be trusted (e.g. a
+    training step failed after its groups left the buffer). The runtime does not dead-letter it: the
+    worker exits with an error, its uncommitted offsets are redelivered to its restart."""

@@ -1,6 +1,11 @@
-"""Learner actor: the consumer of trajectories. Deduplicates by episode, hands each new one to the
-trainer (or, with learner.type=record, only records it), publishes policy versions and tells the
-inference engine to load them."""
+"""Learner actor: the consumer of trajectories. Hands each trajectory to the trainer (or, with
+learner.type=record, only records it), publishes policy versions and tells the inference engine to
+load them.
+
+Exactly once: an input's offset is held (not committed) until a checkpoint holds the update it was
+part of; a restarted learner resumes from that checkpoint and re-reads everything after the committed
+offsets, ignoring the episodes the checkpoint's dedup window already holds. A failed update ends the
+worker (FatalActorError) instead of dead-lettering groups that have left the buffer."""
 
 from __future__ import annotations
 
@@ -11,47 +16,59 @@ from pathlib import Path
 
 import structlog
 
-from rollway.actors.base import Actor, MessageMeta, Output
+from rollway.actors.base import Actor, FatalActorError, MessageMeta, Output
+from rollway.actors.scheduler import GIVE_UP_STAGE
 from rollway.actors.services import Services
 from rollway.actors.sink import belongs_to_run
+from rollway.core.faults import fault_point
 from rollway.core.files import write_json_atomic
-from rollway.schemas.messages import PolicyVersion, Trajectory
-from rollway.topics import POLICY_VERSIONS, TRAJECTORIES
+from rollway.schemas.messages import EpisodeFailure, PolicyVersion, Trajectory
+from rollway.topics import EPISODE_FAILURES, POLICY_VERSIONS, TRAJECTORIES
 
 log = structlog.get_logger()
 
 STATUS_FILE = "learner-status.json"
 RECORD_FILE = "learner-records.jsonl"
+"""One line per episode the learner accepted (analysis only; never read back for deduplication)."""
+
+Where = tuple[str, int, int]
 
 
 class LearnerActor(Actor):
     name = "learner"
-    inputs = (TRAJECTORIES,)
+    inputs = (TRAJECTORIES, EPISODE_FAILURES)
 
     def __init__(self, services: Services, trainer_factory=None):
         self.s = services
         self.dir = Path(services.run_dir)
         self.seen: set[str] = set()
+        """Record-only learners: episode ids recorded (training learners use the trainer's window)."""
+        self.received = 0
         self.trainer = None
         self._trainer_factory = trainer_factory
         self._lock = asyncio.Lock()  # the trainer is not thread-safe; updates run one at a time
-        self._where: dict[str, tuple[str, int, int]] = {}
-        self._uncheckpointed: set[str] = set()
+        self._where: dict[str, Where] = {}
+        """Offset of each episode (or give-up notice) not yet durable in a checkpoint."""
+        self._positions: dict[tuple[str, int], int] = {}
+        """Per partition: one past the highest offset handled."""
         self.version = 0
         self._announced = 0  # episodes_trained last published
 
     async def setup(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        path = self.dir / RECORD_FILE
-        if path.exists():
-            self.seen = {json.loads(line)["episode_id"] for line in path.read_text().splitlines() if line}
         if self.s.cfg.learner.trains:
             self.trainer = await asyncio.to_thread(self._build_trainer)
+            self.trainer.watermarks = self._watermarks
             self.version = self.trainer.state.version
             self._announced = self.trainer.state.episodes_trained
             if self.trainer.latest_checkpoint is not None:
                 # Resumed: make sure the engine serves what the checkpoint holds.
                 await self._sync_engine(self.trainer.latest_checkpoint, self.version)
+        else:
+            path = self.dir / RECORD_FILE
+            if path.exists():
+                self.seen = {json.loads(line)["episode_id"] for line in path.read_text().splitlines() if line}
+            self.received = len(self.seen)
         self._write_status()
 
     def _build_trainer(self):
@@ -60,32 +77,77 @@ class LearnerActor(Actor):
         kwargs = {"model_factory": self._trainer_factory} if self._trainer_factory else {}
         return Trainer(self.s.cfg.learner, self.dir, group_size=self.s.cfg.scheduler.group_size, **kwargs)
 
-    async def handle(self, msg: Trajectory, meta: MessageMeta) -> list[Output]:
-        if not belongs_to_run(msg.episode_id, self.s.cfg.run.id) or msg.episode_id in self.seen:
+    async def handle(self, msg: Trajectory | EpisodeFailure, meta: MessageMeta) -> list[Output]:
+        key = (meta.topic, meta.partition)
+        self._positions[key] = max(self._positions.get(key, 0), meta.offset + 1)
+        if not belongs_to_run(msg.episode_id, self.s.cfg.run.id):
             return []
-        self._record(msg)
+        if isinstance(msg, EpisodeFailure):
+            if msg.stage != GIVE_UP_STAGE or self.trainer is None:
+                return []  # a failed attempt the scheduler will re-issue
+            return await self._train(msg.episode_id, meta, self.trainer.abandon, msg.group_id, msg.episode_id)
         if self.trainer is None:
+            if msg.episode_id not in self.seen:
+                self.seen.add(msg.episode_id)
+                self.received += 1
+                self._record(msg)
             return []
-        self._where[msg.episode_id] = (meta.topic, meta.partition, meta.offset)
+        fresh = not self.trainer.knows(msg.episode_id)
+        outputs = await self._train(msg.episode_id, meta, self.trainer.add, msg)
+        if fresh:
+            self._record(msg)
+        return outputs
+
+    async def _train(self, episode_id: str, meta: MessageMeta, call, *args) -> list[Output]:
+        self._where.setdefault(episode_id, (meta.topic, meta.partition, meta.offset))
         async with self._lock:
             self._write_status(training=True)  # `rollway up` waits for this before stopping the learner
-            results = await asyncio.to_thread(self.trainer.add, msg)
-        return await self._publish(results)
+            try:
+                results = await asyncio.to_thread(call, *args)
+            except Exception as err:
+                if self.trainer.broken is not None:
+                    raise FatalActorError(f"training step failed: {err}") from err
+                raise  # a bad message (e.g. unequal token arrays): dead-lettered, nothing else changed
+        fault_point("learner.after_update")
+        outputs = await self._publish(results)
+        self._forget_durable()
+        return outputs
 
     async def tick(self) -> list[Output]:
         if self.trainer is None or self._lock.locked():
             return []
         async with self._lock:
-            results = await asyncio.to_thread(self.trainer.tick)
-        return await self._publish(results)
+            try:
+                results = await asyncio.to_thread(self.trainer.tick)
+            except Exception as err:
+                raise FatalActorError(f"training step failed: {err}") from err
+        outputs = await self._publish(results)
+        self._forget_durable()
+        return outputs
 
-    def held_offsets(self) -> set[tuple[str, int, int]]:
-        """Offsets the runtime must not commit past: episodes buffered or trained but not yet in a
-        checkpoint. A restarted learner re-reads them; trained ones are skipped by id."""
+    def held_offsets(self) -> set[Where]:
+        """Offsets the runtime must not commit past: episodes buffered, or consumed by an update no
+        checkpoint holds yet. A restarted learner re-reads them; the durable ones it skips by id."""
         if self.trainer is None:
             return set()
-        waiting = self.trainer.pending_episode_ids() | self._uncheckpointed
+        waiting = self.trainer.pending_episode_ids() | self.trainer.uncheckpointed_episode_ids()
         return {self._where[e] for e in waiting if e in self._where}
+
+    def _forget_durable(self) -> None:
+        waiting = self.trainer.pending_episode_ids() | self.trainer.uncheckpointed_episode_ids()
+        for e in [e for e in self._where if e not in waiting]:
+            del self._where[e]
+
+    def _watermarks(self) -> dict[str, int]:
+        """Per partition, the position below which every handled input is durable once the
+        checkpoint being written lands: the lowest offset still pending, else one past the highest."""
+        pending = self.trainer.pending_episode_ids()
+        lowest: dict[tuple[str, int], int] = {}
+        for e in pending:
+            if e in self._where:
+                t, p, o = self._where[e]
+                lowest[(t, p)] = min(lowest.get((t, p), o), o)
+        return {f"{t}:{p}": lowest.get((t, p), pos) for (t, p), pos in self._positions.items()}
 
     async def _publish(self, results) -> list[Output]:
         outputs = []
@@ -99,10 +161,7 @@ class LearnerActor(Actor):
             self._announced = trained
         for r in results:
             self._announced = max(self._announced, r.episodes_trained)
-            if r.checkpoint_path is None:
-                self._uncheckpointed |= set(r.episode_ids)
-            else:
-                self._uncheckpointed.clear()
+            if r.checkpoint_path is not None:
                 await self._sync_engine(r.checkpoint_path, r.version)
             self.version = r.version
             log.info("policy updated", version=r.version, step=r.step, episodes=r.episodes_trained,
@@ -129,17 +188,26 @@ class LearnerActor(Actor):
                   "received_at": time.time()}
         with open(self.dir / RECORD_FILE, "a") as f:
             f.write(json.dumps(record) + "\n")
-        self.seen.add(msg.episode_id)
         self._write_status()
+
+    def _episodes_received(self) -> int:
+        if self.trainer is None:
+            return self.received
+        return self.trainer.state.episodes_trained + len(self.trainer.pending_episode_ids())
 
     def _write_status(self, training: bool = False) -> None:
         write_json_atomic(self.dir / STATUS_FILE, {
-            "episodes_received": len(self.seen), "policy_version": self.version, "training": training,
+            "episodes_received": self._episodes_received(), "policy_version": self.version, "training": training,
             "episodes_buffered": len(self.trainer.pending_episode_ids()) if self.trainer else 0,
             "updated_at": time.time()})
 
     async def close(self) -> None:
         # Buffered groups are not trained at shutdown: their offsets were held back, so the next
-        # learner process reads them again.
+        # learner process reads them again. Consumed but uncheckpointed work is saved now, so a
+        # clean stop leaves every update it made durable.
         if self.trainer is not None:
+            if self.trainer.uncheckpointed_episode_ids() and self.trainer.broken is None:
+                async with self._lock:
+                    path = await asyncio.to_thread(self.trainer.save)
+                log.info("learner saved its last updates at shutdown", checkpoint=str(path))
             self.trainer.close()

@@ -1,5 +1,9 @@
 """Scheduler actor: issues n episodes per task (a group), tracks each with a deadline, re-issues lost
-ones, and holds back new groups while the pipeline is full or the policy lag is too large."""
+ones, and holds back new groups while the pipeline is full or the policy lag is too large.
+
+Its state is rebuilt from the log after a restart: the plan is deterministic (seeded), what was
+issued is on `init-requests`, what ended is on `trajectories` and `episode-failures` (where the
+scheduler also writes its own final verdict when it gives an episode up)."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import structlog
 
 from rollway.actors.base import Actor, MessageMeta, Output
 from rollway.actors.services import Services
+from rollway.core.faults import fault_point
 from rollway.core.files import write_json_atomic
 from rollway.envs.base import TaskCost
 from rollway.schemas.messages import EpisodeFailure, InitRequest, PolicyVersion, RewardRequest, Trajectory
@@ -24,6 +29,8 @@ log = structlog.get_logger()
 T = TypeVar("T")
 
 STATUS_FILE = "scheduler.json"
+GIVE_UP_STAGE = "scheduler"
+"""EpisodeFailure.stage of the scheduler's own final verdict on an episode."""
 
 
 @dataclass
@@ -100,8 +107,10 @@ class SchedulerActor(Actor):
     name = "scheduler"
     inputs = (TRAJECTORIES, EPISODE_FAILURES, POLICY_VERSIONS)
 
-    def __init__(self, services: Services):
+    def __init__(self, services: Services, scan_log=None):
         self.s = services
+        self._scan_log = scan_log
+        """async (topic specs) -> [(spec, message)]: reads topics from the start (None: no rebuild)."""
         self.cfg = services.cfg.scheduler
         self.run_id = services.cfg.run.id or new_run_id()
         self.groups: list[list[Ticket]] = []
@@ -118,6 +127,7 @@ class SchedulerActor(Actor):
             self.pre_reward_bound = slots + self.cfg.init_lookahead
             self.inputs = (*SchedulerActor.inputs, REWARD_REQUESTS)
         self._dirty = True
+        self._repair = False
 
     async def setup(self) -> None:
         tasks = self.s.taskset.tasks()
@@ -143,6 +153,36 @@ class SchedulerActor(Actor):
         for group in self.groups:
             self.tickets.update({t.episode_id: t for t in group})
         log.info("scheduler planned", run_id=self.run_id, groups=len(self.groups), episodes=len(self.tickets))
+        if self._scan_log is not None:
+            self._rebuild(await self._scan_log((INIT_REQUESTS, TRAJECTORIES, EPISODE_FAILURES, POLICY_VERSIONS)))
+
+    def _rebuild(self, records: list) -> None:
+        """Restore the tickets from what the log says this run's scheduler did and saw. Failures
+        other than the scheduler's own verdicts are left to the consumer: one whose offset was
+        committed already led to a re-issue, which init-requests shows."""
+        group_index = {g[0].group_id: i for i, g in enumerate(self.groups)}
+        by_topic: dict[str, list] = {}
+        for spec, msg in records:
+            by_topic.setdefault(spec.name, []).append(msg)
+        for m in by_topic.get(INIT_REQUESTS.name, []):
+            t = self.tickets.get(m.episode_id)
+            if t is not None and (t.state == "pending" or m.attempt >= t.attempt):
+                t.attempt, t.issued_at, t.deadline, t.state = m.attempt, m.issued_at, m.deadline, "inflight"
+                self.next_group = max(self.next_group, group_index[m.group_id] + 1)
+        for m in by_topic.get(TRAJECTORIES.name, []):
+            t = self.tickets.get(m.episode_id)
+            if t is not None and t.state == "inflight":
+                t.state, t.reward = "completed", m.reward
+        for m in by_topic.get(EPISODE_FAILURES.name, []):
+            t = self.tickets.get(m.episode_id)
+            if t is not None and m.stage == GIVE_UP_STAGE and t.state != "completed":
+                t.state, t.reason = "failed", m.reason
+        for m in by_topic.get(POLICY_VERSIONS.name, []):
+            self.policy_version = max(self.policy_version, m.version)
+            self.learner_episodes = max(self.learner_episodes, m.episodes_trained)
+        self._repair = True
+        if self.next_group:
+            log.info("scheduler state rebuilt from the log", groups_issued=self.next_group, **self.counts())
 
     # -- inputs -----------------------------------------------------------------------------
     async def handle(self, msg: Trajectory | EpisodeFailure | PolicyVersion | RewardRequest,
@@ -167,8 +207,7 @@ class SchedulerActor(Actor):
             log.warning("episode attempt failed, re-issuing", episode_id=ticket.episode_id,
                         attempt=ticket.attempt, stage=msg.stage, reason=msg.reason)
             return [self._issue(ticket, ticket.attempt + 1)]
-        self._fail(ticket, f"{msg.stage}: {msg.reason}")
-        return []
+        return [self._fail(ticket, f"{msg.stage}: {msg.reason}")]
 
     # -- issuing ----------------------------------------------------------------------------
     async def tick(self) -> list[Output]:
@@ -180,8 +219,11 @@ class SchedulerActor(Actor):
                     log.warning("episode past its deadline, re-issuing", episode_id=t.episode_id, attempt=t.attempt)
                     outputs.append(self._issue(t, t.attempt + 1))
                 else:
-                    self._fail(t, f"deadline: not finished within {self.cfg.episode_deadline_s}s "
-                                  f"after {self.cfg.max_attempts} attempts")
+                    outputs.append(self._fail(t, f"deadline: not finished within {self.cfg.episode_deadline_s}s "
+                                                 f"after {self.cfg.max_attempts} attempts"))
+        if self._repair:  # members of issued groups still pending: the scheduler died while issuing
+            outputs += [self._issue(t, 0) for g in self.groups[: self.next_group] for t in g if t.state == "pending"]
+            self._repair = False
         while self.next_group < len(self.groups):
             inflight = [t for t in self.tickets.values() if t.state == "inflight"]
             if not self._room_for_group(inflight):
@@ -191,6 +233,8 @@ class SchedulerActor(Actor):
             self.next_group += 1
         if self._dirty or outputs:
             self._write_status()
+        if outputs:
+            fault_point("scheduler.after_issue")
         return outputs
 
     def _room_for_group(self, inflight: list[Ticket]) -> bool:
@@ -233,10 +277,15 @@ class SchedulerActor(Actor):
             episode_id=t.episode_id, group_id=t.group_id, task_id=t.task_id, attempt=attempt,
             sample_index=t.sample_index, issued_at=now, deadline=t.deadline, final_wave=final_wave))
 
-    def _fail(self, t: Ticket, reason: str) -> None:
+    def _fail(self, t: Ticket, reason: str) -> Output:
+        """Give the episode up; the verdict goes to episode-failures (the learner completes the
+        episode's group without it, a restarted scheduler reads it back)."""
         log.error("episode failed", episode_id=t.episode_id, attempt=t.attempt, reason=reason)
         t.state, t.reason = "failed", reason
         self._dirty = True
+        return Output(EPISODE_FAILURES, t.episode_id, EpisodeFailure(
+            episode_id=t.episode_id, group_id=t.group_id, task_id=t.task_id, attempt=t.attempt,
+            sample_index=t.sample_index, stage=GIVE_UP_STAGE, reason=reason, retryable=False, at=time.time()))
 
     # -- status -----------------------------------------------------------------------------
     @property

@@ -42,6 +42,10 @@ class BrokerConfig(StrictModel):
     """A consumer that stops heartbeating (a killed worker) loses its partitions after this long."""
     heartbeat_interval_ms: int = Field(1500, ge=100)
     """Consumer heartbeat period; well under session_timeout_ms."""
+    max_poll_interval_ms: int = Field(300_000, ge=1000)
+    """A consumer that does not poll for this long leaves its group. Stage workers keep polling
+    (with their partitions paused when every slot is busy), so long handlers (training, grading)
+    never reach it; it only catches a worker whose event loop is stuck."""
     fetch_max_wait_ms: int = Field(500, ge=1)
     """Longest a consumer's fetch waits at the broker for new data. The embedded broker (Tansu) does
     not answer a waiting fetch when data arrives, so this is added to every hop there: set it to

@@ -122,6 +122,10 @@ class LearnerConfig(BaseModel):
     """Write metrics to TensorBoard in run_dir/tb besides run_dir/metrics.jsonl."""
     seed: int = 0
     """Seed for the learner's torch RNG."""
+    dedup_window: int = Field(100_000, ge=1)
+    """Episode ids the learner remembers (in its checkpoints) to ignore a second trajectory of an
+    episode it already consumed (a redelivery, or a re-issued attempt that also finished). Bounded:
+    a duplicate arriving after this many newer episodes is not recognised."""
 
     @property
     def trains(self) -> bool:

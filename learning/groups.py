@@ -12,36 +12,60 @@ from rollway.schemas.messages import Trajectory
 class _Group:
     first_seen: float
     episodes: dict[str, Trajectory] = field(default_factory=dict)
+    abandoned: set[str] = field(default_factory=set)
+    """Members the scheduler gave up on: they count towards completeness but have no trajectory."""
+
+    @property
+    def size(self) -> int:
+        return len(self.episodes) + len(self.abandoned)
 
 
 class GroupBuffer:
     """Holds trajectories by `group_id` until `group_size` distinct episodes arrived.
 
     Duplicates of a buffered episode (at-least-once delivery, or a re-issued attempt that also
-    finished) are ignored: the first arrival wins."""
+    finished) are ignored: the first arrival wins. A member the scheduler gave up on is `abandon`ed:
+    it completes its group without a trajectory, so the group's other members still get trained."""
 
     def __init__(self, group_size: int, timeout_s: float | None = None) -> None:
         self.group_size = group_size
         self.timeout_s = timeout_s
         self._groups: dict[str, _Group] = {}
         self._complete: list[str] = []
+        self.released_abandoned: list[str] = []
+        """Abandoned ids of the groups popped since the caller last cleared this list."""
 
     def add(self, traj: Trajectory, now: float | None = None) -> bool:
-        """Buffer `traj`; False when its episode is already buffered."""
-        group = self._groups.setdefault(traj.group_id, _Group(time.monotonic() if now is None else now))
-        if traj.episode_id in group.episodes:
+        """Buffer `traj`; False when its episode is already buffered (or abandoned)."""
+        group = self._group(traj.group_id, now)
+        if traj.episode_id in group.episodes or traj.episode_id in group.abandoned:
             return False
         group.episodes[traj.episode_id] = traj
-        if len(group.episodes) == self.group_size:
-            self._complete.append(traj.group_id)
+        self._check_complete(traj.group_id, group)
         return True
+
+    def abandon(self, group_id: str, episode_id: str, now: float | None = None) -> bool:
+        """Count `episode_id` as a member without trajectory; False when it is already buffered."""
+        group = self._group(group_id, now)
+        if episode_id in group.episodes or episode_id in group.abandoned:
+            return False
+        group.abandoned.add(episode_id)
+        self._check_complete(group_id, group)
+        return True
+
+    def _group(self, group_id: str, now: float | None) -> _Group:
+        return self._groups.setdefault(group_id, _Group(time.monotonic() if now is None else now))
+
+    def _check_complete(self, group_id: str, group: _Group) -> None:
+        if group.size == self.group_size:
+            self._complete.append(group_id)
 
     @property
     def complete_groups(self) -> int:
         return len(self._complete)
 
     def pending_episode_ids(self) -> set[str]:
-        return {e for g in self._groups.values() for e in g.episodes}
+        return {e for g in self._groups.values() for e in (*g.episodes, *g.abandoned)}
 
     def pop_complete(self, n: int) -> list[list[Trajectory]]:
         """The `n` oldest complete groups (each in sample order), or [] when fewer are complete."""
@@ -60,4 +84,5 @@ class GroupBuffer:
 
     def _take(self, group_id: str) -> list[Trajectory]:
         group = self._groups.pop(group_id)
+        self.released_abandoned += sorted(group.abandoned)
         return sorted(group.episodes.values(), key=lambda t: (t.sample_index, t.episode_id))

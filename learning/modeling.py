@@ -41,6 +41,15 @@ def load_policy_model(spec: str | None, device: torch.device, dtype: torch.dtype
     return model, tokenizer
 
 
+RANDOM_PREFIX = "random:"
+
+
 def default_factory(model_path: str | None, device: torch.device, dtype: torch.dtype) -> ModelFactory:
-    """Factory over `load_policy_model`: None means `model_path` (the configured initial model)."""
+    """Factory over `load_policy_model`: None means `model_path` (the configured initial model).
+    `random:SEED` is a tiny random 2-layer Llama (vocab 300, for byte-level chat formats): tests
+    and chaos runs train a real model without loading one."""
+    if model_path and model_path.startswith(RANDOM_PREFIX):
+        from rollway.learning.testing import tiny_model_factory
+
+        return tiny_model_factory(int(model_path[len(RANDOM_PREFIX):] or 0))
     return lambda path: load_policy_model(path or model_path, device, dtype)

@@ -15,6 +15,7 @@ from rollway.learning.advantages import build_advantage_estimator, group_advanta
 from rollway.learning.batching import Sample, collate, plan_micro_batches
 from rollway.learning.checkpoint import (
     OPTIMIZER_FILE,
+    RecentIds,
     TrainerState,
     latest_checkpoint,
     load_state,
@@ -66,8 +67,11 @@ class _Prepared:
 class Trainer:
     """Buffers trajectories into groups and runs one update per `groups_per_step` complete groups.
 
-    Construction reads the newest checkpoint of `run_dir` (version, step, trained episode ids) but
-    builds the model and optimizer only at the first update. Not thread-safe: call from one task.
+    Construction reads the newest checkpoint of `run_dir` (version, step, dedup window) but builds
+    the model and optimizer only at the first update. An episode counts as consumed only once its
+    update succeeded, and as durable only once a checkpoint holds it (`uncheckpointed_episode_ids`
+    until then). An update that raises leaves the trainer unusable (`broken`): its groups have left
+    the buffer, so the caller must restart from the checkpoint. Not thread-safe: call from one task.
     `model_factory(path_or_none) -> (model, tokenizer|None)` overrides the policy loader (tests)."""
 
     def __init__(self, cfg: LearnerConfig, run_dir: Path, *, group_size: int | None = None,
@@ -88,6 +92,10 @@ class Trainer:
         ckpt = latest_checkpoint(self.run_dir)
         self.state = load_state(ckpt) if ckpt else TrainerState()
         self.latest_checkpoint: Path | None = ckpt
+        self.state.manifest = []  # entries of the loaded folder are already durable
+        self._recent = RecentIds(cfg.dedup_window, self.state.recent_episode_ids)
+        self._uncheckpointed: set[str] = set()
+        self.broken: BaseException | None = None
         self.duplicates = 0
         self.model: Any = None
         self.tokenizer: Any = None
@@ -101,14 +109,26 @@ class Trainer:
         """Buffer one trajectory; run the updates its arrival makes possible (usually 0 or 1).
         An episode already trained (or buffered) is ignored and counted in `duplicates`."""
         _check_trajectory(traj)
-        if traj.episode_id in self.state.trained_episode_ids or not self._buffer.add(traj):
+        if self.broken is not None:
+            raise RuntimeError("an earlier update failed; restart the learner from its checkpoint") from self.broken
+        if traj.episode_id in self._recent or not self._buffer.add(traj):
             self.duplicates += 1
             return []
         return self._run_ready() + self.tick()
 
+    def abandon(self, group_id: str, episode_id: str) -> list[StepResult]:
+        """The scheduler gave up on `episode_id`: its group completes without it (it is consumed,
+        with no trajectory, in the update that takes the group)."""
+        if self.broken is not None:
+            raise RuntimeError("an earlier update failed; restart the learner from its checkpoint") from self.broken
+        if episode_id in self._recent or not self._buffer.abandon(group_id, episode_id):
+            return []
+        return self._run_ready() + self.tick()
+
     def tick(self, now: float | None = None) -> list[StepResult]:
-        """Train incomplete groups past `group_timeout_s` (call periodically, e.g. once a second)."""
-        expired = [g for g in self._buffer.pop_expired(now) if len(g) >= 2]
+        """Train incomplete groups past `group_timeout_s` (call periodically, e.g. once a second).
+        Groups of fewer than two episodes carry no signal and are consumed without training."""
+        expired = self._buffer.pop_expired(now)
         return self._train_all(expired) if expired else []
 
     def flush(self) -> list[StepResult]:
@@ -119,6 +139,14 @@ class Trainer:
     def pending_episode_ids(self) -> set[str]:
         """Episodes buffered but not yet trained (lost on a crash: do not commit their offsets)."""
         return self._buffer.pending_episode_ids()
+
+    def knows(self, episode_id: str) -> bool:
+        """True when `episode_id` is buffered or in the dedup window (a second copy is ignored)."""
+        return episode_id in self._recent or episode_id in self._buffer.pending_episode_ids()
+
+    def uncheckpointed_episode_ids(self) -> set[str]:
+        """Episodes consumed by updates that no checkpoint holds yet (a crash undoes their update)."""
+        return set(self._uncheckpointed)
 
     def close(self) -> None:
         if self._writer is not None:
@@ -133,22 +161,30 @@ class Trainer:
         return results
 
     def _train_all(self, groups: list[list[Trajectory]]) -> list[StepResult]:
-        result = self._update(groups)
+        try:
+            result = self._update(groups)
+        except BaseException as err:
+            self.broken = err
+            raise
         return [result] if result is not None else []
 
     def _update(self, groups: list[list[Trajectory]]) -> StepResult | None:
-        """One policy version from these groups; None when no episode had loss (no weight change)."""
-        prepared = self._prepare(groups)
-        self.state.trained_episode_ids.update(prepared.episode_ids)
-        self.state.episodes_trained += len(prepared.episode_ids)
+        """One policy version from these groups; None when no episode had loss (no weight change).
+        State changes only after the optimiser step succeeded."""
+        abandoned, self._buffer.released_abandoned = self._buffer.released_abandoned, []
+        prepared = self._prepare([g for g in groups if g])
         metrics = {**prepared.metrics, **lag_histogram(prepared.lags)}
-        if not self._has_signal(prepared.samples):
+        updated = self._has_signal(prepared.samples)
+        if updated:
+            self._ensure_model()
+            metrics.update(self._optimise(prepared.samples))
+            self.state.version += 1
+            self.state.step += 1
+        else:
             log.info("update skipped: no episode of %d groups has loss and signal", len(groups))
+        self._consumed(prepared.episode_ids, abandoned, updated)
+        if not updated:
             return None
-        self._ensure_model()
-        metrics.update(self._optimise(prepared.samples))
-        self.state.version += 1
-        self.state.step += 1
         ckpt = self._maybe_checkpoint()
         self._metrics_writer().write(self.state.step, metrics, {"staleness": prepared.lags})
         return StepResult(self.state.version, self.state.step, ckpt, self.state.episodes_trained,
@@ -290,18 +326,39 @@ class Trainer:
         else:
             model.eval()
 
+    def _consumed(self, episode_ids: list[str], abandoned: list[str], updated: bool) -> None:
+        self.state.episodes_trained += len(episode_ids)
+        for e in (*episode_ids, *abandoned):
+            self._recent.add(e)
+        self._uncheckpointed.update(episode_ids, abandoned)
+        self.state.manifest.append({"step": self.state.step, "version": self.state.version,
+                                    "episode_ids": list(episode_ids), "abandoned_ids": list(abandoned),
+                                    "updated": updated})
+
     def _maybe_checkpoint(self) -> Path | None:
         if self.state.step % self.cfg.checkpoint_every:
             return None
         return self.save()
 
-    def save(self) -> Path:
-        """Write a checkpoint of the current version now (also called every `checkpoint_every`)."""
+    def save(self, watermarks: dict[str, int] | None = None) -> Path:
+        """Write a checkpoint of the current version now (also called every `checkpoint_every`):
+        weights, optimizer, the dedup window and the manifest of what was consumed since the last one.
+        `watermarks` ("topic:partition" -> committed position) is recorded for the reader."""
         self._ensure_model()
         opt = self.optimizer if self.cfg.save_optimizer else None
+        self.state.recent_episode_ids = self._recent.to_list()
+        if watermarks is not None:
+            self.state.watermarks = dict(watermarks)
+        elif self.watermarks is not None:
+            self.state.watermarks = self.watermarks()
         self.latest_checkpoint = save_checkpoint(self.run_dir, self.state, self.model, self.tokenizer, opt,
                                                  self.cfg.keep_checkpoints)
+        self.state.manifest = []
+        self._uncheckpointed.clear()
         return self.latest_checkpoint
+
+    watermarks = None
+    """Optional callable returning the committed positions to record at each save (the learner's)."""
 
     def _metrics_writer(self) -> MetricsWriter:
         if self._writer is None:

@@ -1,9 +1,11 @@
-"""Chaos runs: kill and restart random stage workers (and optionally the broker) on a seeded
-schedule while a job runs, then count lost and duplicated episodes."""
+"""Chaos runs: kill and restart random processes of every kind (stage workers, the inference engine,
+the broker) on a seeded schedule while a job runs, then judge the run from ground truth the stages do
+not write themselves: the topics (what the scheduler issued, what ended, what was given up) read by
+an independent consumer, and the manifests of the optimiser steps inside the learner's checkpoints."""
 
 from __future__ import annotations
 
-import json
+import asyncio
 import os
 import random
 import signal
@@ -11,16 +13,22 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from rollway.core.config import RunConfig
 from rollway.runners.broker import EmbeddedBroker
-from rollway.runners.up import Job, read_json
+from rollway.runners.up import Job
 
-KILLABLE = ("init", "agent", "reward", "learner")
+STAGE_KINDS = ("scheduler", "init", "agent", "reward", "learner", "sink")
+FAULT_POINTS = "checkpoint.write=0.15,checkpoint.rename=0.15,agent.after_tools=0.02,reward.after_grade=0.02," \
+               "rebalance.revoked=0.1,scheduler.after_issue=0.01,learner.after_update=0.05"
+"""The bad moments a chaos run arms by default (core/faults.py): a process dies exactly there."""
 
 
 @dataclass
 class ChaosMonkey:
-    """Called on every tick of the job loop; kills one worker at each scheduled time."""
+    """Called on every tick of the job loop; kills one process at each scheduled time, cycling
+    through every kind present before repeating one, and restarts the broker on its own plan."""
 
     seed: int
     min_gap_s: float = 1.0
@@ -28,54 +36,168 @@ class ChaosMonkey:
     broker: EmbeddedBroker | None = None
     broker_restarts: int = 0
     max_kills: int = 50
+    ledger: Ledger | None = None
     events: list[dict] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
         self.started = time.monotonic()
         self.next_at = self.started + self.rng.uniform(self.min_gap_s, self.max_gap_s)
-        self.broker_plan = sorted(self.rng.uniform(2.0, 8.0) for _ in range(self.broker_restarts))
+        self.broker_plan = sorted(self.rng.uniform(3.0, 12.0) for _ in range(self.broker_restarts))
+        self._round: list[str] = []
 
     def __call__(self, job: Job) -> None:
         now = time.monotonic()
+        if self.ledger is not None:
+            self.ledger.maybe_poll()
         if self.broker_plan and now - self.started >= self.broker_plan[0]:
             self.broker_plan.pop(0)
             self._restart_broker(now)
-        if now < self.next_at or len(self.events) >= self.max_kills:
+        if now < self.next_at or self.kills >= self.max_kills:
             return
         self.next_at = now + self.rng.uniform(self.min_gap_s, self.max_gap_s)
-        stage = self.rng.choice(KILLABLE)
-        live = [p for p in job.procs if p.stage == stage and p.alive]
+        kind = self._next_kind(job)
+        if kind == "engine":
+            job.engine.kill()
+            self.events.append({"t": round(now - self.started, 2), "kill": "engine-0"})
+            return
+        live = [p for p in job.procs if p.stage == kind and p.alive]
         if not live:
             return
         victim = self.rng.choice(live)
         os.killpg(victim.proc.pid, signal.SIGKILL)
         victim.proc.wait()
-        self.events.append({"t": round(now - self.started, 2), "kill": f"{stage}-{victim.index}"})
+        self.events.append({"t": round(now - self.started, 2), "kill": f"{kind}-{victim.index}"})
+
+    @property
+    def kills(self) -> int:
+        return sum("kill" in e for e in self.events)
+
+    def _next_kind(self, job: Job) -> str:
+        """Kinds in a shuffled round, so every kind is hit before any is hit twice."""
+        if not self._round:
+            kinds = [k for k in STAGE_KINDS if any(p.stage == k for p in job.procs)]
+            if job.engine is not None:
+                kinds.append("engine")
+            self._round = self.rng.sample(kinds, len(kinds))
+        return self._round.pop()
 
     def _restart_broker(self, now: float) -> None:
         if self.broker is None:
             return
+        if self.ledger is not None:
+            self.ledger.poll()  # the in-memory log is about to go: read what it holds first
         self.broker.stop()
         time.sleep(1.0)
         self.broker.start()
+        if self.ledger is not None:
+            self.ledger.reset()
         self.events.append({"t": round(now - self.started, 2), "restart": "broker"})
 
 
-def count_outcomes(run_dir: Path) -> dict:
-    """Episode accounting from the run folder, independent of the stages' own deduplication:
-    `lost` = scheduled but neither written as a trajectory nor recorded failed;
-    `duplicated` = recorded more than once by the learner (trained on twice)."""
-    sched = read_json(run_dir / "scheduler.json")
-    written = [json.loads(line)["episode_id"] for line in _lines(run_dir / "trajectories.jsonl")]
-    trained = Counter(json.loads(line)["episode_id"] for line in _lines(run_dir / "learner-records.jsonl"))
-    failed = {f["episode_id"] for f in sched.get("failed", [])}
-    planned = sched.get("episodes_scheduled", 0)
-    ended = set(written) | failed
-    return {"scheduled": planned, "completed": len(set(written)), "failed": len(failed),
-            "lost": max(0, planned - len(ended)), "duplicated": sum(1 for c in trained.values() if c > 1),
-            "written_twice": len(written) - len(set(written)), "trained": len(trained)}
+class Ledger:
+    """What happened, read from the topics by a consumer of its own (no group, nothing committed):
+    episodes issued on init-requests, graded on trajectories, given up on episode-failures."""
+
+    def __init__(self, cfg: RunConfig, bootstrap: str, poll_every_s: float = 2.0):
+        self.cfg, self.bootstrap = cfg, bootstrap
+        self.run_id = cfg.run.id
+        self.poll_every_s = poll_every_s
+        self.positions: dict[tuple[str, int], int] = {}
+        self.scheduled: set[str] = set()
+        self.attempts: Counter[str] = Counter()
+        self.completed: Counter[str] = Counter()
+        self.failed: dict[str, str] = {}
+        self._last_poll = 0.0
+
+    def maybe_poll(self) -> None:
+        if time.monotonic() - self._last_poll >= self.poll_every_s:
+            self.poll()
+
+    def reset(self) -> None:
+        """The broker came back empty: read its new log from the start."""
+        self.positions.clear()
+
+    def poll(self) -> None:
+        self._last_poll = time.monotonic()
+        try:
+            asyncio.run(self._read())
+        except Exception:  # noqa: BLE001 - broker away (restart); the next poll catches up
+            pass
+
+    async def _read(self) -> None:
+        from aiokafka import TopicPartition
+
+        from rollway.actors.scheduler import GIVE_UP_STAGE
+        from rollway.core.kafka import make_consumer, topic_name
+        from rollway.schemas.codec import DecodeError, decode
+        from rollway.topics import EPISODE_FAILURES, INIT_REQUESTS, TRAJECTORIES
+
+        specs = {topic_name(s, self.cfg.topics): s for s in (INIT_REQUESTS, TRAJECTORIES, EPISODE_FAILURES)}
+        consumer = await make_consumer(self.cfg.broker, self.bootstrap, group_id=None)
+        try:
+            await consumer.topics()  # fetches the metadata partitions_for_topic reads
+            tps = [TopicPartition(n, p) for n in specs for p in sorted(consumer.partitions_for_topic(n) or ())]
+            consumer.assign(tps)
+            ends = await consumer.end_offsets(tps)
+            for tp in tps:
+                consumer.seek(tp, self.positions.get((tp.topic, tp.partition), 0))
+            todo = {tp for tp in tps if self.positions.get((tp.topic, tp.partition), 0) < ends[tp]}
+            while todo:
+                batch = await consumer.getmany(*todo, timeout_ms=2000)
+                if not batch:
+                    break
+                for tp, records in batch.items():
+                    for r in records:
+                        if r.offset >= ends[tp]:
+                            continue
+                        self.positions[(tp.topic, tp.partition)] = r.offset + 1
+                        try:
+                            msg = decode(r.value, specs[tp.topic].value)
+                        except DecodeError:
+                            continue
+                        if not msg.episode_id.startswith(f"{self.run_id}-"):
+                            continue
+                        name = specs[tp.topic].name
+                        if name == INIT_REQUESTS.name:
+                            self.scheduled.add(msg.episode_id)
+                            self.attempts[msg.episode_id] += 1
+                        elif name == TRAJECTORIES.name:
+                            self.completed[msg.episode_id] += 1
+                        elif msg.stage == GIVE_UP_STAGE:
+                            self.failed[msg.episode_id] = msg.reason
+                    if self.positions.get((tp.topic, tp.partition), 0) >= ends[tp]:
+                        todo.discard(tp)
+        finally:
+            await consumer.stop()
+
+    def judge(self, run_dir: Path, trains: bool) -> dict[str, Any]:
+        """The outcome counts. With a training learner, `trained` comes from the checkpoints'
+        step manifests: `duplicated` counts episodes inside more than one step, `lost` episodes
+        issued but neither given up nor trained. Without one, an episode is done when graded."""
+        from rollway.learning.checkpoint import read_manifests
+
+        steps = read_manifests(run_dir) if trains else []
+        trained = Counter(e for s in steps for e in s["episode_ids"])
+        abandoned = {e for s in steps for e in s.get("abandoned_ids", [])}
+        completed = set(self.completed)
+        failed = set(self.failed)
+        done = (set(trained) | abandoned) if trains else completed
+        reasons = Counter(r.split(":")[0] for r in self.failed.values())
+        return {"scheduled": len(self.scheduled), "completed": len(completed), "failed": len(failed),
+                "failure_reasons": dict(reasons), "lost": len(self.scheduled - failed - done),
+                "duplicated": sum(1 for c in trained.values() if c > 1), "trained": len(trained) if trains else None,
+                "completed_not_trained": len(completed - failed - set(trained)) if trains else None,
+                "trained_not_completed": len(set(trained) - completed) if trains else None,
+                "graded_twice": sum(1 for c in self.completed.values() if c > 1),
+                "attempts": sum(self.attempts.values()), "optimizer_steps": sum(s["updated"] for s in steps)}
 
 
-def _lines(path: Path) -> list[str]:
-    return [line for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+def sink_check(run_dir: Path, ledger: Ledger) -> dict[str, int]:
+    """The sink's file against the log: episodes graded but not written, and lines written twice."""
+    import json
+
+    path = run_dir / "trajectories.jsonl"
+    written = [json.loads(line)["episode_id"] for line in path.read_text().splitlines() if line.strip()] \
+        if path.exists() else []
+    return {"sink_missing": len(set(ledger.completed) - set(written)), "sink_written_twice": len(written) - len(set(written))}

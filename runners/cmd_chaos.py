@@ -1,4 +1,5 @@
-"""`rollway chaos CONFIG`: run a job while killing and restarting random workers; count losses."""
+"""`rollway chaos CONFIG`: run a job while killing and restarting processes of every kind; judge the
+run from the topics and the learner's step manifests."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 from rollway.runners.common import add_config_arguments, load_or_exit
 
 NAME = "chaos"
-HELP = "Run a job while killing random stage workers (and optionally the broker); report lost/duplicated."
+HELP = "Run a job while killing processes of every kind (and optionally the broker); report lost/duplicated."
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--broker-restarts", type=int, default=0,
                         help="also restart the embedded broker this many times (its in-memory log is lost; "
                              "the scheduler re-issues what it lost after the episode deadline)")
+    parser.add_argument("--faults", default=None,
+                        help="fault points armed in every stage process (core/faults.py), e.g. "
+                             "'checkpoint.write=0.3'; 'none' disarms; default: a mix of every point")
     parser.add_argument("--workers", action="append", default=[], metavar="STAGE=N",
                         help="processes per stage (default: 2 init, 2 agent, 2 reward, 1 learner, 1 sink)")
 
@@ -30,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from rollway.actors.scheduler import new_run_id
     from rollway.runners.broker import BrokerError, EmbeddedBroker
-    from rollway.runners.chaos import ChaosMonkey, count_outcomes
+    from rollway.runners.chaos import FAULT_POINTS, ChaosMonkey, Ledger, sink_check
     from rollway.runners.cmd_up import prepare_run_dir
     from rollway.runners.up import JobFailed, parse_workers, run_job, write_run_files
 
@@ -48,22 +52,43 @@ def run(args: argparse.Namespace) -> int:
     except BrokerError as err:
         print(f"rollway chaos: {err}", file=sys.stderr)
         return 1
-    monkey = ChaosMonkey(args.seed, args.min_gap, args.max_gap, broker, args.broker_restarts, args.max_kills)
+    ledger = Ledger(cfg, broker.bootstrap)
+    monkey = ChaosMonkey(args.seed, args.min_gap, args.max_gap, broker, args.broker_restarts, args.max_kills, ledger)
+    faults = FAULT_POINTS if args.faults is None else ("" if args.faults == "none" else args.faults)
+    env = {"ROLLWAY_FAULTS": faults, "ROLLWAY_FAULTS_SEED": str(args.seed)}
     error = None
     try:
         summary = run_job(cfg, args.config, list(args.overrides), broker.bootstrap, run_dir, workers,
-                          on_tick=monkey, max_restarts=10_000)
+                          on_tick=monkey, max_restarts=10_000, env=env)
     except JobFailed as err:
         error, summary = str(err), {}
     finally:
+        ledger.poll()
         broker.stop()
-    result = {"seed": args.seed, **count_outcomes(run_dir), "kills": sum("kill" in e for e in monkey.events),
-              "broker_restarts": sum("restart" in e for e in monkey.events), "events": monkey.events,
-              "wall_seconds": summary.get("wall_seconds"), "run_dir": str(run_dir), "error": error}
+    outcome = ledger.judge(run_dir, cfg.learner.trains)
+    result = {"seed": args.seed, **outcome, **sink_check(run_dir, ledger), "kills": monkey.kills,
+              "killed_kinds": sorted({e["kill"].rsplit("-", 1)[0] for e in monkey.events if "kill" in e}),
+              "fault_kills": _fault_kills(run_dir), "broker_restarts": sum("restart" in e for e in monkey.events),
+              "events": monkey.events, "wall_seconds": summary.get("wall_seconds"), "run_dir": str(run_dir),
+              "error": error}
     (run_dir / "chaos.json").write_text(json.dumps(result, indent=1))
     if args.json:
         print(json.dumps(result))
     else:
         print(" ".join(f"{k}={result[k]}" for k in ("scheduled", "completed", "failed", "lost", "duplicated",
-                                                     "kills", "broker_restarts", "wall_seconds")))
-    return 0 if error is None and result["lost"] == 0 and result["duplicated"] == 0 else 1
+                                                     "trained", "kills", "broker_restarts", "wall_seconds")))
+    exact = not cfg.learner.trains or (result["completed_not_trained"] == 0 and result["trained_not_completed"] == 0)
+    return 0 if error is None and result["lost"] == 0 and result["duplicated"] == 0 and exact else 1
+
+
+def _fault_kills(run_dir) -> dict[str, int]:
+    """Processes that killed themselves at an armed fault point, by point (from the stage logs)."""
+    from collections import Counter
+
+    marker = "rollway fault injection: killed at "
+    found: Counter[str] = Counter()
+    for path in (run_dir / "logs").glob("*.out"):
+        for line in path.read_text(errors="replace").splitlines():
+            if marker in line:
+                found[line.split(marker, 1)[1].strip()] += 1
+    return dict(found)

@@ -12,14 +12,14 @@ from rollway.actors.base import Actor
 from rollway.actors.services import Services
 from rollway.core.config import RunConfig
 from rollway.core.kafka import ensure_topics
-from rollway.runners.stage_runtime import LogReader, StageWorker
+from rollway.runners.stage_runtime import LogReader, StageWorker, TopicScanner
 
 
 def build_actor(name: str, services: Services, log_reader: LogReader | None) -> Actor:
     if name == "scheduler":
         from rollway.actors.scheduler import SchedulerActor
 
-        return SchedulerActor(services)
+        return SchedulerActor(services, TopicScanner(services.cfg, log_reader.bootstrap) if log_reader else None)
     if name == "init":
         from rollway.actors.init import InitActor
 
@@ -71,7 +71,7 @@ async def run_stage(name: str, cfg: RunConfig, bootstrap: str, run_dir: Path, st
         except (NotImplementedError, RuntimeError):
             pass
     await ensure_topics(cfg.broker, cfg.topics, bootstrap)
-    log_reader = LogReader(cfg, bootstrap) if name == "agent" else None
+    log_reader = LogReader(cfg, bootstrap) if name in ("agent", "scheduler") else None
     actor = build_actor(name, Services(cfg, run_dir), log_reader)
     try:
         status = run_dir / "status" / f"{name}-{os.getpid()}.json"

@@ -15,8 +15,9 @@ import structlog
 from aiokafka import ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 
-from rollway.actors.base import Actor, MessageMeta, Output
+from rollway.actors.base import Actor, FatalActorError, MessageMeta, Output
 from rollway.core.config import RunConfig
+from rollway.core.faults import fault_point
 from rollway.core.files import write_json_atomic
 from rollway.core.kafka import ensure_topics, make_consumer, make_producer, topic_name
 from rollway.runners.stage_queue import Backlog, HopTrace, KeyLocks
@@ -38,7 +39,7 @@ async def handle_or_dead_letter(actor: Actor, msg: Any, meta: MessageMeta,
     message must not stop the stage (shared by the aiokafka and Faust runtimes)."""
     try:
         return await actor.handle(msg, meta)
-    except asyncio.CancelledError:
+    except (asyncio.CancelledError, FatalActorError):
         raise
     except Exception as err:  # noqa: BLE001 - see docstring
         log.exception("handler failed; message dead-lettered", stage=actor.name,
@@ -101,6 +102,9 @@ class StageWorker:
         self.specs: dict[str, TopicSpec] = {topic_name(t, cfg.topics): t for t in actor.inputs}
         self.offsets = OffsetTracker()
         self.tasks: dict[asyncio.Task, TopicPartition] = {}
+        self.sending: set[asyncio.Task] = set()
+        """Tasks past `handle`, producing their outputs: a revocation lets them finish."""
+        self.fatal: BaseException | None = None
         self.key_locks = KeyLocks()
         self.stats = {"handled": 0, "dead_lettered": 0, "produced": 0}
         self.producer = self.consumer = None
@@ -123,7 +127,8 @@ class StageWorker:
     async def run(self, stop: asyncio.Event) -> None:
         self.producer = await make_producer(self.cfg.broker, self.bootstrap)
         try:
-            self.consumer = await make_consumer(self.cfg.broker, self.bootstrap, group_id=self.group_id)
+            self.consumer = await make_consumer(self.cfg.broker, self.bootstrap, group_id=self.group_id,
+                                                max_poll_interval_ms=self.cfg.broker.max_poll_interval_ms)
             self.consumer.subscribe(list(self.specs), listener=_Rebalance(self))
             await self.actor.setup()
             log.info("stage worker started", stage=self.actor.name, group=self.group_id,
@@ -144,14 +149,21 @@ class StageWorker:
         last_commit = last_tick = 0.0
         last_topic_check = time.monotonic()
         while not stop.is_set() and not self.actor.done:
+            if self.fatal is not None:
+                raise self.fatal
             free = self.concurrency + self.prefetch - len(self.tasks) - len(self.backlog)
             if free > 0:
+                self._pause(False)
                 polled_at = time.time()
                 batches = await self.consumer.getmany(timeout_ms=100, max_records=free)
                 for tp, records in batches.items():
                     for record in records:
                         self._admit(tp, record, polled_at)
             else:
+                # Keep polling with every partition paused: polls keep the group membership alive
+                # (max_poll_interval_ms) however long the handlers take, and fetch nothing.
+                self._pause(True)
+                await self.consumer.getmany(timeout_ms=0)
                 await asyncio.wait(list(self.tasks), timeout=0.1, return_when=asyncio.FIRST_COMPLETED)
             now = time.monotonic()
             if now - last_topic_check >= TOPIC_CHECK_INTERVAL_S and not self.consumer.assignment():
@@ -164,6 +176,13 @@ class StageWorker:
                 await self.commit()
                 last_commit = now
             self.write_status()
+
+    def _pause(self, paused: bool) -> None:
+        assigned = self.consumer.assignment()
+        if paused:
+            self.consumer.pause(*assigned)
+        elif self.consumer.paused():
+            self.consumer.resume(*self.consumer.paused())
 
     def _admit(self, tp: TopicPartition, record: Any, polled_at: float) -> None:
         """Start a fetched message now or, with prefetch, queue it by priority (its offset stays
@@ -195,10 +214,19 @@ class StageWorker:
         task = asyncio.create_task(self._process(tp, record))
         self.tasks[task] = tp
         task.add_done_callback(self.tasks.pop)
+        task.add_done_callback(self.sending.discard)
         if self.prefetch:
             task.add_done_callback(self._start_backlog)  # a freed slot takes the best queued message
 
     async def _process(self, tp: TopicPartition, record: Any) -> None:
+        try:
+            await self._handle_and_send(tp, record)
+        except FatalActorError as err:
+            log.error("actor failed fatally; the worker stops and its restart resumes from the committed "
+                      "offsets", stage=self.actor.name, error=str(err))
+            self.fatal = err
+
+    async def _handle_and_send(self, tp: TopicPartition, record: Any) -> None:
         spec = self.specs[tp.topic]
         meta = MessageMeta(tp.topic, tp.partition, record.offset, record.timestamp)
         try:
@@ -215,6 +243,7 @@ class StageWorker:
                     self.stats["handled"] += 1
                     if self.trace is not None:
                         self.trace.handled(tp, record, msg, started, time.time())
+        self.sending.add(asyncio.current_task())
         await self._send(outputs)
         self.offsets.finish(tp, record.offset)
 
@@ -259,10 +288,19 @@ class StageWorker:
         except KafkaError as err:
             log.warning("commit failed; will retry", stage=self.actor.name, error=str(err))
 
-    async def wait_for(self, tps: set[TopicPartition], timeout_s: float) -> None:
+    async def release(self, tps: set[TopicPartition], timeout_s: float) -> None:
+        """Before `tps` move to another worker: cancel their handlers still running (the new owner
+        runs those messages again, so these must not produce afterwards) and let the ones already
+        producing finish (bounded by `timeout_s`)."""
         tasks = [t for t, tp in self.tasks.items() if tp in tps]
+        for task in tasks:
+            if task not in self.sending:
+                task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=timeout_s)
+        for task in tasks:
+            if not task.done():  # a produce stuck past the timeout: stop it too
+                task.cancel()
 
     async def _drain(self, timeout_s: float = 30.0) -> None:
         if self.tasks:
@@ -271,15 +309,16 @@ class StageWorker:
 
 
 class _Rebalance(ConsumerRebalanceListener):
-    """Before giving partitions away, finish their in-flight messages and commit them, so the next
-    owner neither repeats nor skips work."""
+    """Before giving partitions away, cancel their running handlers, let their produces finish and
+    commit what finished, so the next owner neither skips work nor races a handler of this worker."""
 
     def __init__(self, worker: StageWorker):
         self.worker = worker
 
     async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
         self.worker.backlog.drop(set(revoked))
-        await self.worker.wait_for(set(revoked), timeout_s=20.0)
+        await self.worker.release(set(revoked), timeout_s=10.0)
+        fault_point("rebalance.revoked")
         await self.worker.commit(set(revoked))
         self.worker.offsets.forget(set(revoked))
 
@@ -321,3 +360,45 @@ class LogReader:
     async def close(self) -> None:
         if self.consumer is not None:
             await self.consumer.stop()
+
+
+class TopicScanner:
+    """Reads whole topics from the beginning up to their current end (the scheduler rebuilds its
+    state from them after a restart). Undecodable records are skipped: they went to dead-letters."""
+
+    def __init__(self, cfg: RunConfig, bootstrap: str):
+        self.cfg, self.bootstrap = cfg, bootstrap
+
+    async def __call__(self, specs: tuple[TopicSpec, ...]) -> list[tuple[TopicSpec, Any]]:
+        consumer = await make_consumer(self.cfg.broker, self.bootstrap, group_id=None)
+        try:
+            by_name = {topic_name(s, self.cfg.topics): s for s in specs}
+            await consumer.topics()  # fetches the metadata partitions_for_topic reads
+            tps = [TopicPartition(name, p) for name in by_name
+                   for p in sorted(consumer.partitions_for_topic(name) or ())]
+            if not tps:
+                return []
+            consumer.assign(tps)
+            await consumer.seek_to_beginning(*tps)
+            ends = await consumer.end_offsets(tps)
+            out: list[tuple[TopicSpec, Any]] = []
+            todo = {tp for tp in tps if ends[tp] > 0}
+            while todo:
+                batch = await consumer.getmany(*todo, timeout_ms=1000)
+                for tp, records in batch.items():
+                    spec = by_name[tp.topic]
+                    for record in records:
+                        if record.offset >= ends[tp]:
+                            continue
+                        try:
+                            out.append((spec, decode(record.value, spec.value)))
+                        except DecodeError:
+                            pass
+                    if records and records[-1].offset + 1 >= ends[tp]:
+                        todo.discard(tp)
+                for tp in list(todo):
+                    if await consumer.position(tp) >= ends[tp]:
+                        todo.discard(tp)
+            return out
+        finally:
+            await consumer.stop()

@@ -34,9 +34,12 @@ class StageProcess:
     proc: subprocess.Popen | None = None
     restarts: int = 0
 
+    env: dict[str, str] | None = None
+
     def start(self) -> None:
         out = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        env = {**os.environ, **self.env} if self.env else None
+        self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         out.close()
 
     @property
@@ -56,6 +59,10 @@ class Job:
     workers: dict[str, int]
     procs: list[StageProcess] = field(default_factory=list)
     max_restarts: int = 3
+    engine: EngineProcess | None = None
+    """The inference engine the job launched (policy.launch), restarted like a worker when it dies."""
+    env: dict[str, str] | None = None
+    """Extra environment of the stage processes (chaos runs arm fault points with it)."""
 
     def stage_argv(self, stage: str) -> list[str]:
         return [sys.executable, "-m", "rollway.runners", "stage", stage, self.config_path, *self.overrides,
@@ -67,7 +74,8 @@ class Job:
             if stage == "scheduler":
                 self.wait_until_consuming()
             for i in range(self.workers.get(stage, 1)):
-                p = StageProcess(stage, i, self.stage_argv(stage), self.run_dir / "logs" / f"{stage}-{i}.out")
+                p = StageProcess(stage, i, self.stage_argv(stage), self.run_dir / "logs" / f"{stage}-{i}.out",
+                                 env=self.env)
                 p.start()
                 self.procs.append(p)
 
@@ -83,18 +91,27 @@ class Job:
             time.sleep(0.1)
 
     def scheduler_exit_code(self) -> int | None:
+        """The scheduler's exit code once it ended for good: 0, or an error with no restart left."""
         sched = [p for p in self.procs if p.stage == "scheduler"]
-        return sched[0].proc.poll() if sched else None
+        if not sched:
+            return None
+        code = sched[0].proc.poll()
+        return code if code == 0 or (code is not None and sched[0].restarts >= self.max_restarts) else None
 
     def restart_dead_workers(self) -> list[str]:
-        """Restart crashed non-scheduler workers (the log keeps their work), up to max_restarts each."""
+        """Restart crashed workers (the log keeps their work), up to max_restarts each. The scheduler
+        counts as crashed only when it exited with an error: it exits 0 when the job is done."""
         notes = []
         for p in self.procs:
-            if p.stage != "scheduler" and not p.alive and p.restarts < self.max_restarts:
+            crashed = not p.alive and (p.stage != "scheduler" or p.proc.returncode != 0)
+            if crashed and p.restarts < self.max_restarts:
                 code = p.proc.returncode if p.proc else None
                 p.restarts += 1
                 p.start()
                 notes.append(f"{p.stage}-{p.index} exited (code {code}); restarted ({p.restarts}/{self.max_restarts})")
+        if self.engine is not None and not self.engine.alive:
+            self.engine.start(model=latest_weights(self.run_dir))
+            notes.append("the inference engine exited; restarted with the newest checkpoint")
         return notes
 
     def stop(self, timeout_s: float = 15.0) -> None:
@@ -128,6 +145,9 @@ def parse_workers(specs: list[str]) -> dict[str, int]:
             raise ValueError(f"--workers {spec!r}: expected STAGE=N with STAGE in {', '.join(STAGES)} and N >= 1")
         if name == "scheduler" and int(count) != 1:
             raise ValueError("--workers: the scheduler runs as exactly one process")
+        if name == "learner" and int(count) != 1:
+            raise ValueError("--workers: the learner runs as exactly one process (two would split GRPO groups "
+                             "and share one checkpoint folder); scale the rollout stages instead")
         workers[name] = int(count)
     return workers
 
@@ -170,9 +190,16 @@ class JobFailed(RuntimeError):
     """The job did not run to completion (timeout, scheduler crash); the message says where to look."""
 
 
+def latest_weights(run_dir: Path) -> str | None:
+    from rollway.learning.checkpoint import latest_checkpoint
+
+    ckpt = latest_checkpoint(run_dir)
+    return str(ckpt) if ckpt is not None else None
+
+
 def run_job(cfg: RunConfig, config_path: str, overrides: list[str], bootstrap: str, run_dir: Path,
             workers: dict[str, int], on_tick: Callable[[Job], None] | None = None, quiet: bool = False,
-            max_restarts: int = 3) -> dict:
+            max_restarts: int = 3, env: dict[str, str] | None = None) -> dict:
     """Start every stage process, wait for the scheduler to finish and the sink/learner to catch up,
     stop the processes, write and return `summary.json`. Crashed workers are restarted."""
     from rollway.core.kafka import ensure_topics
@@ -187,17 +214,18 @@ def run_job(cfg: RunConfig, config_path: str, overrides: list[str], bootstrap: s
         engine = EngineProcess(cfg, run_dir).start()
         overrides = [*overrides, f"policy.base_url={engine.base_url}"]
     try:
-        return _run_stages(cfg, config_path, overrides, bootstrap, run_dir, workers, on_tick, quiet, max_restarts)
+        job = Job(cfg, config_path, overrides, bootstrap, run_dir, workers, max_restarts=max_restarts,
+                  engine=engine, env=env)
+        return _run_stages(job, on_tick, quiet)
     finally:
         if engine is not None:
             engine.stop()
 
 
-def _run_stages(cfg: RunConfig, config_path: str, overrides: list[str], bootstrap: str, run_dir: Path,
-                workers: dict[str, int], on_tick, quiet: bool, max_restarts: int) -> dict:
+def _run_stages(job: Job, on_tick, quiet: bool) -> dict:
     from rollway.runners.progress import Progress
 
-    job = Job(cfg, config_path, overrides, bootstrap, run_dir, workers, max_restarts=max_restarts)
+    cfg, bootstrap, run_dir, workers = job.cfg, job.bootstrap, job.run_dir, job.workers
     t0 = time.monotonic()
     job.start()
     if not quiet:
@@ -263,9 +291,22 @@ class EngineProcess:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
-    def start(self, timeout_s: float = 600.0) -> EngineProcess:
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the engine (chaos runs); the job restarts it."""
+        if self.alive:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def start(self, timeout_s: float = 600.0, model: str | None = None) -> EngineProcess:
+        """Start the server and wait until healthy; `model` overrides policy.model (a restart
+        serves the newest checkpoint)."""
         p = self.cfg
-        argv = [sys.executable, "-m", "rollway.runners", "serve", *([p.model] if p.model else []),
+        model = model or p.model
+        argv = [sys.executable, "-m", "rollway.runners", "serve", *([model] if model else []),
                 "--port", str(self.port), "--max-batch", str(p.max_batch), "--max-model-len", str(p.max_model_len),
                 "--dtype", p.dtype, "--threads", str(p.threads), *(["--device", p.device] if p.device else [])]
         with open(self.log_path, "ab") as out:

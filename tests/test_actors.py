@@ -101,12 +101,15 @@ def test_agent_rebuilds_episode_from_log_when_another_worker_ran_earlier_turns(t
         fresh = AgentActor(s, read_log)
         [nxt] = await fresh.handle(out.value, meta(12))
         assert nxt.value.turn == 3 and nxt.value.start_offset == 10
-        # Same delta as the original worker would produce (deterministic policy, same sandbox).
-        [orig] = await agent.handle(out.value, meta(12))
-        assert orig.value.last.completion_ids == nxt.value.last.completion_ids
         # A redelivered old turn is recognised as already done (the log has a later turn).
         log.append((13, nxt.value))
         assert await AgentActor(s, read_log).handle(log[1][1], meta(11)) == []
+        # The original worker running turn 2 again (it crashed or lost the partition before its
+        # produce landed) would repeat tool calls on a changed sandbox: the turn marker refuses it,
+        # the attempt fails retryably and its sandbox is gone (the scheduler re-issues it fresh).
+        [again] = await agent.handle(out.value, meta(12))
+        assert again.value.stage == "agent" and again.value.retryable and "already ran" in again.value.reason
+        assert not Path(out.value.sandbox["path"]).exists()
 
     run(scenario())
 

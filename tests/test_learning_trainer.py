@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rollway.learning.checkpoint import load_state
 from rollway.learning.config import LearnerConfig
 from rollway.learning.staleness import lag_histogram, policy_lag, stale_weight
 from rollway.learning.testing import make_trajectory, tiny_model_factory
@@ -70,7 +71,8 @@ def test_checkpoint_is_loadable_and_resume_never_retrains(tmp_path: Path) -> Non
 
     second = Trainer(_cfg(), tmp_path, model_factory=recording_factory)
     assert (second.state.version, second.state.step) == (1, 1)
-    assert second.state.trained_episode_ids == {"g0-good", "g0-bad"}
+    assert set(second.state.recent_episode_ids) == {"g0-good", "g0-bad"}
+    assert [sorted(e["episode_ids"]) for e in load_state(r1.checkpoint_path).manifest] == [["g0-bad", "g0-good"]]
     assert second.add(_pair("g0")[0]) == [] and second.duplicates == 1
     assert second.pending_episode_ids() == set()
     [r2] = [r for t in _pair("g1") for r in second.add(t)]
@@ -97,7 +99,8 @@ def test_degenerate_group_is_consumed_without_update(tmp_path: Path) -> None:
     trainer = Trainer(_cfg(), tmp_path, model_factory=tiny_model_factory())
     same = [make_trajectory(f"e{i}", "g", PROMPT, GOOD, 1.0, sample_index=i) for i in range(2)]
     assert [r for t in same for r in trainer.add(t)] == []
-    assert trainer.state.version == 0 and trainer.state.trained_episode_ids == {"e0", "e1"}
+    assert trainer.state.version == 0 and trainer.uncheckpointed_episode_ids() == {"e0", "e1"}
+    assert trainer.knows("e0") and trainer.state.manifest[0]["updated"] is False
 
 
 def test_micro_batching_does_not_change_the_loss(tmp_path: Path) -> None:
