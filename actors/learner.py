@@ -53,6 +53,7 @@ class LearnerActor(Actor):
         """Per partition: one past the highest offset handled."""
         self.version = 0
         self._announced = 0  # episodes_trained last published
+        self._last_input = time.monotonic()
 
     async def setup(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -78,6 +79,7 @@ class LearnerActor(Actor):
         return Trainer(self.s.cfg.learner, self.dir, group_size=self.s.cfg.scheduler.group_size, **kwargs)
 
     async def handle(self, msg: Trajectory | EpisodeFailure, meta: MessageMeta) -> list[Output]:
+        self._last_input = time.monotonic()
         key = (meta.topic, meta.partition)
         self._positions[key] = max(self._positions.get(key, 0), meta.offset + 1)
         if not belongs_to_run(msg.episode_id, self.s.cfg.run.id):
@@ -103,7 +105,7 @@ class LearnerActor(Actor):
         async with self._lock:
             self._write_status(training=True)  # `rollway up` waits for this before stopping the learner
             try:
-                results = await asyncio.to_thread(call, *args)
+                results = await _uncancellable_thread(call, *args)
             except Exception as err:
                 if self.trainer.broken is not None:
                     raise FatalActorError(f"training step failed: {err}") from err
@@ -118,12 +120,27 @@ class LearnerActor(Actor):
             return []
         async with self._lock:
             try:
-                results = await asyncio.to_thread(self.trainer.tick)
+                results = await _uncancellable_thread(self.trainer.tick)
             except Exception as err:
                 raise FatalActorError(f"training step failed: {err}") from err
         outputs = await self._publish(results)
+        idle = self.s.cfg.learner.checkpoint_idle_s
+        if idle is not None and self.trainer.uncheckpointed_episode_ids() and \
+                time.monotonic() - self._last_input >= idle:
+            outputs += await self._checkpoint_now()
         self._forget_durable()
         return outputs
+
+    async def _checkpoint_now(self) -> list[Output]:
+        """Save what the last updates changed (the stream went quiet); the engine loads it and the
+        held offsets are released."""
+        async with self._lock:
+            path = await _uncancellable_thread(self.trainer.save)
+        await self._sync_engine(path, self.version)
+        state = self.trainer.state
+        return [Output(POLICY_VERSIONS, None, PolicyVersion(
+            version=state.version, checkpoint=str(path), step=state.step, episodes_trained=state.episodes_trained,
+            created_at=time.time()))]
 
     def held_offsets(self) -> set[Where]:
         """Offsets the runtime must not commit past: episodes buffered, or consumed by an update no
@@ -211,3 +228,14 @@ class LearnerActor(Actor):
                     path = await asyncio.to_thread(self.trainer.save)
                 log.info("learner saved its last updates at shutdown", checkpoint=str(path))
             self.trainer.close()
+
+
+async def _uncancellable_thread(call, *args):
+    """Run `call` in a thread; a cancellation (a revoked partition) waits for it to end before it
+    propagates, so the actor's lock is never released while an update or a save still runs."""
+    future = asyncio.ensure_future(asyncio.to_thread(call, *args))
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        await asyncio.wait([future])
+        raise

@@ -114,6 +114,10 @@ class LearnerConfig(BaseModel):
     # --- checkpoints and logging ---
     checkpoint_every: int = Field(1, ge=1)
     """Save a loadable weights folder every this many updates (each saved update is published)."""
+    checkpoint_idle_s: float | None = Field(3.0, gt=0)
+    """Also checkpoint when updates are waiting for one (`checkpoint_every` > 1) and no input arrived
+    for this long: the learner commits offsets only behind a checkpoint, so without this the end of
+    a run would stay uncommitted. None: only every `checkpoint_every` updates and at shutdown."""
     keep_checkpoints: int | None = Field(3, ge=1)
     """Keep this many newest checkpoint folders; None keeps all."""
     save_optimizer: bool = True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,6 +96,11 @@ class Trainer:
         self.state.manifest = []  # entries of the loaded folder are already durable
         self._recent = RecentIds(cfg.dedup_window, self.state.recent_episode_ids)
         self._uncheckpointed: set[str] = set()
+        self._training: set[str] = set()
+        """Episodes of the update running now: out of the buffer, not yet consumed."""
+        self._book = threading.Lock()
+        """Guards the buffer and the id sets: the learner reads them (held offsets) from its event
+        loop while an update runs in a worker thread."""
         self.broken: BaseException | None = None
         self.duplicates = 0
         self.model: Any = None
@@ -111,7 +117,9 @@ class Trainer:
         _check_trajectory(traj)
         if self.broken is not None:
             raise RuntimeError("an earlier update failed; restart the learner from its checkpoint") from self.broken
-        if traj.episode_id in self._recent or not self._buffer.add(traj):
+        with self._book:
+            fresh = traj.episode_id not in self._recent and self._buffer.add(traj)
+        if not fresh:
             self.duplicates += 1
             return []
         return self._run_ready() + self.tick()
@@ -121,32 +129,40 @@ class Trainer:
         with no trajectory, in the update that takes the group)."""
         if self.broken is not None:
             raise RuntimeError("an earlier update failed; restart the learner from its checkpoint") from self.broken
-        if episode_id in self._recent or not self._buffer.abandon(group_id, episode_id):
+        with self._book:
+            fresh = episode_id not in self._recent and self._buffer.abandon(group_id, episode_id)
+        if not fresh:
             return []
         return self._run_ready() + self.tick()
 
     def tick(self, now: float | None = None) -> list[StepResult]:
         """Train incomplete groups past `group_timeout_s` (call periodically, e.g. once a second).
         Groups of fewer than two episodes carry no signal and are consumed without training."""
-        expired = self._buffer.pop_expired(now)
+        with self._book:
+            expired = self._take(self._buffer.pop_expired(now))
         return self._train_all(expired) if expired else []
 
     def flush(self) -> list[StepResult]:
         """Train every complete group buffered now, even fewer than `groups_per_step` (shutdown)."""
-        groups = self._buffer.pop_complete(self._buffer.complete_groups)
+        with self._book:
+            groups = self._take(self._buffer.pop_complete(self._buffer.complete_groups))
         return self._train_all(groups) if groups else []
 
     def pending_episode_ids(self) -> set[str]:
         """Episodes buffered but not yet trained (lost on a crash: do not commit their offsets)."""
-        return self._buffer.pending_episode_ids()
+        with self._book:
+            return self._buffer.pending_episode_ids() | self._training
 
     def knows(self, episode_id: str) -> bool:
         """True when `episode_id` is buffered or in the dedup window (a second copy is ignored)."""
-        return episode_id in self._recent or episode_id in self._buffer.pending_episode_ids()
+        with self._book:
+            return episode_id in self._recent or episode_id in self._training or \
+                episode_id in self._buffer.pending_episode_ids()
 
     def uncheckpointed_episode_ids(self) -> set[str]:
         """Episodes consumed by updates that no checkpoint holds yet (a crash undoes their update)."""
-        return set(self._uncheckpointed)
+        with self._book:
+            return set(self._uncheckpointed)
 
     def close(self) -> None:
         if self._writer is not None:
@@ -156,7 +172,11 @@ class Trainer:
 
     def _run_ready(self) -> list[StepResult]:
         results = []
-        while groups := self._buffer.pop_complete(self.cfg.groups_per_step):
+        while True:
+            with self._book:
+                groups = self._take(self._buffer.pop_complete(self.cfg.groups_per_step))
+            if not groups:
+                break
             results += self._train_all(groups)
         return results
 
@@ -171,7 +191,8 @@ class Trainer:
     def _update(self, groups: list[list[Trajectory]]) -> StepResult | None:
         """One policy version from these groups; None when no episode had loss (no weight change).
         State changes only after the optimiser step succeeded."""
-        abandoned, self._buffer.released_abandoned = self._buffer.released_abandoned, []
+        with self._book:
+            abandoned, self._buffer.released_abandoned = self._buffer.released_abandoned, []
         prepared = self._prepare([g for g in groups if g])
         metrics = {**prepared.metrics, **lag_histogram(prepared.lags)}
         updated = self._has_signal(prepared.samples)
@@ -326,11 +347,18 @@ class Trainer:
         else:
             model.eval()
 
+    def _take(self, groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
+        """Mark popped groups as in training (still pending for the held offsets). Under _book."""
+        self._training = {t.episode_id for g in groups for t in g} | set(self._buffer.released_abandoned)
+        return groups
+
     def _consumed(self, episode_ids: list[str], abandoned: list[str], updated: bool) -> None:
-        self.state.episodes_trained += len(episode_ids)
-        for e in (*episode_ids, *abandoned):
-            self._recent.add(e)
-        self._uncheckpointed.update(episode_ids, abandoned)
+        with self._book:
+            self.state.episodes_trained += len(episode_ids)
+            for e in (*episode_ids, *abandoned):
+                self._recent.add(e)
+            self._uncheckpointed.update(episode_ids, abandoned)
+            self._training = set()
         self.state.manifest.append({"step": self.state.step, "version": self.state.version,
                                     "episode_ids": list(episode_ids), "abandoned_ids": list(abandoned),
                                     "updated": updated})
@@ -351,10 +379,13 @@ class Trainer:
             self.state.watermarks = dict(watermarks)
         elif self.watermarks is not None:
             self.state.watermarks = self.watermarks()
+        with self._book:
+            saved_ids = set(self._uncheckpointed)
         self.latest_checkpoint = save_checkpoint(self.run_dir, self.state, self.model, self.tokenizer, opt,
                                                  self.cfg.keep_checkpoints)
-        self.state.manifest = []
-        self._uncheckpointed.clear()
+        with self._book:
+            self.state.manifest = []
+            self._uncheckpointed -= saved_ids
         return self.latest_checkpoint
 
     watermarks = None

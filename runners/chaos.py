@@ -37,6 +37,8 @@ class ChaosMonkey:
     broker_restarts: int = 0
     max_kills: int = 50
     ledger: Ledger | None = None
+    kinds: tuple[str, ...] | None = None
+    """Kinds to kill (None: every kind present)."""
     events: list[dict] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -57,13 +59,13 @@ class ChaosMonkey:
             return
         self.next_at = now + self.rng.uniform(self.min_gap_s, self.max_gap_s)
         kind = self._next_kind(job)
+        if kind is None:
+            return
         if kind == "engine":
             job.engine.kill()
             self.events.append({"t": round(now - self.started, 2), "kill": "engine-0"})
             return
         live = [p for p in job.procs if p.stage == kind and p.alive]
-        if not live:
-            return
         victim = self.rng.choice(live)
         os.killpg(victim.proc.pid, signal.SIGKILL)
         victim.proc.wait()
@@ -73,14 +75,22 @@ class ChaosMonkey:
     def kills(self) -> int:
         return sum("kill" in e for e in self.events)
 
-    def _next_kind(self, job: Job) -> str:
-        """Kinds in a shuffled round, so every kind is hit before any is hit twice."""
+    def _next_kind(self, job: Job) -> str | None:
+        """Kinds in a shuffled round, so every kind is hit before any is hit twice; a kind with no
+        live process now (restarting) keeps its place in the round. None when nothing is alive."""
         if not self._round:
             kinds = [k for k in STAGE_KINDS if any(p.stage == k for p in job.procs)]
             if job.engine is not None:
                 kinds.append("engine")
+            if self.kinds is not None:
+                kinds = [k for k in kinds if k in self.kinds]
             self._round = self.rng.sample(kinds, len(kinds))
-        return self._round.pop()
+        for kind in reversed(self._round):
+            alive = job.engine.alive if kind == "engine" else any(p.stage == kind and p.alive for p in job.procs)
+            if alive:
+                self._round.remove(kind)
+                return kind
+        return None
 
     def _restart_broker(self, now: float) -> None:
         if self.broker is None:

@@ -27,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--faults", default=None,
                         help="fault points armed in every stage process (core/faults.py), e.g. "
                              "'checkpoint.write=0.3'; 'none' disarms; default: a mix of every point")
+    parser.add_argument("--kinds", default=None,
+                        help="comma-separated process kinds to kill (default: every kind present: "
+                             "scheduler, init, agent, reward, learner, sink, and engine when the job launched one)")
     parser.add_argument("--workers", action="append", default=[], metavar="STAGE=N",
                         help="processes per stage (default: 2 init, 2 agent, 2 reward, 1 learner, 1 sink)")
 
@@ -53,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"rollway chaos: {err}", file=sys.stderr)
         return 1
     ledger = Ledger(cfg, broker.bootstrap)
-    monkey = ChaosMonkey(args.seed, args.min_gap, args.max_gap, broker, args.broker_restarts, args.max_kills, ledger)
+    monkey = ChaosMonkey(args.seed, args.min_gap, args.max_gap, broker, args.broker_restarts, args.max_kills, ledger,
+                         kinds=tuple(args.kinds.split(",")) if args.kinds else None)
     faults = FAULT_POINTS if args.faults is None else ("" if args.faults == "none" else args.faults)
     env = {"ROLLWAY_FAULTS": faults, "ROLLWAY_FAULTS_SEED": str(args.seed)}
     error = None

@@ -43,6 +43,14 @@ def build_actor(name: str, services: Services, log_reader: LogReader | None) -> 
     raise ValueError(f"unknown stage {name!r}; stages are: {', '.join(STAGES)}")
 
 
+def stage_inputs(name: str) -> tuple:
+    """The topics the learner or the sink consumes (class attributes: no actor is built)."""
+    from rollway.actors.learner import LearnerActor
+    from rollway.actors.sink import SinkActor
+
+    return {"learner": LearnerActor, "sink": SinkActor}[name].inputs
+
+
 def stage_concurrency(name: str, cfg: RunConfig) -> int:
     """Messages a worker of this stage handles at once."""
     if name == "agent":

@@ -260,20 +260,45 @@ def _run_stages(job: Job, on_tick, quiet: bool) -> dict:
 
 def wait_for_consumers(run_dir: Path, completed: int, job: Job, timeout_s: float = 90.0,
                        training_timeout_s: float = 1800.0) -> None:
-    """The scheduler has seen every outcome; wait until the sink and learner have too, and until an
-    update the last episodes started has finished (restarting crashed workers meanwhile)."""
+    """The scheduler has seen every outcome; wait until the sink and the learner have committed
+    everything on their input topics (the learner commits only what a checkpoint holds), restarting
+    crashed workers meanwhile. An update in progress extends the wait, up to training_timeout_s.
+    Committed offsets, not status files: a killed worker's last status file would claim progress its
+    restart has not redone."""
     deadline = time.monotonic() + timeout_s
     hard_deadline = time.monotonic() + training_timeout_s
     while time.monotonic() < deadline:
         sink = read_json(run_dir / "sink-status.json").get("episodes_written", 0)
-        learner = read_json(run_dir / "learner-status.json")
-        if learner.get("training"):  # an update in progress extends the wait, up to training_timeout_s
-            deadline = min(hard_deadline, max(deadline, time.monotonic() + timeout_s))
-        elif sink >= completed and learner.get("episodes_received", 0) >= completed:
+        if sink >= completed and asyncio.run(consumer_lag(job.cfg, job.bootstrap, ("sink", "learner"))) == 0:
             return
+        learner_alive = any(p.alive for p in job.procs if p.stage == "learner")
+        if learner_alive and read_json(run_dir / "learner-status.json").get("training"):
+            deadline = min(hard_deadline, max(deadline, time.monotonic() + timeout_s))
         job.restart_dead_workers()
-        time.sleep(0.2)
+        time.sleep(0.5)
     log.warning(f"sink/learner did not catch up within {timeout_s:.0f}s; the summary may be incomplete")
+
+
+async def consumer_lag(cfg: RunConfig, bootstrap: str, stages: tuple[str, ...]) -> int:
+    """Messages on the stages' input topics their consumer groups have not committed yet."""
+    from aiokafka import TopicPartition
+
+    from rollway.core.kafka import make_consumer, topic_name
+    from rollway.runners.stage import group_id, stage_inputs
+
+    total = 0
+    for stage in stages:
+        consumer = await make_consumer(cfg.broker, bootstrap, group_id=group_id(stage, cfg))
+        try:
+            await consumer.topics()
+            tps = [TopicPartition(name, p) for name in (topic_name(t, cfg.topics) for t in stage_inputs(stage))
+                   for p in sorted(consumer.partitions_for_topic(name) or ())]
+            ends = await consumer.end_offsets(tps)
+            for tp in tps:
+                total += ends[tp] - ((await consumer.committed(tp)) or 0)
+        finally:
+            await consumer.stop()
+    return total
 
 
 class EngineProcess:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -104,3 +105,76 @@ def test_learner_announces_progress_when_a_step_has_no_signal(tmp_path):
 
     pv = run(scenario())
     assert pv.version == 0 and pv.checkpoint is None and pv.episodes_trained == 2
+
+
+def _manifest_counts(run_dir) -> dict[str, int]:
+    from collections import Counter
+
+    from rollway.learning.checkpoint import read_manifests
+
+    return Counter(e for step in read_manifests(run_dir) for e in step["episode_ids"])
+
+
+def test_a_killed_learner_loses_no_buffered_or_uncheckpointed_episode(tmp_path):
+    """The learner buffers half a group and trains a group no checkpoint holds yet (checkpoint_every
+    2), then dies (no close). Its restart, fed everything from the lowest held offset as Kafka would
+    redeliver it, trains every episode exactly once, as the checkpoints' step manifests show.
+    (Before: the restart skipped every episode it had recorded, buffered ones included.)"""
+    s = learner_services(tmp_path, "learner.checkpoint_every=2", "learner.tensorboard=false",
+                         "learner.checkpoint_idle_s=null")
+    stream = [traj(0, 1.0, "rL-g0"), traj(0, 1.0, "rL-g1"), traj(1, 0.0, "rL-g1")]  # g0 half, g1 whole
+
+    async def crash():
+        first = LearnerActor(s, trainer_factory=tiny_model_factory())
+        await first.setup()
+        for offset, t in enumerate(stream):
+            await first.handle(t, MessageMeta("trajectories", 0, offset))
+        assert first.version == 1 and first.trainer.latest_checkpoint is None
+        return first.held_offsets()  # then kill -9: no close, nothing saved
+
+    held = run(crash())
+    assert held == {("trajectories", 0, o) for o in range(3)}, "buffered and uncheckpointed offsets are held"
+    committed = min(o for _, _, o in held)
+    rest = [traj(1, 0.0, "rL-g0"), traj(0, 1.0, "rL-g2"), traj(1, 0.0, "rL-g2")]
+
+    async def resume():
+        again = LearnerActor(s, trainer_factory=tiny_model_factory())
+        await again.setup()
+        for offset, t in enumerate([*stream, *rest][committed:], start=committed):
+            await again.handle(t, MessageMeta("trajectories", 0, offset))
+        await again.close()  # a clean stop checkpoints what is not yet held by one
+
+    run(resume())
+    counts = _manifest_counts(tmp_path / "run")
+    assert counts == {f"rL-g{g}-s{i}": 1 for g in range(3) for i in range(2)}, counts
+
+
+def test_offsets_of_the_update_in_progress_stay_held(tmp_path):
+    """While an update runs in its worker thread, its groups are out of the buffer but not yet
+    consumed: the held offsets must still cover them, or a commit in that window skips them."""
+    import threading
+
+    s = learner_services(tmp_path, "learner.tensorboard=false")
+
+    async def scenario():
+        actor = LearnerActor(s, trainer_factory=tiny_model_factory())
+        await actor.setup()
+        gate, inside = threading.Event(), threading.Event()
+        optimise = actor.trainer._optimise
+
+        def slow_optimise(samples):
+            inside.set()
+            gate.wait(30)
+            return optimise(samples)
+
+        actor.trainer._optimise = slow_optimise
+        await actor.handle(traj(0, 1.0), MessageMeta("trajectories", 0, 7))
+        update = asyncio.create_task(actor.handle(traj(1, 0.0), MessageMeta("trajectories", 0, 8)))
+        await asyncio.to_thread(inside.wait, 30)
+        held_during = actor.held_offsets()
+        gate.set()
+        await update
+        await actor.close()
+        return held_during
+
+    assert run(scenario()) == {("trajectories", 0, 7), ("trajectories", 0, 8)}

@@ -302,3 +302,54 @@ def test_key_locks_keep_one_key_exclusive_across_a_woken_waiter_and_clean_up():
     run(scenario())
     assert overlaps == 0 and order == ["m1", "m2", "m3"]
     assert len(locks) == 0 and not locks.users, "no lock is kept once nobody holds or awaits it"
+
+
+class Stuck(Actor):
+    """Forwards init-requests; its first handle of `slow_id` blocks until cancelled (a long tool call
+    or grading still running when its partition moves), later ones forward at once."""
+
+    name = "stuck"
+    inputs = (INIT_REQUESTS,)
+
+    def __init__(self, slow_id: str | None):
+        self.slow_id = slow_id
+        self.started = asyncio.Event()
+        self.cancelled = False
+
+    async def handle(self, msg: InitRequest, meta: MessageMeta) -> list[Output]:
+        if msg.episode_id == self.slow_id:
+            self.slow_id = None
+            self.started.set()
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                self.cancelled = True
+                raise
+        return [Output(AGENT_STEPS, msg.episode_id, AgentStep(
+            episode_id=msg.episode_id, group_id=msg.group_id, task_id=msg.task_id, turn=0, sandbox={}))]
+
+
+def test_a_handler_still_running_when_its_partition_moves_is_cancelled_and_never_produces(broker, topic_prefix):
+    """A second worker joins while the first is stuck in a handler: the rebalance revokes the
+    partition, which cancels the running handler before revocation completes; the message is run
+    again by whoever owns the partition next, and the cancelled handler produces nothing (exactly
+    one output in all, and it does not come after a late second one)."""
+    cfg = config(topic_prefix, partitions=1)
+    group = f"{topic_prefix}stuck"
+
+    async def scenario():
+        await ensure_topics(cfg.broker, cfg.topics, broker.bootstrap)
+        first, second, stop = Stuck("e0"), Stuck(None), asyncio.Event()
+        t1 = asyncio.create_task(StageWorker(first, cfg, broker.bootstrap, 2, group).run(stop))
+        await produce(cfg, broker.bootstrap, INIT_REQUESTS, [(b"e0", encode(init_request(0)))])
+        await asyncio.wait_for(first.started.wait(), 30)
+        t2 = asyncio.create_task(StageWorker(second, cfg, broker.bootstrap, 2, group).run(stop))
+        out = await read_all(cfg, broker.bootstrap, AGENT_STEPS, expect=1, timeout_s=60)
+        out = await read_all(cfg, broker.bootstrap, AGENT_STEPS, expect=2, timeout_s=4)  # a late duplicate?
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(t1, t2), 60)
+        return first.cancelled, out
+
+    cancelled, out = run(scenario())
+    assert cancelled, "the revoked handler was left running"
+    assert [r.key for r in out] == [b"e0"], "exactly one output: the cancelled handler must not produce"
