@@ -101,8 +101,10 @@ class LearnerActor(Actor):
         return outputs
 
     async def _train(self, episode_id: str, meta: MessageMeta, call, *args) -> list[Output]:
-        self._where.setdefault(episode_id, (meta.topic, meta.partition, meta.offset))
+        # All bookkeeping under the lock: a tick forgetting durable offsets between recording this
+        # input's offset and buffering it would drop the record, and the offset would be committed.
         async with self._lock:
+            self._where.setdefault(episode_id, (meta.topic, meta.partition, meta.offset))
             self._write_status(training=True)  # `rollway up` waits for this before stopping the learner
             try:
                 results = await _uncancellable_thread(call, *args)
@@ -110,9 +112,9 @@ class LearnerActor(Actor):
                 if self.trainer.broken is not None:
                     raise FatalActorError(f"training step failed: {err}") from err
                 raise  # a bad message (e.g. unequal token arrays): dead-lettered, nothing else changed
-        fault_point("learner.after_update")
-        outputs = await self._publish(results)
-        self._forget_durable()
+            fault_point("learner.after_update")
+            outputs = await self._publish(results)
+            self._forget_durable()
         return outputs
 
     async def tick(self) -> list[Output]:
@@ -123,19 +125,18 @@ class LearnerActor(Actor):
                 results = await _uncancellable_thread(self.trainer.tick)
             except Exception as err:
                 raise FatalActorError(f"training step failed: {err}") from err
-        outputs = await self._publish(results)
-        idle = self.s.cfg.learner.checkpoint_idle_s
-        if idle is not None and self.trainer.uncheckpointed_episode_ids() and \
-                time.monotonic() - self._last_input >= idle:
-            outputs += await self._checkpoint_now()
-        self._forget_durable()
+            outputs = await self._publish(results)
+            idle = self.s.cfg.learner.checkpoint_idle_s
+            if idle is not None and self.trainer.uncheckpointed_episode_ids() and \
+                    time.monotonic() - self._last_input >= idle:
+                outputs += await self._checkpoint_now()
+            self._forget_durable()
         return outputs
 
     async def _checkpoint_now(self) -> list[Output]:
         """Save what the last updates changed (the stream went quiet); the engine loads it and the
-        held offsets are released."""
-        async with self._lock:
-            path = await _uncancellable_thread(self.trainer.save)
+        held offsets are released. Called with the lock held."""
+        path = await _uncancellable_thread(self.trainer.save)
         await self._sync_engine(path, self.version)
         state = self.trainer.state
         return [Output(POLICY_VERSIONS, None, PolicyVersion(

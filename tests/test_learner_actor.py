@@ -178,3 +178,38 @@ def test_offsets_of_the_update_in_progress_stay_held(tmp_path):
         return held_during
 
     assert run(scenario()) == {("trajectories", 0, 7), ("trajectories", 0, 8)}
+
+
+def test_a_tick_running_beside_a_handle_never_drops_its_held_offset(tmp_path):
+    """The runtime ticks the learner while a message waits for the trainer: the tick's cleanup of
+    durable offsets must not forget the waiting message's offset (it was, and the chaos ledger saw
+    the message's whole group lost after the next crash)."""
+    import threading
+
+    s = learner_services(tmp_path, "learner.tensorboard=false")
+
+    async def scenario():
+        actor = LearnerActor(s, trainer_factory=tiny_model_factory())
+        await actor.setup()
+        gate, inside = threading.Event(), threading.Event()
+        tick = actor.trainer.tick
+
+        def slow_tick(now=None):
+            inside.set()
+            gate.wait(30)
+            return tick(now)
+
+        actor.trainer.tick = slow_tick
+        ticking = asyncio.create_task(actor.tick())
+        await asyncio.to_thread(inside.wait, 30)
+        handling = asyncio.create_task(actor.handle(traj(0, 1.0), MessageMeta("trajectories", 2, 40)))
+        await asyncio.sleep(0.05)  # the handle now waits for the trainer
+        actor.trainer.tick = tick
+        gate.set()
+        await ticking
+        await handling
+        held = actor.held_offsets()
+        await actor.close()
+        return held
+
+    assert run(scenario()) == {("trajectories", 2, 40)}
