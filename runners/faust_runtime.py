@@ -11,6 +11,8 @@ runs one suite against both engines):
   stays unacked until the actor lets go of it, so Faust's commit stops below it and a restarted
   worker gets it again. On a rebalance held and queued messages are dropped unacked (their next
   owner reads them again), so Faust's wait for in-flight messages never waits on them.
+- Rebalance: when one starts, running handlers are cancelled (so none produces after its partition
+  moved) and their events, with the held and queued ones, go back to the log unacked.
 - Ordering: one Faust agent (concurrency 1) takes events in log order and starts a task per message,
   up to the stage's concurrency; a per-key lock taken in arrival order keeps one key's messages in
   log order, as in the aiokafka worker.
@@ -233,7 +235,8 @@ class FaustStage:
         self.key_locks = KeyLocks()
         self.backlog = Backlog()
         """Events fetched beyond `concurrency`, started by `actor.priority` (prefetch > 0 only)."""
-        self.tasks: set[asyncio.Task] = set()
+        self.tasks: dict[asyncio.Task, Any] = {}
+        """Running handlers and their events."""
         self.held: dict[tuple[str, int, int], tuple[Any, PartitionAcks]] = {}
         """Handled events whose offsets the actor still holds: kept unacked, so uncommitted."""
         self.acks: dict[Any, PartitionAcks] = {}
@@ -337,9 +340,10 @@ class FaustStage:
     async def _admit(self, event: Any) -> None:
         """Start the event now or queue it by priority, then wait until there is room for the next
         (the agent takes no further event meanwhile: back-pressure)."""
-        if self.closing:
-            return  # left unacked: redelivered to whoever owns the partition next
         event.message.incref()  # ours until handled and no longer held (the stream's ack alone won't do)
+        if self.closing:
+            self._forget(event)  # never acked: redelivered to whoever owns the partition next
+            return
         acks = self.acks.setdefault(event.message.tp, PartitionAcks())
         acks.start(event.message.offset)
         now = time.time()
@@ -370,17 +374,24 @@ class FaustStage:
     def _spawn(self, event: Any, acks: PartitionAcks) -> None:
         # The task copies this context, so Faust's current event (for table writes) is this event.
         task = asyncio.create_task(self._guard(self._process(event, acks)))
-        self.tasks.add(task)
+        self.tasks[task] = event
         task.add_done_callback(self._task_done)
 
     def _task_done(self, task: asyncio.Task) -> None:
-        self.tasks.discard(task)
+        self.tasks.pop(task, None)
         if not task.cancelled() and task.exception() is not None:
             self.failure = self.failure or task.exception()
         self._start_backlog()
 
     # -- handling ---------------------------------------------------------------------------
     async def _process(self, event: Any, acks: PartitionAcks) -> None:
+        try:
+            await self._handle_event(event, acks)
+        except asyncio.CancelledError:
+            self._forget(event)  # cancelled by a rebalance: its outputs were not all produced
+            raise
+
+    async def _handle_event(self, event: Any, acks: PartitionAcks) -> None:
         message = event.message
         spec = self.specs[message.topic]
         try:
@@ -444,9 +455,12 @@ class FaustStage:
         self.app.consumer._unacked_messages.discard(event.message)  # noqa: SLF001 - see docstring
 
     def _drop_unfinished(self) -> None:
-        """Before a rebalance (and at shutdown): forget held and queued events (see `_forget`) and
-        every later event of their partitions; running handlers before them still ack when done."""
-        dropped = [event for event, _ in self.held.values()]
+        """Before a rebalance (and at shutdown): cancel running handlers, so none produces after its
+        partition moved, and forget their events, the held and queued ones (see `_forget`) and every
+        later event of their partitions; handled events before them are still acked."""
+        dropped = [event for event, _ in self.held.values()] + list(self.tasks.values())
+        for task in self.tasks:
+            task.cancel()
         self.held.clear()
         while self.backlog:
             dropped.append(self.backlog.pop()[1][0])

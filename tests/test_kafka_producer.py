@@ -11,13 +11,16 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import UnknownError
 from conftest import run
 
+from rollway.core import kafka
 from rollway.core.config import BrokerConfig
 from rollway.core.kafka import make_producer, producer_is_idempotent
 
 pytestmark = pytest.mark.broker
 
 
-def test_embedded_broker_refuses_idempotence_and_the_producer_falls_back(broker, topic_prefix):
+def test_embedded_broker_refuses_idempotence_and_the_producer_falls_back(broker, topic_prefix, monkeypatch):
+    monkeypatch.setattr(kafka, "_idempotence", {})  # a fresh process: other tests' producers asked already
+
     async def scenario():
         # What the broker itself answers an idempotent producer (measured, not assumed).
         raw = AIOKafkaProducer(bootstrap_servers=broker.bootstrap, enable_idempotence=True, acks="all")

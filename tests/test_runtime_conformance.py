@@ -56,6 +56,7 @@ class Probe(Actor):
         self.running: dict[str, int] = {}
         self.max_running, self.key_overlaps = 0, 0
         self.set_up = self.closed = self.stopping = False
+        self.cancelled = 0
 
     async def setup(self) -> None:
         self.set_up = True
@@ -67,7 +68,11 @@ class Probe(Actor):
         try:
             self.seen.append((msg.episode_id, msg.turn, meta.offset))
             if msg.sandbox.get("gate"):
-                await self.gate.wait()
+                try:
+                    await self.gate.wait()
+                except asyncio.CancelledError:
+                    self.cancelled += 1
+                    raise
             await asyncio.sleep(msg.sandbox.get("sleep_s", 0.0))
             if msg.sandbox.get("fail"):
                 raise RuntimeError("the probe was told to fail")
@@ -297,6 +302,40 @@ def test_prefetched_messages_start_by_priority(engine, broker, topic_prefix, tmp
 
     actor = run(scenario())
     assert [t for _, t, _ in actor.seen] == [0, 5, 4, 3, 2, 1]
+
+
+@pytest.mark.parametrize("engine", [
+    pytest.param("aiokafka", marks=pytest.mark.xfail(strict=True, reason=(
+        "StageWorker waits up to 20 s for handlers of revoked partitions and never cancels them: "
+        "_Rebalance.on_partitions_revoked must cancel the tasks of the revoked partitions (and drop "
+        "their offsets uncommitted) before it returns"))),
+    "faust"])
+def test_running_handler_is_cancelled_when_its_partition_is_revoked(engine, broker, topic_prefix, tmp_path):
+    """A handler still running when a rebalance takes its partition away is cancelled before the
+    revocation completes, so it can never produce after the partition moved; the message stays
+    uncommitted for the next owner."""
+    cfg, group = config(topic_prefix, partitions=1), f"{topic_prefix}probe"
+
+    async def scenario():
+        await prepare(cfg, broker.bootstrap, [step("slow", 0, gate=True)])
+        async with Running(engine, Probe(), cfg, broker.bootstrap, group, tmp_path) as first:
+            await until(lambda: first.actor.seen, "the slow handler started")
+            second = Running(engine, Probe(), cfg, broker.bootstrap, group, tmp_path)
+            second.actor.gate.set()
+            try:
+                async with second:  # joining the group revokes every partition (eager rebalance)
+                    await until(lambda: first.actor.cancelled, "the first handler cancelled", timeout_s=15)
+                    first.actor.gate.set()
+                    await until(lambda: len(first.actor.seen) + len(second.actor.seen) >= 2,
+                                "the message handled again by its next owner")
+            finally:
+                first.actor.gate.set()  # a runtime that did not cancel it: let it end, so the test ends
+            outputs = await read_all(cfg, broker.bootstrap, OUT, expect=2, timeout_s=3)
+        return first.actor, outputs
+
+    first, outputs = run(scenario())
+    assert first.cancelled == 1
+    assert len(outputs) == 1, "only the partition's new owner may produce"
 
 
 def test_done_actor_stops_its_worker(engine, broker, topic_prefix, tmp_path):
