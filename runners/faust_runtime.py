@@ -26,7 +26,8 @@ runs one suite against both engines):
   between repeats the work once, as the aiokafka worker would. A message the actor still holds
   after handling gets no entry: its redelivery must reach the actor. The agent deduplicates turns
   itself from the log (and must see duplicates to tear down their sandboxes); the scheduler ignores
-  outcomes of finished tickets.
+  outcomes of finished tickets. The tables stay bounded: each keeps the newest `table_window` keys
+  per partition and deletes older ones with changelog tombstones.
 - Refused: `broker.fetch_max_wait_ms` set for a stage on Faust (Faust fixes it at 1500 ms); see
   `unsupported_settings`, checked when the config loads and again when a worker starts.
 - Groups: the consumer group is the aiokafka worker's, so a stage can switch engines between runs
@@ -40,6 +41,7 @@ import asyncio
 import logging
 import os
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -221,6 +223,11 @@ class FaustStage:
     """One worker process of one stage as a Faust app: one agent over the actor's input topics that
     starts a task per message (see the module docstring for the guarantees)."""
 
+    table_window = 4096
+    """Dedup keys kept per input partition; an older one is deleted (a tombstone in the compacted
+    changelog), so the tables stay bounded. Redeliveries come from the committed offset on, and a
+    worker commits soon after it handles: a key this many messages old is never asked for again."""
+
     def __init__(self, actor: Actor, cfg: RunConfig, bootstrap: str, concurrency: int, group_id: str,
                  run_dir: Path, status_path: Path | None = None, prefetch: int = 0,
                  trace_path: Path | None = None):
@@ -240,6 +247,8 @@ class FaustStage:
         self.held: dict[tuple[str, int, int], tuple[Any, PartitionAcks]] = {}
         """Handled events whose offsets the actor still holds: kept unacked, so uncommitted."""
         self.acks: dict[Any, PartitionAcks] = {}
+        self.table_keys: dict[tuple[str, int], OrderedDict[str, None]] = {}
+        """Per input partition, the dedup keys in its table, oldest first (for `table_window`)."""
         self.trace = HopTrace(trace_path, actor.name) if trace_path is not None else None
         self.stats = {"handled": 0, "skipped_duplicates": 0, "dead_lettered": 0, "produced": 0}
         self.failure: BaseException | None = None
@@ -417,8 +426,25 @@ class FaustStage:
             await self._send(outputs)
             held = self._where(event) in self.actor.held_offsets()
             if table is not None and key is not None and not held:
-                table[key] = time.time()  # after the acks: a crash before this only repeats work
+                self._remember(table, message, key)  # after the acks: a crash before this only repeats work
         self._finish(event, acks, held)
+
+    def _remember(self, table: Any, message: Any, key: str) -> None:
+        """Add `key` to the table (Faust writes it to the changelog partition of the event being
+        handled, which is `message`'s) and delete the partition's oldest keys beyond the window."""
+        where = (message.topic, message.partition)
+        if where not in self.table_keys:
+            # Keys restored from the changelog, in log order (the memory store records their partition).
+            restored = getattr(table.data, "_key_partition", {})
+            self.table_keys[where] = OrderedDict((k, None) for k, p in restored.items() if p == message.partition)
+        order = self.table_keys[where]
+        table[key] = time.time()
+        order[key] = None
+        order.move_to_end(key)
+        while len(order) > self.table_window:
+            old, _ = order.popitem(last=False)
+            if old in table:
+                del table[old]
 
     @staticmethod
     def _where(event: Any) -> tuple[str, int, int]:
@@ -473,6 +499,7 @@ class FaustStage:
             for event in acks.drop(lowest.get(tp)):
                 self._forget(event)
         self.acks = {}  # events fetched after the rebalance start new books
+        self.table_keys = {}  # rebuilt from the tables as restored after the rebalance
 
     def _dead_letter(self, event: Any, reason: str) -> Output:
         m = event.message
