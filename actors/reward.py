@@ -4,15 +4,23 @@ token-exact trajectory."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import structlog
 
 from rollway.actors.base import Actor, MessageMeta, Output, failure_output
+from rollway.actors.ledger import Ledger
 from rollway.actors.services import Services
+from rollway.sandboxes.base import SandboxError
+from rollway.schemas.codec import decode, encode
 from rollway.schemas.messages import RewardRequest, Trajectory
 from rollway.topics import REWARD_REQUESTS, TRAJECTORIES
 
 log = structlog.get_logger()
+
+LEDGER_WINDOW = 1024
+"""Graded attempts (with their trajectories) the reward ledger keeps per input partition; older
+ones are known only by the partition's offset watermark (see actors/ledger.py)."""
 
 
 def assemble(req: RewardRequest) -> dict:
@@ -38,30 +46,35 @@ def assemble(req: RewardRequest) -> dict:
 
 
 class RewardActor(Actor):
+    """Grades each (episode, attempt) once. Idempotent across restarts: before the sandbox is torn
+    down, the trajectory is recorded in a durable ledger in the run folder (actors/ledger.py); a
+    redelivered or duplicated request finds it there and the same trajectory is emitted again (the
+    first copy may never have reached the broker), instead of grading a sandbox that is gone."""
+
     name = "reward"
     inputs = (REWARD_REQUESTS,)
 
     def __init__(self, services: Services):
         self.s = services
-        self.graded: set[tuple[str, int]] = set()
+        self.ledger = Ledger(Path(services.run_dir) / "ledger" / "reward", LEDGER_WINDOW)
+        self.stats = {"graded": 0, "replayed": 0}
 
     async def setup(self) -> None:
         _ = self.s.taskset, self.s.sandboxes
 
     async def handle(self, msg: RewardRequest, meta: MessageMeta) -> list[Output]:
-        key = (msg.episode_id, msg.attempt)
-        if key in self.graded:
-            # A second copy of this attempt (redelivery after a crash): its sandbox, if it had its own,
-            # would leak. destroy() is idempotent for the one already graded.
-            await (await self.s.sandboxes.attach(msg.sandbox)).destroy()
-            return []
+        key = f"{msg.episode_id}/{msg.attempt}"
+        seen = self.ledger.seen(key, meta)
+        if seen is not None:
+            return await self._replay(msg, seen.result)
         queue_s = max(0.0, time.time() - msg.sent_at) if msg.sent_at else 0.0
         t0, reward_start = time.perf_counter(), time.time()
         sandbox = await self.s.sandboxes.attach(msg.sandbox)
         try:
             grade = await self.s.taskset.grade(self.s.taskset.get(msg.task_id), sandbox, self.s.sandboxes)
-        finally:
+        except BaseException:
             await sandbox.destroy()
+            raise
         timings = {**msg.timings, "reward_queue": queue_s, "reward": time.perf_counter() - t0}
         stamps = {**msg.stamps, "reward_start": reward_start, "reward_end": reward_start + timings["reward"]}
         traj = Trajectory(
@@ -72,10 +85,27 @@ class RewardActor(Actor):
             num_turns=len(msg.turns), prompt_length=len(msg.prompt_ids), grade=grade.details, timings=timings,
             turns=msg.turns, messages=msg.messages, template_drift_turns=sum(t.template_drift for t in msg.turns),
             created_at=time.time(), stamps=stamps)
-        self.graded.add(key)
+        self.ledger.record(key, meta, encode(traj))  # before the teardown: a redelivery never finds it gone
+        await sandbox.destroy()
+        self.stats["graded"] += 1
         log.info("episode graded", reward=grade.reward, resolved=grade.resolved, stop_reason=traj.stop_reason,
                  turns=traj.num_turns, task_id=msg.task_id)
         return [Output(TRAJECTORIES, msg.episode_id, traj)]
+
+    async def _replay(self, msg: RewardRequest, result: bytes | None) -> list[Output]:
+        """A second copy of a graded attempt: tear its sandbox down (idempotent; a duplicate made by
+        a re-run turn may have its own) and emit the recorded trajectory again. Downstream stages
+        keep one trajectory per episode."""
+        try:
+            await (await self.s.sandboxes.attach(msg.sandbox)).destroy()
+        except SandboxError:
+            pass  # the graded copy's sandbox: already torn down
+        self.stats["replayed"] += 1
+        log.info("graded attempt redelivered; recorded trajectory emitted again", attempt=msg.attempt,
+                 recorded=result is not None)
+        if result is None:
+            return []  # older than the ledger's window: long since produced and committed
+        return [Output(TRAJECTORIES, msg.episode_id, decode(result, Trajectory))]
 
     def on_error(self, msg: RewardRequest, error: BaseException) -> list[Output]:
         return [failure_output(msg, self.name, error)]

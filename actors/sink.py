@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from rollway.actors.base import Actor, MessageMeta, Output
+from rollway.actors.ledger import Ledger
 from rollway.actors.services import Services
 from rollway.core.files import write_json_atomic
 from rollway.schemas.codec import to_builtins
@@ -22,9 +23,15 @@ def belongs_to_run(episode_id: str, run_id: str | None) -> bool:
     return run_id is None or episode_id.startswith(run_id + "-")
 
 
+LEDGER_WINDOW = 16384
+"""Episode ids (and failure keys) the sink's ledger keeps per input partition (actors/ledger.py):
+memory stays bounded however long the run."""
+
+
 class SinkActor(Actor):
-    """Appends one JSON line per distinct episode; a restarted sink reloads the ids it already wrote,
-    so redelivered trajectories are never written twice."""
+    """Appends one JSON line per distinct episode (and per distinct failure). What it wrote is kept
+    in a bounded, durable ledger in the run folder, so a restarted sink never writes a redelivered
+    trajectory twice and memory does not grow with the run."""
 
     name = "sink"
     inputs = (TRAJECTORIES, EPISODE_FAILURES)
@@ -33,34 +40,36 @@ class SinkActor(Actor):
         self.s = services
         self.run_id = services.cfg.run.id
         self.dir = Path(services.run_dir)
-        self.written: set[str] = set()
+        self.ledger = Ledger(self.dir / "ledger" / "sink", LEDGER_WINDOW)
+        self.written = 0
         self.failures = 0
 
     async def setup(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        path = self.dir / TRAJECTORIES_FILE
-        if path.exists():
-            for line in path.read_text().splitlines():
-                if line.strip():
-                    self.written.add(json.loads(line)["episode_id"])
+        self.written = count_lines(self.dir / TRAJECTORIES_FILE)
+        self.failures = count_lines(self.dir / FAILURES_FILE)
         self._write_status()
 
     async def handle(self, msg: Trajectory | EpisodeFailure, meta: MessageMeta) -> list[Output]:
         if not belongs_to_run(msg.episode_id, self.run_id):
             return []
-        if isinstance(msg, EpisodeFailure):
-            with open(self.dir / FAILURES_FILE, "a") as f:
-                f.write(json.dumps(to_builtins(msg)) + "\n")
+        failure = isinstance(msg, EpisodeFailure)
+        key = f"failure/{msg.episode_id}/{msg.attempt}/{msg.stage}" if failure else msg.episode_id
+        if self.ledger.seen(key, meta) is not None:
+            return []
+        with open(self.dir / (FAILURES_FILE if failure else TRAJECTORIES_FILE), "a") as f:
+            f.write(json.dumps(to_builtins(msg)) + "\n")
+        # Recorded right after the line is flushed: only a kill between the two repeats a line.
+        self.ledger.record(key, meta)
+        if failure:
             self.failures += 1
-        elif msg.episode_id not in self.written:
-            with open(self.dir / TRAJECTORIES_FILE, "a") as f:
-                f.write(json.dumps(to_builtins(msg)) + "\n")
-            self.written.add(msg.episode_id)
+        else:
+            self.written += 1
         self._write_status()
         return []
 
     def _write_status(self) -> None:
-        write_json_atomic(self.dir / STATUS_FILE, {"episodes_written": len(self.written),
+        write_json_atomic(self.dir / STATUS_FILE, {"episodes_written": self.written,
                                                    "failures_seen": self.failures, "updated_at": time.time()})
 
     async def close(self) -> None:
@@ -76,3 +85,11 @@ def export_parquet(jsonl: Path, out: Path) -> int:
 
     trajs = [msgspec.convert(json.loads(line), Trajectory) for line in jsonl.read_text().splitlines() if line]
     return write_trajectories(out, trajs)
+
+
+def count_lines(path: Path) -> int:
+    """Lines in a file, read in chunks (a long run's trajectories do not fit in memory at once)."""
+    if not path.exists():
+        return 0
+    with open(path, "rb") as f:
+        return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))

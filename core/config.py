@@ -221,6 +221,19 @@ class RunConfig(StrictModel):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
 
+    @model_validator(mode="after")
+    def _engines_can_honour_it(self) -> RunConfig:
+        """Refuse settings a stage's engine cannot honour (runners/faust_runtime.py lists Faust's)."""
+        faust_stages = [s for s in ("scheduler", "init", "agent", "reward", "learner", "sink")
+                        if self.runtime.engine_for(s) == "faust"]
+        if faust_stages:
+            from rollway.runners.faust_runtime import unsupported_settings
+
+            problems = unsupported_settings(self, faust_stages)
+            if problems:
+                raise ValueError("; ".join(problems))
+        return self
+
 
 class ConfigError(ValueError):
     """A config file or override is invalid; the message names the key."""

@@ -9,7 +9,14 @@ from typing import Any
 import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExistsError
+from aiokafka.errors import (
+    ClusterAuthorizationFailedError,
+    KafkaConnectionError,
+    KafkaError,
+    TopicAlreadyExistsError,
+    UnknownError,
+    UnsupportedVersionError,
+)
 
 from rollway.core.config import BrokerConfig, TopicsConfig
 from rollway.topics import ALL_TOPICS, TopicSpec
@@ -45,14 +52,19 @@ def partitions_for(spec: TopicSpec, topics: TopicsConfig) -> int:
     return topics.partitions.get(spec.name, topics.default_partitions)
 
 
-async def start_with_retry(client: Any, cfg: BrokerConfig, what: str) -> None:
-    """Start an aiokafka client, retrying with exponential backoff until connect_timeout_s."""
+async def start_with_retry(client: Any, cfg: BrokerConfig, what: str,
+                           fatal: tuple[type[BaseException], ...] = ()) -> None:
+    """Start an aiokafka client, retrying with exponential backoff until connect_timeout_s; errors
+    in `fatal` are raised at once (the broker answered, and no retry will change its answer)."""
     deadline = time.monotonic() + cfg.connect_timeout_s
     delay = 0.2
     while True:
         try:
             await client.start()
             return
+        except fatal:
+            await _close_quietly(client)
+            raise
         except (KafkaConnectionError, KafkaError, OSError) as err:
             await _close_quietly(client)
             left = deadline - time.monotonic()
@@ -79,9 +91,36 @@ async def _close_quietly(client: Any) -> None:
         pass
 
 
+IDEMPOTENCE_REFUSED = (UnknownError, UnsupportedVersionError, ClusterAuthorizationFailedError)
+"""How a broker turns down an idempotent producer's InitProducerId: the embedded broker (Tansu,
+memory storage) answers UnknownError; a Kafka older than 0.11 does not know the request; a cluster
+may deny the IdempotentWrite permission."""
+
+_idempotence: dict[str, bool] = {}
+"""Per bootstrap: whether its broker granted an idempotent producer (asked once per process)."""
+
+
+def producer_is_idempotent(bootstrap: str) -> bool | None:
+    """What the broker at `bootstrap` answered (None: no producer made yet)."""
+    return _idempotence.get(bootstrap)
+
+
 async def make_producer(cfg: BrokerConfig, bootstrap: str) -> AIOKafkaProducer:
-    producer = AIOKafkaProducer(acks="all", linger_ms=2, max_request_size=16 * 1024 * 1024,
-                                **client_kwargs(cfg, bootstrap))
+    """A producer that waits for every in-sync replica. Idempotent (enable_idempotence) where the
+    broker supports it, so a retried send after a lost ack is never written twice; otherwise a
+    plain at-least-once producer, said once in the log. Consumers are idempotent either way."""
+    kw = dict(acks="all", linger_ms=2, max_request_size=16 * 1024 * 1024, **client_kwargs(cfg, bootstrap))
+    if _idempotence.get(bootstrap, True):
+        producer = AIOKafkaProducer(enable_idempotence=True, **kw)
+        try:
+            await start_with_retry(producer, cfg, "producer", fatal=IDEMPOTENCE_REFUSED)
+            _idempotence[bootstrap] = True
+            return producer
+        except IDEMPOTENCE_REFUSED as err:
+            _idempotence[bootstrap] = False
+            log.info("the broker refuses idempotent producers; producing without (at least once, "
+                     "consumers deduplicate)", bootstrap=bootstrap, error=type(err).__name__)
+    producer = AIOKafkaProducer(**kw)
     await start_with_retry(producer, cfg, "producer")
     return producer
 

@@ -33,3 +33,25 @@ def evaluate_attempts(attempts: list[tuple[str, bool]], ks: list[int]) -> dict:
         if values:
             overall[f"pass@{k}"] = round(sum(values) / len(values), 6)
     return {"tasks": len(per_task), "attempts": len(attempts), **overall, "per_task": per_task}
+
+
+def evaluate_scheduled(scheduled: dict[str, int], completed: list[tuple[str, bool]], ks: list[int]) -> dict:
+    """pass@k over every scheduled attempt: `scheduled` is {task_id: attempts issued}, `completed`
+    the (task_id, correct?) of attempts that produced a trajectory. An attempt that failed or never
+    finished counts as incorrect, so a task whose hard samples crash is not scored on its easy ones."""
+    done: dict[str, list[bool]] = defaultdict(list)
+    for task_id, ok in completed:
+        done[task_id].append(ok)
+    unknown = sorted(set(done) - set(scheduled))
+    if unknown:
+        raise ValueError(f"trajectories of tasks that were not scheduled: {unknown[:5]}")
+    attempts: list[tuple[str, bool]] = []
+    failed: dict[str, int] = {}
+    for task_id, n in scheduled.items():
+        results = done.get(task_id, [])[:n]
+        failed[task_id] = n - len(results)
+        attempts += [(task_id, ok) for ok in results] + [(task_id, False)] * failed[task_id]
+    out = evaluate_attempts(attempts, ks)
+    for task_id, row in out["per_task"].items():
+        row["failed"] = failed[task_id]
+    return {**out, "completed": len(attempts) - sum(failed.values()), "failed": sum(failed.values())}

@@ -10,7 +10,8 @@ from pathlib import Path
 from rollway.runners.common import add_config_arguments, load_or_exit
 
 NAME = "eval"
-HELP = "Evaluate the policy: k attempts per task at a set temperature, pass@k into DIR/eval.json."
+HELP = ("Evaluate the policy: k attempts per task at a set temperature, pass@k into DIR/eval.json "
+        "(a failed attempt counts as incorrect).")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,16 +28,38 @@ def eval_overrides(cfg) -> list[str]:
             f"agent.temperature={cfg.eval.temperature}", "learner.type=record"]
 
 
-def write_eval(run_dir: Path, cfg) -> dict:
-    from rollway.learning.passk import evaluate_attempts
+def write_eval(run_dir: Path, cfg, task_ids: list[str] | None = None) -> dict:
+    """pass@k over every scheduled attempt (`attempts` per task of the task set, as the eval
+    overrides schedule them): a failed or unfinished attempt counts as incorrect, and the reasons
+    of the failed ones are reported."""
+    from collections import Counter
 
-    trajs = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines() if line]
+    from rollway.actors.sink import belongs_to_run
+    from rollway.learning.passk import evaluate_scheduled
+
+    if task_ids is None:
+        from rollway.envs.factory import build_taskset
+
+        task_ids = [t.task_id for t in build_taskset(cfg.tasks).tasks()]
+    trajs = {t["episode_id"]: t for t in read_jsonl(run_dir / "trajectories.jsonl")
+             if belongs_to_run(t["episode_id"], cfg.run.id)}
+    last_failure = {f["episode_id"]: f for f in read_jsonl(run_dir / "failures.jsonl")
+                    if belongs_to_run(f["episode_id"], cfg.run.id)}
+    reasons = Counter(f"{f['stage']}: {f['reason']}"[:200] for eid, f in last_failure.items() if eid not in trajs)
     ks = sorted({*cfg.eval.ks, cfg.eval.attempts})
+    completed = [(t["task_id"], bool(t["resolved"])) for t in trajs.values()]
     result = {"temperature": cfg.eval.temperature, "attempts_per_task": cfg.eval.attempts,
-              "reward_mean": round(sum(t["reward"] for t in trajs) / len(trajs), 6) if trajs else None,
-              **evaluate_attempts([(t["task_id"], bool(t["resolved"])) for t in trajs], ks)}
+              "reward_mean": round(sum(t["reward"] for t in trajs.values()) / len(trajs), 6) if trajs else None,
+              **evaluate_scheduled(dict.fromkeys(task_ids, cfg.eval.attempts), completed, ks),
+              "failure_reasons": dict(reasons.most_common())}
     (run_dir / "eval.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
 
 
 def run(args: argparse.Namespace) -> int:

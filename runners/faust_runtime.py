@@ -1,24 +1,35 @@
 """Runs one actor as a faust-streaming agent: the StageWorker contract on Faust's consumer, producer,
 timers and a changelog-backed table of the episodes this stage has already handled.
 
-Guarantees, and how they compare with the aiokafka `StageWorker`:
+Every actor hook is honoured as the aiokafka `StageWorker` honours it (tests/test_runtime_conformance.py
+runs one suite against both engines):
 
-- At-least-once: an event is acked only after every output is acknowledged by the broker (the
-  agent body awaits the sends), and Faust commits, per partition, only offsets below the first
-  unacked one. A crash redelivers whatever was in flight.
+- At-least-once: a message is acked to Faust only after every output is acknowledged by the broker,
+  and Faust commits, per partition, only offsets below the first unacked one. A crash redelivers
+  whatever was in flight.
+- `held_offsets`: a handled message whose offset the actor still holds (buffered, not yet durable)
+  stays unacked until the actor lets go of it, so Faust's commit stops below it and a restarted
+  worker gets it again. On a rebalance held and queued messages are dropped unacked (their next
+  owner reads them again), so Faust's wait for in-flight messages never waits on them.
+- Rebalance: when one starts, running handlers are cancelled (so none produces after its partition
+  moved) and their events, with the held and queued ones, go back to the log unacked.
+- Ordering: one Faust agent (concurrency 1) takes events in log order and starts a task per message,
+  up to the stage's concurrency; a per-key lock taken in arrival order keeps one key's messages in
+  log order, as in the aiokafka worker.
+- `priority` with `prefetch` > 0: up to `prefetch` events beyond the concurrency wait in the same
+  priority backlog as the aiokafka worker's (re-ranked when `priority_epoch` changes).
+- `tick`, `done`, `on_error`, dead letters and hop tracing (`run.trace`) as in the aiokafka worker.
 - Exactly-once effect: for init, reward, learner and sink, the stage keeps a Faust `Table` per input
   topic (memory store, compacted changelog topic) of the dedup keys it has handled, so a worker that
   takes a partition over, on this machine or another, skips redelivered episodes. An entry is
   written after the outputs are acked (a dead-lettered message counts as handled), so a crash in
-  between repeats the work once, as the aiokafka worker would. The agent deduplicates turns itself
-  from the log (and must see duplicates to tear down their sandboxes); the scheduler ignores
-  outcomes of finished tickets.
-- Ordering: with `concurrency == 1` an agent handles a partition strictly in log order, as the
-  aiokafka worker does. With `concurrency > 1` Faust's actors share one queue, so two messages of one
-  partition, even of one key, may be handled in either order; a per-key lock still keeps one episode
-  to one handler at a time. That is enough here because one episode has at most one outstanding
-  message per topic in normal operation (turn k+1 exists only after turn k was handled); the rare
-  overlaps (a re-issued attempt, a redelivery) are told apart by attempt and turn in the message.
+  between repeats the work once, as the aiokafka worker would. A message the actor still holds
+  after handling gets no entry: its redelivery must reach the actor. The agent deduplicates turns
+  itself from the log (and must see duplicates to tear down their sandboxes); the scheduler ignores
+  outcomes of finished tickets. The tables stay bounded: each keeps the newest `table_window` keys
+  per partition and deletes older ones with changelog tombstones.
+- Refused: `broker.fetch_max_wait_ms` set for a stage on Faust (Faust fixes it at 1500 ms); see
+  `unsupported_settings`, checked when the config loads and again when a worker starts.
 - Groups: the consumer group is the aiokafka worker's, so a stage can switch engines between runs
   and keep its committed offsets. Do not run both engines in one group at once: Faust's assignor
   (protocol "faust") and aiokafka's ("roundrobin") have no protocol in common.
@@ -30,6 +41,7 @@ import asyncio
 import logging
 import os
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +50,10 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError
 
 from rollway.actors.base import Actor, MessageMeta, Output
-from rollway.core.config import BrokerConfig, RunConfig
+from rollway.core.config import BrokerConfig, ConfigError, RunConfig
 from rollway.core.files import write_json_atomic
 from rollway.core.kafka import client_kwargs, create_topics, start_with_retry, topic_name
-from rollway.runners.stage_queue import KeyLocks
+from rollway.runners.stage_queue import Backlog, HopTrace, KeyLocks
 from rollway.runners.stage_runtime import (
     COMMIT_INTERVAL_S,
     STATUS_INTERVAL_S,
@@ -60,6 +72,9 @@ from rollway.schemas.messages import (
 from rollway.topics import TopicSpec
 
 log = structlog.get_logger()
+
+FAUST_FETCH_MAX_WAIT_MS = 1500
+"""faust-streaming's aiokafka driver passes this to its consumer, whatever the config says."""
 
 NO_DEDUP_STAGES = frozenset({"scheduler", "agent"})
 """Stages whose actors deduplicate themselves (see the module docstring)."""
@@ -116,7 +131,19 @@ def build_app(cfg: RunConfig, bootstrap: str, group_id: str, run_dir: Path) -> A
             logging.getLogger(name).setLevel(logging.WARNING)
     datadir = run_dir / "faust" / group_id  # the memory store keeps no files; Faust wants the folder
     datadir.parent.mkdir(parents=True, exist_ok=True)
-    return faust.App(
+
+    class RollwayApp(faust.App):
+        """A Faust app that tells the stage when a rebalance starts, before Faust waits for every
+        unacked message (the stage lets go of the ones it keeps unacked on purpose)."""
+
+        before_rebalance: Any = None
+
+        def on_rebalance_start(self) -> None:
+            if self.before_rebalance is not None:
+                self.before_rebalance()
+            super().on_rebalance_start()
+
+    return RollwayApp(
         group_id, broker=faust_brokers(bootstrap), broker_credentials=faust_credentials(cfg.broker),
         value_serializer="raw", key_serializer="raw", store="memory://",
         web_enabled=False, autodiscover=False, datadir=str(datadir),
@@ -152,38 +179,98 @@ async def ensure_changelog_topics(cfg: RunConfig, bootstrap: str, group_id: str,
         await admin.close()
 
 
+class PartitionAcks:
+    """Hands one partition's handled events to Faust in offset order. Faust commits up to the first
+    gap in the offsets acked to it, but it takes a gap of exactly one offset right after the
+    committed one (and any gap when 0 is committed) for no gap, and would commit past an event still
+    held or running; so an event is acked only once every earlier one of its partition is."""
+
+    def __init__(self) -> None:
+        self.unfinished: set[int] = set()
+        self.done: dict[int, Any] = {}
+        self.barrier: float = float("inf")
+        """Events at or after this offset are forgotten, not acked (set by `drop`)."""
+        self.detached = False
+        """Set by `drop`: a rebalance began; nothing finishing later may stay held."""
+
+    def start(self, offset: int) -> None:
+        self.unfinished.add(offset)
+
+    def finish(self, offset: int, event: Any) -> tuple[list[Any], list[Any]]:
+        """(events to ack now, events to forget) once `event` is finished."""
+        self.unfinished.discard(offset)
+        if offset >= self.barrier:
+            return [], [event]
+        self.done[offset] = event
+        low = min(self.unfinished, default=float("inf"))
+        ready = [self.done.pop(o) for o in sorted(self.done) if o < low]
+        return ready, []
+
+    def drop(self, from_offset: int | None) -> list[Any]:
+        """Detach these books (a rebalance began) and forget every event from `from_offset` on
+        (None: none): returns the finished ones not acked yet. Events before it that are still
+        running ack when they finish."""
+        self.detached = True
+        if from_offset is not None:
+            self.barrier = min(self.barrier, from_offset)
+        self.unfinished = {o for o in self.unfinished if o < self.barrier}
+        forget = [e for o, e in self.done.items() if o >= self.barrier]
+        self.done = {o: e for o, e in self.done.items() if o < self.barrier}
+        return forget
+
+
 class FaustStage:
-    """One worker process of one stage as a Faust app: one agent over the actor's input topics."""
+    """One worker process of one stage as a Faust app: one agent over the actor's input topics that
+    starts a task per message (see the module docstring for the guarantees)."""
+
+    table_window = 4096
+    """Dedup keys kept per input partition; an older one is deleted (a tombstone in the compacted
+    changelog), so the tables stay bounded. Redeliveries come from the committed offset on, and a
+    worker commits soon after it handles: a key this many messages old is never asked for again."""
 
     def __init__(self, actor: Actor, cfg: RunConfig, bootstrap: str, concurrency: int, group_id: str,
-                 run_dir: Path, status_path: Path | None = None):
+                 run_dir: Path, status_path: Path | None = None, prefetch: int = 0,
+                 trace_path: Path | None = None):
         self.actor, self.cfg, self.group_id, self.status_path = actor, cfg, group_id, status_path
+        self.concurrency, self.prefetch = concurrency, prefetch
         self.app = build_app(cfg, bootstrap, group_id, run_dir)
+        self.app.before_rebalance = self._drop_unfinished
         self.specs: dict[str, TopicSpec] = {topic_name(t, cfg.topics): t for t in actor.inputs}
         self.tables: dict[str, Any] = {} if actor.name in NO_DEDUP_STAGES else {
             name: self.app.Table(table_name(spec), default=None, key_type=str, value_type=float)
             for name, spec in self.specs.items()}
         self.key_locks = KeyLocks()
+        self.backlog = Backlog()
+        """Events fetched beyond `concurrency`, started by `actor.priority` (prefetch > 0 only)."""
+        self.tasks: dict[asyncio.Task, Any] = {}
+        """Running handlers and their events."""
+        self.held: dict[tuple[str, int, int], tuple[Any, PartitionAcks]] = {}
+        """Handled events whose offsets the actor still holds: kept unacked, so uncommitted."""
+        self.acks: dict[Any, PartitionAcks] = {}
+        self.table_keys: dict[tuple[str, int], OrderedDict[str, None]] = {}
+        """Per input partition, the dedup keys in its table, oldest first (for `table_window`)."""
+        self.trace = HopTrace(trace_path, actor.name) if trace_path is not None else None
         self.stats = {"handled": 0, "skipped_duplicates": 0, "dead_lettered": 0, "produced": 0}
-        self.in_flight = 0
         self.failure: BaseException | None = None
-        self._register(concurrency)
+        self.closing = False
+        self._register()
 
-    def _register(self, concurrency: int) -> None:
+    @property
+    def in_flight(self) -> int:
+        return len(self.tasks)
+
+    def _register(self) -> None:
         source = self.app.topic(*self.specs, key_type=bytes, value_type=bytes)
 
-        async def process(stream: Any) -> None:
+        async def take(stream: Any) -> None:
             async for event in stream.events():
-                self.in_flight += 1
-                try:
-                    await self._guard(self._process(event))
-                finally:
-                    self.in_flight -= 1
+                await self._guard(self._admit(event))
 
         async def tick() -> None:
             await self._guard(self._tick())
 
-        self.app.agent(source, name=f"rollway-{self.actor.name}", concurrency=concurrency)(process)
+        # One agent keeps log order; it starts the handling tasks itself (bounded by concurrency).
+        self.app.agent(source, name=f"rollway-{self.actor.name}", concurrency=1)(take)
         self.app.timer(TICK_INTERVAL_S, name=f"rollway-{self.actor.name}-tick")(tick)
 
     async def _guard(self, work: Any) -> None:
@@ -197,16 +284,25 @@ class FaustStage:
             raise
 
     async def run(self, stop: asyncio.Event) -> None:
+        refused = unsupported_settings(self.cfg, [self.actor.name])
+        if refused:
+            raise ConfigError("; ".join(refused))
         await self.actor.setup()
         self.app.in_worker = True  # what faust.Worker sets; we run inside the caller's event loop
         try:
             await self.app.start()
             log.info("faust stage worker started", stage=self.actor.name, group=self.group_id,
-                     topics=list(self.specs), dedup_tables=len(self.tables))
+                     topics=list(self.specs), dedup_tables=len(self.tables), concurrency=self.concurrency,
+                     prefetch=self.prefetch)
             await self._wait(stop)
+            await self._drain()
         finally:
+            self.closing = True
+            self._drop_unfinished()
             await self.app.stop()
             await self.actor.close()
+            if self.trace is not None:
+                self.trace.close()
             self.write_status()
             log.info("faust stage worker stopped", stage=self.actor.name, **self.stats)
         if self.failure is not None:
@@ -215,17 +311,26 @@ class FaustStage:
     async def _wait(self, stop: asyncio.Event) -> None:
         last_status = 0.0
         while not (stop.is_set() or self.actor.done or self.failure or self.app.should_stop):
+            self._release_held()
             if time.monotonic() - last_status >= STATUS_INTERVAL_S:
                 self.write_status()
                 last_status = time.monotonic()
             await asyncio.sleep(0.1)
+
+    async def _drain(self, timeout_s: float = 30.0) -> None:
+        """Stop taking events and let running handlers finish (their acks commit at app.stop)."""
+        self.closing = True
+        if self.tasks:
+            await asyncio.wait(list(self.tasks), timeout=timeout_s)
+        self._release_held()
 
     def write_status(self) -> None:
         """The same status file as StageWorker's, for `rollway up`'s progress display."""
         if self.status_path is None:
             return
         status = {"stage": self.actor.name, "pid": os.getpid(), "engine": "faust", "in_flight": self.in_flight,
-                  "backlog": 0, **self.stats, "updated_at": time.time(), "partitions": self._input_partitions()}
+                  "backlog": len(self.backlog), "held": len(self.held), **self.stats, "updated_at": time.time(),
+                  "partitions": self._input_partitions()}
         self.status_path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.status_path, status)
 
@@ -238,27 +343,163 @@ class FaustStage:
 
     async def _tick(self) -> None:
         await self._send(await self.actor.tick())
+        self._release_held()
 
-    async def _process(self, event: Any) -> None:
+    # -- admission: log order, bounded concurrency, priority backlog ---------------------------
+    async def _admit(self, event: Any) -> None:
+        """Start the event now or queue it by priority, then wait until there is room for the next
+        (the agent takes no further event meanwhile: back-pressure)."""
+        event.message.incref()  # ours until handled and no longer held (the stream's ack alone won't do)
+        if self.closing:
+            self._forget(event)  # never acked: redelivered to whoever owns the partition next
+            return
+        acks = self.acks.setdefault(event.message.tp, PartitionAcks())
+        acks.start(event.message.offset)
+        now = time.time()
+        if self.trace is not None:
+            self.trace.fetched(event.message.tp, event.message.offset, now, now)
+        if not self.prefetch:
+            self._spawn(event, acks)
+        else:
+            epoch = self.actor.priority_epoch
+            self.backlog.push(self._priority(event), event.message.tp, (event, acks))
+            if self.actor.priority_epoch != epoch:
+                self.backlog.rerank(lambda _tp, item: self._priority(item[0]))
+            self._start_backlog()
+        while self.tasks and len(self.tasks) + len(self.backlog) >= self.concurrency + self.prefetch:
+            await asyncio.wait(list(self.tasks), return_when=asyncio.FIRST_COMPLETED)
+
+    def _priority(self, event: Any) -> float:
+        try:
+            return self.actor.priority(decode(event.value, self.specs[event.message.topic].value))
+        except DecodeError:
+            return float("inf")  # dead-letter it right away
+
+    def _start_backlog(self) -> None:
+        while self.backlog and len(self.tasks) < self.concurrency and not self.closing:
+            _, (event, acks) = self.backlog.pop()
+            self._spawn(event, acks)
+
+    def _spawn(self, event: Any, acks: PartitionAcks) -> None:
+        # The task copies this context, so Faust's current event (for table writes) is this event.
+        task = asyncio.create_task(self._guard(self._process(event, acks)))
+        self.tasks[task] = event
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self.tasks.pop(task, None)
+        if not task.cancelled() and task.exception() is not None:
+            self.failure = self.failure or task.exception()
+        self._start_backlog()
+
+    # -- handling ---------------------------------------------------------------------------
+    async def _process(self, event: Any, acks: PartitionAcks) -> None:
+        try:
+            await self._handle_event(event, acks)
+        except asyncio.CancelledError:
+            self._forget(event)  # cancelled by a rebalance: its outputs were not all produced
+            raise
+
+    async def _handle_event(self, event: Any, acks: PartitionAcks) -> None:
         message = event.message
         spec = self.specs[message.topic]
         try:
             msg = decode(event.value, spec.value)
         except DecodeError as err:
             await self._send([self._dead_letter(event, f"decode: {err}")])
+            self._finish(event, acks)
             return
         key = dedup_key(msg)
         table = self.tables.get(message.topic)
         async with self.key_locks.hold(event.key):
             if table is not None and key is not None and table.get(key) is not None:
                 self.stats["skipped_duplicates"] += 1
+                self._finish(event, acks)
                 return
             meta = MessageMeta(message.topic, message.partition, message.offset, int(message.timestamp * 1000))
-            outputs = await handle_or_dead_letter(self.actor, msg, meta, lambda r: self._dead_letter(event, r))
-            self.stats["handled"] += 1
+            with structlog.contextvars.bound_contextvars(episode_id=getattr(msg, "episode_id", None)):
+                started = time.time()
+                outputs = await handle_or_dead_letter(self.actor, msg, meta, lambda r: self._dead_letter(event, r))
+                self.stats["handled"] += 1
+                if self.trace is not None:
+                    self.trace.handled(message.tp, message, msg, started, time.time())
             await self._send(outputs)
-            if table is not None and key is not None:
-                table[key] = time.time()  # after the acks: a crash before this only repeats work
+            held = self._where(event) in self.actor.held_offsets()
+            if table is not None and key is not None and not held:
+                self._remember(table, message, key)  # after the acks: a crash before this only repeats work
+        self._finish(event, acks, held)
+
+    def _remember(self, table: Any, message: Any, key: str) -> None:
+        """Add `key` to the table (Faust writes it to the changelog partition of the event being
+        handled, which is `message`'s) and delete the partition's oldest keys beyond the window."""
+        where = (message.topic, message.partition)
+        if where not in self.table_keys:
+            # Keys restored from the changelog, in log order (the memory store records their partition).
+            restored = getattr(table.data, "_key_partition", {})
+            self.table_keys[where] = OrderedDict((k, None) for k, p in restored.items() if p == message.partition)
+        order = self.table_keys[where]
+        table[key] = time.time()
+        order[key] = None
+        order.move_to_end(key)
+        while len(order) > self.table_window:
+            old, _ = order.popitem(last=False)
+            if old in table:
+                del table[old]
+
+    @staticmethod
+    def _where(event: Any) -> tuple[str, int, int]:
+        m = event.message
+        return m.topic, m.partition, m.offset
+
+    def _finish(self, event: Any, acks: PartitionAcks, held: bool = False) -> None:
+        """A handled event: keep it unacked while the actor holds its offset, else ack it and the
+        events after it that were only waiting for it."""
+        if held and not acks.detached:
+            self.held[self._where(event)] = (event, acks)
+            return
+        if held:  # finished during a rebalance: it and everything after it go back to the log
+            for dropped in acks.drop(event.message.offset):
+                self._forget(dropped)
+        ready, forget = acks.finish(event.message.offset, event)
+        for done in ready:
+            done.ack()
+        for dropped in forget:
+            self._forget(dropped)
+
+    def _release_held(self) -> None:
+        """Ack the held events whose offsets the actor no longer holds (their effect is durable)."""
+        if not self.held:
+            return
+        still = self.actor.held_offsets()
+        for where in [w for w in self.held if w not in still]:
+            self._finish(*self.held.pop(where))
+
+    def _forget(self, event: Any) -> None:
+        """Drop an unfinished event without acking it: it stays uncommitted, so the partition's next
+        owner (maybe this worker again) reads it again. Faust's revocation waits until its consumer's
+        unacked set is empty, and a dropped event would never leave it otherwise."""
+        self.app.consumer._unacked_messages.discard(event.message)  # noqa: SLF001 - see docstring
+
+    def _drop_unfinished(self) -> None:
+        """Before a rebalance (and at shutdown): cancel running handlers, so none produces after its
+        partition moved, and forget their events, the held and queued ones (see `_forget`) and every
+        later event of their partitions; handled events before them are still acked."""
+        dropped = [event for event, _ in self.held.values()] + list(self.tasks.values())
+        for task in self.tasks:
+            task.cancel()
+        self.held.clear()
+        while self.backlog:
+            dropped.append(self.backlog.pop()[1][0])
+        lowest: dict[Any, int] = {}
+        for event in dropped:
+            tp = event.message.tp
+            lowest[tp] = min(lowest.get(tp, event.message.offset), event.message.offset)
+            self._forget(event)
+        for tp, acks in self.acks.items():
+            for event in acks.drop(lowest.get(tp)):
+                self._forget(event)
+        self.acks = {}  # events fetched after the rebalance start new books
+        self.table_keys = {}  # rebuilt from the tables as restored after the rebalance
 
     def _dead_letter(self, event: Any, reason: str) -> Output:
         m = event.message
@@ -286,10 +527,25 @@ class FaustStage:
                 delay = min(delay * 2, 5.0)
 
 
+def unsupported_settings(cfg: RunConfig, stages: list[str]) -> list[str]:
+    """Settings the Faust engine cannot honour for these stages, each as a message naming its key
+    and what to do instead (empty: nothing to refuse)."""
+    problems = []
+    broker_set = cfg.broker.model_fields_set
+    if "fetch_max_wait_ms" in broker_set and cfg.broker.fetch_max_wait_ms != FAUST_FETCH_MAX_WAIT_MS:
+        for stage in stages:
+            problems.append(
+                f"broker.fetch_max_wait_ms={cfg.broker.fetch_max_wait_ms} cannot be honoured by stage {stage!r} "
+                f"on the faust engine (faust-streaming fixes it at {FAUST_FETCH_MAX_WAIT_MS} ms): set "
+                f"runtime.engines.{stage}=aiokafka, or leave broker.fetch_max_wait_ms unset")
+    return problems
+
+
 async def run_faust_worker(actor: Actor, cfg: RunConfig, bootstrap: str, concurrency: int, group_id: str,
-                           run_dir: Path, stop: asyncio.Event, status_path: Path | None = None) -> None:
+                           run_dir: Path, stop: asyncio.Event, status_path: Path | None = None,
+                           prefetch: int = 0, trace_path: Path | None = None) -> None:
     """Run `actor` as a Faust worker until `stop` is set or the actor is done."""
-    stage = FaustStage(actor, cfg, bootstrap, concurrency, group_id, run_dir, status_path)
+    stage = FaustStage(actor, cfg, bootstrap, concurrency, group_id, run_dir, status_path, prefetch, trace_path)
     if stage.tables:
         await ensure_changelog_topics(cfg, bootstrap, group_id, [stage.specs[name] for name in stage.tables])
     await stage.run(stop)

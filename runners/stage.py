@@ -83,13 +83,14 @@ async def run_stage(name: str, cfg: RunConfig, bootstrap: str, run_dir: Path, st
     actor = build_actor(name, Services(cfg, run_dir), log_reader)
     try:
         status = run_dir / "status" / f"{name}-{os.getpid()}.json"
+        trace = run_dir / "trace" / f"{name}-{os.getpid()}.jsonl" if cfg.run.trace else None
         if cfg.runtime.engine_for(name) == "faust":
             from rollway.runners.faust_runtime import run_faust_worker  # imports faust only when chosen
 
             await run_faust_worker(actor, cfg, bootstrap, stage_concurrency(name, cfg), group_id(name, cfg),
-                                   run_dir, stop, status_path=status)
+                                   run_dir, stop, status_path=status, prefetch=stage_prefetch(name, cfg),
+                                   trace_path=trace)
             return
-        trace = run_dir / "trace" / f"{name}-{os.getpid()}.jsonl" if cfg.run.trace else None
         await StageWorker(actor, cfg, bootstrap, stage_concurrency(name, cfg), group_id(name, cfg),
                           prefetch=stage_prefetch(name, cfg), trace_path=trace, status_path=status).run(stop)
     finally:

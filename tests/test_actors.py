@@ -230,7 +230,7 @@ def test_reward_grades_once_per_attempt_and_cleans_up_duplicates(tmp_path):
     async def scenario():
         traj = await play_episode(s, episode_id="r1-g0-s3")
         reward = RewardActor(s)
-        reward.graded.add(("r1-g0-s3", 0))
+        reward.ledger.record("r1-g0-s3/0", meta())  # graded long ago: no trajectory kept
         from rollway.sandboxes.base import SandboxSpec
 
         dup_box = await s.sandboxes.create(SandboxSpec(files={"x": "1"}), "dup-r1-g0-s3")

@@ -12,16 +12,22 @@ from conftest import ROOT
 
 RIGHT = '<tool_call>{"name": "answer", "arguments": {"value": "158"}}</tool_call>'
 CALC = '<tool_call>{"name": "calculator", "arguments": {"expression": "83 + 75"}}</tool_call>'
+OTHER_CALC = '<tool_call>{"name": "calculator", "arguments": {"expression": "2 + 2"}}</tool_call>'
 WRONG = '<tool_call>{"name": "answer", "arguments": {"value": "7"}}</tool_call>'
 
 
-def test_eval_reports_pass_at_k_from_sampled_attempts(tmp_path, broker):
+def test_eval_reports_pass_at_k_over_every_scheduled_attempt(tmp_path, broker):
+    """Each sample of the easy task plays one of three scripts (chosen by its seed): right, wrong, or
+    one that crashes the agent on its second turn (no script matches a prompt that contains BOOM), a
+    failed attempt; every sample of the hard task is wrong. Failed attempts count as incorrect: with
+    pass@k over trajectories only, they vanished and the easy task scored as if never sampled."""
     cfg = {"run": {"name": "evaltest", "id": "ev1"}, "tasks": {"type": "calc", "count": 2},  # id: seeds are fixed
-           "scheduler": {"episode_deadline_s": 60}, "agent": {"max_turns": 3},
+           "scheduler": {"episode_deadline_s": 60, "max_attempts": 1}, "agent": {"max_turns": 3},
            "eval": {"attempts": 6, "ks": [1, 2], "temperature": 1.0},
            "policy": {"type": "scripted", "script": [
-               {"when": "83 \\+ 75", "turns": [CALC, RIGHT], "alternatives": [[CALC, WRONG]]},
-               {"when": "", "turns": [CALC, WRONG]}]}}
+               {"when": "83 \\+ 75(?![\\s\\S]*BOOM)", "turns": [CALC, RIGHT],
+                "alternatives": [[CALC, WRONG], ["BOOM"]]},
+               {"when": "^(?![\\s\\S]*BOOM)", "turns": [OTHER_CALC, WRONG]}]}}
     config = tmp_path / "eval.yaml"
     config.write_text(yaml.safe_dump(cfg))
     run_dir = tmp_path / "run"
@@ -32,10 +38,15 @@ def test_eval_reports_pass_at_k_from_sampled_attempts(tmp_path, broker):
     result = json.loads((run_dir / "eval.json").read_text())
     assert result["tasks"] == 2 and result["attempts"] == 12
     easy, hard = result["per_task"]["calc-0000"], result["per_task"]["calc-0001"]
-    assert hard["correct"] == 0 and hard["pass@6"] == 0.0
-    assert 0 < easy["correct"] < 6 and easy["pass@6"] == 1.0  # seeded: some samples right, some wrong
-    assert abs(result["pass@1"] - (easy["correct"] / 6 + 0) / 2) < 1e-5
-    # The unbiased estimator, per task 1 - C(n - c, k) / C(n, k), averaged over tasks (hard: 0).
+    assert hard["n"] == 6 and hard["correct"] == 0 and hard["failed"] == 0 and hard["pass@6"] == 0.0
+    # Seeded: some samples right, some wrong, some failed; all six count.
+    assert easy["n"] == 6 and 0 < easy["correct"] and 0 < easy["failed"] and easy["correct"] + easy["failed"] < 6
+    assert result["failed"] == easy["failed"] and result["completed"] == 12 - easy["failed"]
+    assert len((run_dir / "trajectories.jsonl").read_text().splitlines()) == result["completed"]
+    assert sum(result["failure_reasons"].values()) == easy["failed"]
+    assert all(r.startswith("agent: LookupError") for r in result["failure_reasons"])
     c = easy["correct"]
+    assert abs(result["pass@1"] - (c / 6 + 0) / 2) < 1e-5  # c of 6 scheduled, not c of the completed
+    # The unbiased estimator, per task 1 - C(n - c, k) / C(n, k), averaged over tasks (hard: 0).
     assert abs(result["pass@2"] - (1 - comb(6 - c, 2) / comb(6, 2)) / 2) < 1e-5
     assert result["pass@1"] < result["pass@2"] <= result["pass@6"] == 0.5

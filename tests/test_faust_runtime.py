@@ -131,3 +131,32 @@ def test_smoke_job_with_reward_learner_and_sink_on_faust(tmp_path):
     for stage in ("reward", "learner", "sink"):
         assert "faust stage worker started" in (run_dir / "logs" / f"{stage}-0.out").read_text()
     assert "faust stage worker" not in (run_dir / "logs" / "agent-0.out").read_text()
+
+
+def test_dedup_table_is_bounded_by_tombstones_and_stays_so_after_restart(broker, topic_prefix, tmp_path, monkeypatch):
+    """With a window of 2 keys per partition, older keys are deleted from the table and tombstoned in
+    its changelog: a restarted worker restores only the newest keys, and still skips their repeats."""
+    monkeypatch.setattr(FaustStage, "table_window", 2)
+    cfg = config(topic_prefix, partitions=1)
+    group = f"{topic_prefix}init"
+
+    async def scenario():
+        await ensure_topics(cfg.broker, cfg.topics, broker.bootstrap)
+        await ensure_changelog_topics(cfg, broker.bootstrap, group, [INIT_REQUESTS])
+        return [await one_worker([init_request(i) for i in range(5)]), await one_worker([init_request(4)])]
+
+    async def one_worker(items: list) -> tuple[set, list]:
+        actor, stop = Forward(), asyncio.Event()
+        stage = FaustStage(actor, cfg, broker.bootstrap, 1, group, tmp_path)
+        task = asyncio.create_task(stage.run(stop))
+        await produce(cfg, broker.bootstrap, INIT_REQUESTS, [(m.episode_id.encode(), encode(m)) for m in items])
+        await wait_for(lambda: len(actor.seen) + stage.stats["skipped_duplicates"] >= len(items))
+        snapshot = (set(next(iter(stage.tables.values())).keys()), list(actor.seen))
+        stop.set()
+        await task
+        return snapshot
+
+    (kept, seen_first), (restored, seen_second) = run(scenario())
+    assert len(seen_first) == 5 and kept == {"e3/0", "e4/0"}
+    assert restored == {"e3/0", "e4/0"}, "the changelog's tombstones must delete the old keys on restore"
+    assert seen_second == [], "a kept key is still deduplicated after the restart"
