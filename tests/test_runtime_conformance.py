@@ -304,12 +304,7 @@ def test_prefetched_messages_start_by_priority(engine, broker, topic_prefix, tmp
     assert [t for _, t, _ in actor.seen] == [0, 5, 4, 3, 2, 1]
 
 
-@pytest.mark.parametrize("engine", [
-    pytest.param("aiokafka", marks=pytest.mark.xfail(strict=True, reason=(
-        "StageWorker waits up to 20 s for handlers of revoked partitions and never cancels them: "
-        "_Rebalance.on_partitions_revoked must cancel the tasks of the revoked partitions (and drop "
-        "their offsets uncommitted) before it returns"))),
-    "faust"])
+@pytest.mark.parametrize("engine", ["aiokafka", "faust"])
 def test_running_handler_is_cancelled_when_its_partition_is_revoked(engine, broker, topic_prefix, tmp_path):
     """A handler still running when a rebalance takes its partition away is cancelled before the
     revocation completes, so it can never produce after the partition moved; the message stays
