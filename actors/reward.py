@@ -8,6 +8,7 @@ from pathlib import Path
 
 import structlog
 
+from rollway.core.faults import fault_point
 from rollway.actors.base import Actor, MessageMeta, Output, failure_output
 from rollway.actors.ledger import Ledger
 from rollway.actors.services import Services
@@ -86,6 +87,7 @@ class RewardActor(Actor):
             turns=msg.turns, messages=msg.messages, template_drift_turns=sum(t.template_drift for t in msg.turns),
             created_at=time.time(), stamps=stamps)
         self.ledger.record(key, meta, encode(traj))  # before the teardown: a redelivery never finds it gone
+        fault_point("reward.after_grade")
         await sandbox.destroy()
         self.stats["graded"] += 1
         log.info("episode graded", reward=grade.reward, resolved=grade.resolved, stop_reason=traj.stop_reason,

@@ -13,7 +13,7 @@ import signal
 import sys
 
 POINTS = ("checkpoint.write", "checkpoint.rename", "learner.after_update", "agent.after_tools",
-          "reward.after_grade", "scheduler.after_issue", "sink.after_write", "rebalance.revoked")
+          "reward.after_grade", "scheduler.after_issue", "rebalance.revoked")
 """Every point the code marks; an unknown name in ROLLWAY_FAULTS is an error."""
 
 
