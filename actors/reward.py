@@ -8,10 +8,10 @@ from pathlib import Path
 
 import structlog
 
-from rollway.core.faults import fault_point
 from rollway.actors.base import Actor, MessageMeta, Output, failure_output
 from rollway.actors.ledger import Ledger
 from rollway.actors.services import Services
+from rollway.core.faults import fault_point
 from rollway.sandboxes.base import SandboxError
 from rollway.schemas.codec import decode, encode
 from rollway.schemas.messages import RewardRequest, Trajectory
