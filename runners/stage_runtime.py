@@ -325,16 +325,6 @@ class _Rebalance(ConsumerRebalanceListener):
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         log.info("partitions assigned", stage=self.worker.actor.name,
                  partitions=sorted(f"{tp.topic}:{tp.partition}" for tp in assigned))
-        # Read every assigned partition from its committed offset. A partition that comes back to
-        # this worker would otherwise go on from the consumer's fetch position, past the messages
-        # whose handlers the revocation cancelled: they would never run again.
-        consumer = self.worker.consumer
-        for tp in assigned:
-            committed = await consumer.committed(tp)
-            if committed is None:
-                await consumer.seek_to_beginning(tp)
-            else:
-                consumer.seek(tp, committed)
         self.worker.write_status(force=True)  # `rollway up` starts the scheduler once every worker has some
 
 

@@ -358,8 +358,7 @@ def test_a_handler_still_running_when_its_partition_moves_is_cancelled_and_never
 def test_a_cancelled_message_runs_again_when_its_partition_comes_back_to_the_same_worker(broker, topic_prefix):
     """A rebalance that gives the partition back to the same worker (here: another member joins the
     group for a topic of its own) cancels the stuck handler; the message must be fetched again from
-    the committed offset and run once, not skipped because the consumer's position was past it
-    (before the seek on assignment, e0 never ran again: the chaos ledger saw learners lose groups)."""
+    the committed offset and run once, not skipped because the consumer's position was past it."""
     from aiokafka import AIOKafkaConsumer
 
     cfg = config(topic_prefix, partitions=1)
