@@ -57,6 +57,7 @@ class Probe(Actor):
         self.max_running, self.key_overlaps = 0, 0
         self.set_up = self.closed = self.stopping = False
         self.cancelled = 0
+        self.reversed = False
 
     async def setup(self) -> None:
         self.set_up = True
@@ -87,7 +88,10 @@ class Probe(Actor):
         return set(self.holding)
 
     def priority(self, msg: AgentStep) -> float:
-        return float(msg.turn)
+        if msg.sandbox.get("flip") and not self.reversed:
+            self.reversed = True  # the ranking rule changed: what is queued must be ranked again
+            self.priority_epoch += 1
+        return -float(msg.turn) if self.reversed else float(msg.turn)
 
     def on_error(self, msg: AgentStep, error: BaseException) -> list[Output]:
         return [failure_output(msg, self.name, error)]
@@ -331,6 +335,24 @@ def test_running_handler_is_cancelled_when_its_partition_is_revoked(engine, brok
     first, outputs = run(scenario())
     assert first.cancelled == 1
     assert len(outputs) == 1, "only the partition's new owner may produce"
+
+
+def test_a_new_priority_epoch_reranks_the_backlog(engine, broker, topic_prefix, tmp_path):
+    """An actor whose ranking rule changed bumps priority_epoch; the runtime then ranks what it had
+    queued again (here: lowest turn first from the flip on)."""
+    cfg = config(topic_prefix, partitions=1)
+
+    async def scenario():
+        steps = [step("e0", 0, gate=True)] + [step(f"e{t}", t) for t in (3, 1, 5, 2, 4)] + [step("e9", 9, flip=True)]
+        await prepare(cfg, broker.bootstrap, steps)
+        async with Running(engine, Probe(), cfg, broker.bootstrap, f"{topic_prefix}probe", tmp_path,
+                           concurrency=1, prefetch=6) as w:
+            await until(lambda: len(w.worker.backlog) == 6, "six messages in the backlog")
+            w.actor.gate.set()
+            await until(lambda: len(w.actor.seen) == 7, "every message handled")
+        return w.actor
+
+    assert [t for _, t, _ in run(scenario()).seen] == [0, 1, 2, 3, 4, 5, 9]
 
 
 def test_done_actor_stops_its_worker(engine, broker, topic_prefix, tmp_path):
