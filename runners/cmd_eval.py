@@ -45,7 +45,7 @@ def write_eval(run_dir: Path, cfg, task_ids: list[str] | None = None) -> dict:
              if belongs_to_run(t["episode_id"], cfg.run.id)}
     last_failure = {f["episode_id"]: f for f in read_jsonl(run_dir / "failures.jsonl")
                     if belongs_to_run(f["episode_id"], cfg.run.id)}
-    reasons = Counter(f"{f['stage']}: {f['reason']}"[:200] for eid, f in last_failure.items() if eid not in trajs)
+    reasons = Counter(_reason(f)[:200] for eid, f in last_failure.items() if eid not in trajs)
     ks = sorted({*cfg.eval.ks, cfg.eval.attempts})
     completed = [(t["task_id"], bool(t["resolved"])) for t in trajs.values()]
     result = {"temperature": cfg.eval.temperature, "attempts_per_task": cfg.eval.attempts,
@@ -94,3 +94,10 @@ def run(args: argparse.Namespace) -> int:
     result = write_eval(run_dir, cfg)
     print(json.dumps({k: v for k, v in result.items() if k != "per_task"}))
     return 0
+
+
+def _reason(failure: dict) -> str:
+    """"stage: reason"; the scheduler's final verdict already names the stage the attempt failed in."""
+    from rollway.actors.scheduler import GIVE_UP_STAGE
+
+    return failure["reason"] if failure["stage"] == GIVE_UP_STAGE else f"{failure['stage']}: {failure['reason']}"
