@@ -30,8 +30,9 @@ class SandboxConfig(BaseModel):
     """Output captured per command; the rest is cut with a visible notice."""
     max_file_mb: int = Field(256, ge=1)
     """Largest file a command may write."""
-    image: str = "python:3.11-slim"
-    """Docker image when a task names none."""
+    image: str = "rollway-sandbox:bookworm"
+    """Docker image when a task names none. The default is built here, offline, by
+    `scripts/setup-docker.sh` (Debian bookworm: python3, pip, git, bash, patch); nothing is pulled."""
     python: str | None = None
     """Python interpreter made visible inside the jail (default: the one running rollway)."""
     host_uid: int | None = None
