@@ -23,9 +23,16 @@ class SandboxConfig(BaseModel):
     exec_timeout_s: float = Field(30.0, gt=0)
     """Default wall-time limit for one command in the sandbox."""
     memory_mb: int = Field(1024, ge=16)
-    """Address-space limit per command."""
+    """Memory of one sandbox as a whole (all its processes, and its tmpfs pages): the container's
+    memory limit for `docker`, a memory cgroup for `local` (where cgroups are writable; each process
+    is also held to this address space)."""
     max_processes: int = Field(256, ge=1)
-    """Process/thread limit per command (stops fork bombs)."""
+    """Processes/threads of one sandbox (stops fork bombs): pids limit of the container or cgroup,
+    and RLIMIT_NPROC inside a local jail."""
+    cpus: float = Field(1.0, gt=0, le=256)
+    """CPU cores one sandbox may use at most (a CFS quota: docker nano_cpus, cgroup cpu quota)."""
+    shm_mb: int = Field(64, ge=1)
+    """Size of /dev/shm inside the sandbox (a tmpfs, charged to the sandbox's memory)."""
     max_output_bytes: int = Field(64_000, ge=256)
     """Output captured per command; the rest is cut with a visible notice."""
     max_file_mb: int = Field(256, ge=1)
@@ -47,6 +54,8 @@ class SandboxConfig(BaseModel):
     ro_binds: list[str] = Field(default_factory=list)
     """Extra host folders made visible read-only inside the jail at the same path (e.g. data)."""
     workspace_mb: int = Field(2048, ge=16)
-    """Size of a docker sandbox's workspace volume (a tmpfs owned by the sandbox user)."""
+    """Size cap of the workspace: a docker sandbox's workspace volume (a tmpfs owned by the sandbox
+    user); for `local`, a size-capped filesystem mounted on the workspace folder when rollway runs as
+    root (see README, "Sandboxes")."""
     tmp_mb: int = Field(512, ge=1)
-    """Size of the private /tmp (a tmpfs, so it counts against host memory) inside a local jail."""
+    """Size of the private /tmp inside the sandbox (a tmpfs, so it counts against memory)."""
