@@ -189,6 +189,12 @@ async def _stopped(box: Sandbox, marker: str) -> bool:
     return first.output == second.output
 
 
+async def file_size(box: Sandbox, cfg: SandboxConfig) -> bool:
+    """One file larger than `max_file_mb` cannot be written."""
+    big = await box.exec(f"head -c {cfg.max_file_mb + 1}M /dev/zero > big.bin; echo rc=$?; rm -f big.bin")
+    return "rc=0" not in big.output and "rc=" in big.output
+
+
 async def memory_bomb(box: Sandbox, cfg: SandboxConfig) -> bool:
     """Processes that each stay under the cap but together exceed it: the sandbox as a whole is
     held to `memory_mb` (a per-process limit alone lets all of them through); one process asking
@@ -253,6 +259,7 @@ ATTACKS: dict[str, Callable[[Sandbox, SandboxConfig], Awaitable[bool]]] = {
     "fork_bomb_contained": fork_bomb,
     "output_flood_stopped": output_flood,
     "sleep_forever_killed": sleep_forever,
+    "file_size_limited": file_size,
     "memory_capped_per_sandbox": memory_bomb,
     "cpu_quota": cpu_hog,
     "workspace_size_capped": disk_fill,
