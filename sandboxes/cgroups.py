@@ -26,7 +26,7 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 
 
 def mechanism() -> str | None:
-    """"v2", "v1" or None (no writable cgroup controllers for memory, pids and cpu)."""
+    """ "v2", "v1" or None (no writable cgroup controllers for memory, pids and cpu)."""
     if os.geteuid() != 0:
         return None
     controllers = ROOT / "cgroup.controllers"

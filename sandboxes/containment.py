@@ -28,7 +28,8 @@ else:
     print("unlimited")
 """
 # k processes each touch `per` MB (less than the whole-sandbox cap, so a per-process limit lets
-# each through) and report once they hold it; the sum held at once must stay under the cap.
+# each through), hold it for 3 s and then report; all allocate at once, so those that report held
+# their block at the same time. The sum held must stay under the cap (the rest are refused or killed).
 _MEMORY_BOMB = """
 import os, sys, time
 k, per = {k}, {per}
@@ -38,20 +39,15 @@ for _ in range(k):
         os.close(r)
         try:
             block = b"x" * (per << 20)
-            os.write(w, b"h")
             time.sleep(3)
+            os.write(w, b"h")
         except MemoryError:
             pass
         os._exit(0)
 os.close(w)
-held, deadline = 0, time.time() + 8
-os.set_blocking(r, False)
+held, deadline = 0, time.time() + 10
 while time.time() < deadline:
-    try:
-        chunk = os.read(r, 64)
-    except BlockingIOError:
-        time.sleep(0.05)
-        continue
+    chunk = os.read(r, 64)
     if not chunk:
         break
     held += len(chunk)
@@ -108,7 +104,9 @@ async def run_suite(provider: SandboxProvider) -> dict[str, Any]:
             if name == "workspace_writable":
                 smoke = await box.exec("echo ready")
                 if smoke.output.strip() != "ready":
-                    raise SandboxError(f"the sandbox cannot run a command here: {smoke.output.strip()[-500:]}")
+                    raise SandboxError(
+                        f"the sandbox cannot run a command here: {smoke.output.strip()[-500:]}"
+                    )
             report[name] = await attack(box, cfg)
         finally:
             await box.destroy()
@@ -204,7 +202,7 @@ async def memory_bomb(box: Sandbox, cfg: SandboxConfig) -> bool:
     result = await box.exec(f"python3 -c '{_MEMORY_BOMB.format(k=k, per=per)}'", timeout_s=20)
     words = result.output.split()
     held = int(words[words.index("held") + 1]) if "held" in words else 0
-    single = await box.exec(f"python3 -c 'b = b\"x\" * ({cfg.memory_mb + 64} << 20); print(\"allocated\")'")
+    single = await box.exec(f'python3 -c \'b = b"x" * ({cfg.memory_mb + 64} << 20); print("allocated")\'')
     return held * per <= cfg.memory_mb and "allocated" not in single.output and await _alive(box)
 
 
@@ -232,7 +230,9 @@ async def disk_fill(box: Sandbox, cfg: SandboxConfig) -> bool:
 async def shm_fill(box: Sandbox, cfg: SandboxConfig) -> bool:
     """/dev/shm holds at most `shm_mb`, and /dev takes no files (or is capped the same way)."""
     chunk = max(1, min(16, cfg.shm_mb // 4))
-    shm = await box.exec(_FILL.format(limit=cfg.shm_mb + 4 * chunk, chunk=chunk, dir="/dev/shm"), timeout_s=30)
+    shm = await box.exec(
+        _FILL.format(limit=cfg.shm_mb + 4 * chunk, chunk=chunk, dir="/dev/shm"), timeout_s=30
+    )
     dev = await box.exec(_FILL.format(limit=cfg.shm_mb + 4 * chunk, chunk=chunk, dir="/dev"), timeout_s=30)
     return all(_written(r) <= cfg.shm_mb for r in (shm, dev))
 

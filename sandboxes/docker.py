@@ -176,6 +176,7 @@ class DockerSandbox(Sandbox):
                 chunks, _stat = self._provider.client.api.get_archive(self.container_id, target)
             except Exception as exc:
                 if _is_not_found(exc) and "no such container" not in str(exc).lower():
+                    self._require_running()
                     raise SandboxError(f"{target} does not exist in the sandbox") from exc
                 raise
             data = b"".join(chunks)
@@ -184,13 +185,22 @@ class DockerSandbox(Sandbox):
             if member is not None and member.issym() and hops < 8:
                 link = posixpath.normpath(posixpath.join(posixpath.dirname(target), member.linkname))
                 if link != WORKSPACE and not link.startswith(WORKSPACE + "/"):
-                    raise SandboxError(f"{target} is a symlink pointing outside the workspace ({member.linkname})")
+                    raise SandboxError(
+                        f"{target} is a symlink pointing outside the workspace ({member.linkname})"
+                    )
                 return self._read(link, hops + 1)
             if member is None or not member.isfile():
                 raise SandboxError(f"{target} is not a regular file")
             extracted = tar.extractfile(member)
             assert extracted is not None
             return extracted.read().decode("utf-8", errors="replace")
+
+    def _require_running(self) -> None:
+        """A stopped container still answers archive requests (without its workspace volume)."""
+        state = self._provider.client.api.inspect_container(self.container_id).get("State", {})
+        if not state.get("Running"):
+            raise SandboxError(f"container rollway-{self.name} is not running (killed, out of memory, or its "
+                               "engine restarted); the episode needs a new sandbox")  # fmt: skip
 
     async def write_file(self, path: str, content: str) -> None:
         rel = _container_path(path)[len(WORKSPACE) + 1 :]
@@ -321,8 +331,10 @@ class DockerSandboxProvider(SandboxProvider):
                 {"Name": "core", "Soft": 0, "Hard": 0},
             ],  # fmt: skip
             "volumes": {f"rollway-{name}": {"bind": WORKSPACE, "mode": "rw"}},
-            "tmpfs": {"/tmp": f"rw,exec,size={cfg.tmp_mb}m,mode=1777",
-                      STATE: f"rw,size=256m,mode=0700,uid={keeper_uid},gid={keeper_uid}"},  # fmt: skip
+            "tmpfs": {
+                "/tmp": f"rw,exec,size={cfg.tmp_mb}m,mode=1777",
+                STATE: f"rw,size=256m,mode=0700,uid={keeper_uid},gid={keeper_uid}",
+            },  # fmt: skip
             "environment": {"HOME": "/tmp"},
             "labels": {LABEL: name},
         }

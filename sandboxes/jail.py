@@ -169,7 +169,11 @@ class JailRunner:
         """The seccomp program every jail loads (None where none is built for this architecture)."""
 
     def argv(
-        self, workspace: str, command: str, limits: JailLimits, cgroup_procs: list[str] | None = None,
+        self,
+        workspace: str,
+        command: str,
+        limits: JailLimits,
+        cgroup_procs: list[str] | None = None,
         seccomp_fd: int | None = None,
     ) -> list[str]:
         """The full command line: [staging of host folders and cgroup join, uid switch,] bwrap,

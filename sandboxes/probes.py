@@ -12,6 +12,7 @@ from rollway.sandboxes.base import SandboxError
 if TYPE_CHECKING:
     from rollway.sandboxes.local import LocalSandboxProvider
 
+
 def bwrap_version(bwrap: str = "bwrap") -> str:
     """`bubblewrap 0.8.0` or raise SandboxError naming the fix."""
     path = shutil.which(bwrap)
