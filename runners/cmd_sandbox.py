@@ -21,10 +21,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     check.add_argument("--type", choices=["local", "docker"], default=None, help="override sandbox.type")
     check.add_argument("--json", action="store_true", help="print the report as JSON")
+    image = sub.add_parser("image", help="docker sandbox images, built here from the local base image")
+    image_sub = image.add_subparsers(dest="image_command", required=True, metavar="ACTION")
+    build = image_sub.add_parser(
+        "build", help="build a task image FROM the base (PyPI packages at build time)"
+    )
+    build.add_argument("tag", help="name:tag of the new image (then: sandbox.image=TAG or the task's image)")
+    build.add_argument(
+        "--pip", nargs="*", default=[], metavar="PKG", help="packages to pip install from PyPI"
+    )
+    build.add_argument(
+        "--run", action="append", default=[], metavar="CMD", help="extra RUN command (repeatable)"
+    )
+    build.add_argument("--base", default=None, help="base image (default: rollway-sandbox:bookworm)")
 
 
 def run(args: argparse.Namespace) -> int:
-    """0 when every protection holds, 1 when one does not, 2 when the sandbox cannot run at all."""
+    """check: 0 when every protection holds, 1 when one does not, 2 when the sandbox cannot run at all.
+    image build: 0 when built, 2 when it could not be."""
+    if getattr(args, "sandbox_command", "check") == "image":
+        return _build_image(args)
     from rollway.core.config import ConfigError, load_config
     from rollway.sandboxes.base import SandboxError
     from rollway.sandboxes.factory import build_sandbox_provider
@@ -54,3 +70,16 @@ def _table(report: dict[str, Any]) -> str:
         mark = ("ok  " if value else "FAIL") if isinstance(value, bool) else "    "
         lines.append(f"{mark} {key}: {value}")
     return "\n".join(lines)
+
+
+def _build_image(args: argparse.Namespace) -> int:
+    from rollway.sandboxes.base import SandboxError
+    from rollway.sandboxes.images import build_image
+
+    try:
+        result = build_image(args.tag, args.pip, args.run, args.base)
+    except SandboxError as exc:
+        print(f"rollway sandbox image build: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result))
+    return 0

@@ -215,7 +215,9 @@ def test_engine_stopping_mid_run(config: SandboxConfig, prefix: str, tmp_path: P
         with pytest.raises(SandboxError, match="stopped answering .*setup-docker.sh"):
             run(box.exec("echo hi"))
     finally:
-        run(DockerSandbox(DockerSandboxProvider(config), box.container_id, prefix).destroy())  # the real engine
+        run(
+            DockerSandbox(DockerSandboxProvider(config), box.container_id, prefix).destroy()
+        )  # the real engine
 
 
 def test_unreachable_engine_names_the_fix(config: SandboxConfig, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -241,3 +243,22 @@ def test_cli_check_on_the_real_engine(client: docker.DockerClient, capsys: pytes
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["all_protections_hold"] is True, report
     assert count_containers("check-") == 0
+
+
+def test_task_image_built_from_the_base_with_pypi_packages(
+    client: docker.DockerClient, config: SandboxConfig, prefix: str, capsys: pytest.CaptureFixture
+) -> None:
+    """`rollway sandbox image build` installs from PyPI at build time; the sandbox itself stays offline."""
+    tag = f"rollway-test-task:{prefix}"
+    args = argparse.Namespace(sandbox_command="image", tag=tag, pip=["toolz==1.0.0"], run=["echo ok > /etc/task"],
+                              base=None)  # fmt: skip
+    try:
+        assert cmd_sandbox.run(args) == 0, capsys.readouterr().err
+        box = run(DockerSandboxProvider(config).create(SandboxSpec(image=tag), prefix))
+        try:
+            out = run(box.exec("python3 -c 'import toolz; print(toolz.__version__)'; cat /etc/task")).output
+            assert out == "1.0.0\nok\n"
+        finally:
+            run(box.destroy())
+    finally:
+        client.images.remove(tag, force=True)
