@@ -89,7 +89,18 @@ build_base_image() {
     "$TARBALL" "$IMAGE" >/dev/null
 }
 
+# compose builds the rollway image with pip reaching PyPI; a host behind a TLS-intercepting proxy
+# trusts its CA through the system bundle, which the build then needs too (git-ignored .build/).
+copy_ca_bundle() {
+  local repo
+  repo="$(cd "$(dirname "$0")/.." && pwd)"
+  if [ -f /etc/ssl/certs/ca-certificates.crt ]; then
+    mkdir -p "$repo/.build" && cp /etc/ssl/certs/ca-certificates.crt "$repo/.build/ca-certificates.crt"
+  fi
+}
+
 install_packages
 start_engine
+copy_ca_bundle
 [ "${1:-}" = "--engine-only" ] || build_base_image
 say "ready: engine $(docker info --format '{{.ServerVersion}}'), image $IMAGE"
