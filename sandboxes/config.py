@@ -53,9 +53,10 @@ class SandboxConfig(BaseModel):
     """bubblewrap executable (name on PATH or absolute path)."""
     ro_binds: list[str] = Field(default_factory=list)
     """Extra host folders made visible read-only inside the jail at the same path (e.g. data)."""
-    workspace_mb: int = Field(2048, ge=16)
+    workspace_mb: int = Field(768, ge=16)
     """Size cap of the workspace: a docker sandbox's workspace volume (a tmpfs owned by the sandbox
     user); for `local`, a size-capped filesystem mounted on the workspace folder when rollway runs as
-    root (see README, "Sandboxes")."""
+    root (see README, "Sandboxes"). Its pages are memory: kept below `memory_mb`, a full workspace
+    is a "No space left" error rather than an out-of-memory kill."""
     tmp_mb: int = Field(512, ge=1)
     """Size of the private /tmp inside the sandbox (a tmpfs, so it counts against memory)."""

@@ -12,7 +12,18 @@ from typing import Any
 from rollway.sandboxes.base import ExecResult, Sandbox, SandboxError, SandboxProvider, SandboxSpec
 from rollway.sandboxes.config import SandboxConfig
 
-_CONNECT = "import socket; socket.create_connection(('{ip}', {port}), timeout=2)"
+_NETWORK = """
+import socket
+reached = []
+for address in [("1.1.1.1", 80), ("8.8.8.8", 53), ("172.17.0.1", 2375)]:
+    try:
+        socket.create_connection(address, timeout=2).close()
+        reached.append(address[0])
+    except OSError:
+        pass
+print(*reached or ["isolated"])
+print(*[name for _, name in socket.if_nameindex()])
+"""
 _FORKER = """
 import os, time
 for _ in range({n}):
@@ -125,11 +136,9 @@ async def workspace_writable(box: Sandbox, cfg: SandboxConfig) -> bool:
 
 
 async def network_isolated(box: Sandbox, cfg: SandboxConfig) -> bool:
-    tries = [_CONNECT.format(ip="1.1.1.1", port=80), _CONNECT.format(ip="8.8.8.8", port=53),
-             _CONNECT.format(ip="172.17.0.1", port=2375)]  # fmt: skip
-    result = await box.exec(" || ".join(f'python3 -c "{t}"' for t in tries) + " || echo isolated")
-    interfaces = await box.exec("python3 -c 'import socket; print(*[n for _, n in socket.if_nameindex()])'")
-    return result.output.strip().endswith("isolated") and interfaces.output.split() == ["lo"]
+    """No route out (public addresses, the Docker bridge's gateway) and no interface but loopback."""
+    result = await box.exec(f"python3 -c '{_NETWORK}'", timeout_s=30)
+    return result.output.split() == ["isolated", "lo"]
 
 
 async def outside_write_blocked(box: Sandbox, cfg: SandboxConfig) -> bool:
@@ -217,14 +226,15 @@ async def cpu_hog(box: Sandbox, cfg: SandboxConfig) -> bool:
 
 
 async def disk_fill(box: Sandbox, cfg: SandboxConfig) -> bool:
-    """Files written into the workspace until it is full: at most `workspace_mb` land there."""
+    """Files written into the workspace until it is full: at most `workspace_mb` land there. The
+    workspace's pages count against the sandbox's memory, so with `workspace_mb` above `memory_mb`
+    the memory cap ends the attack first (the writer is killed): contained as well."""
     chunk = max(1, min(16, cfg.max_file_mb // 2))
     fill = _FILL.format(limit=cfg.workspace_mb + 4 * chunk, chunk=chunk, dir=".")
     result = await box.exec(fill, timeout_s=60)
-    await box.exec("rm -f fill.*")
-    words = result.output.split()
-    written = int(words[words.index("written") + 1]) if "written" in words else 10**9
-    return written <= cfg.workspace_mb and await _alive(box)
+    if "written" not in result.output.split():
+        return result.exit_code in (137, -9) and not result.timed_out
+    return _written(result) <= cfg.workspace_mb
 
 
 async def shm_fill(box: Sandbox, cfg: SandboxConfig) -> bool:

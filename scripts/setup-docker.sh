@@ -13,8 +13,10 @@ CACHE=${ROLLWAY_CACHE:-$HOME/.cache/rollway}
 LOG=${ROLLWAY_DOCKERD_LOG:-/var/log/rollway-dockerd.log}
 SUITE=bookworm
 MIRROR=${ROLLWAY_DEBIAN_MIRROR:-http://deb.debian.org/debian}
-PACKAGES=python3,python3-pip,python3-venv,git,bash,coreutils,patch,procps,ca-certificates
-TARBALL="$CACHE/sandbox-$SUITE-$(echo "$PACKAGES" | md5sum | cut -c1-8).tar"
+# python-is-python3 and pytest: SWE tasks are graded with `python -m pytest` in the sandbox.
+PACKAGES=python3,python-is-python3,python3-pip,python3-venv,python3-pytest,git,bash,coreutils,patch,procps,ca-certificates
+RECIPE=$(echo "$SUITE $PACKAGES" | md5sum | cut -c1-8)
+TARBALL="$CACHE/sandbox-$SUITE-$RECIPE.tar"
 is_root() { [ "$(id -u)" = 0 ]; }
 say() { echo "setup-docker: $*" >&2; }
 
@@ -61,7 +63,8 @@ start_engine() {
 }
 
 build_base_image() {
-  if docker image inspect "$IMAGE" >/dev/null 2>&1; then
+  # Rebuilt when the package list changed (the image carries the recipe's hash as a label).
+  if [ "$(docker image inspect -f '{{index .Config.Labels "rollway.recipe"}}' "$IMAGE" 2>/dev/null)" = "$RECIPE" ]; then
     return 0
   fi
   mkdir -p "$CACHE"
@@ -79,6 +82,7 @@ build_base_image() {
     rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*
     tar --numeric-owner -C "$root" -cf "$TARBALL.part" .
     mv "$TARBALL.part" "$TARBALL"
+    find "$CACHE" -maxdepth 1 -name "sandbox-$SUITE-*.tar" ! -name "$(basename "$TARBALL")" -delete
     rm -rf "$root"
   fi
   say "importing $TARBALL as $IMAGE"
@@ -86,6 +90,7 @@ build_base_image() {
     --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
     --change 'ENV LANG=C.UTF-8' \
     --change 'CMD ["bash"]' \
+    --change "LABEL rollway.recipe=$RECIPE" \
     "$TARBALL" "$IMAGE" >/dev/null
 }
 

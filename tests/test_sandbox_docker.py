@@ -262,3 +262,20 @@ def test_task_image_built_from_the_base_with_pypi_packages(
             run(box.destroy())
     finally:
         client.images.remove(tag, force=True)
+
+
+def test_swe_tasks_grade_in_containers(client: docker.DockerClient, tmp_path: Path) -> None:
+    """SWE tasks built from toolz's source archive: in the default image, the gold patch resolves the
+    task and the empty patch does not (tests run with the image's python and pytest)."""
+    from rollway.envs.swe import grade_patch, load_instances
+    from rollway.envs.swe_build import BuildOptions, build_instances
+
+    out = tmp_path / "toolz.jsonl"
+    rows = build_instances(BuildOptions(sdist="toolz==1.2.0", max_tasks=1, seed=0))
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    instance = load_instances(out)[0]
+    provider = DockerSandboxProvider(SandboxConfig(type="docker"))
+    gold = run(grade_patch(instance, instance["patch"], provider))
+    empty = run(grade_patch(instance, "", provider))
+    assert (gold.resolved, empty.resolved) == (True, False), (gold, empty)
+    assert count_containers("grade-") == 0
