@@ -39,4 +39,6 @@ def test_compose_up_scaled_runs_the_smoke_job() -> None:
         subprocess.run([*compose, "down", "-v", "--remove-orphans"], cwd=REPO, env=env, capture_output=True,
                        timeout=300)  # fmt: skip
     assert count_containers(project) == 0  # every episode's sandbox container was removed
-    assert not docker.from_env().containers.list(all=True, filters={"label": f"com.docker.compose.project={project}"})
+    assert not docker.from_env().containers.list(
+        all=True, filters={"label": f"com.docker.compose.project={project}"}
+    )
