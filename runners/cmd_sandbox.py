@@ -21,6 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     check.add_argument("--type", choices=["local", "docker"], default=None, help="override sandbox.type")
     check.add_argument("--json", action="store_true", help="print the report as JSON")
+    bench = sub.add_parser("bench", help="time sandbox creation and a trivial command (p50/p95)")
+    bench.add_argument("--type", choices=["local", "docker"], default="local", help="sandbox type")
+    bench.add_argument("-n", type=int, default=20, help="sandboxes to create, one after another")
     image = sub.add_parser("image", help="docker sandbox images, built here from the local base image")
     image_sub = image.add_subparsers(dest="image_command", required=True, metavar="ACTION")
     build = image_sub.add_parser(
@@ -41,6 +44,9 @@ def run(args: argparse.Namespace) -> int:
     image build: 0 when built, 2 when it could not be."""
     if getattr(args, "sandbox_command", "check") == "image":
         return _build_image(args)
+    if getattr(args, "sandbox_command", "check") == "bench":
+        print(json.dumps(asyncio.run(_bench(args.type, args.n))))
+        return 0
     from rollway.core.config import ConfigError, load_config
     from rollway.sandboxes.base import SandboxError
     from rollway.sandboxes.factory import build_sandbox_provider
@@ -83,3 +89,30 @@ def _build_image(args: argparse.Namespace) -> int:
         return 2
     print(json.dumps(result))
     return 0
+
+
+async def _bench(kind: str, n: int) -> dict[str, Any]:
+    """Create `n` sandboxes one after another (one file, base snapshot), run `true` in each, destroy."""
+    import time
+    import uuid
+
+    from rollway.sandboxes.base import SandboxSpec
+    from rollway.sandboxes.config import SandboxConfig
+    from rollway.sandboxes.factory import build_sandbox_provider
+
+    provider = build_sandbox_provider(SandboxConfig(type=kind))  # type: ignore[arg-type]
+    creates, execs = [], []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        box = await provider.create(SandboxSpec(files={"a.py": "x = 1\n"}), f"bench-{uuid.uuid4().hex[:10]}")
+        t1 = time.perf_counter()
+        await box.exec("true")
+        execs.append(time.perf_counter() - t1)
+        creates.append(t1 - t0)
+        await box.destroy()
+
+    def pct(xs: list[float], q: float) -> float:
+        return round(sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] * 1000, 1)
+
+    return {"type": kind, "n": n, "create_p50_ms": pct(creates, 0.5), "create_p95_ms": pct(creates, 0.95),
+            "exec_p50_ms": pct(execs, 0.5), "exec_p95_ms": pct(execs, 0.95)}  # fmt: skip

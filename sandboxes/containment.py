@@ -4,6 +4,7 @@ and tests/test_containment.py). Each attack is bounded by seconds and returns Tr
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -216,8 +217,10 @@ async def memory_bomb(box: Sandbox, cfg: SandboxConfig) -> bool:
 
 
 async def cpu_hog(box: Sandbox, cfg: SandboxConfig) -> bool:
-    """More busy processes than the quota allows get at most `cpus` cores between them."""
-    n = max(2, int(cfg.cpus) + 1)
+    """Many busy processes get at most `cpus` cores between them. Many, so that even on a busy host
+    (where the scheduler splits the cores among all runnable processes) they would get more than
+    the quota without one."""
+    n = max(8, 4 * math.ceil(cfg.cpus))
     result = await box.exec(f"python3 -c '{_CPU_HOG.format(n=n, secs=2)}'", timeout_s=15)
     words = result.output.split()
     if "ratio" not in words:

@@ -17,7 +17,7 @@ from rollway.sandboxes.factory import build_sandbox_provider
 
 # Small limits keep every attack to seconds: the memory bomb touches 4 x 128 MB, the disk fill
 # writes at most 64 MB + 32 MB.
-LIMITS = dict(memory_mb=256, max_processes=64, cpus=0.5, workspace_mb=64, shm_mb=16, max_file_mb=16,
+LIMITS = dict(memory_mb=256, max_processes=64, cpus=0.1, workspace_mb=64, shm_mb=16, max_file_mb=16,
               tmp_mb=32, exec_timeout_s=10, max_output_bytes=4000, output_kill_mb=8)  # fmt: skip
 
 
