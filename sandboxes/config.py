@@ -58,5 +58,9 @@ class SandboxConfig(BaseModel):
     user); for `local`, a size-capped filesystem mounted on the workspace folder when rollway runs as
     root (see README, "Sandboxes"). Its pages are memory: kept below `memory_mb`, a full workspace
     is a "No space left" error rather than an out-of-memory kill."""
+    warm_pool: int = Field(0, ge=0, le=64)
+    """`docker` only: started containers each provider (the init stage's) keeps ready per image, so
+    an episode's sandbox skips the container start; 0 = none. Idle ones are removed when the stage
+    stops (`rollway-pool-*` containers left by a killed worker can be removed by hand)."""
     tmp_mb: int = Field(512, ge=1)
     """Size of the private /tmp inside the sandbox (a tmpfs, so it counts against memory)."""

@@ -9,6 +9,7 @@ import socket
 import struct
 import tarfile
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import replace
@@ -288,6 +289,10 @@ class DockerSandboxProvider(SandboxProvider):
         self._client = client
         self._connected = False
         self._images: set[str] = set()
+        self._pool: dict[str, list[tuple[str, str]]] = {}
+        """image -> started, unused (container id, sandbox name) pairs (`warm_pool`)."""
+        self._refills: dict[str, asyncio.Task[None]] = {}
+        self._closing = False
 
     @property
     def client(self) -> Any:
@@ -371,8 +376,9 @@ class DockerSandboxProvider(SandboxProvider):
         return str(container.id)
 
     async def create(self, spec: SandboxSpec, name: str) -> DockerSandbox:
-        """Start the container, copy the source and files in, run setup, snapshot the base with git."""
-        container_id = await asyncio.to_thread(self._start, spec.image or self.config.image, name)
+        """Start the container (or take one from the warm pool), copy the source and files in, run
+        setup, snapshot the base with git."""
+        container_id, name = await self._container_for(spec.image or self.config.image, name)
         sandbox = DockerSandbox(self, container_id, name)
         try:
             files = _source_files(spec.source_dir) if spec.source_dir else {}
@@ -391,6 +397,36 @@ class DockerSandboxProvider(SandboxProvider):
             await sandbox.destroy()
             raise
         return sandbox
+
+    async def _container_for(self, image: str, name: str) -> tuple[str, str]:
+        """(container id, sandbox name): a pooled container (its own name) or a new one."""
+        if self.config.warm_pool <= 0:
+            return await asyncio.to_thread(self._start, image, name), name
+        self._require_image(image)
+        pool = self._pool.setdefault(image, [])
+        taken = pool.pop(0) if pool else None
+        refill = self._refills.get(image)
+        if not self._closing and (refill is None or refill.done()):
+            self._refills[image] = asyncio.get_running_loop().create_task(self._refill(image))
+        if taken is not None:
+            return taken
+        return await asyncio.to_thread(self._start, image, name), name
+
+    async def _refill(self, image: str) -> None:
+        pool = self._pool.setdefault(image, [])
+        while not self._closing and len(pool) < self.config.warm_pool:
+            name = f"pool-{uuid.uuid4().hex[:12]}"
+            pool.append((await asyncio.to_thread(self._start, image, name), name))
+
+    async def close(self) -> None:
+        """Let refills finish (a cancelled start would leave an untracked container), then remove
+        every idle pooled container."""
+        self._closing = True
+        await asyncio.gather(*self._refills.values(), return_exceptions=True)
+        idle = [entry for pool in self._pool.values() for entry in pool]
+        self._pool.clear()
+        for container_id, name in idle:
+            await asyncio.to_thread(self.remove, container_id, name)
 
     async def attach(self, handle: dict[str, Any]) -> DockerSandbox:
         if handle.get("kind") != "docker":

@@ -279,3 +279,45 @@ def test_swe_tasks_grade_in_containers(client: docker.DockerClient, tmp_path: Pa
     empty = run(grade_patch(instance, "", provider))
     assert (gold.resolved, empty.resolved) == (True, False), (gold, empty)
     assert count_containers("grade-") == 0
+
+
+def test_warm_pool_hands_out_started_containers_and_close_removes_the_idle_ones(
+    config: SandboxConfig, prefix: str
+) -> None:
+    provider = DockerSandboxProvider(config.model_copy(update={"warm_pool": 2}))
+
+    async def go() -> None:
+        first = await provider.create(SandboxSpec(files={"a.txt": "1\n"}), prefix)  # cold: starts the refill
+        assert first.name == prefix
+        for _ in range(100):
+            if len(provider._pool.get(config.image, [])) == 2:
+                break
+            await asyncio.sleep(0.1)
+        pooled = list(provider._pool[config.image])
+        second = await provider.create(SandboxSpec(files={"a.txt": "2\n"}), f"{prefix}-2")
+        assert (second.container_id, second.name) == pooled[0] and second.name.startswith("pool-")
+        assert await second.read_file("a.txt") == "2\n" and (await second.exec("cat a.txt")).output == "2\n"
+        assert await second.diff() == ""  # the pooled container got its own base snapshot
+        for box in (first, second):
+            await box.destroy()
+        await provider.close()  # removes the idle pooled containers (the refill's included)
+
+    run(go())
+    assert count_containers("pool-") == 0
+
+
+def test_smoke_job_in_containers_with_a_warm_pool_leaves_nothing(
+    client: docker.DockerClient, tmp_path: Path
+) -> None:
+    """`rollway up` with docker sandboxes: every episode completes; the init stage's close removes its
+    idle pooled containers and the reward stage every episode's container."""
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "rollway.runners", "up", "examples/smoke.yaml", "--run-dir", str(run_dir),
+                           "sandbox.type=docker", "sandbox.warm_pool=2", f"run.id=wp{uuid.uuid4().hex[:6]}"],
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent)  # fmt: skip
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert proc.returncode == 0 and summary["episodes_completed"] == 8, proc.stderr[-3000:]
+    assert count_containers("pool-") == 0
