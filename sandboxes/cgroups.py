@@ -31,10 +31,10 @@ def mechanism() -> str | None:
         return None
     controllers = ROOT / "cgroup.controllers"
     if controllers.exists() and {"memory", "pids", "cpu"} <= set(controllers.read_text().split()):
-        return "v2"
-    if all((ROOT / c / "cgroup.procs").exists() for c in _V1):
+        return "v2" if os.access(ROOT, os.W_OK) else None
+    if all((ROOT / c / "cgroup.procs").exists() and os.access(ROOT / c, os.W_OK) for c in _V1):
         return "v1"
-    return None
+    return None  # e.g. root in a container: cgroupfs is mounted read-only
 
 
 class SandboxCgroup:

@@ -11,6 +11,8 @@ import tempfile
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+import structlog
+
 from rollway.sandboxes import cgroups
 from rollway.sandboxes.base import ExecResult, Sandbox, SandboxError, SandboxProvider, SandboxSpec
 from rollway.sandboxes.config import SandboxConfig
@@ -19,6 +21,7 @@ from rollway.sandboxes.jail import JailLimits, JailRunner
 DEFAULT_ROOT = "/tmp/rollway-sandboxes"
 """Stable, so every worker process on this machine finds the workspaces the others created."""
 
+log = structlog.get_logger(__name__)
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 _READY = "READY"
 # Interpreter caches would only add noise (and binary hunks) to an agent's diff; `.rollway/` holds
@@ -110,6 +113,8 @@ class LocalSandboxProvider(SandboxProvider):
         self.config = config or SandboxConfig()
         self.root = Path(self.config.root or DEFAULT_ROOT)
         self.runner = JailRunner(self.config)
+        self.workspace_cap = os.geteuid() == 0
+        """Whether workspaces are size-capped tmpfs mounts (root with mount rights)."""
         self.cgroup_kind = cgroups.mechanism()
         """"v2"/"v1" when whole-sandbox cgroups work here (root), else None (per-process limits only)."""
 
@@ -164,8 +169,12 @@ class LocalSandboxProvider(SandboxProvider):
         if spec.source_dir and not os.path.isdir(spec.source_dir):
             raise SandboxError(f"source_dir {spec.source_dir!r} is not a folder")
         workspace.mkdir()
-        if os.geteuid() == 0:  # the workspace size cap: a tmpfs of workspace_mb on the folder
-            mount_tmpfs(workspace, self.config.workspace_mb)
+        if self.workspace_cap:  # a tmpfs of workspace_mb on the folder
+            try:
+                mount_tmpfs(workspace, self.config.workspace_mb)
+            except SandboxError as exc:  # root without mount rights (a container): no cap, said once
+                self.workspace_cap = False
+                log.warning("local workspaces are not size-capped", reason=str(exc))
         if spec.source_dir:
             shutil.copytree(spec.source_dir, workspace, symlinks=True, dirs_exist_ok=True)
         workspace.chmod(0o755)
@@ -251,7 +260,7 @@ def mount_tmpfs(folder: Path, size_mb: int) -> None:
                            "rollway-workspace", str(folder)], capture_output=True, text=True)  # fmt: skip
     if proc.returncode != 0:
         raise SandboxError(f"cannot mount the workspace tmpfs on {folder}: {proc.stderr.strip()}; "
-                           "run rollway as root or lower nothing (the cap needs mount rights)")  # fmt: skip
+                           "the workspace size cap needs root with mount rights")  # fmt: skip
 
 
 def _unmount_below(path: Path) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 from typing import TYPE_CHECKING, Any
@@ -34,7 +33,7 @@ async def probe_local(provider: LocalSandboxProvider) -> dict[str, Any]:
         "host_uid": provider.runner.host_uid,
         "cgroups": provider.cgroup_kind or "none (not root, or no writable memory/pids/cpu controllers)",
         "seccomp": "bpf filter" if provider.runner.seccomp is not None else "none (not x86_64)",
-        "workspace_cap": "tmpfs" if os.geteuid() == 0 else "none (needs root to mount)",
+        "workspace_cap": "tmpfs" if provider.workspace_cap else "none (needs root with mount rights)",
     }
     report.update(await run_suite(provider))
     return report
