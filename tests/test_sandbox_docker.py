@@ -264,21 +264,50 @@ def test_task_image_built_from_the_base_with_pypi_packages(
         client.images.remove(tag, force=True)
 
 
-def test_swe_tasks_grade_in_containers(client: docker.DockerClient, tmp_path: Path) -> None:
-    """SWE tasks built from toolz's source archive: in the default image, the gold patch resolves the
-    task and the empty patch does not (tests run with the image's python and pytest)."""
+def test_swe_tasks_in_containers_end_to_end(client: docker.DockerClient, broker, tmp_path: Path) -> None:
+    """SWE tasks built from toolz's source archive, in the default image: the gold patch resolves the
+    task and the empty patch does not (tests run with the image's python and pytest); then `rollway up`
+    with docker sandboxes resolves it through the pipeline (the scripted policy applies the gold patch
+    with editor calls)."""
+    import re
+    import subprocess
+    import sys
+
+    import yaml
+    from test_envs_swe import editor_fix_calls
+
     from rollway.envs.swe import grade_patch, load_instances
     from rollway.envs.swe_build import BuildOptions, build_instances
 
-    out = tmp_path / "toolz.jsonl"
+    tasks = tmp_path / "toolz.jsonl"
     rows = build_instances(BuildOptions(sdist="toolz==1.2.0", max_tasks=1, seed=0))
-    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    instance = load_instances(out)[0]
+    tasks.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    instance = load_instances(tasks)[0]
     provider = DockerSandboxProvider(SandboxConfig(type="docker"))
     gold = run(grade_patch(instance, instance["patch"], provider))
     empty = run(grade_patch(instance, "", provider))
     assert (gold.resolved, empty.resolved) == (True, False), (gold, empty)
-    assert count_containers("grade-") == 0
+
+    finish = '<tool_call>{"name": "finish", "arguments": {}}</tool_call>'
+    script = [
+        {
+            "when": re.escape(instance["FAIL_TO_PASS"][0]),
+            "turns": [*editor_fix_calls(instance["patch"]), finish],
+        }
+    ]
+    cfg = {"run": {"name": "swe-docker", "timeout_s": 400}, "tasks": {"type": "swe", "path": str(tasks)},
+           "scheduler": {"group_size": 1, "episode_deadline_s": 300},
+           "agent": {"max_turns": 6, "max_tokens_per_turn": 4096, "max_total_tokens": 100000},
+           "sandbox": {"type": "docker"}, "policy": {"type": "scripted", "script": script}}  # fmt: skip
+    (tmp_path / "swe.yaml").write_text(yaml.safe_dump(cfg))
+    run_dir, run_id = tmp_path / "run", f"swed{uuid.uuid4().hex[:6]}"
+    out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", str(tmp_path / "swe.yaml"), "--run-dir",
+                          str(run_dir), "--bootstrap", broker.bootstrap, f"topics.prefix={run_id}-", f"run.id={run_id}"],
+                         capture_output=True, text=True, timeout=420)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    traj = json.loads((run_dir / "trajectories.jsonl").read_text().splitlines()[0])
+    assert traj["resolved"] and traj["reward"] == 1.0
+    assert count_containers("grade-") == count_containers(run_id) == 0
 
 
 def test_warm_pool_hands_out_started_containers_and_close_removes_the_idle_ones(
