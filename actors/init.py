@@ -31,6 +31,9 @@ class InitActor(Actor):
     async def setup(self) -> None:
         _ = self.s.taskset, self.s.sandboxes, self.s.chat, self.s.tools
 
+    async def close(self) -> None:
+        await self.s.sandboxes.close()  # e.g. the docker sandbox's idle warm-pool containers
+
     async def handle(self, msg: InitRequest, meta: MessageMeta) -> list[Output]:
         if msg.deadline and time.time() > msg.deadline:
             log.info("init request past its deadline, skipped", episode_id=msg.episode_id, attempt=msg.attempt)

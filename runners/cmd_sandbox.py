@@ -21,10 +21,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     check.add_argument("--type", choices=["local", "docker"], default=None, help="override sandbox.type")
     check.add_argument("--json", action="store_true", help="print the report as JSON")
+    bench = sub.add_parser("bench", help="time sandbox creation and a trivial command (p50/p95)")
+    bench.add_argument("--type", choices=["local", "docker"], default="local", help="sandbox type")
+    bench.add_argument("-n", type=int, default=20, help="sandboxes to create, one after another")
+    bench.add_argument(
+        "--source", default=None, help="folder copied into each sandbox (e.g. an SWE task's repository)"
+    )
+    bench.add_argument(
+        "--pool", type=int, default=0, help="docker: sandbox.warm_pool (started containers kept ready)"
+    )
+    bench.add_argument(
+        "--gap", type=float, default=0.0, help="seconds between creations (an init stage's arrivals)"
+    )
+    image = sub.add_parser("image", help="docker sandbox images, built here from the local base image")
+    image_sub = image.add_subparsers(dest="image_command", required=True, metavar="ACTION")
+    build = image_sub.add_parser(
+        "build", help="build a task image FROM the base (PyPI packages at build time)"
+    )
+    build.add_argument("tag", help="name:tag of the new image (then: sandbox.image=TAG or the task's image)")
+    build.add_argument(
+        "--pip", nargs="*", default=[], metavar="PKG", help="packages to pip install from PyPI"
+    )
+    build.add_argument(
+        "--run", action="append", default=[], metavar="CMD", help="extra RUN command (repeatable)"
+    )
+    build.add_argument("--base", default=None, help="base image (default: rollway-sandbox:bookworm)")
 
 
 def run(args: argparse.Namespace) -> int:
-    """0 when every protection holds, 1 when one does not, 2 when the sandbox cannot run at all."""
+    """check: 0 when every protection holds, 1 when one does not, 2 when the sandbox cannot run at all.
+    image build: 0 when built, 2 when it could not be."""
+    if getattr(args, "sandbox_command", "check") == "image":
+        return _build_image(args)
+    if getattr(args, "sandbox_command", "check") == "bench":
+        print(json.dumps(asyncio.run(_bench(args.type, args.n, args.source, args.pool, args.gap))))
+        return 0
     from rollway.core.config import ConfigError, load_config
     from rollway.sandboxes.base import SandboxError
     from rollway.sandboxes.factory import build_sandbox_provider
@@ -54,3 +85,49 @@ def _table(report: dict[str, Any]) -> str:
         mark = ("ok  " if value else "FAIL") if isinstance(value, bool) else "    "
         lines.append(f"{mark} {key}: {value}")
     return "\n".join(lines)
+
+
+def _build_image(args: argparse.Namespace) -> int:
+    from rollway.sandboxes.base import SandboxError
+    from rollway.sandboxes.images import build_image
+
+    try:
+        result = build_image(args.tag, args.pip, args.run, args.base)
+    except SandboxError as exc:
+        print(f"rollway sandbox image build: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result))
+    return 0
+
+
+async def _bench(
+    kind: str, n: int, source: str | None = None, pool: int = 0, gap: float = 0.0
+) -> dict[str, Any]:
+    """Create `n` sandboxes one after another (one file or `source`, base snapshot), run `true` in
+    each, destroy; with `pool`, the docker provider keeps that many containers started."""
+    import time
+    import uuid
+
+    from rollway.sandboxes.base import SandboxSpec
+    from rollway.sandboxes.config import SandboxConfig
+    from rollway.sandboxes.factory import build_sandbox_provider
+
+    provider = build_sandbox_provider(SandboxConfig(type=kind, warm_pool=pool))  # type: ignore[arg-type]
+    spec = SandboxSpec(source_dir=source, files={} if source else {"a.py": "x = 1\n"})
+    creates, execs = [], []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await asyncio.sleep(gap)
+        box = await provider.create(spec, f"bench-{uuid.uuid4().hex[:10]}")
+        t1 = time.perf_counter()
+        await box.exec("true")
+        execs.append(time.perf_counter() - t1)
+        creates.append(t1 - t0)
+        await box.destroy()
+    await provider.close()
+
+    def pct(xs: list[float], q: float) -> float:
+        return round(sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] * 1000, 1)
+
+    return {"type": kind, "n": n, "pool": pool, "gap_s": gap, "create_p50_ms": pct(creates, 0.5), "create_p95_ms": pct(creates, 0.95),
+            "exec_p50_ms": pct(execs, 0.5), "exec_p95_ms": pct(execs, 0.95)}  # fmt: skip

@@ -88,6 +88,10 @@ class SandboxProvider(ABC):
     async def attach(self, handle: dict[str, Any]) -> Sandbox:
         """Rebuild a sandbox object from its handle (another worker may have created it)."""
 
+    async def close(self) -> None:
+        """Release what the provider itself holds (e.g. a warm pool) when its stage stops; the
+        sandboxes it created stay (other workers may still use them)."""
+
     @abstractmethod
     async def check(self) -> dict[str, Any]:
         """Which protections hold here, e.g. {"network_isolated": True, ...}; raises SandboxError

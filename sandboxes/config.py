@@ -23,15 +23,23 @@ class SandboxConfig(BaseModel):
     exec_timeout_s: float = Field(30.0, gt=0)
     """Default wall-time limit for one command in the sandbox."""
     memory_mb: int = Field(1024, ge=16)
-    """Address-space limit per command."""
+    """Memory of one sandbox as a whole (all its processes, and its tmpfs pages): the container's
+    memory limit for `docker`, a memory cgroup for `local` (where cgroups are writable; each process
+    is also held to this address space)."""
     max_processes: int = Field(256, ge=1)
-    """Process/thread limit per command (stops fork bombs)."""
+    """Processes/threads of one sandbox (stops fork bombs): pids limit of the container or cgroup,
+    and RLIMIT_NPROC inside a local jail."""
+    cpus: float = Field(1.0, gt=0, le=256)
+    """CPU cores one sandbox may use at most (a CFS quota: docker nano_cpus, cgroup cpu quota)."""
+    shm_mb: int = Field(64, ge=1)
+    """Size of /dev/shm inside the sandbox (a tmpfs, charged to the sandbox's memory)."""
     max_output_bytes: int = Field(64_000, ge=256)
     """Output captured per command; the rest is cut with a visible notice."""
     max_file_mb: int = Field(256, ge=1)
     """Largest file a command may write."""
-    image: str = "python:3.11-slim"
-    """Docker image when a task names none."""
+    image: str = "rollway-sandbox:bookworm"
+    """Docker image when a task names none. The default is built here, offline, by
+    `scripts/setup-docker.sh` (Debian bookworm: python3, pip, git, bash, patch); nothing is pulled."""
     python: str | None = None
     """Python interpreter made visible inside the jail (default: the one running rollway)."""
     host_uid: int | None = None
@@ -45,7 +53,14 @@ class SandboxConfig(BaseModel):
     """bubblewrap executable (name on PATH or absolute path)."""
     ro_binds: list[str] = Field(default_factory=list)
     """Extra host folders made visible read-only inside the jail at the same path (e.g. data)."""
-    workspace_mb: int = Field(2048, ge=16)
-    """Size of a docker sandbox's workspace volume (a tmpfs owned by the sandbox user)."""
+    workspace_mb: int = Field(768, ge=16)
+    """Size cap of the workspace: a docker sandbox's workspace volume (a tmpfs owned by the sandbox
+    user); for `local`, a size-capped filesystem mounted on the workspace folder when rollway runs as
+    root (see README, "Sandboxes"). Its pages are memory: kept below `memory_mb`, a full workspace
+    is a "No space left" error rather than an out-of-memory kill."""
+    warm_pool: int = Field(0, ge=0, le=64)
+    """`docker` only: started containers each provider (the init stage's) keeps ready per image, so
+    an episode's sandbox skips the container start; 0 = none. Idle ones are removed when the stage
+    stops (`rollway-pool-*` containers left by a killed worker can be removed by hand)."""
     tmp_mb: int = Field(512, ge=1)
-    """Size of the private /tmp (a tmpfs, so it counts against host memory) inside a local jail."""
+    """Size of the private /tmp inside the sandbox (a tmpfs, so it counts against memory)."""

@@ -5,8 +5,13 @@ from __future__ import annotations
 import asyncio
 import io
 import posixpath
+import socket
+import struct
 import tarfile
 import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import replace
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -17,9 +22,26 @@ from rollway.sandboxes.jail import JailLimits, OutputCapture
 
 WORKSPACE = "/workspace"
 STATE = "/rollway"
-"""Holds the base snapshot repository, outside the workspace so it never shows up in diffs."""
+"""Holds the base snapshot repository, outside the workspace and owned by KEEPER (mode 0700), so the
+agent can neither see nor rewrite the base its diff is measured against."""
 USER = "65534:65534"
-_UNREACHABLE = "start the Docker daemon or set sandbox.type=local"
+"""Every agent command runs as nobody."""
+KEEPER = "65533:65533"
+"""The container's own process (`sleep infinity`) and the snapshot's git run as this second
+unprivileged user: an agent command that kills every process it may signal cannot stop the container."""
+LABEL = "rollway.sandbox"
+"""Label (value: the sandbox name) on every container and volume this provider creates."""
+_UNREACHABLE = (
+    "start it (as root: bash scripts/setup-docker.sh, which runs dockerd), point DOCKER_HOST at a "
+    "running engine, or set sandbox.type=local"
+)
+_GRACE_S = 3.0
+"""How long past its timeout a command's output may stay open (processes that escaped `timeout`)."""
+# Inside the container: `timeout` ends the command's process group; then every process left of the
+# sandbox user (setsid'd or double-forked ones) is killed, so no process outlives its command (as
+# in the local jail, where each command has its own pid namespace).
+_WRAP = 'timeout -s KILL "$1" bash -c "$2"; rc=$?; kill -9 -1 2>/dev/null; exit $rc'
+_WRAP_KEEPER = 'timeout -s KILL "$1" bash -c "$2"'  # the keeper's own commands must not kill the keeper
 _GIT = f"git -c safe.directory='*' -c core.autocrlf=false --git-dir={STATE}/base.git --work-tree={WORKSPACE}"
 _EXCLUDES = r"__pycache__/\n*.py[cod]\n.pytest_cache/\n/.rollway/\n"  # as in local.py
 _SNAPSHOT = (
@@ -47,75 +69,150 @@ def _connect(client: Any | None) -> Any:
     return client
 
 
-def _is_not_found(exc: Exception) -> bool:
-    return (
-        type(exc).__name__ == "NotFound" or getattr(getattr(exc, "response", None), "status_code", 0) == 404
-    )
+def _status(exc: BaseException) -> int:
+    return int(getattr(getattr(exc, "response", None), "status_code", 0) or 0)
+
+
+def _is_not_found(exc: BaseException) -> bool:
+    return type(exc).__name__ in ("NotFound", "ImageNotFound") or _status(exc) == 404
+
+
+@contextmanager
+def engine_errors(what: str, name: str = "") -> Iterator[None]:
+    """Turn the SDK's errors into SandboxErrors that say what happened and what to do: the engine
+    stopped answering, the container is gone or died, or the engine refused the request."""
+    try:
+        yield
+    except SandboxError:
+        raise
+    except Exception as exc:
+        text = str(exc)
+        box = f"container rollway-{name}" if name else "the container"
+        if _is_not_found(exc):
+            raise SandboxError(f"{what}: {box} is gone (destroyed, or on another engine); "
+                               "the episode needs a new sandbox") from exc  # fmt: skip
+        if _status(exc) == 409 or "is not running" in text:
+            raise SandboxError(f"{what}: {box} is not running (killed, out of memory, or its engine "
+                               "restarted); the episode needs a new sandbox") from exc  # fmt: skip
+        if _status(exc) == 0:  # no HTTP answer at all: connection refused, reset, socket gone
+            raise SandboxError(f"{what}: Docker engine stopped answering ({text}); {_UNREACHABLE}") from exc
+        raise SandboxError(f"{what}: Docker engine refused the request ({text})") from exc
 
 
 class DockerSandbox(Sandbox):
     """A running container (`sleep infinity`) with the workspace on its own volume."""
 
-    def __init__(self, provider: DockerSandboxProvider, container: Any, name: str) -> None:
+    def __init__(self, provider: DockerSandboxProvider, container_id: str, name: str) -> None:
         self._provider = provider
-        self.container = container
+        self.container_id = container_id
         self.name = name
 
     @property
     def handle(self) -> dict[str, Any]:
-        return {"kind": "docker", "container": self.container.id, "name": self.name}
+        return {"kind": "docker", "container": self.container_id, "name": self.name}
 
     async def exec(self, command: str, timeout_s: float | None = None) -> ExecResult:
         limits = JailLimits.from_config(self._provider.config, timeout_s)
         return await asyncio.to_thread(self._exec, command, limits)
 
-    def _exec(self, command: str, limits: JailLimits) -> ExecResult:
-        """`timeout` inside the container ends the command; the streamed output is cut like a
-        local jail's, and a flood stops being read (the exec then dies with its stalled pipe)."""
+    def _exec(self, command: str, limits: JailLimits, user: str = USER) -> ExecResult:
+        """Run one command; its output is read from the exec's socket under a deadline, cut like a
+        local jail's, and a flood or an overrun kills every process of the sandbox user and closes
+        the socket (nothing keeps running, nothing leaks)."""
         start = time.monotonic()
-        wrapped = ["timeout", "-s", "KILL", f"{limits.timeout_s:g}", "bash", "-c", command]
         api = self._provider.client.api
-        exec_id = api.exec_create(self.container.id, wrapped, user=USER, workdir=WORKSPACE,
-                                  environment={"HOME": "/tmp"})["Id"]  # fmt: skip
+        wrap = _WRAP if user == USER else _WRAP_KEEPER
+        argv = ["bash", "-c", wrap, "rollway", f"{limits.timeout_s:g}", command]
+        with engine_errors("exec", self.name):
+            exec_id = api.exec_create(self.container_id, argv, user=user, workdir=WORKSPACE,
+                                      environment={"HOME": "/tmp"})["Id"]  # fmt: skip
+            sock = api.exec_start(exec_id, socket=True)
         capture = OutputCapture(limits.max_output_bytes)
-        for chunk in api.exec_start(exec_id, stream=True):
-            capture.feed(chunk)
-            if capture.total > limits.output_kill_bytes or time.monotonic() - start > limits.timeout_s + 5:
-                break
-        exit_code = api.exec_inspect(exec_id).get("ExitCode")
-        timed_out = exit_code in (124, 137) and time.monotonic() - start >= limits.timeout_s
-        output = capture.text() + (
-            f"\n[timed out after {limits.timeout_s:g}s: command killed]\n" if timed_out else ""
-        )
+        try:
+            stopped = _pump(sock, capture, limits.output_kill_bytes, start + limits.timeout_s + _GRACE_S)
+        finally:
+            _close(sock)
+        if stopped and user == USER:
+            self._kill_all(user)
+        exit_code = self._exit_code(exec_id)
+        elapsed = time.monotonic() - start
+        timed_out = stopped == "overrun" or (exit_code in (124, 137) and elapsed >= limits.timeout_s)
+        output = capture.text()
+        if timed_out:
+            output += f"\n[timed out after {limits.timeout_s:g}s: command killed]\n"
+        if stopped == "flood":
+            output += f"\n[command killed: more than {limits.output_kill_bytes} bytes of output]\n"
         return ExecResult(
             exit_code=-1 if exit_code is None else exit_code, output=output, timed_out=timed_out,
-            truncated=capture.omitted > 0, duration_s=time.monotonic() - start,
+            truncated=capture.omitted > 0, duration_s=elapsed,
         )  # fmt: skip
+
+    def _kill_all(self, user: str) -> None:
+        """Kill every process of `user` in the container (the flooding or overrunning command)."""
+        api = self._provider.client.api
+        with engine_errors("kill", self.name):
+            exec_id = api.exec_create(self.container_id, ["bash", "-c", "kill -9 -1"], user=user)["Id"]
+            api.exec_start(exec_id)
+
+    def _exit_code(self, exec_id: str) -> int | None:
+        """The exec's exit code; a just-killed exec may need a moment to be reaped."""
+        api = self._provider.client.api
+        with engine_errors("exec", self.name):
+            for _ in range(50):
+                info = api.exec_inspect(exec_id)
+                if not info.get("Running"):
+                    return info.get("ExitCode")
+                time.sleep(0.02)
+        return None
 
     async def read_file(self, path: str) -> str:
         target = _container_path(path)
         return await asyncio.to_thread(self._read, target)
 
-    def _read(self, target: str) -> str:
-        try:
-            chunks, _stat = self.container.get_archive(target)
-        except Exception as exc:
-            if _is_not_found(exc):
-                raise SandboxError(f"{target} does not exist in the sandbox") from exc
-            raise
-        with tarfile.open(fileobj=io.BytesIO(b"".join(chunks))) as tar:
+    def _read(self, target: str, hops: int = 0) -> str:
+        """Read through get_archive; a symlink is followed inside the workspace only (like the
+        local sandbox), at most 8 hops."""
+        with engine_errors(f"read {target}", self.name):
+            try:
+                chunks, _stat = self._provider.client.api.get_archive(self.container_id, target)
+            except Exception as exc:
+                if _is_not_found(exc) and "no such container" not in str(exc).lower():
+                    self._require_running()
+                    raise SandboxError(f"{target} does not exist in the sandbox") from exc
+                raise
+            data = b"".join(chunks)
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
             member = tar.next()
-            extracted = tar.extractfile(member) if member is not None else None
-            if extracted is None:
+            if member is not None and member.issym() and hops < 8:
+                link = posixpath.normpath(posixpath.join(posixpath.dirname(target), member.linkname))
+                if link != WORKSPACE and not link.startswith(WORKSPACE + "/"):
+                    raise SandboxError(
+                        f"{target} is a symlink pointing outside the workspace ({member.linkname})"
+                    )
+                return self._read(link, hops + 1)
+            if member is None or not member.isfile():
                 raise SandboxError(f"{target} is not a regular file")
+            extracted = tar.extractfile(member)
+            assert extracted is not None
             return extracted.read().decode("utf-8", errors="replace")
+
+    def _require_running(self) -> None:
+        """A stopped container still answers archive requests (without its workspace volume)."""
+        state = self._provider.client.api.inspect_container(self.container_id).get("State", {})
+        if not state.get("Running"):
+            raise SandboxError(f"container rollway-{self.name} is not running (killed, out of memory, or its "
+                               "engine restarted); the episode needs a new sandbox")  # fmt: skip
 
     async def write_file(self, path: str, content: str) -> None:
         rel = _container_path(path)[len(WORKSPACE) + 1 :]
         archive = tar_files({rel: content.encode()})
-        ok = await asyncio.to_thread(self.container.put_archive, WORKSPACE, archive)
+        await asyncio.to_thread(self._put, archive, f"write {path}")
+
+    def _put(self, archive: bytes, what: str) -> None:
+        with engine_errors(what, self.name):
+            ok = self._provider.client.api.put_archive(self.container_id, WORKSPACE, archive)
         if ok is False:
-            raise SandboxError(f"could not write {path!r} into the container")
+            raise SandboxError(f"{what}: the engine refused the archive")
 
     async def diff(self) -> str:
         result = await self._run_checked(_DIFF, "diff")
@@ -125,23 +222,77 @@ class DockerSandbox(Sandbox):
         cfg = self._provider.config  # a diff must never be truncated
         big = replace(JailLimits.from_config(cfg), timeout_s=cfg.exec_timeout_s * 4,
                       max_output_bytes=1 << 30, output_kill_bytes=1 << 30)  # fmt: skip
-        result = await asyncio.to_thread(self._exec, script, big)
+        result = await asyncio.to_thread(self._exec, script, big, KEEPER)
         if result.exit_code != 0:
-            raise SandboxError(f"{what} failed in container {self.name}: {result.output[-1000:]}")
+            raise SandboxError(f"{what} failed in container rollway-{self.name}: {result.output[-1000:]}")
         return result
 
     async def destroy(self) -> None:
-        await asyncio.to_thread(self._provider.remove, self.container.id, self.name)
+        await asyncio.to_thread(self._provider.remove, self.container_id, self.name)
+
+
+def _pump(sock: Any, capture: OutputCapture, kill_bytes: int, deadline: float) -> str | None:
+    """Read the exec's multiplexed stream (8-byte frame headers) until EOF; "flood" once more than
+    `kill_bytes` came, "overrun" when the deadline passes with the stream still open."""
+    raw = getattr(sock, "_sock", sock)
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return "overrun"
+        raw.settimeout(remaining)
+        try:
+            header = _read_exactly(sock, 8)
+            if header is None:
+                return None
+            size = struct.unpack(">BxxxL", header)[1]
+            payload = _read_exactly(sock, size) if size else b""
+        except TimeoutError:
+            return "overrun"
+        if payload is None:
+            return None
+        capture.feed(payload)
+        if capture.total > kill_bytes:
+            return "flood"
+
+
+def _read_exactly(sock: Any, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.read(n - len(buf)) if hasattr(sock, "read") else sock.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def _close(sock: Any) -> None:
+    """Shut the hijacked connection down for real (closing the SocketIO alone keeps the fd open)."""
+    raw = getattr(sock, "_sock", sock)
+    with suppress(OSError):
+        raw.shutdown(socket.SHUT_RDWR)
+    with suppress(OSError):
+        sock.close()
+    with suppress(OSError):
+        raw.close()
+    response = getattr(sock, "_response", None)
+    if response is not None:
+        with suppress(Exception):
+            response.close()
 
 
 class DockerSandboxProvider(SandboxProvider):
-    """Creates one container per episode. `client` is injectable (tests, custom engines); by default
-    the engine comes from the environment (DOCKER_HOST) on first use."""
+    """Creates one container per episode. `client` is injectable (custom engines); by default the
+    engine comes from the environment (DOCKER_HOST) on first use."""
 
     def __init__(self, config: SandboxConfig | None = None, client: Any | None = None) -> None:
         self.config = config or SandboxConfig(type="docker")
         self._client = client
         self._connected = False
+        self._images: set[str] = set()
+        self._pool: dict[str, list[tuple[str, str]]] = {}
+        """image -> started, unused (container id, sandbox name) pairs (`warm_pool`)."""
+        self._refills: dict[str, asyncio.Task[None]] = {}
+        self._closing = False
 
     @property
     def client(self) -> Any:
@@ -152,21 +303,23 @@ class DockerSandboxProvider(SandboxProvider):
 
     def volume_options(self, name: str) -> dict[str, Any]:
         """The workspace volume: a tmpfs owned by the sandbox user (a fresh disk volume would be
-        root-owned, and with every capability dropped nothing in the container could chown it)."""
+        root-owned, and with every capability dropped nothing in the container could chown it).
+        Its size is the workspace cap; its pages count against the container's memory."""
         opts = f"size={self.config.workspace_mb}m,uid=65534,gid=65534,mode=0755"
         return {"name": f"rollway-{name}", "driver": "local",
                 "driver_opts": {"type": "tmpfs", "device": "tmpfs", "o": opts},
-                "labels": {"rollway.sandbox": name}}  # fmt: skip
+                "labels": {LABEL: name}}  # fmt: skip
 
     def container_options(self, name: str) -> dict[str, Any]:
         """Everything that locks the container down; kept in one place so a test can read it."""
         cfg = self.config
+        keeper_uid = KEEPER.split(":")[0]
         return {
             "name": f"rollway-{name}",
             "command": ["sleep", "infinity"],
             "detach": True,
             "init": True,  # reaps the zombies of killed commands
-            "user": USER,
+            "user": KEEPER,
             "working_dir": WORKSPACE,
             "network_disabled": True,
             "network_mode": "none",
@@ -176,29 +329,63 @@ class DockerSandboxProvider(SandboxProvider):
             "mem_limit": f"{cfg.memory_mb}m",
             "memswap_limit": f"{cfg.memory_mb}m",
             "pids_limit": cfg.max_processes,
+            "nano_cpus": int(cfg.cpus * 1e9),
+            "shm_size": f"{cfg.shm_mb}m",
             "ulimits": [
                 {"Name": "fsize", "Soft": cfg.max_file_mb * 2**20, "Hard": cfg.max_file_mb * 2**20},
                 {"Name": "core", "Soft": 0, "Hard": 0},
             ],  # fmt: skip
             "volumes": {f"rollway-{name}": {"bind": WORKSPACE, "mode": "rw"}},
-            "tmpfs": {"/tmp": "rw,exec,size=512m,mode=1777", STATE: "rw,size=256m,mode=1777"},
+            "tmpfs": {
+                "/tmp": f"rw,exec,size={cfg.tmp_mb}m,mode=1777",
+                STATE: f"rw,size=256m,mode=0700,uid={keeper_uid},gid={keeper_uid}",
+            },  # fmt: skip
             "environment": {"HOME": "/tmp"},
-            "labels": {"rollway.sandbox": name},
+            "labels": {LABEL: name},
         }
 
-    async def create(self, spec: SandboxSpec, name: str) -> DockerSandbox:
-        """Start the container, copy the source and files in, run setup, snapshot the base with git."""
+    def _require_image(self, image: str) -> None:
+        """Refuse early, and without trying to pull, when the engine lacks the image."""
+        if image in self._images:
+            return
+        try:
+            self.client.images.get(image)
+        except Exception as exc:
+            if _is_not_found(exc):
+                raise SandboxError(
+                    f"image {image!r} is not on this Docker engine (rollway never pulls): build it. "
+                    "bash scripts/setup-docker.sh builds the default base image; "
+                    "`rollway sandbox image build NAME --pip PKG...` builds a task image from it"
+                ) from exc
+            with engine_errors(f"look up image {image}"):
+                raise
+        self._images.add(image)
+
+    def _start(self, image: str, name: str) -> str:
+        """Create the volume and the container, and start it; on any failure remove both."""
         client = self.client
-        image = spec.image or self.config.image
-        await asyncio.to_thread(client.volumes.create, **self.volume_options(name))
-        container = await asyncio.to_thread(client.containers.run, image, **self.container_options(name))
-        sandbox = DockerSandbox(self, container, name)
+        self._require_image(image)
+        try:
+            with engine_errors("create sandbox", name):
+                client.volumes.create(**self.volume_options(name))
+                container = client.containers.create(image, **self.container_options(name))
+                container.start()
+        except BaseException:
+            self.remove(f"rollway-{name}", name)
+            raise
+        return str(container.id)
+
+    async def create(self, spec: SandboxSpec, name: str) -> DockerSandbox:
+        """Start the container (or take one from the warm pool), copy the source and files in, run
+        setup, snapshot the base with git."""
+        container_id, name = await self._container_for(spec.image or self.config.image, name)
+        sandbox = DockerSandbox(self, container_id, name)
         try:
             files = _source_files(spec.source_dir) if spec.source_dir else {}
             files.update(
                 {str(_container_path(p))[len(WORKSPACE) + 1 :]: c.encode() for p, c in spec.files.items()}
             )
-            await asyncio.to_thread(container.put_archive, WORKSPACE, tar_files(files))
+            await asyncio.to_thread(sandbox._put, tar_files(files), "copy the source in")
             for command in spec.setup_commands:
                 result = await sandbox.exec(command)
                 if result.exit_code != 0:
@@ -211,20 +398,45 @@ class DockerSandboxProvider(SandboxProvider):
             raise
         return sandbox
 
+    async def _container_for(self, image: str, name: str) -> tuple[str, str]:
+        """(container id, sandbox name): a pooled container (its own name) or a new one."""
+        if self.config.warm_pool <= 0:
+            return await asyncio.to_thread(self._start, image, name), name
+        self._require_image(image)
+        pool = self._pool.setdefault(image, [])
+        taken = pool.pop(0) if pool else None
+        refill = self._refills.get(image)
+        if not self._closing and (refill is None or refill.done()):
+            self._refills[image] = asyncio.get_running_loop().create_task(self._refill(image))
+        if taken is not None:
+            return taken
+        return await asyncio.to_thread(self._start, image, name), name
+
+    async def _refill(self, image: str) -> None:
+        pool = self._pool.setdefault(image, [])
+        while not self._closing and len(pool) < self.config.warm_pool:
+            name = f"pool-{uuid.uuid4().hex[:12]}"
+            pool.append((await asyncio.to_thread(self._start, image, name), name))
+
+    async def close(self) -> None:
+        """Let refills finish (a cancelled start would leave an untracked container), then remove
+        every idle pooled container."""
+        self._closing = True
+        await asyncio.gather(*self._refills.values(), return_exceptions=True)
+        idle = [entry for pool in self._pool.values() for entry in pool]
+        self._pool.clear()
+        for container_id, name in idle:
+            await asyncio.to_thread(self.remove, container_id, name)
+
     async def attach(self, handle: dict[str, Any]) -> DockerSandbox:
         if handle.get("kind") != "docker":
             raise SandboxError(
                 f"handle {handle!r} is not a docker sandbox; set sandbox.type to match its kind"
             )
-        try:
+        name = str(handle.get("name", ""))
+        with engine_errors("attach", name):
             container = await asyncio.to_thread(self.client.containers.get, handle["container"])
-        except Exception as exc:
-            if _is_not_found(exc):
-                raise SandboxError(
-                    f"container {handle['container']} is gone (destroyed or another engine)"
-                ) from exc
-            raise
-        return DockerSandbox(self, container, str(handle.get("name", "")))
+        return DockerSandbox(self, str(container.id), name)
 
     def remove(self, container_id: str, name: str) -> None:
         """Remove container and workspace volume; already-gone is fine (destroy is idempotent)."""
@@ -233,32 +445,18 @@ class DockerSandboxProvider(SandboxProvider):
             (self.client.volumes, f"rollway-{name}"),
         ):
             try:
-                collection.get(key).remove(force=True)
-            except Exception as exc:
-                if not _is_not_found(exc):
+                with engine_errors("destroy", name):
+                    collection.get(key).remove(force=True)
+            except SandboxError as exc:
+                if not _is_not_found(exc.__cause__ or exc):
                     raise
 
     async def check(self) -> dict[str, Any]:
-        """Engine reachable, then the container's protections probed from inside."""
-        box = await self.create(SandboxSpec(), f"check-{int(time.time() * 1000)}")
-        try:
-            ident = await box.exec(
-                "id -u; grep CapEff /proc/self/status; touch /usr/x 2>/dev/null || echo ro"
-            )
-            net = await box.exec("cat /sys/class/net/*/operstate 2>/dev/null | grep -c up || true")
-            slow = await box.exec("sleep 30", timeout_s=1)
-            words = ident.output.split()
-            report = {
-                "type": "docker",
-                "unprivileged_user": words[:1] == ["65534"],
-                "capabilities_dropped": "0000000000000000" in words,
-                "readonly_system": words[-1:] == ["ro"],
-                "network_isolated": net.output.strip() in ("0", ""),
-                "time_limited": slow.timed_out,
-            }
-        finally:
-            await box.destroy()
-        report["all_protections_hold"] = all(v for v in report.values() if isinstance(v, bool))
+        """Engine reachable, then the containment suite run against a throwaway container."""
+        from rollway.sandboxes.containment import run_suite
+
+        report: dict[str, Any] = {"type": "docker", "image": self.config.image}
+        report.update(await run_suite(self))
         return report
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from rollway.sandboxes.base import ExecResult, SandboxError
 from rollway.sandboxes.config import SandboxConfig
+from rollway.sandboxes.seccomp import filter_program
 
 JAIL_WORKSPACE = "/workspace"
 """Where the workspace appears inside every jail (and the cwd of every command)."""
@@ -49,8 +50,10 @@ _LIMITS_SCRIPT = 'ulimit -c 0 -v {as_kb} -u {nproc} -f {fsize_kb} || exit 125; e
 # (a pyenv under a 0700 /root, a workspace under a private temp folder). In a private mount
 # namespace that only this command sees, root first binds each folder onto STAGE_DIR/<i>.
 STAGE_DIR = "/tmp/.rollway-stage"
+# It also moves this process (and so every process of the jail) into the sandbox's cgroups, if any.
 _STAGE_SCRIPT = (
-    'set -e; stage=$1; shift; mount -t tmpfs -o mode=0755,size=64k rollway-stage "$stage"; i=0; '
+    'set -e; stage=$1; cgroups=$2; shift 2; for f in $(echo "$cgroups" | tr , " "); do echo $$ > "$f"; done; '
+    'mount -t tmpfs -o mode=0755,size=64k rollway-stage "$stage"; i=0; '
     'while [ "$1" != -- ]; do mkdir "$stage/$i"; mount --bind "$1" "$stage/$i"; i=$((i+1)); shift; done; '
     'shift; exec "$@"'
 )
@@ -162,9 +165,20 @@ class JailRunner:
         self.host_uid: int | None = (
             (cfg.host_uid if cfg.host_uid is not None else JAIL_UID) if os.geteuid() == 0 else None
         )
+        self.seccomp = filter_program()
+        """The seccomp program every jail loads (None where none is built for this architecture)."""
 
-    def argv(self, workspace: str, command: str, limits: JailLimits) -> list[str]:
-        """The full command line: [staging of host folders, uid switch,] bwrap, limits, command."""
+    def argv(
+        self,
+        workspace: str,
+        command: str,
+        limits: JailLimits,
+        cgroup_procs: list[str] | None = None,
+        seccomp_fd: int | None = None,
+    ) -> list[str]:
+        """The full command line: [staging of host folders and cgroup join, uid switch,] bwrap,
+        limits, command. `cgroup_procs`: cgroup.procs files the jail joins (root only);
+        `seccomp_fd`: an open fd holding the seccomp program bwrap loads."""
         host_paths = [*self.ro_mounts, workspace]
         if self.host_uid is None:
             sources = host_paths
@@ -176,6 +190,7 @@ class JailRunner:
             *self._namespace_args(),
             *self._filesystem_args(sources[-1], binds),
             *self._env_args(),
+            *(["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else []),
         ]
         limits_script = _LIMITS_SCRIPT.format(
             as_kb=limits.memory_mb * 1024, nproc=limits.max_processes, fsize_kb=limits.max_file_mb * 1024
@@ -187,7 +202,7 @@ class JailRunner:
         uid = str(self.host_uid)
         return [
             "unshare", "--mount", "--propagation", "private", "--", "sh", "-c", _STAGE_SCRIPT, "sh", STAGE_DIR,
-            *host_paths, "--", "setpriv", "--reuid", uid, "--regid", uid, "--clear-groups", *jail,
+            ",".join(cgroup_procs or []), *host_paths, "--", "setpriv", "--reuid", uid, "--regid", uid, "--clear-groups", *jail,
         ]  # fmt: skip
 
     def _namespace_args(self) -> list[str]:
@@ -200,17 +215,13 @@ class JailRunner:
         args = system_mount_args()
         for name in _ETC_ENTRIES:
             args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
-        # A bounded /tmp: an unbounded tmpfs would let a command fill the host's memory.
+        # A bounded /tmp and /dev/shm, and a read-only /dev: bwrap's --dev is a tmpfs of half the
+        # host's memory, so left writable it would let a command fill the host's memory.
         args += [
-            "--proc",
-            "/proc",
-            "--dev",
-            "/dev",
-            "--size",
-            str(self.cfg.tmp_mb * 2**20),
-            "--tmpfs",
-            "/tmp",
-        ]
+            "--proc", "/proc", "--dev", "/dev",
+            "--size", str(self.cfg.shm_mb * 2**20), "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
+            "--size", str(self.cfg.tmp_mb * 2**20), "--tmpfs", "/tmp",
+        ]  # fmt: skip
         for source, dest in binds:
             args += ["--ro-bind", source, dest]
         # The jail's own root (where bwrap made /etc, /root, ...) is read-only too: only the
@@ -233,13 +244,23 @@ class JailRunner:
             args += ["--setenv", key, value]
         return args
 
-    async def run(self, workspace: str, command: str, limits: JailLimits) -> ExecResult:
+    async def run(
+        self, workspace: str, command: str, limits: JailLimits, cgroup_procs: list[str] | None = None
+    ) -> ExecResult:
         """Run `command` in a new jail; never raises for the command's own failures."""
-        argv = self.argv(workspace, command, limits)
-        return await run_limited(argv, limits)
+        if self.seccomp is None:
+            return await run_limited(self.argv(workspace, command, limits, cgroup_procs), limits)
+        fd = os.memfd_create("rollway-seccomp", 0)  # one per command: bwrap reads it to the end
+        try:
+            os.write(fd, self.seccomp)
+            os.lseek(fd, 0, os.SEEK_SET)
+            argv = self.argv(workspace, command, limits, cgroup_procs, seccomp_fd=fd)
+            return await run_limited(argv, limits, pass_fds=(fd,))
+        finally:
+            os.close(fd)
 
 
-async def run_limited(argv: list[str], limits: JailLimits) -> ExecResult:
+async def run_limited(argv: list[str], limits: JailLimits, pass_fds: tuple[int, ...] = ()) -> ExecResult:
     """Spawn `argv` in its own process group, read its merged output under the limits, and kill
     the whole group on timeout or output flood (bwrap's --die-with-parent then takes down the
     jail's pid namespace, so no process of the command survives)."""
@@ -247,7 +268,7 @@ async def run_limited(argv: list[str], limits: JailLimits) -> ExecResult:
     try:
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+            start_new_session=True, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, pass_fds=pass_fds,
         )  # fmt: skip
     except FileNotFoundError as exc:
         raise SandboxError(f"cannot start {argv[0]!r}: {exc}; apt-get install bubblewrap util-linux") from exc

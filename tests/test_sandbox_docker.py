@@ -1,202 +1,98 @@
-"""The Docker sandbox against a recording fake client (no engine runs here), plus the real unreachable path."""
+"""The Docker sandbox against the real engine (started by scripts/setup-docker.sh) and the base image it
+builds: lifecycle, files, diff, limits, and the typed errors of a missing image, an engine that stops
+mid-run and a container that dies mid-episode, with no container or volume leaked."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import io
-import itertools
+import gc
 import json
-import tarfile
-import time
+import os
+import socket
+import threading
+import uuid
 from collections.abc import Iterator
-from typing import Any
+from pathlib import Path
 
-import docker.errors
+import docker
 import pytest
+from docker_engine import count_containers, ensure_engine
 
 from rollway.runners import cmd_sandbox
 from rollway.sandboxes.base import SandboxError, SandboxSpec
 from rollway.sandboxes.config import SandboxConfig
-from rollway.sandboxes.docker import DockerSandboxProvider
+from rollway.sandboxes.docker import DockerSandbox, DockerSandboxProvider
 
 
 def run(coro):
     return asyncio.run(coro)
 
 
-class FakeContainer:
-    """Keeps the workspace as {absolute path: bytes}, filled and read through real tar archives."""
-
-    def __init__(self, cid: str, image: str, options: dict[str, Any]) -> None:
-        self.id, self.image, self.options = cid, image, options
-        self.files: dict[str, bytes] = {}
-        self.removed = False
-
-    def put_archive(self, path: str, data: bytes) -> bool:
-        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-            for member in tar.getmembers():
-                if member.isfile():
-                    self.files[f"{path}/{member.name}"] = tar.extractfile(member).read()
-        return True
-
-    def get_archive(self, path: str) -> tuple[Iterator[bytes], dict[str, Any]]:
-        if path not in self.files:
-            raise docker.errors.NotFound(f"no such file {path}")
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w") as tar:
-            info = tarfile.TarInfo(path.rsplit("/", 1)[-1])
-            info.size = len(self.files[path])
-            tar.addfile(info, io.BytesIO(self.files[path]))
-        return iter([buf.getvalue()]), {"name": path}
-
-    def remove(self, force: bool = False) -> None:
-        self.removed = True
+@pytest.fixture(scope="module")
+def client() -> docker.DockerClient:
+    return ensure_engine()
 
 
-class FakeCollection:
-    def __init__(self) -> None:
-        self.items: dict[str, Any] = {}
-        self.calls: list[tuple[Any, dict[str, Any]]] = []
-
-    def get(self, key: str) -> Any:
-        item = self.items.get(key)
-        if item is None or item.removed:
-            raise docker.errors.NotFound(f"{key} not found")
-        return item
-
-
-class FakeVolume:
-    def __init__(self, name: str) -> None:
-        self.name, self.removed = name, False
-
-    def remove(self, force: bool = False) -> None:
-        self.removed = True
-
-
-class FakeApi:
-    """Exec endpoints; `responder(cmd) -> (chunks, exit_code, delay_s)` scripts each command."""
-
-    def __init__(self, responder) -> None:
-        self.responder = responder
-        self.execs: dict[str, dict[str, Any]] = {}
-        self.chunks_read = 0
-
-    def exec_create(self, container: str, cmd: list[str], **kw: Any) -> dict[str, str]:
-        exec_id = f"e{len(self.execs)}"
-        self.execs[exec_id] = {"container": container, "cmd": cmd, **kw}
-        return {"Id": exec_id}
-
-    def exec_start(self, exec_id: str, stream: bool = False) -> Iterator[bytes]:
-        chunks, code, delay = self.responder(self.execs[exec_id]["cmd"])
-        self.execs[exec_id]["exit"] = code
-        time.sleep(delay)
-        for chunk in chunks:
-            self.chunks_read += 1
-            yield chunk
-
-    def exec_inspect(self, exec_id: str) -> dict[str, Any]:
-        return {"ExitCode": self.execs[exec_id].get("exit")}
-
-
-class FakeDocker:
-    def __init__(self, responder=None, reachable: bool = True) -> None:
-        self.reachable = reachable
-        self.api = FakeApi(responder or (lambda cmd: ([b"ok\n"], 0, 0)))
-        self.containers = FakeCollection()
-        self.volumes = FakeCollection()
-        self.containers.run = self._run
-        self.volumes.create = self._create_volume
-
-    def ping(self) -> bool:
-        if not self.reachable:
-            raise docker.errors.DockerException("Error while fetching server API version")
-        return True
-
-    def _run(self, image: str, **options: Any) -> FakeContainer:
-        self.containers.calls.append((image, options))
-        container = FakeContainer(f"c{len(self.containers.items)}", image, options)
-        self.containers.items[container.id] = container
-        return container
-
-    def _create_volume(self, **options: Any) -> FakeVolume:
-        self.volumes.calls.append((options["name"], options))
-        volume = FakeVolume(options["name"])
-        self.volumes.items[volume.name] = volume
-        return volume
+@pytest.fixture
+def prefix(client: docker.DockerClient) -> Iterator[str]:
+    """A name prefix for this test's sandboxes; after the test none of them may be left."""
+    name = f"td-{uuid.uuid4().hex[:8]}"
+    assert count_containers(name) == 0
+    yield name
+    assert count_containers(name) == 0, "a container or volume leaked"
 
 
 @pytest.fixture
 def config() -> SandboxConfig:
-    return SandboxConfig(type="docker", memory_mb=512, max_processes=64, max_file_mb=8, max_output_bytes=1000)
+    return SandboxConfig(type="docker", memory_mb=256, max_processes=64, max_file_mb=8, max_output_bytes=1000,
+                         cpus=0.5, exec_timeout_s=10, output_kill_mb=2)  # fmt: skip
 
 
-def test_container_is_locked_down(config: SandboxConfig) -> None:
-    client = FakeDocker()
-    run(DockerSandboxProvider(config, client).create(SandboxSpec(image="repo:1"), "ep1"))
-    image, opts = client.containers.calls[0]
-    assert image == "repo:1" and opts["user"] == "65534:65534" and opts["cap_drop"] == ["ALL"]
-    assert opts["network_disabled"] is True and opts["network_mode"] == "none"
-    assert opts["read_only"] is True and "no-new-privileges" in opts["security_opt"]
-    assert opts["mem_limit"] == "512m" and opts["memswap_limit"] == "512m" and opts["pids_limit"] == 64
-    assert {"Name": "fsize", "Soft": 8 * 2**20, "Hard": 8 * 2**20} in opts["ulimits"]
-    assert opts["volumes"] == {"rollway-ep1": {"bind": "/workspace", "mode": "rw"}}
-    _, volume = client.volumes.calls[0]
-    assert volume["driver_opts"]["type"] == "tmpfs" and "uid=65534" in volume["driver_opts"]["o"]
-
-
-def test_default_image_and_setup_then_git_snapshot(config: SandboxConfig, tmp_path) -> None:
+@pytest.fixture
+def box(config: SandboxConfig, prefix: str, tmp_path: Path) -> Iterator[DockerSandbox]:
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "m.py").write_text("x = 1\n")
-    client = FakeDocker()
     spec = SandboxSpec(
-        source_dir=str(tmp_path), files={"extra.txt": "e"}, setup_commands=["pip install -e ."]
+        source_dir=str(tmp_path), files={"extra.txt": "e\n"}, setup_commands=["echo built > built.txt"]
     )
-    box = run(DockerSandboxProvider(config, client).create(spec, "ep2"))
-    assert client.containers.calls[0][0] == config.image
-    assert box.container.files == {"/workspace/pkg/m.py": b"x = 1\n", "/workspace/extra.txt": b"e"}
-    cmds = [e["cmd"] for e in client.api.execs.values()]
-    assert (
-        cmds[0][-1] == "pip install -e ."
-        and "commit" in cmds[1][-1]
-        and "--git-dir=/rollway/base.git" in cmds[1][-1]
-    )
+    sandbox = run(DockerSandboxProvider(config).create(spec, prefix))
+    yield sandbox
+    run(sandbox.destroy())
 
 
-def test_exec_wraps_command_with_timeout_and_user(config: SandboxConfig) -> None:
-    client = FakeDocker(lambda cmd: ([b"hello ", b"world\n"], 0, 0))
-    box = run(DockerSandboxProvider(config, client).create(SandboxSpec(), "ep3"))
-    result = run(box.exec("echo hello world", timeout_s=7))
-    last = list(client.api.execs.values())[-1]
-    assert last["cmd"] == ["timeout", "-s", "KILL", "7", "bash", "-c", "echo hello world"]
-    assert last["user"] == "65534:65534" and last["workdir"] == "/workspace"
-    assert result.exit_code == 0 and result.output == "hello world\n" and not result.timed_out
+def test_container_is_locked_down(
+    box: DockerSandbox, client: docker.DockerClient, config: SandboxConfig
+) -> None:
+    host = client.api.inspect_container(box.container_id)["HostConfig"]
+    assert host["CapDrop"] == ["ALL"] and host["ReadonlyRootfs"] and host["NetworkMode"] == "none"
+    assert "no-new-privileges" in host["SecurityOpt"] and host["PidsLimit"] == 64
+    assert host["Memory"] == host["MemorySwap"] == 256 * 2**20 and host["NanoCpus"] == 5 * 10**8
+    assert host["ShmSize"] == config.shm_mb * 2**20
+    out = run(
+        box.exec("id -u; grep CapEff /proc/self/status; cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us")
+    ).output
+    assert out.split()[:1] == ["65534"] and "0000000000000000" in out and out.split()[-1] == "50000"
 
 
-def test_exec_timeout_is_reported(config: SandboxConfig) -> None:
-    client = FakeDocker(lambda cmd: ([b"partial"], 137, 0.3) if "sleep" in cmd[-1] else ([], 0, 0))
-    box = run(DockerSandboxProvider(config, client).create(SandboxSpec(), "ep4"))
-    result = run(box.exec("sleep 1000", timeout_s=0.2))
-    assert (
-        result.timed_out and "timed out after 0.2s" in result.output and result.output.startswith("partial")
-    )
+def test_default_image_is_the_local_base_with_python_and_git(box: DockerSandbox) -> None:
+    assert SandboxConfig().image == "rollway-sandbox:bookworm"
+    out = run(box.exec("python3 --version; git --version; patch --version | head -1")).output
+    assert "Python 3.11" in out and "git version" in out and "patch" in out
 
 
-def test_output_flood_is_cut_and_reading_stops(config: SandboxConfig) -> None:
-    flood = lambda cmd: (itertools.repeat(b"y\n" * 32768), 0, 0) if cmd[-1] == "yes" else ([], 0, 0)  # noqa: E731
-    client = FakeDocker(flood)
-    cfg = config.model_copy(update={"output_kill_mb": 1})
-    box = run(DockerSandboxProvider(cfg, client).create(SandboxSpec(), "ep5"))
-    result = run(box.exec("yes"))
-    assert result.truncated and "[output truncated:" in result.output and len(result.output) < 1200
-    assert client.api.chunks_read <= 2**20 // 65536 + 2
+def test_source_files_setup_and_diff(box: DockerSandbox) -> None:
+    assert run(box.read_file("pkg/m.py")) == "x = 1\n" and run(box.read_file("built.txt")) == "built\n"
+    run(box.write_file("pkg/m.py", "x = 2\n"))
+    run(box.exec("echo new > new.txt; rm extra.txt"))
+    diff = run(box.diff())
+    assert "-x = 1\n+x = 2" in diff and "+++ b/new.txt" in diff and "--- a/extra.txt" in diff
+    assert "built.txt" not in diff  # setup output is part of the base snapshot
 
 
-def test_files_round_trip_through_archives(config: SandboxConfig) -> None:
-    client = FakeDocker()
-    box = run(DockerSandboxProvider(config, client).create(SandboxSpec(), "ep6"))
+def test_files_and_paths(box: DockerSandbox) -> None:
     run(box.write_file("src/app/main.py", "print('hi')\n"))
-    assert run(box.read_file("src/app/main.py")) == "print('hi')\n"
+    assert run(box.exec("python3 src/app/main.py")).output == "hi\n"
     with pytest.raises(SandboxError, match="does not exist"):
         run(box.read_file("missing.txt"))
     for bad in ["/etc/passwd", "../x", "a/../../x"]:
@@ -204,38 +100,129 @@ def test_files_round_trip_through_archives(config: SandboxConfig) -> None:
             run(box.write_file(bad, "x"))
 
 
-def test_diff_comes_from_git_in_the_container(config: SandboxConfig) -> None:
-    patch = b"diff --git a/f b/f\n--- a/f\n+++ b/f\n@@ -1 +1 @@\n-a\n+b\n"
-    client = FakeDocker(lambda cmd: ([patch], 0, 0) if "diff --cached" in cmd[-1] else ([], 0, 0))
-    box = run(DockerSandboxProvider(config, client).create(SandboxSpec(), "ep7"))
-    assert run(box.diff()) == patch.decode()
+def test_symlinks_are_followed_inside_the_workspace_only(box: DockerSandbox) -> None:
+    run(box.exec("ln -s pkg/m.py inside.py; ln -s /etc/passwd outside; ln -s loop loop; mkdir d"))
+    assert run(box.read_file("inside.py")) == "x = 1\n"
+    with pytest.raises(SandboxError, match="outside the workspace"):
+        run(box.read_file("outside"))
+    for odd in ["loop", "d"]:  # a symlink loop and a folder: SandboxError, never KeyError
+        with pytest.raises(SandboxError):
+            run(box.read_file(odd))
 
 
-def test_attach_and_idempotent_destroy(config: SandboxConfig) -> None:
-    client = FakeDocker()
-    provider = DockerSandboxProvider(config, client)
-    box = run(provider.create(SandboxSpec(), "ep8"))
-    again = run(DockerSandboxProvider(config, client).attach(box.handle))
-    assert again.container is box.container
+def test_timeout_and_what_outlives_it(box: DockerSandbox) -> None:
+    result = run(box.exec("setsid sleep 1000 >/dev/null 2>&1 & sleep 1000", timeout_s=1))
+    assert result.timed_out and "timed out after 1s" in result.output and result.duration_s < 5
+    assert "sleep" not in run(box.exec("ps -eo user,comm | grep nobody")).output  # no process outlived it
+
+
+def test_output_flood_stops_the_exec_and_frees_its_socket(box: DockerSandbox, config: SandboxConfig) -> None:
+    run(box.exec("yes"))  # warm the client's connection pool
+    fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(8):
+        result = run(box.exec("yes"))
+        assert result.truncated and "[output truncated:" in result.output and len(result.output) < 1300
+        assert "[command killed: more than" in result.output and result.duration_s < 5
+    assert run(box.exec("pgrep -c yes || true")).output.strip() == "0"  # the exec was stopped
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) <= fds + 3  # no socket per flood left open (3: pool noise)
+
+
+def test_attach_and_idempotent_destroy(box: DockerSandbox, config: SandboxConfig) -> None:
+    again = run(DockerSandboxProvider(config).attach(box.handle))
+    assert run(again.exec("cat extra.txt")).output == "e\n"
     run(again.destroy())
     run(box.destroy())
-    assert box.container.removed and client.volumes.items["rollway-ep8"].removed
     with pytest.raises(SandboxError, match="gone"):
-        run(provider.attach(box.handle))
+        run(DockerSandboxProvider(config).attach(box.handle))
 
 
-def test_failed_setup_removes_the_container(config: SandboxConfig) -> None:
-    client = FakeDocker(lambda cmd: ([b"boom"], 1, 0) if cmd[-1] == "false" else ([], 0, 0))
+def test_failed_setup_removes_the_container(config: SandboxConfig, prefix: str) -> None:
     with pytest.raises(SandboxError, match="setup command"):
-        run(DockerSandboxProvider(config, client).create(SandboxSpec(setup_commands=["false"]), "ep9"))
-    assert client.containers.items["c0"].removed
+        run(DockerSandboxProvider(config).create(SandboxSpec(setup_commands=["echo boom; false"]), prefix))
+
+
+def test_missing_image_is_a_typed_error_that_names_the_fix(config: SandboxConfig, prefix: str) -> None:
+    spec = SandboxSpec(image="rollway-no-such-image:1")
+    with pytest.raises(SandboxError, match="not on this Docker engine .*rollway sandbox image build"):
+        run(DockerSandboxProvider(config).create(spec, prefix))
+
+
+def test_container_dying_mid_episode(box: DockerSandbox, client: docker.DockerClient) -> None:
+    client.containers.get(box.container_id).kill()
+    with pytest.raises(SandboxError, match="not running .*new sandbox"):
+        run(box.exec("echo hi"))
+    with pytest.raises(SandboxError, match="not running|gone"):
+        run(box.read_file("extra.txt"))
+
+
+class _EngineProxy:
+    """Forwards a unix socket to the real engine's socket; `stop()` makes the engine vanish for its
+    clients mid-run exactly as a stopped daemon does (connection refused), while the real engine
+    (shared with every other test here) keeps running. This proxy is the only stand-in in this file."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.server = socket.socket(socket.AF_UNIX)
+        self.server.bind(path)
+        self.server.listen(16)
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            upstream = socket.socket(socket.AF_UNIX)
+            upstream.connect("/var/run/docker.sock")
+            self.conns += [conn, upstream]
+            for a, b in ((conn, upstream), (upstream, conn)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def stop(self) -> None:
+        self.server.close()
+        os.unlink(self.path)
+        for conn in self.conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+def test_engine_stopping_mid_run(config: SandboxConfig, prefix: str, tmp_path: Path) -> None:
+    proxy = _EngineProxy(str(tmp_path / "engine.sock"))
+    provider = DockerSandboxProvider(config, docker.DockerClient(base_url=f"unix://{proxy.path}"))
+    box = run(provider.create(SandboxSpec(), prefix))
+    try:
+        assert run(box.exec("echo up")).output == "up\n"
+        proxy.stop()
+        with pytest.raises(SandboxError, match="stopped answering .*setup-docker.sh"):
+            run(box.exec("echo hi"))
+    finally:
+        run(
+            DockerSandbox(DockerSandboxProvider(config), box.container_id, prefix).destroy()
+        )  # the real engine
 
 
 def test_unreachable_engine_names_the_fix(config: SandboxConfig, monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(SandboxError, match="start the Docker daemon or set sandbox.type=local"):
-        run(DockerSandboxProvider(config, FakeDocker(reachable=False)).create(SandboxSpec(), "ep10"))
-    monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/docker.sock")  # the real SDK, no engine
-    with pytest.raises(SandboxError, match="start the Docker daemon"):
+    monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/docker.sock")
+    with pytest.raises(SandboxError, match="setup-docker.sh"):
         run(DockerSandboxProvider(config).check())
 
 
@@ -247,3 +234,119 @@ def test_cli_check_exits_2_without_engine(
     assert cmd_sandbox.run(args) == 2
     out = capsys.readouterr()
     assert json.loads(out.out)["ok"] is False and "sandbox.type=local" in out.err
+
+
+def test_cli_check_on_the_real_engine(client: docker.DockerClient, capsys: pytest.CaptureFixture) -> None:
+    args = argparse.Namespace(config=None, type="docker", json=True, overrides=[
+        "sandbox.memory_mb=256", "sandbox.workspace_mb=64", "sandbox.max_file_mb=16", "sandbox.cpus=0.5"])  # fmt: skip
+    code = cmd_sandbox.run(args)
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["all_protections_hold"] is True, report
+    assert count_containers("check-") == 0
+
+
+def test_task_image_built_from_the_base_with_pypi_packages(
+    client: docker.DockerClient, config: SandboxConfig, prefix: str, capsys: pytest.CaptureFixture
+) -> None:
+    """`rollway sandbox image build` installs from PyPI at build time; the sandbox itself stays offline."""
+    tag = f"rollway-test-task:{prefix}"
+    args = argparse.Namespace(sandbox_command="image", tag=tag, pip=["toolz==1.0.0"], run=["echo ok > /etc/task"],
+                              base=None)  # fmt: skip
+    try:
+        assert cmd_sandbox.run(args) == 0, capsys.readouterr().err
+        box = run(DockerSandboxProvider(config).create(SandboxSpec(image=tag), prefix))
+        try:
+            out = run(box.exec("python3 -c 'import toolz; print(toolz.__version__)'; cat /etc/task")).output
+            assert out == "1.0.0\nok\n"
+        finally:
+            run(box.destroy())
+    finally:
+        client.images.remove(tag, force=True)
+
+
+def test_swe_tasks_in_containers_end_to_end(client: docker.DockerClient, broker, tmp_path: Path) -> None:
+    """SWE tasks built from toolz's source archive, in the default image: the gold patch resolves the
+    task and the empty patch does not (tests run with the image's python and pytest); then `rollway up`
+    with docker sandboxes resolves it through the pipeline (the scripted policy applies the gold patch
+    with editor calls)."""
+    import re
+    import subprocess
+    import sys
+
+    import yaml
+    from test_envs_swe import editor_fix_calls
+
+    from rollway.envs.swe import grade_patch, load_instances
+    from rollway.envs.swe_build import BuildOptions, build_instances
+
+    tasks = tmp_path / "toolz.jsonl"
+    rows = build_instances(BuildOptions(sdist="toolz==1.2.0", max_tasks=1, seed=0))
+    tasks.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    instance = load_instances(tasks)[0]
+    provider = DockerSandboxProvider(SandboxConfig(type="docker"))
+    gold = run(grade_patch(instance, instance["patch"], provider))
+    empty = run(grade_patch(instance, "", provider))
+    assert (gold.resolved, empty.resolved) == (True, False), (gold, empty)
+
+    finish = '<tool_call>{"name": "finish", "arguments": {}}</tool_call>'
+    script = [
+        {
+            "when": re.escape(instance["FAIL_TO_PASS"][0]),
+            "turns": [*editor_fix_calls(instance["patch"]), finish],
+        }
+    ]
+    cfg = {"run": {"name": "swe-docker", "timeout_s": 400}, "tasks": {"type": "swe", "path": str(tasks)},
+           "scheduler": {"group_size": 1, "episode_deadline_s": 300},
+           "agent": {"max_turns": 6, "max_tokens_per_turn": 4096, "max_total_tokens": 100000},
+           "sandbox": {"type": "docker"}, "policy": {"type": "scripted", "script": script}}  # fmt: skip
+    (tmp_path / "swe.yaml").write_text(yaml.safe_dump(cfg))
+    run_dir, run_id = tmp_path / "run", f"swed{uuid.uuid4().hex[:6]}"
+    out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", str(tmp_path / "swe.yaml"), "--run-dir",
+                          str(run_dir), "--bootstrap", broker.bootstrap, f"topics.prefix={run_id}-", f"run.id={run_id}"],
+                         capture_output=True, text=True, timeout=420)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    traj = json.loads((run_dir / "trajectories.jsonl").read_text().splitlines()[0])
+    assert traj["resolved"] and traj["reward"] == 1.0
+    assert count_containers("grade-") == count_containers(run_id) == 0
+
+
+def test_warm_pool_hands_out_started_containers_and_close_removes_the_idle_ones(
+    config: SandboxConfig, prefix: str
+) -> None:
+    provider = DockerSandboxProvider(config.model_copy(update={"warm_pool": 2}))
+
+    async def go() -> None:
+        first = await provider.create(SandboxSpec(files={"a.txt": "1\n"}), prefix)  # cold: starts the refill
+        assert first.name == prefix
+        for _ in range(100):
+            if len(provider._pool.get(config.image, [])) == 2:
+                break
+            await asyncio.sleep(0.1)
+        pooled = list(provider._pool[config.image])
+        second = await provider.create(SandboxSpec(files={"a.txt": "2\n"}), f"{prefix}-2")
+        assert (second.container_id, second.name) == pooled[0] and second.name.startswith("pool-")
+        assert await second.read_file("a.txt") == "2\n" and (await second.exec("cat a.txt")).output == "2\n"
+        assert await second.diff() == ""  # the pooled container got its own base snapshot
+        for box in (first, second):
+            await box.destroy()
+        await provider.close()  # removes the idle pooled containers (the refill's included)
+
+    run(go())
+    assert count_containers("pool-") == 0
+
+
+def test_smoke_job_in_containers_with_a_warm_pool_leaves_nothing(
+    client: docker.DockerClient, tmp_path: Path
+) -> None:
+    """`rollway up` with docker sandboxes: every episode completes; the init stage's close removes its
+    idle pooled containers and the reward stage every episode's container."""
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "rollway.runners", "up", "examples/smoke.yaml", "--run-dir", str(run_dir),
+                           "sandbox.type=docker", "sandbox.warm_pool=2", f"run.id=wp{uuid.uuid4().hex[:6]}"],
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent)  # fmt: skip
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert proc.returncode == 0 and summary["episodes_completed"] == 8, proc.stderr[-3000:]
+    assert count_containers("pool-") == 0

@@ -19,6 +19,7 @@ import pytest
 from rollway.runners import cmd_sandbox
 from rollway.sandboxes.base import SandboxError, SandboxSpec
 from rollway.sandboxes.config import SandboxConfig
+from rollway.sandboxes.containment import ATTACKS, fork_bomb
 from rollway.sandboxes.jail import OutputCapture
 from rollway.sandboxes.local import LocalSandbox, LocalSandboxProvider
 
@@ -292,20 +293,25 @@ def test_memory_and_file_size_are_limited(box: LocalSandbox) -> None:
 
 
 def test_cli_check_reports_every_protection(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
-    args = argparse.Namespace(config=None, overrides=[f"sandbox.root={tmp_path}"], type="local", json=True)
+    args = argparse.Namespace(config=None, overrides=[f"sandbox.root={tmp_path}", "sandbox.workspace_mb=64",
+                              "sandbox.memory_mb=256", "sandbox.max_file_mb=16"], type="local", json=True)  # fmt: skip
     code = cmd_sandbox.run(args)
     report = json.loads(capsys.readouterr().out)
     assert code == 0, report
-    for key in ["network_isolated", "readonly_system", "workspace_writable", "outside_write_blocked",
-                "unprivileged_user", "capabilities_dropped", "memory_limited", "process_limited",
-                "time_limited", "output_limited", "file_size_limited"]:  # fmt: skip
+    for key in ATTACKS:
         assert report[key] is True, key
     assert report["bwrap_version"].startswith("bubblewrap")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a jail as host root")
-def test_check_notices_when_the_process_limit_does_not_hold(tmp_path: Path) -> None:
-    # As host root the kernel ignores RLIMIT_NPROC: the very hole host_uid exists to close.
+def test_pids_cgroup_stops_a_fork_bomb_even_as_host_root(tmp_path: Path) -> None:
+    """As host root the kernel ignores RLIMIT_NPROC (the hole host_uid exists to close); the
+    sandbox's pids cgroup holds anyway."""
     cfg = SandboxConfig(root=str(tmp_path), host_uid=0, max_processes=16)
-    report = run(LocalSandboxProvider(cfg).check())
-    assert report["process_limited"] is False and report["all_protections_hold"] is False
+    provider = LocalSandboxProvider(cfg)
+    assert provider.cgroup_kind in ("v1", "v2")
+    box = run(provider.create(SandboxSpec(), "root-bomb"))
+    try:
+        assert run(fork_bomb(box, cfg)) is True
+    finally:
+        run(box.destroy())

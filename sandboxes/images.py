@@ -1,0 +1,53 @@
+"""Task images for docker sandboxes, built FROM rollway's local base image (never pulled)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from rollway.sandboxes.base import SandboxError
+from rollway.sandboxes.config import SandboxConfig
+
+_HOST_CA = "/etc/ssl/certs/ca-certificates.crt"
+"""Copied into the build when present: hosts that reach PyPI through a proxy with its own CA need it."""
+
+
+def dockerfile(base: str, pip: list[str], run: list[str], has_ca: bool) -> str:
+    """The Dockerfile of a task image: the base, packages from PyPI, then any extra commands."""
+    lines = [f"FROM {base}"]
+    if has_ca:
+        lines += ["COPY ca-certificates.crt /etc/ssl/certs/rollway-build-ca.crt",
+                  "ENV PIP_CERT=/etc/ssl/certs/rollway-build-ca.crt"]  # fmt: skip
+    if pip:
+        packages = " ".join(shlex.quote(p) for p in pip)
+        lines.append(f"RUN python3 -m pip install --no-cache-dir --break-system-packages {packages}")
+    lines += [f"RUN {command}" for command in run]
+    return "\n".join(lines) + "\n"
+
+
+def build_image(
+    tag: str, pip: list[str], run: list[str], base: str | None = None, client: Any | None = None
+) -> dict[str, Any]:
+    """Build `tag` FROM `base` (default: sandbox.image, the setup's base) with host networking, so pip
+    reaches PyPI at build time while the sandboxes themselves stay offline. Returns id and size."""
+    from rollway.sandboxes.docker import DockerSandboxProvider, engine_errors
+
+    base = base or SandboxConfig().image
+    provider = DockerSandboxProvider(SandboxConfig(type="docker", image=base), client)
+    provider._require_image(base)
+    with tempfile.TemporaryDirectory(prefix="rollway-image-") as ctx:
+        has_ca = os.path.isfile(_HOST_CA)
+        if has_ca:
+            shutil.copy(_HOST_CA, Path(ctx, "ca-certificates.crt"))
+        Path(ctx, "Dockerfile").write_text(dockerfile(base, pip, run, has_ca))
+        try:
+            with engine_errors(f"build {tag}"):
+                image, _log = provider.client.images.build(path=ctx, tag=tag, network_mode="host", rm=True,
+                                                           pull=False)  # fmt: skip
+        except SandboxError:
+            raise
+    return {"image": tag, "id": image.id, "size_mb": round(image.attrs["Size"] / 2**20)}

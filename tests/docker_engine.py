@@ -1,0 +1,39 @@
+"""The Docker engine for tests: the one scripts/setup-docker.sh starts (it is run again here if no
+engine answers, e.g. after a reboot with the virtual environment already built)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import docker
+
+from rollway.sandboxes.docker import LABEL
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def ensure_engine() -> docker.DockerClient:
+    """A client of a running engine that has the base image; fails (never skips) without one."""
+    try:
+        client = docker.from_env()
+        client.ping()
+        client.images.get("rollway-sandbox:bookworm")
+        return client
+    except Exception:
+        pass
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "setup-docker.sh")], capture_output=True, text=True)
+    assert proc.returncode == 0, f"scripts/setup-docker.sh failed:\n{proc.stderr[-3000:]}"
+    client = docker.from_env()
+    client.ping()
+    return client
+
+
+def count_containers(prefix: str) -> int:
+    """Containers (running or not) and volumes the docker sandbox labelled with a name starting with `prefix`."""
+    client = docker.from_env()
+    containers = client.containers.list(all=True, filters={"label": LABEL})
+    volumes = client.volumes.list(filters={"label": LABEL})
+    return sum(c.labels.get(LABEL, "").startswith(prefix) for c in containers) + sum(
+        (v.attrs.get("Labels") or {}).get(LABEL, "").startswith(prefix) for v in volumes
+    )
