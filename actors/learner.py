@@ -112,7 +112,8 @@ class LearnerActor(Actor):
                 if self.trainer.broken is not None:
                     raise FatalActorError(f"training step failed: {err}") from err
                 raise  # a bad message (e.g. unequal token arrays): dead-lettered, nothing else changed
-            fault_point("learner.after_update")
+            if results:
+                fault_point("learner.after_update")
             outputs = await self._publish(results)
             self._forget_durable()
         return outputs
