@@ -7,7 +7,6 @@ import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 
 import structlog
 
@@ -163,7 +162,7 @@ class AgentActor(Actor):
         text = chat.decode(gen.token_ids)
         t1 = time.perf_counter()
         sandbox = await self.s.sandboxes.attach(state.first.sandbox)
-        if not await claim_turn(sandbox, state.first.attempt, turn):
+        if not await sandbox.claim_turn(f"a{state.first.attempt}-t{turn}"):
             await sandbox.destroy()
             raise TurnReplayed(f"episode {state.first.episode_id} attempt {state.first.attempt} turn {turn} already "
                                "ran its tool calls once (a crash or rebalance before its produce); the sandbox was "
@@ -264,26 +263,6 @@ class ToolOutcome:
         self.calls = calls
 
 
-TURN_MARKERS = ".rollway/turns"
-"""Workspace folder of per-turn markers (git-excluded like the rest of .rollway/, so never in a diff)."""
-
-
 class TurnReplayed(RuntimeError):
     """A turn's tool calls already started once in this sandbox: running them again could apply them
     twice (a non-idempotent edit, a second `git commit`)."""
-
-
-async def claim_turn(sandbox, attempt: int, turn: int) -> bool:
-    """Atomically mark that the tool calls of (attempt, turn) start now in this sandbox; False when
-    the mark exists (the turn is being re-run after a crash or a rebalance). `mkdir` is atomic."""
-    name = f"a{attempt}-t{turn}"
-    if sandbox.workspace_path is not None:
-        folder = Path(sandbox.workspace_path) / TURN_MARKERS
-        folder.mkdir(parents=True, exist_ok=True)
-        try:
-            (folder / name).mkdir()
-        except FileExistsError:
-            return False
-        return True
-    result = await sandbox.exec(f"mkdir -p {TURN_MARKERS} && mkdir {TURN_MARKERS}/{name} 2>/dev/null")
-    return result.exit_code == 0

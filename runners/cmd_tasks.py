@@ -27,11 +27,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     build.add_argument("--max-candidates", type=int, default=400,
                        help="give up after trying this many mutations (default 400)")
     build.add_argument("--cache", default=None, help="cache folder for sdists and snapshots (default ~/.cache/rollway)")
-    verify = sub.add_parser("verify", help="grade each instance's gold patch and an empty patch in the local sandbox")
+    verify = sub.add_parser("verify", help="grade each instance's gold patch and an empty patch in a real sandbox")
     verify.add_argument("file", help="instances file (JSONL) from `rollway tasks build swe`")
     verify.add_argument("--json", action="store_true", help="print the result as JSON")
     verify.add_argument("--timeout", type=float, default=120.0, help="test time limit per grading, seconds")
     verify.add_argument("--cache", default=None, help="cache folder for snapshots (default ~/.cache/rollway)")
+    verify.add_argument("--sandbox", choices=["local", "docker"], default="local",
+                        help="grade in the bubblewrap jail (default) or in Docker containers")
+    verify.add_argument("--image", default=None, help="docker image (default: sandbox.image, the locally built base)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,13 +67,15 @@ def _build(args: argparse.Namespace) -> int:
 
 
 async def verify_instances(instances: list[dict[str, Any]], timeout_s: float = 120.0,
-                           cache_dir: str | None = None, progress: Any = None) -> dict[str, Any]:
-    """Grade gold and empty patches of every instance in the local bubblewrap sandbox."""
+                           cache_dir: str | None = None, progress: Any = None,
+                           sandbox: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Grade gold and empty patches of every instance in a real sandbox (`sandbox`: SandboxConfig
+    fields; default the local bubblewrap jail)."""
     from rollway.envs.swe import grade_patch
     from rollway.sandboxes.config import SandboxConfig
-    from rollway.sandboxes.local import LocalSandboxProvider
+    from rollway.sandboxes.factory import build_sandbox_provider
 
-    provider = LocalSandboxProvider(SandboxConfig())
+    provider = build_sandbox_provider(SandboxConfig(**(sandbox or {})))
     rows = []
     for inst in instances:
         gold = await grade_patch(inst, inst["patch"], provider, test_timeout_s=timeout_s, cache_dir=cache_dir)
@@ -96,7 +101,8 @@ async def _verify(args: argparse.Namespace) -> int:
 
     progress = ProgressDisplay("instances verified", every_s=10.0)
     try:
-        summary = await verify_instances(instances, args.timeout, args.cache, progress)
+        sandbox = {"type": args.sandbox, **({"image": args.image} if args.image else {})}
+        summary = await verify_instances(instances, args.timeout, args.cache, progress, sandbox)
     finally:
         progress.close()
     if args.json:

@@ -62,6 +62,15 @@ class Sandbox(ABC):
     async def destroy(self) -> None:
         """Remove the workspace and everything it holds; safe to call twice."""
 
+    async def claim_turn(self, key: str) -> bool:
+        """Atomically mark that the tool calls of turn `key` start now in this sandbox; False when
+        the mark already exists (the turn is being run a second time after a crash or a rebalance,
+        on a workspace its first run may have changed). The agent calls it before every turn's tools.
+        Default: `mkdir` (atomic) under the workspace's `.rollway/turns/` (excluded from diffs);
+        sandboxes with private storage beside the workspace keep the marks there instead."""
+        result = await self.exec(f"mkdir -p .rollway/turns && mkdir .rollway/turns/{key} 2>/dev/null")
+        return result.exit_code == 0
+
 
 @dataclass
 class SandboxSpec:

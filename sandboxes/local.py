@@ -98,6 +98,17 @@ class LocalSandbox(Sandbox):
     def _git(self, args: list[str], env: dict[str, str] | None = None) -> str:
         return run_git(self.git_dir, self.workspace, args, env)
 
+    async def claim_turn(self, key: str) -> bool:
+        """The marks live beside the workspace, out of the jail's sight (`ls` in the workspace and a
+        re-run of the episode see nothing)."""
+        folder = self.box_dir / "turns"
+        folder.mkdir(exist_ok=True)
+        try:
+            (folder / key).mkdir()
+        except FileExistsError:
+            return False
+        return True
+
     async def destroy(self) -> None:
         cgroup = self._provider.cgroup(self.box_dir.name, create=False)
         if cgroup is not None:

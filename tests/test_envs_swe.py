@@ -153,8 +153,14 @@ def test_build_is_deterministic_for_a_seed(toolz_instances, tmp_path):
 
 
 @pytest.mark.slow
-def test_verify_gold_resolves_and_empty_does_not(toolz_instances, capsys):
-    assert cli(["verify", str(toolz_instances), "--json"]) == 0
+@pytest.mark.parametrize("sandbox", ["local", "docker"])
+def test_verify_gold_resolves_and_empty_does_not(toolz_instances, capsys, sandbox):
+    """In the bubblewrap jail and in containers of the locally built image (real Docker engine)."""
+    if sandbox == "docker":
+        from docker_engine import ensure_engine
+
+        ensure_engine()
+    assert cli(["verify", str(toolz_instances), "--json", "--sandbox", sandbox]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert (summary["total"], summary["gold_resolved"], summary["empty_resolved"]) == (2, 2, 0)
 
