@@ -184,8 +184,13 @@ def run_job(cfg: RunConfig, config_path: str, overrides: list[str], bootstrap: s
     asyncio.run(ensure_topics(cfg.broker, cfg.topics, bootstrap))
     engine = None
     if cfg.policy.type == "openai" and cfg.policy.launch and not cfg.policy.base_url:
-        engine = EngineProcess(cfg, run_dir).start()
-        overrides = [*overrides, f"policy.base_url={engine.base_url}"]
+        from rollway.policies.launch import launch_engine
+
+        try:
+            engine = launch_engine(cfg.policy, run_dir / "logs")
+        except (RuntimeError, TimeoutError) as err:
+            raise JobFailed(f"the inference engine did not start: {err}") from err
+        overrides = [*overrides, *engine.overrides()]
     try:
         return _run_stages(cfg, config_path, overrides, bootstrap, run_dir, workers, on_tick, quiet, max_restarts)
     finally:
@@ -246,54 +251,3 @@ def wait_for_consumers(run_dir: Path, completed: int, job: Job, timeout_s: float
         job.restart_dead_workers()
         time.sleep(0.2)
     log.warning(f"sink/learner did not catch up within {timeout_s:.0f}s; the summary may be incomplete")
-
-
-class EngineProcess:
-    """`rollway serve` as a child of the job (policy.launch): the model server the agent workers
-    share and the learner updates."""
-
-    def __init__(self, cfg: RunConfig, run_dir: Path):
-        from rollway.runners.broker import free_port
-
-        self.cfg, self.port = cfg.policy, free_port()
-        self.log_path = run_dir / "logs" / "engine.out"
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    def start(self, timeout_s: float = 600.0) -> EngineProcess:
-        p = self.cfg
-        argv = [sys.executable, "-m", "rollway.runners", "serve", *([p.model] if p.model else []),
-                "--port", str(self.port), "--max-batch", str(p.max_batch), "--max-model-len", str(p.max_model_len),
-                "--dtype", p.dtype, "--threads", str(p.threads), *(["--device", p.device] if p.device else [])]
-        with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while not self._healthy():
-            if self.proc.poll() is not None:
-                raise JobFailed(f"the inference engine exited at start (code {self.proc.returncode}); see {self.log_path}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise JobFailed(f"the inference engine was not ready within {timeout_s:.0f}s; see {self.log_path}")
-            time.sleep(0.5)
-        return self
-
-    def _healthy(self) -> bool:
-        import urllib.request
-
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
