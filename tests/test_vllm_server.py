@@ -265,3 +265,17 @@ def test_a_client_that_cannot_report_versions_fails_a_training_run_loudly(vllm_u
         finally:
             await client.close()
     run(go())
+
+
+def test_chat_mode_talks_to_an_endpoint_without_token_ids(vllm_url):
+    """`policy.api: chat` against vLLM's /v1/chat/completions: text back, encoded with the chat format,
+    zero logprobs and the not-trainable version."""
+    from rollway.policies.openai_chat import NOT_TRAINABLE_VERSION
+
+    cfg = PolicyConfig(type="openai", base_url=vllm_url, api="chat", chat_format="hf")
+    chat = build_chat_format(cfg)
+    client = build_inference(cfg, chat)
+    prompt = chat.initial([{"role": "user", "content": "What is 2 + 2?"}], [])
+    gen = run(_generate(client, SamplingParams(temperature=0.0, max_tokens=16), prompt=prompt))
+    assert gen.token_ids and chat.decode(gen.token_ids).strip()
+    assert gen.logprobs == [0.0] * len(gen.token_ids) and gen.policy_version == NOT_TRAINABLE_VERSION
