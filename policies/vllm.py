@@ -34,13 +34,16 @@ from __future__ import annotations
 import asyncio
 import os
 import shlex
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from rollway.policies.base import Generation, SamplingParams
 from rollway.policies.openai_client import OpenAICompletionsClient
+
+log = structlog.get_logger()
 
 VLLM_VENV = ".venv-vllm"
 """The environment `scripts/setup-vllm.sh` builds, at the root of the rollway checkout."""
@@ -139,47 +142,105 @@ def parse_generate(body: dict[str, Any]) -> Generation:
                       version)
 
 
+class PrefixAffinity:
+    """Which replica served a token sequence, so the next turn of an episode (whose prompt extends
+    the previous prompt and completion) goes back to the replica that holds its prefix in cache."""
+
+    def __init__(self, capacity: int = 20000):
+        from collections import Counter, OrderedDict
+
+        self.capacity = capacity
+        self._where: OrderedDict[tuple[int, int], str] = OrderedDict()  # (length, hash) -> replica root
+        self._lengths: Counter[int] = Counter()
+
+    def remember(self, token_ids: list[int], root: str) -> None:
+        key = (len(token_ids), hash(tuple(token_ids)))
+        if key not in self._where:
+            self._lengths[key[0]] += 1
+        self._where[key] = root
+        self._where.move_to_end(key)
+        while len(self._where) > self.capacity:
+            (length, _), _ = self._where.popitem(last=False)
+            self._lengths[length] -= 1
+            if not self._lengths[length]:
+                del self._lengths[length]
+
+    def find(self, prompt_ids: list[int]) -> str | None:
+        """The replica of the longest remembered sequence that `prompt_ids` starts with."""
+        for length in sorted((n for n in self._lengths if n <= len(prompt_ids)), reverse=True):
+            root = self._where.get((length, hash(tuple(prompt_ids[:length]))))
+            if root is not None:
+                return root
+        return None
+
+
 class VLLMClient(OpenAICompletionsClient):
     """One or more vLLM servers: generation through the token route with per-response versions, and
     weight updates through pause -> reload -> reset prefix cache -> set version -> resume.
 
-    `base_urls`: each server's OpenAI root (`http://HOST:PORT/v1`). Requests go to the replica with
-    the fewest requests in flight; a replica that fails (connection refused, 5xx) is left out for
+    `base_urls`: each server's OpenAI root (`http://HOST:PORT/v1`). A turn goes to the replica that
+    served the episode's previous turn (its prefix is cached there) unless that replica is busier
+    than the least-loaded one by more than `sticky_slack` requests; a new episode goes to the
+    least-loaded replica. A replica that fails (connection refused, 5xx) is left out for
     `dead_for_s` and its request is retried on another."""
 
     def __init__(self, base_urls: list[str], model: str | None = None, timeout: float = 300.0,
                  max_retries: int = 5, api_key: str | None = None, pause_mode: str = "wait",
-                 dead_for_s: float = 30.0):
+                 dead_for_s: float = 30.0, sticky_slack: int = 4):
         super().__init__(base_urls[0], model, timeout, max_retries, api_key=api_key)
         self.roots = [u.rstrip("/").removesuffix("/v1") for u in base_urls]
         self.pause_mode = pause_mode
-        self.dead_for_s = dead_for_s
+        self.dead_for_s, self.sticky_slack = dead_for_s, sticky_slack
         self._inflight = dict.fromkeys(self.roots, 0)
         self._dead_until = dict.fromkeys(self.roots, 0.0)
+        self.affinity = PrefixAffinity()
         self.aborted_retries = 0
+        self.replica_failures = 0
 
-    def _pick(self) -> str:
+    async def model_name(self) -> str:
+        """The configured model, else the first model the first reachable replica serves."""
+        for root in [r for r in self.roots if self._dead_until[r] <= time.monotonic()] or self.roots:
+            if self.model is not None:
+                break
+            try:
+                body, _ = await self._request("GET", f"{root}/v1/models", retries=1)
+                self.model = body["data"][0]["id"]
+            except ConnectionError:
+                self._dead_until[root] = time.monotonic() + self.dead_for_s
+        if self.model is None:
+            raise ConnectionError(f"no vLLM replica answers /v1/models: {self.roots}")
+        return self.model
+
+    def _pick(self, prompt_ids: list[int] | None = None) -> str:
         now = time.monotonic()
         alive = [r for r in self.roots if self._dead_until[r] <= now] or self.roots
-        return min(alive, key=lambda r: self._inflight[r])
+        least = min(alive, key=lambda r: self._inflight[r])
+        if len(alive) > 1 and prompt_ids:
+            sticky = self.affinity.find(prompt_ids)
+            if sticky in alive and self._inflight[sticky] <= self._inflight[least] + self.sticky_slack:
+                return sticky
+        return least
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         payload = generate_payload(await self.model_name(), prompt_ids, params)
         for attempt in range(self.max_retries + 1):
-            root = self._pick()
+            root = self._pick(prompt_ids)
             self._inflight[root] += 1
             try:
                 body, _ = await self._request("POST", f"{root}/inference/v1/generate", payload, retries=0)
             except ConnectionError:
                 self._dead_until[root] = time.monotonic() + self.dead_for_s
+                self.replica_failures += 1
                 if attempt == self.max_retries:
                     raise
-                await asyncio.sleep(min(self.backoff_s * 2**attempt, 5.0))
+                await asyncio.sleep(min(self.backoff_s * 2**attempt, 5.0) if len(self.roots) == 1 else 0.0)
                 continue
             finally:
                 self._inflight[root] -= 1
             gen = parse_generate(body)
             if gen.finish_reason != "abort":
+                if len(self.roots) > 1:
+                    self.affinity.remember(list(prompt_ids) + gen.token_ids, root)
                 return gen
             # Aborted by a weight update's pause (mode abort): sample the whole turn again; the new
             # request waits in vLLM's queue until /resume and runs on the new weights.
@@ -187,8 +248,17 @@ class VLLMClient(OpenAICompletionsClient):
         raise ConnectionError(f"generation failed on every vLLM replica after {self.max_retries + 1} tries")
 
     async def load_weights(self, path: str, version: int) -> int:
-        """Load the safetensors folder `path` (readable by the servers) as `version` on every replica."""
-        await asyncio.gather(*(self._update_replica(root, path, version) for root in self.roots))
+        """Load the safetensors folder `path` (readable by the servers) as `version` on every replica.
+        A replica that cannot be reached is marked dead and skipped (its turns would come back labelled
+        with what it really serves); if none can be updated the error propagates."""
+        results = await asyncio.gather(*(self._update_replica(root, path, version) for root in self.roots),
+                                       return_exceptions=True)
+        failed = [(root, r) for root, r in zip(self.roots, results, strict=True) if isinstance(r, BaseException)]
+        for root, err in failed:
+            if not isinstance(err, ConnectionError) or len(failed) == len(self.roots):
+                raise err
+            self._dead_until[root] = time.monotonic() + self.dead_for_s
+            log.warning("vLLM replica not updated: unreachable", replica=root, version=version, error=str(err))
         self.policy_version = version
         return version
 
@@ -211,7 +281,8 @@ class VLLMClient(OpenAICompletionsClient):
     async def served_version(self) -> int | None:
         """The version every replica serves now (they must agree)."""
         labels = set()
-        for root in self.roots:
+        now = time.monotonic()
+        for root in [r for r in self.roots if self._dead_until[r] <= now] or self.roots:
             body, _ = await self._request("GET", f"{root}/weight_info")
             labels.add(version_of(body.get("weight_version")))
         if len(labels) != 1:
@@ -238,8 +309,3 @@ def wait_ready(url: str, proc: Any, timeout_s: float, log_path: Path | None = No
         time.sleep(0.5)
 
 
-def python_for_vllm_or_exit() -> Path:
-    py = vllm_python()
-    if py is None:
-        sys.exit(INSTALL_HINT)
-    return py

@@ -148,3 +148,18 @@ def test_chat_mode_turns_chatml_prompts_into_messages():
     assert chatml_messages("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n") == [
         {"role": "user", "content": "hi"}]
     assert NOT_TRAINABLE_VERSION < 0
+
+
+def test_turns_of_an_episode_stick_to_the_replica_that_holds_its_prefix():
+    client = VLLMClient(["http://a:1/v1", "http://b:2/v1"], sticky_slack=2)
+    first_turn = [1, 2, 3]
+    client.affinity.remember(first_turn + [7, 8], "http://b:2")  # prompt + completion served by b
+    next_turn = first_turn + [7, 8, 9, 9]  # + observation
+    client._inflight["http://b:2"] = 2
+    assert client._pick(next_turn) == "http://b:2"  # busier, but within the slack
+    client._inflight["http://b:2"] = 3
+    assert client._pick(next_turn) == "http://a:1"  # too busy: least-loaded wins
+    assert client._pick([5, 5]) == "http://a:1"  # a new episode: least-loaded
+    client._dead_until["http://b:2"] = float("inf")
+    client._inflight["http://b:2"] = 0
+    assert client._pick(next_turn) == "http://a:1"  # a dead replica is never chosen

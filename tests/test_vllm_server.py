@@ -279,3 +279,50 @@ def test_chat_mode_talks_to_an_endpoint_without_token_ids(vllm_url):
     gen = run(_generate(client, SamplingParams(temperature=0.0, max_tokens=16), prompt=prompt))
     assert gen.token_ids and chat.decode(gen.token_ids).strip()
     assert gen.logprobs == [0.0] * len(gen.token_ids) and gen.policy_version == NOT_TRAINABLE_VERSION
+
+
+STAND_IN = """
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", int(sys.argv[1]))); s.listen(64)
+conns = []
+while True:
+    c, _ = s.accept(); conns.append(c)  # read nothing back, answer nothing: a replica stuck mid-request
+"""
+
+
+def test_a_replica_killed_mid_run_is_left_out_and_its_turns_retried(vllm_url):
+    """Two replicas: the real server and a stand-in process that accepts requests and never answers
+    (a replica that is busy, then killed: to the client a reset connection, then a refused one; a
+    second vLLM server would double this module's start-up). Killed mid-run, its turns finish on
+    the live replica, weight updates skip it, and nothing hangs."""
+    from rollway.runners.broker import free_port
+
+    port = free_port()
+    stand_in = subprocess.Popen([sys.executable, "-c", STAND_IN, str(port)])
+    time.sleep(0.5)
+
+    async def go():
+        client = client_for(f"http://127.0.0.1:{port}/v1,{vllm_url}")
+        client.model = str(resolve_model_folder("smollm2"))  # the stand-in cannot say what it serves
+        try:
+            turns = [asyncio.create_task(client.generate(PROMPT, SamplingParams(max_tokens=8, seed=i)))
+                     for i in range(6)]
+            await asyncio.sleep(2.0)
+            stand_in.kill()
+            t0 = time.perf_counter()
+            gens = await asyncio.wait_for(asyncio.gather(*turns), 120)
+            await client.load_weights(str(resolve_model_folder("smollm2")), 4)
+            served = await client.served_version()
+            return gens, time.perf_counter() - t0, served, client.replica_failures
+        finally:
+            await client.close()
+
+    try:
+        gens, seconds, served, failures = run(go())
+    finally:
+        stand_in.kill()
+        stand_in.wait()
+    assert all(len(g.token_ids) == 8 and g.policy_version == 0 for g in gens)
+    assert failures >= 3 and served == 4 and seconds < 60
+    _restore(vllm_url)
