@@ -109,12 +109,17 @@ def _modified_checkpoint(target: Path) -> Path:
     return target
 
 
-def test_weight_update_changes_logprobs_to_the_learners(vllm_url, tmp_path):
+@pytest.fixture(scope="module")
+def modified_ckpt(tmp_path_factory) -> Path:
+    return _modified_checkpoint(tmp_path_factory.mktemp("ckpt") / "step_000001")
+
+
+def test_weight_update_changes_logprobs_to_the_learners(vllm_url, modified_ckpt):
     params = SamplingParams(temperature=1.0, max_tokens=16, seed=5)
     before = run(_generate(client_for(vllm_url), params))
     base = resolve_model_folder("smollm2")
     base_diff = max(abs(a - b) for a, b in zip(before.logprobs, _learner_logprobs(base, before.token_ids), strict=True))
-    ckpt = _modified_checkpoint(tmp_path / "step_000001")
+    ckpt = modified_ckpt
     learner_after = _learner_logprobs(ckpt, before.token_ids)
 
     async def update_then_score():
@@ -189,14 +194,14 @@ def _wait_for(cond, timeout_s: float, what: str) -> None:
 
 
 @pytest.mark.parametrize("pause_mode", ["abort"])
-def test_versions_across_two_agent_processes_and_three_updates(vllm_url, tmp_path, pause_mode):
+def test_versions_across_two_agent_processes_and_three_updates(vllm_url, tmp_path, pause_mode, modified_ckpt):
     """Two processes with their own clients (as agent workers have) label every turn with the version
     vLLM reports; the learner's client updates three times (pause_mode abort: turns cut by the pause
     are sampled again on the new weights)."""
     stop = tmp_path / "stop"
     outs = [tmp_path / f"agent-{i}.jsonl" for i in range(2)]
     procs = [subprocess.Popen([sys.executable, "-c", AGENT, vllm_url, str(out), str(stop)]) for out in outs]
-    ckpt = _modified_checkpoint(tmp_path / "ckpt")
+    ckpt = modified_ckpt
     latencies = []
     try:
         for version in (1, 2, 3):
@@ -226,14 +231,14 @@ def test_versions_across_two_agent_processes_and_three_updates(vllm_url, tmp_pat
     _restore(vllm_url)
 
 
-def test_abort_mode_resamples_cut_turns_on_the_new_version(vllm_url, tmp_path):
-    ckpt = _modified_checkpoint(tmp_path / "ckpt")
+def test_abort_mode_resamples_cut_turns_on_the_new_version(vllm_url, modified_ckpt):
+    ckpt = modified_ckpt
 
     async def go():
         agent, learner = client_for(vllm_url), client_for(vllm_url, pause_mode="abort")
         try:
-            long_turn = asyncio.create_task(agent.generate(PROMPT, SamplingParams(max_tokens=400, seed=1, ignore_eos=True)))
-            await asyncio.sleep(1.5)
+            long_turn = asyncio.create_task(agent.generate(PROMPT, SamplingParams(max_tokens=200, seed=1, ignore_eos=True)))
+            await asyncio.sleep(1.0)
             await learner.load_weights(str(ckpt), 7)
             return await long_turn, agent.aborted_retries
         finally:
