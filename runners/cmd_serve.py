@@ -26,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="vllm: run vLLM (scripts/setup-vllm.sh) with rollway's flags (token route, "
                         "weight versions, RL routes); the model is converted to a Hugging Face folder first")
     parser.add_argument("--enforce-eager", action="store_true", help="vllm: skip the compile warm-up")
+    parser.add_argument("--kv-cache-gib", type=float, default=2.0,
+                        help="vllm on CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE; without it vLLM wants 92%% of RAM)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,5 +60,5 @@ def _run_vllm(args: argparse.Namespace) -> int:
     argv = vllm_serve_command(str(resolve_model_folder(args.model)), port=args.port, host=args.host,
                               served_model_name=args.served_model_name, max_model_len=args.max_model_len,
                               dtype=args.dtype, python=str(python), enforce_eager=args.enforce_eager)
-    os.execve(str(python), argv, {**os.environ, **vllm_serve_env()})
+    os.execve(str(python), argv, {**os.environ, **vllm_serve_env(args.kv_cache_gib)})
     return 0  # not reached
