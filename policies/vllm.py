@@ -263,7 +263,8 @@ class VLLMClient(OpenAICompletionsClient):
         return version
 
     async def _update_replica(self, root: str, path: str, version: int) -> None:
-        await self._request("POST", f"{root}/pause?mode={self.pause_mode}&clear_cache=true")
+        # Few retries: an unreachable replica should cost an update seconds, not the full backoff.
+        await self._request("POST", f"{root}/pause?mode={self.pause_mode}&clear_cache=true", retries=2)
         try:
             await self._request("POST", f"{root}/collective_rpc",
                                 {"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
