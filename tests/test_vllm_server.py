@@ -237,8 +237,8 @@ def test_abort_mode_resamples_cut_turns_on_the_new_version(vllm_url, modified_ck
     async def go():
         agent, learner = client_for(vllm_url), client_for(vllm_url, pause_mode="abort")
         try:
-            long_turn = asyncio.create_task(agent.generate(PROMPT, SamplingParams(max_tokens=200, seed=1, ignore_eos=True)))
-            await asyncio.sleep(1.0)
+            long_turn = asyncio.create_task(agent.generate(PROMPT, SamplingParams(max_tokens=400, seed=1, ignore_eos=True)))
+            await asyncio.sleep(0.5)  # the turn is queued or running: either way the pause aborts it
             await learner.load_weights(str(ckpt), 7)
             return await long_turn, agent.aborted_retries
         finally:
