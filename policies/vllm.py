@@ -58,8 +58,8 @@ DEFAULT_LABEL = "default"
 def vllm_python() -> Path | None:
     """The interpreter of the vLLM environment, or None when there is none."""
     override = os.environ.get(VLLM_PYTHON_ENV)
-    if override:
-        return Path(override)
+    if override:  # explicit: that interpreter or none
+        return Path(override) if Path(override).exists() else None
     root = Path(__file__).resolve().parent.parent  # policies/ sits at the checkout's root
     for base in (root, Path.cwd()):
         py = base / VLLM_VENV / "bin" / "python"

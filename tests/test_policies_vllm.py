@@ -163,3 +163,20 @@ def test_turns_of_an_episode_stick_to_the_replica_that_holds_its_prefix():
     client._dead_until["http://b:2"] = float("inf")
     client._inflight["http://b:2"] = 0
     assert client._pick(next_turn) == "http://a:1"  # a dead replica is never chosen
+
+
+def test_without_vllm_the_builtin_engine_remains_and_says_how_to_get_vllm(monkeypatch):
+    from rollway.policies.launch import resolve_engine
+
+    monkeypatch.setenv("ROLLWAY_VLLM_PYTHON", "/nonexistent/bin/python")
+    assert resolve_engine(PolicyConfig(type="openai", launch=True)) == "builtin"
+    with pytest.raises(RuntimeError, match="setup-vllm.sh"):
+        resolve_engine(PolicyConfig(type="openai", launch=True, engine="vllm"))
+
+
+def test_with_vllm_installed_auto_launches_vllm():
+    from rollway.policies.launch import resolve_engine
+    from rollway.policies.vllm import vllm_python
+
+    assert vllm_python() is not None, "scripts/setup-vllm.sh builds .venv-vllm; the setup must have run it"
+    assert resolve_engine(PolicyConfig(type="openai", launch=True)) == "vllm"
