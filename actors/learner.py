@@ -197,8 +197,16 @@ class LearnerActor(Actor):
         the scripted policy, are skipped)."""
         load = getattr(self.s.inference, "load_weights", None)
         if load is not None:
+            t0 = time.perf_counter()
             await load(str(checkpoint), version)
-            log.info("inference engine loaded policy", version=version, checkpoint=str(checkpoint))
+            # Agents in other processes label turns with the version the engine reports per response:
+            # an engine that cannot report it would label every turn 0 and, with a lag bound, every
+            # later episode would be dropped as stale without a word. Fail here instead.
+            from rollway.policies.base import check_served_version
+
+            await check_served_version(self.s.inference, version)
+            log.info("inference engine loaded policy", version=version, checkpoint=str(checkpoint),
+                     sync_s=round(time.perf_counter() - t0, 3))
 
     def _record(self, msg: Trajectory) -> None:
         record = {"episode_id": msg.episode_id, "group_id": msg.group_id, "task_id": msg.task_id,

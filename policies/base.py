@@ -17,6 +17,8 @@ class SamplingParams:
     seed: int | None = None
     """Per-request sampling seed. The agent seeds turn k of an episode with `episode_seed(...) + k`,
     so a re-run of an episode draws the same samples."""
+    ignore_eos: bool = False
+    """Keep sampling past the model's end-of-sequence token (benchmarks and tests of long turns)."""
 
 
 @dataclass(frozen=True)
@@ -38,8 +40,31 @@ class InferenceClient(ABC):
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         """Sample one completion for `prompt_ids`."""
 
+    async def served_version(self) -> int | None:
+        """The policy version the engine serves now, as its responses report it; None when the engine
+        cannot say (then agents in other processes cannot know which policy produced a turn)."""
+        return None
+
     async def close(self) -> None:
         """Release connections."""
+
+
+class PolicyVersionUnknown(RuntimeError):
+    """The engine does not report which policy version produced a response."""
+
+
+async def check_served_version(client: InferenceClient, version: int) -> None:
+    """After a weight update: the engine must report `version`, or turns would be mislabelled."""
+    served = await client.served_version()
+    if served is None:
+        raise PolicyVersionUnknown(
+            f"the inference engine ({type(client).__name__}) does not report policy versions, so every turn "
+            "would be labelled 0 and, once the learner is max_policy_lag versions ahead, every episode dropped "
+            "as stale: train with policy.engine=vllm or the built-in engine (policy.launch=true), or "
+            "policy.type=local")
+    if served != version:
+        raise PolicyVersionUnknown(f"the inference engine serves policy version {served} after loading "
+                                   f"version {version}: another process updates it; give each run its own engine")
 
 
 class ChatFormat(ABC):

@@ -1,4 +1,6 @@
-"""`rollway bench serve`: generated tokens/s of the engine with 1 and with N concurrent clients."""
+"""`rollway bench serve`: generated tokens/s of the engine with 1 and with N concurrent clients;
+`--engine both` runs the built-in engine and vLLM side by side at 1, 8 and 32 clients, with the
+pause-to-resume latency of a weight update on each."""
 
 from __future__ import annotations
 
@@ -26,9 +28,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--max-batch", type=int, default=8)
+    parser.add_argument("--engine", choices=("builtin", "vllm", "both"), default="builtin",
+                        help="engines to start and compare (vllm: from .venv-vllm); `both` measures 1, 8 and "
+                        "32 clients (--client-counts) and the weight-update latency of each")
+    parser.add_argument("--client-counts", default="1,8,32", help="with --engine: concurrent clients to measure")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.engine != "builtin" and args.url is None:
+        result = compare_engines(args)
+        print(json.dumps(result) if args.json else json.dumps(result, indent=1))
+        return 0
     server = None
     url = args.url
     if url is None:
@@ -109,3 +119,64 @@ def report(r: dict[str, Any]) -> str:
         lines.append(f"  per CPU second of this process: {r['cpu_tokens_per_s_1']:.1f} and "
                      f"{r[f'cpu_tokens_per_s_{n}']:.1f} tokens, ratio {r['cpu_ratio']:.2f}x")
     return "\n".join(lines)
+
+
+def compare_engines(args: argparse.Namespace) -> dict[str, Any]:
+    """Each engine in turn (never both at once: they would share the cores): tokens/s at each client
+    count, then the latency of loading the same weights as a new version."""
+    from pathlib import Path
+    from tempfile import mkdtemp
+
+    from rollway.policies.config import PolicyConfig
+    from rollway.policies.launch import launch_engine
+
+    counts = [int(c) for c in args.client_counts.split(",")]
+    result: dict[str, Any] = {"tokens": args.tokens, "prompt_len": args.prompt_len, "rounds": args.rounds,
+                              "client_counts": counts}
+    for engine in (["builtin", "vllm"] if args.engine == "both" else [args.engine]):
+        cfg = PolicyConfig(type="openai", launch=True, engine=engine, model=args.model or "smollm2",
+                           dtype=args.dtype, max_batch=max(counts), threads=args.threads)
+        t0 = time.perf_counter()
+        launched = launch_engine(cfg, Path(mkdtemp(prefix=f"bench-serve-{engine}-")))
+        try:
+            start_s = time.perf_counter() - t0
+            result[engine] = asyncio.run(_engine_figures(launched.servers[0].base_url, engine, counts, args))
+            result[engine]["start_s"] = round(start_s, 1)
+        finally:
+            launched.stop()
+    if "builtin" in result and "vllm" in result:
+        result["vllm_over_builtin"] = {str(c): round(result["vllm"][f"tokens_per_s_{c}"]
+                                                     / result["builtin"][f"tokens_per_s_{c}"], 2) for c in counts}
+    return result
+
+
+async def _engine_figures(url: str, engine: str, counts: list[int], args: argparse.Namespace) -> dict[str, Any]:
+    import aiohttp
+
+    from rollway.policies.model_loading import resolve_model_folder
+
+    figures: dict[str, Any] = {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as http:
+        model = (await _post_or_get(http, f"{url}/models"))["data"][0]["id"]
+        await _complete(http, url, model, _prompt(0, args.prompt_len), 4)
+        for c in counts:
+            figures[f"tokens_per_s_{c}"] = round((await _rate(http, url, model, c, args))[0], 1)
+    if engine == "vllm":
+        from rollway.policies.vllm import VLLMClient
+
+        client = VLLMClient([url])
+    else:
+        from rollway.policies.openai_client import OpenAICompletionsClient
+
+        client = OpenAICompletionsClient(url)
+    try:
+        folder = str(resolve_model_folder(args.model))
+        latencies = []
+        for version in (1, 2, 3):
+            t0 = time.perf_counter()
+            await client.load_weights(folder, version)
+            latencies.append(round(time.perf_counter() - t0, 3))
+        figures["weight_sync_s"] = latencies
+    finally:
+        await client.close()
+    return figures

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 
 class ScriptRule(BaseModel):
@@ -35,17 +35,44 @@ class PolicyConfig(BaseModel):
     script: list[ScriptRule] = Field(default_factory=list)
     """Scripted policy: the first rule whose `when` matches the prompt plays its turns."""
     base_url: str | None = None
-    """OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1."""
+    """OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1. With `engine: vllm`, several vLLM
+    replicas may be given separated by commas."""
     launch: bool = False
-    """`openai` only: `rollway up`/`eval`/`chaos` start the built-in engine (`rollway serve` with
-    model, dtype, max_batch, max_model_len, threads) on a free loopback port and point `base_url`
-    at it; the learner's new policies are loaded into it."""
+    """`openai` only: `rollway up`/`eval`/`chaos` start the engine (`engine`) on free loopback ports
+    and point `base_url` at it; the learner's new policies are loaded into it."""
+    engine: Literal["auto", "builtin", "vllm"] = "auto"
+    """Which server `launch` starts, and how the client talks to it. `vllm`: vLLM's OpenAI server from
+    the vLLM environment (`scripts/setup-vllm.sh`), token route with per-response weight versions,
+    updates through pause/reload/resume. `builtin`: `rollway serve`. `auto`: `vllm` when launching
+    and the vLLM environment exists, else `builtin` (with a message saying how to get vLLM)."""
+    replicas: int = Field(1, ge=1)
+    """`launch` with `engine: vllm`: servers started; requests go to the least-loaded live one and
+    every replica is updated to the same version."""
+    api: Literal["completions", "chat"] = "completions"
+    """`openai`, not launched: `completions` sends token ids and reads token ids and logprobs back
+    (what training needs); `chat` sends messages to `/chat/completions`, for endpoints that take no
+    token ids (evaluation only: logprobs are zero, so such runs must not train)."""
+    api_key: SecretStr | None = None
+    """Bearer token sent to the server. None: the environment variable `OPENAI_API_KEY` when set."""
+    pause_mode: Literal["wait", "abort"] = "wait"
+    """vLLM weight updates: `wait` lets running turns finish on the old weights before the reload;
+    `abort` ends them at once and the client samples those turns again on the new weights."""
+    enforce_eager: bool = True
+    """vLLM: `--enforce-eager` (no compile warm-up). Measured here with SmolLM2: ready in about 1
+    minute instead of about 3."""
+    kv_cache_gib: float = Field(2.0, gt=0)
+    """vLLM on CPU: KV cache size per replica (`VLLM_CPU_KVCACHE_SPACE`)."""
+    vllm_args: list[str] = Field(default_factory=list)
+    """Extra command-line arguments for each vLLM server."""
+    start_timeout_s: float = Field(900.0, gt=0)
+    """How long a launched engine may take to answer /health."""
     model: str | None = None
     """Local model: 'smollm2' (the bundled SmolLM2-135M-Instruct GGUF), a .gguf file or a Hugging Face
     folder. For `openai`, also the model name sent to the server (None: the server's first model)."""
     tokenizer: str | None = None
-    """Where the `hf` chat format loads its tokenizer when `model` is only a server-side name
-    (a local folder or 'smollm2'). None: `model`, else the bundled SmolLM2."""
+    """Where the `hf` chat format loads its tokenizer (a local folder, a .gguf or 'smollm2'). None:
+    `model` when it names a local model, else the model the server says it serves (`root` in its
+    /v1/models, when that folder is readable here); otherwise an error asks for this field."""
     request_timeout_s: float = Field(300.0, gt=0)
     """Per-request timeout to the inference server."""
     max_retries: int = Field(5, ge=0)
@@ -66,4 +93,16 @@ class PolicyConfig(BaseModel):
         if self.type == "openai" and not self.base_url and not self.launch:
             raise ValueError("policy.type=openai needs policy.base_url (e.g. http://127.0.0.1:8000/v1) "
                              "or policy.launch=true")
+        if self.api == "chat" and (self.launch or self.engine == "vllm"):
+            raise ValueError("policy.api=chat is for external endpoints without token ids; a launched "
+                             "engine and vLLM serve token ids: use policy.api=completions")
         return self
+
+    def base_urls(self) -> list[str]:
+        """The servers in `base_url` (comma-separated for several vLLM replicas)."""
+        return [u.strip() for u in (self.base_url or "").split(",") if u.strip()]
+
+    def api_key_value(self) -> str | None:
+        import os
+
+        return self.api_key.get_secret_value() if self.api_key else os.environ.get("OPENAI_API_KEY") or None

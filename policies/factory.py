@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rollway.policies.base import ChatFormat, InferenceClient
 from rollway.policies.config import PolicyConfig
 
@@ -15,9 +17,53 @@ def build_chat_format(cfg: PolicyConfig) -> ChatFormat:
         from rollway.policies.hf_chat import HFChatFormat
         from rollway.policies.model_loading import load_tokenizer
 
-        source = cfg.tokenizer or (cfg.model if cfg.type != "openai" else None)
-        return HFChatFormat(load_tokenizer(source))
+        return HFChatFormat(load_tokenizer(tokenizer_source(cfg)))
     raise NotImplementedError(f"policy.chat_format={cfg.chat_format!r} is not built yet")
+
+
+def tokenizer_source(cfg: PolicyConfig) -> str | None:
+    """Where the `hf` chat format's tokenizer comes from: `tokenizer`, else `model` when it names a
+    local model (or for in-process and launched engines, which serve `model`), else the folder the
+    server reports serving. Never silently the bundled model for some other served model."""
+    if cfg.tokenizer:
+        return cfg.tokenizer
+    if cfg.type != "openai" or cfg.launch or _is_local_model(cfg.model):
+        return cfg.model
+    root = _served_root(cfg)
+    if root is not None and _is_local_model(root):
+        return root
+    raise ValueError(f"policy.tokenizer is not set and the served model ({cfg.model or root!r}) is not a "
+                     "folder readable here: set policy.tokenizer to the served model's tokenizer (a local "
+                     "Hugging Face folder, a .gguf file or 'smollm2')")
+
+
+def _is_local_model(spec: str | None) -> bool:
+    if spec in (None, "", "smollm2"):
+        return spec == "smollm2"
+    path = Path(spec).expanduser()
+    return path.suffix == ".gguf" and path.is_file() or (path / "config.json").is_file() or (
+        path.is_dir() and any(path.glob("*.gguf")))
+
+
+def _served_root(cfg: PolicyConfig) -> str | None:
+    """The `root` (vLLM: the model's path or hub name) of the served model in /v1/models."""
+    import json
+    import urllib.request
+
+    urls = cfg.base_urls()
+    if not urls:
+        return None
+    request = urllib.request.Request(f"{urls[0].rstrip('/')}/models")
+    if key := cfg.api_key_value():
+        request.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            models = json.load(resp)["data"]
+    except (OSError, ValueError, KeyError) as err:
+        raise ValueError(f"could not ask {urls[0]}/models which model it serves ({err}); set policy.tokenizer "
+                         "to the served model's tokenizer") from err
+    chosen = next((m for m in models if m.get("id") == cfg.model), models[0] if models else None)
+    return None if chosen is None else chosen.get("root") or chosen.get("id")
 
 
 def build_inference(cfg: PolicyConfig, chat: ChatFormat) -> InferenceClient:
@@ -25,10 +71,21 @@ def build_inference(cfg: PolicyConfig, chat: ChatFormat) -> InferenceClient:
         from rollway.policies.scripted import ScriptedPolicy
 
         return ScriptedPolicy(cfg.script, chat)
+    if cfg.type == "openai" and cfg.engine == "vllm":
+        from rollway.policies.vllm import VLLMClient
+
+        return VLLMClient(cfg.base_urls(), None if cfg.launch else cfg.model, cfg.request_timeout_s,
+                          cfg.max_retries, api_key=cfg.api_key_value(), pause_mode=cfg.pause_mode)
+    if cfg.type == "openai" and cfg.api == "chat":
+        from rollway.policies.openai_chat import OpenAIChatClient
+
+        return OpenAIChatClient(cfg.base_url or "", chat, cfg.model, cfg.request_timeout_s, cfg.max_retries,
+                                api_key=cfg.api_key_value())
     if cfg.type == "openai":
         from rollway.policies.openai_client import OpenAICompletionsClient
 
-        return OpenAICompletionsClient(cfg.base_url or "", cfg.model, cfg.request_timeout_s, cfg.max_retries)
+        return OpenAICompletionsClient(cfg.base_url or "", None if cfg.launch else cfg.model,
+                                       cfg.request_timeout_s, cfg.max_retries, api_key=cfg.api_key_value())
     if cfg.type == "local":
         from rollway.policies.local import LocalEngineClient
 

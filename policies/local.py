@@ -41,5 +41,8 @@ class LocalEngineClient(InferenceClient):
         """Load a safetensors checkpoint folder as policy `version` (after running turns finish)."""
         return await self.engine.update_weights(path, version)
 
+    async def served_version(self) -> int | None:
+        return self.engine.policy_version
+
     async def close(self) -> None:
         self.engine.stop()

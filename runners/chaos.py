@@ -62,8 +62,9 @@ class ChaosMonkey:
         if kind is None:
             return
         if kind == "engine":
-            job.engine.kill()
-            self.events.append({"t": round(now - self.started, 2), "kill": "engine-0"})
+            index = self.rng.choice(job.engine.alive())
+            job.engine.kill(index)
+            self.events.append({"t": round(now - self.started, 2), "kill": f"engine-{index}"})
             return
         live = [p for p in job.procs if p.stage == kind and p.alive]
         victim = self.rng.choice(live)
@@ -86,7 +87,7 @@ class ChaosMonkey:
                 kinds = [k for k in kinds if k in self.kinds]
             self._round = self.rng.sample(kinds, len(kinds))
         for kind in reversed(self._round):
-            alive = job.engine.alive if kind == "engine" else any(p.stage == kind and p.alive for p in job.procs)
+            alive = bool(job.engine.alive()) if kind == "engine" else any(p.stage == kind and p.alive for p in job.procs)
             if alive:
                 self._round.remove(kind)
                 return kind

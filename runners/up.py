@@ -12,11 +12,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 
 from rollway.actors import STAGES
 from rollway.core.config import RunConfig, dump_config
+
+if TYPE_CHECKING:
+    from rollway.policies.launch import LaunchedEngine
 
 log = structlog.get_logger()
 
@@ -59,8 +63,8 @@ class Job:
     workers: dict[str, int]
     procs: list[StageProcess] = field(default_factory=list)
     max_restarts: int = 3
-    engine: EngineProcess | None = None
-    """The inference engine the job launched (policy.launch), restarted like a worker when it dies."""
+    engine: LaunchedEngine | None = None
+    """The inference servers the job launched (policy.launch), restarted like workers when they die."""
     env: dict[str, str] | None = None
     """Extra environment of the stage processes (chaos runs arm fault points with it)."""
 
@@ -109,9 +113,8 @@ class Job:
                 p.restarts += 1
                 p.start()
                 notes.append(f"{p.stage}-{p.index} exited (code {code}); restarted ({p.restarts}/{self.max_restarts})")
-        if self.engine is not None and not self.engine.alive:
-            self.engine.start(model=latest_weights(self.run_dir))
-            notes.append("the inference engine exited; restarted with the newest checkpoint")
+        if self.engine is not None:
+            notes += self.engine.restart_dead(latest_weights(self.run_dir))
         return notes
 
     def stop(self, timeout_s: float = 15.0) -> None:
@@ -211,8 +214,13 @@ def run_job(cfg: RunConfig, config_path: str, overrides: list[str], bootstrap: s
     asyncio.run(ensure_topics(cfg.broker, cfg.topics, bootstrap))
     engine = None
     if cfg.policy.type == "openai" and cfg.policy.launch and not cfg.policy.base_url:
-        engine = EngineProcess(cfg, run_dir).start()
-        overrides = [*overrides, f"policy.base_url={engine.base_url}"]
+        from rollway.policies.launch import launch_engine
+
+        try:
+            engine = launch_engine(cfg.policy, run_dir / "logs")
+        except (RuntimeError, TimeoutError) as err:
+            raise JobFailed(f"the inference engine did not start: {err}") from err
+        overrides = [*overrides, *engine.overrides()]
     try:
         job = Job(cfg, config_path, overrides, bootstrap, run_dir, workers, max_restarts=max_restarts,
                   engine=engine, env=env)
@@ -299,67 +307,3 @@ async def consumer_lag(cfg: RunConfig, bootstrap: str, stages: tuple[str, ...]) 
         finally:
             await consumer.stop()
     return total
-
-
-class EngineProcess:
-    """`rollway serve` as a child of the job (policy.launch): the model server the agent workers
-    share and the learner updates."""
-
-    def __init__(self, cfg: RunConfig, run_dir: Path):
-        from rollway.runners.broker import free_port
-
-        self.cfg, self.port = cfg.policy, free_port()
-        self.log_path = run_dir / "logs" / "engine.out"
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def kill(self) -> None:
-        """SIGKILL the engine (chaos runs); the job restarts it."""
-        if self.alive:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-    def start(self, timeout_s: float = 600.0, model: str | None = None) -> EngineProcess:
-        """Start the server and wait until healthy; `model` overrides policy.model (a restart
-        serves the newest checkpoint)."""
-        p = self.cfg
-        model = model or p.model
-        argv = [sys.executable, "-m", "rollway.runners", "serve", *([model] if model else []),
-                "--port", str(self.port), "--max-batch", str(p.max_batch), "--max-model-len", str(p.max_model_len),
-                "--dtype", p.dtype, "--threads", str(p.threads), *(["--device", p.device] if p.device else [])]
-        with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while not self._healthy():
-            if self.proc.poll() is not None:
-                raise JobFailed(f"the inference engine exited at start (code {self.proc.returncode}); see {self.log_path}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise JobFailed(f"the inference engine was not ready within {timeout_s:.0f}s; see {self.log_path}")
-            time.sleep(0.5)
-        return self
-
-    def _healthy(self) -> bool:
-        import urllib.request
-
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()

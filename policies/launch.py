@@ -1,0 +1,181 @@
+"""`policy.launch`: start the inference servers a job's agents share and its learner updates.
+
+`engine: vllm` starts `replicas` vLLM servers from the vLLM environment (`scripts/setup-vllm.sh`);
+`builtin` starts `rollway serve`; `auto` takes vLLM where that environment exists. The servers are
+children of the job in their own process groups, stopped with it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import structlog
+
+from rollway.policies.config import PolicyConfig
+from rollway.policies.vllm import INSTALL_HINT, vllm_python, vllm_serve_command, vllm_serve_env, wait_ready
+
+log = structlog.get_logger()
+
+
+def resolve_engine(cfg: PolicyConfig) -> str:
+    """`builtin` or `vllm` for a launched engine; `vllm` without its environment is an error."""
+    has_vllm = vllm_python() is not None
+    if cfg.engine == "vllm" and not has_vllm:
+        raise RuntimeError(f"policy.engine=vllm: {INSTALL_HINT}")
+    if cfg.engine == "auto" and not has_vllm:
+        log.info(f"using the built-in engine; {INSTALL_HINT}")
+    return "vllm" if cfg.engine == "vllm" or (cfg.engine == "auto" and has_vllm) else "builtin"
+
+
+class ServerProcess:
+    """One server child: argv, log file, process group."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], port: int, log_path: Path):
+        self.argv, self.env, self.port, self.log_path = argv, env, port, log_path
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self) -> ServerProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                         env={**os.environ, **self.env})
+        return self
+
+    def wait_ready(self, timeout_s: float) -> None:
+        assert self.proc is not None
+        wait_ready(f"http://127.0.0.1:{self.port}/health", self.proc, timeout_s, self.log_path)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.alive():
+            assert self.proc is not None
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+class LaunchedEngine:
+    """The servers of one job. `overrides()` are the config overrides that point workers at them."""
+
+    def __init__(self, engine: str, servers: list[ServerProcess], cfg: PolicyConfig | None = None):
+        self.engine, self.servers, self.cfg = engine, servers, cfg
+
+    def alive(self) -> list[int]:
+        """Indexes of the servers running now."""
+        return [i for i, s in enumerate(self.servers) if s.alive()]
+
+    def kill(self, index: int) -> None:
+        """SIGKILL one server (chaos runs); `restart_dead` brings it back."""
+        proc = self.servers[index].proc
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def restart_dead(self, checkpoint: str | None) -> list[str]:
+        """Start every dead server again on its port, serving `checkpoint` (the learner's newest) when
+        there is one, and label it with that checkpoint's version (vLLM), so turns it samples carry
+        the right version. Blocks until each is healthy."""
+        notes = []
+        for i, old in enumerate(self.servers):
+            if old.alive() or self.cfg is None:
+                continue
+            cfg = self.cfg if checkpoint is None else self.cfg.model_copy(update={"model": checkpoint})
+            if self.engine == "vllm":  # same served name as before: the clients keep naming it
+                from rollway.policies.model_loading import resolve_model_folder
+
+                server = vllm_server(cfg, old.port, old.log_path, str(resolve_model_folder(self.cfg.model)))
+            else:
+                server = builtin_server(cfg, old.port, old.log_path)
+            server.start().wait_ready(self.cfg.start_timeout_s)
+            version = _checkpoint_version(checkpoint)
+            if self.engine == "vllm" and version:
+                _post(f"http://127.0.0.1:{old.port}/update_weight_version", {"new_version": str(version)})
+            self.servers[i] = server
+            notes.append(f"inference server {i} exited; restarted serving {checkpoint or 'the initial model'}")
+        return notes
+
+    @property
+    def base_url(self) -> str:
+        return ",".join(s.base_url for s in self.servers)
+
+    def overrides(self) -> list[str]:
+        return [f"policy.base_url={self.base_url}", f"policy.engine={self.engine}"]
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+
+def vllm_server(cfg: PolicyConfig, port: int, log_path: Path, served_name: str | None = None) -> ServerProcess:
+    from rollway.policies.model_loading import resolve_model_folder
+
+    python = vllm_python()
+    if python is None:
+        raise RuntimeError(INSTALL_HINT)
+    folder = resolve_model_folder(cfg.model)  # vLLM needs a Hugging Face folder: GGUF converted once, cached
+    argv = vllm_serve_command(str(folder), port=port, served_model_name=served_name,
+                              max_model_len=cfg.max_model_len, dtype=cfg.dtype,
+                              python=str(python), enforce_eager=cfg.enforce_eager,
+                              api_key=cfg.api_key_value(), extra_args=tuple(cfg.vllm_args))
+    return ServerProcess(argv, vllm_serve_env(cfg.kv_cache_gib), port, log_path)
+
+
+def builtin_server(cfg: PolicyConfig, port: int, log_path: Path) -> ServerProcess:
+    argv = [sys.executable, "-m", "rollway.runners", "serve", *([cfg.model] if cfg.model else []),
+            "--port", str(port), "--max-batch", str(cfg.max_batch), "--max-model-len", str(cfg.max_model_len),
+            "--dtype", cfg.dtype, "--threads", str(cfg.threads), *(["--device", cfg.device] if cfg.device else [])]
+    return ServerProcess(argv, {}, port, log_path)
+
+
+def launch_engine(cfg: PolicyConfig, log_dir: Path) -> LaunchedEngine:
+    """Start the configured servers and wait until every one answers /health."""
+    from rollway.runners.broker import free_port
+
+    engine = resolve_engine(cfg)
+    count = cfg.replicas if engine == "vllm" else 1
+    make = vllm_server if engine == "vllm" else builtin_server
+    name = "vllm" if engine == "vllm" else "engine"
+    servers = [make(cfg, free_port(), log_dir / (f"{name}-{i}.out" if count > 1 else f"{name}.out"))
+               for i in range(count)]
+    launched = LaunchedEngine(engine, servers, cfg)
+    log.info("starting inference engine", engine=engine, replicas=count, logs=str(log_dir))
+    try:
+        for server in servers:
+            server.start()
+        for server in servers:
+            server.wait_ready(cfg.start_timeout_s)
+    except BaseException:
+        launched.stop()
+        raise
+    return launched
+
+
+def _checkpoint_version(checkpoint: str | None) -> int:
+    """The policy version a learner checkpoint folder holds (0 for none)."""
+    if checkpoint is None:
+        return 0
+    from rollway.learning.checkpoint import load_state
+
+    return load_state(Path(checkpoint)).version
+
+
+def _post(url: str, body: dict) -> None:
+    import json
+    import urllib.request
+
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        response.read()

