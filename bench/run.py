@@ -29,11 +29,11 @@ from rollway.sandboxes.sim import live_sandbox_stats
 class SimServer:
     """The simulated inference server as its own process (shared by every agent worker)."""
 
-    def __init__(self, plans_path: Path, wl: WorkloadConfig, log_path: Path):
+    def __init__(self, plans_path: Path, wl: WorkloadConfig, log_path: Path, instant: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.argv = [sys.executable, "-m", "rollway.bench.sim_server", "--plans", str(plans_path),
-                     "--workload", wl.model_dump_json(), "--port", str(self.port)]
+                     "--workload", wl.model_dump_json(), "--port", str(self.port)] + ["--instant"] * instant
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
 

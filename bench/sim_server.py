@@ -90,6 +90,8 @@ class SimEngine:
     b: float
     p: float
     cap: int
+    instant: bool = False
+    """Zero-latency engine (the framework-ceiling benchmark): answer at once, no steps."""
     waiting: deque = field(default_factory=deque)
     running: list = field(default_factory=list)
     steps: list = field(default_factory=list)
@@ -124,6 +126,9 @@ class SimEngine:
         finish = "stop"
         if len(ids) > max_tokens:
             ids, finish = ids[:max_tokens], "length"
+        if self.instant:
+            self.requests += 1
+            return ids, finish
         req = _Request(episode, ids, prompt_ids, asyncio.get_running_loop().create_future(), time.time())
         self.waiting.append(req)
         self.requests += 1
@@ -284,10 +289,12 @@ def main() -> None:
     parser.add_argument("--plans", required=True, help="plans file written by the benchmark")
     parser.add_argument("--workload", required=True, help="WorkloadConfig as JSON")
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--instant", action="store_true", help="zero-latency engine: answer at once, no steps")
     args = parser.parse_args()
     cfg = WorkloadConfig.model_validate(json.loads(args.workload))
     plans = {p.index: p for p in read_plans(Path(args.plans))}
-    engine = SimEngine(plans, cfg.step_base_s, cfg.step_per_seq_s, cfg.prefill_per_token_s, cfg.slots)
+    engine = SimEngine(plans, cfg.step_base_s, cfg.step_per_seq_s, cfg.prefill_per_token_s, cfg.slots,
+                       instant=args.instant)
     try:
         import uvloop
 

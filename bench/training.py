@@ -49,12 +49,14 @@ class TrainingConfig(BaseModel):
     """Modes to run, by maximum policy lag: 0 is synchronous (on-policy), >= 1 asynchronous."""
     learner_fixed_s: float = Field(0.5, ge=0)
     """Seconds per learner step regardless of its tokens (optimizer step, launch overheads)."""
-    learner_s_per_ktoken: float = Field(0.0016, ge=0)
+    learner_s_per_ktoken: float = Field(0.035, ge=0)
     """Learner seconds per 1000 trained tokens (every token of the episode: prompt, completions and
     observations go through forward and backward; the loss mask only selects the loss). Default: a
     step trains its batch in about the time the engine generates it at full throughput (seed 0: 32
-    episodes of ~2,600 tokens, ~4.6 s against ~4.2 s), the balanced split AReaL and verl recommend
-    for disaggregated training. The README compares the resulting learner share with published runs."""
+    episodes of ~3,600 tokens: 0.5 + 4.0 s, against ~4.7 s of generation at ~6.8 episodes/s), the
+    balanced split of rollout and training devices AReaL and verl recommend for disaggregated
+    training. The README compares the resulting learner share of a synchronous step with published
+    runs."""
     weight_sync_s: float = Field(0.3, ge=0)
     """Engine pause per update while the new weights load (no decode step starts inside it)."""
     out_of_order: bool = True
@@ -104,6 +106,26 @@ class TrainingModeResult:
         return [e for e in self.episodes if e.trained_step is not None]
 
 
+def select_batch(pending: list[EpisodeRecord], step: int, lag: int, size: int,
+                 out_of_order: bool = True) -> list[EpisodeRecord] | None:
+    """Step `step`'s batch from the untrained episodes (in issue order), or None while it must wait:
+    every one that started under version step - lag or earlier must be in it, finished (so none is
+    trained more than `lag` versions stale), and `size` in all, the rest the oldest finished ones
+    (by start version, then finish time). With out_of_order False only a finished prefix of the
+    issue order counts."""
+    forced = [e for e in pending if e.version <= step - lag]
+    if any(e.trajectory is None for e in forced):
+        return None
+    if out_of_order:
+        done = [e for e in pending if e.trajectory is not None]
+    else:
+        done = list(itertools.takewhile(lambda e: e.trajectory is not None, pending))
+    if len(done) < size:
+        return None
+    rest = sorted((e for e in done if e.version > step - lag), key=lambda e: (e.version, e.done_at))
+    return (forced + rest)[:size]
+
+
 class TrainingLoop:
     """One mode: an issuer, per-episode coroutines and the simulated learner, in one event loop.
     Episodes pass through gates sized as the pipeline's stages are: sandbox starts (init concurrency),
@@ -129,7 +151,7 @@ class TrainingLoop:
     # -- issuing ---------------------------------------------------------------------------
     def may_issue(self) -> bool:
         b = self.tc.batch_episodes
-        return (self.alive < self.wl.sandbox_bound and len(self.records) < self.wl.episodes
+        return (self.alive < self.wl.sandbox_bound and len(self.records) < (self.tc.steps + self.lag) * b
                 and len(self.records) < (self.version + 1 + self.lag) * b)
 
     async def issue_loop(self) -> None:
@@ -169,19 +191,8 @@ class TrainingLoop:
 
     # -- learning ----------------------------------------------------------------------------
     def batch_for(self, step: int) -> list[EpisodeRecord] | None:
-        """Step `step`'s batch, or None while it must wait: every untrained episode that started
-        under version step - lag or earlier must be in it (finished), and B episodes in all."""
-        pending = [e for e in self.records if e.trained_step is None]
-        forced = [e for e in pending if e.version <= step - self.lag]
-        if any(e.trajectory is None for e in forced):
-            return None
-        done = [e for e in pending if e.trajectory is not None]
-        if not self.tc.out_of_order:
-            done = list(itertools.takewhile(lambda e: e.trajectory is not None, pending))
-        if len(done) < self.tc.batch_episodes:
-            return None
-        rest = sorted((e for e in done if e.version > step - self.lag), key=lambda e: (e.version, e.done_at))
-        return (forced + rest)[: self.tc.batch_episodes]
+        return select_batch([e for e in self.records if e.trained_step is None], step, self.lag,
+                            self.tc.batch_episodes, self.tc.out_of_order)
 
     async def learner_loop(self) -> list[StepRecord]:
         steps = []
@@ -240,6 +251,7 @@ def mode_figures(result: TrainingModeResult, tc: TrainingConfig, pauses: list[li
             turns += 1
             served = sum(1 for end in pause_ends if end <= (turn.gen_started_at or 0.0))
             newer += served > e.version
+    steady = result.steps[-1].sync_end - result.steps[0].sync_end if len(result.steps) > 1 else 0.0
     return {
         "mode": "sync" if result.lag == 0 else f"async lag {result.lag}",
         "max_policy_lag": result.lag,
@@ -247,6 +259,8 @@ def mode_figures(result: TrainingModeResult, tc: TrainingConfig, pauses: list[li
         "trained_episodes": len(trained),
         "trained_episodes_per_s": len(trained) / wall,
         "step_s_mean": wall / max(1, len(result.steps)),
+        "steady_episodes_per_s": (len(result.steps) - 1) * tc.batch_episodes / steady if steady else None,
+        "steady_step_s": steady / (len(result.steps) - 1) if steady else None,
         "learner_busy_fraction": learner_busy / wall,
         "learner_wait_s_mean": sum(waits) / max(1, len(waits)),
         "staleness_histogram": {str(k): histogram[k] for k in sorted(histogram)},
@@ -308,10 +322,13 @@ def run_training_bench(wl: WorkloadConfig, tc: TrainingConfig, out: Path, say=pr
     sync = next((m for m in modes if m["max_policy_lag"] == 0), None)
     for m in modes:
         m["ratio_to_sync"] = m["trained_episodes_per_s"] / sync["trained_episodes_per_s"] if sync else None
+        m["steady_ratio_to_sync"] = (m["steady_episodes_per_s"] / sync["steady_episodes_per_s"]
+                                     if sync and m["steady_episodes_per_s"] and sync["steady_episodes_per_s"] else None)
     plot = out / "training.png"
     plot_training(modes, series, plot)
     return {"workload": wl.model_dump(), "training": tc.model_dump(), "workload_summary": workload_summary(plans),
             "modes": modes, "ratios": {m["mode"]: m["ratio_to_sync"] for m in modes},
+            "steady_ratios": {m["mode"]: m["steady_ratio_to_sync"] for m in modes},
             "plot": str(plot), "out_dir": str(out), "utilisation_series": series}
 
 
@@ -343,11 +360,14 @@ def plot_training(modes: list[dict], series: dict[str, list], path: Path) -> Non
 def format_training_text(result: dict[str, Any]) -> str:
     lines = [f"workload: {result['workload_summary']}",
              f"training: {result['training']}",
-             f"{'mode':<14}{'wall_s':>8}{'ep/s':>7}{'ratio':>7}{'engine_busy':>12}{'learner_busy':>13}"
-             f"{'stale_max':>10}  staleness histogram"]
+             f"{'mode':<14}{'wall_s':>8}{'ep/s':>7}{'ratio':>7}{'steady ep/s':>12}{'ratio':>7}"
+             f"{'engine_busy':>12}{'learner_busy':>13}{'stale_max':>10}  staleness histogram"]
     for m in result["modes"]:
         lines.append(f"{m['mode']:<14}{m['wall_s']:>8.1f}{m['trained_episodes_per_s']:>7.2f}"
-                     f"{(m['ratio_to_sync'] or 0):>7.2f}{m['busy_fraction']:>12.2f}{m['learner_busy_fraction']:>13.2f}"
-                     f"{m['staleness_max']:>10}  {m['staleness_histogram']}")
+                     f"{(m['ratio_to_sync'] or 0):>7.2f}{(m['steady_episodes_per_s'] or 0):>12.2f}"
+                     f"{(m['steady_ratio_to_sync'] or 0):>7.2f}{m['busy_fraction']:>12.2f}"
+                     f"{m['learner_busy_fraction']:>13.2f}{m['staleness_max']:>10}  {m['staleness_histogram']}")
+    lines.append("steady: from the end of the first update to the end of the last (the first batch's fill and "
+                 "nothing else excluded)")
     lines.append(f"plot: {result['plot']}")
     return "\n".join(lines)

@@ -1,5 +1,5 @@
 """`rollway bench`: benchmarks. `pipeline` (pipelined vs batched rollout), `training` (sync vs async RL
-training), `serve`, `learner`, `learn`."""
+training), `ceiling` (one agent worker against a zero-latency engine), `serve`, `learner`, `learn`."""
 
 from __future__ import annotations
 
@@ -46,6 +46,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="workload settings (rollway.bench.workload) or training settings (batch_episodes, steps, "
                         "lags=[0,2], learner_fixed_s, learner_s_per_ktoken, weight_sync_s, out_of_order)")
     t.set_defaults(_bench=run_training_bench)
+    c = sub.add_parser("ceiling", help="turns/s of one agent worker against a zero-latency engine, per-turn "
+                                       "overhead broken down",
+                       description="Runs one real agent stage worker on the embedded broker against a simulated "
+                                   "engine that answers at once, with zero-time tools: turns/s, CPU ms per turn, and "
+                                   "ms per turn in decode, tokenisation, inference round trip, tool dispatch, produce, "
+                                   "commit; one turn at a time and slots + tool_overlap at once.")
+    c.add_argument("--json", action="store_true", help="print the result as JSON")
+    c.add_argument("--seed", type=int, default=None, help="workload seed (same as seed=S)")
+    c.add_argument("--out", default=None, help="output folder (default runs/bench-ceiling-<time>)")
+    c.add_argument("--profile", action="store_true", help="write a cProfile of the concurrent run (concurrent.pstats)")
+    c.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="workload settings, e.g. episodes=512 slots=64 tool_overlap=64")
+    c.set_defaults(_bench=run_ceiling_bench)
     for name, module in DELEGATES.items():
         d = sub.add_parser(name, help=f"see {module}")
         _delegate_arguments(d, module)
@@ -134,4 +147,30 @@ def run_training_bench(args: argparse.Namespace) -> int:
         print(json.dumps({k: v for k, v in result.items() if k != "utilisation_series"}))
     else:
         print(format_training_text(result))
+    return 0
+
+
+def run_ceiling_bench(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from rollway.bench.ceiling import format_ceiling_text, run_ceiling_bench
+    from rollway.bench.workload import WorkloadConfig
+    from rollway.core.config import ConfigError, apply_override
+    from rollway.core.logging import configure_logging
+
+    data: dict = {"episodes": 256}
+    try:
+        for override in args.overrides:
+            apply_override(data, override)
+        if args.seed is not None:
+            data["seed"] = args.seed
+        wl = WorkloadConfig.model_validate(data)
+    except (ConfigError, ValidationError) as err:
+        print(f"rollway bench ceiling: {err}", file=sys.stderr)
+        return 2
+    out = Path(args.out or f"runs/bench-ceiling-{time.strftime('%Y%m%d-%H%M%S')}")
+    configure_logging("bench", level="WARNING")
+    result = run_ceiling_bench(wl, out, profile=args.profile, say=lambda m: print(m, file=sys.stderr, flush=True))
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result) if args.json else format_ceiling_text(result))
     return 0
