@@ -148,7 +148,7 @@ def measure(wl: WorkloadConfig, out: Path, bootstrap: str, server_url: str, name
     if profile is not None:
         import cProfile
 
-        profiler = cProfile.Profile()
+        profiler = cProfile.Profile(time.process_time)  # CPU, not wall: the idle event loop costs nothing
         profiler.enable()
     try:
         figures = _run_in_loop(cfg, run_dir, bootstrap, turns, timers)
@@ -188,9 +188,48 @@ def run_ceiling_bench(wl: WorkloadConfig, out: Path, profile: bool = False, say=
         say(f"bench ceiling: one turn at a time, {serial.episodes} episodes")
         results["serial"] = measure(serial, out, broker.bootstrap, server.url, "serial")
         say(f"bench ceiling: {wl.slots + wl.tool_overlap} turns at once, {wl.episodes} episodes")
-        results["concurrent"] = measure(wl, out, broker.bootstrap, server.url, "concurrent",
-                                        out / "concurrent.pstats" if profile else None)
+        results["concurrent"] = measure(wl, out, broker.bootstrap, server.url, "concurrent")
+        if profile:
+            say("bench ceiling: the concurrent run again under cProfile (CPU by category)")
+            profiled = measure(wl, out, broker.bootstrap, server.url, "profiled", out / "profiled.pstats")
+            results["cpu"] = cpu_breakdown(out / "profiled.pstats", profiled["turns"],
+                                           results["concurrent"]["cpu_ms_per_turn"])
     return {"workload": wl.model_dump(), **results, "out_dir": str(out)}
+
+
+CPU_CATEGORIES = (
+    ("decode_encode", ("msgspec", "schemas/codec")),
+    ("tokenisation", ("policies/chat", "policies/base")),
+    ("tool_dispatch", ("tools/", "sandboxes/")),
+    ("inference_client", ("aiohttp", "json/", "policies/openai_client", "yarl", "multidict", "http_")),
+    ("kafka_client", ("aiokafka", "kafka/")),
+    ("agent_logic", ("actors/",)),
+    ("stage_runtime", ("runners/stage",)),
+    ("logging", ("structlog", "logging/")),
+    ("event_loop", ("asyncio/", "uvloop", "selectors", "socket")),
+)
+"""Where a profiled turn's CPU goes, by the file (or built-in) each function's own time was spent in."""
+
+
+def cpu_breakdown(pstats_path: Path, turns: int, cpu_ms_per_turn: float) -> dict[str, Any]:
+    """Own (tottime) CPU per category from a cProfile of the worker, as shares and as ms per turn
+    scaled to the unprofiled run's CPU per turn (the profiler slows every call, roughly evenly)."""
+    import pstats
+
+    stats = pstats.Stats(str(pstats_path)).stats  # type: ignore[attr-defined]
+    seconds: dict[str, float] = defaultdict(float)
+    for (filename, _line, name), (_cc, _nc, tottime, _ct, _callers) in stats.items():
+        where = f"{filename}:{name}"
+        category = next((c for c, marks in CPU_CATEGORIES if any(m in where for m in marks)), "other")
+        seconds[category] += tottime
+    total = sum(seconds.values()) or 1.0
+    shares = {k: v / total for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])}
+    top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:12]
+    return {"cpu_share": shares,
+            "cpu_ms_per_turn": {k: share * cpu_ms_per_turn for k, share in shares.items()},
+            "profiled_cpu_ms_per_turn": 1000 * total / max(1, turns),
+            "top_functions": [{"function": f"{f}:{line}({name})", "tottime_s": round(v[2], 3), "calls": v[1]}
+                              for (f, line, name), v in top]}
 
 
 def format_ceiling_text(result: dict[str, Any]) -> str:
@@ -201,4 +240,7 @@ def format_ceiling_text(result: dict[str, Any]) -> str:
         lines.append(f"{name:<11} {r['turns_in_flight']:>3} turns in flight: {r['turns_per_s']:.0f} turns/s, "
                      f"CPU {r['cpu_ms_per_turn']:.2f} ms/turn (busy {r['cpu_busy_fraction']:.2f})")
         lines.append(f"{'':<11} per turn (ms, wall time inside each call): {breakdown}")
+    if "cpu" in result:
+        cpu = ", ".join(f"{k} {v:.2f}" for k, v in result["cpu"]["cpu_ms_per_turn"].items())
+        lines.append(f"CPU per turn by category (ms, profile shares x the concurrent run's CPU): {cpu}")
     return "\n".join(lines)

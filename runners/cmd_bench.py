@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--json", action="store_true", help="print the result as JSON")
     c.add_argument("--seed", type=int, default=None, help="workload seed (same as seed=S)")
     c.add_argument("--out", default=None, help="output folder (default runs/bench-ceiling-<time>)")
-    c.add_argument("--profile", action="store_true", help="write a cProfile of the concurrent run (concurrent.pstats)")
+    c.add_argument("--profile", action="store_true", help="run the concurrent case again under cProfile: CPU per turn by category")
     c.add_argument("overrides", nargs="*", metavar="key=value",
                    help="workload settings, e.g. episodes=512 slots=64 tool_overlap=64")
     c.set_defaults(_bench=run_ceiling_bench)
