@@ -139,7 +139,7 @@ class TrainingLoop:
         self.init, self.agent, self.reward = (InitActor(self.services), AgentActor(self.services),
                                               RewardActor(self.services))
         self.init_gate = asyncio.Semaphore(wl.init_concurrency)
-        self.turn_gate = RankedGate(wl.slots + wl.tool_overlap)
+        self.turn_gate = RankedGate(wl.slots + wl.model_call_slack + wl.tool_overlap)
         self.grade_gate = asyncio.Semaphore(wl.grade_concurrency)
         self.alive = 0
         self.version = 0

@@ -28,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--seed", type=int, default=None, help="workload seed (same as seed=S)")
     p.add_argument("--out", default=None, help="output folder (default runs/bench-pipeline-<time>)")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="run the pipeline only (efficiency and broker overhead at scale; no ratio)")
     p.add_argument("--scaling", default="1,2,4",
                    help="agent worker counts to run the pipeline with (comma list; the first is the headline)")
     p.add_argument("overrides", nargs="*", metavar="key=value",
@@ -106,7 +108,8 @@ def run_pipeline_bench(args: argparse.Namespace) -> int:
         return 2
     out = Path(args.out or f"runs/bench-pipeline-{time.strftime('%Y%m%d-%H%M%S')}")
     configure_logging("bench", level="WARNING")  # the in-process baseline would log every episode
-    result = run_bench(wl, out, scaling, say=lambda m: print(m, file=sys.stderr, flush=True))
+    result = run_bench(wl, out, scaling, say=lambda m: print(m, file=sys.stderr, flush=True),
+                       with_baseline=not args.no_baseline)
     (out / "result.json").write_text(json.dumps(result, indent=1))
     if args.json:
         print(json.dumps({k: v for k, v in result.items() if k != "utilisation_series"}))
