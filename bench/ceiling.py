@@ -158,7 +158,7 @@ def measure(wl: WorkloadConfig, out: Path, bootstrap: str, server_url: str, name
             profiler.dump_stats(profile)
         timers.restore()
     figures["per_turn_ms"] = timers.per_turn_ms(turns)
-    figures["turns_in_flight"] = wl.slots + wl.tool_overlap
+    figures["turns_in_flight"] = wl.slots + wl.model_call_slack + wl.tool_overlap
     return figures
 
 
@@ -180,14 +180,14 @@ def run_ceiling_bench(wl: WorkloadConfig, out: Path, profile: bool = False, say=
     out.mkdir(parents=True, exist_ok=True)
     wl = wl.model_copy(update=ZERO_TIME)
     write_plans(plan_workload(wl), out / "plans.jsonl")
-    serial = wl.model_copy(update={"slots": 1, "tool_overlap": 0, "agent_prefetch": 4,
+    serial = wl.model_copy(update={"slots": 1, "tool_overlap": 0, "model_call_slack": 0, "agent_prefetch": 4,
                                    "episodes": min(wl.episodes, 64)})
     results = {}
     with SimServer(out / "plans.jsonl", wl, out / "sim-server.log", instant=True) as server, \
             EmbeddedBroker(log_path=out / "broker.log") as broker:
         say(f"bench ceiling: one turn at a time, {serial.episodes} episodes")
         results["serial"] = measure(serial, out, broker.bootstrap, server.url, "serial")
-        say(f"bench ceiling: {wl.slots + wl.tool_overlap} turns at once, {wl.episodes} episodes")
+        say(f"bench ceiling: {wl.slots + wl.model_call_slack + wl.tool_overlap} turns at once, {wl.episodes} episodes")
         results["concurrent"] = measure(wl, out, broker.bootstrap, server.url, "concurrent")
         if profile:
             say("bench ceiling: the concurrent run again under cProfile (CPU by category)")

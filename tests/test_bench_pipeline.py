@@ -21,7 +21,7 @@ from rollway.sandboxes.sim import live_sandbox_stats
 
 TINY = ["episodes=6", "slots=2", "init_lookahead=1", "init_concurrency=2", "grade_concurrency=2",
         "init_s_median=0.3", "grade_s_median=0.3", "turns_median=3", "tool_s_median=0.05",
-        "thought_tokens_median=10", "step_base_s=0.002", "tool_overlap=1"]
+        "thought_tokens_median=10", "step_base_s=0.002", "tool_overlap=1", "model_call_slack=0"]
 FULL_DRAIN = ["carry_over=false"]
 """Run exactly `episodes` and wait for all of them (the makespan includes the drain)."""
 
