@@ -325,14 +325,14 @@ def run_training_bench(wl: WorkloadConfig, tc: TrainingConfig, out: Path, say=pr
         m["steady_ratio_to_sync"] = (m["steady_episodes_per_s"] / sync["steady_episodes_per_s"]
                                      if sync and m["steady_episodes_per_s"] and sync["steady_episodes_per_s"] else None)
     plot = out / "training.png"
-    plot_training(modes, series, plot)
+    plot_training(modes, series, plot, wl.slots)
     return {"workload": wl.model_dump(), "training": tc.model_dump(), "workload_summary": workload_summary(plans),
             "modes": modes, "ratios": {m["mode"]: m["ratio_to_sync"] for m in modes},
             "steady_ratios": {m["mode"]: m["steady_ratio_to_sync"] for m in modes},
             "plot": str(plot), "out_dir": str(out), "utilisation_series": series}
 
 
-def plot_training(modes: list[dict], series: dict[str, list], path: Path) -> None:
+def plot_training(modes: list[dict], series: dict[str, list], path: Path, cap: int) -> None:
     """Engine busy fraction over time per mode, learner steps shaded beneath."""
     import matplotlib
 
@@ -342,8 +342,9 @@ def plot_training(modes: list[dict], series: dict[str, list], path: Path) -> Non
     fig, axes = plt.subplots(len(modes), 1, figsize=(9, 1.9 * len(modes) + 0.6), sharex=True, squeeze=False)
     for ax, m in zip(axes[:, 0], modes, strict=True):
         points = series[str(m["max_policy_lag"])]
-        ax.plot([p["t"] for p in points], [p["busy"] for p in points], drawstyle="steps-post", lw=1,
-                label="engine busy fraction")
+        ts = [p["t"] for p in points]
+        ax.plot(ts, [p["busy"] for p in points], drawstyle="steps-post", lw=1, label="busy (>= 1 sequence)")
+        ax.plot(ts, [p["active"] / cap for p in points], drawstyle="steps-post", lw=1, label="running / cap")
         for start, end in m["learner_intervals"]:
             ax.axvspan(start, end, ymin=0, ymax=0.12, color="tab:orange", alpha=0.6, lw=0)
         ax.set_ylim(0, 1.05)
@@ -351,6 +352,7 @@ def plot_training(modes: list[dict], series: dict[str, list], path: Path) -> Non
         ax.grid(alpha=0.3)
         ax.set_title(f"{m['mode']}: {m['trained_episodes_per_s']:.2f} trained episodes/s, "
                      f"engine busy {m['busy_fraction']:.2f}, staleness {m['staleness_histogram']}", fontsize=9)
+    axes[0, 0].legend(loc="lower left", fontsize=8)
     axes[-1, 0].set_xlabel("seconds since the mode started (orange: learner training and weight sync)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
