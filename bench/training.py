@@ -3,9 +3,9 @@ workload. Rollouts run the real init, agent and reward actors in-process against
 and sandboxes; the learner is simulated: a step lasts `learner_fixed_s + learner_s_per_ktoken x
 trained tokens / 1000`, then the engine pauses `weight_sync_s` for the new weights.
 
-One code path serves every mode. With a maximum policy lag L, episode n may start only while
-n < (v + 1 + L) x B (v: the policy version the engine serves, B: episodes per step; AReaL's staleness
-control), and learner step k must train every episode that started under version k - L or earlier
+One code path serves every mode. With a maximum policy lag L, episode n may start generating only
+while n < (v + 1 + L) x B (v: the policy version the engine serves, B: episodes per step; AReaL's
+staleness control; its sandbox may start up to `init_lookahead` episodes earlier), and learner step k must train every episode that started under version k - L or earlier
 (it waits for them), filling the rest of its batch with the oldest finished ones. So no trained episode
 is more than L versions stale. L = 0 is synchronous training: a batch is generated, trained and synced
 before the next starts (on-policy). With L >= 1 generation goes on while the learner trains, and
@@ -70,9 +70,11 @@ class TrainingConfig(BaseModel):
 @dataclass
 class EpisodeRecord:
     index: int
-    version: int
-    """Policy version the engine served when the episode started."""
     issued_at: float
+    """When its sandbox start began (up to `init_lookahead` episodes ahead of admission)."""
+    version: int | None = None
+    """Policy version the engine served when the episode was admitted to generate (its first turn)."""
+    admitted_at: float = 0.0
     done_at: float = 0.0
     trajectory: Trajectory | None = None
     trained_step: int | None = None
@@ -113,7 +115,7 @@ def select_batch(pending: list[EpisodeRecord], step: int, lag: int, size: int,
     trained more than `lag` versions stale), and `size` in all, the rest the oldest finished ones
     (by start version, then finish time). With out_of_order False only a finished prefix of the
     issue order counts."""
-    forced = [e for e in pending if e.version <= step - lag]
+    forced = [e for e in pending if e.version is not None and e.version <= step - lag]
     if any(e.trajectory is None for e in forced):
         return None
     if out_of_order:
@@ -149,16 +151,22 @@ class TrainingLoop:
         self.tasks: list[asyncio.Task] = []
 
     # -- issuing ---------------------------------------------------------------------------
+    def admissible(self, index: int) -> bool:
+        """AReaL's staleness control, applied when an episode starts generating: episode n only
+        while n < (v + 1 + lag) x B."""
+        return index < (self.version + 1 + self.lag) * self.tc.batch_episodes
+
     def may_issue(self) -> bool:
-        b = self.tc.batch_episodes
-        return (self.alive < self.wl.sandbox_bound and len(self.records) < (self.tc.steps + self.lag) * b
-                and len(self.records) < (self.version + 1 + self.lag) * b)
+        """Sandboxes start up to `init_lookahead` episodes ahead of admission, within the sandbox bound."""
+        n, b = len(self.records), self.tc.batch_episodes
+        return (self.alive < self.wl.sandbox_bound and n < (self.tc.steps + self.lag) * b
+                and n < (self.version + 1 + self.lag) * b + self.wl.init_lookahead)
 
     async def issue_loop(self) -> None:
         while True:
             async with self.changed:
                 await self.changed.wait_for(self.may_issue)
-                record = EpisodeRecord(len(self.records), self.version, time.time())
+                record = EpisodeRecord(len(self.records), time.time())
                 self.records.append(record)
                 self.alive += 1
             self.tasks.append(asyncio.create_task(self.episode(record)))
@@ -183,6 +191,9 @@ class TrainingLoop:
                           issued_at=record.issued_at, deadline=record.issued_at + NO_DEADLINE_S)
         async with self.init_gate:
             msg = (await self.init.handle(req, self._meta("init-requests")))[0].value
+        async with self.changed:
+            await self.changed.wait_for(lambda: self.admissible(record.index))
+            record.version, record.admitted_at = self.version, time.time()
         while isinstance(msg, AgentStep):
             async with self.turn_gate.slot(lambda turn=msg.turn: float(turn)):
                 msg = (await self.agent.handle(msg, self._meta("agent-steps")))[0].value

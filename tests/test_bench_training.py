@@ -65,9 +65,10 @@ def run_modes(tmp_path, lags, batch=3, steps=3, **training):
 
 
 def running_while_training(r) -> list:
-    """Episodes in flight (issued, not yet graded) during some learner step or weight sync."""
+    """Episodes generating (admitted, not yet graded) during some learner step or weight sync."""
     return [e for e in r.episodes for s in r.steps
-            if e.issued_at < s.sync_end and (e.trajectory is None or e.done_at > s.train_start)]
+            if e.version is not None and e.admitted_at < s.sync_end
+            and (e.trajectory is None or e.done_at > s.train_start)]
 
 
 def test_sync_mode_starts_no_episode_before_the_update_and_trains_on_policy(tmp_path):
@@ -76,7 +77,7 @@ def test_sync_mode_starts_no_episode_before_the_update_and_trains_on_policy(tmp_
     assert len(r.steps) == 3 and len(r.trained) == 9
     for step in r.steps[:-1]:
         later = [e for e in r.episodes if e.trained_step == step.step + 1]
-        assert later and min(e.issued_at for e in later) >= step.sync_end, "the next batch waited for the update"
+        assert later and min(e.admitted_at for e in later) >= step.sync_end, "the next batch waited for the update"
         assert all(e.version == step.step + 1 for e in later)
     assert all(s == 0 for step in r.steps for s in step.staleness)
     assert len(r.episodes) == 9, "sync starts exactly the episodes it trains"
@@ -94,8 +95,8 @@ def test_async_modes_overlap_generation_with_training_and_never_exceed_their_lag
         assert sum(figures["staleness_histogram"].values()) == figures["trained_episodes"] == 12
         assert sorted(e.trained_step for e in r.trained) == [k for k in range(4) for _ in range(3)]
         assert running_while_training(r), f"lag {lag}: generation went on while the learner trained"
-        for e in r.episodes:  # the issue rule: episode n starts only while n < (v + 1 + lag) x B
-            assert e.index < (e.version + 1 + lag) * 3
+        for e in r.episodes:  # the admission rule: episode n generates only while n < (v + 1 + lag) x B
+            assert e.version is None or e.index < (e.version + 1 + lag) * 3
     assert results[2].steps and max(results[2].steps[-1].staleness) >= 1
     assert len(engine.pauses) == 8, "one weight-sync pause per update"
 
@@ -105,7 +106,7 @@ FINISHED = object()
 
 
 def _record(index: int, version: int, done_at: float | None) -> EpisodeRecord:
-    rec = EpisodeRecord(index, version, issued_at=float(index))
+    rec = EpisodeRecord(index, issued_at=float(index), version=version)
     if done_at is not None:
         rec.done_at = done_at
         rec.trajectory = FINISHED
