@@ -131,8 +131,10 @@ def select_batch(pending: list[EpisodeRecord], step: int, lag: int, size: int,
 class TrainingLoop:
     """One mode: an issuer, per-episode coroutines and the simulated learner, in one event loop.
     Episodes pass through gates sized as the pipeline's stages are: sandbox starts (init concurrency),
-    turns (slots + tool overlap, later turns first; the agent's own gate holds model calls to
-    `slots`), gradings (grade concurrency), and at most the sandbox bound alive."""
+    turns (slots + model_call_slack + tool_overlap, later turns first; the agent's own gate holds
+    model calls to slots + model_call_slack), gradings (grade concurrency), and at most the sandbox
+    bound alive. An episode that fails stops the mode with its error (the learner would otherwise
+    wait for it forever)."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path, wl: WorkloadConfig, tc: TrainingConfig, lag: int,
                  pause_url: str | None):
@@ -149,6 +151,7 @@ class TrainingLoop:
         self.offsets = itertools.count()
         self.records: list[EpisodeRecord] = []
         self.tasks: list[asyncio.Task] = []
+        self.failure: BaseException | None = None
 
     # -- issuing ---------------------------------------------------------------------------
     def admissible(self, index: int) -> bool:
@@ -174,6 +177,11 @@ class TrainingLoop:
     async def episode(self, record: EpisodeRecord) -> None:
         try:
             traj = await self.run_episode(record)
+        except Exception as err:
+            async with self.changed:
+                self.failure = self.failure or err
+                self.changed.notify_all()
+            raise
         finally:
             async with self.changed:
                 self.alive -= 1
@@ -210,7 +218,10 @@ class TrainingLoop:
         async with aiohttp.ClientSession() as http:
             for k in range(self.tc.steps):
                 async with self.changed:
-                    await self.changed.wait_for(lambda k=k: self.batch_for(k) is not None)
+                    await self.changed.wait_for(lambda k=k: self.failure or self.batch_for(k) is not None)
+                    if self.failure is not None:
+                        raise RuntimeError(f"bench training: an episode failed ({self.failure!r}); see the "
+                                           "run folder's logs") from self.failure
                     batch = self.batch_for(k)
                     for e in batch:
                         e.trained_step = k
