@@ -27,8 +27,12 @@ def run_config(wl: WorkloadConfig, plans_path: Path, sandbox_root: Path, server_
                agent_workers: int = 1) -> dict[str, Any]:
     """The job config of one mode (the baseline reads its scheduler's order and actor settings from it
     too). The pipeline's total agent concurrency (model calls at once) equals the baseline's slots and
-    the server's cap; it and `tool_overlap` are split evenly over the agent workers."""
-    per_worker, overlap = -(-wl.slots // agent_workers), -(-wl.tool_overlap // agent_workers)
+    the server's cap (plus `model_call_slack`, which the server queues); it and `tool_overlap` are split
+    evenly over the agent workers. With carry_over there is no final wave: the batch's end is not the
+    end of the stream, and ranking every episode earliest turn first there would put the next step's
+    first turns ahead of the batch's last ones."""
+    per_worker = -(-(wl.slots + wl.model_call_slack) // agent_workers)
+    overlap = -(-wl.tool_overlap // agent_workers)
     return {
         "run": {"name": name, "id": name, "seed": wl.seed, "timeout_s": 1800, "trace": True},
         "topics": {"prefix": f"{name}.", "default_partitions": 8},
@@ -39,7 +43,7 @@ def run_config(wl: WorkloadConfig, plans_path: Path, sandbox_root: Path, server_
         "scheduler": {"group_size": 1, "max_inflight_episodes": wl.sandbox_bound,
                       "init_lookahead": wl.init_lookahead, "agent_slots": (per_worker + overlap) * agent_workers,
                       "episode_deadline_s": wl.episode_deadline_s, "max_attempts": 2, "order": wl.order,
-                      "final_wave": wl.final_wave},
+                      "final_wave": wl.final_wave and not wl.carry_over},
         "init": {"concurrency": wl.init_concurrency},
         "agent": {"concurrency": per_worker, "tool_overlap": overlap,
                   "prefetch": wl.agent_prefetch, "max_turns": wl.turns_max + 1,
@@ -64,6 +68,8 @@ class PipelineRun:
     messages: int
     run_dir: Path
     workers: int
+    task_ids: dict[str, str] = field(default_factory=dict)
+    """Episode id -> task id (the sim task `sim-NNNNN` names its plan)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -95,7 +101,7 @@ async def read_episode_log(cfg: RunConfig, bootstrap: str) -> dict[str, Any]:
     """Everything the run wrote to the per-episode topics: bytes and messages per episode, issue and
     finish times (read back from the broker, so it counts exactly what crossed it)."""
     consumer = await make_consumer(cfg.broker, bootstrap, group_id=None)
-    out: dict[str, Any] = {"issued_at": {}, "created_at": {}, "turns": {}, "messages": 0,
+    out: dict[str, Any] = {"issued_at": {}, "created_at": {}, "turns": {}, "messages": 0, "task_ids": {},
                            "bytes_per_episode": defaultdict(int)}
     try:
         for spec in EPISODE_TOPICS:
@@ -110,6 +116,7 @@ async def read_episode_log(cfg: RunConfig, bootstrap: str) -> dict[str, Any]:
                 elif spec is TRAJECTORIES:
                     msg = decode(record.value, Trajectory)
                     out["created_at"][episode], out["turns"][episode] = msg.created_at, msg.num_turns
+                    out["task_ids"][episode] = msg.task_id
     finally:
         await consumer.stop()
     out["bytes_per_episode"] = dict(out["bytes_per_episode"])

@@ -171,14 +171,19 @@ def plot_utilisation(series: dict[str, list[dict[str, float]]], cap: int, path: 
 
 def format_text(result: dict[str, Any]) -> str:
     b, p = result["baseline"], result["pipeline"]
+    modes = [m for m in (b, p) if m]
+    ratio = f"{result['ratio']:.3f}" if result["ratio"] is not None else "- (no baseline)"
     lines = [
         f"workload: {result['workload_summary']}",
         f"{'mode':<27}{'makespan_s':>11}{'busy':>7}{'active/cap':>11}{'peak_sbx':>9}{'sbx_s/ep':>9}",
         *(f"{m['label']:<27}{m['makespan_s']:>11.2f}{m['busy_fraction']:>7.2f}"
           f"{m['mean_active_fraction_of_cap']:>11.2f}{m['peak_live_sandboxes']:>9}"
-          f"{m['sandbox_seconds_per_episode']:>9.2f}" for m in (b, p)),
-        f"ratio (baseline/pipeline) {result['ratio']:.3f}   ideal_makespan {result['ideal_makespan']:.2f}s "
+          f"{m['sandbox_seconds_per_episode']:>9.2f}" for m in modes),
+        f"ratio (baseline/pipeline) {ratio}   ideal_makespan {result['ideal_makespan']:.2f}s "
         f"({result['ideal']['bottleneck']})   efficiency {result['efficiency']:.3f}",
+        (f"carry-over: each mode's makespan ends at its {p['episodes']}th grading; pipeline: "
+         f"{p.get('episodes_carried', 0)} episodes carried over, their {p.get('carried_turns', 0)} completed turns "
+         f"counted in the bound" if result["workload"].get("carry_over") else "full drain: every episode waited for"),
         f"pipeline sandbox bound {p['sandbox_bound']} (peak {p['peak_live_sandboxes']}, "
         f"within: {p['peak_live_sandboxes'] <= p['sandbox_bound']}), episodes re-issued after their deadline: "
         f"{p.get('episodes_retried', 0)}",
@@ -190,7 +195,7 @@ def format_text(result: dict[str, Any]) -> str:
             f"{m['label']:<27}inference per request: admission {m['inference_admission_ms']:.1f} ms, engine "
             f"{m['inference_engine_ms']:.0f} ms, answer lag {m['inference_answer_lag_ms']:.1f} ms, client "
             f"{m['inference_client_ms']:.1f} ms"
-            for m in (b, p)
+            for m in modes
             if "inference_requests" in m
         ),
         f"broker: hop p50 {p['hop_latency_p50_ms']:.1f} ms, p99 {p['hop_latency_p99_ms']:.1f} ms, transit p50 "
@@ -203,7 +208,7 @@ def format_text(result: dict[str, Any]) -> str:
     if result.get("scaling"):
         lines.append(f"{'agent workers':<15}{'makespan_s':>11}{'ratio':>7}{'efficiency':>11}{'busy':>7}"
                      f"{'hop_p50_ms':>11}{'hop_p99_ms':>11}{'peak_sbx':>9}{'overhead':>9}")
-        lines += [f"{r['agent_workers']:<15}{r['makespan_s']:>11.2f}{r['ratio']:>7.3f}{r['efficiency']:>11.3f}"
+        lines += [f"{r['agent_workers']:<15}{r['makespan_s']:>11.2f}{(r['ratio'] or 0):>7.3f}{r['efficiency']:>11.3f}"
                   f"{r['busy_fraction']:>7.2f}{r['hop_latency_p50_ms']:>11.1f}{r['hop_latency_p99_ms']:>11.1f}"
                   f"{r['peak_live_sandboxes']:>9}{r['broker_overhead_fraction']:>9.4f}"
                   for r in result["scaling"]]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from rollway.bench.baseline import BaselineResult, run_baseline
 from rollway.bench.pipeline import PipelineRun, load_run_config, run_config, run_pipeline
 from rollway.bench.sim_server import busy_stats
 from rollway.bench.workload import (
+    EpisodePlan,
     WorkloadConfig,
     ideal_makespan,
     plan_workload,
@@ -29,11 +31,11 @@ from rollway.sandboxes.sim import live_sandbox_stats
 class SimServer:
     """The simulated inference server as its own process (shared by every agent worker)."""
 
-    def __init__(self, plans_path: Path, wl: WorkloadConfig, log_path: Path):
+    def __init__(self, plans_path: Path, wl: WorkloadConfig, log_path: Path, instant: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.argv = [sys.executable, "-m", "rollway.bench.sim_server", "--plans", str(plans_path),
-                     "--workload", wl.model_dump_json(), "--port", str(self.port)]
+                     "--workload", wl.model_dump_json(), "--port", str(self.port)] + ["--instant"] * instant
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
 
@@ -67,18 +69,44 @@ class SimServer:
         return json.loads(urllib.request.urlopen(url, timeout=30).read())
 
 
+def partial(plans: list[EpisodePlan], carried: list[list[int]]) -> list[EpisodePlan]:
+    """Plans cut to the turns each carried episode completed inside its mode's window."""
+    return [dataclasses.replace(plans[i], turns=plans[i].turns[:done]) for i, done in carried]
+
+
+def first_graded(created_at: dict[str, float], count: int) -> list[str]:
+    """The `count` episodes graded first: a step's batch when unfinished episodes carry over (all of
+    them, in grading order, when there are no more)."""
+    return sorted(created_at, key=created_at.get)[:count]
+
+
+def plan_index(task_id: str) -> int:
+    """`sim-00012` -> 12: a sim task names its plan."""
+    return int(task_id.rsplit("-", 1)[1])
+
+
+def carried_work(episodes: list[tuple[str, str, float, list[float]]], batch: set[str], ended: float) -> list[list[int]]:
+    """[plan index, turns completed by `ended`] of every episode outside the batch whose sandbox had
+    started by then: the carried work its window did (a turn counts once its tool call has ended).
+    `episodes`: (episode id, task id, init end, each turn's tool end)."""
+    return [[plan_index(task), sum(1 for t in turn_ends if t and t <= ended)]
+            for eid, task, init_end, turn_ends in episodes if eid not in batch and init_end and init_end <= ended]
+
+
 def mode_figures(label: str, started: float, ended: float, trajectories: list[dict[str, Any]],
-                 server: SimServer, sandbox_root: Path) -> tuple[dict[str, Any], list[dict[str, float]]]:
+                 server: SimServer, sandbox_root: Path, episodes_run: int) -> tuple[dict[str, Any], list[dict[str, float]]]:
+    """Figures of one mode over [started, ended] (ended: its batch's last grading); `trajectories`
+    are the batch's, `episodes_run` counts carried episodes too (sandbox-seconds are per episode run)."""
     data = server.steps(started, ended)
     steps, cap = data["steps"], data["cap"]
     sandboxes = live_sandbox_stats(sandbox_root)
     episodes = len(trajectories)
-    figures = {"label": label, "makespan_s": ended - started, "episodes": episodes,
+    figures = {"label": label, "makespan_s": ended - started, "episodes": episodes, "episodes_run": episodes_run,
                **busy_stats(steps, started, ended, cap),
                **report.inference_latency(data["request_log"], trajectories),
                "prefill_tokens": data["prefill_tokens"],
                "peak_live_sandboxes": sandboxes["peak_live_sandboxes"],
-               "sandbox_seconds_per_episode": sandboxes["sandbox_seconds"] / max(1, episodes),
+               "sandbox_seconds_per_episode": sandboxes["sandbox_seconds"] / max(1, episodes_run),
                "sandboxes_leaked": sandboxes["leaked"]}
     return figures, report.utilisation_series(steps, started, ended, bin_s=max(0.25, (ended - started) / 120))
 
@@ -89,10 +117,15 @@ def baseline_mode(wl: WorkloadConfig, out: Path, server: SimServer) -> tuple[dic
     data = run_config(wl, out / "plans.jsonl", run_dir / "sandboxes", server.url, "baseline")
     cfg = load_run_config(data, run_dir / "config.yaml")
     result = asyncio.run(run_baseline(cfg, run_dir, wl.slots))
-    trajectories = [{"timings": t.timings} for t in result.trajectories]
-    figures, series = mode_figures(f"baseline ({wl.slots} slots)", result.started, result.ended,
-                                   trajectories, server, run_dir / "sandboxes")
+    batch = sorted(result.trajectories, key=lambda t: t.created_at)[:wl.episodes]
+    figures, series = mode_figures(f"baseline ({wl.slots} slots)", result.started, batch[-1].created_at,
+                                   [{"timings": t.timings} for t in batch], server, run_dir / "sandboxes",
+                                   len(result.trajectories))
     figures["peak_busy_slots"] = result.peak_busy_slots
+    figures["batch"] = sorted(plan_index(t.task_id) for t in batch)
+    figures["carried"] = carried_work([(t.episode_id, t.task_id, t.stamps.get("init_end", 0.0),
+                                        [u.tool_ended_at or 0.0 for u in t.turns]) for t in result.trajectories],
+                                      {t.episode_id for t in batch}, batch[-1].created_at)
     return figures, series, result
 
 
@@ -105,12 +138,21 @@ def pipeline_mode(wl: WorkloadConfig, out: Path, server: SimServer, bootstrap: s
     run = run_pipeline(data, run_dir, bootstrap, workers)
     lines = (run_dir / "trajectories.jsonl").read_text().splitlines()
     trajectories = [json.loads(line) for line in lines if line]
+    batch = first_graded(run.created_at, wl.episodes)
+    ended = run.created_at[batch[-1]]
+    in_batch = set(batch)
     figures, series = mode_figures(f"pipeline ({workers} agent worker{'s' * (workers > 1)})", run.started,
-                                   run.ended, trajectories, server, run_dir / "sandboxes")
+                                   ended, [t for t in trajectories if t["episode_id"] in in_batch], server,
+                                   run_dir / "sandboxes", len(trajectories))
     trace = report.read_trace(run_dir)
-    figures.update(report.hop_stats(trace, run.issued_at, run.created_at))
-    held = report.model_slot_intervals(trace, trajectories, wl.tool_overlap)
-    figures.update(report.agent_slot_phases(held, run.started, run.ended, wl.slots))
+    figures.update(report.hop_stats(trace, run.issued_at, {e: run.created_at[e] for e in batch}))
+    held = [(s, min(e, ended)) for s, e in report.model_slot_intervals(trace, trajectories, wl.tool_overlap)
+            if s < ended]
+    figures.update(report.agent_slot_phases(held, run.started, ended, wl.slots))
+    figures["batch"] = sorted(plan_index(run.task_ids[e]) for e in batch)
+    figures["carried"] = carried_work([(t["episode_id"], t["task_id"], t.get("stamps", {}).get("init_end", 0.0),
+                                        [u.get("tool_ended_at") or 0.0 for u in t.get("turns", [])])
+                                       for t in trajectories], in_batch, ended)
     figures.update({"agent_workers": workers, "sandbox_bound": wl.sandbox_bound,
                     "messages": run.messages, "messages_per_second": run.messages / run.makespan,
                     "bytes": report.bytes_vs_turns(run.bytes_per_episode, run.turns),
@@ -119,8 +161,9 @@ def pipeline_mode(wl: WorkloadConfig, out: Path, server: SimServer, bootstrap: s
     return figures, series, run
 
 
-def run_bench(wl: WorkloadConfig, out: Path, scaling: list[int], say=print) -> dict[str, Any]:
-    """Baseline once, the pipeline once per agent-worker count (the first one is the headline)."""
+def run_bench(wl: WorkloadConfig, out: Path, scaling: list[int], say=print, with_baseline: bool = True) -> dict[str, Any]:
+    """Baseline once (unless `with_baseline` is False: then no ratio), the pipeline once per
+    agent-worker count (the first one is the headline)."""
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     print_progress = say
@@ -128,30 +171,38 @@ def run_bench(wl: WorkloadConfig, out: Path, scaling: list[int], say=print) -> d
     def say(message: str) -> None:
         print_progress(f"[{time.monotonic() - t0:5.0f}s] {message}")
 
-    plans = plan_workload(wl)
+    plans = plan_workload(wl.model_copy(update={"episodes": wl.episodes + wl.carried}))
     write_plans(plans, out / "plans.jsonl")
-    ideal = ideal_makespan(plans, wl)
     runs: dict[int, dict] = {}
     series: dict[str, list] = {}
     with SimServer(out / "plans.jsonl", wl, out / "sim-server.log") as server, \
             EmbeddedBroker(log_path=out / "broker.log") as broker:
-        say(f"bench: baseline, {wl.episodes} episodes, {wl.slots} slots")
-        baseline, series["baseline"], _ = baseline_mode(wl, out, server)
+        baseline = None
+        if with_baseline:
+            say(f"bench: baseline, {wl.episodes} episodes, {wl.slots} slots")
+            baseline, series["baseline"], _ = baseline_mode(wl, out, server)
         for workers in scaling:
             say(f"bench: pipeline, {workers} agent worker(s)")
             runs[workers], s, _ = pipeline_mode(wl, out, server, broker.bootstrap, workers)
             series.setdefault("pipeline", s)
     headline = runs[scaling[0]]
-    for r in runs.values():
-        r["ratio"] = baseline["makespan_s"] / r["makespan_s"]
-        r["efficiency"] = ideal["ideal_makespan"] / r["makespan_s"]
+    for r in runs.values():  # each run's bound is taken over the episodes it graded first (all without carry_over)
+        carried = r.pop("carried")
+        r["episodes_carried"], r["carried_turns"] = len(carried), sum(n for _, n in carried)
+        r["ideal"] = ideal_makespan([plans[i] for i in r.pop("batch")], wl, partial(plans, carried))
+        r["ratio"] = baseline["makespan_s"] / r["makespan_s"] if baseline else None
+        r["efficiency"] = r["ideal"]["ideal_makespan"] / r["makespan_s"]
+    if baseline:
+        baseline["ideal_makespan"] = ideal_makespan([plans[i] for i in baseline.pop("batch")], wl,
+                                                    partial(plans, baseline.pop("carried")))["ideal_makespan"]
+    ideal = headline["ideal"]
     plot = out / "utilisation.png"
-    report.plot_utilisation({baseline["label"]: series["baseline"], headline["label"]: series["pipeline"]},
-                            wl.slots, plot)
-    return {"workload": wl.model_dump(), "workload_summary": workload_summary(plans), "ideal": ideal,
+    report.plot_utilisation({**({baseline["label"]: series["baseline"]} if baseline else {}),
+                             headline["label"]: series["pipeline"]}, wl.slots, plot)
+    return {"workload": wl.model_dump(), "workload_summary": workload_summary(plans[:wl.episodes]), "ideal": ideal,
             "ideal_makespan": ideal["ideal_makespan"], "baseline": baseline, "pipeline": headline,
             "ratio": headline["ratio"], "efficiency": headline["efficiency"],
             "broker_overhead_fraction": headline["broker_overhead_fraction"],
             "scaling": [runs[w] for w in scaling] if len(scaling) > 1 else [],
             "plot": str(plot), "out_dir": str(out),
-            "utilisation_series": {"baseline": series["baseline"], "pipeline": series["pipeline"]}}
+            "utilisation_series": series}

@@ -90,6 +90,8 @@ class SimEngine:
     b: float
     p: float
     cap: int
+    instant: bool = False
+    """Zero-latency engine (the framework-ceiling benchmark): answer at once, no steps."""
     waiting: deque = field(default_factory=deque)
     running: list = field(default_factory=list)
     steps: list = field(default_factory=list)
@@ -99,6 +101,8 @@ class SimEngine:
     requests: int = 0
     step_prefill: int = 0
     """Prompt tokens admitted at the current step's start (they lengthen that step)."""
+    pauses: list = field(default_factory=list)
+    """(start, end) of every weight-sync pause, wall-clock seconds: no step starts inside one."""
     request_log: list = field(default_factory=list)
     """(arrived, admitted, finished, answered, prefilled) of every request: wall-clock seconds (the
     engine's queueing is admitted - arrived, how late the answer leaves after its last step is
@@ -122,6 +126,9 @@ class SimEngine:
         finish = "stop"
         if len(ids) > max_tokens:
             ids, finish = ids[:max_tokens], "length"
+        if self.instant:
+            self.requests += 1
+            return ids, finish
         req = _Request(episode, ids, prompt_ids, asyncio.get_running_loop().create_future(), time.time())
         self.waiting.append(req)
         self.requests += 1
@@ -134,6 +141,22 @@ class SimEngine:
         """Forget every cached prefix (a new run starts cold: the benchmark's modes replay the same
         episodes, and the second must not find the first's prompts cached). Returns episodes dropped."""
         return self.cache.reset()
+
+    def pause(self, seconds: float) -> tuple[float, float]:
+        """A weight sync: steps that would start in the next `seconds` wait for its end (sequences in
+        flight keep their KV cache and go on with the new weights, as an in-flight update does)."""
+        start = time.time()
+        self.pauses.append((start, start + max(0.0, seconds)))
+        self.wake.set()
+        return self.pauses[-1]
+
+    def _paused_until(self, vt: float) -> float | None:
+        for start, end in reversed(self.pauses):
+            if start <= vt < end:
+                return end
+            if end <= vt:
+                return None
+        return None
 
     async def run(self) -> None:
         """Steps run on a simulated clock `vt`: whenever the loop wakes it replays every step that has
@@ -166,6 +189,11 @@ class SimEngine:
 
     def _catch_up(self, vt: float, now: float) -> float:
         while True:
+            resume = self._paused_until(vt)
+            if resume is not None:
+                if resume > now:
+                    return vt
+                vt = resume
             self._admit(vt)
             if not self.running:
                 if not self.waiting or self.waiting[0].arrived > now:
@@ -228,10 +256,15 @@ def build_app(engine: SimEngine) -> web.Application:
         return web.json_response({"cap": engine.cap, "requests": engine.requests,
                                   "steps": [s for s in engine.steps if s[1] >= t0 and s[0] <= t1],
                                   "request_log": [r for r in engine.request_log if t0 <= r[0] <= t1],
-                                  "prefill_tokens": sum(r[4] for r in engine.request_log if t0 <= r[0] <= t1)})
+                                  "prefill_tokens": sum(r[4] for r in engine.request_log if t0 <= r[0] <= t1),
+                                  "pauses": [p for p in engine.pauses if p[1] >= t0 and p[0] <= t1]})
 
     async def reset(request: web.Request) -> web.Response:
         return web.json_response({"dropped": engine.reset_cache()})
+
+    async def pause(request: web.Request) -> web.Response:
+        start, end = engine.pause(float(request.query.get("seconds", 0)))
+        return web.json_response({"start": start, "end": end})
 
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "sim", "object": "model"}]})
@@ -246,7 +279,7 @@ def build_app(engine: SimEngine) -> web.Application:
 
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.add_routes([web.post("/v1/completions", completions), web.get("/sim/steps", steps), web.get("/v1/models", models),
-                    web.get("/health", health), web.post("/sim/reset", reset)])
+                    web.get("/health", health), web.post("/sim/reset", reset), web.post("/sim/pause", pause)])
     app.cleanup_ctx.append(run_engine)
     return app
 
@@ -256,10 +289,12 @@ def main() -> None:
     parser.add_argument("--plans", required=True, help="plans file written by the benchmark")
     parser.add_argument("--workload", required=True, help="WorkloadConfig as JSON")
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--instant", action="store_true", help="zero-latency engine: answer at once, no steps")
     args = parser.parse_args()
     cfg = WorkloadConfig.model_validate(json.loads(args.workload))
     plans = {p.index: p for p in read_plans(Path(args.plans))}
-    engine = SimEngine(plans, cfg.step_base_s, cfg.step_per_seq_s, cfg.prefill_per_token_s, cfg.slots)
+    engine = SimEngine(plans, cfg.step_base_s, cfg.step_per_seq_s, cfg.prefill_per_token_s, cfg.slots,
+                       instant=args.instant)
     try:
         import uvloop
 

@@ -1,4 +1,5 @@
-"""`rollway bench`: benchmarks. `pipeline` (pipelined vs batched rollout), `serve`, `learner`, `learn`."""
+"""`rollway bench`: benchmarks. `pipeline` (pipelined vs batched rollout), `training` (sync vs async RL
+training), `ceiling` (one agent worker against a zero-latency engine), `serve`, `learner`, `learn`."""
 
 from __future__ import annotations
 
@@ -27,11 +28,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--seed", type=int, default=None, help="workload seed (same as seed=S)")
     p.add_argument("--out", default=None, help="output folder (default runs/bench-pipeline-<time>)")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="run the pipeline only (efficiency and broker overhead at scale; no ratio)")
     p.add_argument("--scaling", default="1,2,4",
                    help="agent worker counts to run the pipeline with (comma list; the first is the headline)")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="workload settings, e.g. episodes=32 init_s_median=4 (see rollway.bench.workload)")
     p.set_defaults(_bench=run_pipeline_bench)
+    t = sub.add_parser("training", help="synchronous vs asynchronous RL training (max policy lag 1, 2, 4) on the "
+                                        "seeded simulated workload with a simulated learner",
+                       description="Runs the benchmark workload's rollouts (real actors in-process, simulated engine "
+                                   "and sandboxes) under a simulated learner whose step time grows with the tokens it "
+                                   "trains on, synchronously and with each maximum policy lag; prints trained "
+                                   "episodes/s, ratio to sync, engine and learner busy fractions, staleness histograms.")
+    t.add_argument("--json", action="store_true", help="print the result as JSON")
+    t.add_argument("--seed", type=int, default=None, help="workload seed (same as seed=S)")
+    t.add_argument("--out", default=None, help="output folder (default runs/bench-training-<time>)")
+    t.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="workload settings (rollway.bench.workload) or training settings (batch_episodes, steps, "
+                        "lags=[0,2], learner_fixed_s, learner_s_per_ktoken, weight_sync_s, out_of_order)")
+    t.set_defaults(_bench=run_training_bench)
+    c = sub.add_parser("ceiling", help="turns/s of one agent worker against a zero-latency engine, per-turn "
+                                       "overhead broken down",
+                       description="Runs one real agent stage worker on the embedded broker against a simulated "
+                                   "engine that answers at once, with zero-time tools: turns/s, CPU ms per turn, and "
+                                   "ms per turn in decode, tokenisation, inference round trip, tool dispatch, produce, "
+                                   "commit; one turn at a time and slots + tool_overlap at once.")
+    c.add_argument("--json", action="store_true", help="print the result as JSON")
+    c.add_argument("--seed", type=int, default=None, help="workload seed (same as seed=S)")
+    c.add_argument("--out", default=None, help="output folder (default runs/bench-ceiling-<time>)")
+    c.add_argument("--profile", action="store_true", help="run the concurrent case again under cProfile: CPU per turn by category")
+    c.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="workload settings, e.g. episodes=512 slots=64 tool_overlap=64")
+    c.set_defaults(_bench=run_ceiling_bench)
     for name, module in DELEGATES.items():
         d = sub.add_parser(name, help=f"see {module}")
         _delegate_arguments(d, module)
@@ -79,10 +108,72 @@ def run_pipeline_bench(args: argparse.Namespace) -> int:
         return 2
     out = Path(args.out or f"runs/bench-pipeline-{time.strftime('%Y%m%d-%H%M%S')}")
     configure_logging("bench", level="WARNING")  # the in-process baseline would log every episode
-    result = run_bench(wl, out, scaling, say=lambda m: print(m, file=sys.stderr, flush=True))
+    result = run_bench(wl, out, scaling, say=lambda m: print(m, file=sys.stderr, flush=True),
+                       with_baseline=not args.no_baseline)
     (out / "result.json").write_text(json.dumps(result, indent=1))
     if args.json:
         print(json.dumps({k: v for k, v in result.items() if k != "utilisation_series"}))
     else:
         print(format_text(result))
+    return 0
+
+
+def run_training_bench(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from rollway.bench.training import TrainingConfig, format_training_text, run_training_bench
+    from rollway.bench.workload import WorkloadConfig
+    from rollway.core.config import ConfigError, apply_override
+    from rollway.core.logging import configure_logging
+
+    workload: dict = {}
+    training: dict = {}
+    try:
+        for override in args.overrides:
+            key = override.split("=", 1)[0]
+            if key == "episodes":
+                raise ValueError("episodes is set by the training loop ((steps + max lag) x batch_episodes)")
+            apply_override(training if key in TrainingConfig.model_fields else workload, override)
+        if args.seed is not None:
+            workload["seed"] = args.seed
+        wl, tc = WorkloadConfig.model_validate(workload), TrainingConfig.model_validate(training)
+        if any(lag < 0 for lag in tc.lags) or not tc.lags:
+            raise ValueError(f"lags={tc.lags}: give one or more lags >= 0 (0 = synchronous)")
+    except (ConfigError, ValidationError, ValueError) as err:
+        print(f"rollway bench training: {err}", file=sys.stderr)
+        return 2
+    out = Path(args.out or f"runs/bench-training-{time.strftime('%Y%m%d-%H%M%S')}")
+    configure_logging("bench", level="WARNING")
+    result = run_training_bench(wl, tc, out, say=lambda m: print(m, file=sys.stderr, flush=True))
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    if args.json:
+        print(json.dumps({k: v for k, v in result.items() if k != "utilisation_series"}))
+    else:
+        print(format_training_text(result))
+    return 0
+
+
+def run_ceiling_bench(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from rollway.bench.ceiling import format_ceiling_text, run_ceiling_bench
+    from rollway.bench.workload import WorkloadConfig
+    from rollway.core.config import ConfigError, apply_override
+    from rollway.core.logging import configure_logging
+
+    data: dict = {"episodes": 256}
+    try:
+        for override in args.overrides:
+            apply_override(data, override)
+        if args.seed is not None:
+            data["seed"] = args.seed
+        wl = WorkloadConfig.model_validate(data)
+    except (ConfigError, ValidationError) as err:
+        print(f"rollway bench ceiling: {err}", file=sys.stderr)
+        return 2
+    out = Path(args.out or f"runs/bench-ceiling-{time.strftime('%Y%m%d-%H%M%S')}")
+    configure_logging("bench", level="WARNING")
+    result = run_ceiling_bench(wl, out, profile=args.profile, say=lambda m: print(m, file=sys.stderr, flush=True))
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result) if args.json else format_ceiling_text(result))
     return 0

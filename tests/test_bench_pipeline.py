@@ -21,7 +21,9 @@ from rollway.sandboxes.sim import live_sandbox_stats
 
 TINY = ["episodes=6", "slots=2", "init_lookahead=1", "init_concurrency=2", "grade_concurrency=2",
         "init_s_median=0.3", "grade_s_median=0.3", "turns_median=3", "tool_s_median=0.05",
-        "thought_tokens_median=10", "step_base_s=0.002", "tool_overlap=1"]
+        "thought_tokens_median=10", "step_base_s=0.002", "tool_overlap=1", "model_call_slack=0"]
+FULL_DRAIN = ["carry_over=false"]
+"""Run exactly `episodes` and wait for all of them (the makespan includes the drain)."""
 
 
 def test_baseline_never_exceeds_its_slots_and_takes_at_least_the_ideal_makespan(tmp_path):
@@ -64,7 +66,7 @@ def test_bench_pipeline_json_reports_every_figure(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.run(
         [sys.executable, "-m", "rollway.runners", "bench", "pipeline", "--json", "--seed", "3", "--scaling", "1",
-         "--out", str(out), *TINY], cwd=ROOT, capture_output=True, text=True, timeout=240)
+         "--out", str(out), *TINY, *FULL_DRAIN], cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     for key in ("ratio", "ideal_makespan", "efficiency", "broker_overhead_fraction", "baseline", "pipeline", "plot"):
@@ -99,3 +101,28 @@ def test_bench_pipeline_json_reports_every_figure(tmp_path):
     text = format_text(result)  # what `rollway bench pipeline` prints without --json
     assert f"efficiency {result['efficiency']:.3f}" in text and "ramp-up" in text
     assert text.count("inference per request") == 2
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_bench_pipeline_carry_over_ends_each_mode_at_its_batchs_last_grading(tmp_path):
+    """carry_over (the default): both modes get sandbox_bound more episodes, and a mode's makespan
+    ends when `episodes` of them are graded; its bound is taken over those episodes."""
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollway.runners", "bench", "pipeline", "--json", "--seed", "5", "--scaling", "1",
+         "--out", str(out), *TINY], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    b, p = result["baseline"], result["pipeline"]
+    assert len(read_plans(out / "plans.jsonl")) == 6 + 6, "the next step's episodes: sandbox bound 2 + 1 + 1 + 2"
+    lines = (out / "pipeline-a1" / "trajectories.jsonl").read_text().splitlines()
+    trajectories = [json.loads(line) for line in lines if line]
+    assert len(trajectories) == p["episodes_run"] == b["episodes_run"] == 12 and p["episodes"] == b["episodes"] == 6
+    graded = sorted(t["created_at"] for t in trajectories)
+    started = min(t["stamps"]["issued"] for t in trajectories)
+    assert started + p["makespan_s"] == pytest.approx(graded[5]), "the makespan ends at the sixth grading"
+    assert graded[-1] > graded[5], "the carried episodes finished after it"
+    assert p["makespan_s"] >= result["ideal_makespan"] and b["makespan_s"] >= b["ideal_makespan"]
+    assert result["efficiency"] == pytest.approx(result["ideal_makespan"] / p["makespan_s"])
+    assert p["peak_live_sandboxes"] <= p["sandbox_bound"] and p["sandboxes_leaked"] == b["sandboxes_leaked"] == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -412,3 +413,32 @@ def test_agent_ranks_later_turns_first_until_the_run_drains_then_earliest_first(
     assert agent.final_wave and agent.priority_epoch == epoch + 1, "the runtime is told to re-rank"
     ranked = sorted([*queued, step(2, True), step(1, True)], key=agent.priority, reverse=True)
     assert [(m.turn, m.final_wave) for m in ranked] == [(0, False), (1, True), (2, True), (3, False), (5, False)]
+
+
+def test_carried_work_raises_the_bound_by_what_the_window_also_did():
+    """carry_over: the bound over a batch plus the turns carried episodes completed in the window is
+    at least the batch's own, and counts their work in the server's sum (without the final grading)."""
+    cfg = WorkloadConfig(episodes=40, seed=3)
+    plans = plan_workload(cfg)
+    batch, carried = plans[:30], plans[30:]
+    alone = ideal_makespan(batch, cfg)
+    assert not any(k.endswith("_with_carried") for k in alone)
+    cut = [dataclasses.replace(e, turns=e.turns[:2]) for e in carried]
+    both = ideal_makespan(batch, cfg, cut)
+    assert both["ideal_makespan"] >= alone["ideal_makespan"]
+    assert both["critical_path"] == alone["critical_path"] and both["grading"] == alone["grading"]
+    whole = ideal_makespan(batch, cfg, carried)
+    assert whole["inference_with_carried"] > both["inference_with_carried"] > alone["inference"] - min(
+        e.grade_s for e in batch), "every completed turn adds server time"
+
+
+def test_carried_work_counts_turns_done_by_the_batchs_end_and_skips_the_batch():
+    from rollway.bench.run import carried_work, first_graded
+
+    created = {"a": 3.0, "b": 1.0, "c": 9.0, "d": 8.0}
+    assert first_graded(created, 2) == ["b", "a"]
+    episodes = [("a", "sim-00001", 0.5, [1.0, 2.0]),       # in the batch
+                ("c", "sim-00007", 1.0, [2.0, 2.9, 3.5]),   # two turns done by 3.0
+                ("d", "sim-00004", 3.2, [4.0]),            # its sandbox started after the batch ended
+                ("e", "sim-00002", 2.0, [])]               # started, no turn done yet
+    assert carried_work(episodes, {"a", "b"}, 3.0) == [[7, 2], [2, 0]]

@@ -1,0 +1,397 @@
+"""`rollway bench training`: synchronous against asynchronous RL training on the seeded benchmark
+workload. Rollouts run the real init, agent and reward actors in-process against the simulated server
+and sandboxes; the learner is simulated: a step lasts `learner_fixed_s + learner_s_per_ktoken x
+trained tokens / 1000`, then the engine pauses `weight_sync_s` for the new weights.
+
+One code path serves every mode. With a maximum policy lag L, episode n may start generating only
+while n < (v + 1 + L) x B (v: the policy version the engine serves, B: episodes per step; AReaL's
+staleness control; its sandbox may start up to `init_lookahead` episodes earlier), and learner step k must train every episode that started under version k - L or earlier
+(it waits for them), filling the rest of its batch with the oldest finished ones. So no trained episode
+is more than L versions stale. L = 0 is synchronous training: a batch is generated, trained and synced
+before the next starts (on-policy). With L >= 1 generation goes on while the learner trains, and
+weights change under episodes in flight (their later turns run on the newer policy)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollway.actors.agent import AgentActor
+from rollway.actors.base import MessageMeta
+from rollway.actors.gate import RankedGate
+from rollway.actors.init import InitActor
+from rollway.actors.reward import RewardActor
+from rollway.actors.services import Services
+from rollway.bench.workload import WorkloadConfig
+from rollway.core.config import RunConfig
+from rollway.schemas.messages import AgentStep, InitRequest, Trajectory
+
+NO_DEADLINE_S = 1e9
+
+
+class TrainingConfig(BaseModel):
+    """The training loop around the benchmark workload: batch, steps, modes, learner cost."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    batch_episodes: int = Field(32, ge=1)
+    """Episodes per learner step (B)."""
+    steps: int = Field(8, ge=1)
+    """Learner steps per mode; every mode trains steps x B episodes."""
+    lags: list[int] = [0, 1, 2, 4]
+    """Modes to run, by maximum policy lag: 0 is synchronous (on-policy), >= 1 asynchronous."""
+    learner_fixed_s: float = Field(0.5, ge=0)
+    """Seconds per learner step regardless of its tokens (optimizer step, launch overheads)."""
+    learner_s_per_ktoken: float = Field(0.035, ge=0)
+    """Learner seconds per 1000 trained tokens (every token of the episode: prompt, completions and
+    observations go through forward and backward; the loss mask only selects the loss). Default: a
+    step trains its batch in about the time the engine generates it at full throughput (seed 0: 32
+    episodes of ~3,600 tokens: 0.5 + 4.0 s, against ~4.7 s of generation at ~6.8 episodes/s), the
+    balanced split of rollout and training devices AReaL and verl recommend for disaggregated
+    training. The README compares the resulting learner share of a synchronous step with published
+    runs."""
+    weight_sync_s: float = Field(0.3, ge=0)
+    """Engine pause per update while the new weights load (no decode step starts inside it)."""
+    out_of_order: bool = True
+    """Asynchronous modes: a step may train episodes that finished before older ones still running
+    (within the lag); False trains strictly in issue order."""
+
+    def learner_s(self, tokens: int) -> float:
+        return self.learner_fixed_s + self.learner_s_per_ktoken * tokens / 1000
+
+
+@dataclass
+class EpisodeRecord:
+    index: int
+    issued_at: float
+    """When its sandbox start began (up to `init_lookahead` episodes ahead of admission)."""
+    version: int | None = None
+    """Policy version the engine served when the episode was admitted to generate (its first turn)."""
+    admitted_at: float = 0.0
+    done_at: float = 0.0
+    trajectory: Trajectory | None = None
+    trained_step: int | None = None
+
+    @property
+    def tokens(self) -> int:
+        return len(self.trajectory.token_ids) if self.trajectory else 0
+
+
+@dataclass
+class StepRecord:
+    step: int
+    batch_ready_at: float
+    train_start: float
+    train_end: float
+    sync_end: float
+    tokens: int
+    staleness: list[int]
+
+
+@dataclass
+class TrainingModeResult:
+    lag: int
+    started: float
+    ended: float
+    episodes: list[EpisodeRecord]
+    steps: list[StepRecord] = field(default_factory=list)
+
+    @property
+    def trained(self) -> list[EpisodeRecord]:
+        return [e for e in self.episodes if e.trained_step is not None]
+
+
+def select_batch(pending: list[EpisodeRecord], step: int, lag: int, size: int,
+                 out_of_order: bool = True) -> list[EpisodeRecord] | None:
+    """Step `step`'s batch from the untrained episodes (in issue order), or None while it must wait:
+    every one that started under version step - lag or earlier must be in it, finished (so none is
+    trained more than `lag` versions stale), and `size` in all, the rest the oldest finished ones
+    (by start version, then finish time). With out_of_order False only a finished prefix of the
+    issue order counts."""
+    forced = [e for e in pending if e.version is not None and e.version <= step - lag]
+    if any(e.trajectory is None for e in forced):
+        return None
+    if out_of_order:
+        done = [e for e in pending if e.trajectory is not None]
+    else:
+        done = list(itertools.takewhile(lambda e: e.trajectory is not None, pending))
+    if len(done) < size:
+        return None
+    rest = sorted((e for e in done if e.version > step - lag), key=lambda e: (e.version, e.done_at))
+    return (forced + rest)[:size]
+
+
+class TrainingLoop:
+    """One mode: an issuer, per-episode coroutines and the simulated learner, in one event loop.
+    Episodes pass through gates sized as the pipeline's stages are: sandbox starts (init concurrency),
+    turns (slots + model_call_slack + tool_overlap, later turns first; the agent's own gate holds
+    model calls to slots + model_call_slack), gradings (grade concurrency), and at most the sandbox
+    bound alive. An episode that fails stops the mode with its error (the learner would otherwise
+    wait for it forever)."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, wl: WorkloadConfig, tc: TrainingConfig, lag: int,
+                 pause_url: str | None):
+        self.services = Services(cfg, run_dir)
+        self.wl, self.tc, self.lag, self.pause_url = wl, tc, lag, pause_url
+        self.init, self.agent, self.reward = (InitActor(self.services), AgentActor(self.services),
+                                              RewardActor(self.services))
+        self.init_gate = asyncio.Semaphore(wl.init_concurrency)
+        self.turn_gate = RankedGate(wl.slots + wl.model_call_slack + wl.tool_overlap)
+        self.grade_gate = asyncio.Semaphore(wl.grade_concurrency)
+        self.alive = 0
+        self.version = 0
+        self.changed = asyncio.Condition()
+        self.offsets = itertools.count()
+        self.records: list[EpisodeRecord] = []
+        self.tasks: list[asyncio.Task] = []
+        self.failure: BaseException | None = None
+
+    # -- issuing ---------------------------------------------------------------------------
+    def admissible(self, index: int) -> bool:
+        """AReaL's staleness control, applied when an episode starts generating: episode n only
+        while n < (v + 1 + lag) x B."""
+        return index < (self.version + 1 + self.lag) * self.tc.batch_episodes
+
+    def may_issue(self) -> bool:
+        """Sandboxes start up to `init_lookahead` episodes ahead of admission, within the sandbox bound."""
+        n, b = len(self.records), self.tc.batch_episodes
+        return (self.alive < self.wl.sandbox_bound and n < (self.tc.steps + self.lag) * b
+                and n < (self.version + 1 + self.lag) * b + self.wl.init_lookahead)
+
+    async def issue_loop(self) -> None:
+        while True:
+            async with self.changed:
+                await self.changed.wait_for(self.may_issue)
+                record = EpisodeRecord(len(self.records), time.time())
+                self.records.append(record)
+                self.alive += 1
+            self.tasks.append(asyncio.create_task(self.episode(record)))
+
+    async def episode(self, record: EpisodeRecord) -> None:
+        try:
+            traj = await self.run_episode(record)
+        except Exception as err:
+            async with self.changed:
+                self.failure = self.failure or err
+                self.changed.notify_all()
+            raise
+        finally:
+            async with self.changed:
+                self.alive -= 1
+                self.changed.notify_all()
+        async with self.changed:
+            record.trajectory, record.done_at = traj, time.time()
+            self.changed.notify_all()
+
+    def _meta(self, topic: str) -> MessageMeta:
+        return MessageMeta(topic, 0, next(self.offsets))
+
+    async def run_episode(self, record: EpisodeRecord) -> Trajectory:
+        eid = f"train-l{self.lag}-e{record.index:05d}"
+        req = InitRequest(episode_id=eid, group_id=eid, task_id=f"sim-{record.index:05d}", sample_index=0,
+                          issued_at=record.issued_at, deadline=record.issued_at + NO_DEADLINE_S)
+        async with self.init_gate:
+            msg = (await self.init.handle(req, self._meta("init-requests")))[0].value
+        async with self.changed:
+            await self.changed.wait_for(lambda: self.admissible(record.index))
+            record.version, record.admitted_at = self.version, time.time()
+        while isinstance(msg, AgentStep):
+            async with self.turn_gate.slot(lambda turn=msg.turn: float(turn)):
+                msg = (await self.agent.handle(msg, self._meta("agent-steps")))[0].value
+        async with self.grade_gate:
+            return (await self.reward.handle(msg, self._meta("reward-requests")))[0].value
+
+    # -- learning ----------------------------------------------------------------------------
+    def batch_for(self, step: int) -> list[EpisodeRecord] | None:
+        return select_batch([e for e in self.records if e.trained_step is None], step, self.lag,
+                            self.tc.batch_episodes, self.tc.out_of_order)
+
+    async def learner_loop(self) -> list[StepRecord]:
+        steps = []
+        async with aiohttp.ClientSession() as http:
+            for k in range(self.tc.steps):
+                async with self.changed:
+                    await self.changed.wait_for(lambda k=k: self.failure or self.batch_for(k) is not None)
+                    if self.failure is not None:
+                        raise RuntimeError(f"bench training: an episode failed ({self.failure!r}); see the "
+                                           "run folder's logs") from self.failure
+                    batch = self.batch_for(k)
+                    for e in batch:
+                        e.trained_step = k
+                ready = time.time()
+                tokens = sum(e.tokens for e in batch)
+                await asyncio.sleep(self.tc.learner_s(tokens))
+                train_end = time.time()
+                if self.pause_url and self.tc.weight_sync_s > 0:
+                    await (await http.post(f"{self.pause_url}?seconds={self.tc.weight_sync_s}")).read()
+                await asyncio.sleep(self.tc.weight_sync_s)
+                async with self.changed:
+                    self.version = k + 1
+                    self.changed.notify_all()
+                steps.append(StepRecord(k, ready, ready, train_end, time.time(), tokens,
+                                        [k - e.version for e in batch]))
+        return steps
+
+    async def run(self) -> TrainingModeResult:
+        for actor in (self.init, self.agent, self.reward):
+            await actor.setup()
+        started = time.time()
+        issuer = asyncio.create_task(self.issue_loop())
+        try:
+            steps = await self.learner_loop()
+        finally:
+            issuer.cancel()
+            for task in self.tasks:
+                task.cancel()
+            await asyncio.gather(issuer, *self.tasks, return_exceptions=True)
+            await self.services.inference.close()
+        return TrainingModeResult(self.lag, started, steps[-1].sync_end if steps else time.time(),
+                                  self.records, steps)
+
+
+def mode_figures(result: TrainingModeResult, tc: TrainingConfig, pauses: list[list[float]]) -> dict[str, Any]:
+    """Throughput, staleness histogram, learner share and in-flight update counts of one mode."""
+    wall = result.ended - result.started
+    trained = result.trained
+    histogram: dict[int, int] = {}
+    for s in (s for step in result.steps for s in step.staleness):
+        histogram[s] = histogram.get(s, 0) + 1
+    learner_busy = sum(s.sync_end - s.train_start for s in result.steps)
+    waits = [s.batch_ready_at - (result.steps[i - 1].sync_end if i else result.started)
+             for i, s in enumerate(result.steps)]
+    pause_ends = sorted(end for _, end in pauses)
+    turns = newer = 0
+    for e in trained:
+        for turn in e.trajectory.turns:
+            turns += 1
+            served = sum(1 for end in pause_ends if end <= (turn.gen_started_at or 0.0))
+            newer += served > e.version
+    steady = result.steps[-1].sync_end - result.steps[0].sync_end if len(result.steps) > 1 else 0.0
+    return {
+        "mode": "sync" if result.lag == 0 else f"async lag {result.lag}",
+        "max_policy_lag": result.lag,
+        "wall_s": wall,
+        "trained_episodes": len(trained),
+        "trained_episodes_per_s": len(trained) / wall,
+        "step_s_mean": wall / max(1, len(result.steps)),
+        "steady_episodes_per_s": (len(result.steps) - 1) * tc.batch_episodes / steady if steady else None,
+        "steady_step_s": steady / (len(result.steps) - 1) if steady else None,
+        "learner_busy_fraction": learner_busy / wall,
+        "learner_wait_s_mean": sum(waits) / max(1, len(waits)),
+        "staleness_histogram": {str(k): histogram[k] for k in sorted(histogram)},
+        "staleness_max": max(histogram, default=0),
+        "staleness_mean": sum(k * n for k, n in histogram.items()) / max(1, sum(histogram.values())),
+        "turns_after_an_inflight_update_fraction": newer / max(1, turns),
+        "trained_tokens_per_episode": sum(e.tokens for e in trained) / max(1, len(trained)),
+        "episodes_started": len(result.episodes),
+        "episodes_untrained_at_end": len(result.episodes) - len(trained),
+    }
+
+
+def training_workload(wl: WorkloadConfig, tc: TrainingConfig) -> WorkloadConfig:
+    """The workload with enough planned episodes for every mode: an asynchronous mode starts up to
+    max lag x B episodes beyond what it trains."""
+    return wl.model_copy(update={"episodes": (tc.steps + max(tc.lags)) * tc.batch_episodes})
+
+
+def run_mode(wl: WorkloadConfig, tc: TrainingConfig, lag: int, out: Path, server: Any) -> tuple[dict, list]:
+    from rollway.bench.pipeline import load_run_config, run_config
+    from rollway.bench.report import utilisation_series
+    from rollway.bench.sim_server import busy_stats
+
+    name = "sync" if lag == 0 else f"async-lag{lag}"
+    run_dir = out / name
+    server.reset()
+    data = run_config(wl, out / "plans.jsonl", run_dir / "sandboxes", server.url, name)
+    cfg = load_run_config(data, run_dir / "config.yaml")
+    pause_url = server.url.removesuffix("/v1") + "/sim/pause"
+    result = asyncio.run(TrainingLoop(cfg, run_dir, wl, tc, lag, pause_url).run())
+    data = server.steps(result.started, result.ended)
+    figures = mode_figures(result, tc, data["pauses"])
+    figures.update({k: v for k, v in busy_stats(data["steps"], result.started, result.ended, data["cap"]).items()})
+    figures["learner_intervals"] = [(s.train_start - result.started, s.sync_end - result.started)
+                                    for s in result.steps]
+    series = utilisation_series(data["steps"], result.started, result.ended,
+                                bin_s=max(0.25, (result.ended - result.started) / 120))
+    return figures, series
+
+
+def run_training_bench(wl: WorkloadConfig, tc: TrainingConfig, out: Path, say=print) -> dict[str, Any]:
+    """Every mode in `tc.lags` on one workload, one simulated server; ratios against lag 0 (sync)."""
+    from rollway.bench.run import SimServer
+    from rollway.bench.workload import plan_workload, workload_summary, write_plans
+
+    out.mkdir(parents=True, exist_ok=True)
+    wl = training_workload(wl, tc)
+    plans = plan_workload(wl)
+    write_plans(plans, out / "plans.jsonl")
+    modes: list[dict] = []
+    series: dict[str, list] = {}
+    t0 = time.monotonic()
+    with SimServer(out / "plans.jsonl", wl, out / "sim-server.log") as server:
+        for lag in tc.lags:
+            say(f"[{time.monotonic() - t0:5.0f}s] bench training: max policy lag {lag}"
+                f"{' (sync)' if lag == 0 else ''}, {tc.steps} steps x {tc.batch_episodes} episodes")
+            figures, series[str(lag)] = run_mode(wl, tc, lag, out, server)
+            modes.append(figures)
+    sync = next((m for m in modes if m["max_policy_lag"] == 0), None)
+    for m in modes:
+        m["ratio_to_sync"] = m["trained_episodes_per_s"] / sync["trained_episodes_per_s"] if sync else None
+        m["steady_ratio_to_sync"] = (m["steady_episodes_per_s"] / sync["steady_episodes_per_s"]
+                                     if sync and m["steady_episodes_per_s"] and sync["steady_episodes_per_s"] else None)
+    plot = out / "training.png"
+    plot_training(modes, series, plot, wl.slots)
+    return {"workload": wl.model_dump(), "training": tc.model_dump(), "workload_summary": workload_summary(plans),
+            "modes": modes, "ratios": {m["mode"]: m["ratio_to_sync"] for m in modes},
+            "steady_ratios": {m["mode"]: m["steady_ratio_to_sync"] for m in modes},
+            "plot": str(plot), "out_dir": str(out), "utilisation_series": series}
+
+
+def plot_training(modes: list[dict], series: dict[str, list], path: Path, cap: int) -> None:
+    """Engine busy fraction over time per mode, learner steps shaded beneath."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(modes), 1, figsize=(9, 1.9 * len(modes) + 0.6), sharex=True, squeeze=False)
+    for ax, m in zip(axes[:, 0], modes, strict=True):
+        points = series[str(m["max_policy_lag"])]
+        ts = [p["t"] for p in points]
+        ax.plot(ts, [p["busy"] for p in points], drawstyle="steps-post", lw=1, label="busy (>= 1 sequence)")
+        ax.plot(ts, [p["active"] / cap for p in points], drawstyle="steps-post", lw=1, label="running / cap")
+        for start, end in m["learner_intervals"]:
+            ax.axvspan(start, end, ymin=0, ymax=0.12, color="tab:orange", alpha=0.6, lw=0)
+        ax.set_ylim(0, 1.05)
+        ax.set_ylabel("busy")
+        ax.grid(alpha=0.3)
+        ax.set_title(f"{m['mode']}: {m['trained_episodes_per_s']:.2f} trained episodes/s, "
+                     f"engine busy {m['busy_fraction']:.2f}, staleness {m['staleness_histogram']}", fontsize=9)
+    axes[0, 0].legend(loc="lower left", fontsize=8)
+    axes[-1, 0].set_xlabel("seconds since the mode started (orange: learner training and weight sync)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def format_training_text(result: dict[str, Any]) -> str:
+    lines = [f"workload: {result['workload_summary']}",
+             f"training: {result['training']}",
+             f"{'mode':<14}{'wall_s':>8}{'ep/s':>7}{'ratio':>7}{'steady ep/s':>12}{'ratio':>7}"
+             f"{'engine_busy':>12}{'learner_busy':>13}{'stale_max':>10}  staleness histogram"]
+    for m in result["modes"]:
+        lines.append(f"{m['mode']:<14}{m['wall_s']:>8.1f}{m['trained_episodes_per_s']:>7.2f}"
+                     f"{(m['ratio_to_sync'] or 0):>7.2f}{(m['steady_episodes_per_s'] or 0):>12.2f}"
+                     f"{(m['steady_ratio_to_sync'] or 0):>7.2f}{m['busy_fraction']:>12.2f}"
+                     f"{m['learner_busy_fraction']:>13.2f}{m['staleness_max']:>10}  {m['staleness_histogram']}")
+    lines.append("steady: from the end of the first update to the end of the last (the first batch's fill and "
+                 "nothing else excluded)")
+    lines.append(f"plot: {result['plot']}")
+    return "\n".join(lines)

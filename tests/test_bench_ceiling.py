@@ -1,0 +1,54 @@
+"""The ceiling benchmark: its timing wrappers, and a tiny `rollway bench ceiling --json` run (one real
+agent worker on the embedded broker against the simulated server answering at once)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+from rollway.bench.ceiling import CallTimers
+
+
+class Target:
+    def work(self, x: int) -> int:
+        return x + 1
+
+    async def wait(self, x: int) -> int:
+        await asyncio.sleep(0.01)
+        return x * 2
+
+
+def test_call_timers_time_sync_and_async_calls_and_restore_the_originals():
+    target, timers = Target(), CallTimers()
+    original = target.work
+    timers.wrap(target, "work", "cpu")
+    timers.wrap(target, "wait", "io")
+    assert target.work(1) == 2 and asyncio.run(target.wait(3)) == 6
+    assert timers.calls == {"cpu": 1, "io": 1} and timers.seconds["io"] >= 0.01 > timers.seconds["cpu"]
+    assert timers.per_turn_ms(2)["io"] == pytest.approx(1000 * timers.seconds["io"] / 2)
+    timers.restore()
+    assert target.work == original and target.work(1) == 2 and timers.calls["cpu"] == 1, "unwrapped: not timed"
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_bench_ceiling_json_counts_every_turn_and_breaks_it_down(tmp_path):
+    out = tmp_path / "ceiling"
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollway.runners", "bench", "ceiling", "--json", "--out", str(out),
+         "episodes=12", "slots=2", "tool_overlap=2", "turns_median=3", "thought_tokens_median=10"],
+        cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, in_flight in (("serial", 1), ("concurrent", 2 + 2 + 2)):
+        r = result[name]
+        assert r["turns_in_flight"] == in_flight and r["turns_per_s"] > 0 and r["cpu_ms_per_turn"] > 0
+        assert 0 < r["turns_timed"] < r["turns"]
+        for key in ("decode", "tokenisation", "inference_round_trip", "tool_dispatch", "produce", "handle"):
+            assert r["per_turn_ms"][key] > 0, key
+        assert r["per_turn_ms"]["handle"] >= r["per_turn_ms"]["inference_round_trip"]

@@ -1,0 +1,170 @@
+"""The training benchmark's logic on tiny workloads: the synchronous mode waits for each update, the
+asynchronous modes never exceed their lag, the staleness histogram counts every trained episode, and
+the simulated server's weight-sync pause holds decode steps. The learner is simulated by design (the
+benchmark's cost model); the engine is the benchmark's simulated server, the actors are the real ones."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from aiohttp import web
+from conftest import ROOT, run
+
+from rollway.bench.pipeline import load_run_config, run_config
+from rollway.bench.sim_server import SimEngine, build_app
+from rollway.bench.training import (
+    EpisodeRecord,
+    TrainingConfig,
+    TrainingLoop,
+    mode_figures,
+    select_batch,
+    training_workload,
+)
+from rollway.bench.workload import WorkloadConfig, plan_workload, write_plans
+from rollway.runners.broker import free_port
+
+TINY_WL = dict(slots=2, tool_overlap=1, init_lookahead=1, init_concurrency=2, grade_concurrency=2,
+               init_s_median=0.15, grade_s_median=0.15, turns_median=3, tool_s_median=0.03,
+               thought_tokens_median=10, step_base_s=0.002)
+
+
+def run_modes(tmp_path, lags, batch=3, steps=3, **training):
+    """Every lag in `lags` on one tiny workload and one in-process simulated server."""
+    tc = TrainingConfig(batch_episodes=batch, steps=steps, lags=lags, learner_fixed_s=0.3,
+                        learner_s_per_ktoken=0.0, weight_sync_s=0.1, **training)
+    wl = training_workload(WorkloadConfig(**TINY_WL), tc)
+    plans = plan_workload(wl)
+    write_plans(plans, tmp_path / "plans.jsonl")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+
+    async def go():
+        engine = SimEngine({p.index: p for p in plans}, wl.step_base_s, wl.step_per_seq_s,
+                           wl.prefill_per_token_s, wl.slots)
+        runner = web.AppRunner(build_app(engine))
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        results = {}
+        try:
+            for lag in lags:
+                engine.reset_cache()
+                data = run_config(wl, tmp_path / "plans.jsonl", tmp_path / f"l{lag}" / "sandboxes", f"{url}/v1",
+                                  f"l{lag}")
+                cfg = load_run_config(data, tmp_path / f"l{lag}" / "config.yaml")
+                results[lag] = await TrainingLoop(cfg, tmp_path / f"l{lag}", wl, tc, lag, f"{url}/sim/pause").run()
+            return results, engine, tc
+        finally:
+            await runner.cleanup()
+
+    return run(go())
+
+
+def running_while_training(r) -> list:
+    """Episodes generating (admitted, not yet graded) during some learner step or weight sync."""
+    return [e for e in r.episodes for s in r.steps
+            if e.version is not None and e.admitted_at < s.sync_end
+            and (e.trajectory is None or e.done_at > s.train_start)]
+
+
+def test_sync_mode_starts_no_episode_before_the_update_and_trains_on_policy(tmp_path):
+    results, engine, tc = run_modes(tmp_path, [0])
+    r = results[0]
+    assert len(r.steps) == 3 and len(r.trained) == 9
+    for step in r.steps[:-1]:
+        later = [e for e in r.episodes if e.trained_step == step.step + 1]
+        assert later and min(e.admitted_at for e in later) >= step.sync_end, "the next batch waited for the update"
+        assert all(e.version == step.step + 1 for e in later)
+    assert all(s == 0 for step in r.steps for s in step.staleness)
+    assert len(r.episodes) == 9, "sync starts exactly the episodes it trains"
+    assert not running_while_training(r), "nothing generates while the learner trains"
+    figures = mode_figures(r, tc, engine.pauses)
+    assert figures["staleness_histogram"] == {"0": 9} and figures["turns_after_an_inflight_update_fraction"] == 0
+
+
+@pytest.mark.slow
+def test_async_modes_overlap_generation_with_training_and_never_exceed_their_lag(tmp_path):
+    results, engine, tc = run_modes(tmp_path, [1, 2], steps=4)
+    for lag, r in results.items():
+        figures = mode_figures(r, tc, engine.pauses)
+        assert figures["staleness_max"] <= lag
+        assert sum(figures["staleness_histogram"].values()) == figures["trained_episodes"] == 12
+        assert sorted(e.trained_step for e in r.trained) == [k for k in range(4) for _ in range(3)]
+        assert running_while_training(r), f"lag {lag}: generation went on while the learner trained"
+        for e in r.episodes:  # the admission rule: episode n generates only while n < (v + 1 + lag) x B
+            assert e.version is None or e.index < (e.version + 1 + lag) * 3
+    assert results[2].steps and max(results[2].steps[-1].staleness) >= 1
+    assert len(engine.pauses) == 8, "one weight-sync pause per update"
+
+
+FINISHED = object()
+"""Stands in for a finished episode's trajectory: batch selection only asks whether there is one."""
+
+
+def _record(index: int, version: int, done_at: float | None) -> EpisodeRecord:
+    rec = EpisodeRecord(index, issued_at=float(index), version=version)
+    if done_at is not None:
+        rec.done_at = done_at
+        rec.trajectory = FINISHED
+    return rec
+
+
+def test_select_batch_waits_for_episodes_at_the_lag_limit_and_takes_the_oldest_finished():
+    # step 2, lag 1: episodes of version <= 1 must be in the batch
+    pending = [_record(0, 0, None), _record(1, 1, 5.0), _record(2, 2, 1.0), _record(3, 2, 2.0), _record(4, 2, 0.5)]
+    assert select_batch(pending, step=2, lag=1, size=3) is None, "episode 0 (version 0) is not finished"
+    pending[0] = _record(0, 0, 9.0)
+    assert [e.index for e in select_batch(pending, step=2, lag=1, size=3)] == [0, 1, 4]
+    assert [e.index for e in select_batch(pending, step=2, lag=2, size=3)] == [0, 1, 4]
+    # in issue order only: a finished prefix
+    pending = [_record(0, 0, 3.0), _record(1, 0, None), _record(2, 0, 1.0)]
+    assert select_batch(pending, step=0, lag=2, size=2, out_of_order=False) is None
+    assert [e.index for e in select_batch(pending, step=0, lag=2, size=2)] == [2, 0]
+
+
+def test_sim_engine_starts_no_step_inside_a_weight_sync_pause():
+    wl = WorkloadConfig(episodes=2, **TINY_WL)
+    plans = plan_workload(wl)
+
+    async def go():
+        engine = SimEngine({p.index: p for p in plans}, 0.004, 0.0, 0.0, 2)
+        task = asyncio.create_task(engine.run())
+        prompt = list(plans[0].prompt.encode())
+        gen = asyncio.create_task(engine.generate(prompt, 10_000))
+        await asyncio.sleep(0.05)
+        start, end = engine.pause(0.3)
+        await gen
+        task.cancel()
+        return engine, start, end
+
+    engine, start, end = run(go())
+    inside = [s for s in engine.steps if start + 0.01 < s[0] < end - 0.001]
+    assert not inside, f"steps started inside the pause: {inside[:3]}"
+    assert any(s[0] >= end - 1e-6 for s in engine.steps), "generation resumed after the pause"
+    assert engine.steps[-1][1] - engine.steps[0][0] >= 0.3
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_bench_training_json_reports_ratio_histogram_and_plot(tmp_path):
+    out = tmp_path / "bench"
+    args = [f"{k}={v}" for k, v in TINY_WL.items()]
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollway.runners", "bench", "training", "--json", "--seed", "2", "--out", str(out),
+         "batch_episodes=3", "steps=2", "lags=[0,1]", "learner_fixed_s=0.2", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    sync, lag1 = result["modes"]
+    assert sync["mode"] == "sync" and sync["ratio_to_sync"] == 1.0
+    assert lag1["ratio_to_sync"] == pytest.approx(lag1["trained_episodes_per_s"] / sync["trained_episodes_per_s"])
+    for m in (sync, lag1):
+        assert m["trained_episodes"] == 6 and 0 < m["busy_fraction"] <= 1
+        assert sum(m["staleness_histogram"].values()) == 6
+    assert (out / "training.png").stat().st_size > 10_000
+    assert time.monotonic() - t0 < 180
