@@ -366,8 +366,8 @@ class TopicScanner:
     """Reads whole topics from the beginning up to their current end (the scheduler rebuilds its
     state from them after a restart). Undecodable records are skipped: they went to dead-letters."""
 
-    def __init__(self, cfg: RunConfig, bootstrap: str):
-        self.cfg, self.bootstrap = cfg, bootstrap
+    def __init__(self, cfg: RunConfig, bootstrap: str, timeout_s: float = 60.0):
+        self.cfg, self.bootstrap, self.timeout_s = cfg, bootstrap, timeout_s
 
     async def __call__(self, specs: tuple[TopicSpec, ...]) -> list[tuple[TopicSpec, Any]]:
         consumer = await make_consumer(self.cfg.broker, self.bootstrap, group_id=None)
@@ -383,7 +383,13 @@ class TopicScanner:
             ends = await consumer.end_offsets(tps)
             out: list[tuple[TopicSpec, Any]] = []
             todo = {tp for tp in tps if ends[tp] > 0}
+            deadline = time.monotonic() + self.timeout_s
             while todo:
+                if time.monotonic() > deadline:
+                    log.warning("topic scan incomplete: the broker stopped serving these partitions",
+                                partitions=sorted(f"{tp.topic}:{tp.partition}" for tp in todo),
+                                timeout_s=self.timeout_s)
+                    break
                 batch = await consumer.getmany(*todo, timeout_ms=1000)
                 for tp, records in batch.items():
                     spec = by_name[tp.topic]
@@ -397,7 +403,11 @@ class TopicScanner:
                     if records and records[-1].offset + 1 >= ends[tp]:
                         todo.discard(tp)
                 for tp in list(todo):
-                    if await consumer.position(tp) >= ends[tp]:
+                    try:
+                        position = await asyncio.wait_for(consumer.position(tp), 5.0)
+                    except asyncio.TimeoutError:
+                        continue  # no valid position yet; the deadline above bounds the wait
+                    if position >= ends[tp]:
                         todo.discard(tp)
             return out
         finally:
