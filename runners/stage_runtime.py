@@ -405,7 +405,7 @@ class TopicScanner:
                 for tp in list(todo):
                     try:
                         position = await asyncio.wait_for(consumer.position(tp), 5.0)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         continue  # no valid position yet; the deadline above bounds the wait
                     if position >= ends[tp]:
                         todo.discard(tp)
