@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -17,6 +18,16 @@ class ExecResult:
     timed_out: bool = False
     truncated: bool = False
     duration_s: float = 0.0
+
+
+def claim_in_folder(folder: Path, key: str) -> bool:
+    """`mkdir folder/key` (atomic): True when this call made it, False when it existed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        (folder / key).mkdir()
+    except FileExistsError:
+        return False
+    return True
 
 
 class SandboxError(RuntimeError):
@@ -66,8 +77,11 @@ class Sandbox(ABC):
         """Atomically mark that the tool calls of turn `key` start now in this sandbox; False when
         the mark already exists (the turn is being run a second time after a crash or a rebalance,
         on a workspace its first run may have changed). The agent calls it before every turn's tools.
-        Default: `mkdir` (atomic) under the workspace's `.rollway/turns/` (excluded from diffs);
-        sandboxes with private storage beside the workspace keep the marks there instead."""
+        Default: `mkdir` (atomic) under the workspace's `.rollway/turns/` (excluded from diffs), on
+        the host folder when there is one, else by a command; sandboxes with private storage beside
+        the workspace keep the marks there instead."""
+        if self.workspace_path is not None:
+            return claim_in_folder(Path(self.workspace_path) / ".rollway" / "turns", key)
         result = await self.exec(f"mkdir -p .rollway/turns && mkdir .rollway/turns/{key} 2>/dev/null")
         return result.exit_code == 0
 

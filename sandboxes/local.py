@@ -14,7 +14,7 @@ from typing import Any
 import structlog
 
 from rollway.sandboxes import cgroups
-from rollway.sandboxes.base import ExecResult, Sandbox, SandboxError, SandboxProvider, SandboxSpec
+from rollway.sandboxes.base import ExecResult, Sandbox, SandboxError, SandboxProvider, SandboxSpec, claim_in_folder
 from rollway.sandboxes.config import SandboxConfig
 from rollway.sandboxes.jail import JailLimits, JailRunner
 
@@ -101,13 +101,7 @@ class LocalSandbox(Sandbox):
     async def claim_turn(self, key: str) -> bool:
         """The marks live beside the workspace, out of the jail's sight (`ls` in the workspace and a
         re-run of the episode see nothing)."""
-        folder = self.box_dir / "turns"
-        folder.mkdir(exist_ok=True)
-        try:
-            (folder / key).mkdir()
-        except FileExistsError:
-            return False
-        return True
+        return claim_in_folder(self.box_dir / "turns", key)
 
     async def destroy(self) -> None:
         cgroup = self._provider.cgroup(self.box_dir.name, create=False)
