@@ -14,7 +14,14 @@ from typing import Any
 import structlog
 
 from rollway.sandboxes import cgroups
-from rollway.sandboxes.base import ExecResult, Sandbox, SandboxError, SandboxProvider, SandboxSpec, claim_in_folder
+from rollway.sandboxes.base import (
+    ExecResult,
+    Sandbox,
+    SandboxError,
+    SandboxProvider,
+    SandboxSpec,
+    claim_in_folder,
+)
 from rollway.sandboxes.config import SandboxConfig
 from rollway.sandboxes.jail import JailLimits, JailRunner
 
