@@ -110,12 +110,7 @@ def run_pipeline_bench(args: argparse.Namespace) -> int:
     configure_logging("bench", level="WARNING")  # the in-process baseline would log every episode
     result = run_bench(wl, out, scaling, say=lambda m: print(m, file=sys.stderr, flush=True),
                        with_baseline=not args.no_baseline)
-    (out / "result.json").write_text(json.dumps(result, indent=1))
-    if args.json:
-        print(json.dumps({k: v for k, v in result.items() if k != "utilisation_series"}))
-    else:
-        print(format_text(result))
-    return 0
+    return _emit(result, out, args.json, format_text)
 
 
 def run_training_bench(args: argparse.Namespace) -> int:
@@ -145,12 +140,7 @@ def run_training_bench(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/bench-training-{time.strftime('%Y%m%d-%H%M%S')}")
     configure_logging("bench", level="WARNING")
     result = run_training_bench(wl, tc, out, say=lambda m: print(m, file=sys.stderr, flush=True))
-    (out / "result.json").write_text(json.dumps(result, indent=1))
-    if args.json:
-        print(json.dumps({k: v for k, v in result.items() if k != "utilisation_series"}))
-    else:
-        print(format_training_text(result))
-    return 0
+    return _emit(result, out, args.json, format_training_text)
 
 
 def run_ceiling_bench(args: argparse.Namespace) -> int:
@@ -174,6 +164,14 @@ def run_ceiling_bench(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/bench-ceiling-{time.strftime('%Y%m%d-%H%M%S')}")
     configure_logging("bench", level="WARNING")
     result = run_ceiling_bench(wl, out, profile=args.profile, say=lambda m: print(m, file=sys.stderr, flush=True))
+    return _emit(result, out, args.json, format_ceiling_text)
+
+
+def _emit(result: dict, out: Path, as_json: bool, format_text) -> int:
+    """Write result.json to the run folder and print the result (JSON without the time series, or text)."""
     (out / "result.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps(result) if args.json else format_ceiling_text(result))
+    if as_json:
+        print(json.dumps({k: v for k, v in result.items() if k != "utilisation_series"}))
+    else:
+        print(format_text(result))
     return 0
