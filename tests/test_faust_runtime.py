@@ -37,8 +37,9 @@ async def start_worker(actor: Forward, cfg, bootstrap: str, group: str, run_dir:
     return task, stop
 
 
-async def wait_for(predicate, timeout_s: float = 60.0) -> None:
-    # Generous: a restarted member waits out the old one on Tansu (about 8 s idle, more under load).
+async def wait_for(predicate, timeout_s: float = 150.0) -> None:
+    # Generous: a restarted member waits out the old one on Tansu (about 8 s idle, more under load; in
+    # one full-suite run on a fresh clone the restarted worker got nothing for 48 s, past the old 60 s).
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, "timed out waiting for the faust worker"
