@@ -149,11 +149,15 @@ class LearnerActor(Actor):
         checkpoint holds yet. A restarted learner re-reads them; the durable ones it skips by id."""
         if self.trainer is None:
             return set()
-        waiting = self.trainer.pending_episode_ids() | self.trainer.uncheckpointed_episode_ids()
+        waiting = self._waiting()
         return {self._where[e] for e in waiting if e in self._where}
 
+    def _waiting(self) -> set[str]:
+        """Episodes whose effect no checkpoint holds yet: buffered, in the running update, or trained."""
+        return self.trainer.pending_episode_ids() | self.trainer.uncheckpointed_episode_ids()
+
     def _forget_durable(self) -> None:
-        waiting = self.trainer.pending_episode_ids() | self.trainer.uncheckpointed_episode_ids()
+        waiting = self._waiting()
         for e in [e for e in self._where if e not in waiting]:
             del self._where[e]
 

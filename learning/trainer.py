@@ -102,6 +102,8 @@ class Trainer:
         """Guards the buffer and the id sets: the learner reads them (held offsets) from its event
         loop while an update runs in a worker thread."""
         self.broken: BaseException | None = None
+        self.watermarks = None
+        """Optional callable returning the committed positions recorded at each save (the learner's)."""
         self.duplicates = 0
         self.model: Any = None
         self.tokenizer: Any = None
@@ -368,16 +370,14 @@ class Trainer:
             return None
         return self.save()
 
-    def save(self, watermarks: dict[str, int] | None = None) -> Path:
+    def save(self) -> Path:
         """Write a checkpoint of the current version now (also called every `checkpoint_every`):
-        weights, optimizer, the dedup window and the manifest of what was consumed since the last one.
-        `watermarks` ("topic:partition" -> committed position) is recorded for the reader."""
+        weights, optimizer, the dedup window, the manifest of what was consumed since the last one and
+        the committed positions `watermarks()` reports ("topic:partition" -> offset; set by the learner)."""
         self._ensure_model()
         opt = self.optimizer if self.cfg.save_optimizer else None
         self.state.recent_episode_ids = self._recent.to_list()
-        if watermarks is not None:
-            self.state.watermarks = dict(watermarks)
-        elif self.watermarks is not None:
+        if self.watermarks is not None:
             self.state.watermarks = self.watermarks()
         with self._book:
             saved_ids = set(self._uncheckpointed)
@@ -388,8 +388,6 @@ class Trainer:
             self._uncheckpointed -= saved_ids
         return self.latest_checkpoint
 
-    watermarks = None
-    """Optional callable returning the committed positions to record at each save (the learner's)."""
 
     def _metrics_writer(self) -> MetricsWriter:
         if self._writer is None:
