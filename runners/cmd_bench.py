@@ -19,15 +19,20 @@ DELEGATES = {"serve": "rollway.policies.bench_serve", "learner": "rollway.learni
 """Subcommands owned by other packages: each module has add_arguments(parser) and run(args)."""
 
 
+def _add_run_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    """--json, --seed and --out, shared by the benchmarks this module runs."""
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--seed", type=int, default=None, help="workload seed (same as seed=S)")
+    parser.add_argument("--out", default=None, help=f"output folder (default runs/bench-{name}-<time>)")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
     p = sub.add_parser("pipeline", help="pipelined vs bounded async batching on one seeded simulated workload",
                        description="Runs the bounded-batch baseline and the Kafka pipeline (rollway up) on the "
                                    "same seeded workload against one simulated inference server; prints makespans, "
                                    "ratio, ideal makespan, efficiency, utilisation, broker overhead, sandboxes.")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("--seed", type=int, default=None, help="workload seed (same as seed=S)")
-    p.add_argument("--out", default=None, help="output folder (default runs/bench-pipeline-<time>)")
+    _add_run_arguments(p, "pipeline")
     p.add_argument("--no-baseline", action="store_true",
                    help="run the pipeline only (efficiency and broker overhead at scale; no ratio)")
     p.add_argument("--scaling", default="1,2,4",
@@ -41,9 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                    "and sandboxes) under a simulated learner whose step time grows with the tokens it "
                                    "trains on, synchronously and with each maximum policy lag; prints trained "
                                    "episodes/s, ratio to sync, engine and learner busy fractions, staleness histograms.")
-    t.add_argument("--json", action="store_true", help="print the result as JSON")
-    t.add_argument("--seed", type=int, default=None, help="workload seed (same as seed=S)")
-    t.add_argument("--out", default=None, help="output folder (default runs/bench-training-<time>)")
+    _add_run_arguments(t, "training")
     t.add_argument("overrides", nargs="*", metavar="key=value",
                    help="workload settings (rollway.bench.workload) or training settings (batch_episodes, steps, "
                         "lags=[0,2], learner_fixed_s, learner_s_per_ktoken, weight_sync_s, out_of_order)")
@@ -54,9 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                    "engine that answers at once, with zero-time tools: turns/s, CPU ms per turn, and "
                                    "ms per turn in decode, tokenisation, inference round trip, tool dispatch, produce, "
                                    "commit; one turn at a time and slots + tool_overlap at once.")
-    c.add_argument("--json", action="store_true", help="print the result as JSON")
-    c.add_argument("--seed", type=int, default=None, help="workload seed (same as seed=S)")
-    c.add_argument("--out", default=None, help="output folder (default runs/bench-ceiling-<time>)")
+    _add_run_arguments(c, "ceiling")
     c.add_argument("--profile", action="store_true", help="run the concurrent case again under cProfile: CPU per turn by category")
     c.add_argument("overrides", nargs="*", metavar="key=value",
                    help="workload settings, e.g. episodes=512 slots=64 tool_overlap=64")
