@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Run 1 + `steps` updates on synthetic groups; tokens/s counts real tokens through
     forward+backward (the prompt included: it is computed too) over update wall time."""
-    from rollway.learning.distributed import build_trainer
+    from rollway.learning.distributed import build_trainer, peak_memory_gb
 
     cfg = config_of(args)
     with tempfile.TemporaryDirectory() as tmp:
@@ -51,7 +51,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         results = [_one_update(trainer, f"g{i}", args, vocab) for i in range(args.steps + 1)]
         cpu_s = _cpu_seconds() - cpu_start
         raw = _raw_tokens_per_second(trainer, args, vocab) if args.compare_raw and args.ranks == 1 else None
-        ranks_memory = trainer.peak_memory_per_rank() if hasattr(trainer, "peak_memory_per_rank") else None
+        ranks_memory = (trainer.peak_memory_per_rank() if hasattr(trainer, "peak_memory_per_rank")
+                        else [peak_memory_gb(trainer.device)])
         trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
         trainer.close()
     timed = results[1:]
@@ -62,7 +63,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "steps": args.steps, "seconds_per_update": seconds / len(timed),
             "tokens_per_second": tokens / seconds, "cpu_seconds_per_update": cpu_s / len(results),
             "raw_tokens_per_second": raw, "load_seconds": load_s, "peak_rss_gb": _peak_rss_gb(),
-            "ranks": args.ranks, "peak_memory_gb_per_rank": ranks_memory or [_peak_rss_gb()],
+            "ranks": args.ranks, "peak_memory_gb_per_rank": ranks_memory,
             "pack_sequences": args.pack, "gradient_checkpointing": args.gradient_checkpointing,
             "lora": args.lora, "trainable_parameters": trainable}
 

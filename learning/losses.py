@@ -59,12 +59,36 @@ def token_logprobs(logits_B_T_V: torch.Tensor, token_ids_B_T: torch.Tensor, temp
     return _scatter(picked_N - torch.logsumexp(z_N_V, dim=-1), sel_B_S)
 
 
+ENTROPY_CHUNK_TOKENS = 2048
+"""Tokens per chunk when entropy is only measured (no gradient): a chunk's float32 temporaries are
+chunk x vocabulary (2048 x 151,936 x 4 bytes = 1.2 GB for Qwen3), where the whole micro-batch's
+would be several times the logits (found on an H100: 16k-token micro-batches of a Qwen3-0.6B shape
+ran out of its 80 GB in the entropy metric)."""
+
+
 def token_entropy(logits_B_T_V: torch.Tensor, temperature: float = 1.0,
                   mask_B_T: torch.Tensor | None = None) -> torch.Tensor:
-    """Entropy of the distribution that predicted each token, aligned like `token_logprobs`."""
-    z_N_V, sel_B_S = _predicting_logits(logits_B_T_V, mask_B_T, temperature)
-    logp_N_V = torch.log_softmax(z_N_V, dim=-1)
-    return _scatter(-(logp_N_V.exp() * logp_N_V).sum(-1), sel_B_S)
+    """Entropy of the distribution that predicted each token, aligned like `token_logprobs`.
+
+    With gradient (an entropy bonus) it is computed over the micro-batch at once; as a metric only
+    (logits that need no gradient), chunk by chunk under no_grad, so its temporaries stay small."""
+    if logits_B_T_V.requires_grad and torch.is_grad_enabled():
+        z_N_V, sel_B_S = _predicting_logits(logits_B_T_V, mask_B_T, temperature)
+        return _scatter(_entropy(z_N_V), sel_B_S)
+    with torch.no_grad():
+        B, T, _ = logits_B_T_V.shape
+        sel_B_S = torch.ones(B, T - 1, dtype=torch.bool, device=logits_B_T_V.device) if mask_B_T is None \
+            else mask_B_T[:, 1:]
+        picked_N_V = logits_B_T_V[:, :-1][sel_B_S]  # model dtype: the float32 copy is made per chunk
+        parts = [_entropy(chunk.float() / temperature if temperature != 1.0 else chunk.float())
+                 for chunk in picked_N_V.split(ENTROPY_CHUNK_TOKENS)]
+        values_N = torch.cat(parts) if parts else picked_N_V.new_zeros(0, dtype=torch.float32)
+        return _scatter(values_N, sel_B_S)
+
+
+def _entropy(z_N_V: torch.Tensor) -> torch.Tensor:
+    """H = logsumexp(z) - sum(softmax(z) z), per row."""
+    return torch.logsumexp(z_N_V, dim=-1) - (torch.softmax(z_N_V, dim=-1) * z_N_V).sum(-1)
 
 
 def sequence_loss_weights(token_counts: list[int], sample_weights: list[float], mode: LossAgg,

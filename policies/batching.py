@@ -347,7 +347,8 @@ class BatchEngine:
             # Inverse-CDF draw with the sequence's own generator (seeded requests replay exactly);
             # several times cheaper than torch.multinomial over a 49k vocabulary. Zero-probability
             # tokens are flat steps of the CDF, which searchsorted(right=True) never lands on.
-            u = torch.rand(1, generator=seq.generator, dtype=cdf_V.dtype) * cdf_V[-1]
+            # The generator is a CPU one (seeds replay on any device): move its draw to the CDF's device.
+            u = torch.rand(1, generator=seq.generator, dtype=cdf_V.dtype).to(cdf_V.device) * cdf_V[-1]
             token = int(torch.searchsorted(cdf_V, u, right=True))
             if token == cdf_V.shape[0]:  # u rounded up to the total: take the last likely token
                 token = int((cdf_V < cdf_V[-1]).sum())

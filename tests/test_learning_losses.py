@@ -99,6 +99,27 @@ def test_entropy_of_uniform_is_log_vocab() -> None:
     assert ent[0, 1:].tolist() == pytest.approx([math.log(11)] * 2, abs=1e-6)
 
 
+def test_entropy_measured_in_chunks_equals_the_direct_definition(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The metric path (no gradient) splits the tokens into chunks; a bonus path (gradient) does not.
+    Both must give -sum p log p of the predicting position, masked like the logprobs."""
+    import rollway.learning.losses as losses
+
+    monkeypatch.setattr(losses, "ENTROPY_CHUNK_TOKENS", 3)  # 7 selected tokens -> chunks of 3, 3, 1
+    torch.manual_seed(2)
+    logits = torch.randn(2, 6, 13, dtype=torch.bfloat16) * 4
+    mask = torch.tensor([[0, 1, 1, 1, 0, 1], [0, 0, 1, 1, 1, 1]], dtype=torch.bool)
+    logp = torch.log_softmax(logits.float()[:, :-1] / 0.7, -1)
+    expected = torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (1, 0)) * mask
+    chunked = token_entropy(logits, temperature=0.7, mask_B_T=mask)
+    assert chunked.dtype == torch.float32
+    assert torch.allclose(chunked, expected, atol=1e-5)
+    with_grad = logits.float().requires_grad_()
+    direct = token_entropy(with_grad, temperature=0.7, mask_B_T=mask)
+    assert torch.allclose(direct, expected, atol=1e-5)
+    direct.sum().backward()
+    assert with_grad.grad is not None and with_grad.grad.abs().sum() > 0
+
+
 def test_masked_logprobs_match_full_computation_and_carry_gradient() -> None:
     torch.manual_seed(1)
     logits = torch.randn(2, 5, 9, requires_grad=True)
