@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
@@ -100,6 +101,11 @@ _idempotence: dict[str, bool] = {}
 """Per bootstrap: whether its broker granted an idempotent producer (asked once per process)."""
 
 
+def _refusal_filter(record: logging.LogRecord) -> bool:
+    """Drops aiokafka's error line for a refused InitProducerId while rollway probes idempotence."""
+    return not record.getMessage().startswith("Unexpected error during InitProducerIdRequest")
+
+
 def producer_is_idempotent(bootstrap: str) -> bool | None:
     """What the broker at `bootstrap` answered (None: no producer made yet)."""
     return _idempotence.get(bootstrap)
@@ -112,6 +118,8 @@ async def make_producer(cfg: BrokerConfig, bootstrap: str) -> AIOKafkaProducer:
     kw = dict(acks="all", linger_ms=2, max_request_size=16 * 1024 * 1024, **client_kwargs(cfg, bootstrap))
     if _idempotence.get(bootstrap, True):
         producer = AIOKafkaProducer(enable_idempotence=True, **kw)
+        sender_log = logging.getLogger("aiokafka.producer.sender")
+        sender_log.addFilter(_refusal_filter)  # the refusal is expected: rollway says it once, at info
         try:
             await start_with_retry(producer, cfg, "producer", fatal=IDEMPOTENCE_REFUSED)
             _idempotence[bootstrap] = True
@@ -120,6 +128,8 @@ async def make_producer(cfg: BrokerConfig, bootstrap: str) -> AIOKafkaProducer:
             _idempotence[bootstrap] = False
             log.info("the broker refuses idempotent producers; producing without (at least once, "
                      "consumers deduplicate)", bootstrap=bootstrap, error=type(err).__name__)
+        finally:
+            sender_log.removeFilter(_refusal_filter)
     producer = AIOKafkaProducer(**kw)
     await start_with_retry(producer, cfg, "producer")
     return producer
