@@ -3,6 +3,7 @@ engine answers, e.g. after a reboot with the virtual environment already built).
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 from pathlib import Path
 
@@ -39,3 +40,17 @@ def count_containers(prefix: str) -> int:
     return sum((c.attrs.get("Labels") or {}).get(LABEL, "").startswith(prefix) for c in containers) + sum(
         (v.attrs.get("Labels") or {}).get(LABEL, "").startswith(prefix) for v in volumes
     )
+
+
+def remove_labelled(prefix: str) -> None:
+    """Remove what `count_containers(prefix)` counts (a failed test's sandboxes), ignoring ones gone already."""
+    client = docker.from_env()
+    for c in client.containers.list(all=True, filters={"label": LABEL}, sparse=True):
+        if (c.attrs.get("Labels") or {}).get(LABEL, "").startswith(prefix):
+            with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
+                client.api.remove_container(c.id, force=True, v=True)
+    for v in client.volumes.list(filters={"label": LABEL}):
+        if (v.attrs.get("Labels") or {}).get(LABEL, "").startswith(prefix):
+            with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
+                v.remove(force=True)
+

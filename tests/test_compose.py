@@ -9,7 +9,7 @@ import subprocess
 import uuid
 
 import docker
-from docker_engine import REPO, count_containers, ensure_engine
+from docker_engine import REPO, count_containers, ensure_engine, remove_labelled
 
 FILES = ["-f", "compose.yaml", "-f", "compose.embedded-broker.yaml"]
 
@@ -43,7 +43,9 @@ def test_compose_up_scaled_runs_the_smoke_job() -> None:
     finally:
         subprocess.run([*compose, "down", "-v", "--remove-orphans"], cwd=REPO, env=env, capture_output=True,
                        timeout=300)  # fmt: skip
-    assert count_containers(project) == 0  # every episode's sandbox container was removed
+        left = count_containers(project)
+        remove_labelled(project)  # a failed run leaves its episodes' sandboxes: never leak them into later tests
+    assert left == 0  # every episode's sandbox container was removed
     assert not docker.from_env().containers.list(
         all=True, filters={"label": f"com.docker.compose.project={project}"}
     )
