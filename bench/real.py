@@ -448,7 +448,8 @@ def format_real_text(r: dict[str, Any]) -> str:
     rc = r["config"]
     lines = [f"real pipeline bench: {r['episodes']} episodes per mode ({rc['num_tasks']} tasks x {rc['group_size']} "
              f"x {rc['epochs']}), {rc['slots']} model-call slots, tasks {r['tasks_path']}",
-             f"engine start {r['engine_start_s']:.0f} s"]
+             f"engine start {r['engine_start_s']:.0f} s; tasks per archive "
+             f"{', '.join(f'{k}: {v}' for k, v in r.get('tasks_per_archive', {}).items())}"]
     for mode in ("baseline", "pipeline"):
         m = r.get(mode)
         if not m:
@@ -460,6 +461,12 @@ def format_real_text(r: dict[str, Any]) -> str:
             f", waiting {m.get('engine_mean_waiting', float('nan')):.1f}  cores: engine "
             f"{m.get('cores_engine', float('nan')):.2f} rollway {m.get('cores_rollway', float('nan')):.2f} other "
             f"{m.get('cores_other', float('nan')):.2f}")
+        per = m["seconds_per_episode"]
+        lines.append(
+            f"{'':9s} s per episode: init {per['init']:.1f}, generation {per['agent_gen']:.1f}, tools "
+            f"{per['agent_tool']:.1f}, grading {per['reward']:.1f}  stop reasons "
+            f"{', '.join(f'{k} {v}' for k, v in sorted(m['stop_reasons'].items()))}  load average "
+            f"{m.get('load_average_mean', float('nan')):.1f} (max {m.get('load_average_max', float('nan')):.1f})")
     if "ratio" in r:
         lines.append(f"ratio (baseline / pipeline makespan) {r['ratio']:.2f}; generated tokens/s pipeline / baseline "
                      f"{r['ratio_tokens_per_s']:.2f}")
