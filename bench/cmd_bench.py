@@ -121,6 +121,7 @@ def run_real_pipeline_bench(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from rollway.bench.real import RealBenchConfig, format_real_text, run_real_bench
+    from rollway.bench.real_tasks import TaskSetError
     from rollway.core.config import ConfigError
     from rollway.core.logging import configure_logging
     from rollway.policies.vllm import INSTALL_HINT, vllm_python
@@ -138,7 +139,11 @@ def run_real_pipeline_bench(args: argparse.Namespace) -> int:
         return 2
     out = Path(args.out or f"runs/bench-real-{time.strftime('%Y%m%d-%H%M%S')}")
     configure_logging("bench", level="WARNING")
-    result = run_real_bench(rc, out, say=lambda m: print(m, file=sys.stderr, flush=True))
+    try:
+        result = run_real_bench(rc, out, say=lambda m: print(m, file=sys.stderr, flush=True))
+    except TaskSetError as err:  # an archive that yields no tasks, an instances file the bench cannot run
+        print(f"rollway bench pipeline --real: {err}", file=sys.stderr)
+        return 2
     return _emit(result, out, args.json, format_real_text)
 
 

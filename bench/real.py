@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rollway.bench.run import die_with_parent
 from rollway.policies.launch import ServerProcess
@@ -37,15 +37,18 @@ class RealBenchConfig(BaseModel):
 
     seed: int = 0
     """Run seed: the scheduler's task order and every episode's sampling seeds (same in both modes)."""
-    sdist: str = "toolz==1.2.0"
-    """Source archive the SWE tasks are built from (`rollway tasks build swe --sdist`), when `tasks_path`
-    is not given. Built once per (sdist, num_tasks, task_seed) and cached under ~/.cache/rollway/bench."""
+    sdist: list[str] = ["toolz==1.2.0"]
+    """Source archives the SWE tasks are built from (`rollway tasks build swe --sdist`), when `tasks_path`
+    is not given: one or several, `sdist=toolz==1.2.0,six==1.16.0` (or a YAML list). `num_tasks` is split
+    across them in turn (an archive that yields fewer leaves the rest to the others). Each archive's tasks
+    are built once per (archive, count, task_seed) and cached under ~/.cache/rollway/bench."""
     tasks_path: str | None = None
-    """An instances file written by `rollway tasks build swe` (overrides `sdist`)."""
+    """An instances file written by `rollway tasks build swe` (without --format swebench); overrides `sdist`."""
     task_seed: int = 0
     """Seed of the task builder (which mutations become tasks)."""
     num_tasks: int = Field(4, ge=1)
-    """Tasks used (built, or the first ones of `tasks_path` after the scheduler's shuffle)."""
+    """Tasks used (built, or the first ones of `tasks_path` after the scheduler's shuffle); at least one
+    per archive in `sdist`."""
     group_size: int = Field(4, ge=1)
     """Episodes per task and epoch (a GRPO group)."""
     epochs: int = Field(2, ge=1)
@@ -62,6 +65,11 @@ class RealBenchConfig(BaseModel):
     """Pipeline: sandboxes started at once (init.concurrency)."""
     grade_concurrency: int = Field(2, ge=1)
     """Pipeline: gradings (test runs) at once (reward.concurrency)."""
+    fetch_max_wait_ms: int = Field(100, ge=1)
+    """Pipeline: broker.fetch_max_wait_ms of every stage's consumers. The embedded broker answers a waiting
+    fetch only when this expires, so an idle consumer polls 1000/this times a second: at 10 (the simulated
+    bench's value, where a turn takes milliseconds) the six stage processes took a third of a core from
+    the engine on 2 cores; here a turn takes seconds and 100 adds at most 0.1 s per hop."""
     max_turns: int = Field(4, ge=1)
     """Agent turns per episode at most."""
     max_tokens_per_turn: int = Field(96, ge=1)
@@ -89,6 +97,30 @@ class RealBenchConfig(BaseModel):
     modes: list[Literal["baseline", "pipeline"]] = ["baseline", "pipeline"]
     """Modes to run, in this order."""
 
+    @field_validator("sdist", mode="before")
+    @classmethod
+    def _split_archives(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        if isinstance(value, list):
+            for item in value:
+                name, sep, version = str(item).partition("==")
+                if not (sep and name.strip() and version.strip()):
+                    raise ValueError(f"sdist: {item!r} pins no version; name each archive as NAME==VERSION, "
+                                     "e.g. sdist=toolz==1.2.0,six==1.16.0")
+            if len(set(value)) < len(value):
+                raise ValueError(f"sdist names an archive twice: {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _a_task_per_archive(self) -> RealBenchConfig:
+        if not self.sdist and self.tasks_path is None:
+            raise ValueError("sdist: name at least one archive (sdist=toolz==1.2.0) or give tasks_path")
+        if self.tasks_path is None and self.num_tasks < len(self.sdist):
+            raise ValueError(f"num_tasks={self.num_tasks} is fewer than the {len(self.sdist)} archives in sdist: "
+                             f"raise num_tasks to {len(self.sdist)} or name fewer archives")
+        return self
+
     @property
     def episodes(self) -> int:
         return self.num_tasks * self.group_size * self.epochs
@@ -97,24 +129,11 @@ class RealBenchConfig(BaseModel):
 # ------------------------------------------------------------------ tasks and run configs
 
 
-def ensure_tasks(rc: RealBenchConfig, say=print) -> Path:
-    """The instances file: `tasks_path`, or tasks built from `sdist` once and cached."""
-    if rc.tasks_path:
-        return Path(rc.tasks_path).expanduser()
-    from rollway.envs.sdist import cache_root
-    from rollway.envs.swe_build import BuildOptions, build_instances
+def ensure_tasks(rc: RealBenchConfig, out: Path, say=print) -> Path:
+    """The instances file both modes run: `tasks_path`, or tasks built from the `sdist` archives (cached)."""
+    from rollway.bench.real_tasks import ensure_tasks as ensure
 
-    path = cache_root(None) / "bench" / f"{rc.sdist.replace('==', '-')}-n{rc.num_tasks}-s{rc.task_seed}.jsonl"
-    if path.exists():
-        return path
-    say(f"bench real: building {rc.num_tasks} SWE tasks from {rc.sdist} (once; cached at {path})")
-    rows = build_instances(BuildOptions(sdist=rc.sdist, max_tasks=rc.num_tasks, seed=rc.task_seed,
-                                        log=lambda line: None))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tmp.replace(path)
-    return path
+    return ensure(rc.sdist, rc.tasks_path, rc.num_tasks, rc.task_seed, out, say)
 
 
 def real_run_config(rc: RealBenchConfig, tasks_path: Path, run_dir: Path, url: str, tokenizer: str,
@@ -125,7 +144,7 @@ def real_run_config(rc: RealBenchConfig, tasks_path: Path, run_dir: Path, url: s
     return {
         "run": {"name": name, "id": "real", "seed": rc.seed, "timeout_s": 3600, "trace": True},
         "topics": {"prefix": f"{name}.", "default_partitions": 4},
-        "broker": {"fetch_max_wait_ms": 10},
+        "broker": {"fetch_max_wait_ms": rc.fetch_max_wait_ms},
         "tasks": {"type": "swe", "path": str(tasks_path), "test_timeout_s": rc.test_timeout_s},
         "sandbox": {"type": "local", "root": str(run_dir / "sandboxes")},
         "policy": {"type": "openai", "engine": "vllm", "base_url": url, "chat_format": "hf", "tokenizer": tokenizer,
@@ -220,6 +239,8 @@ class Sampler(threading.Thread):
         self.metrics_url, self.engine_pid, self.interval_s = metrics_url, engine_pid, interval_s
         self.samples: list[tuple[float, float, float, float, float, float]] = []
         """(time, running, waiting, engine CPU s, rollway CPU s, machine busy CPU s)."""
+        self.loads: list[tuple[float, float]] = []
+        """(time, the machine's 1-minute load average): how many other jobs shared the cores."""
         self.engine_cpu, self.rollway_cpu = CpuMeter(), CpuMeter()
         self._halt = threading.Event()
 
@@ -235,6 +256,7 @@ class Sampler(threading.Thread):
             engine = self.engine_cpu.sample(table, self.engine_pid) if self.engine_pid else float("nan")
             ours = self.rollway_cpu.sample(table, me, exclude=self.engine_pid)
             self.samples.append((time.time(), *gauges.values(), engine, ours, machine_busy_s()))
+            self.loads.append((time.time(), os.getloadavg()[0]))
             self._halt.wait(self.interval_s)
 
     def stop(self) -> None:
@@ -256,7 +278,12 @@ class Sampler(threading.Thread):
                 "engine_mean_waiting": sum(s[2] for s in inside) / len(inside),
                 "cores_engine": engine, "cores_rollway": ours,
                 "cores_other": machine - ours - (engine if engine == engine else 0.0),
-                "cores_machine": machine, "samples": len(inside)}
+                "cores_machine": machine, "samples": len(inside), **self.load_window(t0, t1)}
+
+    def load_window(self, t0: float, t1: float) -> dict[str, float]:
+        """Mean and largest 1-minute load average over [t0, t1] (the machine is shared)."""
+        loads = [load for t, load in self.loads if t0 <= t <= t1]
+        return {"load_average_mean": sum(loads) / len(loads), "load_average_max": max(loads)} if loads else {}
 
 
 # ------------------------------------------------------------------ the engine
@@ -378,7 +405,7 @@ def run_real_bench(rc: RealBenchConfig, out: Path, say=print) -> dict[str, Any]:
     def note(message: str) -> None:
         say(f"[{time.monotonic() - t_start:5.0f}s] {message}")
 
-    tasks_path = ensure_tasks(rc, note)
+    tasks_path = ensure_tasks(rc, out, note)
     tokenizer = str(resolve_model_folder(rc.model))
     modes: dict[str, dict[str, Any]] = {}
     note("bench real: starting the engine" if not rc.engine_url else f"bench real: engine at {rc.engine_url}")
@@ -404,7 +431,11 @@ def run_real_bench(rc: RealBenchConfig, out: Path, say=print) -> dict[str, Any]:
                 (out / f"{mode}.json").write_text(json.dumps(modes[mode], indent=1))  # kept if a later mode fails
         finally:
             sampler.stop()
+    archives: dict[str, int] = {}
+    for row in (json.loads(line) for line in tasks_path.read_text().splitlines() if line.strip()):
+        archives[row.get("repo", "?")] = archives.get(row.get("repo", "?"), 0) + 1
     result: dict[str, Any] = {"config": rc.model_dump(), "episodes": rc.episodes, "tasks_path": str(tasks_path),
+                              "tasks_per_archive": archives,
                               "engine_start_s": engine.started_in_s, **modes, "out_dir": str(out)}
     if "baseline" in modes and "pipeline" in modes:
         b, p = modes["baseline"], modes["pipeline"]
@@ -417,7 +448,8 @@ def format_real_text(r: dict[str, Any]) -> str:
     rc = r["config"]
     lines = [f"real pipeline bench: {r['episodes']} episodes per mode ({rc['num_tasks']} tasks x {rc['group_size']} "
              f"x {rc['epochs']}), {rc['slots']} model-call slots, tasks {r['tasks_path']}",
-             f"engine start {r['engine_start_s']:.0f} s"]
+             f"engine start {r['engine_start_s']:.0f} s; tasks per archive "
+             f"{', '.join(f'{k}: {v}' for k, v in r.get('tasks_per_archive', {}).items())}"]
     for mode in ("baseline", "pipeline"):
         m = r.get(mode)
         if not m:
@@ -429,6 +461,12 @@ def format_real_text(r: dict[str, Any]) -> str:
             f", waiting {m.get('engine_mean_waiting', float('nan')):.1f}  cores: engine "
             f"{m.get('cores_engine', float('nan')):.2f} rollway {m.get('cores_rollway', float('nan')):.2f} other "
             f"{m.get('cores_other', float('nan')):.2f}")
+        per = m["seconds_per_episode"]
+        lines.append(
+            f"{'':9s} s per episode: init {per['init']:.1f}, generation {per['agent_gen']:.1f}, tools "
+            f"{per['agent_tool']:.1f}, grading {per['reward']:.1f}  stop reasons "
+            f"{', '.join(f'{k} {v}' for k, v in sorted(m['stop_reasons'].items()))}  load average "
+            f"{m.get('load_average_mean', float('nan')):.1f} (max {m.get('load_average_max', float('nan')):.1f})")
     if "ratio" in r:
         lines.append(f"ratio (baseline / pipeline makespan) {r['ratio']:.2f}; generated tokens/s pipeline / baseline "
                      f"{r['ratio_tokens_per_s']:.2f}")

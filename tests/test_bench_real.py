@@ -111,3 +111,95 @@ def test_sampler_thread_samples_this_process_and_stops():
     assert not s.is_alive() and len(s.samples) >= 2
     assert s.samples[-1][4] > s.samples[0][4], "this process's CPU grew between the first and last sample"
     assert all(x != x for x in (s.samples[0][1], s.samples[0][3])), "no engine: NaN gauges and engine CPU"
+
+
+# ------------------------------------------------------------------ the task set: several archives
+
+
+def make_sdist(cache: Path, name: str, functions: dict[str, tuple[str, str]]) -> str:
+    """A real source archive `name-1.0.tar.gz` in `cache/sdists` (where the builder looks before asking the
+    package index): one package with `functions` (name -> (body expression, test assertion)), and a test
+    module, or none when `functions` is empty of tests."""
+    import tarfile
+
+    src = cache / "src" / f"{name}-1.0"
+    (src / name).mkdir(parents=True)
+    (src / name / "__init__.py").write_text("".join(f"def {f}(x, y):\n    return {body}\n\n\n"
+                                                    for f, (body, _) in functions.items()))
+    tests = [f"def test_{f}():\n    assert {check}\n\n\n" for f, (_, check) in functions.items() if check]
+    if tests:
+        (src / "tests").mkdir()
+        (src / "tests" / f"test_{name}.py").write_text(f"from {name} import *  # noqa\n\n\n" + "".join(tests))
+    (cache / "sdists").mkdir(parents=True, exist_ok=True)
+    with tarfile.open(cache / "sdists" / f"{name}-1.0.tar.gz", "w:gz") as tf:
+        tf.add(src, arcname=f"{name}-1.0")
+    return f"{name}==1.0"
+
+
+def test_tasks_are_drawn_across_archives_and_a_short_archive_leaves_the_rest_to_the_others(tmp_path):
+    """Two real archives built by the real task builder (its pytest runs included): `one` has a single
+    function, so one task (one bug per function), `two` has three. num_tasks=3 asks 2 + 1; `one` yields 1,
+    so `two` gives 2. Progress is said while building; a second call builds nothing (the cache answers)."""
+    from rollway.bench.real_tasks import ensure_tasks, tasks_from_sdists
+    from rollway.envs.swe import load_instances
+
+    one = make_sdist(tmp_path, "rwone", {"add": ("x + y", "add(2, 3) == 5")})
+    two = make_sdist(tmp_path, "rwtwo", {"mul": ("x * y", "mul(2, 3) == 6"), "big": ("x > y", "big(3, 2) and not big(2, 3)"),
+                                         "sub": ("x - y", "sub(5, 3) == 2")})
+    said: list[str] = []
+    path = ensure_tasks([one, two], None, 3, 0, tmp_path / "out", said.append, cache_dir=tmp_path)
+    rows = load_instances(path)
+    assert sorted(r["repo"] for r in rows) == [one, two, two] and len({r["instance_id"] for r in rows}) == 3
+    assert all(r["FAIL_TO_PASS"] and r["patch"] for r in rows)
+    assert any("rwone==1.0: [1/" in line for line in said) and any("rwtwo==1.0: [1/" in line for line in said)
+    assert any("rwone==1.0 yields 1 of 2" in line for line in said), said
+    again: list[str] = []
+    assert tasks_from_sdists([one, two], 3, 0, again.append, cache_dir=tmp_path) == [rows[0], rows[1], rows[2]]
+    assert not any("building" in line for line in again) and any("cached" in line for line in again), again
+    fewer = tasks_from_sdists([two], 1, 0, again.append, cache_dir=tmp_path)  # the first of the larger build
+    assert fewer == [r for r in rows if r["repo"] == two][:1]
+
+
+def test_an_archive_without_tasks_is_named_with_the_reason(tmp_path):
+    from rollway.bench.real_tasks import TaskSetError, tasks_from_sdists
+
+    good = make_sdist(tmp_path, "rwgood", {"add": ("x + y", "add(2, 3) == 5")})
+    bare = make_sdist(tmp_path, "rwbare", {"add": ("x + y", "")})  # ships no tests
+    with pytest.raises(TaskSetError, match=r"sdist rwbare==1\.0 yields no tasks: no test files"):
+        tasks_from_sdists([good, bare], 2, 0, lambda line: None, cache_dir=tmp_path)
+    with pytest.raises(TaskSetError, match=r"rwgood==1\.0 yields 1 of 2 task\(s\) under task_seed=0"):
+        tasks_from_sdists([good], 2, 0, lambda line: None, cache_dir=tmp_path)
+
+
+def test_an_instances_file_is_checked_before_the_engine_starts(tmp_path):
+    from rollway.bench.real_tasks import TaskSetError, check_instances
+
+    with pytest.raises(TaskSetError, match="does not exist"):
+        check_instances(tmp_path / "none.jsonl", 1)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"instance_id": "x", "repo": "a/b", "base_commit": "c", "FAIL_TO_PASS": [], "PASS_TO_PASS": []}\n')
+    with pytest.raises(TaskSetError, match="instance x lacks snapshot, mutation"):
+        check_instances(rows, 1)
+    with pytest.raises(TaskSetError, match="holds 1 instance"):
+        check_instances(rows, 2)
+
+
+def test_the_config_takes_several_archives():
+    assert RealBenchConfig.model_validate({"sdist": "toolz==1.2.0, six==1.16.0"}).sdist == ["toolz==1.2.0",
+                                                                                           "six==1.16.0"]
+    for bad, said in (({"sdist": "toolz"}, "pins no version"), ({"sdist": "a==1,b==2", "num_tasks": 1}, "fewer than"),
+                      ({"sdist": "a==1,a==1"}, "twice")):
+        with pytest.raises(ValueError, match=said):
+            RealBenchConfig.model_validate(bad)
+
+
+def test_the_cli_names_the_archive_that_yields_no_tasks(tmp_path):
+    """Through `rollway bench pipeline --real` with an engine URL nobody serves: the task set fails first,
+    exit code 2, the archive and the reason named, no traceback. HOME points at a folder whose cache holds
+    an archive that ships no tests (so no package index is asked)."""
+    bare = make_sdist(tmp_path / "home" / ".cache" / "rollway", "rwbare", {"add": ("x + y", "")})
+    out = subprocess.run([sys.executable, "-m", "rollway.runners", "bench", "pipeline", "--real", "--out",
+                          str(tmp_path / "o"), "engine_url=http://127.0.0.1:9/v1", f"sdist={bare}"],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "HOME": str(tmp_path / "home")})
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "sdist rwbare==1.0 yields no tasks: no test files" in out.stderr and "Traceback" not in out.stderr
