@@ -73,6 +73,10 @@ def test_sampler_window_figures():
     assert w["cores_engine"] == pytest.approx(2 / 3) and w["cores_rollway"] == pytest.approx(0.5)
     assert w["cores_machine"] == pytest.approx(5 / 3) and w["cores_other"] == pytest.approx(5 / 3 - 0.5 - 2 / 3)
     assert s.window(4.0, 5.0) == {}
+    assert "load_average_mean" not in w  # no load samples
+    s.loads = [(0.0, 2.0), (1.5, 4.0), (3.0, 6.0), (9.0, 50.0)]
+    assert s.load_window(0.0, 3.0) == {"load_average_mean": 4.0, "load_average_max": 6.0}
+    assert s.window(0.0, 3.0)["load_average_max"] == 6.0
 
 
 def test_both_modes_share_a_valid_job_config_with_the_same_episode_ids(tmp_path):
@@ -89,6 +93,7 @@ def test_both_modes_share_a_valid_job_config_with_the_same_episode_ids(tmp_path)
     assert a.topics.prefix != b.topics.prefix
     assert a.agent.concurrency == rc.slots and a.scheduler.group_size == 3 and a.scheduler.epochs == 2
     assert a.tasks.type == "swe" and a.sandbox.type == "local" and a.policy.type == "openai"
+    assert a.broker.fetch_max_wait_ms == b.broker.fetch_max_wait_ms == rc.fetch_max_wait_ms == 100
 
 
 def test_the_cli_says_how_to_get_vllm_when_it_is_missing(tmp_path):
