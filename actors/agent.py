@@ -298,13 +298,13 @@ class AgentActor(Actor):
     # -- outputs ----------------------------------------------------------------------------
     def _next_step(self, state: EpisodeState) -> AgentStep:
         f = state.first
-        return AgentStep(**f.identity(), turn=state.next_turn, sandbox=f.sandbox,
+        return AgentStep(episode=f.episode, turn=state.next_turn, sandbox=f.sandbox,
                          start_offset=state.start_offset, last=state.turns[-1], deadline=f.deadline,
                          timings=state.timings, sent_at=time.time(), final_wave=f.final_wave)
 
     def _reward_request(self, state: EpisodeState, stop_reason: str) -> RewardRequest:
         f = state.first
-        return RewardRequest(**f.identity(), sandbox=f.sandbox, prompt_ids=list(f.prompt_ids or []),
+        return RewardRequest(episode=f.episode, sandbox=f.sandbox, prompt_ids=list(f.prompt_ids or []),
                              messages=list(f.messages or []), turns=state.turns, stop_reason=stop_reason,
                              deadline=f.deadline, timings=state.timings, sent_at=time.time(),
                              stamps={**f.stamps, "agent_end": time.time()})

@@ -48,7 +48,7 @@ class InitActor(Actor):
         messages = self.s.taskset.initial_messages(task, self.s.cfg.agent.system_prompt)
         tools = [t.spec() for t in self.s.tools_for(task).values()] if self.s.taskset.describe_tools else []
         step = AgentStep(
-            **msg.identity(), turn=0, sandbox=sandbox.handle,
+            episode=msg.episode, turn=0, sandbox=sandbox.handle,
             prompt_ids=self.s.chat.initial(messages, tools), messages=messages, tools=tools,
             deadline=msg.deadline, timings={"init_queue": queue_s, "init": init_s}, sent_at=time.time(),
             final_wave=msg.final_wave,

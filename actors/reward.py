@@ -66,7 +66,7 @@ class RewardActor(Actor):
         timings = {**msg.timings, "reward_queue": queue_s, "reward": time.perf_counter() - t0}
         stamps = {**msg.stamps, "reward_start": reward_start, "reward_end": reward_start + timings["reward"]}
         traj = Trajectory(
-            **msg.identity(), **assemble(msg),
+            episode=msg.episode, **assemble(msg),
             turn_policy_versions=[t.policy_version for t in msg.turns], reward=grade.reward,
             resolved=grade.resolved, stop_reason=grade.stop_reason or msg.stop_reason,
             num_turns=len(msg.turns), prompt_length=len(msg.prompt_ids), grade=grade.details, timings=timings,

@@ -91,8 +91,7 @@ class BatchDispatcher:
     async def episode(self, t: Ticket) -> Trajectory:
         now = time.time()
         self.issued_at[t.episode_id] = now
-        req = InitRequest(episode_id=t.episode_id, group_id=t.group_id, task_id=t.task_id,
-                          sample_index=t.sample_index, issued_at=now, deadline=now + NO_DEADLINE_S)
+        req = InitRequest(episode=t.key, issued_at=now, deadline=now + NO_DEADLINE_S)
         msg: AgentStep | RewardRequest = (await self.init.handle(req, self._meta("init-requests")))[0].value
         while isinstance(msg, AgentStep):
             msg = (await self.agent.handle(msg, self._meta("agent-steps")))[0].value

@@ -157,7 +157,7 @@ def pipeline_mode(wl: WorkloadConfig, out: Path, server: SimServer, bootstrap: s
     ended = run.created_at[batch[-1]]
     in_batch = set(batch)
     figures, series = mode_figures(f"pipeline ({workers} agent worker{'s' * (workers > 1)})", run.started,
-                                   ended, [t for t in trajectories if t["episode_id"] in in_batch], server,
+                                   ended, [t for t in trajectories if t["episode"]["episode_id"] in in_batch], server,
                                    run_dir / "sandboxes", len(trajectories))
     trace = report.read_trace(run_dir)
     figures.update(report.hop_stats(trace, run.issued_at, {e: run.created_at[e] for e in batch}))
@@ -165,7 +165,7 @@ def pipeline_mode(wl: WorkloadConfig, out: Path, server: SimServer, bootstrap: s
             if s < ended]
     figures.update(report.agent_slot_phases(held, run.started, ended, wl.slots))
     figures["batch"] = sorted(plan_index(run.task_ids[e]) for e in batch)
-    figures["carried"] = carried_work([(t["episode_id"], t["task_id"], t.get("stamps", {}).get("init_end", 0.0),
+    figures["carried"] = carried_work([(t["episode"]["episode_id"], t["episode"]["task_id"], t.get("stamps", {}).get("init_end", 0.0),
                                         [u.get("tool_ended_at") or 0.0 for u in t.get("turns", [])])
                                        for t in trajectories], in_batch, ended)
     figures.update({"agent_workers": workers, "sandbox_bound": wl.sandbox_bound,

@@ -35,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from rollway.core.kafka import BrokerUnavailable
     from rollway.runners.episodes import EpisodeNotFound, find_episode
     from rollway.runners.show import render, render_html
+    from rollway.schemas.codec import DecodeError
 
     try:
         trajs, source = load(args)
@@ -42,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"rollway show: no episodes in {source}", file=sys.stderr)
             return 1
         episode = find_episode(trajs, args.episode, source) if args.episode else trajs[0]
-    except (FileNotFoundError, EpisodeNotFound, BrokerUnavailable) as err:
+    except (FileNotFoundError, EpisodeNotFound, BrokerUnavailable, DecodeError) as err:
         print(f"rollway show: {err}", file=sys.stderr)
         return 2
     listing = args.episode is None

@@ -171,7 +171,7 @@ def plot_timeline(trajs: list[dict[str, Any]], t0: float):
             bars = [(s.start - t0, max(s.end - s.start, 1e-3)) for s in episode_spans(traj) if s.kind == kind]
             ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=SPAN_COLORS[kind], edgecolor="white", linewidth=0.3)
     # Episode ids are RUN-GROUP-SAMPLE; the run part is the same on every row.
-    ax.set_yticks(range(len(rows)), ["-".join(t["episode_id"].split("-")[-2:]) for t in rows], fontsize=7)
+    ax.set_yticks(range(len(rows)), ["-".join(t["episode"]["episode_id"].split("-")[-2:]) for t in rows], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the first episode was issued")
     ax.set_title("Episode timeline: queue wait, init, generation and tools per turn, reward")
@@ -294,7 +294,7 @@ def _summary_html(data: ReportData) -> str:
 
 
 def _episodes_html(trajs: list[dict[str, Any]]) -> str:
-    rows = [[t["episode_id"], t["task_id"], t["reward"], t["num_turns"], t["stop_reason"],
+    rows = [[t["episode"]["episode_id"], t["episode"]["task_id"], t["reward"], t["num_turns"], t["stop_reason"],
              f"{sum(t.get('timings', {}).values()):.2f}s"] for t in trajs]
     return _table(rows, ["episode", "task", "reward", "turns", "stop reason", "stage seconds"])
 

@@ -30,7 +30,7 @@ def episode_list(trajs: list[dict[str, Any]]) -> Table:
     for col in ("episode", "task", "reward", "turns", "stop reason"):
         table.add_column(col)
     for t in trajs:
-        table.add_row(t["episode_id"], t["task_id"], f"{t['reward']:g}", str(t["num_turns"]), t["stop_reason"])
+        table.add_row(t["episode"]["episode_id"], t["episode"]["task_id"], f"{t['reward']:g}", str(t["num_turns"]), t["stop_reason"])
     return table
 
 
@@ -38,8 +38,8 @@ def episode_header(t: dict[str, Any]) -> Table:
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold cyan")
     grid.add_column()
-    rows = [("episode", t["episode_id"]), ("task", t["task_id"]), ("group", f"{t['group_id']} (sample "
-            f"{t.get('sample_index', 0)}, attempt {t.get('attempt', 0)})"),
+    rows = [("episode", t["episode"]["episode_id"]), ("task", t["episode"]["task_id"]), ("group", f"{t['episode']['group_id']} (sample "
+            f"{t['episode'].get('sample_index', 0)}, attempt {t['episode'].get('attempt', 0)})"),
             ("reward", f"{t['reward']:g} ({'resolved' if t['resolved'] else 'not resolved'})"),
             ("stop reason", t["stop_reason"]), ("turns", str(t["num_turns"])),
             ("tokens", f"{len(t.get('token_ids', []))} ({t.get('prompt_length', 0)} prompt, "

@@ -1,4 +1,5 @@
-"""One msgspec Struct per topic. Every per-episode message is keyed by its `episode_id`."""
+"""One msgspec Struct per topic. Every per-episode message holds its identity once (`episode`) and is
+keyed by its episode id."""
 
 from __future__ import annotations
 
@@ -6,17 +7,20 @@ from typing import Any
 
 import msgspec
 
-SCHEMA_VERSION = 1
-"""Bumped on any incompatible change; decoders reject other versions."""
+SCHEMA_VERSION = 2
+"""Bumped on any incompatible change; decoders reject other versions. 2: the episode identity is one
+nested `episode` field (EpisodeKey); stage timings and stamps left the messages (the runtimes record
+them as telemetry)."""
 
 
 class Message(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     schema_version: int = SCHEMA_VERSION
 
 
-class EpisodeRef(Message, kw_only=True):
-    """Identity shared by every per-episode message. An episode is one sample of a GRPO group;
-    a re-issued episode keeps its id and group and gets the next `attempt`."""
+class EpisodeKey(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Who an episode is: held once by every per-episode message (`episode`) and passed on whole to
+    the episode's next message. An episode is one sample of a GRPO group; a re-issued episode keeps
+    its id and group and gets the next `attempt`. The Kafka key of its messages is `episode_id`."""
 
     episode_id: str
     group_id: str
@@ -25,17 +29,35 @@ class EpisodeRef(Message, kw_only=True):
     sample_index: int = 0
     """Position of this episode inside its group (0..n-1)."""
 
-    def identity(self) -> dict[str, Any]:
-        """The identity fields, for the episode's next message: `Next(**msg.identity(), ...)` (the
-        one place that lists them)."""
-        return {name: getattr(self, name) for name in IDENTITY_FIELDS}
+
+class EpisodeMessage(Message, kw_only=True):
+    """A message about one episode. The identity's fields read through as properties
+    (`msg.episode_id`), so consumers need not spell out `msg.episode.episode_id`."""
+
+    episode: EpisodeKey
+
+    @property
+    def episode_id(self) -> str:
+        return self.episode.episode_id
+
+    @property
+    def group_id(self) -> str:
+        return self.episode.group_id
+
+    @property
+    def task_id(self) -> str:
+        return self.episode.task_id
+
+    @property
+    def attempt(self) -> int:
+        return self.episode.attempt
+
+    @property
+    def sample_index(self) -> int:
+        return self.episode.sample_index
 
 
-IDENTITY_FIELDS = ("episode_id", "group_id", "task_id", "attempt", "sample_index")
-"""EpisodeRef's fields, in order."""
-
-
-class InitRequest(EpisodeRef, kw_only=True):
+class InitRequest(EpisodeMessage, kw_only=True):
     """scheduler -> init actor: create this episode's sandbox and first turn."""
 
     issued_at: float
@@ -93,7 +115,7 @@ class TurnRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     log restores it."""
 
 
-class AgentStep(EpisodeRef, kw_only=True):
+class AgentStep(EpisodeMessage, kw_only=True):
     """init -> agent (turn 0) and agent -> agent (turn k): run turn `turn` of this episode.
 
     Event-sourced: turn 0 carries the initial prompt; turn k > 0 carries only the previous turn's
@@ -129,7 +151,7 @@ class AgentStep(EpisodeRef, kw_only=True):
     decide when the run ends)."""
 
 
-class RewardRequest(EpisodeRef, kw_only=True):
+class RewardRequest(EpisodeMessage, kw_only=True):
     """agent -> reward actor: the finished episode, to be graded. One message per episode, so
     carrying every turn here keeps bytes per episode linear in its length."""
 
@@ -146,7 +168,7 @@ class RewardRequest(EpisodeRef, kw_only=True):
     """Wall-clock stage event times so far (the turn-0 stamps plus agent_end)."""
 
 
-class Trajectory(EpisodeRef, kw_only=True):
+class Trajectory(EpisodeMessage, kw_only=True):
     """reward actor -> learner, sink, scheduler: a graded episode, token-exact.
 
     Invariants: `token_ids`, `loss_mask` and `logprobs` have equal length (the whole episode:
@@ -182,7 +204,7 @@ class Trajectory(EpisodeRef, kw_only=True):
     reward_start, reward_end; per-turn times are on `turns`. Empty in old messages."""
 
 
-class EpisodeFailure(EpisodeRef, kw_only=True):
+class EpisodeFailure(EpisodeMessage, kw_only=True):
     """any stage -> scheduler: this attempt failed in infrastructure (not a low reward)."""
 
     stage: str

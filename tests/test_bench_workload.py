@@ -38,7 +38,7 @@ from rollway.runners.stage_queue import Backlog
 from rollway.sandboxes.base import SandboxSpec
 from rollway.sandboxes.config import SandboxConfig
 from rollway.sandboxes.sim import SIM_SPEC_FILE, SimSandboxProvider, live_sandbox_stats
-from rollway.schemas import AgentStep, RewardRequest, Trajectory
+from rollway.schemas import AgentStep, EpisodeKey, RewardRequest, Trajectory
 
 
 def test_workload_is_a_pure_function_of_seed_and_episode_index():
@@ -243,7 +243,7 @@ def test_scheduler_init_lookahead_bounds_episodes_before_the_reward_stage(tmp_pa
     issued = [o.value for o in run(s.tick())]
     assert len(issued) == 3, "agent_slots + init_lookahead episodes before any reaches the reward stage"
     assert run(s.tick()) == []
-    ref = {k: getattr(issued[0], k) for k in ("episode_id", "group_id", "task_id", "attempt")}
+    ref = {"episode": issued[0].episode}
     req = RewardRequest(**ref, sandbox={}, prompt_ids=[], messages=[], turns=[], stop_reason="finish")
     run(s.handle(req, MessageMeta("reward-requests", 0, 0)))
     assert len(run(s.tick())) == 1, "an episode that left the agent frees one look-ahead place"
@@ -380,7 +380,7 @@ def test_final_wave_starts_the_last_sandboxes_within_the_inflight_bound(tmp_path
     assert not any(o.value.final_wave for o in first)
     done = 0
     for msg in list(s.tickets.values())[:2]:  # two episodes finish: 7 left to issue, 1 in flight
-        ref = {"episode_id": msg.episode_id, "group_id": msg.group_id, "task_id": msg.task_id, "attempt": 0}
+        ref = {"episode": msg.key}
         traj = Trajectory(
             **ref,
             token_ids=[],
@@ -406,7 +406,7 @@ def test_final_wave_starts_the_last_sandboxes_within_the_inflight_bound(tmp_path
 def test_agent_ranks_later_turns_first_until_the_run_drains_then_earliest_first():
     agent = AgentActor.__new__(AgentActor)
     agent.final_wave = False
-    step = lambda turn, final: AgentStep(episode_id="e", group_id="g", task_id="t", turn=turn,  # noqa: E731
+    step = lambda turn, final: AgentStep(episode=EpisodeKey(episode_id="e", group_id="g", task_id="t"), turn=turn,  # noqa: E731
                                          sandbox={}, final_wave=final)
     queued = [step(5, False), step(0, False), step(3, False)]
     assert [m.turn for m in sorted(queued, key=agent.priority, reverse=True)] == [5, 3, 0]

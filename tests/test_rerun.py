@@ -35,7 +35,7 @@ def replay(capsys, monkeypatch):
 
 
 def first_episode(run_dir) -> str:
-    return json.loads((run_dir / "trajectories.jsonl").read_text().splitlines()[0])["episode_id"]
+    return json.loads((run_dir / "trajectories.jsonl").read_text().splitlines()[0])["episode"]["episode_id"]
 
 
 def test_rerun_of_a_recorded_episode_matches(smoke_run, replay):

@@ -24,7 +24,7 @@ from rollway.core.config import RunConfig, load_config
 from rollway.core.kafka import ensure_topics, topic_name
 from rollway.runners.faust_runtime import FaustStage, ensure_changelog_topics
 from rollway.runners.stage_runtime import StageWorker
-from rollway.schemas import AgentStep, DeadLetter, EpisodeFailure, decode, encode
+from rollway.schemas import AgentStep, DeadLetter, EpisodeFailure, EpisodeKey, decode, encode
 from rollway.topics import AGENT_STEPS, ALL_TOPICS, DEAD_LETTERS, EPISODE_FAILURES, TopicSpec
 
 pytestmark = pytest.mark.broker
@@ -37,7 +37,7 @@ ENGINES = ("aiokafka", "faust")
 
 def step(episode: str, turn: int, **flags: Any) -> AgentStep:
     """An agent step whose sandbox dict carries the probe's instructions (hold, fail, stop, sleep_s)."""
-    return AgentStep(episode_id=episode, group_id="g", task_id="t", turn=turn, sandbox=flags)
+    return AgentStep(episode=EpisodeKey(episode_id=episode, group_id="g", task_id="t"), turn=turn, sandbox=flags)
 
 
 class Probe(Actor):

@@ -392,4 +392,4 @@ def test_eval_with_a_scripted_policy_reproduces_its_resolved_ids(built, broker, 
     assert preds[target["instance_id"]]["model_patch"].startswith("diff --git a/")
     assert len(list((run_dir / "atif").glob("*.json"))) == 3
     failures = [json.loads(line) for line in (run_dir / "failures.jsonl").read_text().splitlines()]
-    assert sum(f["task_id"] == "broken__env-1" and f["stage"] == "reward" for f in failures) == 2  # retried once
+    assert sum(f["episode"]["task_id"] == "broken__env-1" and f["stage"] == "reward" for f in failures) == 2  # retried once
