@@ -9,8 +9,7 @@ import msgspec
 
 SCHEMA_VERSION = 2
 """Bumped on any incompatible change; decoders reject other versions. 2: the episode identity is one
-nested `episode` field (EpisodeKey); stage timings and stamps left the messages (the runtimes record
-them as telemetry)."""
+nested `episode` field (EpisodeKey)."""
 
 
 class Message(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
