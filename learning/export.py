@@ -97,7 +97,7 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
 
 
 def read_trajectories(path: str | Path) -> list[Trajectory]:
-    """Rebuild `Trajectory` messages (token-exact; turn records, messages and timings are not
+    """Rebuild `Trajectory` messages (token-exact; turn records and messages are not
     exported and come back empty)."""
     return [_row_to_trajectory(r) for r in read_rows(path)]
 

@@ -29,6 +29,14 @@ def load(args: argparse.Namespace) -> tuple[list[dict], str]:
     return load_run_dir(Path(args.run_dir)), str(args.run_dir)
 
 
+def episode_stage_seconds(run_dir: Path, traj: dict) -> dict[str, float]:
+    """Seconds per stage the run folder's telemetry recorded for the attempt that made `traj`."""
+    from rollway.runners.telemetry import attempt_records, read_telemetry, stage_seconds
+
+    key = traj["episode"]
+    return stage_seconds(attempt_records(read_telemetry(run_dir), key["episode_id"], key.get("attempt", 0)))
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -47,9 +55,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"rollway show: {err}", file=sys.stderr)
         return 2
     listing = args.episode is None
+    seconds = None if args.bootstrap else episode_stage_seconds(Path(args.run_dir), episode)
     if args.html:
-        Path(args.html).write_text(render_html(trajs, episode, listing, args.max_chars))
+        Path(args.html).write_text(render_html(trajs, episode, listing, args.max_chars, seconds))
         print(args.html)
     else:
-        render(trajs, episode, listing, args.max_chars, Console())
+        render(trajs, episode, listing, args.max_chars, Console(), seconds)
     return 0

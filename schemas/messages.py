@@ -9,7 +9,8 @@ import msgspec
 
 SCHEMA_VERSION = 2
 """Bumped on any incompatible change; decoders reject other versions. 2: the episode identity is one
-nested `episode` field (EpisodeKey)."""
+nested `episode` field (EpisodeKey); stage timings, stamps and `sent_at` left the messages (the stage
+runtimes record them as telemetry, runners/telemetry.py)."""
 
 
 class Message(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -136,14 +137,9 @@ class AgentStep(EpisodeMessage, kw_only=True):
     last: TurnRecord | None = None
     """Turn k > 0: the delta of turn k-1."""
     deadline: float = 0.0
-    timings: dict[str, float] = {}
-    """Stage seconds so far (init, queue waits), carried forward to the trajectory."""
-    stamps: dict[str, float] = {}
-    """Turn 0 only: wall-clock times (unix seconds) of stage events so far (issued, init_start,
-    init_end), carried to the trajectory for timelines. Empty on later turns (the turn-0 message
-    keeps them)."""
-    sent_at: float = 0.0
-    """Wall-clock time the producer sent this message (for hop latency)."""
+    ready_at: float = 0.0
+    """Turn 0 only: wall-clock time (unix seconds) the episode's sandbox was ready; a task's agent time
+    (`agent_timeout_s`) counts from here. 0.0 on later turns (the turn-0 message keeps it)."""
     final_wave: bool = False
     """Copied from the InitRequest. An agent worker that sees it ranks its backlog earliest turn
     first from then on, for every episode (in the drain, the episodes with the most turns left
@@ -161,10 +157,6 @@ class RewardRequest(EpisodeMessage, kw_only=True):
     stop_reason: str
     """Why the agent stopped: finish, max_turns, max_tokens, length, error:..."""
     deadline: float = 0.0
-    timings: dict[str, float] = {}
-    sent_at: float = 0.0
-    stamps: dict[str, float] = {}
-    """Wall-clock stage event times so far (the turn-0 stamps plus agent_end)."""
 
 
 class Trajectory(EpisodeMessage, kw_only=True):
@@ -190,17 +182,14 @@ class Trajectory(EpisodeMessage, kw_only=True):
     """Tokens of the initial prompt (the start of `token_ids`)."""
     grade: dict[str, Any] = {}
     """Grader details: partial test counts and the like."""
-    timings: dict[str, float] = {}
-    """Seconds per stage: init, agent_gen, agent_tool, reward, and queue waits."""
     turns: list[TurnRecord] = []
     """Per-turn record (text, tool calls, observations, hints) for viewers and replay."""
     messages: list[dict[str, Any]] = []
     """Initial chat messages."""
     template_drift_turns: int = 0
     created_at: float = 0.0
-    stamps: dict[str, float] = {}
-    """Wall-clock times (unix seconds) of stage events: issued, init_start, init_end, agent_end,
-    reward_start, reward_end; per-turn times are on `turns`. Empty in old messages."""
+    """When the reward actor graded it (unix seconds). Stage times are telemetry (runners/telemetry.py);
+    each turn's generation and tool times are on `turns` (the agent needs them)."""
 
 
 class EpisodeFailure(EpisodeMessage, kw_only=True):

@@ -35,6 +35,7 @@ from rollway.core.config import load_config
 from rollway.envs.base import TaskCost
 from rollway.policies.chat import IM_END, BytesChatML
 from rollway.runners.stage_queue import Backlog
+from rollway.runners.telemetry import Handled
 from rollway.sandboxes.base import SandboxSpec
 from rollway.sandboxes.config import SandboxConfig
 from rollway.sandboxes.sim import SIM_SPEC_FILE, SimSandboxProvider, live_sandbox_stats
@@ -341,7 +342,7 @@ def test_estimates_are_noisy_but_do_not_change_the_plan():
 
 def test_request_log_splits_generation_time():
     log = [(0.0, 0.002, 0.402, 0.403), (1.0, 1.001, 1.201, 1.203)]
-    trajectories = [{"timings": {"agent_gen": 0.403 + 0.203 + 0.006}}]  # 3 ms per request beyond the server
+    trajectories = [{"turns": [{"gen_seconds": 0.403}, {"gen_seconds": 0.203 + 0.006}]}]  # 3 ms per request beyond the server
     figures = inference_latency(log, trajectories)
     assert figures["inference_requests"] == 2
     assert figures["inference_admission_ms"] == pytest.approx(1.5)
@@ -351,8 +352,12 @@ def test_request_log_splits_generation_time():
 
 
 def test_agent_slot_phases_find_ramp_up_and_drain():
-    turn = lambda s, e: {"stage": "agent", "started": s, "ended": e}  # noqa: E731
-    trace = [turn(1.0, 5.0), turn(2.0, 9.0), turn(4.0, 6.0), {"stage": "init", "started": 0.0, "ended": 1.0}]
+    def handled(stage: str, s: float, e: float) -> Handled:
+        return Handled(stage=stage, topic="agent-steps", partition=0, offset=0, bytes=1, produced_at=s,
+                       started_at=s, ended_at=e)
+
+    trace = [handled("agent", 1.0, 5.0), handled("agent", 2.0, 9.0), handled("agent", 4.0, 6.0),
+             handled("init", 0.0, 1.0)]
     trajectories = [{"turns": [{"gen_started_at": 1.0, "gen_ended_at": 3.0}, {"gen_started_at": 4.0, "gen_ended_at": 5.0}]}]
     # Tool calls hold the model-call slot (tool_overlap 0): whole turns count; else only generation.
     assert model_slot_intervals(trace, trajectories, tool_overlap=0) == [(1.0, 5.0), (2.0, 9.0), (4.0, 6.0)]

@@ -36,7 +36,7 @@ def test_show_lists_episodes_and_renders_the_first_turn_by_turn(smoke_run, show)
     assert "8 episodes" in out.stdout
     assert all(t["episode"]["episode_id"] in out.stdout for t in trajs)
     for text in ("model output", "tool call: bash", '{"command": "cat numbers.txt"}', "observation",
-                 "Exit code: 0", "turn 3", "stop reason", "finish", "reward", "agent_gen"):
+                 "Exit code: 0", "turn 3", "stop reason", "finish", "reward", "stages", "init_queue", "agent_queue"):
         assert text in out.stdout, text
 
 
