@@ -191,7 +191,7 @@ class AgentActor(Actor):
         record = TurnRecord(
             turn=turn, completion_ids=list(gen.token_ids), logprobs=list(gen.logprobs),
             policy_version=gen.policy_version, finish_reason=gen.finish_reason, assistant_text=text,
-            observations=outcome.records, hints=hints, gen_seconds=gen_s, tool_seconds=tool_s,
+            observations=outcome.observations, hints=hints, gen_seconds=gen_s, tool_seconds=tool_s,
             gen_started_at=gen_started_at, gen_ended_at=gen_started_at + gen_s,
             tool_ended_at=gen_started_at + (t1 - t0) + tool_s, user_message=user_message,
             state=dict(context.state) if context.state != state.store else None)

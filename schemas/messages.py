@@ -68,14 +68,25 @@ class InitRequest(EpisodeMessage, kw_only=True):
     """Issued in the run's final wave (scheduler.final_wave): tells the agents the run is draining."""
 
 
-class Observation(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """What one tool call returned, as the model will read it."""
+class Observation(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """What one tool call returned, as the model will read it: the one tool-outcome type from the
+    agent's tool run (`tools/registry.py` `ToolTurn`) to the trajectory. A tool itself returns a
+    `ToolResult` (its author-facing form); `run_call` makes the Observation from it."""
 
-    tool: str
-    """Tool name, or "" for a call that could not be parsed."""
+    tool: str = ""
+    """Tool name, or "" for a call that could not be parsed (or a message without a call)."""
     arguments: dict[str, Any] = {}
+    """The call's arguments as parsed ({} when they could not be)."""
     content: str
     is_error: bool = False
+    call_id: str | None = None
+    """The model's id for the call, when its tool-call format gives one."""
+    ends_episode: bool = False
+    """The call ended the episode (`finish`)."""
+    truncated: bool = False
+    """`content` was cut to tools.max_observation_chars."""
+    internal_error: bool = False
+    """The tool itself failed (a bug or a broken sandbox), not the model's call."""
 
 
 class TurnRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
