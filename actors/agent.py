@@ -57,8 +57,6 @@ class AgentActor(Actor):
         state = await self._state_for(msg, meta)
         if state is None:
             return []  # duplicate delivery of a turn that was already run
-        msg_wait = time.time() - msg.sent_at if msg.sent_at else 0.0
-        state.timings["agent_queue"] = state.timings.get("agent_queue", 0.0) + max(0.0, msg_wait)
         record, stop_reason = await self._run_turn(state, lambda: self._rank(msg.turn))
         new_messages = observation_messages(record)
         state.apply(record, new_messages)
@@ -146,7 +144,6 @@ class AgentActor(Actor):
         for turn in range(1, msg.turn + 1):
             step = by_turn[turn][1]
             state.apply(step.last, observation_messages(step.last))
-        state.timings = dict(msg.timings)
         log.info("episode rebuilt from log", episode_id=msg.episode_id, turn=msg.turn)
         return state
 
@@ -157,19 +154,17 @@ class AgentActor(Actor):
         f = state.first
         if budget <= 0:
             return self._prompt_too_long(state), "prompt_too_long"
-        deadline = agent_deadline(self._task(state).metadata, f.stamps, f.sent_at)
+        deadline = agent_deadline(self._task(state).metadata, f.ready_at)
         if deadline is not None and time.time() >= deadline:
             return self._out_of_time(state), AGENT_TIMEOUT
         params = SamplingParams(temperature=self.cfg.temperature, top_p=self.cfg.top_p,
                                 max_tokens=max(1, min(self.cfg.max_tokens_per_turn, budget)),
                                 stop_token_ids=chat.stop_token_ids,
                                 seed=episode_seed(f.episode_id, f.attempt) + turn, task_id=f.task_id, turn=turn)
-        async with self._model_slot(rank) as waited:
+        async with self._model_slot(rank):
             t0, gen_started_at = time.perf_counter(), time.time()
             gen = await self.s.inference.generate(state.token_ids, params)
             gen_s = time.perf_counter() - t0
-        if waited:
-            state.timings["agent_slot_wait"] = state.timings.get("agent_slot_wait", 0.0) + waited
         text = chat.decode(gen.token_ids)
         t1 = time.perf_counter()
         sandbox = await self.s.sandboxes.attach(state.first.sandbox)
@@ -196,7 +191,7 @@ class AgentActor(Actor):
         record = TurnRecord(
             turn=turn, completion_ids=list(gen.token_ids), logprobs=list(gen.logprobs),
             policy_version=gen.policy_version, finish_reason=gen.finish_reason, assistant_text=text,
-            observations=outcome.records, hints=hints, gen_seconds=gen_s, tool_seconds=tool_s,
+            observations=outcome.observations, hints=hints, gen_seconds=gen_s, tool_seconds=tool_s,
             gen_started_at=gen_started_at, gen_ended_at=gen_started_at + gen_s,
             tool_ended_at=gen_started_at + (t1 - t0) + tool_s, user_message=user_message,
             state=dict(context.state) if context.state != state.store else None)
@@ -204,19 +199,16 @@ class AgentActor(Actor):
             record.observation_ids = self._observation_ids(state, record, gen.token_ids)
             if state.tokens_used + len(record.completion_ids) + len(record.observation_ids) >= self.cfg.max_total_tokens:
                 record.observation_ids, stop_reason = [], "max_tokens"
-        state.timings["agent_gen"] = state.timings.get("agent_gen", 0.0) + gen_s
-        state.timings["agent_tool"] = state.timings.get("agent_tool", 0.0) + tool_s
         return record, stop_reason
 
     @contextlib.asynccontextmanager
-    async def _model_slot(self, rank: Callable[[], float]) -> AsyncIterator[float]:
-        """Holds a model-call slot (with tool_overlap) and yields how long the turn waited for it."""
+    async def _model_slot(self, rank: Callable[[], float]) -> AsyncIterator[None]:
+        """Holds a model-call slot (with tool_overlap)."""
         if self.model_slots is None:
-            yield 0.0
+            yield
             return
-        t0 = time.perf_counter()
         async with self.model_slots.slot(rank):
-            yield time.perf_counter() - t0
+            yield
 
     def _stop_reason(self, finished: bool, turn: int, used: int) -> str | None:
         if finished:
@@ -298,16 +290,15 @@ class AgentActor(Actor):
     # -- outputs ----------------------------------------------------------------------------
     def _next_step(self, state: EpisodeState) -> AgentStep:
         f = state.first
-        return AgentStep(**f.identity(), turn=state.next_turn, sandbox=f.sandbox,
+        return AgentStep(episode=f.episode, turn=state.next_turn, sandbox=f.sandbox,
                          start_offset=state.start_offset, last=state.turns[-1], deadline=f.deadline,
-                         timings=state.timings, sent_at=time.time(), final_wave=f.final_wave)
+                         final_wave=f.final_wave)
 
     def _reward_request(self, state: EpisodeState, stop_reason: str) -> RewardRequest:
         f = state.first
-        return RewardRequest(**f.identity(), sandbox=f.sandbox, prompt_ids=list(f.prompt_ids or []),
+        return RewardRequest(episode=f.episode, sandbox=f.sandbox, prompt_ids=list(f.prompt_ids or []),
                              messages=list(f.messages or []), turns=state.turns, stop_reason=stop_reason,
-                             deadline=f.deadline, timings=state.timings, sent_at=time.time(),
-                             stamps={**f.stamps, "agent_end": time.time()})
+                             deadline=f.deadline)
 
 
 class TurnReplayed(RuntimeError):

@@ -1,6 +1,6 @@
 """A task's agent time limit (Harbor's [agent] timeout_sec): when the agent phase of an episode ends.
 
-The clock starts when the episode's sandbox is ready (the init actor's `init_end` stamp) and counts every
+The clock starts when the episode's sandbox is ready (the turn-0 message's `ready_at`) and counts every
 turn's model call and tool calls. Past it, the episode ends with stop reason `agent_timeout` and is
 graded as it stands; a command still running at that moment is killed at the limit."""
 
@@ -15,12 +15,12 @@ AGENT_TIMEOUT = "agent_timeout"
 """The stop reason of an episode whose task's agent time ran out."""
 
 
-def agent_deadline(task_metadata: dict[str, Any], stamps: dict[str, float], sent_at: float) -> float | None:
+def agent_deadline(task_metadata: dict[str, Any], ready_at: float) -> float | None:
     """Wall-clock time the agent phase ends at, from the task's `agent_timeout_s` metadata; None: no limit."""
     limit = task_metadata.get("agent_timeout_s")
     if not limit:
         return None
-    return float(stamps.get("init_end") or sent_at or time.time()) + float(limit)
+    return float(ready_at or time.time()) + float(limit)
 
 
 class DeadlineSandbox(Sandbox):

@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from rollway.schemas.messages import EpisodeFailure, EpisodeRef, Message
+from rollway.schemas.messages import EpisodeFailure, EpisodeMessage, Message
 from rollway.topics import EPISODE_FAILURES, TopicSpec
 
 
@@ -75,10 +75,10 @@ class Actor(ABC):
         """Called once at shutdown."""
 
 
-def failure_output(msg: EpisodeRef, stage: str, error: BaseException, retryable: bool = True) -> Output:
+def failure_output(msg: EpisodeMessage, stage: str, error: BaseException, retryable: bool = True) -> Output:
     """Tell the scheduler this attempt failed in `stage` (it re-issues or records the failure)."""
     return Output(EPISODE_FAILURES, msg.episode_id, EpisodeFailure(
-        **msg.identity(), stage=stage, reason=f"{type(error).__name__}: {error}",
+        episode=msg.episode, stage=stage, reason=f"{type(error).__name__}: {error}",
         retryable=retryable, at=time.time()))
 
 

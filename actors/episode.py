@@ -59,7 +59,6 @@ class EpisodeState:
     turns: list[TurnRecord] = field(default_factory=list)
     stream: TokenStream = field(default_factory=TokenStream)
     messages: list[dict[str, Any]] = field(default_factory=list)
-    timings: dict[str, float] = field(default_factory=dict)
     store: dict[str, Any] = field(default_factory=dict)
     """The episode's state store (ToolContext.state) after the last applied turn."""
 
@@ -68,7 +67,7 @@ class EpisodeState:
         if msg.turn != 0 or msg.prompt_ids is None or msg.messages is None:
             raise ValueError(f"episode {msg.episode_id}: turn-0 message without prompt_ids/messages")
         return cls(first=msg, start_offset=offset, stream=TokenStream.start(msg.prompt_ids),
-                   messages=list(msg.messages), timings=dict(msg.timings))
+                   messages=list(msg.messages))
 
     @property
     def next_turn(self) -> int:

@@ -38,21 +38,17 @@ class InitActor(Actor):
         if msg.deadline and time.time() > msg.deadline:
             log.info("init request past its deadline, skipped", episode_id=msg.episode_id, attempt=msg.attempt)
             return []  # the scheduler has re-issued it (or will)
-        queue_s = max(0.0, time.time() - msg.issued_at)
         task = self.s.taskset.get(msg.task_id)
-        t0, init_start = time.perf_counter(), time.time()
         await self.s.taskset.prepare(task)  # e.g. its image built in a thread, off this loop
         sandbox = await self.s.sandboxes.create(self.s.taskset.sandbox_spec(task),
                                                 sandbox_name(msg.episode_id, msg.attempt))
-        init_s = time.perf_counter() - t0
+        ready_at = time.time()
         messages = self.s.taskset.initial_messages(task, self.s.cfg.agent.system_prompt)
         tools = [t.spec() for t in self.s.tools_for(task).values()] if self.s.taskset.describe_tools else []
         step = AgentStep(
-            **msg.identity(), turn=0, sandbox=sandbox.handle,
+            episode=msg.episode, turn=0, sandbox=sandbox.handle,
             prompt_ids=self.s.chat.initial(messages, tools), messages=messages, tools=tools,
-            deadline=msg.deadline, timings={"init_queue": queue_s, "init": init_s}, sent_at=time.time(),
-            final_wave=msg.final_wave,
-            stamps={"issued": msg.issued_at, "init_start": init_start, "init_end": init_start + init_s})
+            deadline=msg.deadline, ready_at=ready_at, final_wave=msg.final_wave)
         return [Output(AGENT_STEPS, msg.episode_id, step)]
 
     def on_error(self, msg: InitRequest, error: BaseException) -> list[Output]:

@@ -55,23 +55,19 @@ class RewardActor(Actor):
         seen = self.ledger.seen(key, meta)
         if seen is not None:
             return await self._replay(msg, seen.result)
-        queue_s = max(0.0, time.time() - msg.sent_at) if msg.sent_at else 0.0
-        t0, reward_start = time.perf_counter(), time.time()
         sandbox = await self.s.sandboxes.attach(msg.sandbox)
         try:
             grade = await self._grade(msg, sandbox)
         except BaseException:
             await sandbox.destroy()
             raise
-        timings = {**msg.timings, "reward_queue": queue_s, "reward": time.perf_counter() - t0}
-        stamps = {**msg.stamps, "reward_start": reward_start, "reward_end": reward_start + timings["reward"]}
         traj = Trajectory(
-            **msg.identity(), **assemble(msg),
+            episode=msg.episode, **assemble(msg),
             turn_policy_versions=[t.policy_version for t in msg.turns], reward=grade.reward,
             resolved=grade.resolved, stop_reason=grade.stop_reason or msg.stop_reason,
-            num_turns=len(msg.turns), prompt_length=len(msg.prompt_ids), grade=grade.details, timings=timings,
+            num_turns=len(msg.turns), prompt_length=len(msg.prompt_ids), grade=grade.details,
             turns=msg.turns, messages=msg.messages, template_drift_turns=sum(t.template_drift for t in msg.turns),
-            created_at=time.time(), stamps=stamps)
+            created_at=time.time())
         self.ledger.record(key, meta, encode(traj))  # before the teardown: a redelivery never finds it gone
         fault_point("reward.after_grade")
         await sandbox.destroy()

@@ -20,7 +20,14 @@ from rollway.actors.scheduling import IssueStrategy, ends_order, johnson_order
 from rollway.actors.services import Services
 from rollway.base.faults import fault_point
 from rollway.core.run_dir import RunDir
-from rollway.schemas.messages import EpisodeFailure, InitRequest, PolicyVersion, RewardRequest, Trajectory
+from rollway.schemas.messages import (
+    EpisodeFailure,
+    EpisodeKey,
+    InitRequest,
+    PolicyVersion,
+    RewardRequest,
+    Trajectory,
+)
 from rollway.topics import EPISODE_FAILURES, INIT_REQUESTS, POLICY_VERSIONS, REWARD_REQUESTS, TRAJECTORIES
 
 log = structlog.get_logger()
@@ -48,6 +55,12 @@ class Ticket:
     reward: float | None = None
     at_reward: bool = False
     """This attempt has left the agent stage (seen on reward-requests; only with init_lookahead)."""
+
+    @property
+    def key(self) -> EpisodeKey:
+        """The identity of this ticket's current attempt, as its messages carry it."""
+        return EpisodeKey(episode_id=self.episode_id, group_id=self.group_id, task_id=self.task_id,
+                          attempt=self.attempt, sample_index=self.sample_index)
 
 
 def new_run_id() -> str:
@@ -213,8 +226,7 @@ class SchedulerActor(Actor):
         t.state, t.policy_version, t.at_reward = "inflight", self.policy_version, False
         self._dirty = True
         return Output(INIT_REQUESTS, t.episode_id, InitRequest(
-            episode_id=t.episode_id, group_id=t.group_id, task_id=t.task_id, attempt=attempt,
-            sample_index=t.sample_index, issued_at=now, deadline=t.deadline, final_wave=final_wave))
+            episode=t.key, issued_at=now, deadline=t.deadline, final_wave=final_wave))
 
     def _fail(self, t: Ticket, reason: str) -> Output:
         """Give the episode up; the verdict goes to episode-failures (the learner completes the
@@ -223,8 +235,7 @@ class SchedulerActor(Actor):
         t.state, t.reason = "failed", reason
         self._dirty = True
         return Output(EPISODE_FAILURES, t.episode_id, EpisodeFailure(
-            episode_id=t.episode_id, group_id=t.group_id, task_id=t.task_id, attempt=t.attempt,
-            sample_index=t.sample_index, stage=GIVE_UP_STAGE, reason=reason, retryable=False, at=time.time()))
+            episode=t.key, stage=GIVE_UP_STAGE, reason=reason, retryable=False, at=time.time()))
 
     # -- status -----------------------------------------------------------------------------
     @property

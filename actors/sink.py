@@ -10,7 +10,7 @@ from rollway.actors.base import Actor, MessageMeta, Output
 from rollway.actors.ledger import Ledger
 from rollway.actors.services import Services
 from rollway.core.run_dir import RunDir
-from rollway.schemas.codec import to_builtins
+from rollway.schemas.codec import check_version, to_builtins
 from rollway.schemas.messages import EpisodeFailure, Trajectory
 from rollway.topics import EPISODE_FAILURES, TRAJECTORIES
 
@@ -83,7 +83,8 @@ def export_parquet(jsonl: Path, out: Path) -> int:
 
     from rollway.learning.export import write_trajectories
 
-    trajs = [msgspec.convert(json.loads(line), Trajectory) for line in jsonl.read_text().splitlines() if line]
+    trajs = [msgspec.convert(check_version(json.loads(line), f"{jsonl} line {i}"), Trajectory)
+             for i, line in enumerate(jsonl.read_text().splitlines(), 1) if line]
     return write_trajectories(out, trajs)
 
 

@@ -1,10 +1,13 @@
 """The baseline: bounded async batching. A fixed number of slots, each running one episode's init, agent
-turns and grading in sequence with the real actors' `handle`, in-process, no broker."""
+turns and grading in sequence with the real actors' `handle`, in-process, no broker. It records the same
+telemetry as the stage runtimes (runners/telemetry.py), a message's production being the end of the
+handling that made it."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -17,6 +20,8 @@ from rollway.actors.reward import RewardActor
 from rollway.actors.scheduler import SchedulerActor, Ticket
 from rollway.actors.services import Services
 from rollway.core.config import RunConfig
+from rollway.core.run_dir import RunDir
+from rollway.runners.telemetry import TelemetryLog
 from rollway.schemas.messages import AgentStep, InitRequest, RewardRequest, Trajectory
 
 NO_DEADLINE_S = 1e9
@@ -51,6 +56,7 @@ class BatchDispatcher:
         self.busy = self.peak = 0
         self.busy_log: list[tuple[float, int]] = []
         self.issued_at: dict[str, float] = {}
+        self.telemetry = TelemetryLog(RunDir(run_dir).telemetry_path("baseline", os.getpid()), "baseline")
 
     async def plan(self) -> list[Ticket]:
         """The same episodes in the same order as the pipeline's scheduler issues them."""
@@ -68,6 +74,7 @@ class BatchDispatcher:
             await asyncio.gather(*(self._slot(queue, results) for _ in range(self.slots)))
         finally:
             await self.services.inference.close()
+            self.telemetry.close()
         ended = max(t.created_at for t in results) if results else time.time()
         return BaselineResult(results, self.issued_at, started, ended, self.peak, self.slots, self.busy_log)
 
@@ -85,18 +92,24 @@ class BatchDispatcher:
         self.peak = max(self.peak, self.busy)
         self.busy_log.append((time.time(), self.busy))
 
-    def _meta(self, topic: str) -> MessageMeta:
-        return MessageMeta(topic, 0, next(self.offsets))
+    async def _handle(self, actor, topic: str, msg, produced_at: float):
+        """`actor.handle` of one message, recorded as a stage runtime records it; returns the output."""
+        meta = MessageMeta(topic, 0, next(self.offsets), int(produced_at * 1000))
+        started = time.time()
+        [out] = await actor.handle(msg, meta)
+        ended = time.time()
+        self.telemetry.record(topic, 0, meta.offset, meta.timestamp_ms, None, msg, started, ended, stage=actor.name)
+        return out.value, ended
 
     async def episode(self, t: Ticket) -> Trajectory:
         now = time.time()
         self.issued_at[t.episode_id] = now
-        req = InitRequest(episode_id=t.episode_id, group_id=t.group_id, task_id=t.task_id,
-                          sample_index=t.sample_index, issued_at=now, deadline=now + NO_DEADLINE_S)
-        msg: AgentStep | RewardRequest = (await self.init.handle(req, self._meta("init-requests")))[0].value
+        req = InitRequest(episode=t.key, issued_at=now, deadline=now + NO_DEADLINE_S)
+        msg: AgentStep | RewardRequest
+        msg, made = await self._handle(self.init, "init-requests", req, now)
         while isinstance(msg, AgentStep):
-            msg = (await self.agent.handle(msg, self._meta("agent-steps")))[0].value
-        return (await self.reward.handle(msg, self._meta("reward-requests")))[0].value
+            msg, made = await self._handle(self.agent, "agent-steps", msg, made)
+        return (await self._handle(self.reward, "reward-requests", msg, made))[0]
 
 
 async def run_baseline(cfg: RunConfig, run_dir: Path, slots: int) -> BaselineResult:

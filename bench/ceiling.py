@@ -68,7 +68,7 @@ async def _seed_turn_zero(cfg: Any, run_dir: Path, bootstrap: str, episodes: int
     from rollway.actors.services import Services
     from rollway.core.kafka import ensure_topics, make_producer, topic_name
     from rollway.schemas.codec import encode
-    from rollway.schemas.messages import InitRequest
+    from rollway.schemas.messages import EpisodeKey, InitRequest
 
     await ensure_topics(cfg.broker, cfg.topics, bootstrap)
     init = InitActor(Services(cfg, run_dir))
@@ -77,7 +77,7 @@ async def _seed_turn_zero(cfg: Any, run_dir: Path, bootstrap: str, episodes: int
     try:
         for i in range(episodes):
             eid = f"ceiling-e{i:05d}"
-            req = InitRequest(episode_id=eid, group_id=eid, task_id=f"sim-{i:05d}", sample_index=0,
+            req = InitRequest(episode=EpisodeKey(episode_id=eid, group_id=eid, task_id=f"sim-{i:05d}"),
                               issued_at=time.time(), deadline=time.time() + 1e9)
             out = (await init.handle(req, MessageMeta("init-requests", 0, i)))[0]
             await producer.send_and_wait(topic_name(out.topic, cfg.topics), encode(out.value), key=eid.encode())

@@ -362,12 +362,17 @@ class Engine:
 # ------------------------------------------------------------------ the modes
 
 
-def episode_figures(trajectories: list[dict[str, Any]]) -> dict[str, Any]:
-    """Work the mode did (sampling makes the two modes' episodes similar, not identical)."""
+def episode_figures(trajectories: list[dict[str, Any]], run_dir: Path) -> dict[str, Any]:
+    """Work the mode did (sampling makes the two modes' episodes similar, not identical); init and
+    grading seconds from the run's telemetry, generation and tool seconds from the turns."""
+    from rollway.runners.telemetry import read_telemetry, stage_seconds
+
     turns = sum(t["num_turns"] for t in trajectories)
     generated = sum(e - s for t in trajectories for s, e in t["turn_spans"])
-    timing = {k: sum(t.get("timings", {}).get(k, 0.0) for t in trajectories)
-              for k in ("init", "agent_gen", "agent_tool", "reward")}
+    stages = stage_seconds(read_telemetry(run_dir), {t["episode"]["episode_id"] for t in trajectories})
+    timing = {"init": stages.get("init", 0.0), "reward": stages.get("reward", 0.0),
+              "agent_gen": sum(u.get("gen_seconds", 0.0) for t in trajectories for u in t.get("turns", [])),
+              "agent_tool": sum(u.get("tool_seconds", 0.0) for t in trajectories for u in t.get("turns", []))}
     stops: dict[str, int] = {}
     for t in trajectories:
         stops[t["stop_reason"]] = stops.get(t["stop_reason"], 0) + 1
@@ -425,7 +430,7 @@ def run_real_bench(rc: RealBenchConfig, out: Path, say=print) -> dict[str, Any]:
                     t0, t1, trajectories = run_pipeline_mode(data, run_dir, broker.bootstrap)
                 after = engine.counters()
                 time.sleep(2 * rc.sample_interval_s)  # a sample past the end
-                modes[mode] = {"makespan_s": t1 - t0, **episode_figures(trajectories), **sampler.window(t0, t1),
+                modes[mode] = {"makespan_s": t1 - t0, **episode_figures(trajectories, run_dir), **sampler.window(t0, t1),
                                **{k.removeprefix("vllm:"): after[k] - before[k] for k in ENGINE_COUNTERS}}
                 modes[mode]["generated_tokens_per_s"] = modes[mode]["generated_tokens"] / modes[mode]["makespan_s"]
                 (out / f"{mode}.json").write_text(json.dumps(modes[mode], indent=1))  # kept if a later mode fails

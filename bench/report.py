@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
+
+from rollway.runners.telemetry import Handled, handled
 
 CHAIN_TOPICS = ("init-requests", "agent-steps", "reward-requests")
 """Hops inside an episode's lifetime (issue -> graded)."""
@@ -17,16 +18,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
-def read_trace(run_dir: Path) -> list[dict[str, Any]]:
-    lines = []
-    for path in sorted((run_dir / "trace").glob("*.jsonl")):
-        lines += [json.loads(line) for line in path.read_text().splitlines() if line]
-    return lines
-
-
-def hop_stats(trace: list[dict[str, Any]], issued_at: dict[str, float], created_at: dict[str, float]) -> dict:
-    """Hop latency = handling start - `sent_at` (what the brief asks: it includes waiting for a free
-    slot). Broker transit = fetch time - max(sent_at, start of the poll that fetched it): the time
+def hop_stats(telemetry: list[Handled], issued_at: dict[str, float], created_at: dict[str, float]) -> dict:
+    """From the stage runtimes' telemetry (runners/telemetry.py, with `run.trace` for fetch times):
+    hop latency = handling start - production (the record's timestamp; it includes waiting for a free
+    slot). Broker transit = fetch time - max(production, start of the poll that fetched it): the time
     the message spent in produce, log and fetch while the consumer was waiting for work, i.e. the
     delay the broker itself adds; waiting for a busy stage is queueing, not broker overhead.
 
@@ -34,19 +29,17 @@ def hop_stats(trace: list[dict[str, Any]], issued_at: dict[str, float], created_
     episode lifetimes (issued -> graded). The makespan is a chain of episode lifetimes (each slot
     runs one episode after another), so this is the broker's share of it. The last-finishing
     episode's own share is reported beside it."""
-    hops = [h for h in trace if h["sent"] and h["topic"].split(".")[-1] in CHAIN_TOPICS
-            and h["episode_id"] in created_at]
-    latency = [h["started"] - h["sent"] for h in hops]
+    hops = [h for h in handled(telemetry) if h.topic.split(".")[-1] in CHAIN_TOPICS and h.episode_id in created_at]
+    latency = [h.started_at - h.produced_at for h in hops]
+    transits = [max(0.0, (h.fetched_at or h.started_at) - max(h.produced_at, h.polled_at or 0.0)) for h in hops]
     transit: dict[str, float] = {}
-    for h in hops:
-        t = max(0.0, h["fetched"] - max(h["sent"], h["polled"]))
-        transit[h["episode_id"]] = transit.get(h["episode_id"], 0.0) + t
+    for h, t in zip(hops, transits, strict=True):
+        transit[h.episode_id] = transit.get(h.episode_id, 0.0) + t
     lifetimes = {e: created_at[e] - issued_at[e] for e in created_at if e in issued_at}
     last = max(created_at, key=created_at.get)
     return {"hops": len(hops), "hop_latency_p50_ms": 1000 * percentile(latency, 50),
             "hop_latency_p99_ms": 1000 * percentile(latency, 99),
-            "broker_transit_p50_ms": 1000 * percentile([max(0.0, h["fetched"] - max(h["sent"], h["polled"]))
-                                                         for h in hops], 50),
+            "broker_transit_p50_ms": 1000 * percentile(transits, 50),
             "broker_overhead_fraction": sum(transit.values()) / max(1e-9, sum(lifetimes.values())),
             "broker_overhead_last_episode_fraction": transit.get(last, 0.0) / max(1e-9, lifetimes[last])}
 
@@ -60,7 +53,7 @@ def inference_latency(request_log: list[list[float]], trajectories: list[dict[st
     if not n:
         return {}
     served = sum(answered - arrived for arrived, _, _, answered, *_ in request_log)
-    agent_gen = sum(t["timings"].get("agent_gen", 0.0) for t in trajectories)
+    agent_gen = sum(u.get("gen_seconds", 0.0) for t in trajectories for u in t.get("turns", []))
     return {
         "inference_requests": n,
         "inference_admission_ms": 1000 * sum(a - r for r, a, _, _, *_ in request_log) / n,
@@ -70,13 +63,12 @@ def inference_latency(request_log: list[list[float]], trajectories: list[dict[st
     }
 
 
-def model_slot_intervals(trace: list[dict[str, Any]], trajectories: list[dict[str, Any]],
+def model_slot_intervals(telemetry: list[Handled], trajectories: list[dict[str, Any]],
                          tool_overlap: int) -> list[tuple[float, float]]:
-    """When the agent held its model-call slots: a whole turn's handling (trace) when tool calls hold
-    the slot too (tool_overlap 0), else each turn's generation (trajectories)."""
+    """When the agent held its model-call slots: a whole turn's handling (telemetry) when tool calls
+    hold the slot too (tool_overlap 0), else each turn's generation (trajectories)."""
     if not tool_overlap:
-        return [(h["started"], h["ended"]) for h in trace
-                if h["stage"] == "agent" and h.get("started") and h.get("ended")]
+        return [(h.started_at, h.ended_at) for h in handled(telemetry) if h.stage == "agent"]
     return [(u["gen_started_at"], u["gen_ended_at"]) for t in trajectories for u in t.get("turns", [])
             if u.get("gen_started_at") and u.get("gen_ended_at")]
 

@@ -14,6 +14,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from rollway.bench import report
 from rollway.bench.baseline import BaselineResult, run_baseline
 from rollway.bench.pipeline import PipelineRun, load_run_config, run_config, run_pipeline
@@ -27,6 +29,7 @@ from rollway.bench.workload import (
     write_plans,
 )
 from rollway.runners.broker import EmbeddedBroker, free_port
+from rollway.runners.telemetry import EpisodeStages, episode_stages, read_telemetry
 from rollway.sandboxes.sim import live_sandbox_stats
 
 PR_SET_PDEATHSIG = 1
@@ -100,6 +103,12 @@ def plan_index(task_id: str) -> int:
     return int(task_id.rsplit("-", 1)[1])
 
 
+def init_end(stages: dict[tuple[str, int], EpisodeStages], episode_id: str, attempt: int) -> float:
+    """When the init stage finished this attempt (its sandbox started), from the telemetry; 0.0: never."""
+    found = stages.get((episode_id, attempt))
+    return found.init_end if found is not None else 0.0
+
+
 def carried_work(episodes: list[tuple[str, str, float, list[float]]], batch: set[str], ended: float) -> list[list[int]]:
     """[plan index, turns completed by `ended`] of every episode outside the batch whose sandbox had
     started by then: the carried work its window did (a turn counts once its tool call has ended).
@@ -134,11 +143,12 @@ def baseline_mode(wl: WorkloadConfig, out: Path, server: SimServer) -> tuple[dic
     result = asyncio.run(run_baseline(cfg, run_dir, wl.slots))
     batch = sorted(result.trajectories, key=lambda t: t.created_at)[:wl.episodes]
     figures, series = mode_figures(f"baseline ({wl.slots} slots)", result.started, batch[-1].created_at,
-                                   [{"timings": t.timings} for t in batch], server, run_dir / "sandboxes",
+                                   [msgspec.to_builtins(t) for t in batch], server, run_dir / "sandboxes",
                                    len(result.trajectories))
     figures["peak_busy_slots"] = result.peak_busy_slots
     figures["batch"] = sorted(plan_index(t.task_id) for t in batch)
-    figures["carried"] = carried_work([(t.episode_id, t.task_id, t.stamps.get("init_end", 0.0),
+    stages = episode_stages(read_telemetry(run_dir))
+    figures["carried"] = carried_work([(t.episode_id, t.task_id, init_end(stages, t.episode_id, t.attempt),
                                         [u.tool_ended_at or 0.0 for u in t.turns]) for t in result.trajectories],
                                       {t.episode_id for t in batch}, batch[-1].created_at)
     return figures, series, result
@@ -157,15 +167,17 @@ def pipeline_mode(wl: WorkloadConfig, out: Path, server: SimServer, bootstrap: s
     ended = run.created_at[batch[-1]]
     in_batch = set(batch)
     figures, series = mode_figures(f"pipeline ({workers} agent worker{'s' * (workers > 1)})", run.started,
-                                   ended, [t for t in trajectories if t["episode_id"] in in_batch], server,
+                                   ended, [t for t in trajectories if t["episode"]["episode_id"] in in_batch], server,
                                    run_dir / "sandboxes", len(trajectories))
-    trace = report.read_trace(run_dir)
-    figures.update(report.hop_stats(trace, run.issued_at, {e: run.created_at[e] for e in batch}))
-    held = [(s, min(e, ended)) for s, e in report.model_slot_intervals(trace, trajectories, wl.tool_overlap)
+    telemetry = read_telemetry(run_dir)
+    figures.update(report.hop_stats(telemetry, run.issued_at, {e: run.created_at[e] for e in batch}))
+    held = [(s, min(e, ended)) for s, e in report.model_slot_intervals(telemetry, trajectories, wl.tool_overlap)
             if s < ended]
     figures.update(report.agent_slot_phases(held, run.started, ended, wl.slots))
     figures["batch"] = sorted(plan_index(run.task_ids[e]) for e in batch)
-    figures["carried"] = carried_work([(t["episode_id"], t["task_id"], t.get("stamps", {}).get("init_end", 0.0),
+    stages = episode_stages(telemetry)
+    figures["carried"] = carried_work([(t["episode"]["episode_id"], t["episode"]["task_id"],
+                                        init_end(stages, t["episode"]["episode_id"], t["episode"]["attempt"]),
                                         [u.get("tool_ended_at") or 0.0 for u in t.get("turns", [])])
                                        for t in trajectories], in_batch, ended)
     figures.update({"agent_workers": workers, "sandbox_bound": wl.sandbox_bound,

@@ -31,7 +31,7 @@ from rollway.actors.reward import RewardActor
 from rollway.actors.services import Services
 from rollway.bench.workload import WorkloadConfig
 from rollway.core.config import RunConfig
-from rollway.schemas.messages import AgentStep, InitRequest, Trajectory
+from rollway.schemas.messages import AgentStep, EpisodeKey, InitRequest, Trajectory
 
 NO_DEADLINE_S = 1e9
 
@@ -197,7 +197,7 @@ class TrainingLoop:
 
     async def run_episode(self, record: EpisodeRecord) -> Trajectory:
         eid = f"train-l{self.lag}-e{record.index:05d}"
-        req = InitRequest(episode_id=eid, group_id=eid, task_id=f"sim-{record.index:05d}", sample_index=0,
+        req = InitRequest(episode=EpisodeKey(episode_id=eid, group_id=eid, task_id=f"sim-{record.index:05d}"),
                           issued_at=record.issued_at, deadline=record.issued_at + NO_DEADLINE_S)
         async with self.init_gate:
             msg = (await self.init.handle(req, self._meta("init-requests")))[0].value

@@ -194,8 +194,9 @@ class RunSection(StrictModel):
     timeout_s: float = Field(3600.0, gt=0)
     """`rollway up` gives up (non-zero exit) after this long."""
     trace: bool = False
-    """Every stage worker writes one line per handled message (sent, fetched, handling start/end)
-    to trace/STAGE-PID.jsonl in the run folder: hop latencies for `rollway bench pipeline`."""
+    """Stage workers also record when each message was polled and fetched (the broker-transit figure of
+    `rollway bench pipeline`) in their telemetry lines (telemetry/STAGE-PID.jsonl in the run folder),
+    which are written either way."""
 
 
 Engine = Literal["aiokafka", "faust"]

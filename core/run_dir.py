@@ -56,5 +56,13 @@ class RunDir:
         return self.read(str(self.worker_status_path(stage, pid).relative_to(self.path)))
 
     @property
+    def telemetry_dir(self) -> Path:
+        return self.path / "telemetry"
+
+    def telemetry_path(self, stage: str, pid: int) -> Path:
+        """Where one worker process records every message it handled (runners/telemetry.py)."""
+        return self.telemetry_dir / f"{stage}-{pid}.jsonl"
+
+    @property
     def logs(self) -> Path:
         return self.path / "logs"

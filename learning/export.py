@@ -32,7 +32,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rollway.schemas.messages import Trajectory
+from rollway.schemas.messages import EpisodeKey, Trajectory
 
 SCHEMA = pa.schema([
     ("episode_id", pa.string()), ("group_id", pa.string()), ("task_id", pa.string()),
@@ -97,7 +97,7 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
 
 
 def read_trajectories(path: str | Path) -> list[Trajectory]:
-    """Rebuild `Trajectory` messages (token-exact; turn records, messages and timings are not
+    """Rebuild `Trajectory` messages (token-exact; turn records and messages are not
     exported and come back empty)."""
     return [_row_to_trajectory(r) for r in read_rows(path)]
 
@@ -105,8 +105,8 @@ def read_trajectories(path: str | Path) -> list[Trajectory]:
 def _row_to_trajectory(row: dict[str, Any]) -> Trajectory:
     p = len(row["prompt_ids"])
     return Trajectory(
-        episode_id=row["episode_id"], group_id=row["group_id"], task_id=row["task_id"],
-        sample_index=row["sample_index"], attempt=row["attempt"],
+        episode=EpisodeKey(episode_id=row["episode_id"], group_id=row["group_id"], task_id=row["task_id"],
+                           sample_index=row["sample_index"], attempt=row["attempt"]),
         token_ids=row["prompt_ids"] + row["response_ids"],
         loss_mask=[0] * p + row["response_loss_mask"],
         logprobs=[None] * p + row["response_logprobs"],

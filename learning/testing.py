@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from rollway.learning.modeling import ModelFactory
-from rollway.schemas.messages import Trajectory
+from rollway.schemas.messages import EpisodeKey, Trajectory
 
 TINY_VOCAB = 300
 
@@ -44,8 +44,8 @@ def make_trajectory(episode_id: str, group_id: str, prompt: list[int], completio
         ids += second
         mask += [1] * len(second)
     logprobs = [behaviour_logprob if m else None for m in mask]
-    return Trajectory(episode_id=episode_id, group_id=group_id, task_id=f"task-{group_id}",
-                      sample_index=sample_index, token_ids=ids, loss_mask=mask, logprobs=logprobs,
+    return Trajectory(episode=EpisodeKey(episode_id=episode_id, group_id=group_id, task_id=f"task-{group_id}",
+                                         sample_index=sample_index), token_ids=ids, loss_mask=mask, logprobs=logprobs,
                       turn_policy_versions=versions or [0] * len(spans), turn_spans=spans, reward=reward,
                       resolved=reward > 0, stop_reason=stop_reason, num_turns=len(spans),
                       prompt_length=len(prompt))

@@ -197,6 +197,6 @@ def sink_check(run_dir: Path, ledger: Ledger) -> dict[str, int]:
     import json
 
     path = run_dir / "trajectories.jsonl"
-    written = [json.loads(line)["episode_id"] for line in path.read_text().splitlines() if line.strip()] \
+    written = [json.loads(line)["episode"]["episode_id"] for line in path.read_text().splitlines() if line.strip()] \
         if path.exists() else []
     return {"sink_missing": len(set(ledger.completed) - set(written)), "sink_written_twice": len(written) - len(set(written))}

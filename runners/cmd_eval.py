@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from rollway.runners.common import add_config_arguments, load_or_exit
+from rollway.schemas.codec import check_version
 
 NAME = "eval"
 HELP = ("Evaluate the policy: k attempts per task at a set temperature, pass@k into DIR/eval.json "
@@ -52,13 +53,13 @@ def write_eval(run_dir: Path, cfg, task_ids: list[str] | None = None) -> dict:
         from rollway.envs.factory import build_taskset
 
         task_ids = [t.task_id for t in build_taskset(cfg.tasks).tasks()]
-    trajs = {t["episode_id"]: t for t in read_jsonl(run_dir / "trajectories.jsonl")
-             if belongs_to_run(t["episode_id"], cfg.run.id)}
-    last_failure = {f["episode_id"]: f for f in read_jsonl(run_dir / "failures.jsonl")
-                    if belongs_to_run(f["episode_id"], cfg.run.id)}
+    trajs = {t["episode"]["episode_id"]: t for t in read_jsonl(run_dir / "trajectories.jsonl")
+             if belongs_to_run(t["episode"]["episode_id"], cfg.run.id)}
+    last_failure = {f["episode"]["episode_id"]: f for f in read_jsonl(run_dir / "failures.jsonl")
+                    if belongs_to_run(f["episode"]["episode_id"], cfg.run.id)}
     reasons = Counter(_reason(f)[:200] for eid, f in last_failure.items() if eid not in trajs)
     ks = sorted({*cfg.eval.ks, cfg.eval.attempts})
-    completed = [(t["task_id"], bool(t["resolved"])) for t in trajs.values()]
+    completed = [(t["episode"]["task_id"], bool(t["resolved"])) for t in trajs.values()]
     result = {"temperature": cfg.eval.temperature, "attempts_per_task": cfg.eval.attempts,
               "reward_mean": round(sum(t["reward"] for t in trajs.values()) / len(trajs), 6) if trajs else None,
               **evaluate_scheduled(dict.fromkeys(task_ids, cfg.eval.attempts), completed, ks),
@@ -66,7 +67,7 @@ def write_eval(run_dir: Path, cfg, task_ids: list[str] | None = None) -> dict:
     if cfg.tasks.type in ("swebench", "harbor"):
         from rollway.runners.eval_outputs import write_atif, write_predictions
 
-        reasons_by_task = {f["task_id"]: _reason(f) for eid, f in last_failure.items() if eid not in trajs}
+        reasons_by_task = {f["episode"]["task_id"]: _reason(f) for eid, f in last_failure.items() if eid not in trajs}
         report = write_predictions(run_dir, cfg, task_ids, list(trajs.values()), reasons_by_task)
         result["swebench"] = {k: report[k] for k in ("resolved_instances", "unresolved_instances", "error_instances")}
         result["atif_files"] = write_atif(run_dir, cfg, list(trajs.values()))
@@ -77,7 +78,8 @@ def write_eval(run_dir: Path, cfg, task_ids: list[str] | None = None) -> dict:
 def read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line]
+    return [check_version(json.loads(line), f"{path} line {i}")
+            for i, line in enumerate(path.read_text().splitlines(), 1) if line]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -84,7 +84,7 @@ async def read_topic(args: argparse.Namespace, emit) -> int:
                     error = None
                 except DecodeError as err:
                     value, error = None, str(err)
-                if key_filter is None and args.episode and value and value.get("episode_id") != args.episode:
+                if key_filter is None and args.episode and value and value["episode"]["episode_id"] != args.episode:
                     continue
                 emit({"topic": name, "partition": tp.partition, "offset": rec.offset,
                       "key": rec.key.decode(errors="replace") if rec.key else None,
@@ -112,6 +112,7 @@ def rerun_config(args: argparse.Namespace):
 def run_rerun(args: argparse.Namespace) -> int:
     from rollway.runners.episodes import EpisodeNotFound, find_episode, load_run_dir, load_topic
     from rollway.runners.rerun import format_result, normalizer, rerun_episode
+    from rollway.schemas.codec import DecodeError
 
     cfg = rerun_config(args)
     try:
@@ -121,7 +122,7 @@ def run_rerun(args: argparse.Namespace) -> int:
         else:
             source, trajs = str(args.run_dir), load_run_dir(Path(args.run_dir))
         traj = find_episode(trajs, args.rerun, source)
-    except (FileNotFoundError, EpisodeNotFound) as err:
+    except (FileNotFoundError, EpisodeNotFound, DecodeError) as err:
         print(f"rollway replay: {err}", file=sys.stderr)
         return 2
     result = asyncio.run(rerun_episode(traj, cfg, normalizer(args.exact, args.ignore)))

@@ -16,10 +16,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rollway.runners.report import write_report
+    from rollway.schemas.codec import DecodeError
 
     try:
         path = write_report(Path(args.run_dir))
-    except FileNotFoundError as err:
+    except (FileNotFoundError, DecodeError) as err:
         print(f"rollway report: {err}", file=sys.stderr)
         return 2
     except ImportError as err:

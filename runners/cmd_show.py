@@ -29,12 +29,21 @@ def load(args: argparse.Namespace) -> tuple[list[dict], str]:
     return load_run_dir(Path(args.run_dir)), str(args.run_dir)
 
 
+def episode_stage_seconds(run_dir: Path, traj: dict) -> dict[str, float]:
+    """Seconds per stage the run folder's telemetry recorded for the attempt that made `traj`."""
+    from rollway.runners.telemetry import attempt_records, read_telemetry, stage_seconds
+
+    key = traj["episode"]
+    return stage_seconds(attempt_records(read_telemetry(run_dir), key["episode_id"], key.get("attempt", 0)))
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from rollway.core.kafka import BrokerUnavailable
     from rollway.runners.episodes import EpisodeNotFound, find_episode
     from rollway.runners.show import render, render_html
+    from rollway.schemas.codec import DecodeError
 
     try:
         trajs, source = load(args)
@@ -42,13 +51,14 @@ def run(args: argparse.Namespace) -> int:
             print(f"rollway show: no episodes in {source}", file=sys.stderr)
             return 1
         episode = find_episode(trajs, args.episode, source) if args.episode else trajs[0]
-    except (FileNotFoundError, EpisodeNotFound, BrokerUnavailable) as err:
+    except (FileNotFoundError, EpisodeNotFound, BrokerUnavailable, DecodeError) as err:
         print(f"rollway show: {err}", file=sys.stderr)
         return 2
     listing = args.episode is None
+    seconds = None if args.bootstrap else episode_stage_seconds(Path(args.run_dir), episode)
     if args.html:
-        Path(args.html).write_text(render_html(trajs, episode, listing, args.max_chars))
+        Path(args.html).write_text(render_html(trajs, episode, listing, args.max_chars, seconds))
         print(args.html)
     else:
-        render(trajs, episode, listing, args.max_chars, Console())
+        render(trajs, episode, listing, args.max_chars, Console(), seconds)
     return 0

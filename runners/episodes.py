@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rollway.schemas.codec import check_version
+
 
 class EpisodeNotFound(LookupError):
     """No episode with that id in the source; the message lists where we looked."""
@@ -18,7 +20,8 @@ def load_run_dir(run_dir: Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "trajectories.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist; pass the folder of a finished `rollway up` run")
-    trajs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    trajs = [check_version(json.loads(line), f"{path} line {i}")
+             for i, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
     return sorted(trajs, key=lambda t: t.get("created_at", 0.0))
 
 
@@ -36,14 +39,14 @@ def load_topic(bootstrap: str, topic_prefix: str = "", episode_id: str | None = 
     seen: dict[str, dict[str, Any]] = {}
     for rec in records:
         value = rec.get("value")
-        if value and value["episode_id"] not in seen:  # redelivered copies are identical
-            seen[value["episode_id"]] = value
+        if value and value["episode"]["episode_id"] not in seen:  # redelivered copies are identical
+            seen[value["episode"]["episode_id"]] = value
     return sorted(seen.values(), key=lambda t: t.get("created_at", 0.0))
 
 
 def find_episode(trajs: list[dict[str, Any]], episode_id: str, source: str) -> dict[str, Any]:
     for t in trajs:
-        if t["episode_id"] == episode_id:
+        if t["episode"]["episode_id"] == episode_id:
             return t
-    ids = ", ".join(t["episode_id"] for t in trajs[:5])
+    ids = ", ".join(t["episode"]["episode_id"] for t in trajs[:5])
     raise EpisodeNotFound(f"episode {episode_id!r} is not in {source} ({len(trajs)} episodes, e.g. {ids})")

@@ -22,8 +22,8 @@ def chosen_attempts(trajs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """One trajectory per task: the lowest sample index that completed (one prediction per instance,
     as the harness takes)."""
     chosen: dict[str, dict[str, Any]] = {}
-    for t in sorted(trajs, key=lambda t: (t["task_id"], t.get("sample_index", 0))):
-        chosen.setdefault(t["task_id"], t)
+    for t in sorted(trajs, key=lambda t: (t["episode"]["task_id"], t["episode"].get("sample_index", 0))):
+        chosen.setdefault(t["episode"]["task_id"], t)
     return chosen
 
 
@@ -91,12 +91,12 @@ def to_atif(traj: dict[str, Any], model: str) -> dict[str, Any]:
             step["tool_calls"], step["observation"] = calls, {"results": results}
         steps.append(step)
     return {
-        "schema_version": ATIF_VERSION, "session_id": traj["episode_id"],
+        "schema_version": ATIF_VERSION, "session_id": traj["episode"]["episode_id"],
         "agent": {"name": "rollway", "version": _version(), "model_name": model},
         "steps": steps,
         "final_metrics": {"total_prompt_tokens": traj.get("prompt_length", 0),
                           "total_completion_tokens": completion_tokens, "total_steps": len(steps)},
-        "extra": {"task_id": traj["task_id"], "reward": traj.get("reward"), "resolved": traj.get("resolved"),
+        "extra": {"task_id": traj["episode"]["task_id"], "reward": traj.get("reward"), "resolved": traj.get("resolved"),
                   "stop_reason": traj.get("stop_reason"), "outcome": outcome_of(traj)},
     }
 
@@ -106,7 +106,7 @@ def write_atif(run_dir: Path, cfg: Any, trajs: list[dict[str, Any]]) -> int:
     folder.mkdir(exist_ok=True)
     model = model_name(cfg)
     for traj in trajs:
-        (folder / f"{traj['episode_id']}.json").write_text(json.dumps(to_atif(traj, model), indent=1))
+        (folder / f"{traj['episode']['episode_id']}.json").write_text(json.dumps(to_atif(traj, model), indent=1))
     return len(trajs)
 
 

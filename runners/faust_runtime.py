@@ -18,7 +18,8 @@ runs one suite against both engines):
   log order, as in the aiokafka worker.
 - `priority` with `prefetch` > 0: up to `prefetch` events beyond the concurrency wait in the same
   priority backlog as the aiokafka worker's (re-ranked when `priority_epoch` changes).
-- `tick`, `done`, `on_error`, dead letters and hop tracing (`run.trace`) as in the aiokafka worker.
+- `tick`, `done`, `on_error`, dead letters and telemetry (one line per handled message, runners/telemetry.py)
+  as in the aiokafka worker.
 - Exactly-once effect: for init, reward, learner and sink, the stage keeps a Faust `Table` per input
   topic (memory store, compacted changelog topic) of the dedup keys it has handled, so a worker that
   takes a partition over, on this machine or another, skips redelivered episodes. An entry is
@@ -62,7 +63,7 @@ from rollway.core.config import (
     unsupported_settings,
 )
 from rollway.core.kafka import client_kwargs, create_topics, log_end_offsets, start_with_retry, topic_name
-from rollway.runners.stage_queue import Backlog, HopTrace, KeyLocks
+from rollway.runners.stage_queue import Backlog, KeyLocks
 from rollway.runners.stage_runtime import (
     COMMIT_INTERVAL_S,
     STATUS_INTERVAL_S,
@@ -70,6 +71,7 @@ from rollway.runners.stage_runtime import (
     dead_letter,
     handle_or_dead_letter,
 )
+from rollway.runners.telemetry import TelemetryLog
 from rollway.schemas.codec import DecodeError, decode, encode
 from rollway.schemas.messages import (
     EpisodeFailure,
@@ -236,7 +238,7 @@ class FaustStage:
 
     def __init__(self, actor: Actor, cfg: RunConfig, bootstrap: str, concurrency: int, group_id: str,
                  run_dir: Path, status_path: Path | None = None, prefetch: int = 0,
-                 trace_path: Path | None = None):
+                 telemetry_path: Path | None = None):
         self.actor, self.cfg, self.group_id, self.status_path = actor, cfg, group_id, status_path
         self.concurrency, self.prefetch = concurrency, prefetch
         self.app = build_app(cfg, bootstrap, group_id, run_dir)
@@ -258,7 +260,7 @@ class FaustStage:
         self.acks: dict[Any, PartitionAcks] = {}
         self.table_keys: dict[tuple[str, int], OrderedDict[str, None]] = {}
         """Per input partition, the dedup keys in its table, oldest first (for `table_window`)."""
-        self.trace = HopTrace(trace_path, actor.name) if trace_path is not None else None
+        self.telemetry = TelemetryLog(telemetry_path, actor.name, fetch_times=cfg.run.trace)
         self.stats = {"handled": 0, "skipped_duplicates": 0, "dead_lettered": 0, "produced": 0}
         self.failure: BaseException | None = None
         self.closing = False
@@ -327,8 +329,7 @@ class FaustStage:
             if self.probe is not None:
                 await self.probe.stop()
             await self.actor.close()
-            if self.trace is not None:
-                self.trace.close()
+            self.telemetry.close()
             self.write_status()
             log.info("faust stage worker stopped", stage=self.actor.name, **self.stats)
         if self.failure is not None:
@@ -382,8 +383,7 @@ class FaustStage:
         acks = self.acks.setdefault(event.message.tp, PartitionAcks())
         acks.start(event.message.offset)
         now = time.time()
-        if self.trace is not None:
-            self.trace.fetched(event.message.tp, event.message.offset, now, now)
+        self.telemetry.fetched(event.message.topic, event.message.partition, event.message.offset, now, now)
         if not self.prefetch:
             self._spawn(event, acks)
         else:
@@ -429,9 +429,13 @@ class FaustStage:
     async def _handle_event(self, event: Any, acks: PartitionAcks) -> None:
         message = event.message
         spec = self.specs[message.topic]
+        timestamp_ms = int(message.timestamp * 1000)  # Faust gives the record's timestamp in seconds
         try:
             msg = decode(event.value, spec.value)
         except DecodeError as err:
+            now = time.time()
+            self.telemetry.record(message.topic, message.partition, message.offset, timestamp_ms, event.value, None,
+                                  now, now, outcome="undecodable")
             await self._send([self._dead_letter(event, f"decode: {err}")])
             self._finish(event, acks)
             return
@@ -440,15 +444,18 @@ class FaustStage:
         async with self.key_locks.hold(event.key):
             if table is not None and key is not None and table.get(key) is not None:
                 self.stats["skipped_duplicates"] += 1
+                now = time.time()
+                self.telemetry.record(message.topic, message.partition, message.offset, timestamp_ms, event.value,
+                                      msg, now, now, outcome="duplicate")
                 self._finish(event, acks)
                 return
-            meta = MessageMeta(message.topic, message.partition, message.offset, int(message.timestamp * 1000))
+            meta = MessageMeta(message.topic, message.partition, message.offset, timestamp_ms)
             with structlog.contextvars.bound_contextvars(episode_id=getattr(msg, "episode_id", None)):
                 started = time.time()
                 outputs = await handle_or_dead_letter(self.actor, msg, meta, lambda r: self._dead_letter(event, r))
                 self.stats["handled"] += 1
-                if self.trace is not None:
-                    self.trace.handled(message.tp, message, msg, started, time.time())
+                self.telemetry.record(message.topic, message.partition, message.offset, timestamp_ms, event.value,
+                                      msg, started, time.time())
             await self._send(outputs)
             held = self._where(event) in self.actor.held_offsets()
             if table is not None and key is not None and not held:
@@ -555,9 +562,9 @@ class FaustStage:
 
 async def run_faust_worker(actor: Actor, cfg: RunConfig, bootstrap: str, concurrency: int, group_id: str,
                            run_dir: Path, stop: asyncio.Event, status_path: Path | None = None,
-                           prefetch: int = 0, trace_path: Path | None = None) -> None:
+                           prefetch: int = 0, telemetry_path: Path | None = None) -> None:
     """Run `actor` as a Faust worker until `stop` is set or the actor is done."""
-    stage = FaustStage(actor, cfg, bootstrap, concurrency, group_id, run_dir, status_path, prefetch, trace_path)
+    stage = FaustStage(actor, cfg, bootstrap, concurrency, group_id, run_dir, status_path, prefetch, telemetry_path)
     if stage.tables:
         await ensure_changelog_topics(cfg, bootstrap, group_id, [stage.specs[name] for name in stage.tables])
     await stage.run(stop)

@@ -13,6 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from rollway.runners.episodes import load_run_dir
+from rollway.runners.telemetry import EpisodeStages, episode_stages, read_telemetry
+
+Stages = dict[tuple[str, int], EpisodeStages]
+"""Stage times per (episode id, attempt), from the run's telemetry."""
 
 MAX_TIMELINE_EPISODES = 200
 """Beyond this the timeline shows the first episodes issued (the chart stays legible)."""
@@ -37,6 +41,8 @@ class ReportData:
     summary: dict[str, Any] = field(default_factory=dict)
     metrics: list[dict[str, Any]] = field(default_factory=list)
     """One record per learner step (metrics.jsonl), possibly empty."""
+    stages: Stages = field(default_factory=dict)
+    """Stage times of each episode (empty for a run folder without telemetry)."""
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -47,7 +53,8 @@ def load_report_data(run_dir: Path) -> ReportData:
     run_dir = Path(run_dir)
     metrics_path = run_dir / "metrics.jsonl"
     metrics = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()] if metrics_path.exists() else []
-    return ReportData(run_dir, load_run_dir(run_dir), _read_json(run_dir / "summary.json"), metrics)
+    return ReportData(run_dir, load_run_dir(run_dir), _read_json(run_dir / "summary.json"), metrics,
+                      episode_stages(read_telemetry(run_dir)))
 
 
 # -- derived series ---------------------------------------------------------------------------------
@@ -59,20 +66,27 @@ def running_mean(values: list[float]) -> list[float]:
     return out
 
 
-def episode_spans(traj: dict[str, Any]) -> list[Span]:
-    """Timeline bars of one episode from its stamps; empty for episodes recorded without them."""
-    st = traj.get("stamps") or {}
+def stages_of(traj: dict[str, Any], stages: Stages) -> EpisodeStages:
+    """The stage times of the attempt that made `traj` (all 0.0 when the telemetry lacks them)."""
+    key = traj["episode"]
+    return stages.get((key["episode_id"], key.get("attempt", 0))) or EpisodeStages()
+
+
+def episode_spans(traj: dict[str, Any], stages: Stages) -> list[Span]:
+    """Timeline bars of one episode: stage times from the telemetry, generation and tool times from
+    its turns; empty for episodes recorded without them."""
+    st = stages_of(traj, stages)
     spans = []
-    if st.get("issued") and st.get("init_start"):
-        spans.append(Span("queue", st["issued"], st["init_start"]))
-    if st.get("init_start"):
-        spans.append(Span("init", st["init_start"], st["init_end"]))
+    if st.issued and st.init_start:
+        spans.append(Span("queue", st.issued, st.init_start))
+    if st.init_start:
+        spans.append(Span("init", st.init_start, st.init_end))
     for turn in traj.get("turns", []):
         if turn.get("gen_started_at"):
             spans.append(Span("gen", turn["gen_started_at"], turn["gen_ended_at"]))
             spans.append(Span("tool", turn["gen_ended_at"], turn["tool_ended_at"]))
-    if st.get("reward_start"):
-        spans.append(Span("reward", st["reward_start"], st["reward_end"]))
+    if st.reward_start:
+        spans.append(Span("reward", st.reward_start, st.reward_end))
     return spans
 
 
@@ -105,15 +119,15 @@ def gen_intervals(trajs: list[dict[str, Any]]) -> list[tuple[float, float]]:
             if t.get("gen_started_at")]
 
 
-def run_window(trajs: list[dict[str, Any]]) -> tuple[float, float] | None:
-    """(first stage event, last stage event) over every episode, or None without stamps."""
-    points = [s for tr in trajs for sp in episode_spans(tr) for s in (sp.start, sp.end)]
+def run_window(trajs: list[dict[str, Any]], stages: Stages) -> tuple[float, float] | None:
+    """(first stage event, last stage event) over every episode, or None without any."""
+    points = [s for tr in trajs for sp in episode_spans(tr, stages) for s in (sp.start, sp.end)]
     return (min(points), max(points)) if points else None
 
 
-def inference_utilisation(trajs: list[dict[str, Any]]) -> float | None:
+def inference_utilisation(trajs: list[dict[str, Any]], stages: Stages) -> float | None:
     """Fraction of the run's wall time with at least one generation in flight."""
-    window = run_window(trajs)
+    window = run_window(trajs, stages)
     return busy_fraction(gen_intervals(trajs), *window) if window else None
 
 
@@ -160,18 +174,18 @@ def plot_learner_curves(metrics: list[dict[str, Any]]):
     return fig
 
 
-def plot_timeline(trajs: list[dict[str, Any]], t0: float):
+def plot_timeline(trajs: list[dict[str, Any]], stages: Stages, t0: float):
     from matplotlib.patches import Patch
 
-    rows = sorted(trajs, key=lambda t: (t.get("stamps") or {}).get("issued", 0.0))[:MAX_TIMELINE_EPISODES]
+    rows = sorted(trajs, key=lambda t: stages_of(t, stages).issued)[:MAX_TIMELINE_EPISODES]
     fig = _figure(12, min(2.0 + 0.28 * len(rows), 40))
     ax = fig.add_subplot()
     for y, traj in enumerate(rows):
         for kind in SPAN_COLORS:
-            bars = [(s.start - t0, max(s.end - s.start, 1e-3)) for s in episode_spans(traj) if s.kind == kind]
+            bars = [(s.start - t0, max(s.end - s.start, 1e-3)) for s in episode_spans(traj, stages) if s.kind == kind]
             ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=SPAN_COLORS[kind], edgecolor="white", linewidth=0.3)
     # Episode ids are RUN-GROUP-SAMPLE; the run part is the same on every row.
-    ax.set_yticks(range(len(rows)), ["-".join(t["episode_id"].split("-")[-2:]) for t in rows], fontsize=7)
+    ax.set_yticks(range(len(rows)), ["-".join(t["episode"]["episode_id"].split("-")[-2:]) for t in rows], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the first episode was issued")
     ax.set_title("Episode timeline: queue wait, init, generation and tools per turn, reward")
@@ -180,10 +194,10 @@ def plot_timeline(trajs: list[dict[str, Any]], t0: float):
     return fig
 
 
-def plot_inference(trajs: list[dict[str, Any]], t0: float, utilisation: float):
+def plot_inference(trajs: list[dict[str, Any]], stages: Stages, t0: float, utilisation: float):
     fig = _figure(10, 3.5)
     ax = fig.add_subplot()
-    episodes = [(sp[0].start, sp[-1].end) for tr in trajs if (sp := episode_spans(tr))]
+    episodes = [(sp[0].start, sp[-1].end) for tr in trajs if (sp := episode_spans(tr, stages))]
     for intervals, label, color in ((episodes, "episodes in flight", "#bab0ac"),
                                     (gen_intervals(trajs), "generations in flight", "#f58518")):
         times, counts = in_flight_steps(intervals)
@@ -234,10 +248,11 @@ def build_plots(data: ReportData) -> dict[str, Any]:
         figs["reward"] = plot_reward_curve(trajs)
     if data.metrics:
         figs["learner"] = plot_learner_curves(data.metrics)
-    window = run_window(trajs)
+    window = run_window(trajs, data.stages)
     if window:
-        figs["timeline"] = plot_timeline(trajs, window[0])
-        figs["inference"] = plot_inference(trajs, window[0], inference_utilisation(trajs) or 0.0)
+        figs["timeline"] = plot_timeline(trajs, data.stages, window[0])
+        figs["inference"] = plot_inference(trajs, data.stages, window[0],
+                                           inference_utilisation(trajs, data.stages) or 0.0)
     if trajs:
         figs["tools"] = plot_tools(trajs)
         figs["stop_reasons"] = plot_stop_reasons(trajs)
@@ -283,7 +298,7 @@ def _summary_html(data: ReportData) -> str:
     keys = ("run_id", "episodes_completed", "episodes_failed", "reward_mean", "pass_rate", "turns_mean",
             "wall_seconds", "episodes_per_second")
     rows = [[k, s[k]] for k in keys if k in s]
-    util = inference_utilisation(data.trajs)
+    util = inference_utilisation(data.trajs, data.stages)
     if util is not None:
         rows.append(["inference_utilisation", f"{util:.1%}"])
     totals = Counter()
@@ -293,10 +308,14 @@ def _summary_html(data: ReportData) -> str:
     return _table(rows, ["metric", "value"])
 
 
-def _episodes_html(trajs: list[dict[str, Any]]) -> str:
-    rows = [[t["episode_id"], t["task_id"], t["reward"], t["num_turns"], t["stop_reason"],
-             f"{sum(t.get('timings', {}).values()):.2f}s"] for t in trajs]
-    return _table(rows, ["episode", "task", "reward", "turns", "stop reason", "stage seconds"])
+def _episodes_html(trajs: list[dict[str, Any]], stages: Stages) -> str:
+    def lifetime(t: dict[str, Any]) -> str:
+        st = stages_of(t, stages)
+        return f"{st.reward_end - st.issued:.2f}s" if st.issued and st.reward_end else "-"
+
+    rows = [[t["episode"]["episode_id"], t["episode"]["task_id"], t["reward"], t["num_turns"], t["stop_reason"],
+             lifetime(t)] for t in trajs]
+    return _table(rows, ["episode", "task", "reward", "turns", "stop reason", "issued to graded"])
 
 
 def render_html(data: ReportData, pngs: dict[str, bytes]) -> str:
@@ -310,7 +329,7 @@ def render_html(data: ReportData, pngs: dict[str, bytes]) -> str:
         b64 = base64.b64encode(pngs[name]).decode()
         parts.append(f"<section id='{name}'><h2>{title}</h2><p class='muted'>{caption}</p>"
                      f"<img alt='{name}' src='data:image/png;base64,{b64}'></section>")
-    parts += ["<section id='episodes'><h2>Episodes</h2>", _episodes_html(data.trajs),
+    parts += ["<section id='episodes'><h2>Episodes</h2>", _episodes_html(data.trajs, data.stages),
               "<p class='muted'>View one turn by turn: <code>rollway show RUN_DIR --episode ID</code></p>",
               "</section></body></html>"]
     return "".join(parts)

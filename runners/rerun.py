@@ -97,9 +97,9 @@ async def rerun_episode(traj: dict[str, Any], cfg: RunConfig, normalize: Any, gr
     from rollway.tools.registry import run_tool_calls
 
     s = Services(cfg, Path("."))
-    task = s.taskset.get(traj["task_id"])
+    task = s.taskset.get(traj["episode"]["task_id"])
     sandbox = await s.sandboxes.create(s.taskset.sandbox_spec(task), f"rerun-{uuid.uuid4().hex[:8]}")
-    result = RerunResult(traj["episode_id"], traj["task_id"], len(traj.get("turns", [])),
+    result = RerunResult(traj["episode"]["episode_id"], traj["episode"]["task_id"], len(traj.get("turns", [])),
                          recorded_reward=traj.get("reward"))
     try:
         for turn in traj.get("turns", []):

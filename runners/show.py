@@ -1,5 +1,6 @@
 """Render recorded episodes turn by turn with rich: model output, tool calls, observations, hints,
-reward, timings. The same renderables print to a terminal or export as HTML."""
+reward, and the seconds each stage spent on it (from the run folder's telemetry). The same renderables
+print to a terminal or export as HTML."""
 
 from __future__ import annotations
 
@@ -30,22 +31,25 @@ def episode_list(trajs: list[dict[str, Any]]) -> Table:
     for col in ("episode", "task", "reward", "turns", "stop reason"):
         table.add_column(col)
     for t in trajs:
-        table.add_row(t["episode_id"], t["task_id"], f"{t['reward']:g}", str(t["num_turns"]), t["stop_reason"])
+        table.add_row(t["episode"]["episode_id"], t["episode"]["task_id"], f"{t['reward']:g}", str(t["num_turns"]), t["stop_reason"])
     return table
 
 
-def episode_header(t: dict[str, Any]) -> Table:
+def episode_header(t: dict[str, Any], stage_seconds: dict[str, float] | None = None) -> Table:
+    """`stage_seconds`: handling and queue seconds per stage (runners/telemetry.py); None: not known
+    (an episode read from the topic)."""
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold cyan")
     grid.add_column()
-    rows = [("episode", t["episode_id"]), ("task", t["task_id"]), ("group", f"{t['group_id']} (sample "
-            f"{t.get('sample_index', 0)}, attempt {t.get('attempt', 0)})"),
+    rows = [("episode", t["episode"]["episode_id"]), ("task", t["episode"]["task_id"]), ("group", f"{t['episode']['group_id']} (sample "
+            f"{t['episode'].get('sample_index', 0)}, attempt {t['episode'].get('attempt', 0)})"),
             ("reward", f"{t['reward']:g} ({'resolved' if t['resolved'] else 'not resolved'})"),
             ("stop reason", t["stop_reason"]), ("turns", str(t["num_turns"])),
             ("tokens", f"{len(t.get('token_ids', []))} ({t.get('prompt_length', 0)} prompt, "
              f"{sum(t.get('loss_mask', []))} model)"),
-            ("grade", json.dumps(t.get("grade", {}))),
-            ("timings", ", ".join(f"{k} {_ms(v)}" for k, v in t.get("timings", {}).items()))]
+            ("grade", json.dumps(t.get("grade", {})))]
+    if stage_seconds is not None:
+        rows.append(("stages", ", ".join(f"{k} {_ms(v)}" for k, v in stage_seconds.items()) or "(no telemetry)"))
     for key, value in rows:
         grid.add_row(key, Text(value))
     return grid
@@ -76,24 +80,25 @@ def prompt_panel(t: dict[str, Any], max_chars: int) -> Panel:
     return Panel(Group(*parts), title="prompt", title_align="left")
 
 
-def episode_view(t: dict[str, Any], max_chars: int = 2000) -> Group:
-    return Group(episode_header(t), prompt_panel(t, max_chars),
+def episode_view(t: dict[str, Any], max_chars: int = 2000, stage_seconds: dict[str, float] | None = None) -> Group:
+    return Group(episode_header(t, stage_seconds), prompt_panel(t, max_chars),
                  *(turn_panel(turn, max_chars) for turn in t.get("turns", [])),
                  Text(f"end: {t['stop_reason']}, reward {t['reward']:g}", style="bold"))
 
 
 def render(trajs: list[dict[str, Any]], episode: dict[str, Any], listing: bool, max_chars: int,
-           console: Console) -> None:
+           console: Console, stage_seconds: dict[str, float] | None = None) -> None:
     if listing:
         console.print(episode_list(trajs))
         console.print()
-    console.print(episode_view(episode, max_chars))
+    console.print(episode_view(episode, max_chars, stage_seconds))
 
 
-def render_html(trajs: list[dict[str, Any]], episode: dict[str, Any], listing: bool, max_chars: int) -> str:
+def render_html(trajs: list[dict[str, Any]], episode: dict[str, Any], listing: bool, max_chars: int,
+                stage_seconds: dict[str, float] | None = None) -> str:
     """Self-contained HTML (inline styles) of the same view."""
     import io
 
     console = Console(record=True, width=130, file=io.StringIO(), force_terminal=True)
-    render(trajs, episode, listing, max_chars, console)
+    render(trajs, episode, listing, max_chars, console, stage_seconds)
     return console.export_html(inline_styles=True, theme=None)

@@ -87,16 +87,16 @@ async def run_stage(name: str, cfg: RunConfig, bootstrap: str, run_dir: Path, st
     actor = build_actor(name, services, log_reader)
     try:
         status = RunDir(run_dir).worker_status_path(name, os.getpid())
-        trace = run_dir / "trace" / f"{name}-{os.getpid()}.jsonl" if cfg.run.trace else None
+        telemetry = RunDir(run_dir).telemetry_path(name, os.getpid())
         if cfg.runtime.engine_for(name) == "faust":
             from rollway.runners.faust_runtime import run_faust_worker  # imports faust only when chosen
 
             await run_faust_worker(actor, cfg, bootstrap, stage_concurrency(name, cfg), group_id(name, cfg),
                                    run_dir, stop, status_path=status, prefetch=stage_prefetch(name, cfg),
-                                   trace_path=trace)
+                                   telemetry_path=telemetry)
             return
         await StageWorker(actor, cfg, bootstrap, stage_concurrency(name, cfg), group_id(name, cfg),
-                          prefetch=stage_prefetch(name, cfg), trace_path=trace, status_path=status).run(stop)
+                          prefetch=stage_prefetch(name, cfg), telemetry_path=telemetry, status_path=status).run(stop)
     finally:
         if log_reader is not None:
             await log_reader.close()

@@ -1,4 +1,4 @@
-"""Helpers of the stage runtime: a local priority backlog of fetched messages and a per-message hop trace."""
+"""Helpers of the stage runtimes: a local priority backlog of fetched messages and per-key locks."""
 
 from __future__ import annotations
 
@@ -6,9 +6,7 @@ import asyncio
 import contextlib
 import heapq
 import itertools
-import json
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 from aiokafka import TopicPartition
@@ -66,37 +64,3 @@ class KeyLocks:
             self.users[key] -= 1
             if not self.users[key]:
                 del self.users[key], self.locks[key]
-
-
-def sent_time(msg: Any) -> float:
-    """When the producer sent this message (0 when it does not say)."""
-    for name in ("sent_at", "issued_at", "created_at"):
-        value = getattr(msg, name, 0.0)
-        if value:
-            return float(value)
-    return 0.0
-
-
-class HopTrace:
-    """One JSON line per handled message: when it was sent, when the worker started the poll that
-    fetched it, when it was fetched, when handling started and ended (wall-clock seconds)."""
-
-    def __init__(self, path: Path, stage: str):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(path, "a", buffering=1 << 16)
-        self.stage = stage
-        self.fetches: dict[tuple[TopicPartition, int], tuple[float, float]] = {}
-
-    def fetched(self, tp: TopicPartition, offset: int, polled_at: float, fetched_at: float) -> None:
-        self.fetches[(tp, offset)] = (polled_at, fetched_at)
-
-    def handled(self, tp: TopicPartition, record: Any, msg: Any, started: float, ended: float) -> None:
-        polled, fetched = self.fetches.pop((tp, record.offset), (started, started))
-        self.file.write(json.dumps({
-            "stage": self.stage, "topic": tp.topic, "partition": tp.partition, "offset": record.offset,
-            "episode_id": getattr(msg, "episode_id", None), "turn": getattr(msg, "turn", None),
-            "bytes": len(record.value or b""), "sent": sent_time(msg), "polled": polled, "fetched": fetched,
-            "started": started, "ended": ended}) + "\n")
-
-    def close(self) -> None:
-        self.file.close()

@@ -20,7 +20,8 @@ from rollway.base.faults import fault_point
 from rollway.base.files import write_json_atomic
 from rollway.core.config import RunConfig
 from rollway.core.kafka import ensure_topics, make_consumer, make_producer, read_to_end, topic_name
-from rollway.runners.stage_queue import Backlog, HopTrace, KeyLocks
+from rollway.runners.stage_queue import Backlog, KeyLocks
+from rollway.runners.telemetry import TelemetryLog
 from rollway.schemas.codec import DecodeError, decode, encode
 from rollway.schemas.messages import AgentStep, DeadLetter
 from rollway.topics import DEAD_LETTERS, TopicSpec
@@ -91,13 +92,14 @@ class StageWorker:
     """One worker process of one stage (a member of the stage's consumer group)."""
 
     def __init__(self, actor: Actor, cfg: RunConfig, bootstrap: str, concurrency: int, group_id: str,
-                 prefetch: int = 0, trace_path: Path | None = None, status_path: Path | None = None):
+                 prefetch: int = 0, telemetry_path: Path | None = None, status_path: Path | None = None):
         self.actor, self.cfg, self.bootstrap = actor, cfg, bootstrap
         self.concurrency = concurrency
         self.prefetch = prefetch
         """Messages fetched beyond `concurrency` into `backlog`, started by `actor.priority`."""
         self.backlog = Backlog()
-        self.trace = HopTrace(trace_path, actor.name) if trace_path is not None else None
+        self.telemetry = TelemetryLog(telemetry_path, actor.name, fetch_times=cfg.run.trace)
+        """One line per handled message (runners/telemetry.py); nothing without a path."""
         self.group_id = group_id
         self.specs: dict[str, TopicSpec] = {topic_name(t, cfg.topics): t for t in actor.inputs}
         self.offsets = OffsetTracker()
@@ -140,8 +142,7 @@ class StageWorker:
             if self.consumer is not None:
                 await self.consumer.stop()
             await self.producer.stop()
-            if self.trace is not None:
-                self.trace.close()
+            self.telemetry.close()
             self.write_status(force=True)
             log.info("stage worker stopped", stage=self.actor.name, **self.stats)
 
@@ -187,8 +188,7 @@ class StageWorker:
     def _admit(self, tp: TopicPartition, record: Any, polled_at: float) -> None:
         """Start a fetched message now or, with prefetch, queue it by priority (its offset stays
         uncommitted meanwhile, so a crash or a rebalance cannot skip it)."""
-        if self.trace is not None:
-            self.trace.fetched(tp, record.offset, polled_at, time.time())
+        self.telemetry.fetched(tp.topic, tp.partition, record.offset, polled_at, time.time())
         if not self.prefetch:
             self._spawn(tp, record)
             return
@@ -232,7 +232,10 @@ class StageWorker:
         try:
             msg = decode(record.value, spec.value)
         except DecodeError as err:
+            now = time.time()
             outputs = [self._dead_letter(record, tp, f"decode: {err}")]
+            self.telemetry.record(tp.topic, tp.partition, record.offset, record.timestamp, record.value, None,
+                                  now, now, outcome="undecodable")
         else:
             async with self.key_locks.hold(record.key):
                 # Every log line written while handling carries the episode id.
@@ -241,8 +244,8 @@ class StageWorker:
                     outputs = await handle_or_dead_letter(self.actor, msg, meta,
                                                           lambda r: self._dead_letter(record, tp, r))
                     self.stats["handled"] += 1
-                    if self.trace is not None:
-                        self.trace.handled(tp, record, msg, started, time.time())
+                    self.telemetry.record(tp.topic, tp.partition, record.offset, record.timestamp, record.value,
+                                          msg, started, time.time())
         self.sending.add(asyncio.current_task())
         await self._send(outputs)
         self.offsets.finish(tp, record.offset)

@@ -27,7 +27,9 @@ log = structlog.get_logger()
 
 # Start order: consumers of the later topics first, the scheduler (which issues work) last.
 START_ORDER = ("sink", "learner", "reward", "agent", "init", "scheduler")
-STAGE_TIME_KEYS = ("init_queue", "init", "agent_queue", "agent_gen", "agent_tool", "reward_queue", "reward")
+STAGE_TIME_KEYS = ("init_queue", "init", "agent_queue", "agent", "agent_gen", "agent_tool", "reward_queue", "reward")
+"""`stage_seconds_total` in summary.json: STAGE (handling) and STAGE_queue (production to handling) from the
+runtimes' telemetry, agent_gen and agent_tool (inside the agent's handling) from the turns."""
 
 
 @dataclass
@@ -190,7 +192,7 @@ def summarize(run_dir: Path, cfg: RunConfig, wall_s: float, job: Job) -> dict:
     sched = RunDir(run_dir).scheduler()
     trajs = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines() if line] \
         if (run_dir / "trajectories.jsonl").exists() else []
-    stage_totals = {k: round(sum(t["timings"].get(k, 0.0) for t in trajs), 4) for k in STAGE_TIME_KEYS}
+    stage_totals = {k: round(v, 4) for k, v in stage_time_totals(run_dir, trajs).items()}
     rewards = [t["reward"] for t in trajs]
     stop_reasons: dict[str, int] = {}
     for t in trajs:
@@ -213,6 +215,17 @@ def summarize(run_dir: Path, cfg: RunConfig, wall_s: float, job: Job) -> dict:
         "worker_restarts": {f"{p.stage}-{p.index}": p.restarts for p in job.procs if p.restarts},
         "failed": sched.get("failed", []),
     }
+
+
+def stage_time_totals(run_dir: Path, trajs: list[dict]) -> dict[str, float]:
+    """Seconds per STAGE_TIME_KEYS over the run's written episodes."""
+    from rollway.runners.telemetry import read_telemetry, stage_seconds
+
+    stages = stage_seconds(read_telemetry(run_dir), {t["episode"]["episode_id"] for t in trajs})
+    turns = [u for t in trajs for u in t.get("turns", [])]
+    totals = {**stages, "agent_gen": sum(u.get("gen_seconds", 0.0) for u in turns),
+              "agent_tool": sum(u.get("tool_seconds", 0.0) for u in turns)}
+    return {k: totals.get(k, 0.0) for k in STAGE_TIME_KEYS}
 
 
 def write_run_files(run_dir: Path, cfg: RunConfig) -> None:

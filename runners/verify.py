@@ -26,7 +26,7 @@ async def play_episode(cfg: RunConfig, run_dir: Path, task_id: str, services: An
     from rollway.actors.init import InitActor
     from rollway.actors.reward import RewardActor
     from rollway.actors.services import Services
-    from rollway.schemas.messages import InitRequest
+    from rollway.schemas.messages import EpisodeKey, InitRequest
     from rollway.topics import AGENT_STEPS, TRAJECTORIES
 
     s = services or Services(cfg, run_dir)
@@ -34,7 +34,8 @@ async def play_episode(cfg: RunConfig, run_dir: Path, task_id: str, services: An
     for actor in (init, agent, reward):
         await actor.setup()
     episode_id = f"verify-{uuid.uuid4().hex[:8]}"
-    request = InitRequest(episode_id=episode_id, group_id=episode_id, task_id=task_id, issued_at=time.time(),
+    request = InitRequest(episode=EpisodeKey(episode_id=episode_id, group_id=episode_id, task_id=task_id),
+                          issued_at=time.time(),
                           deadline=time.time() + cfg.scheduler.episode_deadline_s)
     [out] = await init.handle(request, MessageMeta("init-requests", 0, 0))
     offset = 0

@@ -1,11 +1,13 @@
 """Typed, versioned messages for every topic, and their MessagePack codec."""
 
-from rollway.schemas.codec import DecodeError, decode, encode
+from rollway.schemas.codec import DecodeError, check_version, decode, encode
 from rollway.schemas.messages import (
     SCHEMA_VERSION,
     AgentStep,
     DeadLetter,
     EpisodeFailure,
+    EpisodeKey,
+    EpisodeMessage,
     InitRequest,
     Observation,
     PolicyVersion,
@@ -15,6 +17,7 @@ from rollway.schemas.messages import (
 )
 
 __all__ = [
-    "SCHEMA_VERSION", "AgentStep", "DeadLetter", "DecodeError", "EpisodeFailure", "InitRequest",
-    "Observation", "PolicyVersion", "RewardRequest", "Trajectory", "TurnRecord", "decode", "encode",
+    "SCHEMA_VERSION", "AgentStep", "DeadLetter", "DecodeError", "EpisodeFailure", "EpisodeKey", "EpisodeMessage",
+    "InitRequest", "Observation", "PolicyVersion", "RewardRequest", "Trajectory", "TurnRecord", "check_version",
+    "decode", "encode",
 ]

@@ -27,17 +27,48 @@ def _decoder(cls: type[M]) -> msgspec.msgpack.Decoder:
     return msgspec.msgpack.Decoder(cls)
 
 
+class _Versioned(msgspec.Struct):
+    """Just the version of any message (other fields ignored): read when a full decode fails, so a
+    message of another schema version is named as such instead of as a field error."""
+
+    schema_version: int = SCHEMA_VERSION
+
+
+_version_decoder = msgspec.msgpack.Decoder(_Versioned)
+
+
+def version_error(what: str, version: object) -> str:
+    """What to say about data written under another schema version, and what to do about it."""
+    return (f"{what} has schema_version {version}; this rollway reads {SCHEMA_VERSION} (see SCHEMA_VERSION in "
+            "schemas/messages.py for what changed). Read it with the rollway version that wrote it, or run the "
+            "job again with this one (and a fresh topics.prefix or broker, so old messages are not read)")
+
+
 def decode(data: bytes | None, cls: type[M]) -> M:
     if data is None:
         raise DecodeError(f"empty message where {cls.__name__} was expected")
     try:
         msg = _decoder(cls).decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as err:
+        try:
+            version = _version_decoder.decode(data).schema_version
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            version = SCHEMA_VERSION
+        if version != SCHEMA_VERSION:
+            raise DecodeError(version_error(f"this {cls.__name__}", version)) from None
         raise DecodeError(f"not a valid {cls.__name__}: {err}") from None
     if msg.schema_version != SCHEMA_VERSION:
-        raise DecodeError(
-            f"{cls.__name__} has schema_version {msg.schema_version}, this worker reads {SCHEMA_VERSION}")
+        raise DecodeError(version_error(f"this {cls.__name__}", msg.schema_version))
     return msg
+
+
+def check_version(record: dict[str, Any], source: str) -> dict[str, Any]:
+    """A message read back as JSON (a run folder's trajectories.jsonl and the like), refused with the
+    version error when another schema version wrote it."""
+    version = record.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise DecodeError(version_error(source, version))
+    return record
 
 
 def to_builtins(msg: Message) -> Any:

@@ -1,4 +1,5 @@
-"""One msgspec Struct per topic. Every per-episode message is keyed by its `episode_id`."""
+"""One msgspec Struct per topic. Every per-episode message holds its identity once (`episode`) and is
+keyed by its episode id."""
 
 from __future__ import annotations
 
@@ -6,17 +7,20 @@ from typing import Any
 
 import msgspec
 
-SCHEMA_VERSION = 1
-"""Bumped on any incompatible change; decoders reject other versions."""
+SCHEMA_VERSION = 2
+"""Bumped on any incompatible change; decoders reject other versions. 2: the episode identity is one
+nested `episode` field (EpisodeKey); stage timings, stamps and `sent_at` left the messages (the stage
+runtimes record them as telemetry, runners/telemetry.py)."""
 
 
 class Message(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     schema_version: int = SCHEMA_VERSION
 
 
-class EpisodeRef(Message, kw_only=True):
-    """Identity shared by every per-episode message. An episode is one sample of a GRPO group;
-    a re-issued episode keeps its id and group and gets the next `attempt`."""
+class EpisodeKey(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Who an episode is: held once by every per-episode message (`episode`) and passed on whole to
+    the episode's next message. An episode is one sample of a GRPO group; a re-issued episode keeps
+    its id and group and gets the next `attempt`. The Kafka key of its messages is `episode_id`."""
 
     episode_id: str
     group_id: str
@@ -25,17 +29,35 @@ class EpisodeRef(Message, kw_only=True):
     sample_index: int = 0
     """Position of this episode inside its group (0..n-1)."""
 
-    def identity(self) -> dict[str, Any]:
-        """The identity fields, for the episode's next message: `Next(**msg.identity(), ...)` (the
-        one place that lists them)."""
-        return {name: getattr(self, name) for name in IDENTITY_FIELDS}
+
+class EpisodeMessage(Message, kw_only=True):
+    """A message about one episode. The identity's fields read through as properties
+    (`msg.episode_id`), so consumers need not spell out `msg.episode.episode_id`."""
+
+    episode: EpisodeKey
+
+    @property
+    def episode_id(self) -> str:
+        return self.episode.episode_id
+
+    @property
+    def group_id(self) -> str:
+        return self.episode.group_id
+
+    @property
+    def task_id(self) -> str:
+        return self.episode.task_id
+
+    @property
+    def attempt(self) -> int:
+        return self.episode.attempt
+
+    @property
+    def sample_index(self) -> int:
+        return self.episode.sample_index
 
 
-IDENTITY_FIELDS = ("episode_id", "group_id", "task_id", "attempt", "sample_index")
-"""EpisodeRef's fields, in order."""
-
-
-class InitRequest(EpisodeRef, kw_only=True):
+class InitRequest(EpisodeMessage, kw_only=True):
     """scheduler -> init actor: create this episode's sandbox and first turn."""
 
     issued_at: float
@@ -47,13 +69,24 @@ class InitRequest(EpisodeRef, kw_only=True):
 
 
 class Observation(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """What one tool call returned, as the model will read it."""
+    """What one tool call returned, as the model will read it: the one tool-outcome type from the
+    agent's tool run (`tools/registry.py` `ToolTurn`) to the trajectory. A tool itself returns a
+    `ToolResult` (its author-facing form); `run_call` makes the Observation from it."""
 
-    tool: str
-    """Tool name, or "" for a call that could not be parsed."""
+    tool: str = ""
+    """Tool name, or "" for a call that could not be parsed (or a message without a call)."""
     arguments: dict[str, Any] = {}
+    """The call's arguments as parsed ({} when they could not be)."""
     content: str
     is_error: bool = False
+    call_id: str | None = None
+    """The model's id for the call, when its tool-call format gives one."""
+    ends_episode: bool = False
+    """The call ended the episode (`finish`)."""
+    truncated: bool = False
+    """`content` was cut to tools.max_observation_chars."""
+    internal_error: bool = False
+    """The tool itself failed (a bug or a broken sandbox), not the model's call."""
 
 
 class TurnRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -93,7 +126,7 @@ class TurnRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     log restores it."""
 
 
-class AgentStep(EpisodeRef, kw_only=True):
+class AgentStep(EpisodeMessage, kw_only=True):
     """init -> agent (turn 0) and agent -> agent (turn k): run turn `turn` of this episode.
 
     Event-sourced: turn 0 carries the initial prompt; turn k > 0 carries only the previous turn's
@@ -115,21 +148,16 @@ class AgentStep(EpisodeRef, kw_only=True):
     last: TurnRecord | None = None
     """Turn k > 0: the delta of turn k-1."""
     deadline: float = 0.0
-    timings: dict[str, float] = {}
-    """Stage seconds so far (init, queue waits), carried forward to the trajectory."""
-    stamps: dict[str, float] = {}
-    """Turn 0 only: wall-clock times (unix seconds) of stage events so far (issued, init_start,
-    init_end), carried to the trajectory for timelines. Empty on later turns (the turn-0 message
-    keeps them)."""
-    sent_at: float = 0.0
-    """Wall-clock time the producer sent this message (for hop latency)."""
+    ready_at: float = 0.0
+    """Turn 0 only: wall-clock time (unix seconds) the episode's sandbox was ready; a task's agent time
+    (`agent_timeout_s`) counts from here. 0.0 on later turns (the turn-0 message keeps it)."""
     final_wave: bool = False
     """Copied from the InitRequest. An agent worker that sees it ranks its backlog earliest turn
     first from then on, for every episode (in the drain, the episodes with the most turns left
     decide when the run ends)."""
 
 
-class RewardRequest(EpisodeRef, kw_only=True):
+class RewardRequest(EpisodeMessage, kw_only=True):
     """agent -> reward actor: the finished episode, to be graded. One message per episode, so
     carrying every turn here keeps bytes per episode linear in its length."""
 
@@ -140,13 +168,9 @@ class RewardRequest(EpisodeRef, kw_only=True):
     stop_reason: str
     """Why the agent stopped: finish, max_turns, max_tokens, length, error:..."""
     deadline: float = 0.0
-    timings: dict[str, float] = {}
-    sent_at: float = 0.0
-    stamps: dict[str, float] = {}
-    """Wall-clock stage event times so far (the turn-0 stamps plus agent_end)."""
 
 
-class Trajectory(EpisodeRef, kw_only=True):
+class Trajectory(EpisodeMessage, kw_only=True):
     """reward actor -> learner, sink, scheduler: a graded episode, token-exact.
 
     Invariants: `token_ids`, `loss_mask` and `logprobs` have equal length (the whole episode:
@@ -169,20 +193,17 @@ class Trajectory(EpisodeRef, kw_only=True):
     """Tokens of the initial prompt (the start of `token_ids`)."""
     grade: dict[str, Any] = {}
     """Grader details: partial test counts and the like."""
-    timings: dict[str, float] = {}
-    """Seconds per stage: init, agent_gen, agent_tool, reward, and queue waits."""
     turns: list[TurnRecord] = []
     """Per-turn record (text, tool calls, observations, hints) for viewers and replay."""
     messages: list[dict[str, Any]] = []
     """Initial chat messages."""
     template_drift_turns: int = 0
     created_at: float = 0.0
-    stamps: dict[str, float] = {}
-    """Wall-clock times (unix seconds) of stage events: issued, init_start, init_end, agent_end,
-    reward_start, reward_end; per-turn times are on `turns`. Empty in old messages."""
+    """When the reward actor graded it (unix seconds). Stage times are telemetry (runners/telemetry.py);
+    each turn's generation and tool times are on `turns` (the agent needs them)."""
 
 
-class EpisodeFailure(EpisodeRef, kw_only=True):
+class EpisodeFailure(EpisodeMessage, kw_only=True):
     """any stage -> scheduler: this attempt failed in infrastructure (not a low reward)."""
 
     stage: str

@@ -35,10 +35,11 @@ from rollway.core.config import load_config
 from rollway.envs.base import TaskCost
 from rollway.policies.chat import IM_END, BytesChatML
 from rollway.runners.stage_queue import Backlog
+from rollway.runners.telemetry import Handled
 from rollway.sandboxes.base import SandboxSpec
 from rollway.sandboxes.config import SandboxConfig
 from rollway.sandboxes.sim import SIM_SPEC_FILE, SimSandboxProvider, live_sandbox_stats
-from rollway.schemas import AgentStep, RewardRequest, Trajectory
+from rollway.schemas import AgentStep, EpisodeKey, RewardRequest, Trajectory
 
 
 def test_workload_is_a_pure_function_of_seed_and_episode_index():
@@ -243,7 +244,7 @@ def test_scheduler_init_lookahead_bounds_episodes_before_the_reward_stage(tmp_pa
     issued = [o.value for o in run(s.tick())]
     assert len(issued) == 3, "agent_slots + init_lookahead episodes before any reaches the reward stage"
     assert run(s.tick()) == []
-    ref = {k: getattr(issued[0], k) for k in ("episode_id", "group_id", "task_id", "attempt")}
+    ref = {"episode": issued[0].episode}
     req = RewardRequest(**ref, sandbox={}, prompt_ids=[], messages=[], turns=[], stop_reason="finish")
     run(s.handle(req, MessageMeta("reward-requests", 0, 0)))
     assert len(run(s.tick())) == 1, "an episode that left the agent frees one look-ahead place"
@@ -341,7 +342,7 @@ def test_estimates_are_noisy_but_do_not_change_the_plan():
 
 def test_request_log_splits_generation_time():
     log = [(0.0, 0.002, 0.402, 0.403), (1.0, 1.001, 1.201, 1.203)]
-    trajectories = [{"timings": {"agent_gen": 0.403 + 0.203 + 0.006}}]  # 3 ms per request beyond the server
+    trajectories = [{"turns": [{"gen_seconds": 0.403}, {"gen_seconds": 0.203 + 0.006}]}]  # 3 ms per request beyond the server
     figures = inference_latency(log, trajectories)
     assert figures["inference_requests"] == 2
     assert figures["inference_admission_ms"] == pytest.approx(1.5)
@@ -351,8 +352,12 @@ def test_request_log_splits_generation_time():
 
 
 def test_agent_slot_phases_find_ramp_up_and_drain():
-    turn = lambda s, e: {"stage": "agent", "started": s, "ended": e}  # noqa: E731
-    trace = [turn(1.0, 5.0), turn(2.0, 9.0), turn(4.0, 6.0), {"stage": "init", "started": 0.0, "ended": 1.0}]
+    def handled(stage: str, s: float, e: float) -> Handled:
+        return Handled(stage=stage, topic="agent-steps", partition=0, offset=0, bytes=1, produced_at=s,
+                       started_at=s, ended_at=e)
+
+    trace = [handled("agent", 1.0, 5.0), handled("agent", 2.0, 9.0), handled("agent", 4.0, 6.0),
+             handled("init", 0.0, 1.0)]
     trajectories = [{"turns": [{"gen_started_at": 1.0, "gen_ended_at": 3.0}, {"gen_started_at": 4.0, "gen_ended_at": 5.0}]}]
     # Tool calls hold the model-call slot (tool_overlap 0): whole turns count; else only generation.
     assert model_slot_intervals(trace, trajectories, tool_overlap=0) == [(1.0, 5.0), (2.0, 9.0), (4.0, 6.0)]
@@ -380,7 +385,7 @@ def test_final_wave_starts_the_last_sandboxes_within_the_inflight_bound(tmp_path
     assert not any(o.value.final_wave for o in first)
     done = 0
     for msg in list(s.tickets.values())[:2]:  # two episodes finish: 7 left to issue, 1 in flight
-        ref = {"episode_id": msg.episode_id, "group_id": msg.group_id, "task_id": msg.task_id, "attempt": 0}
+        ref = {"episode": msg.key}
         traj = Trajectory(
             **ref,
             token_ids=[],
@@ -406,7 +411,7 @@ def test_final_wave_starts_the_last_sandboxes_within_the_inflight_bound(tmp_path
 def test_agent_ranks_later_turns_first_until_the_run_drains_then_earliest_first():
     agent = AgentActor.__new__(AgentActor)
     agent.final_wave = False
-    step = lambda turn, final: AgentStep(episode_id="e", group_id="g", task_id="t", turn=turn,  # noqa: E731
+    step = lambda turn, final: AgentStep(episode=EpisodeKey(episode_id="e", group_id="g", task_id="t"), turn=turn,  # noqa: E731
                                          sandbox={}, final_wave=final)
     queued = [step(5, False), step(0, False), step(3, False)]
     assert [m.turn for m in sorted(queued, key=agent.priority, reverse=True)] == [5, 3, 0]

@@ -40,8 +40,8 @@ def test_up_runs_the_smoke_job_to_completion(tmp_path):
     assert set(summary["stage_seconds_total"]) >= {"init", "agent_gen", "agent_tool", "reward"}
     assert summary["stage_seconds_total"]["init"] > 0
     trajs = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines()]
-    assert len({t["episode_id"] for t in trajs}) == 8
-    assert {t["group_id"] for t in trajs}.__len__() == 4
+    assert len({t["episode"]["episode_id"] for t in trajs}) == 8
+    assert {t["episode"]["group_id"] for t in trajs}.__len__() == 4
     for t in trajs:
         assert len(t["token_ids"]) == len(t["loss_mask"]) == len(t["logprobs"]) > 0
     assert wall < 60, f"smoke job took {wall:.1f}s"
@@ -180,12 +180,12 @@ def test_separate_processes_two_agent_workers_replay_and_dead_letters(tmp_path):
         assert status["done"] and status["episodes_completed"] == 12 and status["episodes_failed"] == 0
 
         trajs = replay("trajectories", bootstrap)
-        episodes = {m["value"]["episode_id"] for m in trajs}
+        episodes = {m["value"]["episode"]["episode_id"] for m in trajs}
         assert len(episodes) == status["episodes_completed"]
         for m in trajs:
             v = m["value"]
             assert len(v["token_ids"]) == len(v["loss_mask"]) > 0
-            assert m["key"] == v["episode_id"] and m["partition"] >= 0 and m["offset"] >= 0
+            assert m["key"] == v["episode"]["episode_id"] and m["partition"] >= 0 and m["offset"] >= 0
         dead = replay("dead-letters", bootstrap)
         assert any(d["value"]["reason"].startswith("decode:") and d["value"]["source_topic"] == "agent-steps"
                    for d in dead)

@@ -266,7 +266,7 @@ def test_scripted_editor_fix_is_resolved_through_the_pipeline_and_doing_nothing_
                           "--bootstrap", broker.bootstrap, f"topics.prefix=swe{tmp_path.name[-6:]}-"],
                          capture_output=True, text=True, timeout=420)
     assert out.returncode == 0, out.stderr[-3000:]
-    trajs = {json.loads(x)["task_id"]: json.loads(x) for x in (run_dir / "trajectories.jsonl").read_text().splitlines()}
+    trajs = {json.loads(x)["episode"]["task_id"]: json.loads(x) for x in (run_dir / "trajectories.jsonl").read_text().splitlines()}
     assert trajs[fix["instance_id"]]["resolved"] and trajs[fix["instance_id"]]["reward"] == 1.0
     assert all(not o["is_error"] for t in trajs[fix["instance_id"]]["turns"] for o in t["observations"])
     assert not trajs[idle["instance_id"]]["resolved"] and trajs[idle["instance_id"]]["reward"] == 0.0

@@ -24,7 +24,7 @@ from rollway.actors.services import Services
 from rollway.core.config import ConfigError, RunConfig, load_config, resolved_config
 from rollway.envs.factory import build_taskset
 from rollway.runners.verify import DO_NOTHING_SCRIPT, play_episode
-from rollway.schemas import InitRequest
+from rollway.schemas import EpisodeKey, InitRequest
 from rollway.tools.base import Tool, ToolResult, takes_context
 from rollway.tools.config import ToolsConfig
 from rollway.tools.registry import build_tools, register_tool
@@ -273,7 +273,7 @@ def test_per_task_tools_and_state_store_survive_a_worker_change(tmp_path):
     async def scenario():
         init = InitActor(s)
         await init.setup()
-        [out] = await init.handle(InitRequest(episode_id="r-g0-s0", group_id="r-g0", task_id="desk-ada",
+        [out] = await init.handle(InitRequest(episode=EpisodeKey(episode_id="r-g0-s0", group_id="r-g0", task_id="desk-ada"),
                                               issued_at=time.time(), deadline=time.time() + 60),
                                   MessageMeta("init-requests", 0, 0))
         assert {t["function"]["name"] for t in out.value.tools} == {"desk_lookup_order", "desk_refund_order"}

@@ -26,7 +26,7 @@ from rollway.runners.faust_runtime import (
     faust_credentials,
     run_faust_worker,
 )
-from rollway.schemas import AgentStep, DeadLetter, decode, encode
+from rollway.schemas import AgentStep, DeadLetter, EpisodeKey, decode, encode
 from rollway.topics import AGENT_STEPS, DEAD_LETTERS, INIT_REQUESTS
 
 pytestmark = pytest.mark.broker
@@ -98,7 +98,8 @@ def test_dedup_table_survives_a_worker_restart(broker, topic_prefix, tmp_path):
     async def scenario():
         await ensure_topics(cfg.broker, cfg.topics, broker.bootstrap)
         first = await one_worker([init_request(1), init_request(2), init_request(1)], 2, 1)
-        retry = msgspec.structs.replace(init_request(2), attempt=1)
+        first_try = init_request(2)
+        retry = msgspec.structs.replace(first_try, episode=msgspec.structs.replace(first_try.episode, attempt=1))
         second = await one_worker([init_request(2), retry, init_request(5)], 2, 1)
         return first, second
 
@@ -147,7 +148,7 @@ def test_a_table_whose_changelog_entries_share_one_batch_comes_back_whole(broker
 
 def test_dedup_keys_and_credentials():
     assert dedup_key(init_request(7)) == "e7/0"
-    assert dedup_key(AgentStep(episode_id="e7", group_id="g", task_id="t", turn=1, sandbox={})) is None
+    assert dedup_key(AgentStep(episode=EpisodeKey(episode_id="e7", group_id="g", task_id="t"), turn=1, sandbox={})) is None
     assert faust_credentials(BrokerConfig()) is None
     sasl = faust_credentials(BrokerConfig(security_protocol="SASL_SSL", sasl_mechanism="SCRAM-SHA-512",
                                           sasl_username="u", sasl_password="p"))

@@ -17,7 +17,7 @@ from rollway.actors.init import InitActor
 from rollway.actors.ledger import Ledger
 from rollway.actors.reward import RewardActor
 from rollway.actors.sink import SinkActor
-from rollway.schemas import InitRequest, RewardRequest
+from rollway.schemas import EpisodeKey, InitRequest, RewardRequest
 from rollway.topics import AGENT_STEPS, REWARD_REQUESTS, TRAJECTORIES
 
 
@@ -26,7 +26,7 @@ async def reward_request(s, episode_id: str) -> RewardRequest:
     init, agent = InitActor(s), AgentActor(s)
     for actor in (init, agent):
         await actor.setup()
-    req = InitRequest(episode_id=episode_id, group_id="rR-g0", task_id="toy-001", issued_at=time.time(),
+    req = InitRequest(episode=EpisodeKey(episode_id=episode_id, group_id="rR-g0", task_id="toy-001"), issued_at=time.time(),
                       deadline=time.time() + 60)
     [out] = await init.handle(req, MessageMeta("init-requests", 0, 0))
     offset = 0
@@ -69,7 +69,7 @@ def test_restarted_reward_actor_re_emits_a_redelivered_attempt_instead_of_failin
     assert redelivered[0].value == graded.value  # the same trajectory, not a second grading
     assert restarted.stats == {"graded": 0, "replayed": 2}
     lines = (tmp_path / "run" / "trajectories.jsonl").read_text().splitlines()
-    assert [json.loads(x)["episode_id"] for x in lines] == ["rR-g0-s0"]
+    assert [json.loads(x)["episode"]["episode_id"] for x in lines] == ["rR-g0-s0"]
     assert not (tmp_path / "run" / "failures.jsonl").exists()
 
 
@@ -81,8 +81,8 @@ def test_sink_restart_keeps_one_line_per_episode_and_failure(tmp_path):
         [out] = await (RewardActor(s)).handle(req, MessageMeta("reward-requests", 0, 0))
         from rollway.schemas import EpisodeFailure
 
-        failure = EpisodeFailure(episode_id="rS-g0-s1", group_id="rS-g0", task_id="toy-000", attempt=0,
-                                 sample_index=1, stage="agent", reason="boom", retryable=True, at=time.time())
+        failure = EpisodeFailure(episode=EpisodeKey(episode_id="rS-g0-s1", group_id="rS-g0", task_id="toy-000", attempt=0,
+                                 sample_index=1), stage="agent", reason="boom", retryable=True, at=time.time())
         a = SinkActor(s)
         await a.setup()
         await a.handle(out.value, MessageMeta("trajectories", 1, 5))

@@ -59,8 +59,7 @@ def test_report_command_adds_learner_curves_and_handles_old_trajectories(smoke_r
     run_dir.mkdir()
     lines = []
     for line in (smoke_run.run_dir / "trajectories.jsonl").read_text().splitlines():
-        t = json.loads(line)
-        t.pop("stamps")  # as written before stamps existed
+        t = json.loads(line)  # copied without the run's telemetry, and per-turn times taken out
         for turn in t["turns"]:
             for key in ("gen_started_at", "gen_ended_at", "tool_ended_at"):
                 turn.pop(key)
@@ -85,14 +84,28 @@ def test_utilisation_counts_overlapping_generations_once():
     assert in_flight_steps([(0, 2), (1, 3)]) == ([0, 1, 2, 3], [1, 2, 1, 0])
 
 
-def test_trajectories_carry_stage_stamps_in_order(smoke_run):
+def test_runtimes_record_each_stage_of_each_episode_once_in_order(smoke_run):
+    """The telemetry the stage runtimes wrote: every message of every episode handled exactly once (no
+    failures in the smoke run), stages in order, each turn's generation inside its agent handling."""
+    from rollway.runners.telemetry import attempt_records, read_telemetry
+
+    telemetry = read_telemetry(smoke_run.run_dir)
+    assert telemetry and all(r.produced_at <= r.started_at <= r.ended_at for r in telemetry)
     for line in (smoke_run.run_dir / "trajectories.jsonl").read_text().splitlines():
         t = json.loads(line)
-        st = t["stamps"]
-        assert st["issued"] <= st["init_start"] <= st["init_end"] <= t["turns"][0]["gen_started_at"]
-        for turn in t["turns"]:
-            assert turn["gen_started_at"] <= turn["gen_ended_at"] <= turn["tool_ended_at"]
-        assert t["turns"][-1]["tool_ended_at"] <= st["agent_end"] <= st["reward_start"] <= st["reward_end"]
+        records = attempt_records(telemetry, t["episode"]["episode_id"], t["episode"]["attempt"])
+        by_stage: dict[str, list] = {}
+        for r in sorted(records, key=lambda r: r.started_at):
+            assert r.outcome == "handled"
+            by_stage.setdefault(r.stage, []).append(r)
+        assert {s: len(v) for s, v in by_stage.items()} == {"init": 1, "agent": t["num_turns"], "reward": 1,
+                                                            "scheduler": 1, "learner": 1, "sink": 1}
+        [init], agent, [reward] = by_stage["init"], by_stage["agent"], by_stage["reward"]
+        assert [r.turn for r in agent] == list(range(t["num_turns"]))
+        assert init.ended_at <= agent[0].produced_at + 0.001 and agent[-1].ended_at <= reward.produced_at + 0.001
+        for r, turn in zip(agent, t["turns"], strict=True):
+            assert r.started_at <= turn["gen_started_at"] <= turn["gen_ended_at"] <= turn["tool_ended_at"] <= r.ended_at
+        assert reward.ended_at <= min(by_stage[s][0].produced_at for s in ("scheduler", "learner", "sink")) + 0.001
 
 
 def test_up_shows_progress_per_stage_and_logs_with_stage_and_episode(smoke_run):

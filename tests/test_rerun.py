@@ -35,7 +35,7 @@ def replay(capsys, monkeypatch):
 
 
 def first_episode(run_dir) -> str:
-    return json.loads((run_dir / "trajectories.jsonl").read_text().splitlines()[0])["episode_id"]
+    return json.loads((run_dir / "trajectories.jsonl").read_text().splitlines()[0])["episode"]["episode_id"]
 
 
 def test_rerun_of_a_recorded_episode_matches(smoke_run, replay):
@@ -85,14 +85,14 @@ def test_rerun_reports_the_turns_that_see_a_changed_repository(broker, replay, t
 
 def test_comparison_ignores_hints_and_file_times_but_not_content():
     from rollway.runners.rerun import compare_turn, normalizer
-    from rollway.tools.registry import Observation
+    from rollway.schemas import Observation
 
     turn = {"turn": 0, "hints": ["2 turns left."], "observations": [
         {"tool": "bash", "arguments": {}, "content": "-rw-r--r-- 1 nobody nogroup 5 Nov 22 00:25 a\n\n2 turns left."}]}
-    same = [Observation("-rw-r--r-- 1 nobody nogroup 5 Nov 23 13:05 a", "bash")]
+    same = [Observation(content="-rw-r--r-- 1 nobody nogroup 5 Nov 23 13:05 a", tool="bash")]
     assert compare_turn(turn, same, normalizer(False, [])) == []
     assert len(compare_turn(turn, same, normalizer(True, []))) == 1
-    other = [Observation("-rw-r--r-- 1 nobody nogroup 6 Nov 22 00:25 a", "bash")]
+    other = [Observation(content="-rw-r--r-- 1 nobody nogroup 6 Nov 22 00:25 a", tool="bash")]
     assert compare_turn(turn, other, normalizer(False, []))[0].turn == 0
     assert compare_turn(turn, [], normalizer(False, []))[0].replayed == "<no observation>"
 

@@ -9,7 +9,6 @@ reaches the actor on both engines and the tests can count them.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -22,9 +21,11 @@ from test_stage_runtime import produce, read_all
 from rollway.actors.base import Actor, MessageMeta, Output, failure_output
 from rollway.core.config import RunConfig, load_config
 from rollway.core.kafka import ensure_topics, topic_name
+from rollway.core.run_dir import RunDir
 from rollway.runners.faust_runtime import FaustStage, ensure_changelog_topics
 from rollway.runners.stage_runtime import StageWorker
-from rollway.schemas import AgentStep, DeadLetter, EpisodeFailure, decode, encode
+from rollway.runners.telemetry import read_telemetry
+from rollway.schemas import AgentStep, DeadLetter, EpisodeFailure, EpisodeKey, decode, encode
 from rollway.topics import AGENT_STEPS, ALL_TOPICS, DEAD_LETTERS, EPISODE_FAILURES, TopicSpec
 
 pytestmark = pytest.mark.broker
@@ -37,7 +38,7 @@ ENGINES = ("aiokafka", "faust")
 
 def step(episode: str, turn: int, **flags: Any) -> AgentStep:
     """An agent step whose sandbox dict carries the probe's instructions (hold, fail, stop, sleep_s)."""
-    return AgentStep(episode_id=episode, group_id="g", task_id="t", turn=turn, sandbox=flags)
+    return AgentStep(episode=EpisodeKey(episode_id=episode, group_id="g", task_id="t"), turn=turn, sandbox=flags)
 
 
 class Probe(Actor):
@@ -118,14 +119,14 @@ class Running:
     """One worker of `engine` running in the background of the test's event loop."""
 
     def __init__(self, engine: str, actor: Probe, cfg: RunConfig, bootstrap: str, group: str, run_dir: Path,
-                 concurrency: int = 1, prefetch: int = 0, trace_path: Path | None = None):
+                 concurrency: int = 1, prefetch: int = 0, telemetry_path: Path | None = None):
         self.actor, self.stop = actor, asyncio.Event()
         if engine == "aiokafka":
             self.worker: Any = StageWorker(actor, cfg, bootstrap, concurrency, group, prefetch=prefetch,
-                                           trace_path=trace_path)
+                                           telemetry_path=telemetry_path)
         else:
             self.worker = FaustStage(actor, cfg, bootstrap, concurrency, group, run_dir, prefetch=prefetch,
-                                     trace_path=trace_path)
+                                     telemetry_path=telemetry_path)
         self.engine, self.cfg, self.bootstrap, self.group = engine, cfg, bootstrap, group
         self.task: asyncio.Task | None = None
 
@@ -369,21 +370,32 @@ def test_done_actor_stops_its_worker(engine, broker, topic_prefix, tmp_path):
     assert [e for e, _, _ in actor.seen] == ["a", "last"] and actor.closed
 
 
-def test_trace_has_one_line_per_handled_message(engine, broker, topic_prefix, tmp_path):
-    cfg, trace = config(topic_prefix, partitions=2), tmp_path / "trace" / "probe.jsonl"
+@pytest.mark.parametrize("fetch_times", [False, True], ids=["plain", "run.trace"])
+def test_telemetry_has_one_line_per_handled_message(engine, broker, topic_prefix, tmp_path, fetch_times):
+    """The runtime records every message it handles, with the record's own production time: nothing
+    about it rides in the message."""
+    cfg = config(topic_prefix, partitions=2).model_copy(deep=True)
+    cfg.run.trace = fetch_times
+    path = RunDir(tmp_path).telemetry_path("probe", 1)
+    sent_after = time.time()
 
     async def scenario():
         await prepare(cfg, broker.bootstrap, [step(f"e{i}", i) for i in range(4)])
         async with Running(engine, Probe(), cfg, broker.bootstrap, f"{topic_prefix}probe", tmp_path,
-                           concurrency=2, trace_path=trace) as w:
+                           concurrency=2, telemetry_path=path) as w:
             await until(lambda: len(w.actor.seen) == 4, "four messages handled")
 
     run(scenario())
-    lines = [json.loads(line) for line in trace.read_text().splitlines()]
-    assert sorted((x["episode_id"], x["turn"]) for x in lines) == [(f"e{i}", i) for i in range(4)]
-    for x in lines:
-        assert x["stage"] == "probe" and x["topic"] == topic_name(AGENT_STEPS, cfg.topics)
-        assert x["fetched"] <= x["started"] <= x["ended"] and x["bytes"] > 0
+    records = read_telemetry(tmp_path)
+    assert sorted((r.episode_id, r.turn) for r in records) == [(f"e{i}", i) for i in range(4)]
+    for r in records:
+        assert r.stage == "probe" and r.topic == topic_name(AGENT_STEPS, cfg.topics) and r.outcome == "handled"
+        assert r.episode == EpisodeKey(episode_id=r.episode_id, group_id="g", task_id="t") and r.bytes > 0
+        assert sent_after - 0.001 <= r.produced_at <= r.started_at <= r.ended_at
+        if fetch_times:
+            assert r.polled_at <= r.fetched_at <= r.started_at and r.produced_at <= r.fetched_at + 0.001
+        else:
+            assert r.polled_at is None and r.fetched_at is None
 
 
 def test_settings_an_engine_cannot_honour_are_refused_by_key():

@@ -7,22 +7,27 @@ import pytest
 
 from rollway.actors.reward import assemble
 from rollway.schemas import (
+    SCHEMA_VERSION,
     AgentStep,
     DeadLetter,
     DecodeError,
     EpisodeFailure,
+    EpisodeKey,
     InitRequest,
     Observation,
     PolicyVersion,
     RewardRequest,
     Trajectory,
     TurnRecord,
+    check_version,
     decode,
     encode,
 )
 from rollway.topics import ALL_TOPICS, BY_NAME, get_topic
 
-REF = dict(episode_id="r1-g00000-s0", group_id="r1-g00000", task_id="toy-000", attempt=1, sample_index=0)
+KEY = EpisodeKey(episode_id="r1-g00000-s0", group_id="r1-g00000", task_id="toy-000", attempt=1, sample_index=0)
+REF = dict(episode=KEY)
+RAW_REF = {"episode": msgspec.to_builtins(KEY)}
 
 
 def turn(k: int, n_completion: int = 3, n_obs: int = 2) -> TurnRecord:
@@ -63,25 +68,48 @@ def test_every_topic_has_a_schema_and_episode_topics_are_keyed():
 
 
 def test_wrong_type_is_a_decode_failure():
-    raw = msgspec.msgpack.encode({**REF, "issued_at": "yesterday", "deadline": 2.0, "schema_version": 1})
+    raw = msgspec.msgpack.encode({**RAW_REF, "issued_at": "yesterday", "deadline": 2.0, "schema_version": SCHEMA_VERSION})
     with pytest.raises(DecodeError, match="issued_at"):
         decode(raw, InitRequest)
 
 
 def test_missing_field_is_a_decode_failure():
-    raw = msgspec.msgpack.encode({"episode_id": "e", "group_id": "g", "task_id": "t", "issued_at": 1.0})
+    raw = msgspec.msgpack.encode({**RAW_REF, "issued_at": 1.0})
     with pytest.raises(DecodeError, match="deadline"):
         decode(raw, InitRequest)
 
 
 def test_unknown_field_and_other_version_and_garbage_are_decode_failures():
     with pytest.raises(DecodeError, match="unknown field"):
-        decode(msgspec.msgpack.encode({**REF, "issued_at": 1.0, "deadline": 2.0, "extra": 1}), InitRequest)
+        decode(msgspec.msgpack.encode({**RAW_REF, "issued_at": 1.0, "deadline": 2.0, "extra": 1}), InitRequest)
     with pytest.raises(DecodeError, match="schema_version 99"):
-        decode(msgspec.msgpack.encode({**REF, "issued_at": 1.0, "deadline": 2.0, "schema_version": 99}), InitRequest)
+        decode(msgspec.msgpack.encode({**RAW_REF, "issued_at": 1.0, "deadline": 2.0, "schema_version": 99}), InitRequest)
     for garbage in (b"", b"\xc1\xc1", b"not msgpack at all", None):
         with pytest.raises(DecodeError):
             decode(garbage, AgentStep)
+
+
+def test_identity_is_one_nested_value_passed_on_whole():
+    """Every per-episode message holds the identity once, reads its fields through, and hands the same
+    value to the episode's next message."""
+    step = AgentStep(**REF, turn=0, sandbox={})
+    assert (step.episode_id, step.group_id, step.task_id, step.attempt, step.sample_index) == \
+        ("r1-g00000-s0", "r1-g00000", "toy-000", 1, 0)
+    assert RewardRequest(episode=step.episode, sandbox={}, prompt_ids=[], messages=[], turns=[],
+                         stop_reason="finish").episode is KEY
+    assert msgspec.to_builtins(step)["episode"] == msgspec.to_builtins(KEY) and "episode_id" not in msgspec.to_builtins(step)
+    with pytest.raises(AttributeError):
+        KEY.attempt = 2  # frozen: a re-issued attempt is a new key
+
+
+def test_message_of_the_previous_schema_version_is_refused_with_what_to_do():
+    """A version-1 message (flat identity) fails on its version, not on a field, and says what to do."""
+    v1 = msgspec.msgpack.encode({"episode_id": "e", "group_id": "g", "task_id": "t", "issued_at": 1.0,
+                                 "deadline": 2.0, "schema_version": 1})
+    with pytest.raises(DecodeError, match=r"schema_version 1; this rollway reads 2.*rollway version that wrote it"):
+        decode(v1, InitRequest)
+    with pytest.raises(DecodeError, match="trajectories.jsonl line 1 has schema_version 1"):
+        check_version({"episode_id": "e", "schema_version": 1}, "trajectories.jsonl line 1")
 
 
 def test_turn_message_carries_only_its_delta():

@@ -34,27 +34,27 @@ def test_show_lists_episodes_and_renders_the_first_turn_by_turn(smoke_run, show)
     assert out.returncode == 0, out.stderr
     trajs = episodes(smoke_run.run_dir)
     assert "8 episodes" in out.stdout
-    assert all(t["episode_id"] in out.stdout for t in trajs)
+    assert all(t["episode"]["episode_id"] in out.stdout for t in trajs)
     for text in ("model output", "tool call: bash", '{"command": "cat numbers.txt"}', "observation",
-                 "Exit code: 0", "turn 3", "stop reason", "finish", "reward", "agent_gen"):
+                 "Exit code: 0", "turn 3", "stop reason", "finish", "reward", "stages", "init_queue", "agent_queue"):
         assert text in out.stdout, text
 
 
 def test_show_one_episode_as_html(smoke_run, show, tmp_path):
     t = episodes(smoke_run.run_dir)[3]
-    out = show(str(smoke_run.run_dir), "--episode", t["episode_id"], "--html", str(tmp_path / "ep.html"))
+    out = show(str(smoke_run.run_dir), "--episode", t["episode"]["episode_id"], "--html", str(tmp_path / "ep.html"))
     assert out.returncode == 0, out.stderr
     html = (tmp_path / "ep.html").read_text()
-    assert html.lstrip().lower().startswith("<!doctype html") and t["episode_id"] in html
+    assert html.lstrip().lower().startswith("<!doctype html") and t["episode"]["episode_id"] in html
     answer = str(t["grade"]["expected"])
     assert "numbers.txt" in html and answer in html and "8 episodes" not in html
 
 
 def test_show_reads_episodes_from_the_topic(smoke_run, show):
     t = episodes(smoke_run.run_dir)[-1]
-    out = show("--bootstrap", smoke_run.bootstrap, "--topic-prefix", smoke_run.prefix, "--episode", t["episode_id"])
+    out = show("--bootstrap", smoke_run.bootstrap, "--topic-prefix", smoke_run.prefix, "--episode", t["episode"]["episode_id"])
     assert out.returncode == 0, out.stderr
-    assert t["episode_id"] in out.stdout and "tool call: finish" in out.stdout
+    assert t["episode"]["episode_id"] in out.stdout and "tool call: finish" in out.stdout
     out = show("--bootstrap", smoke_run.bootstrap, "--topic-prefix", smoke_run.prefix)
     assert out.returncode == 0 and "8 episodes" in out.stdout
 

@@ -15,7 +15,7 @@ from rollway.core.config import BrokerConfig, RunConfig
 from rollway.core.kafka import BrokerUnavailable, ensure_topics, make_producer, topic_name
 from rollway.runners.stage_queue import KeyLocks
 from rollway.runners.stage_runtime import LogReader, StageWorker
-from rollway.schemas import AgentStep, DeadLetter, InitRequest, decode, encode
+from rollway.schemas import AgentStep, DeadLetter, EpisodeKey, InitRequest, decode, encode
 from rollway.topics import AGENT_STEPS, DEAD_LETTERS, INIT_REQUESTS
 
 pytestmark = pytest.mark.broker
@@ -36,7 +36,7 @@ class Forward(Actor):
             raise RuntimeError("this episode breaks the handler")
         self.seen.append((msg.episode_id, meta.partition))
         return [Output(AGENT_STEPS, msg.episode_id, AgentStep(
-            episode_id=msg.episode_id, group_id=msg.group_id, task_id=msg.task_id, turn=0, sandbox={}))]
+            episode=msg.episode, turn=0, sandbox={}))]
 
 
 def config(prefix: str, partitions: int = 4) -> RunConfig:
@@ -45,7 +45,7 @@ def config(prefix: str, partitions: int = 4) -> RunConfig:
 
 
 def init_request(i: int) -> InitRequest:
-    return InitRequest(episode_id=f"e{i}", group_id="g", task_id="t", issued_at=time.time(), deadline=time.time() + 60)
+    return InitRequest(episode=EpisodeKey(episode_id=f"e{i}", group_id="g", task_id="t"), issued_at=time.time(), deadline=time.time() + 60)
 
 
 async def read_all(cfg: RunConfig, bootstrap: str, spec, expect: int, timeout_s: float = 20.0) -> list:
@@ -140,7 +140,7 @@ def test_log_reader_returns_one_episodes_messages(broker, topic_prefix):
 
     async def scenario():
         await ensure_topics(cfg.broker, cfg.topics, broker.bootstrap)
-        msgs = [AgentStep(episode_id=eid, group_id="g", task_id="t", turn=k, sandbox={})
+        msgs = [AgentStep(episode=EpisodeKey(episode_id=eid, group_id="g", task_id="t"), turn=k, sandbox={})
                 for k in range(3) for eid in ("x", "y")]
         await produce(cfg, broker.bootstrap, AGENT_STEPS, [(m.episode_id.encode(), encode(m)) for m in msgs])
         reader = LogReader(cfg, broker.bootstrap)
@@ -249,7 +249,7 @@ def test_backlog_is_ranked_again_when_the_run_starts_draining(broker, topic_pref
     final-wave message arrives; otherwise a first turn queued before the wave waits behind it."""
     cfg = config(topic_prefix, partitions=1)
     step = lambda e, turn, final: (e.encode(), encode(AgentStep(  # noqa: E731
-        episode_id=e, group_id="g", task_id="t", turn=turn, sandbox={}, final_wave=final)))
+        episode=EpisodeKey(episode_id=e, group_id="g", task_id="t"), turn=turn, sandbox={}, final_wave=final)))
 
     async def scenario():
         await ensure_topics(cfg.broker, cfg.topics, broker.bootstrap)
@@ -326,7 +326,7 @@ class Stuck(Actor):
                 self.cancelled = True
                 raise
         return [Output(AGENT_STEPS, msg.episode_id, AgentStep(
-            episode_id=msg.episode_id, group_id=msg.group_id, task_id=msg.task_id, turn=0, sandbox={}))]
+            episode=msg.episode, turn=0, sandbox={}))]
 
 
 def test_a_handler_still_running_when_its_partition_moves_is_cancelled_and_never_produces(broker, topic_prefix):

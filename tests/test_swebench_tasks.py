@@ -174,15 +174,15 @@ def test_reverse_patch_undoes_a_patch(tmp_path):
 
 def test_predictions_report_and_atif_from_trajectories(tmp_path):
     trajs = [
-        {"episode_id": "e1", "task_id": "a", "sample_index": 0, "reward": 1.0, "resolved": True, "stop_reason": "finish",
+        {"episode": {"episode_id": "e1", "group_id": "e1", "task_id": "a", "sample_index": 0}, "reward": 1.0, "resolved": True, "stop_reason": "finish",
          "prompt_length": 10, "grade": {"outcome": "resolved", "model_patch": "diff --git a/x b/x\n"},
          "messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "fix it"}],
          "turns": [{"turn": 0, "assistant_text": "<tool_call>..</tool_call>", "completion_ids": [1, 2],
                     "logprobs": [-0.1, -0.2], "policy_version": 0, "finish_reason": "stop",
                     "observations": [{"tool": "bash", "arguments": {"command": "ls"}, "content": "x\n"}]}]},
-        {"episode_id": "e2", "task_id": "b", "sample_index": 0, "reward": 0.0, "resolved": False,
+        {"episode": {"episode_id": "e2", "group_id": "e2", "task_id": "b", "sample_index": 0}, "reward": 0.0, "resolved": False,
          "grade": {"outcome": "patch_failed", "model_patch": "junk"}},
-        {"episode_id": "e3", "task_id": "c", "sample_index": 0, "reward": 0.0, "resolved": False,
+        {"episode": {"episode_id": "e3", "group_id": "e3", "task_id": "c", "sample_index": 0}, "reward": 0.0, "resolved": False,
          "grade": {"outcome": "unresolved", "model_patch": ""}},
     ]
     cfg = argparse.Namespace(policy=argparse.Namespace(type="scripted"))
@@ -392,4 +392,4 @@ def test_eval_with_a_scripted_policy_reproduces_its_resolved_ids(built, broker, 
     assert preds[target["instance_id"]]["model_patch"].startswith("diff --git a/")
     assert len(list((run_dir / "atif").glob("*.json"))) == 3
     failures = [json.loads(line) for line in (run_dir / "failures.jsonl").read_text().splitlines()]
-    assert sum(f["task_id"] == "broken__env-1" and f["stage"] == "reward" for f in failures) == 2  # retried once
+    assert sum(f["episode"]["task_id"] == "broken__env-1" and f["stage"] == "reward" for f in failures) == 2  # retried once

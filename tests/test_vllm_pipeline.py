@@ -73,7 +73,7 @@ def test_two_agent_processes_record_the_version_vllm_served_each_turn(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["episodes_completed"] == episodes and summary["episodes_failed"] == 0
     trajectories = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines()]
-    assert len({t["episode_id"] for t in trajectories}) == episodes
+    assert len({t["episode"]["episode_id"] for t in trajectories}) == episodes
     versions = [v for t in trajectories for v in t["turn_policy_versions"]]
     # Group k is issued once k-1 updates are trained (lag bound 1): the last group runs on version >= 3.
     assert {0, 1, 2, 3} <= set(versions) <= set(range(GROUPS)), sorted(set(versions))
@@ -87,10 +87,10 @@ def test_two_agent_processes_record_the_version_vllm_served_each_turn(tmp_path):
 
     # Judged from the learner's checkpoints: every episode trained exactly once, none dropped as stale;
     # the flat group consumed without an update.
-    flat = {t["episode_id"] for t in trajectories if t["task_id"] == f"coin-{GROUPS - 1:03d}"}
+    flat = {t["episode"]["episode_id"] for t in trajectories if t["episode"]["task_id"] == f"coin-{GROUPS - 1:03d}"}
     manifests = read_manifests(run_dir)
     trained = [e for m in manifests if m["updated"] for e in m["episode_ids"]]
-    assert sorted(trained) == sorted(t["episode_id"] for t in trajectories if t["episode_id"] not in flat)
+    assert sorted(trained) == sorted(t["episode"]["episode_id"] for t in trajectories if t["episode"]["episode_id"] not in flat)
     assert {e for m in manifests if not m["updated"] for e in m["episode_ids"]} == flat and len(flat) == GROUP_SIZE
     assert [m["version"] for m in manifests if m["updated"]] == list(range(1, GROUPS))
     # Each new version reached the engine once: the checkpoint that made the flat group durable held

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
 from rollway.base.plugins import is_plugin, load_plugin
 from rollway.sandboxes.base import Sandbox
-from rollway.schemas.messages import Observation as RecordedObservation
+from rollway.schemas.messages import Observation
 from rollway.tools.base import Tool, ToolCall, ToolContext, call_tool
 from rollway.tools.bash import BashTool
 from rollway.tools.config import ToolsConfig
@@ -107,39 +106,6 @@ def tool_specs(tools: Mapping[str, Tool]) -> list[dict[str, Any]]:
 
 
 @dataclass
-class Observation:
-    """What the model reads back for one call (or for a message without a valid call)."""
-
-    content: str
-    tool: str | None = None
-    """Tool name; None when the call could not be parsed or no call was made."""
-    call_id: str | None = None
-    arguments: dict[str, Any] = field(default_factory=dict)
-    """The call's arguments as parsed ({} when it could not be parsed)."""
-    is_error: bool = False
-    ends_episode: bool = False
-    truncated: bool = False
-    internal_error: bool = False
-    """The tool itself failed (a bug or a broken sandbox), not the model's call."""
-    duration_s: float = 0.0
-    metadata: dict[str, Any] = field(default_factory=dict)
-
-    def to_record(self) -> RecordedObservation:
-        """What the trajectory keeps of it (the wire form in TurnRecord.observations)."""
-        return RecordedObservation(tool=self.tool or "", arguments=self.arguments, content=self.content,
-                                   is_error=self.is_error)
-
-    def as_message(self) -> dict[str, Any]:
-        """An OpenAI-style `tool` chat message."""
-        message: dict[str, Any] = {"role": "tool", "content": self.content}
-        if self.call_id is not None:
-            message["tool_call_id"] = self.call_id
-        if self.tool is not None:
-            message["name"] = self.tool
-        return message
-
-
-@dataclass
 class ToolTurn:
     """The outcome of running one model message's tool calls."""
 
@@ -153,11 +119,6 @@ class ToolTurn:
     @property
     def errors(self) -> int:
         return sum(observation.is_error for observation in self.observations)
-
-    @property
-    def records(self) -> list[RecordedObservation]:
-        """The observations as the trajectory records them."""
-        return [observation.to_record() for observation in self.observations]
 
     @property
     def call_pairs(self) -> list[tuple[str, dict[str, Any]]]:
@@ -199,52 +160,30 @@ async def _run_item(
     context: ToolContext | None = None,
 ) -> Observation:
     if isinstance(item, CallError):
-        return Observation(item.message, item.name, item.call_id, is_error=True)
+        return Observation(content=item.message, tool=item.name or "", call_id=item.call_id, is_error=True)
     if turn.ends_episode:
-        return Observation(
-            "Not run: `finish` was called earlier in this message.", item.name, item.call_id, item.arguments
-        )
+        return Observation(content="Not run: `finish` was called earlier in this message.", tool=item.name,
+                           call_id=item.call_id, arguments=item.arguments)
     if index >= cfg.max_calls_per_turn:
-        return Observation(
-            f"Not run: at most {cfg.max_calls_per_turn} tool calls run per message. "
-            "Make fewer calls and wait for their results.",
-            item.name,
-            item.call_id,
-            item.arguments,
-            is_error=True,
-        )
+        return Observation(content=f"Not run: at most {cfg.max_calls_per_turn} tool calls run per message. "
+                           "Make fewer calls and wait for their results.",
+                           tool=item.name, call_id=item.call_id, arguments=item.arguments, is_error=True)
     return await run_call(item, tools[item.name], sandbox, context)
 
 
 async def run_call(call: ToolCall, tool: Tool, sandbox: Sandbox, context: ToolContext | None = None) -> Observation:
     """Run one validated call; an exception from the tool becomes an error observation so a tool
     bug or a failing sandbox cannot crash the agent worker."""
-    started = time.monotonic()
     try:
         result = await call_tool(tool, call.arguments, sandbox, context)
     except Exception as error:  # noqa: BLE001 - deliberate: the worker must survive tool bugs
         log.exception("tool %s failed on arguments %r", call.name, call.arguments)
-        return Observation(
-            f"The tool `{call.name}` failed internally ({type(error).__name__}: {error}). This is not "
-            "a problem with your call's format; try again or use another tool.",
-            call.name,
-            call.call_id,
-            call.arguments,
-            is_error=True,
-            internal_error=True,
-            duration_s=time.monotonic() - started,
-            metadata={"exception": repr(error)},
-        )
-    return Observation(
-        result.content,
-        call.name,
-        call.call_id,
-        call.arguments,
-        is_error=result.is_error,
-        ends_episode=result.ends_episode,
-        duration_s=time.monotonic() - started,
-        metadata=dict(result.metadata),
-    )
+        return Observation(content=f"The tool `{call.name}` failed internally ({type(error).__name__}: {error}). "
+                           "This is not a problem with your call's format; try again or use another tool.",
+                           tool=call.name, call_id=call.call_id, arguments=call.arguments, is_error=True,
+                           internal_error=True)
+    return Observation(content=result.content, tool=call.name, call_id=call.call_id, arguments=call.arguments,
+                       is_error=result.is_error, ends_episode=result.ends_episode)
 
 
 def truncate_observation(text: str, max_chars: int) -> tuple[str, bool]:
@@ -272,4 +211,4 @@ def _no_call_observation(tools: Mapping[str, Tool]) -> Observation:
         )
     if "finish" in tools:
         text += "\nWhen you are done, call `finish`."
-    return Observation(text, is_error=True)
+    return Observation(content=text, is_error=True)
