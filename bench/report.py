@@ -48,18 +48,21 @@ def inference_latency(request_log: list[list[float]], trajectories: list[dict[st
     """Where a turn's generation time goes, per request (ms, means): waiting for a step boundary and a
     free sequence slot at the server (`admission`), the server's steps (`engine`), the answer leaving
     after its last step (`answer_lag`), and everything the agent saw beyond the server's own
-    arrival-to-answer time (`client`: HTTP, JSON, the agent's event loop)."""
+    arrival-to-answer time (`client`: HTTP, JSON, the agent's event loop). `client` compares means: the
+    agent's generation time per turn over the trajectories' turns against the server's time per request
+    over the window's requests (with carry-over the window also serves turns of episodes graded after
+    it, so the two sets differ and totals would not compare)."""
     n = len(request_log)
-    if not n:
+    gens = [u.get("gen_seconds", 0.0) for t in trajectories for u in t.get("turns", [])]
+    if not n or not gens:
         return {}
-    served = sum(answered - arrived for arrived, _, _, answered, *_ in request_log)
-    agent_gen = sum(u.get("gen_seconds", 0.0) for t in trajectories for u in t.get("turns", []))
+    served = sum(answered - arrived for arrived, _, _, answered, *_ in request_log) / n
     return {
         "inference_requests": n,
         "inference_admission_ms": 1000 * sum(a - r for r, a, _, _, *_ in request_log) / n,
         "inference_engine_ms": 1000 * sum(f - a for _, a, f, _, *_ in request_log) / n,
         "inference_answer_lag_ms": 1000 * sum(ans - f for _, _, f, ans, *_ in request_log) / n,
-        "inference_client_ms": 1000 * (agent_gen - served) / n,
+        "inference_client_ms": 1000 * (sum(gens) / len(gens) - served),
     }
 
 
@@ -77,13 +80,18 @@ def agent_slot_phases(intervals: list[tuple[float, float]], started: float, ende
                       slots: int) -> dict[str, float]:
     """From when the agent's model-call slots were held: `ramp_up_s` (start -> every slot busy for the
     first time), `drain_s` (the last moment every slot was busy -> end), `slots_busy_fraction`
-    (slot-seconds used / slots x makespan) and `peak_busy_slots` (most held at once). Start-up and drain are where a finite batch cannot keep
-    the bottleneck full; the ideal makespan credits them only the shortest init and grading."""
+    (slot-seconds used, at most `slots` at a time, / slots x makespan) and `peak_busy_slots` (most held at
+    once: up to `slots + model_call_slack`, since the agent may keep that many calls outstanding and the
+    server queues the extra ones). Start-up and drain are where a finite batch cannot keep the bottleneck
+    full; the ideal makespan credits them only the shortest init and grading."""
     if not intervals:
         return {}
     events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
     busy, peak, first_full, last_full = 0, 0, None, None
+    used, previous = 0.0, started
     for t, delta in events:
+        used += min(busy, slots) * max(0.0, t - previous)
+        previous = t
         was_full = busy >= slots
         busy += delta
         peak = max(peak, busy)
@@ -91,7 +99,6 @@ def agent_slot_phases(intervals: list[tuple[float, float]], started: float, ende
             first_full = t
         if was_full and busy < slots:
             last_full = t  # a full period ends here
-    used = sum(e - s for s, e in intervals)
     return {
         "ramp_up_s": (first_full if first_full is not None else ended) - started,
         "drain_s": ended - (last_full if last_full is not None else started),
