@@ -103,11 +103,14 @@ class RealBenchConfig(BaseModel):
         if isinstance(value, str):
             value = [part.strip() for part in value.split(",") if part.strip()]
         if isinstance(value, list):
+            from rollway.envs.sdist import SdistError, parse_requirement
+
             for item in value:
-                name, sep, version = str(item).partition("==")
-                if not (sep and name.strip() and version.strip()):
+                try:
+                    parse_requirement(str(item))
+                except SdistError:
                     raise ValueError(f"sdist: {item!r} pins no version; name each archive as NAME==VERSION, "
-                                     "e.g. sdist=toolz==1.2.0,six==1.16.0")
+                                     "e.g. sdist=toolz==1.2.0,six==1.16.0") from None
             if len(set(value)) < len(value):
                 raise ValueError(f"sdist names an archive twice: {value}")
         return value
@@ -436,9 +439,9 @@ def run_real_bench(rc: RealBenchConfig, out: Path, say=print) -> dict[str, Any]:
                 (out / f"{mode}.json").write_text(json.dumps(modes[mode], indent=1))  # kept if a later mode fails
         finally:
             sampler.stop()
-    archives: dict[str, int] = {}
-    for row in (json.loads(line) for line in tasks_path.read_text().splitlines() if line.strip()):
-        archives[row.get("repo", "?")] = archives.get(row.get("repo", "?"), 0) + 1
+    from rollway.bench.real_tasks import per_archive, read_rows
+
+    archives = per_archive(read_rows(tasks_path))
     result: dict[str, Any] = {"config": rc.model_dump(), "episodes": rc.episodes, "tasks_path": str(tasks_path),
                               "tasks_per_archive": archives,
                               "engine_start_s": engine.started_in_s, **modes, "out_dir": str(out)}

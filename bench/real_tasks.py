@@ -119,6 +119,14 @@ def tasks_from_sdists(sdists: list[str], num_tasks: int, seed: int, say: Callabl
     return rows
 
 
+def per_archive(rows: list[dict[str, Any]]) -> dict[str, int]:
+    """Instances per source repository ("?" for a row that names none), in first-seen order."""
+    counts: dict[str, int] = {}
+    for row in rows:
+        counts[row.get("repo", "?")] = counts.get(row.get("repo", "?"), 0) + 1
+    return counts
+
+
 def check_instances(path: Path, num_tasks: int) -> list[dict[str, Any]]:
     """The rows of an instances file, checked: the `swe` task set's fields, at least `num_tasks` rows."""
     if not path.is_file():
@@ -154,8 +162,5 @@ def ensure_tasks(sdists: list[str], tasks_path: str | None, num_tasks: int, seed
     out.mkdir(parents=True, exist_ok=True)
     path = out / "tasks.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    counts: dict[str, int] = {}
-    for r in rows:
-        counts[r["repo"]] = counts.get(r["repo"], 0) + 1
-    say(f"tasks: {len(rows)} in {path} ({', '.join(f'{k}: {v}' for k, v in counts.items())})")
+    say(f"tasks: {len(rows)} in {path} ({', '.join(f'{k}: {v}' for k, v in per_archive(rows).items())})")
     return path
