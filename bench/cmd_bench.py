@@ -8,8 +8,9 @@ import argparse
 import importlib
 import json
 import sys
-import time
 from pathlib import Path
+
+from rollway.core.run_dir import fresh_run_folder
 
 NAME = "bench"
 HELP = ("Benchmarks: pipeline (pipelined vs bounded-batch rollout), serve (inference engine), learner "
@@ -54,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_run_arguments(t, "training")
     t.add_argument("overrides", nargs="*", metavar="key=value",
                    help="workload settings (rollway.bench.workload) or training settings (batch_episodes, steps, "
-                        "lags=[0,2], learner_fixed_s, learner_s_per_ktoken, weight_sync_s, out_of_order)")
+                        "lags=[0,2], learner_fixed_s, learner_s_per_ktoken, weight_sync_s, out_of_order, "
+                        "stragglers=drop|wait)")
     t.set_defaults(_bench=run_training_bench)
     c = sub.add_parser("ceiling", help="turns/s of one agent worker against a zero-latency engine, per-turn "
                                        "overhead broken down",
@@ -110,7 +112,7 @@ def run_pipeline_bench(args: argparse.Namespace) -> int:
     except (ConfigError, ValidationError, ValueError) as err:
         print(f"rollway bench pipeline: {err}", file=sys.stderr)
         return 2
-    out = Path(args.out or f"runs/bench-pipeline-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = Path(args.out or fresh_run_folder("bench-pipeline"))
     configure_logging("bench", level="WARNING")  # the in-process baseline would log every episode
     result = run_bench(wl, out, scaling, say=lambda m: print(m, file=sys.stderr, flush=True),
                        with_baseline=not args.no_baseline)
@@ -137,7 +139,7 @@ def run_real_pipeline_bench(args: argparse.Namespace) -> int:
     if rc.engine_url is None and vllm_python() is None:
         print(f"rollway bench pipeline --real: {INSTALL_HINT}", file=sys.stderr)
         return 2
-    out = Path(args.out or f"runs/bench-real-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = Path(args.out or fresh_run_folder("bench-real"))
     configure_logging("bench", level="WARNING")
     try:
         result = run_real_bench(rc, out, say=lambda m: print(m, file=sys.stderr, flush=True))
@@ -171,7 +173,7 @@ def run_training_bench(args: argparse.Namespace) -> int:
     except (ConfigError, ValidationError, ValueError) as err:
         print(f"rollway bench training: {err}", file=sys.stderr)
         return 2
-    out = Path(args.out or f"runs/bench-training-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = Path(args.out or fresh_run_folder("bench-training"))
     configure_logging("bench", level="WARNING")
     result = run_training_bench(wl, tc, out, say=lambda m: print(m, file=sys.stderr, flush=True))
     return _emit(result, out, args.json, format_training_text)
@@ -191,7 +193,7 @@ def run_ceiling_bench(args: argparse.Namespace) -> int:
     except (ConfigError, ValidationError) as err:
         print(f"rollway bench ceiling: {err}", file=sys.stderr)
         return 2
-    out = Path(args.out or f"runs/bench-ceiling-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = Path(args.out or fresh_run_folder("bench-ceiling"))
     configure_logging("bench", level="WARNING")
     result = run_ceiling_bench(wl, out, profile=args.profile, say=lambda m: print(m, file=sys.stderr, flush=True))
     return _emit(result, out, args.json, format_ceiling_text)

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from rollway.core.run_dir import fresh_run_folder
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="training config, e.g. examples/learn.yaml")
@@ -52,7 +54,7 @@ def paired_difference(before: dict, after: dict) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    root = Path(args.run_dir or f"runs/learn-bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    root = Path(args.run_dir or fresh_run_folder("learn-bench"))
     held_out = ["tasks.split=test", f"tasks.limit={args.eval_tasks}"]
     t0 = time.monotonic()
     _rollway("eval", args.config, *args.overrides, *held_out, "--run-dir", str(root / "before"))

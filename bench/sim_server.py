@@ -16,6 +16,7 @@ from aiohttp import web
 from rollway.bench.workload import EpisodePlan, WorkloadConfig, read_plans
 from rollway.policies.base import count_subsequence
 from rollway.policies.chat import IM_END, BytesChatML
+from rollway.policies.openai_client import VERSION_HEADER
 
 SIM_LOGPROB = -0.05
 MARKER_RE = re.compile(rb"\[sim-episode (\d+)\]")
@@ -75,6 +76,8 @@ class _Request:
     produced: int = 0
     admitted: float = 0.0
     """Simulated time of the step boundary it joined at."""
+    version: int = 0
+    """The policy version served when it was admitted (its first token's weights)."""
     finished: float = 0.0
     """Simulated time its last token was produced."""
 
@@ -102,7 +105,9 @@ class SimEngine:
     step_prefill: int = 0
     """Prompt tokens admitted at the current step's start (they lengthen that step)."""
     pauses: list = field(default_factory=list)
-    """(start, end) of every weight-sync pause, wall-clock seconds: no step starts inside one."""
+    """(start, end, version) of every weight-sync pause, wall-clock seconds: no step starts inside
+    one, and from its end the engine serves `version` (reported per response, as rollway's engines
+    and `policies/cpu_engine.py` do in the X-Policy-Version header)."""
     request_log: list = field(default_factory=list)
     """(arrived, admitted, finished, answered, prefilled) of every request: wall-clock seconds (the
     engine's queueing is admitted - arrived, how late the answer leaves after its last step is
@@ -121,37 +126,50 @@ class SimEngine:
         text = plan.turns[min(turn, plan.num_turns - 1)].text
         return plan.index, [*self.chat.encode(text), IM_END]
 
-    async def generate(self, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], str]:
+    async def generate(self, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], str, int]:
+        """The planned completion, its finish reason and the policy version it was admitted under."""
         episode, ids = self.completion_ids(prompt_ids)
         finish = "stop"
         if len(ids) > max_tokens:
             ids, finish = ids[:max_tokens], "length"
         if self.instant:
             self.requests += 1
-            return ids, finish
+            return ids, finish, self.version_at(time.time())
         req = _Request(episode, ids, prompt_ids, asyncio.get_running_loop().create_future(), time.time())
         self.waiting.append(req)
         self.requests += 1
         self.wake.set()
         await req.done
         self.request_log.append((req.arrived, req.admitted, req.finished, time.time(), req.prefill_tokens))
-        return ids, finish
+        return ids, finish, req.version
 
     def reset_cache(self) -> int:
-        """Forget every cached prefix (a new run starts cold: the benchmark's modes replay the same
-        episodes, and the second must not find the first's prompts cached). Returns episodes dropped."""
+        """Forget every cached prefix and go back to policy version 0 (a new run starts cold: the
+        benchmark's modes replay the same episodes, and the second must not find the first's prompts
+        cached). Returns episodes dropped."""
+        self.pauses.clear()
         return self.cache.reset()
 
-    def pause(self, seconds: float) -> tuple[float, float]:
+    def pause(self, seconds: float, version: int | None = None) -> tuple[float, float, int]:
         """A weight sync: steps that would start in the next `seconds` wait for its end (sequences in
-        flight keep their KV cache and go on with the new weights, as an in-flight update does)."""
+        flight keep their KV cache and go on with the new weights, as an in-flight update does).
+        From its end the engine serves `version` (default: one more than before)."""
         start = time.time()
-        self.pauses.append((start, start + max(0.0, seconds)))
+        if version is None:
+            version = (self.pauses[-1][2] if self.pauses else 0) + 1
+        self.pauses.append((start, start + max(0.0, seconds), version))
         self.wake.set()
         return self.pauses[-1]
 
+    def version_at(self, t: float) -> int:
+        """The policy version served at time `t`: that of the last pause ended by then."""
+        for _start, end, version in reversed(self.pauses):
+            if end <= t:
+                return version
+        return 0
+
     def _paused_until(self, vt: float) -> float | None:
-        for start, end in reversed(self.pauses):
+        for start, end, _version in reversed(self.pauses):
             if start <= vt < end:
                 return end
             if end <= vt:
@@ -179,7 +197,7 @@ class SimEngine:
         """At a step boundary, requests that arrived by then join (up to the cap)."""
         while self.waiting and len(self.running) < self.cap and self.waiting[0].arrived <= vt:
             req = self.waiting.popleft()
-            req.admitted = vt
+            req.admitted, req.version = vt, self.version_at(vt)
             req.prefill_tokens = self.cache.prefill(req.episode, req.prompt_ids)
             self.step_prefill += req.prefill_tokens
             self.running.append(req)
@@ -244,12 +262,12 @@ def build_app(engine: SimEngine) -> web.Application:
         prompt = body["prompt"]
         if not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
             return web.json_response({"error": {"message": "prompt must be a list of token ids"}}, status=400)
-        ids, finish = await engine.generate(prompt, int(body.get("max_tokens", 256)))
-        return web.json_response({
+        ids, finish, version = await engine.generate(prompt, int(body.get("max_tokens", 256)))
+        return web.json_response(headers={VERSION_HEADER: str(version)}, data={
             "object": "text_completion", "model": body.get("model", "sim"),
             "choices": [{"index": 0, "text": engine.chat.decode(ids), "token_ids": ids, "finish_reason": finish,
                          "logprobs": {"token_logprobs": [SIM_LOGPROB] * len(ids)}}],
-            "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids)}})
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids)}, "policy_version": version})
 
     async def steps(request: web.Request) -> web.Response:
         t0, t1 = float(request.query.get("t0", 0)), float(request.query.get("t1", 1e18))
@@ -263,8 +281,10 @@ def build_app(engine: SimEngine) -> web.Application:
         return web.json_response({"dropped": engine.reset_cache()})
 
     async def pause(request: web.Request) -> web.Response:
-        start, end = engine.pause(float(request.query.get("seconds", 0)))
-        return web.json_response({"start": start, "end": end})
+        version = request.query.get("version")
+        start, end, version = engine.pause(float(request.query.get("seconds", 0)),
+                                           int(version) if version is not None else None)
+        return web.json_response({"start": start, "end": end, "version": version})
 
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "sim", "object": "model"}]})

@@ -5,11 +5,20 @@ trained tokens / 1000`, then the engine pauses `weight_sync_s` for the new weigh
 
 One code path serves every mode. With a maximum policy lag L, episode n may start generating only
 while n < (v + 1 + L) x B (v: the policy version the engine serves, B: episodes per step; AReaL's
-staleness control; its sandbox may start up to `init_lookahead` episodes earlier), and learner step k must train every episode that started under version k - L or earlier
-(it waits for them), filling the rest of its batch with the oldest finished ones. So no trained episode
-is more than L versions stale. L = 0 is synchronous training: a batch is generated, trained and synced
-before the next starts (on-policy). With L >= 1 generation goes on while the learner trains, and
-weights change under episodes in flight (their later turns run on the newer policy)."""
+staleness control, and rollway's scheduler's `_within_update_budget`; its sandbox may start up to
+`init_lookahead` episodes earlier). What a step does about an episode that started under version
+k - L or earlier and is still running is `stragglers`: `drop` (the default) is what rollway's learner
+does (`learner.stale_policy: drop`): step k takes B finished episodes, those that started under the
+oldest version first (then by finish time, as `learning/groups.py` pops complete groups), and trains
+those at most L versions stale; an older one is consumed without training (dropped), and while an
+episode more than L versions behind is still generating no new one starts (the scheduler's
+`_room_for_group` rule). `wait` never drops: step k waits for every episode that started under
+version k - L or earlier and fills the rest of its batch with the oldest finished ones, so the learner
+idles for a cohort's slowest episode. Either way no trained episode is more than L versions stale.
+L = 0 is synchronous training: a batch is generated, trained and synced before the next starts
+(on-policy; nothing is ever dropped). With L >= 1 generation goes on while the learner trains, and
+weights change under episodes in flight (their later turns run on the newer policy, which the engine
+reports per response)."""
 
 from __future__ import annotations
 
@@ -18,7 +27,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field
@@ -64,6 +73,11 @@ class TrainingConfig(BaseModel):
     out_of_order: bool = True
     """Asynchronous modes: a step may train episodes that finished before older ones still running
     (within the lag); False trains strictly in issue order."""
+    stragglers: Literal["drop", "wait"] = "drop"
+    """An episode still running when it is due (started under version k - L or earlier at step k):
+    `drop` takes B finished ones, oldest start version first, and drops what is more than L versions
+    stale when taken, as rollway's learner does (`learner.stale_policy: drop`); `wait` makes the step
+    wait for it (the strict bound of earlier sessions' figures: nothing lost, the learner idles)."""
 
     def learner_s(self, tokens: int) -> float:
         return self.learner_fixed_s + self.learner_s_per_ktoken * tokens / 1000
@@ -80,6 +94,8 @@ class EpisodeRecord:
     done_at: float = 0.0
     trajectory: Trajectory | None = None
     trained_step: int | None = None
+    dropped_step: int | None = None
+    """The step that consumed it more than L versions stale (`stragglers: drop`), without training it."""
 
     @property
     def tokens(self) -> int:
@@ -95,6 +111,8 @@ class StepRecord:
     sync_end: float
     tokens: int
     staleness: list[int]
+    """Of the episodes trained (dropped ones excluded)."""
+    dropped: int = 0
 
 
 @dataclass
@@ -111,20 +129,24 @@ class TrainingModeResult:
 
 
 def select_batch(pending: list[EpisodeRecord], step: int, lag: int, size: int,
-                 out_of_order: bool = True) -> list[EpisodeRecord] | None:
-    """Step `step`'s batch from the untrained episodes (in issue order), or None while it must wait:
-    every one that started under version step - lag or earlier must be in it, finished (so none is
-    trained more than `lag` versions stale), and `size` in all, the rest the oldest finished ones
-    (by start version, then finish time). With out_of_order False only a finished prefix of the
-    issue order counts."""
-    forced = [e for e in pending if e.version is not None and e.version <= step - lag]
-    if any(e.trajectory is None for e in forced):
-        return None
+                 out_of_order: bool = True, stragglers: str = "wait") -> list[EpisodeRecord] | None:
+    """Step `step`'s batch (`size` episodes) from the unconsumed ones (in issue order), or None while
+    it must wait. With out_of_order False only a finished prefix of the issue order counts.
+    `wait`: every one that started under version step - lag or earlier must be in it, finished (so
+    none is trained more than `lag` versions stale), the rest the oldest finished ones (by start
+    version, then finish time). `drop`: `size` finished ones, oldest start version first, then by
+    finish time (never waiting for one still running); the caller drops those more than `lag`
+    versions stale."""
     if out_of_order:
         done = [e for e in pending if e.trajectory is not None]
     else:
         done = list(itertools.takewhile(lambda e: e.trajectory is not None, pending))
     if len(done) < size:
+        return None
+    if stragglers == "drop":
+        return sorted(done, key=lambda e: (e.version, e.done_at))[:size]
+    forced = [e for e in pending if e.version is not None and e.version <= step - lag]
+    if any(e.trajectory is None for e in forced):
         return None
     rest = sorted((e for e in done if e.version > step - lag), key=lambda e: (e.version, e.done_at))
     return (forced + rest)[:size]
@@ -152,14 +174,20 @@ class TrainingLoop:
         self.changed = asyncio.Condition()
         self.offsets = itertools.count()
         self.records: list[EpisodeRecord] = []
+        self.generating: dict[int, EpisodeRecord] = {}
+        """Admitted and not yet finished, by index."""
         self.tasks: list[asyncio.Task] = []
         self.failure: BaseException | None = None
 
     # -- issuing ---------------------------------------------------------------------------
     def admissible(self, index: int) -> bool:
         """AReaL's staleness control, applied when an episode starts generating: episode n only
-        while n < (v + 1 + lag) x B."""
-        return index < (self.version + 1 + self.lag) * self.tc.batch_episodes
+        while n < (v + 1 + lag) x B; with `stragglers: drop` also not while an episode more than
+        `lag` versions behind is still generating (rollway's scheduler holds new groups then)."""
+        if index >= (self.version + 1 + self.lag) * self.tc.batch_episodes:
+            return False
+        return self.tc.stragglers == "wait" or not any(
+            self.version - e.version > self.lag for e in self.generating.values())
 
     def may_issue(self) -> bool:
         """Sandboxes start up to `init_lookahead` episodes ahead of admission, within the sandbox bound."""
@@ -177,20 +205,21 @@ class TrainingLoop:
             self.tasks.append(asyncio.create_task(self.episode(record)))
 
     async def episode(self, record: EpisodeRecord) -> None:
+        traj = failure = None
         try:
             traj = await self.run_episode(record)
         except Exception as err:
-            async with self.changed:
-                self.failure = self.failure or err
-                self.changed.notify_all()
+            failure = err
             raise
         finally:
-            async with self.changed:
+            async with self.changed:  # one step: finished and no longer generating at the same instant
+                if failure is not None:
+                    self.failure = self.failure or failure
+                elif traj is not None:
+                    record.trajectory, record.done_at = traj, time.time()
                 self.alive -= 1
+                self.generating.pop(record.index, None)
                 self.changed.notify_all()
-        async with self.changed:
-            record.trajectory, record.done_at = traj, time.time()
-            self.changed.notify_all()
 
     def _meta(self, topic: str) -> MessageMeta:
         return MessageMeta(topic, 0, next(self.offsets))
@@ -204,6 +233,7 @@ class TrainingLoop:
         async with self.changed:
             await self.changed.wait_for(lambda: self.admissible(record.index))
             record.version, record.admitted_at = self.version, time.time()
+            self.generating[record.index] = record
         while isinstance(msg, AgentStep):
             async with self.turn_gate.slot(lambda turn=msg.turn: float(turn)):
                 msg = (await self.agent.handle(msg, self._meta("agent-steps")))[0].value
@@ -212,8 +242,8 @@ class TrainingLoop:
 
     # -- learning ----------------------------------------------------------------------------
     def batch_for(self, step: int) -> list[EpisodeRecord] | None:
-        return select_batch([e for e in self.records if e.trained_step is None], step, self.lag,
-                            self.tc.batch_episodes, self.tc.out_of_order)
+        return select_batch([e for e in self.records if e.trained_step is None and e.dropped_step is None], step,
+                            self.lag, self.tc.batch_episodes, self.tc.out_of_order, self.tc.stragglers)
 
     async def learner_loop(self) -> list[StepRecord]:
         steps = []
@@ -225,20 +255,25 @@ class TrainingLoop:
                         raise RuntimeError(f"bench training: an episode failed ({self.failure!r}); see the "
                                            "run folder's logs") from self.failure
                     batch = self.batch_for(k)
+                    dropped = [e for e in batch if k - e.version > self.lag]
+                    batch = [e for e in batch if k - e.version <= self.lag]
                     for e in batch:
                         e.trained_step = k
+                    for e in dropped:
+                        e.dropped_step = k
+                    self.changed.notify_all()  # a dropped episode no longer holds new ones back
                 ready = time.time()
                 tokens = sum(e.tokens for e in batch)
                 await asyncio.sleep(self.tc.learner_s(tokens))
                 train_end = time.time()
                 if self.pause_url and self.tc.weight_sync_s > 0:
-                    await (await http.post(f"{self.pause_url}?seconds={self.tc.weight_sync_s}")).read()
+                    await (await http.post(f"{self.pause_url}?seconds={self.tc.weight_sync_s}&version={k + 1}")).read()
                 await asyncio.sleep(self.tc.weight_sync_s)
                 async with self.changed:
                     self.version = k + 1
                     self.changed.notify_all()
                 steps.append(StepRecord(k, ready, ready, train_end, time.time(), tokens,
-                                        [k - e.version for e in batch]))
+                                        [k - e.version for e in batch], len(dropped)))
         return steps
 
     async def run(self) -> TrainingModeResult:
@@ -258,25 +293,24 @@ class TrainingLoop:
                                   self.records, steps)
 
 
-def mode_figures(result: TrainingModeResult, tc: TrainingConfig, pauses: list[list[float]]) -> dict[str, Any]:
+def mode_figures(result: TrainingModeResult, tc: TrainingConfig) -> dict[str, Any]:
     """Throughput, staleness histogram, learner share and in-flight update counts of one mode."""
     wall = result.ended - result.started
     trained = result.trained
+    dropped = sum(s.dropped for s in result.steps)
     histogram: dict[int, int] = {}
     for s in (s for step in result.steps for s in step.staleness):
         histogram[s] = histogram.get(s, 0) + 1
     learner_busy = sum(s.sync_end - s.train_start for s in result.steps)
     waits = [s.batch_ready_at - (result.steps[i - 1].sync_end if i else result.started)
              for i, s in enumerate(result.steps)]
-    pause_ends = sorted(end for _, end in pauses)
     turns = newer = 0
     for e in trained:
-        for turn in e.trajectory.turns:
+        for turn in e.trajectory.turns:  # labelled by the engine with the version it served
             turns += 1
-            served = sum(1 for end in pause_ends if end <= (turn.gen_started_at or 0.0))
-            newer += served > e.version
-    steady = _rate(result.steps, result.lag, tc.batch_episodes)
-    after_first = _rate(result.steps, 0, tc.batch_episodes)
+            newer += turn.policy_version > e.trajectory.turns[0].policy_version
+    steady = _rate(result.steps, result.lag)
+    after_first = _rate(result.steps, 0)
     return {
         "mode": "sync" if result.lag == 0 else f"async lag {result.lag}",
         "max_policy_lag": result.lag,
@@ -285,7 +319,8 @@ def mode_figures(result: TrainingModeResult, tc: TrainingConfig, pauses: list[li
         "trained_episodes_per_s": len(trained) / wall,
         "step_s_mean": wall / max(1, len(result.steps)),
         "steady_episodes_per_s": steady,
-        "steady_step_s": tc.batch_episodes / steady if steady else None,
+        "steady_step_s": (result.steps[-1].sync_end - result.steps[result.lag].sync_end)
+        / (len(result.steps) - 1 - result.lag) if steady else None,
         "steady_from_step": result.lag,
         "after_first_update_episodes_per_s": after_first,
         "learner_busy_fraction": learner_busy / wall,
@@ -296,18 +331,21 @@ def mode_figures(result: TrainingModeResult, tc: TrainingConfig, pauses: list[li
         "turns_after_an_inflight_update_fraction": newer / max(1, turns),
         "trained_tokens_per_episode": sum(e.tokens for e in trained) / max(1, len(trained)),
         "episodes_started": len(result.episodes),
-        "episodes_untrained_at_end": len(result.episodes) - len(trained),
+        "episodes_dropped_stale": dropped,
+        "dropped_fraction": dropped / max(1, len(trained) + dropped),
+        "episodes_unconsumed_at_end": len(result.episodes) - len(trained) - dropped,
     }
 
 
-def _rate(steps: list[StepRecord], warm_up: int, batch: int) -> float | None:
-    """Trained episodes/s from the end of step `warm_up` to the end of the last step, or None when
-    fewer than two steps remain. With max lag L the first (1 + L) x B episodes all start under
+def _rate(steps: list[StepRecord], warm_up: int) -> float | None:
+    """Trained episodes/s (dropped ones not counted) from the end of step `warm_up` to the end of
+    the last step, or None when fewer than two steps remain. With max lag L the first (1 + L) x B episodes all start under
     version 0, so steps 0..L each wait for part of one (1 + L) x B cohort (step L for its slowest
     episode); steady state begins when that cohort is trained, at the end of step L."""
     if len(steps) <= warm_up + 1:
         return None
-    return (len(steps) - 1 - warm_up) * batch / (steps[-1].sync_end - steps[warm_up].sync_end)
+    trained = sum(len(s.staleness) for s in steps[warm_up + 1:])
+    return trained / (steps[-1].sync_end - steps[warm_up].sync_end)
 
 
 def training_workload(wl: WorkloadConfig, tc: TrainingConfig) -> WorkloadConfig:
@@ -329,7 +367,7 @@ def run_mode(wl: WorkloadConfig, tc: TrainingConfig, lag: int, out: Path, server
     pause_url = server.url.removesuffix("/v1") + "/sim/pause"
     result = asyncio.run(TrainingLoop(cfg, run_dir, wl, tc, lag, pause_url).run())
     data = server.steps(result.started, result.ended)
-    figures = mode_figures(result, tc, data["pauses"])
+    figures = mode_figures(result, tc)
     figures.update({k: v for k, v in busy_stats(data["steps"], result.started, result.ended, data["cap"]).items()})
     figures["learner_intervals"] = [(s.train_start - result.started, s.sync_end - result.started)
                                     for s in result.steps]
@@ -400,14 +438,17 @@ def format_training_text(result: dict[str, Any]) -> str:
     lines = [f"workload: {result['workload_summary']}",
              f"training: {result['training']}",
              f"{'mode':<14}{'wall_s':>8}{'ep/s':>7}{'ratio':>7}{'steady ep/s':>12}{'ratio':>7}"
-             f"{'engine_busy':>12}{'learner_busy':>13}{'stale_max':>10}  staleness histogram"]
+             f"{'engine_busy':>12}{'learner_busy':>13}{'stale_max':>10}{'dropped':>8}  staleness histogram"]
     for m in result["modes"]:
         lines.append(f"{m['mode']:<14}{m['wall_s']:>8.1f}{m['trained_episodes_per_s']:>7.2f}"
                      f"{(m['ratio_to_sync'] or 0):>7.2f}{(m['steady_episodes_per_s'] or 0):>12.2f}"
                      f"{(m['steady_ratio_to_sync'] or 0):>7.2f}{m['busy_fraction']:>12.2f}"
-                     f"{m['learner_busy_fraction']:>13.2f}{m['staleness_max']:>10}  {m['staleness_histogram']}")
+                     f"{m['learner_busy_fraction']:>13.2f}{m['staleness_max']:>10}{m['episodes_dropped_stale']:>8}"
+                     f"  {m['staleness_histogram']}")
     lines.append("steady: from the end of step L (max lag; sync: the first update) to the end of the last: an "
                  "asynchronous mode's first (1 + L) x B episodes all start under version 0, and steps 0..L wait "
                  "for that cohort")
+    lines.append(f"dropped: episodes consumed more than L versions stale, not trained (stragglers="
+                 f"{result['training']['stragglers']}; ep/s counts trained episodes only)")
     lines.append(f"plot: {result['plot']}")
     return "\n".join(lines)

@@ -4,10 +4,26 @@ progress display and the benchmarks read, per-worker status files, logs and outp
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
 from rollway.base.files import write_json_atomic
+
+
+def fresh_run_folder(prefix: str, root: str | Path = "runs") -> Path:
+    """A new folder `root/prefix-<date>-<time>`, created here: two commands started in the same
+    second get `-2`, `-3`... instead of sharing one (they wrote over each other's plans)."""
+    stem = Path(root) / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
+    Path(root).mkdir(parents=True, exist_ok=True)
+    for n in range(1, 1000):
+        path = stem if n == 1 else stem.with_name(f"{stem.name}-{n}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"no free run folder name under {stem}")
 
 
 class RunDir:

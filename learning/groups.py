@@ -1,4 +1,5 @@
-"""Buffering trajectories into complete GRPO groups, oldest complete group first."""
+"""Buffering trajectories into complete GRPO groups; a step takes the complete groups that started
+under the oldest policy first."""
 
 from __future__ import annotations
 
@@ -18,6 +19,12 @@ class _Group:
     @property
     def size(self) -> int:
         return len(self.episodes) + len(self.abandoned)
+
+    @property
+    def started_under(self) -> float:
+        """The oldest policy version any member's turns ran under (inf: no turns yet)."""
+        return min((min(t.turn_policy_versions) for t in self.episodes.values() if t.turn_policy_versions),
+                   default=float("inf"))
 
 
 class GroupBuffer:
@@ -68,10 +75,16 @@ class GroupBuffer:
         return {e for g in self._groups.values() for e in (*g.episodes, *g.abandoned)}
 
     def pop_complete(self, n: int) -> list[list[Trajectory]]:
-        """The `n` oldest complete groups (each in sample order), or [] when fewer are complete."""
+        """`n` complete groups (each in sample order), or [] when fewer are complete: those that
+        started under the oldest policy version first, in completion order among equals. Under a lag
+        bound (`max_policy_lag`) the oldest are the next to go over it; taking a newer group first
+        would leave an older one to be dropped later. Without weight updates this is completion order."""
         if len(self._complete) < n:
             return []
-        ids, self._complete = self._complete[:n], self._complete[n:]
+        order = sorted(range(len(self._complete)), key=lambda i: (self._groups[self._complete[i]].started_under, i))
+        taken = set(order[:n])
+        ids = [self._complete[i] for i in order[:n]]
+        self._complete = [g for i, g in enumerate(self._complete) if i not in taken]
         return [self._take(g) for g in ids]
 
     def pop_expired(self, now: float | None = None) -> list[list[Trajectory]]:

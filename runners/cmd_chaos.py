@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 
+from rollway.core.run_dir import fresh_run_folder
 from rollway.runners.common import add_config_arguments, load_or_exit
 
 NAME = "chaos"
@@ -45,9 +46,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_or_exit(args, "chaos")
     cfg.run.id = cfg.run.id or new_run_id()
     if args.run_dir is None and cfg.run.dir is None:
-        import time
-
-        args.run_dir = f"runs/{cfg.run.name}-chaos-s{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+        args.run_dir = str(fresh_run_folder(f"{cfg.run.name}-chaos-s{args.seed}"))
     run_dir = prepare_run_dir(args, cfg, "chaos")
     workers = parse_workers(["init=2", "agent=2", "reward=2", *args.workers])
     write_run_files(run_dir, cfg)

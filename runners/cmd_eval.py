@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from rollway.core.run_dir import fresh_run_folder
 from rollway.runners.common import add_config_arguments, load_or_exit
 from rollway.schemas.codec import check_version
 
@@ -83,7 +84,6 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import time
 
     from rollway.actors.scheduler import new_run_id
     from rollway.core.config import load_config
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     overrides = [*args.overrides, *eval_overrides(base)]
     cfg = load_config(args.config, overrides)
     cfg.run.id = cfg.run.id or new_run_id()
-    args.run_dir = args.run_dir or f"runs/{cfg.run.name}-eval-{time.strftime('%Y%m%d-%H%M%S')}"
+    args.run_dir = args.run_dir or str(fresh_run_folder(f"{cfg.run.name}-eval"))
     run_dir = prepare_run_dir(args, cfg, "eval")
     write_run_files(run_dir, cfg)
     broker = None

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
+from rollway.core.run_dir import fresh_run_folder
 from rollway.runners.common import add_config_arguments, load_or_exit
 
 NAME = "up"
@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def prepare_run_dir(args: argparse.Namespace, cfg, prog: str) -> Path:
     """The run folder: new, or at least not holding another run's results."""
-    run_dir = Path(args.run_dir or cfg.run.dir or f"runs/{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir = Path(args.run_dir or cfg.run.dir or fresh_run_folder(cfg.run.name))
     if (run_dir / "trajectories.jsonl").exists() or (run_dir / "summary.json").exists():
         print(f"rollway {prog}: run folder {run_dir} already holds a run; choose another --run-dir or delete it",
               file=sys.stderr)

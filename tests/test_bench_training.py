@@ -25,7 +25,7 @@ from rollway.bench.training import (
     select_batch,
     training_workload,
 )
-from rollway.bench.workload import WorkloadConfig, plan_workload, write_plans
+from rollway.bench.workload import TOOL_CALL, TurnPlan, WorkloadConfig, plan_workload, write_plans
 from rollway.runners.broker import free_port
 
 TINY_WL = dict(slots=2, tool_overlap=1, init_lookahead=1, init_concurrency=2, grade_concurrency=2,
@@ -33,12 +33,22 @@ TINY_WL = dict(slots=2, tool_overlap=1, init_lookahead=1, init_concurrency=2, gr
                thought_tokens_median=10, step_base_s=0.002)
 
 
-def run_modes(tmp_path, lags, batch=3, steps=3, **training):
-    """Every lag in `lags` on one tiny workload and one in-process simulated server."""
+SLOW_EPISODE, SLOW_TOOL_S = 1, 4.0
+
+
+def run_modes(tmp_path, lags, batch=3, steps=3, straggler=False, **training):
+    """Every lag in `lags` on one tiny workload and one in-process simulated server. `straggler`:
+    episode SLOW_EPISODE's first tool call takes SLOW_TOOL_S, longer than several learner steps."""
     tc = TrainingConfig(batch_episodes=batch, steps=steps, lags=lags, learner_fixed_s=0.3,
                         learner_s_per_ktoken=0.0, weight_sync_s=0.1, **training)
     wl = training_workload(WorkloadConfig(**TINY_WL), tc)
     plans = plan_workload(wl)
+    if straggler:
+        slow = plans[SLOW_EPISODE]
+        assert slow.num_turns >= 2, "its first turn must call a tool"
+        first = slow.turns[0]
+        text = first.text[:first.text.index("<tool_call>")] + TOOL_CALL.format(seconds=SLOW_TOOL_S, out_bytes=10)
+        slow.turns[0] = TurnPlan(len(text.encode()) + 1, SLOW_TOOL_S, 10, text)
     write_plans(plans, tmp_path / "plans.jsonl")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -82,23 +92,46 @@ def test_sync_mode_starts_no_episode_before_the_update_and_trains_on_policy(tmp_
     assert all(s == 0 for step in r.steps for s in step.staleness)
     assert len(r.episodes) == 9, "sync starts exactly the episodes it trains"
     assert not running_while_training(r), "nothing generates while the learner trains"
-    figures = mode_figures(r, tc, engine.pauses)
+    figures = mode_figures(r, tc)
+    assert all(t.policy_version == e.version for e in r.trained for t in e.trajectory.turns), \
+        "the engine labels every turn with the version the episode was admitted under"
     assert figures["staleness_histogram"] == {"0": 9} and figures["turns_after_an_inflight_update_fraction"] == 0
 
 
 @pytest.mark.slow
-def test_async_modes_overlap_generation_with_training_and_never_exceed_their_lag(tmp_path):
-    results, engine, tc = run_modes(tmp_path, [1, 2], steps=4)
+@pytest.mark.parametrize("stragglers", ["drop", "wait"])
+def test_async_modes_overlap_generation_with_training_and_never_exceed_their_lag(tmp_path, stragglers):
+    results, engine, tc = run_modes(tmp_path, [1, 2], steps=4, straggler=True, stragglers=stragglers)
     for lag, r in results.items():
-        figures = mode_figures(r, tc, engine.pauses)
+        figures = mode_figures(r, tc)
         assert figures["staleness_max"] <= lag
-        assert sum(figures["staleness_histogram"].values()) == figures["trained_episodes"] == 12
-        assert sorted(e.trained_step for e in r.trained) == [k for k in range(4) for _ in range(3)]
+        for e in r.trained:  # labels from the engine: never older than admission, never decreasing
+            versions = [t.policy_version for t in e.trajectory.turns]
+            assert versions == sorted(versions) and versions[0] >= e.version
+        dropped = [e for e in r.episodes if e.dropped_step is not None]
+        assert sum(figures["staleness_histogram"].values()) == figures["trained_episodes"] == 12 - len(dropped)
+        assert figures["episodes_dropped_stale"] == len(dropped) == sum(s.dropped for s in r.steps)
+        consumed = sorted(e.trained_step if e.trained_step is not None else e.dropped_step
+                          for e in r.episodes if e.trained_step is not None or e.dropped_step is not None)
+        assert consumed == [k for k in range(4) for _ in range(3)], "every step consumes one batch"
+        assert all(e.dropped_step - e.version > lag for e in dropped), "only episodes over the lag are dropped"
+        slow = r.episodes[SLOW_EPISODE]
+        if stragglers == "wait":
+            assert not dropped
+            assert slow.trained_step <= slow.version + lag, "trained in time"
+            assert r.steps[slow.trained_step].batch_ready_at >= slow.done_at, "its step waited for it"
+        elif lag == 1:
+            assert slow.dropped_step is not None, "the straggler finished more than 1 version behind: dropped"
         assert running_while_training(r), f"lag {lag}: generation went on while the learner trained"
         for e in r.episodes:  # the admission rule: episode n generates only while n < (v + 1 + lag) x B
             assert e.version is None or e.index < (e.version + 1 + lag) * 3
+        if stragglers == "drop":  # and never beside an episode already more than lag versions behind
+            for e in r.episodes:
+                behind = [o for o in r.episodes if o.version is not None and o.version < (e.version or 0) - lag
+                          and o.admitted_at < e.admitted_at and (o.trajectory is None or o.done_at > e.admitted_at)]
+                assert e.version is None or not behind, (e.index, [o.index for o in behind])
     assert results[2].steps and max(results[2].steps[-1].staleness) >= 1
-    assert len(engine.pauses) == 8, "one weight-sync pause per update"
+    assert [p[2] for p in engine.pauses] == [1, 2, 3, 4], "one weight-sync pause per update of the last mode"
 
 
 FINISHED = object()
@@ -126,6 +159,15 @@ def test_select_batch_waits_for_episodes_at_the_lag_limit_and_takes_the_oldest_f
     assert [e.index for e in select_batch(pending, step=0, lag=2, size=2)] == [2, 0]
 
 
+def test_select_batch_drop_takes_the_oldest_finished_and_never_waits_for_a_straggler():
+    """rollway's learner (`stale_policy: drop`): finished episodes, oldest start version first, then
+    by finish time; episode 0 (version 0) still runs and is not waited for; the loop drops those
+    over the lag."""
+    pending = [_record(0, 0, None), _record(1, 1, 5.0), _record(2, 2, 1.0), _record(3, 2, 2.0), _record(4, 2, 0.5)]
+    assert [e.index for e in select_batch(pending, step=2, lag=1, size=3, stragglers="drop")] == [1, 4, 2]
+    assert select_batch(pending, step=2, lag=1, size=5, stragglers="drop") is None, "only four finished"
+
+
 def test_sim_engine_starts_no_step_inside_a_weight_sync_pause():
     wl = WorkloadConfig(episodes=2, **TINY_WL)
     plans = plan_workload(wl)
@@ -136,12 +178,15 @@ def test_sim_engine_starts_no_step_inside_a_weight_sync_pause():
         prompt = list(plans[0].prompt.encode())
         gen = asyncio.create_task(engine.generate(prompt, 10_000))
         await asyncio.sleep(0.05)
-        start, end = engine.pause(0.3)
+        start, end, version = engine.pause(0.3)
+        assert version == 1 and engine.version_at(start) == 0 and engine.version_at(end) == 1
         await gen
+        _, _, served = await engine.generate(list(plans[1].prompt.encode()), 10_000)
         task.cancel()
-        return engine, start, end
+        return engine, start, end, served
 
-    engine, start, end = run(go())
+    engine, start, end, served = run(go())
+    assert served == 1, "a request admitted after the pause reports the new version"
     inside = [s for s in engine.steps if start + 0.01 < s[0] < end - 0.001]
     assert not inside, f"steps started inside the pause: {inside[:3]}"
     assert any(s[0] >= end - 1e-6 for s in engine.steps), "generation resumed after the pause"
@@ -176,7 +221,9 @@ def test_steady_rate_starts_after_the_lags_start_up_cohort():
     from rollway.bench.training import StepRecord, _rate
 
     ends = [10.0, 12.0, 20.0, 25.0, 30.0]  # step 2 waited for the start-up cohort's slowest episode
-    steps = [StepRecord(k, 0.0, 0.0, 0.0, end, 0, []) for k, end in enumerate(ends)]
-    assert _rate(steps, 0, 32) == pytest.approx(4 * 32 / 20.0)
-    assert _rate(steps, 2, 32) == pytest.approx(2 * 32 / 10.0)
-    assert _rate(steps, 4, 32) is None
+    steps = [StepRecord(k, 0.0, 0.0, 0.0, end, 0, [0] * 32) for k, end in enumerate(ends)]
+    assert _rate(steps, 0) == pytest.approx(4 * 32 / 20.0)
+    assert _rate(steps, 2) == pytest.approx(2 * 32 / 10.0)
+    assert _rate(steps, 4) is None
+    steps[4].staleness, steps[4].dropped = [0] * 30, 2  # dropped episodes are not trained ones
+    assert _rate(steps, 2) == pytest.approx((32 + 30) / 10.0)

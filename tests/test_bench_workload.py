@@ -162,7 +162,7 @@ def test_sim_server_shares_the_common_prompt_prefix_across_episodes_in_whole_blo
 
     async def go() -> list[int]:
         task = asyncio.create_task(engine.run())
-        ids, _ = await engine.generate(first_prompt(0), 10_000)
+        ids, _, _ = await engine.generate(first_prompt(0), 10_000)
         for i in order[1:]:
             await engine.generate(first_prompt(i), 10_000)
         later = first_prompt(0) + ids + chat.continuation([], [{"role": "user", "content": "ok " * 50}], tools)

@@ -145,6 +145,21 @@ def test_staleness_rules() -> None:
                     "staleness/lag_16+": 0.2, "staleness/lag_max": 20.0}
 
 
+def test_buffer_gives_groups_that_started_under_the_oldest_policy_first() -> None:
+    """Under a lag bound the oldest groups are the next to go over it: a step takes them before
+    newer ones that completed earlier; among equal versions, completion order."""
+    from rollway.learning.groups import GroupBuffer
+
+    buffer = GroupBuffer(group_size=2)
+    for group, versions in (("new", [3]), ("old", [1, 3]), ("mid", [2]), ("mid2", [2])):
+        for t in _pair(group, versions=versions):
+            buffer.add(t)
+    assert buffer.complete_groups == 4
+    assert [g[0].group_id for g in buffer.pop_complete(2)] == ["old", "mid"]
+    assert [g[0].group_id for g in buffer.pop_complete(2)] == ["mid2", "new"]
+    assert buffer.pop_complete(1) == [] and buffer.pending_episode_ids() == set()
+
+
 def test_record_config_is_not_a_trainer(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="record"):
         Trainer(LearnerConfig(), tmp_path)

@@ -144,3 +144,16 @@ def test_progress_display_prints_plain_lines_when_not_a_terminal(tmp_path):
     line = stream.getvalue().splitlines()[0]
     assert line.startswith("rollway: episodes 1/4") and "reward 1.000, pass 100%" in line
     assert "agent: 5 handled, 2 in flight, 1 dead-lettered" in line
+
+
+def test_runs_started_in_the_same_second_get_their_own_folders(tmp_path):
+    """Two benchmarks started in one second once shared `runs/bench-training-<time>` and wrote over
+    each other's plans file; each now claims its own folder."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rollway.core.run_dir import fresh_run_folder
+
+    with ThreadPoolExecutor(8) as pool:
+        folders = list(pool.map(lambda _: fresh_run_folder("bench-training", tmp_path), range(8)))
+    assert len(set(folders)) == 8 and all(f.is_dir() and f.parent == tmp_path for f in folders)
+    assert all(f.name.startswith("bench-training-") for f in folders)
