@@ -261,7 +261,6 @@ class TrainingLoop:
                         e.trained_step = k
                     for e in dropped:
                         e.dropped_step = k
-                    self.changed.notify_all()  # a dropped episode no longer holds new ones back
                 ready = time.time()
                 tokens = sum(e.tokens for e in batch)
                 await asyncio.sleep(self.tc.learner_s(tokens))
@@ -309,8 +308,8 @@ def mode_figures(result: TrainingModeResult, tc: TrainingConfig) -> dict[str, An
         for turn in e.trajectory.turns:  # labelled by the engine with the version it served
             turns += 1
             newer += turn.policy_version > e.trajectory.turns[0].policy_version
-    steady = _rate(result.steps, result.lag)
-    after_first = _rate(result.steps, 0)
+    steady = _window(result.steps, result.lag)
+    after_first = _window(result.steps, 0)
     return {
         "mode": "sync" if result.lag == 0 else f"async lag {result.lag}",
         "max_policy_lag": result.lag,
@@ -318,11 +317,10 @@ def mode_figures(result: TrainingModeResult, tc: TrainingConfig) -> dict[str, An
         "trained_episodes": len(trained),
         "trained_episodes_per_s": len(trained) / wall,
         "step_s_mean": wall / max(1, len(result.steps)),
-        "steady_episodes_per_s": steady,
-        "steady_step_s": (result.steps[-1].sync_end - result.steps[result.lag].sync_end)
-        / (len(result.steps) - 1 - result.lag) if steady else None,
+        "steady_episodes_per_s": steady.trained / steady.seconds if steady else None,
+        "steady_step_s": steady.seconds / steady.steps if steady else None,
         "steady_from_step": result.lag,
-        "after_first_update_episodes_per_s": after_first,
+        "after_first_update_episodes_per_s": after_first.trained / after_first.seconds if after_first else None,
         "learner_busy_fraction": learner_busy / wall,
         "learner_wait_s_mean": sum(waits) / max(1, len(waits)),
         "staleness_histogram": {str(k): histogram[k] for k in sorted(histogram)},
@@ -337,15 +335,23 @@ def mode_figures(result: TrainingModeResult, tc: TrainingConfig) -> dict[str, An
     }
 
 
-def _rate(steps: list[StepRecord], warm_up: int) -> float | None:
-    """Trained episodes/s (dropped ones not counted) from the end of step `warm_up` to the end of
-    the last step, or None when fewer than two steps remain. With max lag L the first (1 + L) x B episodes all start under
-    version 0, so steps 0..L each wait for part of one (1 + L) x B cohort (step L for its slowest
-    episode); steady state begins when that cohort is trained, at the end of step L."""
+@dataclass
+class Window:
+    steps: int
+    trained: int
+    """Episodes trained in the window (dropped ones not counted)."""
+    seconds: float
+
+
+def _window(steps: list[StepRecord], warm_up: int) -> Window | None:
+    """The steps from the end of step `warm_up` to the end of the last, or None when fewer than two
+    steps remain. With max lag L the first (1 + L) x B episodes all start under version 0, so steps
+    0..L each wait for part of one (1 + L) x B cohort (step L for its slowest episode); steady state
+    begins when that cohort is trained, at the end of step L."""
     if len(steps) <= warm_up + 1:
         return None
-    trained = sum(len(s.staleness) for s in steps[warm_up + 1:])
-    return trained / (steps[-1].sync_end - steps[warm_up].sync_end)
+    later = steps[warm_up + 1:]
+    return Window(len(later), sum(len(s.staleness) for s in later), steps[-1].sync_end - steps[warm_up].sync_end)
 
 
 def training_workload(wl: WorkloadConfig, tc: TrainingConfig) -> WorkloadConfig:

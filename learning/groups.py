@@ -81,10 +81,8 @@ class GroupBuffer:
         would leave an older one to be dropped later. Without weight updates this is completion order."""
         if len(self._complete) < n:
             return []
-        order = sorted(range(len(self._complete)), key=lambda i: (self._groups[self._complete[i]].started_under, i))
-        taken = set(order[:n])
-        ids = [self._complete[i] for i in order[:n]]
-        self._complete = [g for i, g in enumerate(self._complete) if i not in taken]
+        ids = sorted(self._complete, key=lambda g: self._groups[g].started_under)[:n]  # stable: completion order
+        self._complete = [g for g in self._complete if g not in ids]
         return [self._take(g) for g in ids]
 
     def pop_expired(self, now: float | None = None) -> list[list[Trajectory]]:

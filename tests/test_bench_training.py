@@ -218,12 +218,17 @@ def test_bench_training_json_reports_ratio_histogram_and_plot(tmp_path):
 def test_steady_rate_starts_after_the_lags_start_up_cohort():
     """Lag L: steps 0..L wait for the (1 + L) x B episodes that all started under version 0, so the
     steady rate is measured from the end of step L; a run too short for that has none."""
-    from rollway.bench.training import StepRecord, _rate
+    from rollway.bench.training import StepRecord, _window
+
+    def rate(steps, warm_up):
+        w = _window(steps, warm_up)
+        return w.trained / w.seconds if w else None
 
     ends = [10.0, 12.0, 20.0, 25.0, 30.0]  # step 2 waited for the start-up cohort's slowest episode
     steps = [StepRecord(k, 0.0, 0.0, 0.0, end, 0, [0] * 32) for k, end in enumerate(ends)]
-    assert _rate(steps, 0) == pytest.approx(4 * 32 / 20.0)
-    assert _rate(steps, 2) == pytest.approx(2 * 32 / 10.0)
-    assert _rate(steps, 4) is None
+    assert rate(steps, 0) == pytest.approx(4 * 32 / 20.0)
+    assert rate(steps, 2) == pytest.approx(2 * 32 / 10.0)
+    assert _window(steps, 2).seconds / _window(steps, 2).steps == pytest.approx(5.0), "steady step time"
+    assert rate(steps, 4) is None
     steps[4].staleness, steps[4].dropped = [0] * 30, 2  # dropped episodes are not trained ones
-    assert _rate(steps, 2) == pytest.approx((32 + 30) / 10.0)
+    assert rate(steps, 2) == pytest.approx((32 + 30) / 10.0)
