@@ -12,7 +12,6 @@ IMAGE=${ROLLWAY_SANDBOX_IMAGE:-rollway-sandbox:bookworm}
 CACHE=${ROLLWAY_CACHE:-$HOME/.cache/rollway}
 LOG=${ROLLWAY_DOCKERD_LOG:-/var/log/rollway-dockerd.log}
 SUITE=bookworm
-MIRROR=${ROLLWAY_DEBIAN_MIRROR:-http://deb.debian.org/debian}
 # python-is-python3 and pytest: SWE tasks are graded with `python -m pytest` in the sandbox.
 PACKAGES=python3,python-is-python3,python3-pip,python3-venv,python3-pytest,git,bash,coreutils,patch,procps,ca-certificates
 RECIPE=$(echo "$SUITE $PACKAGES" | md5sum | cut -c1-8)
@@ -62,6 +61,30 @@ start_engine() {
   exit 1
 }
 
+# The Debian archive debootstrap reads from: ROLLWAY_DEBIAN_MIRROR, else the first archive this machine's
+# own apt sources list for $SUITE (deb822 .sources stanzas or one-line .list entries). No address is
+# written here: the machine's configuration decides where packages come from.
+apt_mirror() {
+  if [ -n "${ROLLWAY_DEBIAN_MIRROR:-}" ]; then echo "$ROLLWAY_DEBIAN_MIRROR"; return 0; fi
+  local f uri
+  for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources; do
+    [ -f "$f" ] || continue
+    uri=$(awk -v suite="$SUITE" -v deb822="$([[ $f == *.sources ]] && echo 1)" '
+      function stanza_end() { if (uri != "" && has) { print uri; found = 1; exit } uri = ""; has = 0 }
+      deb822 && /^[[:space:]]*$/ { stanza_end(); next }
+      deb822 && $1 == "URIs:" { uri = $2 }
+      deb822 && $1 == "Suites:" { for (i = 2; i <= NF; i++) if ($i == suite) has = 1 }
+      !deb822 && $1 == "deb" {
+        i = 2; if ($i ~ /^\[/) { while (i <= NF && $i !~ /\]$/) i++; i++ }
+        if ($(i + 1) == suite) { print $i; found = 1; exit }
+      }
+      END { if (deb822 && !found) stanza_end() }
+    ' "$f")
+    if [ -n "$uri" ]; then echo "$uri"; return 0; fi
+  done
+  return 1
+}
+
 build_base_image() {
   # Rebuilt when the package list changed (the image carries the recipe's hash as a label).
   if [ "$(docker image inspect -f '{{index .Config.Labels "rollway.recipe"}}' "$IMAGE" 2>/dev/null)" = "$RECIPE" ]; then
@@ -69,10 +92,14 @@ build_base_image() {
   fi
   mkdir -p "$CACHE"
   if [ ! -s "$TARBALL" ]; then
-    local root
+    local root mirror
+    if ! mirror=$(apt_mirror); then
+      say "no apt source on this machine lists Debian $SUITE; set ROLLWAY_DEBIAN_MIRROR to a Debian archive URL"
+      exit 1
+    fi
     root=$(mktemp -d /var/tmp/rollway-debootstrap.XXXXXX)
-    say "debootstrap $SUITE ($PACKAGES) from $MIRROR into $root"
-    if ! debootstrap --variant=minbase --include="$PACKAGES" "$SUITE" "$root" "$MIRROR" \
+    say "debootstrap $SUITE ($PACKAGES) from $mirror into $root"
+    if ! debootstrap --variant=minbase --include="$PACKAGES" "$SUITE" "$root" "$mirror" \
         >"$CACHE/debootstrap.log" 2>&1; then
       say "debootstrap failed; the end of $CACHE/debootstrap.log:"
       tail -20 "$CACHE/debootstrap.log" >&2
