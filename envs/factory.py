@@ -16,6 +16,7 @@ TASK_SETS.add("humaneval", "rollway.envs.humaneval:HumanEvalTaskSet", "rollway.e
 TASK_SETS.add("calc", "rollway.envs.calc:CalcTaskSet", "rollway.envs.config:CalcTasksConfig")
 TASK_SETS.add("sim", "rollway.envs.sim:SimTaskSet", "rollway.envs.config:SimTasksConfig")
 TASK_SETS.add("swebench", "rollway.envs.swebench:SWEBenchTaskSet", "rollway.envs.config:SWEBenchTasksConfig")
+TASK_SETS.add("buglocal", "rollway.envs.buglocal:BugLocTaskSet", "rollway.envs.config:BugLocTasksConfig")
 TASK_SETS.add("harbor", "rollway.envs.harbor:HarborTaskSet", "rollway.envs.config:HarborTasksConfig")
 
 

@@ -1,0 +1,147 @@
+"""Bug localisation tasks: read the failing tests of an injected bug, name the file and the function
+that was changed. Built from the mutation instances of `rollway tasks build swe`; graded from the
+model's own `locate` call, never from a file in the workspace."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from rollway.envs.base import Episode, Grade, Task, TaskSet
+from rollway.envs.config import BugLocTasksConfig
+from rollway.envs.split import select_tasks
+from rollway.envs.swe import load_instances, prepare_buggy_copy
+from rollway.sandboxes.base import Sandbox, SandboxProvider, SandboxSpec
+from rollway.tools.base import Tool, ToolResult
+from rollway.tools.config import ToolsConfig
+from rollway.tools.registry import register_tool
+
+MAX_ANSWER_CHARS = 300
+"""A file path or a qualified name longer than this is no answer (bounds the grade's details)."""
+
+SYSTEM_PROMPT = (
+    "You find bugs in Python repositories. The repository is checked out in your working directory. "
+    "One function in the library (not in the tests) was changed and now breaks the failing tests. "
+    "Find that function, then call locate with its file (path from the repository root) and its qualified "
+    "name (function, or Class.method). You have one answer: locate ends the episode.")
+
+
+def _call(name: str, **arguments: str) -> str:
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+class LocateTool(Tool):
+    """The answer: the file and the function the model says were changed. Ends the episode."""
+
+    name = "locate"
+    description = ("Give your answer and end the episode: `file`, the path of the changed file from the "
+                   "repository root, and `function`, its qualified name (function, or Class.method).")
+    parameters = {
+        "type": "object",
+        "properties": {
+            "file": {"type": "string", "maxLength": MAX_ANSWER_CHARS, "description": "e.g. toolz/itertoolz.py"},
+            "function": {"type": "string", "maxLength": MAX_ANSWER_CHARS, "description": "e.g. groupby or Foo.bar"},
+        },
+        "required": ["file", "function"],
+        "additionalProperties": False,
+    }
+
+    def __init__(self, cfg: ToolsConfig | None = None) -> None:
+        self.cfg = cfg
+
+    async def call(self, arguments: dict[str, Any], sandbox: Sandbox) -> ToolResult:
+        # The grade reads the arguments from the episode's record of this call, not from the sandbox,
+        # so nothing the agent's commands write can stand in for the answer.
+        return ToolResult(content="Answer recorded.", ends_episode=True)
+
+
+register_tool("locate", LocateTool)
+
+
+def normalise_file(path: str) -> str:
+    """`./a/b.py`, `a//b.py` and `/a/b.py` name the same workspace file as `a/b.py`."""
+    parts = [p for p in str(path).strip().replace("\\", "/").split("/") if p not in ("", ".")]
+    return "/".join(parts)
+
+
+def normalise_function(name: str) -> str:
+    """`Foo.bar()`, ` Foo.bar ` and `def Foo.bar` name `Foo.bar`."""
+    text = str(name).strip()
+    text = text.removeprefix("def ").removeprefix("async def ").strip()
+    return text.removesuffix("()").strip()
+
+
+def answer_of(episode: Episode | None) -> dict[str, str] | None:
+    """The arguments of the episode's accepted `locate` call (the last one that ran), or None."""
+    if episode is None:
+        return None
+    for turn in reversed(episode.turns):
+        for obs in reversed(turn.observations):
+            if obs.tool == "locate" and not obs.is_error:
+                return {k: str(obs.arguments.get(k, ""))[:MAX_ANSWER_CHARS] for k in ("file", "function")}
+    return None
+
+
+def judge(truth_file: str, truth_function: str, answer: dict[str, str] | None) -> Grade:
+    """Reward 1 for the right function in the right file; `file_correct` is the second figure."""
+    if answer is None:
+        return Grade(0.0, False, details={"outcome": "no_answer", "file_correct": False,
+                                          "function_correct": False})
+    file_ok = normalise_file(answer["file"]) == normalise_file(truth_file)
+    function_ok = file_ok and normalise_function(answer["function"]) == truth_function
+    details = {"outcome": "resolved" if function_ok else "wrong_location", "file_correct": file_ok,
+               "function_correct": function_ok, "answer": answer}
+    return Grade(1.0 if function_ok else 0.0, function_ok, details=details)
+
+
+def task_prompt(instance: dict[str, Any]) -> str:
+    # The SWE statement ends by asking for a fix; here the question is where the bug is.
+    failing = instance["problem_statement"].split("\n\nThe rest of the test suite passes")[0]
+    return (f"Repository: {instance['repo']} (checked out in the working directory).\n\n{failing}\n\n"
+            "One function of the library was changed. Which? Answer with locate(file, function).")
+
+
+class BugLocTaskSet(TaskSet):
+    """One task per mutation instance; `repos`/`exclude_repos` split by library for held-out tests."""
+
+    system_prompt = SYSTEM_PROMPT
+    default_tools = ("bash", "search", "locate")
+
+    def __init__(self, cfg: BugLocTasksConfig) -> None:
+        if not cfg.path:
+            raise ValueError("tasks.type=buglocal needs tasks.path, an instances file written by "
+                             "`rollway tasks build swe ... --out FILE`")
+        self.cfg = cfg
+        rows = [row for row in load_instances(cfg.path) if self._library_selected(row)]
+        if not rows:
+            raise ValueError(f"tasks.path {cfg.path} holds no instance of the selected libraries "
+                             f"(repos={cfg.repos}, exclude_repos={cfg.exclude_repos})")
+        self.instances = {row["instance_id"]: row for row in rows}
+        self._tasks = select_tasks([
+            Task(iid, task_prompt(row), {"repo": row["repo"], "file": row["mutation"]["path"],
+                                         "function": row["mutation"]["function"]})
+            for iid, row in self.instances.items()], cfg)
+
+    def _library_selected(self, row: dict[str, Any]) -> bool:
+        library = library_of(row["repo"])
+        if self.cfg.repos is not None and library not in self.cfg.repos:
+            return False
+        return library not in self.cfg.exclude_repos
+
+    def tasks(self) -> list[Task]:
+        return list(self._tasks)
+
+    def sandbox_spec(self, task: Task) -> SandboxSpec:
+        return SandboxSpec(source_dir=str(prepare_buggy_copy(self.instances[task.task_id], self.cfg.cache_dir)))
+
+    def reference_solution(self, task: Task) -> list[str] | None:
+        return [_call("locate", file=task.metadata["file"], function=task.metadata["function"])]
+
+    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider,
+                    episode: Episode | None = None) -> Grade:
+        return judge(task.metadata["file"], task.metadata["function"], answer_of(episode))
+
+
+def library_of(repo: str) -> str:
+    """`toolz==1.2.0` and `toolz` are the library `toolz` (instances name the archive they came from)."""
+    return str(repo).split("==")[0].strip().lower()
