@@ -27,6 +27,7 @@ from rollway.policies.factory import POLICIES
 from rollway.sandboxes.config import LocalSandboxConfig, SandboxConfig
 from rollway.sandboxes.factory import SANDBOXES
 from rollway.tools.config import HintsConfig, ToolsConfig
+from rollway.topics.topology import STAGE_NAMES
 
 
 class StrictModel(BaseModel):
@@ -200,7 +201,7 @@ class RunSection(StrictModel):
 
 
 Engine = Literal["aiokafka", "faust"]
-StageName = Literal["scheduler", "init", "agent", "reward", "learner", "sink"]
+StageName = Literal[STAGE_NAMES]  # type: ignore[valid-type]  # the stages topics/topology.py declares
 
 
 class RuntimeConfig(StrictModel):
@@ -283,7 +284,7 @@ class RunConfig(StrictModel):
     @model_validator(mode="after")
     def _engines_can_honour_it(self) -> RunConfig:
         """Refuse settings a stage's engine cannot honour (runners/faust_runtime.py lists Faust's)."""
-        faust_stages = [s for s in ("scheduler", "init", "agent", "reward", "learner", "sink")
+        faust_stages = [s for s in STAGE_NAMES
                         if self.runtime.engine_for(s) == "faust"]
         if faust_stages:
             problems = unsupported_settings(self, faust_stages)

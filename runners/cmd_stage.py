@@ -7,8 +7,8 @@ import os
 import sys
 from pathlib import Path
 
-from rollway.actors import STAGES
 from rollway.runners.common import add_config_arguments, load_or_exit
+from rollway.topics.topology import STAGE_NAMES as STAGES
 
 NAME = "stage"
 HELP = "Run one worker of one pipeline stage against a Kafka broker."

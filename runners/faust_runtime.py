@@ -81,10 +81,12 @@ from rollway.schemas.messages import (
     Trajectory,
 )
 from rollway.topics import TopicSpec
+from rollway.topics.topology import STAGES
 
 log = structlog.get_logger()
 
-NO_DEDUP_STAGES = frozenset({"scheduler", "agent"})
+# Stages whose dedup (topics/topology.py) is their own log-driven state, not a table of handled keys.
+NO_DEDUP_STAGES = frozenset(s.name for s in STAGES if s.dedup in ("tickets", "rebuild"))
 """Stages whose actors deduplicate themselves (see the module docstring)."""
 
 

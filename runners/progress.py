@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from rollway.core.run_dir import RunDir
+from rollway.topics.topology import STAGE_NAMES
 
-STAGE_ORDER = ("scheduler", "init", "agent", "reward", "learner", "sink")
+STAGE_ORDER = STAGE_NAMES
 STALE_STATUS_S = 10.0
 """A worker whose status file is older than this is gone; its in-flight count no longer counts."""
 

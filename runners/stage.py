@@ -7,64 +7,52 @@ import os
 import signal
 from pathlib import Path
 
-from rollway.actors import STAGES
 from rollway.actors.base import Actor
 from rollway.actors.services import Services
+from rollway.base.registry import import_target
 from rollway.core.config import RunConfig
 from rollway.core.kafka import ensure_topics
 from rollway.core.run_dir import RunDir
 from rollway.runners.stage_runtime import LogReader, StageWorker, TopicScanner
+from rollway.topics.topology import get_stage
 
 
 def build_actor(name: str, services: Services, log_reader: LogReader | None) -> Actor:
-    if name == "scheduler":
-        from rollway.actors.scheduler import SchedulerActor
-
-        return SchedulerActor(services, TopicScanner(services.cfg, log_reader.bootstrap) if log_reader else None)
-    if name == "init":
-        from rollway.actors.init import InitActor
-
-        return InitActor(services)
-    if name == "agent":
-        from rollway.actors.agent import AgentActor
-
-        return AgentActor(services, log_reader)
-    if name == "reward":
-        from rollway.actors.reward import RewardActor
-
-        return RewardActor(services)
-    if name == "learner":
-        from rollway.actors.learner import LearnerActor
-
-        return LearnerActor(services)
-    if name == "sink":
-        from rollway.actors.sink import SinkActor
-
-        return SinkActor(services)
-    raise ValueError(f"unknown stage {name!r}; stages are: {', '.join(STAGES)}")
+    """The actor topics/topology.py declares for stage `name`, built from the services (and the log
+    reader, for stages that read the log back)."""
+    stage = get_stage(name)
+    actor_class = import_target(stage.actor)
+    if name == "scheduler":  # its log reader is a scanner of its own inputs
+        return actor_class(services, TopicScanner(services.cfg, log_reader.bootstrap) if log_reader else None)
+    return actor_class(services, log_reader) if stage.reads_log else actor_class(services)
 
 
 def stage_inputs(name: str) -> tuple:
-    """The topics the learner or the sink consumes (class attributes: no actor is built)."""
-    from rollway.actors.learner import LearnerActor
-    from rollway.actors.sink import SinkActor
+    """The topics a stage consumes (optional ones left out), as declared."""
+    return get_stage(name).consumes
 
-    return {"learner": LearnerActor, "sink": SinkActor}[name].inputs
+
+def _setting(cfg: RunConfig, dotted: str) -> object:
+    value: object = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def stage_concurrency(name: str, cfg: RunConfig) -> int:
-    """Messages a worker of this stage handles at once."""
-    if name == "agent":
-        from rollway.actors.scheduling import agent_worker_slots
-
-        return agent_worker_slots(cfg)
-    section = {"init": cfg.init, "reward": cfg.reward}.get(name)
-    return section.concurrency if section is not None else 1
+    """Messages a worker of this stage handles at once: the setting its declaration names."""
+    setting = get_stage(name).concurrency
+    if setting is None:
+        return 1
+    if setting == "agent.concurrency":  # a turn beyond the model-call slots overlaps its tool calls
+        return int(_setting(cfg, setting)) + cfg.agent.tool_overlap
+    return int(_setting(cfg, setting))
 
 
 def stage_prefetch(name: str, cfg: RunConfig) -> int:
-    section = {"init": cfg.init, "agent": cfg.agent, "reward": cfg.reward}.get(name)
-    return section.prefetch if section is not None else 0
+    """Messages fetched beyond the concurrency: the `prefetch` of the section that sets it."""
+    setting = get_stage(name).concurrency
+    return int(getattr(_setting(cfg, setting.split(".")[0]), "prefetch", 0)) if setting else 0
 
 
 def group_id(name: str, cfg: RunConfig) -> str:
@@ -82,7 +70,7 @@ async def run_stage(name: str, cfg: RunConfig, bootstrap: str, run_dir: Path, st
         except (NotImplementedError, RuntimeError):
             pass
     await ensure_topics(cfg.broker, cfg.topics, bootstrap)
-    log_reader = LogReader(cfg, bootstrap) if name in ("agent", "scheduler") else None
+    log_reader = LogReader(cfg, bootstrap) if get_stage(name).reads_log else None
     services = Services(cfg, run_dir)
     actor = build_actor(name, services, log_reader)
     try:

@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from rollway.actors import STAGES
 from rollway.core.config import RunConfig, dump_config, write_resolved_config
 from rollway.core.run_dir import RunDir
+from rollway.topics.topology import STAGE_NAMES as STAGES
+from rollway.topics.topology import start_order
 
 if TYPE_CHECKING:
     from rollway.policies.launch import LaunchedEngine
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger()
 
 # Start order: consumers of the later topics first, the scheduler (which issues work) last.
-START_ORDER = ("sink", "learner", "reward", "agent", "init", "scheduler")
+START_ORDER = start_order()
 STAGE_TIME_KEYS = ("init_queue", "init", "agent_queue", "agent", "agent_gen", "agent_tool", "reward_queue", "reward")
 """`stage_seconds_total` in summary.json: STAGE (handling) and STAGE_queue (production to handling) from the
 runtimes' telemetry, agent_gen and agent_tool (inside the agent's handling) from the turns."""

@@ -1,0 +1,86 @@
+"""The pipeline declared once (topics/topology.py): what derives from it, and that the actors keep to it."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from rollway.base.registry import import_target
+from rollway.topics import ALL_TOPICS, DEAD_LETTERS
+from rollway.topics.topology import (
+    STAGE_NAMES,
+    STAGES,
+    UndeclaredOutput,
+    check_output,
+    get_stage,
+    readers_of,
+    start_order,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_every_actor_subscribes_to_what_its_stage_declares():
+    for stage in STAGES:
+        actor = import_target(stage.actor)
+        assert actor.name == stage.name
+        assert set(actor.inputs) == set(stage.consumes), stage.name
+
+
+def _topics_returned(actor_module: Path) -> set[str]:
+    """Topic constants passed as the first argument of `Output(...)` anywhere in the module."""
+    tree = ast.parse(actor_module.read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Output" and node.args:
+            found.add(ast.unparse(node.args[0]))
+    return found
+
+
+def test_outputs_written_in_each_actor_are_declared():
+    """Read from the actors' source, so an `Output(TOPIC, ...)` added without declaring it fails here
+    (the runtime also refuses it at run time: `check_output`)."""
+    by_constant = {name: spec for name, spec in vars(__import__("rollway.topics", fromlist=["x"])).items()
+                   if spec in ALL_TOPICS}
+    for stage in STAGES:
+        module = ROOT / "actors" / (stage.actor.split(":")[0].rsplit(".", 1)[1] + ".py")
+        for constant in _topics_returned(module):
+            assert by_constant[constant] in stage.produces, f"{stage.name} writes {constant} undeclared"
+    # failure_output (actors/base.py) writes episode-failures for init, agent and reward
+    for name in ("init", "agent", "reward"):
+        assert any(t.name == "episode-failures" for t in get_stage(name).produces)
+
+
+def test_an_undeclared_output_is_refused():
+    check_output("init", get_stage("agent").consumes[0])
+    with pytest.raises(UndeclaredOutput, match="sink.*dead-letters|dead-letters.*sink"):
+        check_output("sink", DEAD_LETTERS)
+
+
+def test_every_topic_written_has_a_reader_and_every_stage_is_reached():
+    for stage in STAGES:
+        for topic in stage.produces:
+            assert readers_of((topic,)), f"{topic.name} from {stage.name} is read by no stage"
+    fed = {s.name for t in {t for s in STAGES for t in s.produces} for s in readers_of((t,))}
+    assert fed == set(STAGE_NAMES)
+
+
+def test_start_order_starts_readers_before_writers_and_the_scheduler_last():
+    order = start_order()
+    assert sorted(order) == sorted(STAGE_NAMES) and order[-1] == "scheduler"
+    for stage in STAGES:
+        for reader in readers_of(stage.produces):
+            if reader.name not in (stage.name, "scheduler"):
+                assert order.index(reader.name) < order.index(stage.name), (reader.name, stage.name)
+
+
+def test_no_other_module_spells_the_stage_list():
+    """The stage names listed literally anywhere but the declaration is a second source of truth."""
+    listed = re.compile(r"""["']scheduler["'],\s*["']init["'],\s*["']agent["']""")
+    offenders = [str(p.relative_to(ROOT)) for folder in ("actors", "base", "core", "envs", "learning", "policies",
+                                                         "runners", "sandboxes", "schemas", "tools", "topics", "bench")
+                 for p in (ROOT / folder).rglob("*.py") if listed.search(p.read_text())]
+    assert offenders == []

@@ -1,0 +1,127 @@
+"""The pipeline, declared once: every stage, the actor that plays it, the topics it reads and writes,
+how it deduplicates redelivered messages and which setting sets its concurrency. Stage lists, the
+actor factory, start order, progress columns, chaos kinds and the docs' diagram derive from `STAGES`.
+
+Adding a stage: one `Stage(...)` here, its actor class, and a test; nothing in the runtime or the CLI.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from rollway.topics import (
+    AGENT_STEPS,
+    EPISODE_FAILURES,
+    INIT_REQUESTS,
+    POLICY_VERSIONS,
+    REWARD_REQUESTS,
+    TRAJECTORIES,
+    TopicSpec,
+)
+
+Dedup = Literal["tickets", "rebuild", "sandbox", "ledger", "trained-set"]
+"""How a stage makes a redelivered or duplicated message harmless (docs/guarantees.md):
+`tickets`: the scheduler ignores outcomes of attempts it already closed;
+`rebuild`: the agent rebuilds the episode from the log and runs a turn only once per (episode, turn);
+`sandbox`: init makes a fresh, uniquely named sandbox per delivery, and the agent keeps the first turn 0
+  it sees (a duplicate's sandbox is torn down there);
+`ledger`: a durable per-partition record of handled keys re-emits the first result (reward, sink);
+`trained-set`: the learner's checkpointed window of trained episode ids."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage. `actor` is an import path, not a class: this layer sits below the actors."""
+
+    name: str
+    actor: str
+    """`module:Class` of the actor; built with (services, log_reader) when `reads_log`, else (services)."""
+    consumes: tuple[TopicSpec, ...]
+    produces: tuple[TopicSpec, ...]
+    """Topics `handle`, `tick` and `on_error` may return outputs to (the runtime adds dead letters)."""
+    dedup: Dedup
+    concurrency: str | None
+    """Dotted config field holding messages handled at once per worker (None: one at a time)."""
+    optional_consumes: tuple[TopicSpec, ...] = ()
+    """Inputs the actor subscribes to only when a setting asks (it lists them in its `inputs` then)."""
+    reads_log: bool = False
+    """Gets a log reader (reads back its own or other topics' history: rebuilds, restart scans)."""
+    single: bool = False
+    """Runs as exactly one process (its state is not partitioned)."""
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage("scheduler", "rollway.actors.scheduler:SchedulerActor",
+          consumes=(TRAJECTORIES, EPISODE_FAILURES, POLICY_VERSIONS), produces=(INIT_REQUESTS, EPISODE_FAILURES),
+          optional_consumes=(REWARD_REQUESTS,), dedup="tickets", concurrency=None, reads_log=True, single=True),
+    Stage("init", "rollway.actors.init:InitActor", consumes=(INIT_REQUESTS,),
+          produces=(AGENT_STEPS, EPISODE_FAILURES), dedup="sandbox", concurrency="init.concurrency"),
+    Stage("agent", "rollway.actors.agent:AgentActor", consumes=(AGENT_STEPS,),
+          produces=(AGENT_STEPS, REWARD_REQUESTS, EPISODE_FAILURES), dedup="rebuild",
+          concurrency="agent.concurrency", reads_log=True),
+    Stage("reward", "rollway.actors.reward:RewardActor", consumes=(REWARD_REQUESTS,),
+          produces=(TRAJECTORIES, EPISODE_FAILURES), dedup="ledger", concurrency="reward.concurrency"),
+    Stage("learner", "rollway.actors.learner:LearnerActor", consumes=(TRAJECTORIES, EPISODE_FAILURES),
+          produces=(POLICY_VERSIONS,), dedup="trained-set", concurrency=None, single=True),
+    Stage("sink", "rollway.actors.sink:SinkActor", consumes=(TRAJECTORIES, EPISODE_FAILURES), produces=(),
+          dedup="ledger", concurrency=None),
+)
+"""In flow order: the scheduler issues, the sink records last."""
+
+STAGE_NAMES: tuple[str, ...] = tuple(s.name for s in STAGES)
+BY_NAME = {s.name: s for s in STAGES}
+
+
+def get_stage(name: str) -> Stage:
+    """The stage called `name`; the error lists the stages."""
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"unknown stage {name!r}; stages are: {', '.join(STAGE_NAMES)}") from None
+
+
+def start_order() -> tuple[str, ...]:
+    """Consumers of later topics first, so every topic has its readers before anything writes to it:
+    a stage starts once every stage that reads what it produces has started (the scheduler, which
+    issues the work, last). Cycles through the scheduler's own inputs are broken at the scheduler."""
+    order: list[str] = []
+    pending = [s for s in STAGES if s.name != "scheduler"]
+    while pending:
+        ready = [s for s in pending
+                 if all(r.name in order or r is s or r.name == "scheduler"
+                        for r in readers_of(s.produces))]
+        if not ready:  # a cycle among non-scheduler stages: keep flow order for the rest
+            ready = pending[-1:]
+        for s in reversed(ready):
+            order.append(s.name)
+            pending.remove(s)
+    return (*order, "scheduler")
+
+
+def readers_of(topics: tuple[TopicSpec, ...]) -> list[Stage]:
+    """Stages that consume any of `topics` (optional inputs included)."""
+    return [s for s in STAGES if set(topics) & set(s.consumes + s.optional_consumes)]
+
+
+def check_output(stage: str, topic: TopicSpec) -> None:
+    """Refuse an output to a topic `stage` does not declare (a bug in the actor, not in the input)."""
+    declared = BY_NAME[stage].produces if stage in BY_NAME else None
+    if declared is not None and topic not in declared:
+        raise UndeclaredOutput(f"stage {stage!r} produced to {topic.name!r}, which topics/topology.py does "
+                               f"not declare for it (declared: {', '.join(t.name for t in declared) or 'none'})")
+
+
+class UndeclaredOutput(RuntimeError):
+    """An actor returned an output to a topic its stage does not declare."""
+
+
+def mermaid() -> str:
+    """The pipeline as a Mermaid flowchart (docs), drawn from the declaration."""
+    lines = ["flowchart LR"]
+    for s in STAGES:
+        for t in s.produces:
+            for r in readers_of((t,)):
+                dotted = "-.->" if t in r.optional_consumes else "-->"
+                lines.append(f"    {s.name} {dotted}|{t.name}| {r.name}")
+    return "\n".join(lines)
