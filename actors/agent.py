@@ -182,19 +182,18 @@ class AgentActor(Actor):
         stop_reason = self._stop_reason(outcome.ends_episode, turn, used)
         if stop_reason is None and deadline is not None and time.time() >= deadline:
             stop_reason = AGENT_TIMEOUT
-        user_message = None
-        if stop_reason is None:
-            user_message, user_done = await self._next_user_message(state, context, text, outcome)
-            stop_reason = "user_done" if user_done else None
-        tool_s = time.perf_counter() - t1
-        hints = [] if stop_reason else self._hints(state, outcome, turn, used)
         record = TurnRecord(
             turn=turn, completion_ids=list(gen.token_ids), logprobs=list(gen.logprobs),
             policy_version=gen.policy_version, finish_reason=gen.finish_reason, assistant_text=text,
-            observations=outcome.observations, hints=hints, gen_seconds=gen_s, tool_seconds=tool_s,
-            gen_started_at=gen_started_at, gen_ended_at=gen_started_at + gen_s,
-            tool_ended_at=gen_started_at + (t1 - t0) + tool_s, user_message=user_message,
-            state=dict(context.state) if context.state != state.store else None)
+            observations=outcome.observations, gen_seconds=gen_s, gen_started_at=gen_started_at,
+            gen_ended_at=gen_started_at + gen_s)
+        if stop_reason is None:
+            record.user_message, user_done = await self._next_user_message(state, context, record)
+            stop_reason = "user_done" if user_done else None
+        record.tool_seconds = tool_s = time.perf_counter() - t1
+        record.tool_ended_at = gen_started_at + (t1 - t0) + tool_s
+        record.hints = [] if stop_reason else self._hints(state, outcome, turn, used)
+        record.state = dict(context.state) if context.state != state.store else None
         if stop_reason is None:
             record.observation_ids = self._observation_ids(state, record, gen.token_ids)
             if state.tokens_used + len(record.completion_ids) + len(record.observation_ids) >= self.cfg.max_total_tokens:
@@ -242,15 +241,15 @@ class AgentActor(Actor):
         return ToolContext(task=self._task(state), episode_id=f.episode_id, attempt=f.attempt, turn=turn,
                            state=dict(state.store))
 
-    async def _next_user_message(self, state: EpisodeState, context, text: str,
-                                 outcome: ToolTurn) -> tuple[str | None, bool]:
-        """The task set's `next_user_message` hook, seeing the episode with this turn in it."""
+    async def _next_user_message(self, state: EpisodeState, context, record: TurnRecord) -> tuple[str | None, bool]:
+        """The task set's `next_user_message` hook, seeing the episode with this turn in it: its
+        messages and its `turns` both end with the turn that just ran."""
         from rollway.envs.base import Episode, UserTurn
 
-        pending = [{"role": "tool" if o.tool else "user", "content": o.content} for o in outcome.observations]
-        messages = [*state.messages, {"role": "assistant", "content": text}, *pending]
+        pending = [{"role": "tool" if o.tool else "user", "content": o.content} for o in record.observations]
+        messages = [*state.messages, {"role": "assistant", "content": record.assistant_text}, *pending]
         episode = Episode(episode_id=context.episode_id, attempt=context.attempt, task=context.task,
-                          messages=messages, turns=list(state.turns), state=context.state)
+                          messages=messages, turns=[*state.turns, record], state=context.state)
         reply = await self.s.taskset.next_user_message(context.task, episode)
         if isinstance(reply, UserTurn):
             return reply.content, reply.ends_episode

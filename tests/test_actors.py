@@ -306,3 +306,23 @@ def test_scheduler_runs_at_most_max_policy_lag_updates_ahead_of_a_training_learn
         assert len(await sched.tick()) == 2
 
     run(scenario())
+
+
+def test_next_user_message_sees_the_turn_that_just_ran(tmp_path):
+    """The hook's episode ends with the turn that just ran, in `turns` as in `messages` (a simulated
+    user reading `turns` advanced one turn early when the record was added after the call)."""
+    s = services(tmp_path)
+    seen = []
+
+    async def record_view(task, episode):
+        last = episode.turns[-1]
+        seen.append((len(episode.turns), last.turn, last.assistant_text == episode.messages[-1 - len(
+            last.observations)]["content"], [o.tool for o in last.observations]))
+        return None
+
+    s.taskset.next_user_message = record_view
+    traj = run(play_episode(s))
+    assert [n for n, *_ in seen] == [turn + 1 for _, turn, *_ in seen]
+    assert [turn for _, turn, *_ in seen] == list(range(len(seen))) and len(seen) == traj.num_turns - 1
+    assert all(same for _, _, same, _ in seen)
+    assert [tools for *_, tools in seen] == [[o.tool for o in u.observations] for u in traj.turns[:-1]]
