@@ -14,8 +14,9 @@ from __future__ import annotations
 import importlib
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ValidationError, model_validator
 
+from rollway.base.config import StrictModel
 from rollway.base.plugins import is_plugin, load_plugin
 
 
@@ -25,12 +26,10 @@ def import_target(target: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
-class SectionConfig(BaseModel):
+class SectionConfig(StrictModel):
     """Base of a config section chosen by `type` (tasks, policy, sandbox). A built-in's own config class
     names its implementation in `implementation`: the class then fills `type` when it is left out
     and refuses another `type`, so `SWEBenchTasksConfig(path=...)` is a swebench section."""
-
-    model_config = ConfigDict(extra="forbid")
 
     implementation: ClassVar[str | None] = None
     """The `type` this class configures (built-ins); None: any (the section's base, plugins)."""

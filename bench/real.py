@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from rollway.base.config import StrictModel
 from rollway.bench.run import die_with_parent
 from rollway.policies.launch import ServerProcess
 
@@ -29,11 +30,10 @@ ENGINE_COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "
                    "vllm:prefix_cache_queries_total")
 
 
-class RealBenchConfig(BaseModel):
+class RealBenchConfig(StrictModel):
     """The real pipeline benchmark: task set, episodes, the resources both modes get, the engine.
     Defaults finish in about 10-15 minutes on a 2-core machine (vLLM start-up included)."""
 
-    model_config = ConfigDict(extra="forbid")
 
     seed: int = 0
     """Run seed: the scheduler's task order and every episode's sampling seeds (same in both modes)."""

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import aiohttp
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from rollway.actors.agent import AgentActor
 from rollway.actors.base import MessageMeta
@@ -38,6 +38,7 @@ from rollway.actors.gate import RankedGate
 from rollway.actors.init import InitActor
 from rollway.actors.reward import RewardActor
 from rollway.actors.services import Services
+from rollway.base.config import StrictModel
 from rollway.bench.workload import WorkloadConfig
 from rollway.core.config import RunConfig
 from rollway.schemas.messages import AgentStep, EpisodeKey, InitRequest, Trajectory
@@ -45,10 +46,9 @@ from rollway.schemas.messages import AgentStep, EpisodeKey, InitRequest, Traject
 NO_DEADLINE_S = 1e9
 
 
-class TrainingConfig(BaseModel):
+class TrainingConfig(StrictModel):
     """The training loop around the benchmark workload: batch, steps, modes, learner cost."""
 
-    model_config = ConfigDict(extra="forbid")
 
     batch_episodes: int = Field(32, ge=1)
     """Episodes per learner step (B)."""

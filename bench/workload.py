@@ -10,7 +10,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from rollway.base.config import StrictModel
 
 MARKER = "[sim-episode {index:05d}]"
 """Written into each sim task's prompt: the simulated model reads it to find the episode's plan."""
@@ -19,11 +21,10 @@ TOOL_CALL = '<tool_call>{{"name": "bash", "arguments": {{"command": "sim-exec {s
 FINISH_CALL = '<tool_call>{"name": "finish", "arguments": {}}</tool_call>'
 
 
-class WorkloadConfig(BaseModel):
+class WorkloadConfig(StrictModel):
     """A scaled-down SWE-like rollout workload and the resources both modes get. Every duration is
     seconds of wall time; every distribution is lognormal (median, sigma) so a few draws are long."""
 
-    model_config = ConfigDict(extra="forbid")
 
     seed: int = 0
     """Seed of the workload: episode k's plan depends only on (seed, k)."""

@@ -7,8 +7,6 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     SecretStr,
     SerializeAsAny,
@@ -17,6 +15,7 @@ from pydantic import (
     model_validator,
 )
 
+from rollway.base.config import StrictModel
 from rollway.base.registry import validate_section
 from rollway.envs.config import TasksConfig, ToyTasksConfig
 from rollway.envs.factory import TASK_SETS
@@ -28,12 +27,6 @@ from rollway.sandboxes.config import LocalSandboxConfig, SandboxConfig
 from rollway.sandboxes.factory import SANDBOXES
 from rollway.tools.config import HintsConfig, ToolsConfig
 from rollway.topics.topology import STAGE_NAMES
-
-
-class StrictModel(BaseModel):
-    """Base for every config: unknown keys are an error, never silently ignored."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class BrokerConfig(StrictModel):

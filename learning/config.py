@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, field_validator
+from pydantic import BaseModel, Field, SerializeAsAny, field_validator
 
+from rollway.base.config import StrictModel
 from rollway.base.plugins import PluginRef
 from rollway.base.registry import validate_section
 from rollway.learning.registries import ADVANTAGES, LOSSES
@@ -15,11 +16,10 @@ AdvantageName = Literal["grpo", "rloo", "drgrpo"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "token-sum-norm"]
 
 
-class LossConfig(BaseModel):
+class LossConfig(StrictModel):
     """`learner.loss`: the objective and, for a plugin with a `config_class` (a subclass of this), its
     options. The plain form `loss: cispo` is `loss: {type: cispo}`."""
 
-    model_config = ConfigDict(extra="forbid")
 
     type: Literal["ppo", "cispo", "gspo"] | PluginRef = "ppo"
     """Per-token objective (learning/losses.py). `ppo`: clipped ratio (clip-higher, dual-clip). `cispo`:
@@ -28,11 +28,10 @@ class LossConfig(BaseModel):
     `Class(learner_config)` (its options at `learner_config.loss`)."""
 
 
-class AdvantageConfig(BaseModel):
+class AdvantageConfig(StrictModel):
     """`learner.advantage`: the estimator and, for a plugin with a `config_class` (a subclass of this),
     its options. The plain form `advantage: rloo` is `advantage: {type: rloo}`."""
 
-    model_config = ConfigDict(extra="forbid")
 
     type: AdvantageName | PluginRef = "grpo"
     """`grpo`: (r - group mean) / (group std + eps). `rloo`: r minus the mean of the other
@@ -45,11 +44,10 @@ def _by_type(data: Any, default: type[BaseModel], registry: Any) -> Any:
     return validate_section({"type": data} if isinstance(data, str) else data, default, registry)
 
 
-class LearnerConfig(BaseModel):
+class LearnerConfig(StrictModel):
     """The learner actor's settings. `type: record` only records; `type: ppo` trains (PPO-clip
     objective on group-relative advantages, i.e. GRPO / RLOO / Dr.GRPO by `advantage`)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     type: Literal["record", "ppo", "grpo"] | PluginRef = "record"
     """`record`: keep what arrives (no training). `ppo`: train with the clipped policy-gradient

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from rollway.base.config import StrictModel
 
 
-class DistConfig(BaseModel):
+class DistConfig(StrictModel):
     """How many learner ranks train one model (FSDP2 `fully_shard`), and how they talk."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     ranks: int = Field(1, ge=1)
     """Learner processes. 1: the single-process trainer (unless `fsdp`). N > 1: the learner process is
@@ -27,10 +28,9 @@ class DistConfig(BaseModel):
     """Rendezvous port rank 0 listens on when it starts the other ranks itself; None picks a free one."""
 
 
-class LoraConfig(BaseModel):
+class LoraConfig(StrictModel):
     """Low-rank adapters (peft): only the adapters train, are checkpointed and are sent to the engine."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     enabled: bool = False
     """Train LoRA adapters on the frozen base model instead of every weight."""

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, model_validator
 
+from rollway.base.config import StrictModel
 from rollway.base.plugins import PluginRef
 from rollway.base.registry import SectionConfig
 
 
-class ScriptRule(BaseModel):
+class ScriptRule(StrictModel):
     """One script of the scripted policy: used for prompts that match `when`."""
 
-    model_config = ConfigDict(extra="forbid")
 
     when: str = ""
     """Regular expression searched in the decoded prompt; "" matches every prompt."""

@@ -23,7 +23,7 @@ from rollway.topics.topology import STAGE_NAMES
 STAGE_KINDS = STAGE_NAMES
 FAULT_POINTS = "checkpoint.write=0.15,checkpoint.rename=0.15,agent.after_tools=0.02,reward.after_grade=0.02," \
                "rebalance.revoked=0.1,scheduler.after_issue=0.01,learner.after_update=0.05"
-"""The bad moments a chaos run arms by default (core/faults.py): a process dies exactly there."""
+"""The bad moments a chaos run arms by default (base/faults.py): a process dies exactly there."""
 
 
 @dataclass

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from rollway.base.config import StrictModel
 
 
-class ToolsConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ToolsConfig(StrictModel):
 
     enabled: list[str] | None = None
     """Tools offered to the model in every episode: built-in or registered names (`bash`, `editor`,
@@ -32,8 +33,7 @@ class ToolsConfig(BaseModel):
     """Source files `search` scans in one workspace; the rest is skipped with a notice."""
 
 
-class HintsConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class HintsConfig(StrictModel):
 
     budget_reminders: bool = True
     """Remind the model how many turns / tokens remain when few are left."""
