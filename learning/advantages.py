@@ -14,7 +14,13 @@ from rollway.learning.config import LearnerConfig
 
 class AdvantageEstimator(ABC):
     """Turns the rewards of one group into one advantage per episode. Built by
-    `build_advantage_estimator(cfg)`; the trainer calls `compute` once per complete group."""
+    `build_advantage_estimator(cfg)` as `from_config(learner_config)`; the trainer calls `compute` once
+    per complete group."""
+
+    @classmethod
+    def from_config(cls, cfg: LearnerConfig) -> AdvantageEstimator:
+        """The estimator for this learner config; default `Class(cfg)` (how plugins are built)."""
+        return cls(cfg)
 
     @abstractmethod
     def compute(self, rewards_G: torch.Tensor, in_baseline_G: torch.Tensor) -> torch.Tensor:
@@ -36,6 +42,10 @@ class GRPOAdvantage(AdvantageEstimator):
     def __init__(self, eps: float) -> None:
         self.eps = eps
 
+    @classmethod
+    def from_config(cls, cfg: LearnerConfig) -> GRPOAdvantage:
+        return cls(cfg.adv_eps)
+
     def compute(self, rewards_G: torch.Tensor, in_baseline_G: torch.Tensor) -> torch.Tensor:
         mean, n = _baseline_stats(rewards_G, in_baseline_G)
         std = rewards_G[in_baseline_G].std() if n > 1 else rewards_G.new_zeros(())
@@ -45,6 +55,10 @@ class GRPOAdvantage(AdvantageEstimator):
 class DrGRPOAdvantage(AdvantageEstimator):
     """r - mean: Dr.GRPO drops the std division, which up-weights near-degenerate groups."""
 
+    @classmethod
+    def from_config(cls, cfg: LearnerConfig) -> DrGRPOAdvantage:
+        return cls()
+
     def compute(self, rewards_G: torch.Tensor, in_baseline_G: torch.Tensor) -> torch.Tensor:
         mean, _ = _baseline_stats(rewards_G, in_baseline_G)
         return rewards_G - mean
@@ -53,6 +67,10 @@ class DrGRPOAdvantage(AdvantageEstimator):
 class RLOOAdvantage(AdvantageEstimator):
     """r_i minus the mean reward of the *other* baseline members (leave-one-out). A non-member is
     compared with the mean of all members. With fewer than two members the advantage is 0."""
+
+    @classmethod
+    def from_config(cls, cfg: LearnerConfig) -> RLOOAdvantage:
+        return cls()
 
     def compute(self, rewards_G: torch.Tensor, in_baseline_G: torch.Tensor) -> torch.Tensor:
         mean, n = _baseline_stats(rewards_G, in_baseline_G)
@@ -66,19 +84,9 @@ class RLOOAdvantage(AdvantageEstimator):
 def build_advantage_estimator(cfg: LearnerConfig) -> AdvantageEstimator:
     """The estimator named by `cfg.advantage.type` (a plugin is constructed with the learner config; its
     own options are `cfg.advantage`)."""
-    from rollway.base.plugins import is_plugin
     from rollway.learning.registries import ADVANTAGES
 
-    name = cfg.advantage.type
-    if is_plugin(name):
-        return ADVANTAGES.load(name)(cfg)
-    if name == "grpo":
-        return GRPOAdvantage(cfg.adv_eps)
-    if name == "rloo":
-        return RLOOAdvantage()
-    if name == "drgrpo":
-        return DrGRPOAdvantage()
-    raise ValueError(f"unknown learner.advantage {name!r}; use grpo, rloo or drgrpo")
+    return ADVANTAGES.load(cfg.advantage.type).from_config(cfg)
 
 
 def is_masked_stop(stop_reason: str, patterns: Sequence[str]) -> bool:

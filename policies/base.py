@@ -37,8 +37,15 @@ class Generation:
 
 
 class InferenceClient(ABC):
-    """Serves the policy to the agent actor. Built by `build_inference(config)`; the agent actor
-    calls `generate` once per turn and `close` at shutdown."""
+    """Serves the policy to the agent actor. Built by `build_inference(config)` as
+    `Class.from_config(config, chat, taskset)`; the agent actor calls `generate` once per turn and
+    `close` at shutdown."""
+
+    @classmethod
+    def from_config(cls, cfg: Any, chat: ChatFormat, taskset: Any = None) -> InferenceClient:
+        """The client for this policy config. Default `Class(config, chat)` (how plugins are built);
+        `taskset` is the run's task set (the gold policy plays its reference solutions)."""
+        return cls(cfg, chat)
 
     @abstractmethod
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rollway.base.plugins import is_plugin
 from rollway.base.registry import Registry
 from rollway.policies.base import ChatFormat, InferenceClient
 from rollway.policies.config import PolicyConfig
 
 POLICIES = Registry("policy", "policy.type", "rollway.policies.base:InferenceClient")
-"""`policy.type` -> InferenceClient class and its config class. Built-ins are built by `build_inference` below (openai picks
-its client by engine and api); a plugin (`python:MODULE:CLASS`) is constructed as `Class(config, chat)`."""
+"""`policy.type` -> InferenceClient class and its config class; `build_inference` builds every one, built-in
+or plugin, with `Class.from_config(config, chat, taskset)` (default: `Class(config, chat)`)."""
 POLICIES.add("scripted", "rollway.policies.scripted:ScriptedPolicy", "rollway.policies.config:ScriptedPolicyConfig")
 POLICIES.add("openai", "rollway.policies.openai_client:OpenAICompletionsClient", "rollway.policies.config:OpenAIPolicyConfig")
 POLICIES.add("local", "rollway.policies.local:LocalEngineClient", "rollway.policies.config:LocalPolicyConfig")
@@ -77,36 +76,6 @@ def _served_root(cfg: PolicyConfig) -> str | None:
 
 
 def build_inference(cfg: PolicyConfig, chat: ChatFormat, taskset: object = None) -> InferenceClient:
-    """The configured inference client. `taskset`: the run's task set, for the `gold` policy."""
-    if is_plugin(cfg.type):
-        return POLICIES.load(cfg.type)(cfg, chat)
-    if cfg.type == "gold":
-        from rollway.policies.gold import GoldPolicy
-
-        if taskset is None:
-            raise ValueError("policy.type=gold plays the task set's reference solutions: build it with the task set")
-        return GoldPolicy(taskset, chat)
-    if cfg.type == "scripted":
-        from rollway.policies.scripted import ScriptedPolicy
-
-        return ScriptedPolicy(cfg.script, chat)
-    if cfg.type == "openai" and cfg.engine == "vllm":
-        from rollway.policies.vllm import VLLMClient
-
-        return VLLMClient(cfg.base_urls(), None if cfg.launch else cfg.model, cfg.request_timeout_s,
-                          cfg.max_retries, api_key=cfg.api_key_value(), pause_mode=cfg.pause_mode)
-    if cfg.type == "openai" and cfg.api == "chat":
-        from rollway.policies.openai_chat import OpenAIChatClient
-
-        return OpenAIChatClient(cfg.base_url or "", chat, cfg.model, cfg.request_timeout_s, cfg.max_retries,
-                                api_key=cfg.api_key_value())
-    if cfg.type == "openai":
-        from rollway.policies.openai_client import OpenAICompletionsClient
-
-        return OpenAICompletionsClient(cfg.base_url or "", None if cfg.launch else cfg.model,
-                                       cfg.request_timeout_s, cfg.max_retries, api_key=cfg.api_key_value())
-    if cfg.type == "local":
-        from rollway.policies.local import LocalEngineClient
-
-        return LocalEngineClient.from_config(cfg)
-    raise NotImplementedError(f"policy.type={cfg.type!r} is not built yet")
+    """The configured inference client: the class `policy.type` names, built by its `from_config`.
+    `taskset`: the run's task set, for the `gold` policy."""
+    return POLICIES.load(cfg.type).from_config(cfg, chat, taskset)

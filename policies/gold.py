@@ -15,6 +15,12 @@ class GoldPolicy(InferenceClient):
     """Turn k of an episode plays `taskset.reference_solution(task)[k]` (the last entry repeats).
     A task set without a reference solution makes this policy fail naming the task."""
 
+    @classmethod
+    def from_config(cls, cfg: Any, chat: ChatFormat, taskset: Any = None) -> GoldPolicy:
+        if taskset is None:
+            raise ValueError("policy.type=gold plays the task set's reference solutions: build it with the task set")
+        return cls(taskset, chat)
+
     def __init__(self, taskset: Any, chat: ChatFormat) -> None:
         self.taskset = taskset
         self.chat = chat

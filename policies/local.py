@@ -16,7 +16,7 @@ class LocalEngineClient(InferenceClient):
         self.engine = engine
 
     @classmethod
-    def from_config(cls, cfg: LocalPolicyConfig) -> LocalEngineClient:
+    def from_config(cls, cfg: LocalPolicyConfig, chat: Any = None, taskset: Any = None) -> LocalEngineClient:
         import torch  # late: heavy
 
         from rollway.policies.batching import BatchEngine

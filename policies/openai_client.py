@@ -79,6 +79,23 @@ class OpenAICompletionsClient(InferenceClient):
     `policy_version`: the server's (rollway engine) or, for servers that do not report one (vLLM), the
     version last passed to `load_weights`."""
 
+    @classmethod
+    def from_config(cls, cfg: Any, chat: Any, taskset: Any = None) -> InferenceClient:
+        """`policy.type: openai`: vLLM's client for `engine: vllm` (weight reloads, several servers), the
+        chat-completions client for `api: chat`, else this completions client."""
+        if cfg.engine == "vllm":
+            from rollway.policies.vllm import VLLMClient
+
+            return VLLMClient(cfg.base_urls(), None if cfg.launch else cfg.model, cfg.request_timeout_s,
+                              cfg.max_retries, api_key=cfg.api_key_value(), pause_mode=cfg.pause_mode)
+        if cfg.api == "chat":
+            from rollway.policies.openai_chat import OpenAIChatClient
+
+            return OpenAIChatClient(cfg.base_url or "", chat, cfg.model, cfg.request_timeout_s, cfg.max_retries,
+                                    api_key=cfg.api_key_value())
+        return cls(cfg.base_url or "", None if cfg.launch else cfg.model, cfg.request_timeout_s, cfg.max_retries,
+                   api_key=cfg.api_key_value())
+
     def __init__(self, base_url: str, model: str | None = None, timeout: float = 300.0,
                  max_retries: int = 5, backoff_s: float = 0.5, policy_version: int = 0,
                  api_key: str | None = None):

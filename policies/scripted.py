@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from rollway.policies.base import ChatFormat, Generation, InferenceClient, SamplingParams
 from rollway.policies.config import ScriptRule
@@ -14,6 +15,10 @@ SCRIPTED_LOGPROB = -0.01
 class ScriptedPolicy(InferenceClient):
     """Plays `turns[k]` of the first rule matching the prompt, where k is the number of assistant
     turns already in the prompt. Same prompt, same output: episodes are reproducible."""
+
+    @classmethod
+    def from_config(cls, cfg: Any, chat: ChatFormat, taskset: Any = None) -> ScriptedPolicy:
+        return cls(cfg.script, chat)
 
     def __init__(self, rules: list[ScriptRule], chat: ChatFormat, policy_version: int = 0):
         if not rules:
