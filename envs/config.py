@@ -24,7 +24,7 @@ class TasksConfig(SectionConfig):
     `rollway bench pipeline` (plans file at `path`). `swebench`: SWE-bench-schema rows
     (JSONL/Parquet; SWE-Gym, SWE-smith, R2E-Gym too) graded in per-instance images (needs sandbox.type=docker).
     `harbor`: Harbor / Terminal-Bench 2 task folders under `path` (needs sandbox.type=docker). `python:MODULE:CLASS` (or `python:FILE.py:CLASS`): your
-    own TaskSet subclass, constructed with this config (README, "Writing a task set")."""
+    own TaskSet subclass, constructed with this config (docs/extending.md, "Writing a task set")."""
     limit: int | None = Field(None, ge=1)
     """Use at most this many tasks (after split selection)."""
     split: Literal["all", "train", "test"] = "all"
@@ -112,8 +112,7 @@ class SWEBenchTasksConfig(GradedTasksConfig, ImageTasksConfig):
 
     implementation = "swebench"
     row_format: Literal["auto", "swebench", "swe-gym", "swe-smith", "r2e-gym"] = "auto"
-    """How to read the rows; `auto` tells the formats apart by their fields (README, "SWE-bench rows and
-    Harbor tasks")."""
+    """How to read the rows; `auto` tells the formats apart by their fields (docs/swe-and-harbor.md)."""
     mirror: str | None = None
     """Folder of git repositories the instances' repos are read from (OWNER__NAME.git, OWNER__NAME or
     OWNER/NAME); `rollway tasks build swe --format swebench` writes one."""
