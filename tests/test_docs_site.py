@@ -98,3 +98,12 @@ def test_readme_is_short_and_its_links_resolve():
     for link in links:
         if not link.startswith(("http://", "https://")):
             assert (ROOT / link).exists(), f"README links to {link}, which does not exist"
+
+
+def test_every_benchmark_section_shows_the_command_that_reproduces_it():
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    sections = re.split(r"\n(?=## )", page)[1:]
+    assert len(sections) >= 10
+    for section in sections:
+        title = section.splitlines()[0]
+        assert re.search(r"```bash\n(rollway|make|bash) ", section), f"benchmarks.md {title!r} shows no command"
