@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 ROLLWAY := $(VENV)/bin/rollway
 
-.PHONY: setup run smoke test lint format demo bench clean
+.PHONY: setup run smoke test lint format demo bench docs clean
 
 $(VENV)/.ready: pyproject.toml scripts/setup.sh scripts/setup-vllm.sh
 	bash scripts/setup.sh
@@ -22,6 +22,10 @@ test: $(VENV)/.ready           ## the whole test suite
 bench: $(VENV)/.ready          ## pipelined vs bounded-batch rollout on the simulated workload (about 6 minutes)
 	$(ROLLWAY) bench pipeline
 
+docs: $(VENV)/.ready          ## the documentation site in site/ (fails on a stale config reference or a broken link)
+	$(ROLLWAY) docs config --check
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
 lint: $(VENV)/.ready
 	$(VENV)/bin/ruff check .
 
@@ -29,4 +33,4 @@ format: $(VENV)/.ready
 	$(VENV)/bin/ruff format .
 
 clean:
-	rm -rf runs .pytest_cache
+	rm -rf runs .pytest_cache site

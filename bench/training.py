@@ -66,7 +66,7 @@ class TrainingConfig(StrictModel):
     step trains its batch in about the time the engine generates it at full throughput (seed 0: 32
     episodes of ~3,600 tokens: 0.5 + 4.0 s, against ~4.7 s of generation at ~6.8 episodes/s), the
     balanced split of rollout and training devices AReaL and verl recommend for disaggregated
-    training. The README compares the resulting learner share of a synchronous step with published
+    training. docs/benchmarks.md compares the resulting learner share of a synchronous step with published
     runs."""
     weight_sync_s: float = Field(0.3, ge=0)
     """Engine pause per update while the new weights load (no decode step starts inside it)."""

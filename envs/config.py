@@ -24,8 +24,9 @@ class TasksConfig(SectionConfig):
     `rollway bench pipeline` (plans file at `path`). `swebench`: SWE-bench-schema rows
     (JSONL/Parquet; SWE-Gym, SWE-smith, R2E-Gym too) graded in per-instance images (needs sandbox.type=docker).
     `harbor`: Harbor / Terminal-Bench 2 task folders under `path` (needs sandbox.type=docker). `buglocal`: name the
-    file and function an injected bug changed (instances from `rollway tasks build swe`). `python:MODULE:CLASS` (or `python:FILE.py:CLASS`): your
-    own TaskSet subclass, constructed with this config (README, "Writing a task set")."""
+    file and function an injected bug changed (instances from `rollway tasks build swe`). `python:MODULE:CLASS`
+    (or `python:FILE.py:CLASS`): your own TaskSet subclass, constructed with this config (docs/extending.md,
+    "Writing a task set")."""
     limit: int | None = Field(None, ge=1)
     """Use at most this many tasks (after split selection)."""
     split: Literal["all", "train", "test"] = "all"
@@ -127,8 +128,7 @@ class SWEBenchTasksConfig(GradedTasksConfig, ImageTasksConfig):
 
     implementation = "swebench"
     row_format: Literal["auto", "swebench", "swe-gym", "swe-smith", "r2e-gym"] = "auto"
-    """How to read the rows; `auto` tells the formats apart by their fields (README, "SWE-bench rows and
-    Harbor tasks")."""
+    """How to read the rows; `auto` tells the formats apart by their fields (docs/swe-and-harbor.md)."""
     mirror: str | None = None
     """Folder of git repositories the instances' repos are read from (OWNER__NAME.git, OWNER__NAME or
     OWNER/NAME); `rollway tasks build swe --format swebench` writes one."""

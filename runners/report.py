@@ -148,8 +148,11 @@ def plot_reward_curve(trajs: list[dict[str, Any]]):
     x = list(range(1, len(trajs) + 1))
     rewards = [float(t["reward"]) for t in trajs]
     ax.scatter(x, rewards, s=12, alpha=0.5, color="#4c78a8", label="reward (episode)")
-    ax.plot(x, running_mean(rewards), color="#4c78a8", label="reward (running mean)")
-    ax.plot(x, running_mean([float(bool(t["resolved"])) for t in trajs]), color="#e45756", label="pass rate (running)")
+    # With 0/1 rewards the two running means coincide: the reward line is drawn wide underneath and the
+    # pass rate thin and dashed on top, so both stay visible where they overlap.
+    ax.plot(x, running_mean(rewards), color="#4c78a8", linewidth=4, zorder=2, label="reward (running mean)")
+    ax.plot(x, running_mean([float(bool(t["resolved"])) for t in trajs]), color="#e45756", linewidth=1.5,
+            linestyle=(0, (4, 3)), zorder=3, label="pass rate (running)")
     ax.set_xlabel("episodes completed (time order)")
     ax.set_ylabel("reward / pass rate")
     ax.set_ylim(min(-0.05, min(rewards) - 0.05), max(1.05, max(rewards) + 0.05))  # a flat 1.0 stays readable

@@ -20,7 +20,7 @@ class SandboxConfig(SectionConfig):
     type: Literal["local", "docker", "sim"] | PluginRef = "local"
     """`local`: bubblewrap jail over a workspace folder. `docker`: one container per episode. `sim`:
     simulated start-up/command/test times for benchmarks (`rollway bench pipeline`). `python:MODULE:CLASS`
-    (or `python:FILE.py:CLASS`): your own SandboxProvider subclass (README, "Writing a sandbox")."""
+    (or `python:FILE.py:CLASS`): your own SandboxProvider subclass (docs/extending.md, "Writing a sandbox")."""
     root: str | None = None
     """Folder under which episode workspaces are created; default a temp folder shared by workers."""
     exec_timeout_s: float = Field(30.0, gt=0)
@@ -43,7 +43,7 @@ class SandboxConfig(SectionConfig):
     workspace_mb: int = Field(768, ge=16)
     """Size cap of the workspace: a docker sandbox's workspace volume (a tmpfs owned by the sandbox
     user); for `local`, a size-capped filesystem mounted on the workspace folder when rollway runs as
-    root (see README, "Sandboxes"). Its pages are memory: kept below `memory_mb`, a full workspace
+    root (see docs/agents.md, "Sandboxes"). Its pages are memory: kept below `memory_mb`, a full workspace
     is a "No space left" error rather than an out-of-memory kill."""
     tmp_mb: int = Field(512, ge=1)
     """Size of the private /tmp inside the sandbox (a tmpfs, so it counts against memory). In a `local`

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The learner's GPU table in the README ("The learner beyond one process", "On one H100"):
+# The learner's GPU table in docs/benchmarks.md ("The learner", "On one H100"):
 # Qwen3-shaped models initialised at random from their configuration (no weights are downloaded),
 # then `rollway bench learner` at 4,096-token episodes. Needs a CUDA GPU and a Python where rollway,
 # torch and transformers import (PYTHON, default python3).

@@ -1,4 +1,4 @@
-"""The README's extension examples are the files in examples/extending/, verbatim, and each one runs."""
+"""The extension examples of docs/extending.md are the files in examples/extending/, verbatim, and each one runs."""
 
 from __future__ import annotations
 
@@ -13,16 +13,16 @@ EXAMPLES = sorted((ROOT / "examples" / "extending").glob("*.py"))
 BLOCK = re.compile(r"<!-- file: (\S+) -->\n```python\n(.*?)```\n", re.S)
 
 
-def readme_blocks() -> dict[str, str]:
-    return dict(BLOCK.findall((ROOT / "README.md").read_text()))
+def page_blocks() -> dict[str, str]:
+    return dict(BLOCK.findall((ROOT / "docs" / "extending.md").read_text()))
 
 
-def test_readme_shows_every_example_verbatim():
-    blocks = readme_blocks()
+def test_extending_page_shows_every_example_verbatim():
+    blocks = page_blocks()
     assert sorted(blocks) == [f"examples/extending/{p.name}" for p in EXAMPLES]
     assert {"custom_tool.py", "custom_taskset.py", "custom_sandbox.py", "custom_reward.py"} <= {p.name for p in EXAMPLES}
     for name, text in blocks.items():
-        assert text == (ROOT / name).read_text(), f"README block for {name} differs from the file"
+        assert text == (ROOT / name).read_text(), f"docs/extending.md block for {name} differs from the file"
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)

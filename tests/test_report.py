@@ -19,18 +19,33 @@ def chromium_screenshot(html_path, out_png, tmp_path) -> None:
     proc = subprocess.run(
         [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars",
-         f"--user-data-dir={tmp_path / 'chromium-profile'}", f"--screenshot={out_png}",
-         "--window-size=1400,3000", f"file://{html_path}"],
+         "--force-device-scale-factor=1", f"--user-data-dir={tmp_path / 'chromium-profile'}",
+         f"--screenshot={out_png}", "--window-size=1400,3000", f"file://{html_path}"],
         capture_output=True, text=True, timeout=120)
     assert out_png.exists(), f"chromium wrote no screenshot (exit {proc.returncode}): {proc.stderr[-2000:]}"
 
 
-def colour_share(pixels: list[tuple[int, int, int]], rgb: tuple[int, int, int], tol: int = 12) -> float:
-    near = sum(all(abs(p[i] - rgb[i]) <= tol for i in range(3)) for p in pixels)
-    return near / len(pixels)
+def find_image(screen, image) -> tuple[int, int] | None:
+    """Where `image` (an H x W x 3 array) appears pixel for pixel in `screen`: (top, left), or None. It is
+    located by its busiest row, then compared whole, so a partly drawn or different image is not found."""
+    import numpy as np
+
+    busiest = int(np.argmax((image != 255).any(axis=2).sum(axis=1)))
+    pattern, (height, width) = image[busiest].tobytes(), image.shape[:2]
+    for y in range(busiest, screen.shape[0] - (height - busiest) + 1):
+        row, start = screen[y].tobytes(), 0
+        while (i := row.find(pattern, start)) >= 0:
+            top, left = y - busiest, i // 3
+            if i % 3 == 0 and np.array_equal(screen[top:top + height, left:left + width], image):
+                return top, left
+            start = i + 1
+    return None
 
 
 def test_report_html_shows_curves_and_timeline_in_chromium(smoke_run, tmp_path):
+    """Chromium draws every inlined plot of the report pixel for pixel (no colour-share threshold: a plot
+    is found whole or the test fails naming it)."""
+    import numpy as np
     from PIL import Image
 
     report = smoke_run.run_dir / "report.html"
@@ -39,19 +54,49 @@ def test_report_html_shows_curves_and_timeline_in_chromium(smoke_run, tmp_path):
         assert f"<section id='{section}'>" in html, section
     assert html.count("data:image/png;base64,") == 5  # no learner metrics in the smoke run
     assert not re.search(r"""(src|href)=['"]?(https?:|//)""", html), "the report must not load external assets"
-    for name in ("reward", "timeline", "inference", "tools", "stop_reasons"):
-        assert (smoke_run.run_dir / "plots" / f"{name}.png").stat().st_size > 5000, name
 
     shot = tmp_path / "report.png"
     chromium_screenshot(report, shot, tmp_path)
-    img = Image.open(shot).convert("RGB")
-    assert img.size == (1400, 3000)
-    small = img.resize((700, 1500))
-    pixels = [small.getpixel((x, y)) for y in range(small.height) for x in range(small.width)]
-    assert sum(p != (255, 255, 255) for p in pixels) / len(pixels) > 0.05, "the screenshot is blank"
-    # The inlined plots rendered: the timeline's tool bars (green) and the reward curve (blue) are visible.
-    assert colour_share(pixels, (0x54, 0xA2, 0x4B)) > 0.002, "no timeline bars in the screenshot"
-    assert colour_share(pixels, (0x4C, 0x78, 0xA8)) > 0.001, "no reward curve in the screenshot"
+    screen = np.asarray(Image.open(shot).convert("RGB"))
+    assert screen.shape == (3000, 1400, 3)
+    tops = {}
+    for name in ("reward", "timeline", "inference", "tools", "stop_reasons"):
+        plot = np.asarray(Image.open(smoke_run.run_dir / "plots" / f"{name}.png").convert("RGB"))
+        assert (plot != 255).any(axis=2).mean() > 0.02, f"plots/{name}.png is nearly blank"
+        where = find_image(screen, plot)
+        assert where, f"the {name} plot is not drawn in the screenshot of report.html"
+        tops[name] = where[0]
+    assert list(tops) == sorted(tops, key=tops.get), f"plots out of the report's order: {tops}"
+
+
+def test_reward_curve_stays_visible_under_a_coinciding_pass_rate():
+    """With 0/1 rewards the reward's running mean equals the pass rate's: the reward line (blue) must stay
+    visible where the pass-rate line (red) is drawn over it. Rendering is deterministic (Agg), so the
+    share of the blue line left visible is a fixed number: 0 when the red line hides it."""
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from rollway.runners.report import plot_reward_curve, running_mean
+
+    trajs = [{"reward": float(r), "resolved": bool(r)} for r in (1, 0, 1, 1, 0, 1, 1, 1)]
+    fig = plot_reward_curve(trajs)
+    FigureCanvasAgg(fig)
+    ax = fig.axes[0]
+    lines = {line.get_label(): line for line in ax.lines}
+    reward, passed = lines["reward (running mean)"], lines["pass rate (running)"]
+    assert list(reward.get_ydata()) == list(passed.get_ydata()) == running_mean([float(r["reward"]) for r in trajs])
+    for artist in [*ax.collections, ax.get_legend()]:  # count only the two lines' pixels
+        artist.set_visible(False)
+
+    def blue_pixels() -> int:
+        fig.canvas.draw()
+        rgb = np.asarray(fig.canvas.buffer_rgba())[..., :3].astype(int)
+        return int((np.abs(rgb - [0x4C, 0x78, 0xA8]).max(axis=2) <= 12).sum())
+
+    with_pass_rate = blue_pixels()
+    passed.set_visible(False)
+    alone = blue_pixels()
+    assert alone > 500 and with_pass_rate / alone > 0.4, (with_pass_rate, alone)
 
 
 def test_report_command_adds_learner_curves_and_handles_old_trajectories(smoke_run, tmp_path):

@@ -445,7 +445,7 @@ def test_real_pipeline_bench_runs_both_modes_on_real_parts(vllm_url, tmp_path):
 
 def test_weight_sync_bench_pushes_full_checkpoints_and_adapters(vllm_url, tmp_path):
     """`rollway bench weight-sync --url`, tiny: one full checkpoint and one adapter through rollway's
-    client into this module's server (the benchmark proper starts its own replicas: README), each
+    client into this module's server (the benchmark proper starts its own replicas: docs/benchmarks.md), each
     served and measured, then the base again."""
     proc = subprocess.run([sys.executable, "-m", "rollway.runners", "bench", "weight-sync", "--url", vllm_url,
                            "--updates", "1", "--json", "--out", str(tmp_path / "sync")],
