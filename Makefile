@@ -24,6 +24,7 @@ bench: $(VENV)/.ready          ## pipelined vs bounded-batch rollout on the simu
 
 docs: $(VENV)/.ready          ## the documentation site in site/ (fails on a stale config reference or a broken link)
 	$(ROLLWAY) docs config --check
+	$(ROLLWAY) docs topology --check
 	$(VENV)/bin/mkdocs build --strict --site-dir site
 
 lint: $(VENV)/.ready

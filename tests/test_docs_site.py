@@ -92,7 +92,7 @@ def test_readme_shows_the_smoke_config_in_full_and_it_loads():
 def test_readme_is_short_and_its_links_resolve():
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 250
-    assert readme.index("make run") < readme.index("make test") < readme.index("scheduler --init-requests")
+    assert readme.index("make run") < readme.index("make test") < readme.index("scheduler -> init -> agent")
     links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme)
     assert links
     for link in links:

@@ -84,3 +84,12 @@ def test_no_other_module_spells_the_stage_list():
                                                          "runners", "sandboxes", "schemas", "tools", "topics", "bench")
                  for p in (ROOT / folder).rglob("*.py") if listed.search(p.read_text())]
     assert offenders == []
+
+
+def test_readme_and_concepts_carry_the_declared_topology():
+    """The pipeline block of the README and docs/concepts.md is generated from the declaration."""
+    from rollway.topics.topology import text_diagram, with_diagram
+
+    for name in ("README.md", "docs/concepts.md"):
+        text = (ROOT / name).read_text()
+        assert text_diagram() in text and with_diagram(text) == text, f"run `rollway docs topology` ({name})"
