@@ -7,6 +7,7 @@ scheduler also writes its own final verdict when it gives an episode up)."""
 
 from __future__ import annotations
 
+import os
 import random
 import time
 import uuid
@@ -90,6 +91,8 @@ class SchedulerActor(Actor):
             self.inputs = (*SchedulerActor.inputs, REWARD_REQUESTS)
         self._dirty = True
         self._repair = False
+        self._gate = os.environ.get("ROLLWAY_START_GATE") or None
+        """A file that must exist before the first issue (set by `rollway up`; None: issue at once)."""
 
     async def setup(self) -> None:
         tasks = self.s.taskset.tasks()
@@ -165,6 +168,8 @@ class SchedulerActor(Actor):
 
     # -- issuing ----------------------------------------------------------------------------
     async def tick(self) -> list[Output]:
+        if self._gate is not None and not os.path.exists(self._gate):
+            return []  # `rollway up` has not seen every worker own partitions yet (RunDir.start_gate)
         now = time.time()
         outputs = []
         for t in self.tickets.values():

@@ -72,6 +72,12 @@ class RunDir:
         return self.read(str(self.worker_status_path(stage, pid).relative_to(self.path)))
 
     @property
+    def start_gate(self) -> Path:
+        """Created by `rollway up` once every worker it started owns partitions; a scheduler started with
+        ROLLWAY_START_GATE naming it issues no episode before it exists (it plans and scans meanwhile)."""
+        return self.worker_status_dir / "start-gate"
+
+    @property
     def telemetry_dir(self) -> Path:
         return self.path / "telemetry"
 

@@ -88,27 +88,35 @@ class Job:
                 "--bootstrap", self.bootstrap, "--run-dir", str(self.run_dir)]
 
     def start(self) -> None:
+        """Start every stage process at once. The scheduler plans, scans the log and joins its group
+        meanwhile, but issues nothing until `open_start_gate` sees every other worker own partitions."""
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         write_resolved_config(self.cfg, self.stage_config_path)
+        gate = RunDir(self.run_dir).start_gate
+        gate.unlink(missing_ok=True)
+        self._started_at = time.monotonic()
         for stage in START_ORDER:
-            if stage == "scheduler":
-                self.wait_until_consuming()
+            env = {**(self.env or {}), "ROLLWAY_START_GATE": str(gate)} if stage == "scheduler" else self.env
             for i in range(1 if stage == "learner" else self.workers.get(stage, 1)):
-                p = StageProcess(stage, i, self.stage_argv(stage), self.run_dir / "logs" / f"{stage}-{i}.out",
-                                 env=self.env)
+                p = StageProcess(stage, i, self.stage_argv(stage), self.run_dir / "logs" / f"{stage}-{i}.out", env=env)
                 p.start()
                 self.procs.append(p)
 
-    def wait_until_consuming(self, timeout_s: float = 30.0) -> None:
-        """Hold the scheduler back until every worker started so far owns partitions (its group has
-        settled), so the first episodes neither wait for nor get moved by consumer-group joins.
-        Gives up silently after timeout_s: the job still runs, only its start is slower."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            status = [RunDir(self.run_dir).worker_status(p.stage, p.proc.pid) for p in self.procs]
-            if all(s.get("partitions", 0) > 0 for s in status):
-                return
-            time.sleep(0.1)
+    def open_start_gate(self, timeout_s: float = 30.0) -> bool:
+        """Let the scheduler issue once every other worker owns partitions (its group has settled), so
+        the first episodes neither wait for nor get moved by consumer-group joins; after timeout_s it
+        opens anyway (the job still runs, only its start is slower). True once open."""
+        gate = RunDir(self.run_dir).start_gate
+        if gate.exists():
+            return True
+        status = [RunDir(self.run_dir).worker_status(p.stage, p.proc.pid) for p in self.procs if p.stage != "scheduler"]
+        if all(s.get("partitions", 0) > 0 for s in status) or time.monotonic() - self._started_at > timeout_s:
+            gate.parent.mkdir(parents=True, exist_ok=True)
+            gate.touch()
+            return True
+        return False
+
+    _started_at: float = field(default=0.0, init=False)
 
     def scheduler_exit_code(self) -> int | None:
         """The scheduler's exit code once it ended for good: 0, or an error with no restart left."""
@@ -299,6 +307,7 @@ def _run_stages(job: Job, on_tick, quiet: bool) -> dict:
     progress = Progress(enabled=not quiet, run_dir=run_dir)
     try:
         while (code := job.scheduler_exit_code()) is None:
+            gate_open = job.open_start_gate()
             if time.monotonic() - t0 > cfg.run.timeout_s:
                 raise JobFailed(f"timed out after {cfg.run.timeout_s:.0f}s (run.timeout_s); see {run_dir / 'logs'}")
             for note in job.restart_dead_workers():
@@ -308,7 +317,7 @@ def _run_stages(job: Job, on_tick, quiet: bool) -> dict:
             if on_tick is not None:
                 on_tick(job)
             progress.update(RunDir(run_dir).scheduler(), RunDir(run_dir).sink())
-            time.sleep(0.25)
+            time.sleep(0.25 if gate_open else 0.05)
         sched = RunDir(run_dir).scheduler()
         if code != 0 or not sched.get("done"):
             raise JobFailed(f"the scheduler exited with code {code}; see {run_dir / 'logs' / 'scheduler-0.out'}")
@@ -347,22 +356,30 @@ def wait_for_consumers(run_dir: Path, completed: int, job: Job, timeout_s: float
 
 
 async def consumer_lag(cfg: RunConfig, bootstrap: str, stages: tuple[str, ...]) -> int:
-    """Messages on the stages' input topics their consumer groups have not committed yet."""
+    """Messages on the stages' input topics their consumer groups have not committed yet: one scan of
+    the log ends for every input, the groups' committed offsets from one admin client."""
     from aiokafka import TopicPartition
+    from aiokafka.admin import AIOKafkaAdminClient
 
-    from rollway.core.kafka import log_end_offsets, make_consumer, topic_name
+    from rollway.core.kafka import client_kwargs, log_end_offsets, make_consumer, start_with_retry, topic_name
     from rollway.runners.stage import group_id, stage_inputs
 
-    total = 0
-    for stage in stages:
-        consumer = await make_consumer(cfg.broker, bootstrap, group_id=group_id(stage, cfg))
-        try:
-            await consumer.topics()
-            tps = [TopicPartition(name, p) for name in (topic_name(t, cfg.topics) for t in stage_inputs(stage))
-                   for p in sorted(consumer.partitions_for_topic(name) or ())]
-            ends = await log_end_offsets(consumer, tps)
-            for tp in tps:
-                total += max(0, ends[tp] - ((await consumer.committed(tp)) or 0))
-        finally:
-            await consumer.stop()
-    return total
+    # Its fetches only probe the high watermark at each end: a broker answers them after fetch_max_wait.
+    probe = cfg.broker.model_copy(update={"fetch_max_wait_ms": 10})
+    consumer = await make_consumer(probe, bootstrap, group_id=None)
+    admin = AIOKafkaAdminClient(**client_kwargs(cfg.broker, bootstrap))
+    try:
+        await start_with_retry(admin, cfg.broker, "admin")
+        await consumer.topics()
+        inputs = {stage: [TopicPartition(name, p) for name in (topic_name(t, cfg.topics) for t in stage_inputs(stage))
+                          for p in sorted(consumer.partitions_for_topic(name) or ())] for stage in stages}
+        ends = await log_end_offsets(consumer, sorted({tp for tps in inputs.values() for tp in tps}))
+        total = 0
+        for stage, tps in inputs.items():
+            committed = await admin.list_consumer_group_offsets(group_id(stage, cfg), partitions=tps)
+            total += sum(max(0, ends[tp] - (committed[tp].offset if tp in committed and committed[tp].offset >= 0
+                                            else 0)) for tp in tps)
+        return total
+    finally:
+        await consumer.stop()
+        await admin.close()
