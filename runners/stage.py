@@ -11,7 +11,7 @@ from rollway.actors import STAGES
 from rollway.actors.base import Actor
 from rollway.actors.services import Services
 from rollway.core.config import RunConfig
-from rollway.core.kafka import ensure_topics
+from rollway.core.kafka import ensure_topics, stage_group_id
 from rollway.core.run_dir import RunDir
 from rollway.runners.stage_runtime import LogReader, StageWorker, TopicScanner
 
@@ -68,9 +68,8 @@ def stage_prefetch(name: str, cfg: RunConfig) -> int:
 
 
 def group_id(name: str, cfg: RunConfig) -> str:
-    # The scheduler reads every outcome of its own run, so its group is per run.
-    suffix = f"-{cfg.run.id}" if name == "scheduler" and cfg.run.id else ""
-    return f"{cfg.topics.prefix}rollway-{name}{suffix}"
+    """Every stage's group belongs to its run (core/kafka.py: stage_group_id)."""
+    return stage_group_id(name, cfg.topics, cfg.run.id)
 
 
 async def run_stage(name: str, cfg: RunConfig, bootstrap: str, run_dir: Path, stop: asyncio.Event | None = None) -> None:
