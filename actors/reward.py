@@ -54,6 +54,10 @@ class RewardActor(Actor):
     async def handle(self, msg: RewardRequest, meta: MessageMeta) -> list[Output]:
         if not belongs_to_run(msg.episode_id, self.s.cfg.run.id):
             return []  # another run's episode on shared topics: its own reward stage grades it
+        with self.ledger.handling(meta):
+            return await self._handle(msg, meta)
+
+    async def _handle(self, msg: RewardRequest, meta: MessageMeta) -> list[Output]:
         key = f"{msg.episode_id}/{msg.attempt}"
         seen = self.ledger.seen(key, meta)
         if seen is not None:
@@ -62,11 +66,14 @@ class RewardActor(Actor):
         try:
             traj = await self._graded(msg, sandbox)
             self.ledger.record(key, meta, encode(traj))  # before the teardown: a redelivery never finds it gone
-            fault_point("reward.after_grade")
-        finally:
-            # Whatever grading (or assembling, or recording) did: a failed attempt is re-issued in a
-            # fresh sandbox, so this one is never used again.
+        except Exception:
+            # Whatever failed (grading, assembling, recording): the attempt is re-issued in a fresh
+            # sandbox, so this one is never used again. A cancelled grading keeps it: the request is
+            # redelivered and graded there (the run's reaper removes it if nothing does).
             await sandbox.destroy()
+            raise
+        fault_point("reward.after_grade")
+        await sandbox.destroy()
         self.stats["graded"] += 1
         log.info("episode graded", reward=traj.reward, resolved=traj.resolved, stop_reason=traj.stop_reason,
                  turns=traj.num_turns, task_id=msg.task_id)
