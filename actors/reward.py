@@ -54,8 +54,22 @@ class RewardActor(Actor):
     async def handle(self, msg: RewardRequest, meta: MessageMeta) -> list[Output]:
         if not belongs_to_run(msg.episode_id, self.s.cfg.run.id):
             return []  # another run's episode on shared topics: its own reward stage grades it
-        with self.ledger.handling(meta):
-            return await self._handle(msg, meta)
+        try:
+            with self.ledger.handling(meta):
+                return await self._handle(msg, meta)
+        except Exception:
+            # Whatever failed (the ledger, grading, assembling, recording): the attempt is re-issued
+            # in a fresh sandbox, so this one is never used again. A cancelled grading keeps it: the
+            # request is redelivered and graded there (the run's reaper removes it if nothing does).
+            await self._destroy_quietly(msg)
+            raise
+
+    async def _destroy_quietly(self, msg: RewardRequest) -> None:
+        try:
+            await (await self.s.sandboxes.attach(msg.sandbox)).destroy()
+        except Exception as err:  # noqa: BLE001 - the grading's own error is the one to report
+            log.warning("sandbox of a failed grading not destroyed; the run's reaper will", episode_id=msg.episode_id,
+                        error=f"{type(err).__name__}: {err}")
 
     async def _handle(self, msg: RewardRequest, meta: MessageMeta) -> list[Output]:
         key = f"{msg.episode_id}/{msg.attempt}"
@@ -63,15 +77,8 @@ class RewardActor(Actor):
         if seen is not None:
             return await self._replay(msg, seen.result)
         sandbox = await self.s.sandboxes.attach(msg.sandbox)
-        try:
-            traj = await self._graded(msg, sandbox)
-            self.ledger.record(key, meta, encode(traj))  # before the teardown: a redelivery never finds it gone
-        except Exception:
-            # Whatever failed (grading, assembling, recording): the attempt is re-issued in a fresh
-            # sandbox, so this one is never used again. A cancelled grading keeps it: the request is
-            # redelivered and graded there (the run's reaper removes it if nothing does).
-            await sandbox.destroy()
-            raise
+        traj = await self._graded(msg, sandbox)
+        self.ledger.record(key, meta, encode(traj))  # before the teardown: a redelivery never finds it gone
         fault_point("reward.after_grade")
         await sandbox.destroy()
         self.stats["graded"] += 1
