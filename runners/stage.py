@@ -13,14 +13,15 @@ from rollway.actors.services import Services
 from rollway.core.config import RunConfig
 from rollway.core.kafka import ensure_topics, stage_group_id
 from rollway.core.run_dir import RunDir
-from rollway.runners.stage_runtime import LogReader, StageWorker, TopicScanner
+from rollway.runners.stage_runtime import LogReader, StageWorker
 
 
 def build_actor(name: str, services: Services, log_reader: LogReader | None) -> Actor:
     if name == "scheduler":
         from rollway.actors.scheduler import SchedulerActor
+        from rollway.runners.topic_scan import StreamingTopicScanner
 
-        return SchedulerActor(services, TopicScanner(services.cfg, log_reader.bootstrap) if log_reader else None)
+        return SchedulerActor(services, StreamingTopicScanner(services.cfg, log_reader.bootstrap) if log_reader else None)
     if name == "init":
         from rollway.actors.init import InitActor
 
