@@ -576,3 +576,19 @@ def test_scheduler_of_a_run_older_than_retention_refuses_to_rebuild(tmp_path):
     sched = SchedulerActor(Services(cfg, tmp_path / "run"), nothing)
     with pytest.raises(RuntimeError, match="retention.*new run.id"):
         run(sched.setup())
+
+
+@pytest.mark.broker
+def test_rollway_up_removes_sandboxes_a_killed_run_left(broker, topic_prefix, tmp_path):
+    """Sandboxes of run rE that its killed workers left (made directly, as a SIGKILLed init leaves
+    them) are gone after `rollway up` runs that run again, and the run itself leaves none."""
+    root = tmp_path / "boxes"
+    s = services(tmp_path, "run.id=rE", f"sandbox.root={root}")
+    make_boxes(s, ["rE-g0-s0-a0-old1", "rE-g1-s1-a1-old2"])
+    assert len(mounts_under(root)) == 2
+    out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", "examples/smoke.yaml", "--bootstrap",
+                          broker.bootstrap, "--run-dir", str(tmp_path / "run"), f"topics.prefix={topic_prefix}",
+                          "run.id=rE", f"sandbox.root={root}"], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["trajectories_written"] == 8
+    assert left_behind(root) == ([], [])
