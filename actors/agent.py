@@ -16,6 +16,7 @@ from rollway.actors.base import Actor, MessageMeta, Output, failure_output
 from rollway.actors.episode import EpisodeState, observation_messages
 from rollway.actors.gate import RankedGate
 from rollway.actors.services import Services
+from rollway.actors.sink import belongs_to_run
 from rollway.base.faults import fault_point
 from rollway.policies.base import SamplingParams, episode_seed
 from rollway.schemas.messages import AgentStep, RewardRequest, TurnRecord
@@ -81,15 +82,34 @@ class AgentActor(Actor):
         return -float(turn) if self.final_wave else float(turn)
 
     async def handle(self, msg: AgentStep, meta: MessageMeta) -> list[Output]:
+        if not belongs_to_run(msg.episode_id, self.s.cfg.run.id):
+            return []  # another run's episode on shared topics (its sandbox is not ours to touch)
         try:
             return await self._handle_turn(msg, meta)
         except TurnReplayed as err:
             log.warning("turn re-run detected; attempt failed for a fresh sandbox", episode_id=msg.episode_id,
                         turn=msg.turn, attempt=msg.attempt)
             self.cache.pop((msg.episode_id, msg.attempt), None)
+            await self._destroy_sandbox(msg)
             return [failure_output(msg, self.name, err)]
+        except Exception:
+            # The attempt fails (on_error reports it; the scheduler re-issues it in a fresh sandbox):
+            # nothing will use this sandbox again. A cancelled turn keeps it: its message is
+            # redelivered and the episode goes on there.
+            await self._destroy_sandbox(msg)
+            raise
+
+    async def _destroy_sandbox(self, msg: AgentStep) -> None:
+        """Destroy the attempt's sandbox; one already gone (or unreachable) is logged, never raised
+        over the error that failed the turn."""
+        try:
+            await (await self.s.sandboxes.attach(msg.sandbox)).destroy()
+        except Exception as err:  # noqa: BLE001 - the turn's own error is the one to report
+            log.warning("sandbox of a failed attempt not destroyed; the run's reaper will", episode_id=msg.episode_id,
+                        attempt=msg.attempt, error=f"{type(err).__name__}: {err}")
 
     def on_error(self, msg: AgentStep, error: BaseException) -> list[Output]:
+        """`handle` has destroyed the sandbox already (on_error is not async)."""
         self.cache.pop((msg.episode_id, msg.attempt), None)
         return [failure_output(msg, self.name, error)]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
@@ -9,6 +10,7 @@ import structlog
 
 from rollway.actors.base import Actor, MessageMeta, Output, failure_output
 from rollway.actors.services import Services
+from rollway.actors.sink import belongs_to_run
 from rollway.schemas.messages import AgentStep, InitRequest
 from rollway.topics import AGENT_STEPS, INIT_REQUESTS
 
@@ -35,13 +37,46 @@ class InitActor(Actor):
         await self.s.sandboxes.close()  # e.g. the docker sandbox's idle warm-pool containers
 
     async def handle(self, msg: InitRequest, meta: MessageMeta) -> list[Output]:
+        if not belongs_to_run(msg.episode_id, self.s.cfg.run.id):
+            return []  # another run's episode on shared topics: its own init stage builds it
         if msg.deadline and time.time() > msg.deadline:
             log.info("init request past its deadline, skipped", episode_id=msg.episode_id, attempt=msg.attempt)
             return []  # the scheduler has re-issued it (or will)
         task = self.s.taskset.get(msg.task_id)
         await self.s.taskset.prepare(task)  # e.g. its image built in a thread, off this loop
-        sandbox = await self.s.sandboxes.create(self.s.taskset.sandbox_spec(task),
-                                                sandbox_name(msg.episode_id, msg.attempt))
+        name = sandbox_name(msg.episode_id, msg.attempt)
+        try:
+            sandbox = await self.s.sandboxes.create(self.s.taskset.sandbox_spec(task), name)
+        except BaseException:
+            await self._discard(name)  # a half-built sandbox (or one whose creation was cancelled)
+            raise
+        try:
+            return [self._first_step(msg, task, sandbox)]
+        except BaseException:
+            await self._discard(name, sandbox)
+            raise
+
+    async def _discard(self, name: str, sandbox=None) -> None:
+        """Remove this attempt's sandbox: nothing hands it on (the request is retried or re-issued
+        with a sandbox of its own). Cancellation is held off meanwhile, so a cancelled handler
+        still finishes the removal before it stops."""
+        from rollway.sandboxes.reaper import remove_named
+
+        cleanup = sandbox.destroy() if sandbox is not None else remove_named(self.s.sandboxes, name)
+        task = asyncio.ensure_future(cleanup)
+        try:
+            try:
+                await asyncio.shield(task)
+            except asyncio.CancelledError:
+                await task  # cancelled again while removing: finish the removal, then stop
+                raise
+        except Exception as err:  # noqa: BLE001 - the init's own error is the one to report
+            log.warning("sandbox of a failed init not removed; the run's reaper will", sandbox=name,
+                        error=f"{type(err).__name__}: {err}")
+            return
+        log.info("sandbox of a failed init removed", sandbox=name)
+
+    def _first_step(self, msg: InitRequest, task, sandbox) -> Output:
         ready_at = time.time()
         messages = self.s.taskset.initial_messages(task, self.s.cfg.agent.system_prompt)
         tools = [t.spec() for t in self.s.tools_for(task).values()] if self.s.taskset.describe_tools else []
@@ -49,7 +84,7 @@ class InitActor(Actor):
             episode=msg.episode, turn=0, sandbox=sandbox.handle,
             prompt_ids=self.s.chat.initial(messages, tools), messages=messages, tools=tools,
             deadline=msg.deadline, ready_at=ready_at, final_wave=msg.final_wave)
-        return [Output(AGENT_STEPS, msg.episode_id, step)]
+        return Output(AGENT_STEPS, msg.episode_id, step)
 
     def on_error(self, msg: InitRequest, error: BaseException) -> list[Output]:
         return [failure_output(msg, self.name, error)]

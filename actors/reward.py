@@ -12,6 +12,7 @@ from rollway.actors.base import Actor, MessageMeta, Output, failure_output
 from rollway.actors.episode import TokenStream, final_state, transcript
 from rollway.actors.ledger import Ledger
 from rollway.actors.services import Services
+from rollway.actors.sink import belongs_to_run
 from rollway.base.faults import fault_point
 from rollway.sandboxes.base import SandboxError
 from rollway.schemas.codec import decode, encode
@@ -51,30 +52,49 @@ class RewardActor(Actor):
         _ = self.s.taskset, self.s.sandboxes
 
     async def handle(self, msg: RewardRequest, meta: MessageMeta) -> list[Output]:
+        if not belongs_to_run(msg.episode_id, self.s.cfg.run.id):
+            return []  # another run's episode on shared topics: its own reward stage grades it
+        try:
+            with self.ledger.handling(meta):
+                return await self._handle(msg, meta)
+        except Exception:
+            # Whatever failed (the ledger, grading, assembling, recording): the attempt is re-issued
+            # in a fresh sandbox, so this one is never used again. A cancelled grading keeps it: the
+            # request is redelivered and graded there (the run's reaper removes it if nothing does).
+            await self._destroy_quietly(msg)
+            raise
+
+    async def _destroy_quietly(self, msg: RewardRequest) -> None:
+        try:
+            await (await self.s.sandboxes.attach(msg.sandbox)).destroy()
+        except Exception as err:  # noqa: BLE001 - the grading's own error is the one to report
+            log.warning("sandbox of a failed grading not destroyed; the run's reaper will", episode_id=msg.episode_id,
+                        error=f"{type(err).__name__}: {err}")
+
+    async def _handle(self, msg: RewardRequest, meta: MessageMeta) -> list[Output]:
         key = f"{msg.episode_id}/{msg.attempt}"
         seen = self.ledger.seen(key, meta)
         if seen is not None:
             return await self._replay(msg, seen.result)
         sandbox = await self.s.sandboxes.attach(msg.sandbox)
-        try:
-            grade = await self._grade(msg, sandbox)
-        except BaseException:
-            await sandbox.destroy()
-            raise
-        traj = Trajectory(
+        traj = await self._graded(msg, sandbox)
+        self.ledger.record(key, meta, encode(traj))  # before the teardown: a redelivery never finds it gone
+        fault_point("reward.after_grade")
+        await sandbox.destroy()
+        self.stats["graded"] += 1
+        log.info("episode graded", reward=traj.reward, resolved=traj.resolved, stop_reason=traj.stop_reason,
+                 turns=traj.num_turns, task_id=msg.task_id)
+        return [Output(TRAJECTORIES, msg.episode_id, traj)]
+
+    async def _graded(self, msg: RewardRequest, sandbox) -> Trajectory:
+        grade = await self._grade(msg, sandbox)
+        return Trajectory(
             episode=msg.episode, **assemble(msg),
             turn_policy_versions=[t.policy_version for t in msg.turns], reward=grade.reward,
             resolved=grade.resolved, stop_reason=grade.stop_reason or msg.stop_reason,
             num_turns=len(msg.turns), prompt_length=len(msg.prompt_ids), grade=grade.details,
             turns=msg.turns, messages=msg.messages, template_drift_turns=sum(t.template_drift for t in msg.turns),
             created_at=time.time())
-        self.ledger.record(key, meta, encode(traj))  # before the teardown: a redelivery never finds it gone
-        fault_point("reward.after_grade")
-        await sandbox.destroy()
-        self.stats["graded"] += 1
-        log.info("episode graded", reward=grade.reward, resolved=grade.resolved, stop_reason=traj.stop_reason,
-                 turns=traj.num_turns, task_id=msg.task_id)
-        return [Output(TRAJECTORIES, msg.episode_id, traj)]
 
     async def _grade(self, msg: RewardRequest, sandbox):
         from rollway.envs.base import Episode, grade_episode

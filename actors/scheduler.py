@@ -75,7 +75,8 @@ class SchedulerActor(Actor):
     def __init__(self, services: Services, scan_log=None):
         self.s = services
         self._scan_log = scan_log
-        """async (topic specs) -> [(spec, message)]: reads topics from the start (None: no rebuild)."""
+        """(topic spec) -> async iterator of its decoded messages from the start to the current end,
+        raising when it cannot reach the end (runners/topic_scan.py; None: no rebuild)."""
         self.cfg = services.cfg.scheduler
         self.run_id = services.cfg.run.id or new_run_id()
         self.groups: list[list[Ticket]] = []
@@ -111,35 +112,60 @@ class SchedulerActor(Actor):
             self.tickets.update({t.episode_id: t for t in group})
         log.info("scheduler planned", run_id=self.run_id, groups=len(self.groups), episodes=len(self.tickets))
         if self._scan_log is not None:
-            self._rebuild(await self._scan_log((INIT_REQUESTS, TRAJECTORIES, EPISODE_FAILURES, POLICY_VERSIONS)))
+            await self._rebuild()
 
-    def _rebuild(self, records: list) -> None:
-        """Restore the tickets from what the log says this run's scheduler did and saw. Failures
-        other than the scheduler's own verdicts are left to the consumer: one whose offset was
-        committed already led to a re-issue, which init-requests shows."""
+    async def _rebuild(self) -> None:
+        """Restore the tickets from what the log says this run's scheduler did and saw, one message
+        at a time and one topic after the other (issues first, then outcomes): only each ticket's
+        attempt, state and reward are kept, never the decoded trajectories. Failures other than the
+        scheduler's own verdicts are left to the consumer: one whose offset was committed already
+        led to a re-issue, which init-requests shows. A scan that cannot finish raises (the
+        scanner's ScanIncomplete) instead of going on from part of the log."""
+        self._check_retention(self._status_started_at(), "its scheduler status")
         group_index = {g[0].group_id: i for i, g in enumerate(self.groups)}
-        by_topic: dict[str, list] = {}
-        for spec, msg in records:
-            by_topic.setdefault(spec.name, []).append(msg)
-        for m in by_topic.get(INIT_REQUESTS.name, []):
+        earliest = None
+        async for m in self._scan_log(INIT_REQUESTS):
             t = self.tickets.get(m.episode_id)
             if t is not None and (t.state == "pending" or m.attempt >= t.attempt):
                 t.attempt, t.issued_at, t.deadline, t.state = m.attempt, m.issued_at, m.deadline, "inflight"
                 self.next_group = max(self.next_group, group_index[m.group_id] + 1)
-        for m in by_topic.get(TRAJECTORIES.name, []):
+                earliest = m.issued_at if earliest is None else min(earliest, m.issued_at)
+        self._check_retention(earliest, "its first episode on init-requests")
+        async for m in self._scan_log(TRAJECTORIES):
             t = self.tickets.get(m.episode_id)
             if t is not None and t.state == "inflight":
                 t.state, t.reward = "completed", m.reward
-        for m in by_topic.get(EPISODE_FAILURES.name, []):
+        async for m in self._scan_log(EPISODE_FAILURES):
             t = self.tickets.get(m.episode_id)
             if t is not None and m.stage == GIVE_UP_STAGE and t.state != "completed":
                 t.state, t.reason = "failed", m.reason
-        for m in by_topic.get(POLICY_VERSIONS.name, []):
+        async for m in self._scan_log(POLICY_VERSIONS):
             self.policy_version = max(self.policy_version, m.version)
             self.learner_episodes = max(self.learner_episodes, m.episodes_trained)
         self._repair = True
         if self.next_group:
             log.info("scheduler state rebuilt from the log", groups_issued=self.next_group, **self.counts())
+
+    def _status_started_at(self) -> float | None:
+        """When this run's scheduler first started, from its status file (None: another run's or none)."""
+        status = RunDir(self.s.run_dir).scheduler()
+        if status.get("run_id") != self.run_id or "started_at" not in status:
+            return None
+        self.started_at = min(self.started_at, float(status["started_at"]))
+        return self.started_at
+
+    def _check_retention(self, started_at: float | None, source: str) -> None:
+        """Refuse to rebuild a run older than the topics' retention: the broker may have deleted its
+        early groups' records, and a rebuild would then issue those groups again as new work (their
+        episodes trained twice). Decided: fail loudly, never guess."""
+        retention_s = INIT_REQUESTS.retention_ms / 1000
+        if started_at is None or time.time() - started_at <= retention_s:
+            return
+        raise RuntimeError(
+            f"run {self.run_id} started {(time.time() - started_at) / 86400:.1f} days ago ({source}), longer than "
+            f"the topics' retention ({retention_s / 86400:.0f} days): the log may no longer hold its early groups, "
+            "and rebuilding the scheduler from it would issue them again as new work. Start a new run (a new "
+            "run.id) to go on; for runs longer than that, raise the retention of the topics (topics/) first")
 
     # -- inputs -----------------------------------------------------------------------------
     async def handle(self, msg: Trajectory | EpisodeFailure | PolicyVersion | RewardRequest,
@@ -259,7 +285,7 @@ class SchedulerActor(Actor):
     def _write_status(self) -> None:
         run_dir = Path(self.s.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        status = {"run_id": self.run_id, "done": self.done, **self.counts(),
+        status = {"run_id": self.run_id, "done": self.done, **self.counts(), "started_at": self.started_at,
                   "retries": sum(t.attempt for t in self.tickets.values()),
                   "policy_version": self.policy_version, "elapsed_s": time.time() - self.started_at,
                   "failed": [asdict(t) for t in self.tickets.values() if t.state == "failed"]}

@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import time
 from pathlib import Path
 
-from rollway.actors.base import Actor, MessageMeta, Output
+from rollway.actors.base import Actor, FatalActorError, MessageMeta, Output
 from rollway.actors.ledger import Ledger
 from rollway.actors.services import Services
-from rollway.core.run_dir import RunDir
+from rollway.core.run_dir import FAILURES_FILE, TRAJECTORIES_FILE, RunDir, iter_jsonl
 from rollway.schemas.codec import check_version, to_builtins
 from rollway.schemas.messages import EpisodeFailure, Trajectory
 from rollway.topics import EPISODE_FAILURES, TRAJECTORIES
 
 STATUS_FILE = RunDir.SINK_STATUS
-TRAJECTORIES_FILE = "trajectories.jsonl"
-FAILURES_FILE = "failures.jsonl"
 
 
 def belongs_to_run(episode_id: str, run_id: str | None) -> bool:
@@ -46,6 +46,8 @@ class SinkActor(Actor):
 
     async def setup(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
+        for name in (TRAJECTORIES_FILE, FAILURES_FILE):
+            drop_torn_tail(self.dir / name)  # its message was not recorded: it is redelivered and written whole
         self.written = count_lines(self.dir / TRAJECTORIES_FILE)
         self.failures = count_lines(self.dir / FAILURES_FILE)
         self._write_status()
@@ -55,12 +57,19 @@ class SinkActor(Actor):
             return []
         failure = isinstance(msg, EpisodeFailure)
         key = f"failure/{msg.episode_id}/{msg.attempt}/{msg.stage}" if failure else msg.episode_id
-        if self.ledger.seen(key, meta) is not None:
-            return []
-        with open(self.dir / (FAILURES_FILE if failure else TRAJECTORIES_FILE), "a") as f:
-            f.write(json.dumps(to_builtins(msg)) + "\n")
-        # Recorded right after the line is flushed: only a kill between the two repeats a line.
-        self.ledger.record(key, meta)
+        with self.ledger.handling(meta):
+            if self.ledger.seen(key, meta) is not None:
+                return []
+            try:
+                append_line(self.dir / (FAILURES_FILE if failure else TRAJECTORIES_FILE),
+                            json.dumps(to_builtins(msg)))
+                # Recorded right after the line is flushed: only a kill between the two repeats a line.
+                self.ledger.record(key, meta)
+            except OSError as err:
+                # Not dead-lettered and committed (the episode would be lost from the run's record):
+                # the worker stops, and its restart gets the message again once the disk is fixed.
+                raise FatalActorError(f"the sink cannot write to {self.dir}: {err}; free space or fix the "
+                                      "folder's permissions, then restart the sink") from err
         if failure:
             self.failures += 1
         else:
@@ -83,9 +92,41 @@ def export_parquet(jsonl: Path, out: Path) -> int:
 
     from rollway.learning.export import write_trajectories
 
-    trajs = [msgspec.convert(check_version(json.loads(line), f"{jsonl} line {i}"), Trajectory)
-             for i, line in enumerate(jsonl.read_text().splitlines(), 1) if line]
+    trajs = [msgspec.convert(check_version(row, f"{jsonl} episode {i}"), Trajectory)
+             for i, row in enumerate(iter_jsonl(jsonl), 1)]
     return write_trajectories(out, trajs)
+
+
+def drop_torn_tail(path: Path) -> None:
+    """Cut a last line without its newline (this sink's predecessor was killed while writing it)."""
+    if not path.exists():
+        return
+    with open(path, "rb+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # another sink worker's append finishes first
+        size = f.seek(0, os.SEEK_END)
+        keep = size
+        while keep > 0:
+            f.seek(max(0, keep - 65536))
+            chunk = f.read(keep - max(0, keep - 65536))
+            if b"\n" in chunk:
+                keep = max(0, keep - 65536) + chunk.rfind(b"\n") + 1
+                break
+            keep = max(0, keep - 65536)
+        if keep < size:
+            f.truncate(keep)
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append one whole line, flushed. A file whose last line a killed writer cut short gets a
+    newline first, so the new line stays readable (readers skip the torn one: core/run_dir.py).
+    Locked: sink workers of one run share the file."""
+    with open(path, "ab+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        if f.seek(0, os.SEEK_END) > 0:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+        f.write(line.encode() + b"\n")
 
 
 def count_lines(path: Path) -> int:

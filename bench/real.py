@@ -398,8 +398,9 @@ def run_pipeline_mode(data: dict[str, Any], run_dir: Path, bootstrap: str) -> tu
     from rollway.bench.pipeline import run_pipeline
 
     run = run_pipeline(data, run_dir, bootstrap, 1)
-    lines = (run_dir / "trajectories.jsonl").read_text().splitlines()
-    return run.started, run.ended, [json.loads(line) for line in lines if line]
+    from rollway.core.run_dir import read_trajectories
+
+    return run.started, run.ended, read_trajectories(run_dir)
 
 
 def run_real_bench(rc: RealBenchConfig, out: Path, say=print) -> dict[str, Any]:

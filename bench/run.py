@@ -161,8 +161,9 @@ def pipeline_mode(wl: WorkloadConfig, out: Path, server: SimServer, bootstrap: s
     server.reset()
     data = run_config(wl, out / "plans.jsonl", run_dir / "sandboxes", server.url, name, workers)
     run = run_pipeline(data, run_dir, bootstrap, workers)
-    lines = (run_dir / "trajectories.jsonl").read_text().splitlines()
-    trajectories = [json.loads(line) for line in lines if line]
+    from rollway.core.run_dir import read_trajectories
+
+    trajectories = read_trajectories(run_dir)
     batch = first_graded(run.created_at, wl.episodes)
     ended = run.created_at[batch[-1]]
     in_batch = set(batch)

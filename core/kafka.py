@@ -47,6 +47,19 @@ def topic_name(spec: TopicSpec, topics: TopicsConfig) -> str:
     return topics.prefix + spec.name
 
 
+def stage_group_id(stage: str, topics: TopicsConfig, run_id: str | None) -> str:
+    """The consumer group of one stage of one run: `<prefix>rollway-<run id>-<stage>`.
+
+    Two runs on one broker never share a group (a shared group split each topic's partitions
+    between the runs' workers, and each run's sink and learner dropped the other's episodes as not
+    theirs). Every process of a run derives the same id from the run's resolved config (`rollway up`
+    writes run.id into the stage config; a multi-machine `rollway stage` run sets run.id, or a
+    topic prefix of its own, in the config every machine loads). Without a run id the topic prefix
+    alone tells runs apart: `<prefix>rollway-<stage>`."""
+    middle = f"{run_id}-" if run_id else ""
+    return f"{topics.prefix}rollway-{middle}{stage}"
+
+
 def partitions_for(spec: TopicSpec, topics: TopicsConfig) -> int:
     if spec.partitions is not None:
         return spec.partitions

@@ -5,10 +5,50 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from rollway.base.files import write_json_atomic
+
+log = structlog.get_logger()
+
+TRAJECTORIES_FILE = "trajectories.jsonl"
+"""One JSON line per episode, appended by the sink (actors/sink.py)."""
+FAILURES_FILE = "failures.jsonl"
+"""One JSON line per distinct episode failure, appended by the sink."""
+
+
+def iter_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
+    """The rows of a JSON-lines file the stages append to, read one line at a time. A line that
+    does not parse (a writer killed half way through it) is skipped with a warning naming it, never
+    a crash: one torn line must not make the whole run unreadable. Nothing when the file is absent."""
+    path = Path(path)
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return
+    with f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                log.warning("torn line skipped (a writer was killed while writing it)", file=str(path),
+                            line=number, length=len(line))
+                continue
+            if isinstance(row, dict):
+                yield row
+            else:
+                log.warning("line skipped: not a JSON object", file=str(path), line=number)
+
+
+def read_trajectories(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every row of `run_dir/trajectories.jsonl` as written (torn lines skipped), in file order."""
+    return list(iter_jsonl(Path(run_dir) / TRAJECTORIES_FILE))
 
 
 def fresh_run_folder(prefix: str, root: str | Path = "runs") -> Path:

@@ -4,6 +4,7 @@ manifest of the optimiser steps whose effect the folder holds (the chaos ledger 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from collections import OrderedDict
@@ -141,17 +142,44 @@ def save_checkpoint(run_dir: Path, state: TrainerState, model: Any, tokenizer: A
     saved = TrainerState(**{**state.__dict__, "manifest": earlier + state.manifest})
     fault_point("checkpoint.write")
     (tmp / STATE_FILE).write_text(saved.to_json())
+    fsync_tree(tmp)  # the bytes are on disk before the name says the checkpoint is complete
     if final.exists():
         old = final.with_name(final.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
         final.rename(old)
         fault_point("checkpoint.rename")
         tmp.rename(final)
+        fsync_path(final.parent)  # the renames themselves, before the old copy goes
         shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.rename(final)
+    fsync_path(final.parent)  # a checkpoint counts (its offsets are committed) only once its name is durable
     _prune(run_dir, keep)
     return final
+
+
+def fsync_path(path: Path) -> None:
+    """fsync one file or folder (a folder's fsync makes the names in it, renames included, durable)."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(folder: Path) -> None:
+    """fsync every file below `folder`, then every folder, deepest first (a crashed machine must not
+    come back with a complete-looking checkpoint holding empty or short files)."""
+    folders = [folder]
+    for path in sorted(folder.rglob("*")):
+        if path.is_symlink():
+            continue
+        if path.is_dir():
+            folders.append(path)
+        else:
+            fsync_path(path)
+    for path in sorted(folders, key=lambda p: len(p.parts), reverse=True):
+        fsync_path(path)
 
 
 def _prune(run_dir: Path, keep: int | None) -> None:
@@ -161,7 +189,10 @@ def _prune(run_dir: Path, keep: int | None) -> None:
     root = checkpoints_dir(run_dir)
     (root / MANIFESTS_DIR).mkdir(exist_ok=True)
     for old in _complete(root)[:-keep]:
-        write_json_atomic(root / MANIFESTS_DIR / f"{old.name}.json", load_state(old).manifest)
+        kept = root / MANIFESTS_DIR / f"{old.name}.json"
+        write_json_atomic(kept, load_state(old).manifest)
+        fsync_path(kept)
+        fsync_path(kept.parent)  # the manifest is durable before the folder that held it goes
         shutil.rmtree(old, ignore_errors=True)
 
 

@@ -195,9 +195,8 @@ class Ledger:
 
 def sink_check(run_dir: Path, ledger: Ledger) -> dict[str, int]:
     """The sink's file against the log: episodes graded but not written, and lines written twice."""
-    import json
 
-    path = run_dir / "trajectories.jsonl"
-    written = [json.loads(line)["episode"]["episode_id"] for line in path.read_text().splitlines() if line.strip()] \
-        if path.exists() else []
+    from rollway.core.run_dir import read_trajectories
+
+    written = [t["episode"]["episode_id"] for t in read_trajectories(run_dir)]
     return {"sink_missing": len(set(ledger.completed) - set(written)), "sink_written_twice": len(written) - len(set(written))}

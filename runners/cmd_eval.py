@@ -77,10 +77,9 @@ def write_eval(run_dir: Path, cfg, task_ids: list[str] | None = None) -> dict:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [check_version(json.loads(line), f"{path} line {i}")
-            for i, line in enumerate(path.read_text().splitlines(), 1) if line]
+    from rollway.core.run_dir import iter_jsonl
+
+    return [check_version(row, f"{path} row {i}") for i, row in enumerate(iter_jsonl(path), 1)]
 
 
 def run(args: argparse.Namespace) -> int:

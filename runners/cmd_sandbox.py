@@ -33,6 +33,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--gap", type=float, default=0.0, help="seconds between creations (an init stage's arrivals)"
     )
+    reap = sub.add_parser("reap", help="remove the sandboxes killed workers left (of one run, or every run)")
+    reap.add_argument("config", nargs="?", default=None, help="run config YAML (its `sandbox:` section)")
+    reap.add_argument("overrides", nargs="*", default=[], help="dotted overrides, e.g. sandbox.root=/tmp/boxes")
+    reap.add_argument("--run", default=None, metavar="RUN",
+                      help="run id (summary.json's run_id); without it every episode sandbox of every run goes, "
+                           "so run it only when no run is running here")
+    reap.add_argument("--type", choices=["local", "docker"], default=None, help="override sandbox.type")
     image = sub.add_parser("image", help="docker sandbox images, built here from the local base image")
     image_sub = image.add_subparsers(dest="image_command", required=True, metavar="ACTION")
     build = image_sub.add_parser(
@@ -53,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
     image build: 0 when built, 2 when it could not be."""
     if getattr(args, "sandbox_command", "check") == "image":
         return _build_image(args)
+    if getattr(args, "sandbox_command", "check") == "reap":
+        return _reap(args)
     if getattr(args, "sandbox_command", "check") == "bench":
         print(json.dumps(asyncio.run(_bench(args.type, args.n, args.source, args.pool, args.gap))))
         return 0
@@ -85,6 +94,29 @@ def _table(report: dict[str, Any]) -> str:
         mark = ("ok  " if value else "FAIL") if isinstance(value, bool) else "    "
         lines.append(f"{mark} {key}: {value}")
     return "\n".join(lines)
+
+
+def _reap(args: argparse.Namespace) -> int:
+    """0 when every leftover went (printed as JSON), 1 when some could not be removed, 2 on bad input."""
+    from rollway.core.config import ConfigError, load_config
+    from rollway.sandboxes.base import SandboxError
+    from rollway.sandboxes.factory import build_sandbox_provider
+    from rollway.sandboxes.reaper import reap_run
+
+    overrides = list(args.overrides)
+    config = args.config
+    if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
+        config, overrides = None, [config, *overrides]
+    if args.type:
+        overrides.append(f"sandbox.type={args.type}")
+    try:
+        provider = build_sandbox_provider(load_config(config, overrides).sandbox)
+        report = asyncio.run(reap_run(provider, args.run))
+    except (SandboxError, ConfigError, ValueError) as exc:
+        print(f"rollway sandbox reap: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({"run": args.run, "removed": report.removed, "failed": report.failed}))
+    return 1 if report.failed else 0
 
 
 def _build_image(args: argparse.Namespace) -> int:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 from pathlib import Path
 from typing import Any
 
+from rollway.core.run_dir import iter_jsonl
 from rollway.schemas.codec import check_version
 
 
@@ -20,8 +20,7 @@ def load_run_dir(run_dir: Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "trajectories.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist; pass the folder of a finished `rollway up` run")
-    trajs = [check_version(json.loads(line), f"{path} line {i}")
-             for i, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    trajs = [check_version(row, f"{path} episode {i}") for i, row in enumerate(iter_jsonl(path), 1)]
     return sorted(trajs, key=lambda t: t.get("created_at", 0.0))
 
 

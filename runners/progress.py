@@ -99,8 +99,11 @@ class RewardTail:
         complete = data[: data.rfind(b"\n") + 1]  # a line still being written is read next time
         self.offset += len(complete)
         for line in complete.splitlines():
-            if line.strip():
-                t = json.loads(line)
+            try:
+                t = json.loads(line) if line.strip() else None
+            except ValueError:
+                continue  # a torn line (its writer was killed): the sink writes the episode again
+            if isinstance(t, dict):
                 self.episodes += 1
                 self.reward_sum += float(t.get("reward", 0.0))
                 self.resolved += bool(t.get("resolved"))

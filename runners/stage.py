@@ -11,9 +11,9 @@ from rollway.actors.base import Actor
 from rollway.actors.services import Services
 from rollway.base.registry import import_target
 from rollway.core.config import RunConfig
-from rollway.core.kafka import ensure_topics
+from rollway.core.kafka import ensure_topics, stage_group_id
 from rollway.core.run_dir import RunDir
-from rollway.runners.stage_runtime import LogReader, StageWorker, TopicScanner
+from rollway.runners.stage_runtime import LogReader, StageWorker
 from rollway.topics.topology import get_stage
 
 
@@ -22,8 +22,10 @@ def build_actor(name: str, services: Services, log_reader: LogReader | None) -> 
     reader, for stages that read the log back)."""
     stage = get_stage(name)
     actor_class = import_target(stage.actor)
-    if name == "scheduler":  # its log reader is a scanner of its own inputs
-        return actor_class(services, TopicScanner(services.cfg, log_reader.bootstrap) if log_reader else None)
+    if name == "scheduler":  # its log reader streams its own inputs back (runners/topic_scan.py)
+        from rollway.runners.topic_scan import StreamingTopicScanner
+
+        return actor_class(services, StreamingTopicScanner(services.cfg, log_reader.bootstrap) if log_reader else None)
     return actor_class(services, log_reader) if stage.reads_log else actor_class(services)
 
 
@@ -56,9 +58,8 @@ def stage_prefetch(name: str, cfg: RunConfig) -> int:
 
 
 def group_id(name: str, cfg: RunConfig) -> str:
-    # The scheduler reads every outcome of its own run, so its group is per run.
-    suffix = f"-{cfg.run.id}" if name == "scheduler" and cfg.run.id else ""
-    return f"{cfg.topics.prefix}rollway-{name}{suffix}"
+    """Every stage's group belongs to its run (core/kafka.py: stage_group_id)."""
+    return stage_group_id(name, cfg.topics, cfg.run.id)
 
 
 async def run_stage(name: str, cfg: RunConfig, bootstrap: str, run_dir: Path, stop: asyncio.Event | None = None) -> None:

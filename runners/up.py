@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from rollway.core.config import RunConfig, dump_config, write_resolved_config
-from rollway.core.run_dir import RunDir
+from rollway.core.run_dir import RunDir, read_trajectories
 from rollway.topics.topology import STAGE_NAMES as STAGES
 from rollway.topics.topology import start_order
 
@@ -199,8 +199,7 @@ def parse_workers(specs: list[str]) -> dict[str, int]:
 
 def summarize(run_dir: Path, cfg: RunConfig, wall_s: float, job: Job) -> dict:
     sched = RunDir(run_dir).scheduler()
-    trajs = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines() if line] \
-        if (run_dir / "trajectories.jsonl").exists() else []
+    trajs = read_trajectories(run_dir)
     stage_totals = {k: round(v, 4) for k, v in stage_time_totals(run_dir, trajs).items()}
     rewards = [t["reward"] for t in trajs]
     stop_reasons: dict[str, int] = {}
@@ -287,6 +286,7 @@ def run_job(cfg: RunConfig, config_path: str, overrides: list[str], bootstrap: s
             raise JobFailed(f"the inference engine did not start: {err}") from err
         cfg = cfg.model_copy(update={"policy": cfg.policy.model_copy(update=engine.policy_settings())})
     try:
+        reap_sandboxes(cfg, "start")  # a resumed run folder: sandboxes of its killed workers
         job = Job(cfg, config_path, overrides, bootstrap, run_dir, workers, max_restarts=max_restarts,
                   engine=engine, env=env)
         return _run_stages(job, on_tick, quiet)
@@ -324,14 +324,40 @@ def _run_stages(job: Job, on_tick, quiet: bool) -> dict:
         wait_for_consumers(run_dir, sched["episodes_completed"], job)
     finally:
         job.stop()  # workers write their final status files as they stop
+        reaped = reap_sandboxes(cfg, "end")  # every episode is finished or unknown now
         progress.update(RunDir(run_dir).scheduler(), RunDir(run_dir).sink())
         progress.close()
     summary = summarize(run_dir, cfg, time.monotonic() - t0, job)
+    summary["sandboxes_reaped"] = reaped
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     if not quiet:
         log.info("run finished", **{k: summary[k] for k in ("episodes_completed", "episodes_failed", "reward_mean",
                                                             "pass_rate", "wall_seconds")})
     return summary
+
+
+def reap_sandboxes(cfg: RunConfig, when: str) -> int:
+    """Remove the sandboxes of this run that no worker is left to destroy (killed workers'); the
+    number removed. Called with no worker of the run running: at its start and at its end. A reap
+    that fails is logged with the command that retries it; it never fails the run's results."""
+    if not cfg.run.id:
+        return 0
+    from rollway.sandboxes.factory import build_sandbox_provider
+    from rollway.sandboxes.reaper import reap_run
+
+    try:
+        report = asyncio.run(reap_run(build_sandbox_provider(cfg.sandbox), cfg.run.id))
+    except Exception as err:  # noqa: BLE001 - deliberate: see docstring
+        log.warning(f"sandboxes of this run not reaped at its {when}; retry with `rollway sandbox reap --run "
+                    f"{cfg.run.id}`", error=f"{type(err).__name__}: {err}")
+        return 0
+    if report.failed:
+        log.warning(f"some sandboxes of this run could not be removed; retry with `rollway sandbox reap --run "
+                    f"{cfg.run.id}`", failed=report.failed)
+    if report.removed:
+        log.warning(f"reaped {len(report.removed)} sandboxes left by killed workers at the run's {when}",
+                    sandboxes=report.removed[:10])
+    return len(report.removed)
 
 
 def wait_for_consumers(run_dir: Path, completed: int, job: Job, timeout_s: float = 90.0,

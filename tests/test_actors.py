@@ -199,13 +199,13 @@ def test_sink_and_learner_deduplicate_and_survive_restart(tmp_path):
         for cls in (SinkActor, LearnerActor):
             a = cls(s)
             await a.setup()
-            await a.handle(traj("rZ-g0-s0"), meta())
-            await a.handle(traj("rZ-g0-s0"), meta())
-            await a.handle(traj("other-run-g0-s0"), meta())
+            await a.handle(traj("rZ-g0-s0"), meta(0))
+            await a.handle(traj("rZ-g0-s0"), meta(1))  # a duplicate at a new offset
+            await a.handle(traj("other-run-g0-s0"), meta(2))
             b = cls(s)  # restarted worker
             await b.setup()
-            await b.handle(traj("rZ-g0-s0"), meta())
-            await b.handle(traj("rZ-g0-s1"), meta())
+            await b.handle(traj("rZ-g0-s0"), meta(0))  # redelivered
+            await b.handle(traj("rZ-g0-s1"), meta(3))
         lines = (s.run_dir / "trajectories.jsonl").read_text().splitlines()
         assert len(lines) == 2
         assert len((s.run_dir / "learner-records.jsonl").read_text().splitlines()) == 2

@@ -1,0 +1,121 @@
+"""The sandbox reaper: removes the sandboxes a killed worker could not (a SIGKILLed init, agent or
+reward worker never reaches its cleanup), found by the run id their names start with.
+
+Every episode sandbox is named `<episode id>-a<attempt>-<suffix>` (actors/init.py) and every episode
+id starts with `<run id>-`, so a run's sandboxes are the local jail folders under `sandbox.root`,
+the docker containers (name `rollway-<sandbox name>`, label `rollway.sandbox`) and their volumes
+whose names start with the run id. `rollway up` reaps its run's sandboxes when the run ends (every
+episode is then finished or unknown) and at start (a run folder being resumed keeps its run id);
+`rollway sandbox reap [--run RUN]` does it by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+from rollway.sandboxes.base import SandboxProvider
+
+log = structlog.get_logger()
+
+
+@dataclass
+class ReapReport:
+    """What one reap removed, by sandbox name."""
+
+    removed: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    """Sandbox name -> why it could not be removed (the next reap tries again)."""
+
+
+def run_prefix(run_id: str | None) -> str:
+    """The name prefix of a run's sandboxes ('' for every episode sandbox of any run)."""
+    if run_id is not None and (not run_id or "/" in run_id):
+        raise ValueError(f"run id {run_id!r} cannot name sandboxes; pass the run.id of summary.json or config.json")
+    return f"{run_id}-" if run_id else ""
+
+
+async def reap_run(provider: SandboxProvider, run_id: str | None) -> ReapReport:
+    """Remove every sandbox of run `run_id` (every episode sandbox when None) that `provider` can
+    see. Call it only when no worker of that run is running: a live episode's sandbox goes too."""
+    prefix = run_prefix(run_id)
+    report = ReapReport()
+    for name in await asyncio.to_thread(leftover_names, provider, prefix):
+        try:
+            await remove_named(provider, name)
+        except Exception as err:  # noqa: BLE001 - deliberate: one stuck sandbox must not stop the rest
+            report.failed[name] = f"{type(err).__name__}: {err}"
+            log.warning("sandbox not reaped", sandbox=name, error=report.failed[name])
+        else:
+            report.removed.append(name)
+    if report.removed:
+        log.info("leftover sandboxes reaped", run_id=run_id, count=len(report.removed))
+    return report
+
+
+def leftover_names(provider: SandboxProvider, prefix: str) -> list[str]:
+    """Names of `provider`'s sandboxes starting with `prefix` (pooled warm containers excluded:
+    they belong to a live init worker's pool, and the pool reaps its own orphans)."""
+    from rollway.sandboxes.docker import DockerSandboxProvider
+    from rollway.sandboxes.local import LocalSandboxProvider
+
+    if isinstance(provider, LocalSandboxProvider):
+        return _local_names(provider.root, prefix)
+    if isinstance(provider, DockerSandboxProvider):
+        return _docker_names(provider, prefix)
+    log.warning("this sandbox type has no reaper; leftovers stay", provider=type(provider).__name__)
+    return []
+
+
+async def remove_named(provider: SandboxProvider, name: str) -> None:
+    """Remove sandbox `name` with everything it holds (folder, tmpfs mount, cgroup; container and
+    volume); nothing when it is gone. Works without a handle, so it also removes a sandbox whose
+    creation failed or was cancelled half way."""
+    from rollway.sandboxes.docker import DockerSandboxProvider
+    from rollway.sandboxes.local import LocalSandboxProvider, remove_tree
+
+    if isinstance(provider, LocalSandboxProvider):
+        box_dir = provider._box_dir(name)  # refuses a name that is not one folder under the root
+        cgroup = provider.cgroup(name, create=False)
+        if cgroup is not None:
+            await asyncio.to_thread(cgroup.remove)
+        provider._limits.pop(str(box_dir), None)
+        await asyncio.to_thread(remove_tree, box_dir)
+    elif isinstance(provider, DockerSandboxProvider):
+        await asyncio.to_thread(_remove_docker, provider, name)
+
+
+def _local_names(root: Path, prefix: str) -> list[str]:
+    try:
+        entries = sorted(os.scandir(root), key=lambda e: e.name)
+    except FileNotFoundError:
+        return []
+    return [e.name for e in entries if e.is_dir(follow_symlinks=False) and e.name.startswith(prefix)]
+
+
+def _docker_names(provider, prefix: str) -> list[str]:
+    """Sandbox names of the episode containers named `rollway-<prefix>...` and of the workspace
+    volumes left without their container."""
+    from rollway.sandboxes.docker import LABEL
+
+    client, want = provider.client, f"rollway-{prefix}"
+    names = {c.name.removeprefix("rollway-") for c in client.containers.list(all=True, filters={"label": LABEL})
+             if c.name.startswith(want) and not c.name.startswith("rollway-pool-")}
+    names |= {v.name.removeprefix("rollway-") for v in client.volumes.list(filters={"label": LABEL})
+              if v.name.startswith(want) and not v.name.startswith("rollway-pool-")}
+    return sorted(names)
+
+
+def _remove_docker(provider, name: str) -> None:
+    """The container `rollway-<name>` with its volume (a pooled container taken by an episode was
+    renamed after it; its label still names its volume), then a volume `rollway-<name>` left alone."""
+    from rollway.sandboxes.docker import LABEL
+
+    for container in provider.client.containers.list(all=True, filters={"label": LABEL}):
+        if container.name == f"rollway-{name}":
+            provider.remove(str(container.id), container.labels.get(LABEL, name))
+    provider.remove(f"rollway-{name}", name)
