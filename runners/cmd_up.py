@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     write_run_files(run_dir, cfg)
     configure_logging("up", run_dir)
+    warm_up_report()
     broker = None
     try:
         if args.bootstrap is None and cfg.broker.bootstrap is None:
@@ -65,6 +66,17 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps({k: summary[k] for k in ("episodes_scheduled", "episodes_completed", "episodes_failed",
                                               "reward_mean", "wall_seconds")}))
     return 0
+
+
+def warm_up_report() -> None:
+    """Load the plotting library and its fonts in a background thread while the stages start (they
+    spend seconds joining their consumer groups): the first figure of a process costs most of the
+    report's time."""
+    import threading
+
+    from rollway.runners.report import warm_up
+
+    threading.Thread(target=warm_up, name="report-warm-up", daemon=True).start()
 
 
 def write_report_or_warn(run_dir: Path) -> None:

@@ -243,6 +243,20 @@ def plot_stop_reasons(trajs: list[dict[str, Any]]):
     return fig
 
 
+def warm_up() -> None:
+    """Draw and encode one small figure: imports matplotlib's renderer and loads its font cache, so a
+    later report in this process starts warm. Never raises (the report itself would say what failed)."""
+    try:
+        fig = _figure(2, 1)
+        ax = fig.add_subplot()
+        ax.plot([0, 1], [0, 1], label="warm")
+        ax.set_title("warm")
+        ax.legend()
+        fig.savefig(io.BytesIO(), format="png")
+    except Exception:  # noqa: BLE001 - a warm-up only; write_report reports real failures
+        pass
+
+
 def build_plots(data: ReportData) -> dict[str, Any]:
     """Figures by name (the PNG file stem); a plot without data is left out."""
     trajs = data.trajs
