@@ -1,28 +1,25 @@
-"""Agent actor: one message = one turn. Generate, run tools in the sandbox, emit the next turn or
-the finished episode."""
+"""Agent actor: one message = one turn. The turn itself (generate, run tools in the sandbox, stop rules,
+hints, simulated users) is actors/turn.py; this actor delivers it: caches episodes, rebuilds them from
+the log, drops duplicates, claims each turn in its sandbox, emits the next turn or the finished episode."""
 
 from __future__ import annotations
 
-import contextlib
-import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import structlog
 
-from rollway.actors.agent_time import AGENT_TIMEOUT, DeadlineSandbox, agent_deadline
 from rollway.actors.base import Actor, MessageMeta, Output, failure_output
-from rollway.actors.episode import EpisodeState, observation_messages
-from rollway.actors.gate import RankedGate
+from rollway.actors.episode import EpisodeState
 from rollway.actors.services import Services
 from rollway.actors.sink import belongs_to_run
-from rollway.base.faults import fault_point
-from rollway.policies.base import SamplingParams, episode_seed
-from rollway.schemas.messages import AgentStep, RewardRequest, TurnRecord
+from rollway.actors.turn import TurnRunner
+from rollway.schemas.messages import AgentStep, RewardRequest
+from rollway.schemas.tokens import observation_messages
 
 if TYPE_CHECKING:
-    from rollway.tools.registry import ToolTurn
+    pass
 from rollway.topics import AGENT_STEPS, REWARD_REQUESTS
 
 log = structlog.get_logger()
@@ -43,12 +40,16 @@ class AgentActor(Actor):
         self.cfg = services.cfg.agent
         self.read_log = read_log
         self.cache: OrderedDict[tuple[str, int], EpisodeState] = OrderedDict()
-        self.drift_count = 0
         self.final_wave = False
         """Set by the first final-wave message this worker sees: the run is draining."""
-        self.model_slots = RankedGate(self.cfg.concurrency) if self.cfg.tool_overlap else None
-        """With tool_overlap, the model-call slots turns take in `priority` order (else the stage's
-        own concurrency bounds the calls)."""
+        self._turns: TurnRunner | None = None
+
+    @property
+    def turns(self) -> TurnRunner:
+        """The transport-free turn (actors/turn.py), built on first use from the services."""
+        if self._turns is None:
+            self._turns = TurnRunner.from_services(self.s)
+        return self._turns
 
     async def setup(self) -> None:
         # Build now, task set first (it imports the module that defines its tools): fail fast on bad config.
@@ -58,9 +59,9 @@ class AgentActor(Actor):
         state = await self._state_for(msg, meta)
         if state is None:
             return []  # duplicate delivery of a turn that was already run
-        record, stop_reason = await self._run_turn(state, lambda: self._rank(msg.turn))
-        new_messages = observation_messages(record)
-        state.apply(record, new_messages)
+        record, stop_reason = await self.turns.run(state, lambda turn: self._sandbox_for_turn(state, turn),
+                                                   lambda: self._rank(msg.turn))
+        state.apply(record, observation_messages(record))
         if stop_reason is None:
             return [Output(AGENT_STEPS, msg.episode_id, self._next_step(state))]
         self.cache.pop((msg.episode_id, msg.attempt), None)
@@ -167,144 +168,17 @@ class AgentActor(Actor):
         log.info("episode rebuilt from log", episode_id=msg.episode_id, turn=msg.turn)
         return state
 
-    # -- one turn ---------------------------------------------------------------------------
-    async def _run_turn(self, state: EpisodeState, rank: Callable[[], float]) -> tuple[TurnRecord, str | None]:
-        chat, turn = self.s.chat, state.next_turn
-        budget = self.cfg.max_total_tokens - state.tokens_used
-        f = state.first
-        if budget <= 0:
-            return self._prompt_too_long(state), "prompt_too_long"
-        deadline = agent_deadline(self._task(state).metadata, f.ready_at)
-        if deadline is not None and time.time() >= deadline:
-            return self._out_of_time(state), AGENT_TIMEOUT
-        params = SamplingParams(temperature=self.cfg.temperature, top_p=self.cfg.top_p,
-                                max_tokens=max(1, min(self.cfg.max_tokens_per_turn, budget)),
-                                stop_token_ids=chat.stop_token_ids,
-                                seed=episode_seed(f.episode_id, f.attempt) + turn, task_id=f.task_id, turn=turn)
-        async with self._model_slot(rank):
-            t0, gen_started_at = time.perf_counter(), time.time()
-            gen = await self.s.inference.generate(state.token_ids, params)
-            gen_s = time.perf_counter() - t0
-        text = chat.decode(gen.token_ids)
-        t1 = time.perf_counter()
+    # -- the turn itself (actors/turn.py) ---------------------------------------------------
+    async def _sandbox_for_turn(self, state: EpisodeState, turn: int):
+        """The episode's sandbox, claimed for `turn`: a turn whose tool calls already started once (a crash
+        or rebalance before its produce) must not run them again."""
         sandbox = await self.s.sandboxes.attach(state.first.sandbox)
         if not await sandbox.claim_turn(f"a{state.first.attempt}-t{turn}"):
             await sandbox.destroy()
             raise TurnReplayed(f"episode {state.first.episode_id} attempt {state.first.attempt} turn {turn} already "
                                "ran its tool calls once (a crash or rebalance before its produce); the sandbox was "
                                "destroyed and the attempt fails so the scheduler re-issues it in a fresh sandbox")
-        context = self._tool_context(state, turn)
-        if deadline is not None:
-            sandbox = DeadlineSandbox(sandbox, deadline, self.s.cfg.sandbox.exec_timeout_s)
-        outcome = await self._act(text, state, sandbox, context)
-        fault_point("agent.after_tools")
-        used = state.tokens_used + len(gen.token_ids)
-        stop_reason = self._stop_reason(outcome.ends_episode, turn, used)
-        if stop_reason is None and deadline is not None and time.time() >= deadline:
-            stop_reason = AGENT_TIMEOUT
-        record = TurnRecord(
-            turn=turn, completion_ids=list(gen.token_ids), logprobs=list(gen.logprobs),
-            policy_version=gen.policy_version, finish_reason=gen.finish_reason, assistant_text=text,
-            observations=outcome.observations, gen_seconds=gen_s, gen_started_at=gen_started_at,
-            gen_ended_at=gen_started_at + gen_s)
-        if stop_reason is None:
-            record.user_message, user_done = await self._next_user_message(state, context, record)
-            stop_reason = "user_done" if user_done else None
-        record.tool_seconds = tool_s = time.perf_counter() - t1
-        record.tool_ended_at = gen_started_at + (t1 - t0) + tool_s
-        record.hints = [] if stop_reason else self._hints(state, outcome, turn, used)
-        record.state = dict(context.state) if context.state != state.store else None
-        if stop_reason is None:
-            record.observation_ids = self._observation_ids(state, record, gen.token_ids)
-            if state.tokens_used + len(record.completion_ids) + len(record.observation_ids) >= self.cfg.max_total_tokens:
-                record.observation_ids, stop_reason = [], "max_tokens"
-        return record, stop_reason
-
-    @contextlib.asynccontextmanager
-    async def _model_slot(self, rank: Callable[[], float]) -> AsyncIterator[None]:
-        """Holds a model-call slot (with tool_overlap)."""
-        if self.model_slots is None:
-            yield
-            return
-        async with self.model_slots.slot(rank):
-            yield
-
-    def _stop_reason(self, finished: bool, turn: int, used: int) -> str | None:
-        if finished:
-            return "finish"
-        if turn + 1 >= self.cfg.max_turns:
-            return "max_turns"
-        if used >= self.cfg.max_total_tokens:
-            return "max_tokens"
-        return None
-
-    def _observation_ids(self, state: EpisodeState, record: TurnRecord, completion: list[int]) -> list[int]:
-        chat = self.s.chat
-        history = [*state.messages, {"role": "assistant", "content": record.assistant_text}]
-        ids = chat.continuation(history, observation_messages(record), state.tools)
-        if not completion or completion[-1] not in chat.stop_token_ids:
-            ids = [chat.stop_token_ids[0], *ids]  # truncated turn: close it (not a model token)
-        if chat.drift(history, state.tools, state.token_ids + completion):
-            record.template_drift = True
-            self.drift_count += 1
-            log.warning("chat template drift: history re-renders differently", episode_id=state.first.episode_id,
-                        turn=record.turn, drift_count=self.drift_count)
-        return ids
-
-    def _task(self, state: EpisodeState):
-        return self.s.taskset.get(state.first.task_id)
-
-    def _tool_context(self, state: EpisodeState, turn: int):
-        from rollway.tools.base import ToolContext
-
-        f = state.first
-        return ToolContext(task=self._task(state), episode_id=f.episode_id, attempt=f.attempt, turn=turn,
-                           state=dict(state.store))
-
-    async def _next_user_message(self, state: EpisodeState, context, record: TurnRecord) -> tuple[str | None, bool]:
-        """The task set's `next_user_message` hook, seeing the episode with this turn in it: its
-        messages and its `turns` both end with the turn that just ran."""
-        from rollway.envs.base import Episode, UserTurn
-
-        pending = [{"role": "tool" if o.tool else "user", "content": o.content} for o in record.observations]
-        messages = [*state.messages, {"role": "assistant", "content": record.assistant_text}, *pending]
-        episode = Episode(episode_id=context.episode_id, attempt=context.attempt, task=context.task,
-                          messages=messages, turns=[*state.turns, record], state=context.state)
-        reply = await self.s.taskset.next_user_message(context.task, episode)
-        if isinstance(reply, UserTurn):
-            return reply.content, reply.ends_episode
-        return reply, False
-
-    def _prompt_too_long(self, state: EpisodeState) -> TurnRecord:
-        """The prompt alone fills agent.max_total_tokens: the episode ends before any model call, with a
-        stop reason that says so (never a silent reward-0 `max_tokens`)."""
-        log.warning("prompt longer than agent.max_total_tokens; episode ended without a model call",
-                    episode_id=state.first.episode_id, prompt_tokens=state.tokens_used,
-                    max_total_tokens=self.cfg.max_total_tokens)
-        return TurnRecord(turn=state.next_turn, completion_ids=[], logprobs=[], policy_version=0,
-                          finish_reason="prompt_too_long", assistant_text="")
-
-    def _out_of_time(self, state: EpisodeState) -> TurnRecord:
-        """The task's agent time ran out before this turn's model call: the episode ends (graded as it
-        stands) with an empty turn."""
-        log.info("task's agent time is up; episode ends", episode_id=state.first.episode_id, turn=state.next_turn)
-        return TurnRecord(turn=state.next_turn, completion_ids=[], logprobs=[], policy_version=0,
-                          finish_reason=AGENT_TIMEOUT, assistant_text="")
-
-    async def _act(self, text: str, state: EpisodeState, sandbox, context=None) -> ToolTurn:
-        from rollway.tools.registry import run_tool_calls
-
-        tools = self.s.tools_for(self._task(state))
-        return await run_tool_calls(text, tools, sandbox, self.s.cfg.tools, context)
-
-    def _hints(self, state: EpisodeState, outcome: ToolTurn, turn: int, used: int) -> list[str]:
-        from rollway.tools.hints import HintEngine
-
-        previous = state.turns[-1] if state.turns else None
-        prev_calls = [(o.tool, o.arguments) for o in previous.observations if o.tool] if previous else []
-        return HintEngine(self.s.cfg.hints).hints(
-            turn=turn, max_turns=self.cfg.max_turns, tokens_used=used, max_tokens=self.cfg.max_total_tokens,
-            calls=outcome.call_pairs, previous_calls=prev_calls, errors=outcome.errors)
+        return sandbox
 
     # -- outputs ----------------------------------------------------------------------------
     def _next_step(self, state: EpisodeState) -> AgentStep:

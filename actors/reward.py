@@ -9,7 +9,6 @@ from pathlib import Path
 import structlog
 
 from rollway.actors.base import Actor, MessageMeta, Output, failure_output
-from rollway.actors.episode import TokenStream, final_state, transcript
 from rollway.actors.ledger import Ledger
 from rollway.actors.services import Services
 from rollway.actors.sink import belongs_to_run
@@ -17,6 +16,7 @@ from rollway.base.faults import fault_point
 from rollway.sandboxes.base import SandboxError
 from rollway.schemas.codec import decode, encode
 from rollway.schemas.messages import RewardRequest, Trajectory
+from rollway.schemas.tokens import TokenStream, final_state, transcript
 from rollway.topics import REWARD_REQUESTS, TRAJECTORIES
 
 log = structlog.get_logger()

@@ -37,6 +37,7 @@ from rollway.learning.metrics import MetricsWriter, batch_metrics
 from rollway.learning.modeling import ModelFactory, default_factory, pick_device, torch_dtype
 from rollway.learning.staleness import lag_histogram, policy_lag, stale_weight
 from rollway.schemas.messages import Trajectory
+from rollway.schemas.tokens import check_token_arrays
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ class Trainer:
     def add(self, traj: Trajectory) -> list[StepResult]:
         """Buffer one trajectory; run the updates its arrival makes possible (usually 0 or 1).
         An episode already trained (or buffered) is ignored and counted in `duplicates`."""
-        _check_trajectory(traj)
+        check_token_arrays(traj)  # the contract TokenStream built (schemas/tokens.py)
         if self.broken is not None:
             raise RuntimeError("an earlier update failed; restart the learner from its checkpoint") from self.broken
         with self._book:
@@ -425,11 +426,3 @@ class Trainer:
 
 def _pick(values: list[torch.Tensor] | None, rows: list[int]) -> list[torch.Tensor] | None:
     return None if values is None else [values[i] for i in rows]
-
-
-def _check_trajectory(traj: Trajectory) -> None:
-    """The per-token invariants of `Trajectory`; a violation is a producer bug (dead-letter it)."""
-    n = len(traj.token_ids)
-    if len(traj.loss_mask) != n or len(traj.logprobs) != n:
-        raise ValueError(f"trajectory {traj.episode_id}: token_ids ({n}), loss_mask ({len(traj.loss_mask)}) "
-                         f"and logprobs ({len(traj.logprobs)}) must have equal length")

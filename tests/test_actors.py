@@ -326,3 +326,34 @@ def test_next_user_message_sees_the_turn_that_just_ran(tmp_path):
     assert [turn for _, turn, *_ in seen] == list(range(len(seen))) and len(seen) == traj.num_turns - 1
     assert all(same for _, _, same, _ in seen)
     assert [tools for *_, tools in seen] == [[o.tool for o in u.observations] for u in traj.turns[:-1]]
+
+
+def test_a_turn_runs_without_any_transport(tmp_path):
+    """The built-in loop (actors/turn.py) plays a whole episode from the turn-0 message alone: no broker,
+    no actor, no log; the scripted policy solves the toy task and the reward stage grades it 1."""
+    from rollway.actors.episode import EpisodeState
+    from rollway.actors.turn import TurnRunner
+
+    s = services(tmp_path)
+    init, reward = InitActor(s), RewardActor(s)
+    req = InitRequest(episode=EpisodeKey(episode_id="r1-g0-s0", group_id="r1-g0", task_id="toy-001"),
+                      issued_at=time.time(), deadline=time.time() + 60)
+    [first] = run(init.handle(req, MessageMeta("init-requests", 0, 0)))
+    state, runner = EpisodeState.start(first.value, 0), TurnRunner.from_services(s)
+
+    async def play():
+        sandbox = await s.sandboxes.attach(first.value.sandbox)
+        while True:
+            record, stop = await runner.run(state, lambda turn: _same(sandbox))
+            state.apply(record, [])
+            if stop is not None:
+                return stop
+
+    async def _same(sandbox):
+        return sandbox
+
+    assert run(play()) == "finish" and len(state.turns) == 4
+    request = RewardRequest(episode=first.value.episode, sandbox=first.value.sandbox, prompt_ids=first.value.prompt_ids,
+                            messages=first.value.messages, turns=state.turns, stop_reason="finish")
+    [out] = run(reward.handle(request, MessageMeta("reward-requests", 0, 0)))
+    assert out.value.reward == 1.0 and out.value.token_ids[: len(first.value.prompt_ids)] == first.value.prompt_ids

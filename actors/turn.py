@@ -1,0 +1,199 @@
+"""The built-in agent loop, one turn at a time, free of any transport: over (episode state, task, policy,
+tools, sandbox) it generates, runs the tool calls, applies the stop rules, hints and simulated users,
+and returns the turn's record. The agent actor wraps it with delivery (caching, rebuilding from the log,
+duplicate detection); a test or another driver can call it directly."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import structlog
+
+from rollway.actors.agent_time import AGENT_TIMEOUT, DeadlineSandbox, agent_deadline
+from rollway.actors.episode import EpisodeState
+from rollway.actors.gate import RankedGate
+from rollway.base.faults import fault_point
+from rollway.policies.base import ChatFormat, InferenceClient, SamplingParams, episode_seed
+from rollway.sandboxes.base import Sandbox
+from rollway.schemas.messages import TurnRecord
+from rollway.schemas.tokens import observation_messages
+
+if TYPE_CHECKING:
+    from rollway.actors.services import Services
+    from rollway.core.config import AgentConfig
+    from rollway.envs.base import TaskSet
+    from rollway.tools.config import HintsConfig, ToolsConfig
+    from rollway.tools.registry import ToolTurn
+
+log = structlog.get_logger()
+
+SandboxForTurn = Callable[[int], Awaitable[Sandbox]]
+"""turn -> the episode's sandbox, ready for that turn's tool calls. Called once per turn, after the
+model answered and before any tool runs: the agent actor attaches and claims the turn there, so a
+redelivered turn never runs its tool calls twice."""
+
+
+class Turn(NamedTuple):
+    record: TurnRecord
+    stop_reason: str | None
+    """Why the episode ends after this turn; None: it goes on."""
+
+
+@dataclass
+class TurnRunner:
+    """Runs one turn of an episode. Built once per worker (`from_services`) or from its parts."""
+
+    agent: AgentConfig
+    chat: ChatFormat
+    inference: InferenceClient
+    taskset: TaskSet
+    tools_for: Callable[[Any], dict[str, Any]]
+    """task -> its tools by the name the model calls."""
+    tools_cfg: ToolsConfig
+    hints_cfg: HintsConfig
+    exec_timeout_s: float
+    drift_count: int = 0
+
+    def __post_init__(self) -> None:
+        self.model_slots = RankedGate(self.agent.concurrency) if self.agent.tool_overlap else None
+        """With tool_overlap, the model-call slots turns take in rank order (else the caller's own
+        concurrency bounds the calls)."""
+
+    @classmethod
+    def from_services(cls, s: Services) -> TurnRunner:
+        return cls(s.cfg.agent, s.chat, s.inference, s.taskset, s.tools_for, s.cfg.tools, s.cfg.hints,
+                   s.cfg.sandbox.exec_timeout_s)
+
+    async def run(self, state: EpisodeState, sandbox_for_turn: SandboxForTurn,
+                  rank: Callable[[], float] = lambda: 0.0) -> Turn:
+        """Turn `state.next_turn`: generate, act in the sandbox, decide whether the episode stops."""
+        chat, turn, f = self.chat, state.next_turn, state.first
+        budget = self.agent.max_total_tokens - state.tokens_used
+        if budget <= 0:
+            return Turn(self._prompt_too_long(state), "prompt_too_long")
+        task = self.taskset.get(f.task_id)
+        deadline = agent_deadline(task.metadata, f.ready_at)
+        if deadline is not None and time.time() >= deadline:
+            return Turn(self._out_of_time(state), AGENT_TIMEOUT)
+        params = SamplingParams(temperature=self.agent.temperature, top_p=self.agent.top_p,
+                                max_tokens=max(1, min(self.agent.max_tokens_per_turn, budget)),
+                                stop_token_ids=chat.stop_token_ids,
+                                seed=episode_seed(f.episode_id, f.attempt) + turn, task_id=f.task_id, turn=turn)
+        async with self._model_slot(rank):
+            t0, gen_started_at = time.perf_counter(), time.time()
+            gen = await self.inference.generate(state.token_ids, params)
+            gen_s = time.perf_counter() - t0
+        text = chat.decode(gen.token_ids)
+        t1 = time.perf_counter()
+        sandbox = await sandbox_for_turn(turn)
+        if deadline is not None:
+            sandbox = DeadlineSandbox(sandbox, deadline, self.exec_timeout_s)
+        context = self._tool_context(state, task, turn)
+        outcome = await self._act(text, task, sandbox, context)
+        fault_point("agent.after_tools")
+        used = state.tokens_used + len(gen.token_ids)
+        stop_reason = self._stop_reason(outcome.ends_episode, turn, used)
+        if stop_reason is None and deadline is not None and time.time() >= deadline:
+            stop_reason = AGENT_TIMEOUT
+        record = TurnRecord(
+            turn=turn, completion_ids=list(gen.token_ids), logprobs=list(gen.logprobs),
+            policy_version=gen.policy_version, finish_reason=gen.finish_reason, assistant_text=text,
+            observations=outcome.observations, gen_seconds=gen_s, gen_started_at=gen_started_at,
+            gen_ended_at=gen_started_at + gen_s)
+        if stop_reason is None:
+            record.user_message, user_done = await self._next_user_message(state, context, record)
+            stop_reason = "user_done" if user_done else None
+        record.tool_seconds = tool_s = time.perf_counter() - t1
+        record.tool_ended_at = gen_started_at + (t1 - t0) + tool_s
+        record.hints = [] if stop_reason else self._hints(state, outcome, turn, used)
+        record.state = dict(context.state) if context.state != state.store else None
+        if stop_reason is None:
+            record.observation_ids = self._observation_ids(state, record, gen.token_ids)
+            if used + len(record.observation_ids) >= self.agent.max_total_tokens:
+                record.observation_ids, stop_reason = [], "max_tokens"
+        return Turn(record, stop_reason)
+
+    @contextlib.asynccontextmanager
+    async def _model_slot(self, rank: Callable[[], float]) -> AsyncIterator[None]:
+        """Holds a model-call slot (with tool_overlap)."""
+        if self.model_slots is None:
+            yield
+            return
+        async with self.model_slots.slot(rank):
+            yield
+
+    def _stop_reason(self, finished: bool, turn: int, used: int) -> str | None:
+        if finished:
+            return "finish"
+        if turn + 1 >= self.agent.max_turns:
+            return "max_turns"
+        if used >= self.agent.max_total_tokens:
+            return "max_tokens"
+        return None
+
+    def _observation_ids(self, state: EpisodeState, record: TurnRecord, completion: list[int]) -> list[int]:
+        chat = self.chat
+        history = [*state.messages, {"role": "assistant", "content": record.assistant_text}]
+        ids = chat.continuation(history, observation_messages(record), state.tools)
+        if not completion or completion[-1] not in chat.stop_token_ids:
+            ids = [chat.stop_token_ids[0], *ids]  # truncated turn: close it (not a model token)
+        if chat.drift(history, state.tools, state.token_ids + completion):
+            record.template_drift = True
+            self.drift_count += 1
+            log.warning("chat template drift: history re-renders differently", episode_id=state.first.episode_id,
+                        turn=record.turn, drift_count=self.drift_count)
+        return ids
+
+    def _tool_context(self, state: EpisodeState, task: Any, turn: int):
+        from rollway.tools.base import ToolContext
+
+        f = state.first
+        return ToolContext(task=task, episode_id=f.episode_id, attempt=f.attempt, turn=turn, state=dict(state.store))
+
+    async def _next_user_message(self, state: EpisodeState, context, record: TurnRecord) -> tuple[str | None, bool]:
+        """The task set's `next_user_message` hook, seeing the episode with this turn in it: its
+        messages and its `turns` both end with the turn that just ran."""
+        from rollway.envs.base import Episode, UserTurn
+
+        pending = [{"role": "tool" if o.tool else "user", "content": o.content} for o in record.observations]
+        messages = [*state.messages, {"role": "assistant", "content": record.assistant_text}, *pending]
+        episode = Episode(episode_id=context.episode_id, attempt=context.attempt, task=context.task,
+                          messages=messages, turns=[*state.turns, record], state=context.state)
+        reply = await self.taskset.next_user_message(context.task, episode)
+        if isinstance(reply, UserTurn):
+            return reply.content, reply.ends_episode
+        return reply, False
+
+    def _prompt_too_long(self, state: EpisodeState) -> TurnRecord:
+        """The prompt alone fills agent.max_total_tokens: the episode ends before any model call, with a
+        stop reason that says so (never a silent reward-0 `max_tokens`)."""
+        log.warning("prompt longer than agent.max_total_tokens; episode ended without a model call",
+                    episode_id=state.first.episode_id, prompt_tokens=state.tokens_used,
+                    max_total_tokens=self.agent.max_total_tokens)
+        return TurnRecord(turn=state.next_turn, completion_ids=[], logprobs=[], policy_version=0,
+                          finish_reason="prompt_too_long", assistant_text="")
+
+    def _out_of_time(self, state: EpisodeState) -> TurnRecord:
+        """The task's agent time ran out before this turn's model call: the episode ends (graded as it
+        stands) with an empty turn."""
+        log.info("task's agent time is up; episode ends", episode_id=state.first.episode_id, turn=state.next_turn)
+        return TurnRecord(turn=state.next_turn, completion_ids=[], logprobs=[], policy_version=0,
+                          finish_reason=AGENT_TIMEOUT, assistant_text="")
+
+    async def _act(self, text: str, task: Any, sandbox: Sandbox, context: Any) -> ToolTurn:
+        from rollway.tools.registry import run_tool_calls
+
+        return await run_tool_calls(text, self.tools_for(task), sandbox, self.tools_cfg, context)
+
+    def _hints(self, state: EpisodeState, outcome: ToolTurn, turn: int, used: int) -> list[str]:
+        from rollway.tools.hints import HintEngine
+
+        previous = state.turns[-1] if state.turns else None
+        prev_calls = [(o.tool, o.arguments) for o in previous.observations if o.tool] if previous else []
+        return HintEngine(self.hints_cfg).hints(
+            turn=turn, max_turns=self.agent.max_turns, tokens_used=used, max_tokens=self.agent.max_total_tokens,
+            calls=outcome.call_pairs, previous_calls=prev_calls, errors=outcome.errors)
