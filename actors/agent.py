@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING
 import structlog
 
 from rollway.actors.agent_time import AGENT_TIMEOUT, DeadlineSandbox, agent_deadline
-from rollway.actors.base import Actor, MessageMeta, Output, failure_output
+from rollway.actors.base import Actor, MessageMeta, Output, StaleMessage, failure_output
 from rollway.actors.episode import EpisodeState, observation_messages
 from rollway.actors.gate import RankedGate
 from rollway.actors.services import Services
 from rollway.base.faults import fault_point
 from rollway.policies.base import SamplingParams, episode_seed
+from rollway.sandboxes.base import SandboxGone
 from rollway.schemas.messages import AgentStep, RewardRequest, TurnRecord
 
 if TYPE_CHECKING:
@@ -88,6 +89,11 @@ class AgentActor(Actor):
                         turn=msg.turn, attempt=msg.attempt)
             self.cache.pop((msg.episode_id, msg.attempt), None)
             return [failure_output(msg, self.name, err)]
+        except SandboxGone as err:
+            # Only an ended attempt's sandbox is destroyed: this turn is a redelivery (say, the last
+            # turn, graded and torn down before its offset was committed). Nothing needs a person.
+            self.cache.pop((msg.episode_id, msg.attempt), None)
+            raise StaleMessage(f"turn {msg.turn} of attempt {msg.attempt}: {err}") from None
 
     def on_error(self, msg: AgentStep, error: BaseException) -> list[Output]:
         self.cache.pop((msg.episode_id, msg.attempt), None)
