@@ -6,20 +6,17 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
 
 import structlog
 
-from rollway.actors.base import Actor, MessageMeta, Output, failure_output
+from rollway.actors.base import Actor, MessageMeta, Output, StaleMessage, failure_output
 from rollway.actors.episode import EpisodeState
 from rollway.actors.services import Services
 from rollway.actors.sink import belongs_to_run
 from rollway.actors.turn import TurnRunner
+from rollway.sandboxes.base import SandboxGone
 from rollway.schemas.messages import AgentStep, RewardRequest
 from rollway.schemas.tokens import observation_messages
-
-if TYPE_CHECKING:
-    pass
 from rollway.topics import AGENT_STEPS, REWARD_REQUESTS
 
 log = structlog.get_logger()
@@ -93,6 +90,11 @@ class AgentActor(Actor):
             self.cache.pop((msg.episode_id, msg.attempt), None)
             await self._destroy_sandbox(msg)
             return [failure_output(msg, self.name, err)]
+        except SandboxGone as err:
+            # Only an ended attempt's sandbox is destroyed: this turn is a redelivery (say, the last
+            # turn, graded and torn down before its offset was committed). Nothing needs a person.
+            self.cache.pop((msg.episode_id, msg.attempt), None)
+            raise StaleMessage(f"turn {msg.turn} of attempt {msg.attempt}: {err}") from None
         except Exception:
             # The attempt fails (on_error reports it; the scheduler re-issues it in a fresh sandbox):
             # nothing will use this sandbox again. A cancelled turn keeps it: its message is

@@ -75,11 +75,29 @@ class Actor(ABC):
         """Called once at shutdown."""
 
 
+MAX_FAILURE_REASON_CHARS = 2000
+"""A failure's reason is cut to this: the error text may quote hostile model output."""
+
+
 def failure_output(msg: EpisodeMessage, stage: str, error: BaseException, retryable: bool = True) -> Output:
-    """Tell the scheduler this attempt failed in `stage` (it re-issues or records the failure)."""
+    """Tell the scheduler this attempt failed in `stage` (it re-issues or records the failure). An
+    output the broker refused is not retryable: the same policy would likely write it again."""
+    reason = f"{type(error).__name__}: {error}"[:MAX_FAILURE_REASON_CHARS]
     return Output(EPISODE_FAILURES, msg.episode_id, EpisodeFailure(
-        episode=msg.episode, stage=stage, reason=f"{type(error).__name__}: {error}",
-        retryable=retryable, at=time.time()))
+        episode=msg.episode, stage=stage, reason=reason,
+        retryable=retryable and not isinstance(error, OutputRefused), at=time.time()))
+
+
+class OutputRefused(Exception):
+    """An output that no retry can deliver: it cannot be encoded (an integer beyond 64 bits), it is
+    larger than `broker.max_message_bytes`, or the broker refused it for what it is. The runtime
+    dead-letters the input with this reason and produces the actor's `on_error` outputs instead."""
+
+
+class StaleMessage(Exception):
+    """Raised by `handle` for a redelivery rollway expects (a turn of an attempt that already ended,
+    whose sandbox is gone): the runtime skips it with an info line, produces nothing, dead-letters
+    nothing and commits past it. The message says why it is stale."""
 
 
 class FatalActorError(RuntimeError):

@@ -128,7 +128,7 @@ async def make_producer(cfg: BrokerConfig, bootstrap: str) -> AIOKafkaProducer:
     """A producer that waits for every in-sync replica. Idempotent (enable_idempotence) where the
     broker supports it, so a retried send after a lost ack is never written twice; otherwise a
     plain at-least-once producer, said once in the log. Consumers are idempotent either way."""
-    kw = dict(acks="all", linger_ms=2, max_request_size=16 * 1024 * 1024, **client_kwargs(cfg, bootstrap))
+    kw = dict(acks="all", linger_ms=2, max_request_size=cfg.max_message_bytes, **client_kwargs(cfg, bootstrap))
     if _idempotence.get(bootstrap, True):
         producer = AIOKafkaProducer(enable_idempotence=True, **kw)
         sender_log = logging.getLogger("aiokafka.producer.sender")
@@ -152,7 +152,8 @@ async def make_consumer(cfg: BrokerConfig, bootstrap: str, *topics: str, group_i
                         **extra: Any) -> AIOKafkaConsumer:
     consumer = AIOKafkaConsumer(
         *topics, group_id=group_id, enable_auto_commit=False, auto_offset_reset="earliest",
-        max_partition_fetch_bytes=16 * 1024 * 1024, fetch_max_bytes=32 * 1024 * 1024,
+        # Room for the largest message rollway produces (a broker returns one oversized batch anyway).
+        max_partition_fetch_bytes=cfg.max_message_bytes, fetch_max_bytes=2 * cfg.max_message_bytes,
         session_timeout_ms=cfg.session_timeout_ms, heartbeat_interval_ms=cfg.heartbeat_interval_ms,
         fetch_max_wait_ms=cfg.fetch_max_wait_ms,
         **client_kwargs(cfg, bootstrap), **extra)
@@ -162,18 +163,24 @@ async def make_consumer(cfg: BrokerConfig, bootstrap: str, *topics: str, group_i
 
 async def ensure_topics(cfg: BrokerConfig, topics: TopicsConfig, bootstrap: str,
                         specs: tuple[TopicSpec, ...] = ALL_TOPICS) -> None:
-    """Create missing topics with their configured partition counts (existing ones are kept)."""
+    """Create missing topics with their configured partition counts (existing ones are kept), each
+    accepting messages up to `broker.max_message_bytes` (the limit the producers are built with)."""
     admin = AIOKafkaAdminClient(**client_kwargs(cfg, bootstrap))
     await start_with_retry(admin, cfg, "admin")
     try:
         existing = set(await admin.list_topics())
         new = [NewTopic(topic_name(s, topics), partitions_for(s, topics), topics.replication_factor,
-                        topic_configs={"retention.ms": str(s.retention_ms)})
+                        topic_configs=topic_configs(s, cfg))
                for s in specs if topic_name(s, topics) not in existing]
         if new:
             await create_topics(admin, new)
     finally:
         await admin.close()
+
+
+def topic_configs(spec: TopicSpec, cfg: BrokerConfig) -> dict[str, str]:
+    """The settings rollway creates `spec`'s topic with."""
+    return {"retention.ms": str(spec.retention_ms), "max.message.bytes": str(cfg.max_message_bytes)}
 
 
 async def create_topics(admin: AIOKafkaAdminClient, new: list[NewTopic], timeout_s: float = 15.0) -> None:

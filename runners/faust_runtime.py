@@ -18,8 +18,9 @@ runs one suite against both engines):
   log order, as in the aiokafka worker.
 - `priority` with `prefetch` > 0: up to `prefetch` events beyond the concurrency wait in the same
   priority backlog as the aiokafka worker's (re-ranked when `priority_epoch` changes).
-- `tick`, `done`, `on_error`, dead letters and telemetry (one line per handled message, runners/telemetry.py)
-  as in the aiokafka worker.
+- `tick`, `done`, `on_error`, dead letters, outputs that can never be produced (the input dead-lettered,
+  the episode failed: `deliver`), `StaleMessage` skips and telemetry (one line per handled message,
+  runners/telemetry.py) as in the aiokafka worker, through the same functions.
 - Exactly-once effect: for init, reward, learner and sink, the stage keeps a Faust `Table` per input
   topic (memory store, compacted changelog topic) of the dedup keys it has handled, so a worker that
   takes a partition over, on this machine or another, skips redelivered episodes. An entry is
@@ -52,7 +53,6 @@ from typing import Any
 import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaError
 
 from rollway.actors.base import Actor, MessageMeta, Output
 from rollway.base.files import write_json_atomic
@@ -68,11 +68,14 @@ from rollway.runners.stage_runtime import (
     COMMIT_INTERVAL_S,
     STATUS_INTERVAL_S,
     TICK_INTERVAL_S,
+    OutputSender,
     dead_letter,
+    deliver,
     handle_or_dead_letter,
+    send_dead_letter,
 )
 from rollway.runners.telemetry import TelemetryLog
-from rollway.schemas.codec import DecodeError, decode, encode
+from rollway.schemas.codec import DecodeError, decode
 from rollway.schemas.messages import (
     EpisodeFailure,
     InitRequest,
@@ -166,7 +169,7 @@ def build_app(cfg: RunConfig, bootstrap: str, group_id: str, run_dir: Path) -> A
         # JoinGroup only after half the session timeout, so Faust's default meant a 30 s start.
         broker_session_timeout=cfg.broker.session_timeout_ms / 1000,
         broker_heartbeat_interval=cfg.broker.heartbeat_interval_ms / 1000,
-        producer_max_request_size=16 * 1024 * 1024, consumer_max_fetch_size=16 * 1024 * 1024,
+        producer_max_request_size=cfg.broker.max_message_bytes, consumer_max_fetch_size=cfg.broker.max_message_bytes,
     )
 
 
@@ -264,6 +267,7 @@ class FaustStage:
         """Per input partition, the dedup keys in its table, oldest first (for `table_window`)."""
         self.telemetry = TelemetryLog(telemetry_path, actor.name, fetch_times=cfg.run.trace)
         self.stats = {"handled": 0, "skipped_duplicates": 0, "dead_lettered": 0, "produced": 0}
+        self.sender = OutputSender(actor.name, cfg, self._produce, self.stats)
         self.failure: BaseException | None = None
         self.closing = False
         self._register()
@@ -371,7 +375,7 @@ class FaustStage:
             return 0
 
     async def _tick(self) -> None:
-        await self._send(await self.actor.tick())
+        await self.sender.send_each(await self.actor.tick(), "tick")
         self._release_held()
 
     # -- admission: log order, bounded concurrency, priority backlog ---------------------------
@@ -438,7 +442,7 @@ class FaustStage:
             now = time.time()
             self.telemetry.record(message.topic, message.partition, message.offset, timestamp_ms, event.value, None,
                                   now, now, outcome="undecodable")
-            await self._send([self._dead_letter(event, f"decode: {err}")])
+            await send_dead_letter(self.sender, self._dead_letter(event, f"decode: {err}"))
             self._finish(event, acks)
             return
         key = dedup_key(msg)
@@ -458,7 +462,7 @@ class FaustStage:
                 self.stats["handled"] += 1
                 self.telemetry.record(message.topic, message.partition, message.offset, timestamp_ms, event.value,
                                       msg, started, time.time())
-            await self._send(outputs)
+            await deliver(self.sender, self.actor, outputs, msg, lambda r: self._dead_letter(event, r))
             held = self._where(event) in self.actor.held_offsets()
             if table is not None and key is not None and not held:
                 self._remember(table, message, key)  # after the acks: a crash before this only repeats work
@@ -541,25 +545,10 @@ class FaustStage:
         self.stats["dead_lettered"] += 1
         return dead_letter(self.actor.name, m.topic, m.partition, m.offset, event.key, event.value, reason)
 
-    async def _send(self, outputs: list[Output]) -> None:
-        """Produce each output and wait for the broker's ack, retrying with backoff while the broker
-        is away (the event stays unacked, so its offset is not committed meanwhile)."""
-        for out in outputs:
-            key = out.key.encode() if out.key is not None else None
-            await self._send_one(topic_name(out.topic, self.cfg.topics), key, encode(out.value))
-            self.stats["produced"] += 1
-
-    async def _send_one(self, topic: str, key: bytes | None, value: bytes) -> None:
-        delay = 0.2
-        while True:
-            try:
-                await self.app.producer.send_and_wait(topic, key, value, partition=None, timestamp=None,
-                                                      headers=None)
-                return
-            except KafkaError as err:
-                log.warning("produce failed, retrying", stage=self.actor.name, error=str(err), retry_in_s=delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+    async def _produce(self, topic: str, key: bytes | None, value: bytes) -> None:
+        """One produce for `OutputSender` (which retries while the broker is away; the event stays
+        unacked meanwhile, so its offset is not committed)."""
+        await self.app.producer.send_and_wait(topic, key, value, partition=None, timestamp=None, headers=None)
 
 
 async def run_faust_worker(actor: Actor, cfg: RunConfig, bootstrap: str, concurrency: int, group_id: str,

@@ -1,5 +1,6 @@
 """Runs one actor as a Kafka stream processor: consume, handle (bounded concurrency, in order per
-key), produce, then commit; undecodable or failing messages go to dead-letters."""
+key), produce, then commit; undecodable or failing messages, and inputs whose outputs can never be
+produced, go to dead-letters, so no input wedges its partition."""
 
 from __future__ import annotations
 
@@ -7,22 +8,28 @@ import asyncio
 import os
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import structlog
 from aiokafka import ConsumerRebalanceListener, TopicPartition
-from aiokafka.errors import KafkaError
+from aiokafka.errors import (
+    CorruptRecordException,
+    KafkaError,
+    MessageSizeTooLargeError,
+    RecordListTooLargeError,
+)
 
-from rollway.actors.base import Actor, FatalActorError, MessageMeta, Output
+from rollway.actors.base import Actor, FatalActorError, MessageMeta, Output, OutputRefused, StaleMessage
 from rollway.base.faults import fault_point
 from rollway.base.files import write_json_atomic
 from rollway.core.config import RunConfig
 from rollway.core.kafka import ensure_topics, make_consumer, make_producer, read_to_end, topic_name
 from rollway.runners.stage_queue import Backlog, KeyLocks
 from rollway.runners.telemetry import TelemetryLog
-from rollway.schemas.codec import DecodeError, decode, encode
+from rollway.schemas.codec import DecodeError, EncodeError, decode, encode
 from rollway.schemas.messages import AgentStep, DeadLetter
 from rollway.topics import DEAD_LETTERS, TopicSpec
 
@@ -32,20 +39,137 @@ COMMIT_INTERVAL_S = 0.5
 TICK_INTERVAL_S = 0.2
 TOPIC_CHECK_INTERVAL_S = 5.0
 STATUS_INTERVAL_S = 0.5
+MAX_REASON_CHARS = 4000
+"""A dead letter's reason is cut to this: error texts may quote hostile model output."""
+
+REFUSED_BY_BROKER = (MessageSizeTooLargeError, RecordListTooLargeError, CorruptRecordException)
+"""Produce errors about the message itself: no retry can deliver it (every other KafkaError is
+retried, since a broker that is away or electing a leader answers with one of those)."""
+RECORD_OVERHEAD_BYTES = 512
+"""Room kept under `broker.max_message_bytes` for the record batch's own header."""
+
+Produce = Callable[[str, bytes | None, bytes], Awaitable[Any]]
+"""(topic, key, value) -> awaits the broker's ack."""
 
 
 async def handle_or_dead_letter(actor: Actor, msg: Any, meta: MessageMeta,
                                 dead_letter_for: Callable[[str], Output]) -> list[Output]:
     """`actor.handle`, or on an exception the dead letter plus the actor's failure outputs: a failing
-    message must not stop the stage (shared by the aiokafka and Faust runtimes)."""
+    message must not stop the stage (shared by the aiokafka and Faust runtimes). A `StaleMessage`
+    is an expected redelivery: skipped with an info line, nothing produced."""
     try:
         return await actor.handle(msg, meta)
     except (asyncio.CancelledError, FatalActorError):
         raise
+    except StaleMessage as err:
+        log.info("stale redelivery skipped", stage=actor.name, offset=meta.offset, reason=str(err)[:500])
+        return []
     except Exception as err:  # noqa: BLE001 - see docstring
         log.exception("handler failed; message dead-lettered", stage=actor.name,
                       episode_id=getattr(msg, "episode_id", None), offset=meta.offset)
-        return [dead_letter_for(f"handler: {type(err).__name__}: {err}"), *actor.on_error(msg, err)]
+        return [dead_letter_for(f"handler: {type(err).__name__}: {err}"), *failure_outputs(actor, msg, err)]
+
+
+def failure_outputs(actor: Actor, msg: Any, error: BaseException) -> list[Output]:
+    """The actor's `on_error` outputs for a decoded input (none for an undecodable one). A raising
+    `on_error` is logged and yields none: the dead letter still goes out."""
+    if msg is None:
+        return []
+    try:
+        return actor.on_error(msg, error)
+    except Exception:  # noqa: BLE001 - see docstring
+        log.exception("on_error failed; only the dead letter is produced", stage=actor.name)
+        return []
+
+
+class OutputSender:
+    """Encodes and produces a worker's outputs, each acknowledged by the broker before the next.
+    Retries with backoff while the broker is away (a broker restart loses no output); raises
+    `OutputRefused` for an output no retry can deliver (unencodable, over `broker.max_message_bytes`,
+    refused by the broker for what it is), so its input is dead-lettered instead of retried forever."""
+
+    def __init__(self, stage: str, cfg: RunConfig, produce: Produce, stats: dict[str, int],
+                 on_backoff: Callable[[float], Awaitable[None]] | None = None):
+        self.stage, self.cfg, self.produce, self.stats, self.on_backoff = stage, cfg, produce, stats, on_backoff
+
+    def encode(self, out: Output) -> tuple[str, bytes | None, bytes]:
+        """(topic, key, value) of `out`, or OutputRefused when it cannot be a message on this broker."""
+        what = f"{type(out.value).__name__} for {out.topic.name}"
+        try:
+            value = encode(out.value)
+        except EncodeError as err:
+            raise OutputRefused(f"{what} cannot be encoded: {err}") from None
+        key = out.key.encode() if out.key is not None else None
+        size, limit = len(value) + len(key or b"") + RECORD_OVERHEAD_BYTES, self.cfg.broker.max_message_bytes
+        if size > limit:
+            raise OutputRefused(f"{what} is {size} bytes, over broker.max_message_bytes={limit}; raise that limit "
+                                "(and the broker's, see docs/security/operations.md) or bound the episode "
+                                "(fewer turns, shorter outputs)")
+        return topic_name(out.topic, self.cfg.topics), key, value
+
+    async def send(self, outputs: list[Output]) -> None:
+        encoded = [self.encode(out) for out in outputs]  # all first: an unencodable output produces none
+        for topic, key, value in encoded:
+            await self._produce(topic, key, value)
+            self.stats["produced"] += 1
+
+    async def _produce(self, topic: str, key: bytes | None, value: bytes) -> None:
+        delay = 0.2
+        while True:
+            try:
+                await self.produce(topic, key, value)
+                return
+            except REFUSED_BY_BROKER as err:
+                raise OutputRefused(f"the broker refused a {len(value)}-byte message for {topic}: "
+                                    f"{type(err).__name__}: {err}") from None
+            except KafkaError as err:
+                log.warning("produce failed, retrying", stage=self.stage, error=str(err), retry_in_s=delay)
+                await asyncio.sleep(delay)
+                if self.on_backoff is not None:
+                    await self.on_backoff(delay)
+                delay = min(delay * 2, 5.0)
+            except Exception as err:  # noqa: BLE001 - the client rejected this message itself
+                raise OutputRefused(f"the producer rejected a {len(value)}-byte message for {topic}: "
+                                    f"{type(err).__name__}: {err}") from None
+
+    async def send_each(self, outputs: list[Output], what: str) -> None:
+        """Produce outputs that belong to no input (a tick's): one that can never be produced is
+        logged and dropped, the others still go out."""
+        for out in outputs:
+            try:
+                await self.send([out])
+            except OutputRefused as err:
+                log.error(f"a {what} output can never be produced; dropped", stage=self.stage, reason=str(err)[:500])
+
+
+async def deliver(sender: OutputSender, actor: Actor, outputs: list[Output], msg: Any,
+                  dead_letter_for: Callable[[str], Output]) -> None:
+    """Produce one input's outputs. When one can never be produced, dead-letter the input with the
+    reason and produce the actor's failure outputs instead (so the scheduler learns of the failed
+    episode now, not at its deadline). Never raises OutputRefused: the input is always finished."""
+    try:
+        await sender.send(outputs)
+        return
+    except OutputRefused as err:
+        refused = err
+    log.error("an output can never be produced; its input is dead-lettered", stage=actor.name,
+              reason=str(refused)[:500])
+    await send_dead_letter(sender, dead_letter_for(f"output: {refused}"))
+    await sender.send_each(failure_outputs(actor, msg, refused), "failure")
+
+
+async def send_dead_letter(sender: OutputSender, letter: Output) -> None:
+    """Produce a dead letter; one too large with the input's bytes goes out without them."""
+    try:
+        await sender.send([letter])
+        return
+    except OutputRefused:
+        pass
+    value: DeadLetter = letter.value
+    size = len(value.value or b"")
+    slim = msgspec.structs.replace(value, value=None, reason=f"{value.reason} (the input's {size} bytes are left "
+                                   "out: with them this dead letter is over broker.max_message_bytes)")
+    await sender.send_each([Output(letter.topic, letter.key, slim)], "dead-letter")
 
 
 def dead_letter(stage: str, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None,
@@ -53,7 +177,8 @@ def dead_letter(stage: str, topic: str, partition: int, offset: int, key: bytes 
     """The dead-letters message for one input: original bytes, reason and source."""
     log.warning("dead letter", stage=stage, topic=topic, partition=partition, offset=offset, reason=reason[:500])
     return Output(DEAD_LETTERS, None, DeadLetter(source_topic=topic, partition=partition, offset=offset, key=key,
-                                                 value=value, reason=reason, stage=stage, at=time.time()))
+                                                 value=value, reason=reason[:MAX_REASON_CHARS], stage=stage,
+                                                 at=time.time()))
 
 
 class OffsetTracker:
@@ -110,6 +235,7 @@ class StageWorker:
         self.key_locks = KeyLocks()
         self.stats = {"handled": 0, "dead_lettered": 0, "produced": 0}
         self.producer = self.consumer = None
+        self.sender = OutputSender(actor.name, cfg, self._produce, self.stats, self._backoff)
         self.status_path = status_path
         """Small JSON file with this worker's counts, rewritten at most every STATUS_INTERVAL_S (for
         `rollway up`'s progress display)."""
@@ -171,7 +297,7 @@ class StageWorker:
                 await self._recreate_topics()  # a restarted in-memory broker comes back empty
                 last_topic_check = now
             if now - last_tick >= TICK_INTERVAL_S:
-                await self._send(await self.actor.tick())
+                await self.sender.send_each(await self.actor.tick(), "tick")
                 last_tick = now
             if now - last_commit >= COMMIT_INTERVAL_S:
                 await self.commit()
@@ -225,10 +351,15 @@ class StageWorker:
             log.error("actor failed fatally; the worker stops and its restart resumes from the committed "
                       "offsets", stage=self.actor.name, error=str(err))
             self.fatal = err
+        except Exception as err:  # noqa: BLE001 - a runtime fault: raised by the loop, never lost
+            log.exception("stage runtime failed on a message; the worker stops", stage=self.actor.name,
+                          topic=tp.topic, partition=tp.partition, offset=record.offset)
+            self.fatal = err
 
     async def _handle_and_send(self, tp: TopicPartition, record: Any) -> None:
         spec = self.specs[tp.topic]
         meta = MessageMeta(tp.topic, tp.partition, record.offset, record.timestamp)
+        msg = None
         try:
             msg = decode(record.value, spec.value)
         except DecodeError as err:
@@ -247,32 +378,19 @@ class StageWorker:
                     self.telemetry.record(tp.topic, tp.partition, record.offset, record.timestamp, record.value,
                                           msg, started, time.time())
         self.sending.add(asyncio.current_task())
-        await self._send(outputs)
+        await deliver(self.sender, self.actor, outputs, msg, lambda r: self._dead_letter(record, tp, r))
         self.offsets.finish(tp, record.offset)
 
     def _dead_letter(self, record: Any, tp: TopicPartition, reason: str) -> Output:
         self.stats["dead_lettered"] += 1
         return dead_letter(self.actor.name, tp.topic, tp.partition, record.offset, record.key, record.value, reason)
 
-    async def _send(self, outputs: list[Output]) -> None:
-        """Produce and wait for the broker's acks (before the input offset may be committed).
-        Retries with backoff while the broker is away, so a broker restart does not lose outputs."""
-        delay = 0.2
-        pending = list(outputs)
-        while pending:
-            out = pending[0]
-            try:
-                key = out.key.encode() if out.key is not None else None
-                await self.producer.send_and_wait(topic_name(out.topic, self.cfg.topics), encode(out.value), key=key)
-                pending.pop(0)
-                self.stats["produced"] += 1
-                delay = 0.2
-            except KafkaError as err:
-                log.warning("produce failed, retrying", stage=self.actor.name, error=str(err), retry_in_s=delay)
-                await asyncio.sleep(delay)
-                if delay >= 1.6:
-                    await self._recreate_topics()
-                delay = min(delay * 2, 5.0)
+    async def _produce(self, topic: str, key: bytes | None, value: bytes) -> None:
+        await self.producer.send_and_wait(topic, value, key=key)
+
+    async def _backoff(self, delay: float) -> None:
+        if delay >= 1.6:
+            await self._recreate_topics()  # a restarted in-memory broker comes back without topics
 
     async def _recreate_topics(self) -> None:
         try:

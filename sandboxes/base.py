@@ -34,6 +34,12 @@ class SandboxError(RuntimeError):
     """The sandbox cannot be created or used; the message names the fix."""
 
 
+class SandboxGone(SandboxError):
+    """The sandbox named by a handle no longer exists. rollway destroys a sandbox only when its
+    attempt ends (graded, failed, or a duplicate), so a turn that finds it gone is a redelivery of
+    an attempt that already ended (or the sandbox lives on another machine or engine)."""
+
+
 class Sandbox(ABC):
     """One episode's isolated workspace.
 

@@ -17,7 +17,14 @@ from dataclasses import replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from rollway.sandboxes.base import ExecResult, Sandbox, SandboxError, SandboxProvider, SandboxSpec
+from rollway.sandboxes.base import (
+    ExecResult,
+    Sandbox,
+    SandboxError,
+    SandboxGone,
+    SandboxProvider,
+    SandboxSpec,
+)
 from rollway.sandboxes.config import DockerSandboxConfig
 from rollway.sandboxes.jail import JailLimits, OutputCapture
 
@@ -93,7 +100,7 @@ def engine_errors(what: str, name: str = "") -> Iterator[None]:
         text = str(exc)
         box = f"container rollway-{name}" if name else "the container"
         if _is_not_found(exc):
-            raise SandboxError(f"{what}: {box} is gone (destroyed, or on another engine); "
+            raise SandboxGone(f"{what}: {box} is gone (destroyed, or on another engine); "
                                "the episode needs a new sandbox") from exc  # fmt: skip
         if _status(exc) == 409 or "is not running" in text:
             raise SandboxError(f"{what}: {box} is not running (killed, out of memory, or its engine "

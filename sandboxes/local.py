@@ -20,6 +20,7 @@ from rollway.sandboxes.base import (
     ExecResult,
     Sandbox,
     SandboxError,
+    SandboxGone,
     SandboxProvider,
     SandboxSpec,
     claim_in_folder,
@@ -273,7 +274,7 @@ class LocalSandboxProvider(SandboxProvider):
             raise SandboxError(f"handle path {handle.get('path')!r} is not under sandbox.root {self.root}; "
                                "workers sharing sandboxes need the same sandbox.root")  # fmt: skip
         if not (box_dir / _READY).exists():
-            raise SandboxError(f"sandbox {box_dir} does not exist (destroyed, or created on another machine)")
+            raise SandboxGone(f"sandbox {box_dir} does not exist (destroyed, or created on another machine)")
         return LocalSandbox(self, box_dir)
 
     async def check(self) -> dict[str, Any]:

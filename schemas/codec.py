@@ -1,4 +1,6 @@
-"""MessagePack codec with strict decoding: wrong types, unknown or missing fields are errors."""
+"""MessagePack codec with strict decoding: wrong types, unknown or missing fields are errors, and
+every failure to decode or encode is one typed error (never a RecursionError or OverflowError that
+would escape a stage's dead-letter path)."""
 
 from __future__ import annotations
 
@@ -18,8 +20,16 @@ class DecodeError(ValueError):
     """Bytes that are not a valid message of the expected type and schema version."""
 
 
+class EncodeError(ValueError):
+    """A message MessagePack cannot hold (an integer outside -2**63..2**64-1, nesting too deep, a
+    value of a type it has no form for)."""
+
+
 def encode(msg: Message) -> bytes:
-    return _encoder.encode(msg)
+    try:
+        return _encoder.encode(msg)
+    except Exception as err:  # noqa: BLE001 - msgspec raises OverflowError, RecursionError, TypeError
+        raise EncodeError(f"cannot encode this {type(msg).__name__}: {type(err).__name__}: {err}") from None
 
 
 @cache
@@ -49,14 +59,16 @@ def decode(data: bytes | None, cls: type[M]) -> M:
         raise DecodeError(f"empty message where {cls.__name__} was expected")
     try:
         msg = _decoder(cls).decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as err:
+    except Exception as err:  # noqa: BLE001 - hostile bytes also raise RecursionError, MemoryError
         try:
             version = _version_decoder.decode(data).schema_version
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except Exception:  # noqa: BLE001 - as above
             version = SCHEMA_VERSION
         if version != SCHEMA_VERSION:
             raise DecodeError(version_error(f"this {cls.__name__}", version)) from None
-        raise DecodeError(f"not a valid {cls.__name__}: {err}") from None
+        known = isinstance(err, (msgspec.DecodeError, msgspec.ValidationError))
+        detail = str(err) if known else f"{type(err).__name__}: {err}"
+        raise DecodeError(f"not a valid {cls.__name__}: {detail[:500]}") from None
     if msg.schema_version != SCHEMA_VERSION:
         raise DecodeError(version_error(f"this {cls.__name__}", msg.schema_version))
     return msg

@@ -88,3 +88,42 @@ def test_scans_and_lag_reach_records_a_short_list_offsets_answer_leaves_out(brok
     print("ListOffsets answered", listed, "for 3 records")
     assert ends == (3, 0)
     assert scanned == [(0, 0), (0, 1), (0, 2)]
+
+
+def test_one_message_size_limit_for_producers_consumers_and_created_topics(broker, topic_prefix):
+    """broker.max_message_bytes is the producer's max_request_size, the consumers' fetch size and the
+    max.message.bytes of every topic rollway creates (read back from the broker), so a cluster that
+    honours topic settings accepts what rollway produces."""
+    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    from rollway.core.config import TopicsConfig
+    from rollway.core.kafka import ensure_topics, make_consumer
+    from rollway.topics import ALL_TOPICS
+
+    cfg = BrokerConfig(max_message_bytes=2 * 1024 * 1024, connect_timeout_s=10)
+    topics = TopicsConfig(prefix=topic_prefix)
+
+    async def scenario():
+        await ensure_topics(cfg, topics, broker.bootstrap)
+        admin = AIOKafkaAdminClient(bootstrap_servers=broker.bootstrap)
+        await admin.start()
+        try:
+            names = [topics.prefix + t.name for t in ALL_TOPICS]
+            answers = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, n) for n in names])
+        finally:
+            await admin.close()
+        settings = {resource[3]: {entry[0]: entry[1] for entry in resource[4]}
+                    for answer in answers for resource in answer.resources}
+        producer = await make_producer(cfg, broker.bootstrap)
+        consumer = await make_consumer(cfg, broker.bootstrap, group_id=None)
+        try:
+            return settings, producer._max_request_size, consumer._fetcher._max_partition_fetch_bytes
+        finally:
+            await producer.stop()
+            await consumer.stop()
+
+    settings, request_size, fetch_size = run(scenario())
+    assert len(settings) == len(ALL_TOPICS)
+    assert {s.get("max.message.bytes") for s in settings.values()} == {str(2 * 1024 * 1024)}
+    assert request_size == fetch_size == 2 * 1024 * 1024

@@ -18,7 +18,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from conftest import run
 from test_stage_runtime import produce, read_all
 
-from rollway.actors.base import Actor, MessageMeta, Output, failure_output
+from rollway.actors.base import Actor, MessageMeta, Output, StaleMessage, failure_output
 from rollway.core.config import RunConfig, load_config
 from rollway.core.kafka import ensure_topics, topic_name
 from rollway.core.run_dir import RunDir
@@ -44,7 +44,8 @@ def step(episode: str, turn: int, **flags: Any) -> AgentStep:
 class Probe(Actor):
     """Records every hook the runtime calls. Instructions ride in the message: `fail` raises in
     handle, `hold` keeps the offset in held_offsets, `stop` makes the actor done, `sleep_s` delays,
-    `gate` waits for the test to open `self.gate`."""
+    `gate` waits for the test to open `self.gate`, `stale` raises StaleMessage, `huge_int` returns an
+    output MessagePack cannot encode, `pad` returns an output of that many bytes more."""
 
     name = "probe"
     inputs = (AGENT_STEPS,)
@@ -78,6 +79,12 @@ class Probe(Actor):
             await asyncio.sleep(msg.sandbox.get("sleep_s", 0.0))
             if msg.sandbox.get("fail"):
                 raise RuntimeError("the probe was told to fail")
+            if msg.sandbox.get("stale"):
+                raise StaleMessage("the probe was told this turn is stale")
+            if msg.sandbox.get("huge_int"):
+                return [Output(OUT, msg.episode_id, step(msg.episode_id, msg.turn, view_range=[1, 2**65]))]
+            if msg.sandbox.get("pad"):
+                return [Output(OUT, msg.episode_id, step(msg.episode_id, msg.turn, pad="x" * msg.sandbox["pad"]))]
             if msg.sandbox.get("hold"):
                 self.holding.add((meta.topic, meta.partition, meta.offset))
             self.stopping = self.stopping or bool(msg.sandbox.get("stop"))
@@ -404,3 +411,105 @@ def test_settings_an_engine_cannot_honour_are_refused_by_key():
         load_config(None, ["runtime.engines.sink=faust", "broker.fetch_max_wait_ms=10"])
     load_config(None, ["runtime.engines.sink=faust"])  # Faust's own default is fine
     load_config(None, ["broker.fetch_max_wait_ms=10"])  # and any wait on aiokafka
+
+
+def limited_config(prefix: str, max_message_bytes: int) -> RunConfig:
+    return RunConfig.model_validate({"topics": {"prefix": prefix, "default_partitions": 1},
+                                     "broker": {"connect_timeout_s": 10, "session_timeout_ms": 3000,
+                                                "heartbeat_interval_ms": 1000, "max_message_bytes": max_message_bytes}})
+
+
+def letters_and_failures(dead: list, failures: list) -> tuple[list[DeadLetter], list[EpisodeFailure]]:
+    return [decode(r.value, DeadLetter) for r in dead], [decode(r.value, EpisodeFailure) for r in failures]
+
+
+def test_unencodable_output_dead_letters_its_input_and_the_partition_goes_on(engine, broker, topic_prefix, tmp_path):
+    """A handler output MessagePack cannot hold (a hostile tool argument: an integer above 2**64)
+    dead-letters its input with the reason and fails the episode, the offset is committed, and the
+    next record of the partition is handled (it used to kill the handler task unobserved and freeze
+    the partition's commits)."""
+    cfg, group = config(topic_prefix, partitions=1), f"{topic_prefix}probe"
+
+    async def scenario():
+        await prepare(cfg, broker.bootstrap, [step("bad", 0, huge_int=True), step("ok", 0)])
+        async with Running(engine, Probe(), cfg, broker.bootstrap, group, tmp_path) as w:
+            await until(lambda: len(w.actor.seen) == 2, "both messages handled")
+            dead = await read_all(cfg, broker.bootstrap, DEAD_LETTERS, expect=1)
+            failures = await read_all(cfg, broker.bootstrap, EPISODE_FAILURES, expect=1)
+            outputs = await read_all(cfg, broker.bootstrap, OUT, expect=1)
+            await until_committed(cfg, broker.bootstrap, group, 2)
+        return dead, failures, outputs
+
+    dead, failures, outputs = run(scenario())
+    (letter,), (failure,) = letters_and_failures(dead, failures)
+    assert letter.key == b"bad" and letter.reason.startswith("output:") and "cannot be encoded" in letter.reason
+    assert letter.value == encode(step("bad", 0, huge_int=True)), "the dead letter holds the input's bytes"
+    assert (failure.episode_id, failure.stage, failure.retryable) == ("bad", "probe", False)
+    assert [r.key for r in outputs] == [b"ok"]
+
+
+def test_deeply_nested_record_is_dead_lettered_and_the_worker_keeps_running(engine, broker, topic_prefix, tmp_path):
+    """A record nested 200,000 arrays deep (RecursionError in the decoder) is a decode dead letter,
+    on the prefetch path (which ranks records by decoding them) too."""
+    cfg, group = config(topic_prefix, partitions=1), f"{topic_prefix}probe"
+    marker = encode(step("deep", 0, x="MARKER"))
+    nested = marker.replace(b"\xa6MARKER", b"\x91" * 200_000 + b"\xc0")
+    assert nested != marker
+
+    async def scenario():
+        await prepare(cfg, broker.bootstrap, [(b"deep", nested), step("ok", 0)])
+        async with Running(engine, Probe(), cfg, broker.bootstrap, group, tmp_path, prefetch=2) as w:
+            await until(lambda: len(w.actor.seen) == 1, "the next message handled")
+            dead = await read_all(cfg, broker.bootstrap, DEAD_LETTERS, expect=1)
+            await until_committed(cfg, broker.bootstrap, group, 2)
+        return w.actor, dead
+
+    actor, dead = run(scenario())
+    (letter,) = [decode(r.value, DeadLetter) for r in dead]
+    assert letter.key == b"deep" and letter.reason.startswith("decode:") and letter.value == nested
+    assert [e for e, _, _ in actor.seen] == ["ok"]
+
+
+def test_oversized_output_is_dead_lettered_not_retried_forever(engine, broker, topic_prefix, tmp_path):
+    """An output over broker.max_message_bytes (a long trajectory) dead-letters its input with a size
+    reason and fails the episode, instead of a produce retried every 5 s forever; the partition goes
+    on. The bound below is far above a normal hop; a retry loop never dead-letters at all."""
+    cfg, group = limited_config(topic_prefix, 64 * 1024), f"{topic_prefix}probe"
+
+    async def scenario():
+        await prepare(cfg, broker.bootstrap, [step("big", 0, pad=200_000), step("ok", 0)])
+        async with Running(engine, Probe(), cfg, broker.bootstrap, group, tmp_path) as w:
+            await until(lambda: len(w.actor.seen) == 2, "both messages handled")
+            dead = await read_all(cfg, broker.bootstrap, DEAD_LETTERS, expect=1, timeout_s=30)
+            failures = await read_all(cfg, broker.bootstrap, EPISODE_FAILURES, expect=1)
+            outputs = await read_all(cfg, broker.bootstrap, OUT, expect=1)
+            await until_committed(cfg, broker.bootstrap, group, 2)
+        return dead, failures, outputs
+
+    dead, failures, outputs = run(scenario())
+    (letter,), (failure,) = letters_and_failures(dead, failures)
+    assert letter.key == b"big" and "max_message_bytes=65536" in letter.reason
+    assert failure.episode_id == "big" and not failure.retryable and "max_message_bytes" in failure.reason
+    assert [r.key for r in outputs] == [b"ok"]
+
+
+def test_stale_redelivery_is_skipped_without_a_dead_letter(engine, broker, topic_prefix, tmp_path):
+    """A StaleMessage (an expected redelivery) produces nothing and dead-letters nothing; the
+    failing message after it shows the dead-letter topic was read past where its letter would be."""
+    cfg, group = config(topic_prefix, partitions=1), f"{topic_prefix}probe"
+
+    async def scenario():
+        await prepare(cfg, broker.bootstrap, [step("old", 3, stale=True), step("bad", 0, fail=True), step("ok", 0)])
+        async with Running(engine, Probe(), cfg, broker.bootstrap, group, tmp_path) as w:
+            await until(lambda: len(w.actor.seen) == 3, "three messages handled")
+            dead = await read_all(cfg, broker.bootstrap, DEAD_LETTERS, expect=1)
+            failures = await read_all(cfg, broker.bootstrap, EPISODE_FAILURES, expect=1)
+            outputs = await read_all(cfg, broker.bootstrap, OUT, expect=1)
+            await until_committed(cfg, broker.bootstrap, group, 3)
+        return dead, failures, outputs
+
+    dead, failures, outputs = run(scenario())
+    letters, fails = letters_and_failures(dead, failures)
+    assert [d.key for d in letters] == [b"bad"]
+    assert [f.episode_id for f in fails] == ["bad"]
+    assert [r.key for r in outputs] == [b"ok"]

@@ -134,3 +134,46 @@ def test_assemble_rejects_misaligned_logprobs():
     bad.logprobs = [-1.0]
     with pytest.raises(ValueError, match="logprobs"):
         assemble(RewardRequest(**REF, sandbox={}, prompt_ids=[1], messages=[], turns=[bad], stop_reason="finish"))
+
+
+def _with_hostile_value(value_bytes: bytes) -> bytes:
+    """A well-formed AgentStep whose free-form sandbox dict holds `value_bytes` (raw MessagePack)."""
+    marker = "HOSTILE-VALUE-MARKER"
+    raw = msgspec.msgpack.encode({**RAW_REF, "turn": 1, "sandbox": {"x": marker}, "schema_version": SCHEMA_VERSION})
+    encoded_marker = msgspec.msgpack.encode(marker)
+    assert raw.count(encoded_marker) == 1
+    return raw.replace(encoded_marker, value_bytes)
+
+
+def test_deeply_nested_record_is_a_decode_failure_not_a_recursion_error():
+    """A producer (or a corrupted log) can nest arrays 200,000 deep inside a free-form field; msgspec
+    raises RecursionError there, which must become the DecodeError the runtime dead-letters."""
+    nested = _with_hostile_value(b"\x91" * 200_000 + b"\xc0")
+    with pytest.raises(DecodeError, match="AgentStep"):
+        decode(nested, AgentStep)
+
+
+@pytest.mark.parametrize("value_bytes", [
+    b"\xdd\xff\xff\xff\xff",  # an array that claims 4 billion items
+    b"\xdb\xff\xff\xff\xff" + b"a" * 10,  # a string that claims 4 GiB
+    b"\xcf" + b"\xff" * 8,  # 2**64 - 1: fits MessagePack, not a Python-side bound
+], ids=["huge-array", "huge-string", "max-uint64"])
+def test_huge_lengths_and_numbers_decode_or_fail_cleanly(value_bytes):
+    data = _with_hostile_value(value_bytes)
+    try:
+        decode(data, AgentStep)
+    except DecodeError:
+        pass  # the only failure allowed
+
+
+def test_unencodable_message_raises_encode_error():
+    """An integer above 2**64 (a hostile tool argument) cannot be MessagePack: one typed error."""
+    from rollway.schemas.codec import EncodeError
+
+    with pytest.raises(EncodeError, match="AgentStep"):
+        encode(AgentStep(**REF, turn=1, sandbox={"view_range": [1, 2**65]}))
+    nested: list = []
+    for _ in range(100_000):
+        nested = [nested]
+    with pytest.raises(EncodeError):
+        encode(AgentStep(**REF, turn=1, sandbox={"deep": nested}))

@@ -389,3 +389,21 @@ def test_a_cancelled_message_runs_again_when_its_partition_comes_back_to_the_sam
     # e0 runs again exactly once; e1 (done but not committed behind e0) may run twice: at-least-once,
     # which the consumers downstream absorb by their (episode, turn) idempotency.
     assert keys.count(b"e0") == 1 and keys.count(b"e1") >= 1, keys
+
+
+def test_topic_scan_skips_a_deeply_nested_record(broker, topic_prefix):
+    """A restarted scheduler rebuilds its state by scanning topics: a record nested 200,000 deep
+    (RecursionError in the decoder) is skipped like any undecodable one, not the end of the scan."""
+    from rollway.runners.stage_runtime import TopicScanner
+
+    cfg = config(topic_prefix, partitions=1)
+    good = init_request(1)
+    nested = encode(init_request(2)).replace(b"\xa1g", b"\x91" * 200_000 + b"\xc0", 1)
+
+    async def scenario():
+        await ensure_topics(cfg.broker, cfg.topics, broker.bootstrap)
+        await produce(cfg, broker.bootstrap, INIT_REQUESTS, [(b"e2", nested), (b"e1", encode(good))])
+        return await TopicScanner(cfg, broker.bootstrap, timeout_s=30)((INIT_REQUESTS,))
+
+    found = run(scenario())
+    assert [msg for _, msg in found] == [good]

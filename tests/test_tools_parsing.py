@@ -251,3 +251,55 @@ def test_standard_json_schema_keywords_are_checked():
     assert validate({"x": 1, "unit": "CM"}, schema)[0].startswith('arguments.unit: "CM" does not match')
     assert validate({"x": 1, "mode": "slow"}, schema) == ['arguments.mode: must be "fast", got "slow"']
     assert validate({"x": 1, "extra": "a"}, schema) == ['arguments.extra: expected an integer, got string "a"']
+
+
+# -- hostile model output: never raises, always an observation the model can read ---------------
+
+HOSTILE_TEXTS = {
+    "nested-brackets": "<tool_call>" + "[" * 1200 + "</tool_call>",
+    "nested-objects": '<tool_call>{"name": "bash", "arguments": ' + '{"a": ' * 1200 + "1" + "}" * 1201 + "</tool_call>",
+    "nested-string-arguments": '<tool_call>{"name": "bash", "arguments": "' + "[" * 1200 + '"}</tool_call>',
+    "5000-digit-number": '<tool_call>{"name": "editor", "arguments": {"command": "view", "path": "a.py", '
+                         '"view_range": [1, ' + "9" * 5000 + "]}}</tool_call>",
+    "xml-nested": "<tool_call><function=editor><parameter=command>view</parameter><parameter=path>a.py"
+                  "</parameter><parameter=view_range>" + "[" * 1200 + "</parameter></function></tool_call>",
+    "xml-5000-digits": "<tool_call><function=editor><parameter=command>view</parameter><parameter=path>a.py"
+                       "</parameter><parameter=view_range>[1, " + "9" * 5000 + "]</parameter></function></tool_call>",
+}
+
+
+@pytest.mark.parametrize("text", list(HOSTILE_TEXTS.values()), ids=list(HOSTILE_TEXTS))
+def test_hostile_text_becomes_a_call_error_never_an_exception(text: str) -> None:
+    parsed = parse_tool_calls(text, TOOLS)
+    assert parsed.calls == [] and len(parsed.errors) == 1
+    assert len(parsed.errors[0].message) < 5000, "the error must not echo the hostile text whole"
+
+
+def test_huge_view_range_is_refused_by_the_editor_schema() -> None:
+    """A valid-looking call whose integer cannot even be encoded (above 2**64) used to pass validation
+    and kill the agent's output encoding; the editor's schema states the bounds of a line number."""
+    for end, problem in ((2**70, "must be an integer between"), (2**40, "must be <= 2147483647")):
+        parsed = parse_tool_calls(hermes("editor", {"command": "view", "path": "a.py", "view_range": [1, end]}), TOOLS)
+        assert parsed.calls == []
+        assert f"arguments.view_range[1]: {problem}" in parsed.errors[0].message
+
+
+@pytest.mark.parametrize("arguments, problem", [
+    ({"command": "ls", "extra": 2**63}, "arguments.extra: must be an integer between"),
+    ({"command": "x" * 1_000_001}, "arguments.command: longer than"),
+    ({"command": "ls", "extra": list(range(10_001))}, "arguments.extra: more than"),
+    ({"command": "ls", "extra": json.loads("[" * 40 + "]" * 40)}, "nested deeper than"),
+], ids=["int64", "string", "array", "depth"])
+def test_every_tools_arguments_are_bounded(arguments: dict, problem: str) -> None:
+    """Bounds that hold for every tool, even one whose schema states none (plugin tools)."""
+
+    class Open(Tool):
+        name = "open"
+        description = "takes anything"
+        parameters = {"type": "object", "properties": {"command": {"type": "string"}}}
+
+        async def call(self, arguments, sandbox):  # pragma: no cover - never reached
+            return ToolResult("ran")
+
+    parsed = parse_tool_calls([ToolCall("open", arguments)], {"open": Open()})
+    assert parsed.calls == [] and problem in parsed.errors[0].message

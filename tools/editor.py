@@ -18,6 +18,9 @@ HISTORY_DIR = f"{PRIVATE_DIR}/edit_history"
 must exclude `.rollway/`."""
 MAX_UNDO_STEPS = 20
 SNIPPET_CONTEXT = 4
+MAX_LINE = 2**31 - 1
+"""Largest line number a call may name (the schema's bound: no file has more lines, and a larger
+integer, up to beyond 2**64, used to reach the agent's message encoding)."""
 
 
 class EditorTool(Tool):
@@ -52,11 +55,12 @@ class EditorTool(Tool):
             "insert_line": {
                 "type": "integer",
                 "minimum": 0,
+                "maximum": MAX_LINE,
                 "description": "Insert after this line (insert).",
             },
             "view_range": {
                 "type": "array",
-                "items": {"type": "integer"},
+                "items": {"type": "integer", "minimum": -1, "maximum": MAX_LINE},
                 "minItems": 2,
                 "maxItems": 2,
                 "description": "[start, end] lines to view, 1-based inclusive; end -1 means to the end.",

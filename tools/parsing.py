@@ -11,7 +11,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rollway.tools.base import Tool, ToolCall
-from rollway.tools.schema import describe_parameters, example_value, validate
+from rollway.tools.schema import (
+    MAX_ARGUMENT_DEPTH,
+    argument_bounds,
+    describe_parameters,
+    example_value,
+    validate,
+)
 
 CallFormat = Literal["openai", "hermes"]
 
@@ -57,9 +63,15 @@ def parse_tool_calls(output: Any, tools: Mapping[str, Tool] | None = None) -> Pa
 
     `output` may be the assistant text, an assistant message dict (`tool_calls` wins over
     `content`), a list of OpenAI tool-call dicts, or a list of `ToolCall`. Never raises: every
-    problem becomes a `CallError` whose message says what was wrong and how to call correctly.
+    problem becomes a `CallError` whose message says what was wrong and how to call correctly;
+    hostile text (nesting beyond the recursion limit, numbers of thousands of digits) included.
     """
-    parsed = _parse_raw(output, tools or {})
+    try:
+        parsed = _parse_raw(output, tools or {})
+    except (RecursionError, ValueError, OverflowError, MemoryError) as error:
+        # The known paths catch these themselves; this keeps a missed one from failing the episode.
+        return ParsedOutput(items=[CallError(f"Your message could not be read as tool calls ({type(error).__name__}). "
+                                             f"{_generic_usage('hermes')}")])
     if tools is not None:
         parsed.items = [
             check_call(item, tools, parsed.format) if isinstance(item, ToolCall) else item
@@ -135,7 +147,7 @@ def _call_from_xml(body: str, number: int, tools: Mapping[str, Tool]) -> ToolCal
         if properties.get(key.strip(), {}).get("type", "string") != "string":
             try:
                 value = json.loads(value)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):
                 pass  # left as text: validation then says which type was expected
         arguments[key.strip()] = value
     return ToolCall(name=name, arguments=arguments)
@@ -156,6 +168,10 @@ def _decode_json_values(body: str) -> list[Any] | str:
         return value if isinstance(value, list) else [value]
     except json.JSONDecodeError as error:
         first_error = f"{error.msg} at line {error.lineno} column {error.colno}"
+    except RecursionError:
+        return f"nested deeper than this parser reads; arguments nest at most {MAX_ARGUMENT_DEPTH} levels"
+    except ValueError as error:  # e.g. an integer of more than 4,300 digits
+        return str(error)[:200]
     values = _decode_concatenated(body)
     if values:
         return values
@@ -179,7 +195,7 @@ def _decode_concatenated(body: str) -> list[Any]:
     while position < len(body):
         try:
             value, position = decoder.raw_decode(body, position)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
             return []
         values.append(value)
         while position < len(body) and body[position] in " \t\r\n,":
@@ -222,7 +238,10 @@ def _decode_arguments(raw: Any) -> dict[str, Any] | str:
 
 def _shown(value: Any) -> str:
     """`value` as JSON for an error message, at most 200 characters; never raises."""
-    return json.dumps(value, default=repr)[:200]
+    try:
+        return json.dumps(value, default=repr)[:200]
+    except (ValueError, RecursionError):  # an integer of thousands of digits, deep nesting
+        return f"a {type(value).__name__}"
 
 
 def check_call(call: ToolCall, tools: Mapping[str, Tool], fmt: CallFormat = "hermes") -> ToolCall | CallError:
@@ -237,7 +256,8 @@ def check_call(call: ToolCall, tools: Mapping[str, Tool], fmt: CallFormat = "her
             call.call_id,
             call.name,
         )
-    problems = validate(call.arguments, tool.parameters)
+    # The bounds first: `validate` recurses, and must not meet a value nested a thousand deep.
+    problems = argument_bounds(call.arguments) or validate(call.arguments, tool.parameters)
     if not problems:
         return call
     return CallError(

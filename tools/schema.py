@@ -18,6 +18,41 @@ _TYPE_NAMES = {
 }
 
 
+MAX_ARGUMENT_DEPTH = 32
+"""Deepest nesting of arrays and objects in a call's arguments (no tool needs more; Python's own
+recursion limit is about 1,000, and validation, encoding and logging all recurse)."""
+MAX_STRING_CHARS = 1_000_000
+"""Longest string argument (a whole file's text for `editor create` fits)."""
+MAX_ITEMS = 10_000
+"""Most items in one array, or keys in one object, of a call's arguments."""
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1
+"""Integers outside signed 64 bits cannot travel in a message (MessagePack) or index anything."""
+
+
+def argument_bounds(value: Any, where: str = "arguments") -> list[str]:
+    """Violations of the bounds every tool call obeys whatever its schema states (depth, string
+    length, item counts, 64-bit integers). Iterative, so a value nested beyond Python's recursion
+    limit is reported, not raised on; check it before `validate`, which recurses."""
+    problems: list[str] = []
+    stack: list[tuple[Any, str, int]] = [(value, where, 0)]
+    while stack and len(problems) < 5:
+        item, at, depth = stack.pop()
+        if depth > MAX_ARGUMENT_DEPTH:
+            return [f"{where}: nested deeper than {MAX_ARGUMENT_DEPTH} levels of arrays and objects"]
+        if isinstance(item, int) and not isinstance(item, bool) and not INT_MIN <= item <= INT_MAX:
+            problems.append(f"{at}: must be an integer between -2**63 and 2**63-1")
+        elif isinstance(item, str) and len(item) > MAX_STRING_CHARS:
+            problems.append(f"{at}: longer than {MAX_STRING_CHARS} characters ({len(item)})")
+        elif isinstance(item, (list, dict)) and len(item) > MAX_ITEMS:
+            problems.append(f"{at}: more than {MAX_ITEMS} items ({len(item)})")
+        elif isinstance(item, list):
+            stack.extend((sub, f"{at}[{i}]", depth + 1) for i, sub in enumerate(item))
+        elif isinstance(item, dict):
+            stack.extend((key, f"{at} key", depth + 1) for key in item)
+            stack.extend((sub, f"{at}.{key}"[:200], depth + 1) for key, sub in item.items())
+    return problems
+
+
 def _json_type(value: Any) -> str:
     """The JSON type name of a decoded value (bool is checked before int: bool subclasses int)."""
     if value is None:
@@ -48,7 +83,10 @@ def _type_matches(value: Any, expected: str) -> bool:
 
 
 def _show(value: Any) -> str:
-    text = json.dumps(value, ensure_ascii=False)
+    try:
+        text = json.dumps(value, ensure_ascii=False, default=repr)
+    except (ValueError, RecursionError):  # an integer of thousands of digits, deep nesting
+        return f"a {_json_type(value)}"
     return text if len(text) <= 60 else text[:57] + "..."
 
 
