@@ -477,32 +477,3 @@ class LogReader:
     async def close(self) -> None:
         if self.consumer is not None:
             await self.consumer.stop()
-
-
-class TopicScanner:
-    """Reads whole topics from the beginning up to their current end (the scheduler rebuilds its
-    state from them after a restart). Undecodable records are skipped: they went to dead-letters."""
-
-    def __init__(self, cfg: RunConfig, bootstrap: str, timeout_s: float = 60.0):
-        self.cfg, self.bootstrap, self.timeout_s = cfg, bootstrap, timeout_s
-
-    async def __call__(self, specs: tuple[TopicSpec, ...]) -> list[tuple[TopicSpec, Any]]:
-        consumer = await make_consumer(self.cfg.broker, self.bootstrap, group_id=None)
-        try:
-            by_name = {topic_name(s, self.cfg.topics): s for s in specs}
-            await consumer.topics()  # fetches the metadata partitions_for_topic reads
-            tps = [TopicPartition(name, p) for name in by_name
-                   for p in sorted(consumer.partitions_for_topic(name) or ())]
-            if not tps:
-                return []
-            ends = await consumer.end_offsets(tps)
-            out: list[tuple[TopicSpec, Any]] = []
-            async for tp, record in read_to_end(consumer, dict.fromkeys(tps), ends, self.timeout_s):
-                spec = by_name[tp.topic]
-                try:
-                    out.append((spec, decode(record.value, spec.value)))
-                except DecodeError:
-                    pass
-            return out
-        finally:
-            await consumer.stop()

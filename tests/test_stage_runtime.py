@@ -394,7 +394,7 @@ def test_a_cancelled_message_runs_again_when_its_partition_comes_back_to_the_sam
 def test_topic_scan_skips_a_deeply_nested_record(broker, topic_prefix):
     """A restarted scheduler rebuilds its state by scanning topics: a record nested 200,000 deep
     (RecursionError in the decoder) is skipped like any undecodable one, not the end of the scan."""
-    from rollway.runners.stage_runtime import TopicScanner
+    from rollway.runners.topic_scan import StreamingTopicScanner
 
     cfg = config(topic_prefix, partitions=1)
     good = init_request(1)
@@ -403,7 +403,6 @@ def test_topic_scan_skips_a_deeply_nested_record(broker, topic_prefix):
     async def scenario():
         await ensure_topics(cfg.broker, cfg.topics, broker.bootstrap)
         await produce(cfg, broker.bootstrap, INIT_REQUESTS, [(b"e2", nested), (b"e1", encode(good))])
-        return await TopicScanner(cfg, broker.bootstrap, timeout_s=30)((INIT_REQUESTS,))
+        return [msg async for msg in StreamingTopicScanner(cfg, broker.bootstrap, stall_s=30)(INIT_REQUESTS)]
 
-    found = run(scenario())
-    assert [msg for _, msg in found] == [good]
+    assert run(scenario()) == [good]
