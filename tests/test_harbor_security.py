@@ -75,14 +75,43 @@ def test_forged_reward_in_a_locked_folder_is_graded_zero(tmp_path, mode):
     assert grade.details["verifier_mode"] == mode
 
 
-def test_forged_reward_beside_an_honest_fix_still_needs_the_tests(tmp_path):
-    """Separate mode carries the workspace as data only: a reward file the agent left under .rollway (where
-    /logs points) does not reach the verifier; with the task also solved, the verifier's own reward (1) is
-    what counts, and its folder held nothing of the agent's."""
+@pytest.mark.parametrize("mode", ["separate", "shared"])
+def test_forged_reward_beside_an_honest_fix_still_needs_the_tests(tmp_path, mode):
+    """The same forgery beside a real fix: test.sh runs all the same and its own reward (1) counts; its
+    folder held nothing of the agent's (a stray file the agent left there would fail the test)."""
     ensure_engine()
     solve = (TASKS / "file-permissions" / "solution" / "solve.sh").read_text()
-    grade = _grade(_task(tmp_path, "forge-and-fix", solve + "echo 0.5 > /logs/verifier/extra.txt\n" + FORGE))
+    test = (TASKS / "file-permissions" / "tests" / "test.sh").read_text().replace(
+        "echo $ok >", "[ -e /logs/verifier/extra.txt ] && ok=0\necho $ok >")
+    grade = _grade(_task(tmp_path, f"forge-fix-{mode}", solve + "echo 0.5 > /logs/verifier/extra.txt\n" + FORGE,
+                         test, f'environment_mode = "{mode}"\n'))
     assert (grade.reward, grade.resolved) == (1.0, True), grade.details
+
+
+def test_separate_verifier_gets_the_workspace_and_nothing_else(tmp_path):
+    """Separate mode: the agent's files in its working directory reach the verifier (modes kept, a link
+    kept as a link), its /tmp and its links planted in place of /logs do not."""
+    ensure_engine()
+    solve = ("echo made > /app/made.txt && chmod 640 /app/made.txt && ln -s made.txt /app/link && "
+             "echo planted > /tmp/planted && rm -rf /workspace/.rollway/harbor && "
+             "ln -s /tmp /workspace/.rollway/harbor\n")
+    test = ('cd /app; ok=1; [ "$(cat made.txt)" = made ] && [ "$(stat -c %a made.txt)" = 640 ] || ok=0\n'
+            '[ -L link ] && [ "$(readlink link)" = made.txt ] || ok=0; [ -e /tmp/planted ] && ok=0\n'
+            'echo $ok > /logs/verifier/reward.txt\n')
+    grade = _grade(_task(tmp_path, "carried", solve, test))
+    assert grade.reward == 1.0, grade.details
+
+
+def test_build_network_opt_in_is_logged(tmp_path):
+    """Image builds get no network by default; tasks.build_network=host opts in, with a warning."""
+    import structlog
+
+    task = _task(tmp_path, "netted", "true\n")
+    assert HarborTaskSet(TasksConfig(type="harbor", path=str(task))).images.network == "none"
+    with structlog.testing.capture_logs() as logs:
+        taskset = HarborTaskSet(TasksConfig(type="harbor", path=str(task), build_network="host"))
+    assert taskset.images.network == "host"
+    assert [(e["log_level"], e["network"]) for e in logs] == [("warning", "host")]
 
 
 def test_a_test_that_writes_no_reward_or_fails_is_graded_zero(tmp_path):
