@@ -102,6 +102,17 @@ def test_separate_verifier_gets_the_workspace_and_nothing_else(tmp_path):
     assert grade.reward == 1.0, grade.details
 
 
+def test_a_workspace_bigger_than_its_volume_is_not_carried(tmp_path):
+    """The copy out of the agent's container is bounded: a sparse 200 MB file in a 32 MB workspace (it
+    takes no room there, but 200 MB in an archive) stops the copy at the bound and is graded 0."""
+    ensure_engine()
+    task = _task(tmp_path, "sparse", "truncate -s 200M /app/sparse\n", "echo 1 > /logs/verifier/reward.txt\n")
+    _add_toml(task, "environment", "")
+    (task / "task.toml").write_text((task / "task.toml").read_text().replace("storage_mb = 1024", "storage_mb = 32"))
+    grade = _grade(task)
+    assert (grade.reward, grade.details["outcome"], grade.details["limit_mb"]) == (0.0, "workspace_too_large", 32)
+
+
 def test_build_network_opt_in_is_logged(tmp_path):
     """Image builds get no network by default; tasks.build_network=host opts in, with a warning."""
     import structlog
