@@ -46,18 +46,17 @@ import structlog
 
 from rollway.envs.base import Grade, Task, TaskSet
 from rollway.envs.config import HarborTasksConfig
-from rollway.envs.harbor_verifier import LINKS, HarborEnvError, VerifierSettings, copy_folder, verify
+from rollway.envs.harbor_verifier import LINKS, VerifierSettings, copy_folder, verify
+from rollway.envs.harbor_verifier import HarborEnvError as HarborEnvError  # re-exported: raised by grade
 from rollway.envs.image_builds import KeyedLocks, build_all
 from rollway.envs.split import select_tasks
 from rollway.sandboxes.base import Sandbox, SandboxError, SandboxProvider, SandboxSpec
 
-__all__ = ["HarborEnvError", "HarborTaskError", "HarborTaskSet", "check_task", "load_tasks", "verify_tasks"]
 log = structlog.get_logger()
 
 DEFAULT_BASE_IMAGE = "rollway-sandbox:bookworm"
 STASH = "/rollway-task"
 """Where the task's working directory is kept in its image (copied into the workspace at start)."""
-_LINKS = LINKS
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@/+-]{0,199}")
 """Task names: they end up in image tags, container names and messages."""
 _SAFE_PATH = re.compile(r"/[A-Za-z0-9_.@+/-]*")
@@ -269,7 +268,7 @@ def map_from_lines(dockerfile: str, has_image: Any, base_image: str) -> tuple[st
 def rollway_layer(workdir: str) -> str:
     """Appended to the task's Dockerfile: the working directory stashed and linked to /workspace, and
     /tests, /logs, /solution linked into the workspace's .rollway folder."""
-    links = " && ".join(f"rm -rf {path} && ln -s /workspace/{target} {path}" for path, target in _LINKS.items())
+    links = " && ".join(f"rm -rf {path} && ln -s /workspace/{target} {path}" for path, target in LINKS.items())
     return (f"\nUSER root\nRUN mkdir -p {workdir} && rm -rf {STASH} && cp -a {workdir} {STASH} && rm -rf {workdir} "
             f"&& ln -s /workspace {workdir} && {links} && chmod -R a+rX {STASH}\nWORKDIR /workspace\n")
 
@@ -347,7 +346,7 @@ class HarborImages:
 
 async def run_solution(task: HarborTask, sandbox: Sandbox) -> str:
     """The oracle: solution/solve.sh run in the task's working directory, as the agent; returns its output."""
-    await copy_folder(sandbox, task.files("solution"), _LINKS["/solution"])
+    await copy_folder(sandbox, task.files("solution"), LINKS["/solution"])
     result = await sandbox.exec("bash /solution/solve.sh 2>&1", timeout_s=task.timeout("agent", 600.0))
     return result.output
 
@@ -363,11 +362,10 @@ class HarborTaskSet(TaskSet):
             raise ValueError("tasks.type=harbor needs tasks.path, a Harbor task folder or a folder of them")
         self.cfg = cfg
         self.by_name = {t.name: t for t in load_tasks(cfg.path)}
-        if cfg.build_network != "none":
+        if cfg.build_network != "none":  # an explicit opt-in, said out loud
+            reach = "this host's loopback (broker, vLLM, learner)" if cfg.build_network == "host" else "the internet"
             log.warning("harbor task images build with network", network=cfg.build_network,
-                        risk="a task's Dockerfile can reach the network" + (" and this host's loopback (broker, vLLM, "
-                                                                              "learner)" if cfg.build_network == "host"
-                                                                              else ""))
+                        risk=f"a task's Dockerfile RUN steps can reach {reach}")
         self.images = HarborImages(cfg.base_image or DEFAULT_BASE_IMAGE, network=cfg.build_network)
         self._tasks = select_tasks([Task(t.name, t.instruction, {"agent_timeout_s": t.timeout("agent", 600.0)})
                                     for t in self.by_name.values()], cfg)

@@ -95,9 +95,9 @@ async def start_verifier(task: HarborTask, provider: SandboxProvider, spec: Sand
                          workspace_mb: int) -> Sandbox:
     """A new container of the task's image (never a pooled one: its own workspace size), room for the
     carried tar and its unpacked files. Failing to start is the infrastructure's failure."""
-    resources = {**task.resources(), **task.verifier.resources}
-    verifier_spec = SandboxSpec(image=spec.image, memory_mb=resources.get("memory_mb") or spec.memory_mb,
-                                cpus=resources.get("cpus") or spec.cpus, workspace_mb=2 * workspace_mb + 64)
+    own = task.verifier.resources  # [verifier.environment], else the agent's limits
+    verifier_spec = SandboxSpec(image=spec.image, memory_mb=own.get("memory_mb") or spec.memory_mb,
+                                cpus=own.get("cpus") or spec.cpus, workspace_mb=2 * workspace_mb + 64)
     name = f"{agent_name[:60]}-verify-{uuid.uuid4().hex[:6]}"  # a retried grade never meets an old one
     try:
         return await provider.create(verifier_spec, name)
