@@ -183,9 +183,12 @@ def test_command(settings: VerifierSettings) -> str:
     """Make /logs/verifier (failing if anything is there), then test.sh with [verifier] env."""
     env = " ".join(f"{key}={shlex.quote(value)}" for key, value in settings.env.items())
     return (f"mkdir /logs/verifier && [ -z \"$(ls -A /logs/verifier)\" ] || exit {NOT_FRESH}; "
-            f"env {env} bash /tests/test.sh > /logs/verifier/test-stdout.txt 2>&1; echo rollway-exit=$?; "
-            "for f in reward.txt reward.json; do [ -f /logs/verifier/$f ] && [ ! -L /logs/verifier/$f ] "
-            "&& echo rollway-wrote=$f; done; true")
+            f"env {env} bash /tests/test.sh > /logs/verifier/test-stdout.txt 2>&1; echo rollway-exit=$?")
+
+
+LIST_REWARDS = ("for f in reward.txt reward.json; do [ -f /logs/verifier/$f ] && [ ! -L /logs/verifier/$f ] "
+                "&& echo rollway-wrote=$f; done; true")
+"""Which reward files test.sh left as regular files (run once no process of the verifier is left)."""
 
 
 async def run_tests(task: HarborTask, box: Sandbox, tests: list[tuple[str, Path]], details: dict[str, Any]) -> Grade:
@@ -212,7 +215,10 @@ async def run_tests(task: HarborTask, box: Sandbox, tests: list[tuple[str, Path]
     if not exits:
         raise HarborEnvError(f"env_error: tests/test.sh of {task.name} could not be started as [verifier] user "
                              f"{settings.user or 'the sandbox user'}: {ran.output[-500:]}")
-    return await _graded(box, int(exits[-1]), re.findall(r"rollway-wrote=(\S+)", ran.output), details)
+    if settings.user is not None:  # the sandbox user's leftovers die with its command (the exec wrapper)
+        await box.exec_as(settings.user, "kill -9 -1 2>/dev/null; true")  # type: ignore[attr-defined]
+    listed = await box.exec(LIST_REWARDS)
+    return await _graded(box, int(exits[-1]), re.findall(r"rollway-wrote=(\S+)", listed.output), details)
 
 
 async def _graded(box: Sandbox, exit_code: int, written: list[str], details: dict[str, Any]) -> Grade:

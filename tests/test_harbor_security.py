@@ -15,6 +15,7 @@ import re
 import shutil
 import socket
 import subprocess
+import uuid
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from docker_engine import ensure_engine
 
 from rollway.envs.config import TasksConfig
 from rollway.envs.harbor import HarborTaskError, HarborTaskSet, check_task, load_tasks
+from rollway.envs.harbor_verifier import verify
 from rollway.sandboxes.base import SandboxError
 from rollway.sandboxes.config import SandboxConfig
 from rollway.sandboxes.docker import DockerSandboxProvider
@@ -176,6 +178,30 @@ def test_verifier_user_and_env_are_honoured(tmp_path):
             '|| { id; env; echo 0 > /logs/verifier/reward.txt; }\n')
     grade = _grade(_task(tmp_path, "user-env", "true\n", test, 'user = "daemon"\nenv = { GREETING = "hi there" }\n'))
     assert grade.reward == 1.0, grade.details
+
+
+def test_no_process_of_the_verifier_user_outlives_its_test(tmp_path):
+    """A test.sh run as [verifier] user daemon (shared mode, so the container is still there to look at)
+    leaves a busy loop behind, as a hostile program it ran could: no process of daemon is left when the
+    reward files are listed and read."""
+    ensure_engine()
+    test = "( while :; do :; done ) >/dev/null 2>&1 &\necho 0 > /logs/verifier/reward.txt\n"
+    task_dir = _task(tmp_path, "leftover", "true\n", test, 'environment_mode = "shared"\nuser = "daemon"\n')
+    taskset = HarborTaskSet(TasksConfig(type="harbor", path=str(task_dir)))
+    task = taskset.by_name["leftover"]
+    provider = DockerSandboxProvider(SandboxConfig(type="docker"))
+
+    async def go() -> tuple[float, str]:
+        spec = taskset.spec_for(task)
+        box = await provider.create(spec, f"leftover-{uuid.uuid4().hex[:6]}")
+        try:
+            grade = await verify(task, box, provider, spec, task.files("tests"))
+            return grade.reward, (await box.exec("ps -o pid=,args= -u daemon; true")).output
+        finally:
+            await box.destroy()
+
+    reward, left = asyncio.run(go())
+    assert (reward, left.strip()) == (0.0, "")
 
 
 def test_a_symlink_to_a_host_file_is_refused(tmp_path):
