@@ -121,6 +121,11 @@ class HarborTasksConfig(ImageTasksConfig):
     """`tasks.type: harbor`; `path`: a folder of Harbor task folders (or one task folder)."""
 
     implementation = "harbor"
+    build_network: Literal["none", "bridge", "host"] = "none"
+    """Network of task image builds (the Dockerfile's RUN steps). `none` (default): none, so a task's build
+    reaches neither the internet nor this host's loopback (the broker, vLLM, the learner). `bridge`: the
+    engine's bridge (the internet, and host ports open beyond loopback); `host`: the host's own network.
+    Either of the last two is logged as a warning at start."""
 
 
 class SWEBenchTasksConfig(GradedTasksConfig, ImageTasksConfig):

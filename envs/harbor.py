@@ -13,8 +13,14 @@ read-only container whose only writable tree is /workspace):
   /workspace; the episode's workspace starts as a copy of it. /tests, /logs and /solution are links
   into /workspace/.rollway/ (outside the graded diff), filled by the verifier, so test scripts read
   and write their usual absolute paths.
-- Tests and solutions run as the sandbox user, not as root, and without network: a test script that
-  installs packages at verification time (apt-get, curl | sh) fails here; bake its tools into the image.
+- The verifier runs apart from the agent (envs/harbor_verifier.py, docs/security/harbor.md): by default
+  (`[verifier] environment_mode = "separate"`) in a fresh container of the task's image holding a copy of
+  the agent's working directory, as `[verifier] user` (default: the sandbox user) with `[verifier] env`.
+  Tests and solutions run without network: a test script that installs packages at verification time
+  (apt-get, curl | sh) fails here; bake its tools into the image.
+- Task folders are data: symlinks leaving the folder, devices, and names or paths that could inject into
+  image tags, container names or Dockerfile lines are refused at load, naming the task and the field.
+- Image builds get no network unless `tasks.build_network` says otherwise (logged as a warning).
 - task.toml limits apply per episode: [agent] timeout_sec ends the agent phase (stop reason
   `agent_timeout`, then graded; Task.metadata `agent_timeout_s`, read by the agent actor), [verifier]
   timeout_sec kills the tests (`test_timeout`), and [environment] cpus / memory_mb / storage_mb (or the
@@ -27,26 +33,37 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
-import json
 import os
 import re
+import shutil
 import tempfile
 import tomllib
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
+
+import structlog
 
 from rollway.envs.base import Grade, Task, TaskSet
 from rollway.envs.config import HarborTasksConfig
+from rollway.envs.harbor_verifier import LINKS, VerifierSettings, copy_folder, verify
+from rollway.envs.harbor_verifier import HarborEnvError as HarborEnvError  # re-exported: raised by grade
 from rollway.envs.image_builds import KeyedLocks, build_all
 from rollway.envs.split import select_tasks
 from rollway.sandboxes.base import Sandbox, SandboxError, SandboxProvider, SandboxSpec
 
+log = structlog.get_logger()
+
 DEFAULT_BASE_IMAGE = "rollway-sandbox:bookworm"
 STASH = "/rollway-task"
 """Where the task's working directory is kept in its image (copied into the workspace at start)."""
-_LINKS = {"/tests": ".rollway/harbor/tests", "/logs": ".rollway/harbor/logs",
-          "/solution": ".rollway/harbor/solution"}
+_SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@/+-]{0,199}")
+"""Task names: they end up in image tags, container names and messages."""
+_SAFE_PATH = re.compile(r"/[A-Za-z0-9_.@+/-]*")
+"""Container paths written into the Dockerfile rollway appends (WORKDIR) and task.toml paths."""
+_SAFE_USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,31})?")
+_ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_IMAGE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/@-]*")
 HARBOR_SYSTEM_PROMPT = """You are an expert at the Linux command line. Solve the task in the terminal with the
 tools, working in the current directory (it is the task's working directory). Call finish when done."""
 
@@ -55,25 +72,22 @@ class HarborTaskError(ValueError):
     """A task folder is not in Harbor's format; the message names the file."""
 
 
-class HarborEnvError(SandboxError):
-    """The verifier could not produce a reward (env_error); retried by the pipeline, never a reward 0."""
-
-
 @dataclass
 class HarborTask:
     name: str
     root: Path
     instruction: str
     config: dict[str, Any] = field(default_factory=dict)
+    verifier: VerifierSettings = field(default_factory=VerifierSettings)
 
     def timeout(self, section: str, default: float) -> float:
         return float(self.config.get(section, {}).get("timeout_sec", default))
 
-    def resources(self) -> dict[str, Any]:
-        """The [environment] limits as SandboxSpec fields (memory_mb, cpus, workspace_mb), None where the
-        task sets none. Harbor spells them `cpus`, `memory_mb`, `storage_mb`; the older `memory` and
-        `storage` ("4G", "512M", or a number of MB) are read too."""
-        env = self.config.get("environment", {})
+    def resources(self, env: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The [environment] limits (or those of `env`, e.g. [verifier.environment]) as SandboxSpec fields
+        (memory_mb, cpus, workspace_mb), None where the task sets none. Harbor spells them `cpus`,
+        `memory_mb`, `storage_mb`; the older `memory` and `storage` ("4G", "512M", or MB) are read too."""
+        env = self.config.get("environment", {}) if env is None else env
         memory = env.get("memory_mb", env.get("memory"))
         storage = env.get("storage_mb", env.get("storage"))
         cpus = env.get("cpus")
@@ -84,6 +98,13 @@ class HarborTask:
     @property
     def has_solution(self) -> bool:
         return (self.root / "solution" / "solve.sh").is_file()
+
+    def files(self, sub: str) -> list[tuple[str, Path]]:
+        """(name relative to `sub`, path) of every file under the task's `sub` folder, checked again as it
+        is read (a link that now leaves the task folder is refused)."""
+        check_folder(self.root, self.name)
+        base = self.root / sub
+        return [(p.relative_to(base).as_posix(), p) for p in sorted(base.rglob("*")) if p.is_file()]
 
 
 def _megabytes(value: Any, task: str, key: str) -> int:
@@ -99,6 +120,7 @@ def _megabytes(value: Any, task: str, key: str) -> int:
 
 
 def load_task(root: Path) -> HarborTask:
+    """A task folder read and checked as data (see `check_folder`, `check_config`)."""
     for rel in ("instruction.md", "task.toml", "environment/Dockerfile", "tests/test.sh"):
         if not (root / rel).is_file():
             raise HarborTaskError(f"{root} is not a Harbor task folder: {rel} is missing")
@@ -107,7 +129,99 @@ def load_task(root: Path) -> HarborTask:
     except tomllib.TOMLDecodeError as exc:
         raise HarborTaskError(f"{root / 'task.toml'}: {exc}") from exc
     name = str(config.get("task", {}).get("name") or root.name)
-    return HarborTask(name=name, root=root, instruction=(root / "instruction.md").read_text(), config=config)
+    if not _SAFE_NAME.fullmatch(name) or ".." in name:
+        raise HarborTaskError(f"{root}: [task] name (or the folder's name) {name!r} may hold only letters, digits "
+                              "and _.@/+- (it names images and containers); rename the task")
+    check_folder(root, name)
+    task = HarborTask(name=name, root=root, instruction=(root / "instruction.md").read_text(), config=config)
+    check_config(task)
+    task.verifier = verifier_settings(task)
+    return task
+
+
+def check_folder(root: Path, name: str) -> None:
+    """Every entry of the task folder is a regular file, a folder, or a link that stays inside the folder
+    (inside environment/ for the build context); refused otherwise, naming the task and the file."""
+    top = root.resolve()
+    for dirpath, dirnames, filenames in os.walk(root):  # not following links: a linked folder is checked as a link
+        for entry in dirnames + filenames:
+            path = Path(dirpath) / entry
+            rel = path.relative_to(root).as_posix()
+            if path.is_symlink():
+                inside = top / "environment" if rel.startswith("environment/") else top
+                if not path.resolve().is_relative_to(inside):
+                    where = "the build context (environment/)" if inside != top else "the task folder"
+                    raise HarborTaskError(f"task {name}: {rel} is a symlink to {os.readlink(path)}, outside {where}; "
+                                          "replace it with the file itself")
+            elif not (path.is_dir() or path.is_file()):
+                raise HarborTaskError(f"task {name}: {rel} is not a regular file or folder (a device, fifo or "
+                                      "socket); remove it")
+
+
+def _container_path(value: Any, task: str, key: str) -> str:
+    """An absolute container path of plain characters without `..`, else HarborTaskError naming `key`."""
+    text = str(value)
+    if not _SAFE_PATH.fullmatch(text) or ".." in PurePosixPath(text).parts:
+        raise HarborTaskError(f"task {task}: {key} {text!r} must be an absolute path of letters, digits and "
+                              "_.@+/- without '..'")
+    return text
+
+
+def check_config(task: HarborTask) -> None:
+    """Paths the task gives (the Dockerfile's WORKDIR, which rollway writes into a RUN line; [environment]
+    workdir and skills_dir; artifact destinations) checked before any of them is used."""
+    _container_path(workdir_of((task.root / "environment" / "Dockerfile").read_text()), task.name,
+                    "WORKDIR (the last one in environment/Dockerfile)")
+    env = task.config.get("environment", {})
+    for key in ("workdir", "skills_dir"):
+        if env.get(key) is not None:
+            _container_path(env[key], task.name, f"[environment] {key}")
+    for i, artifact in enumerate(task.config.get("artifacts", []) or []):
+        dest = artifact.get("destination") if isinstance(artifact, dict) else None
+        if dest is not None and (PurePosixPath(str(dest)).is_absolute() or ".." in PurePosixPath(str(dest)).parts):
+            raise HarborTaskError(f"task {task.name}: [[artifacts]] #{i} destination {dest!r} must be relative, "
+                                  "without '..'")
+
+
+def verifier_settings(task: HarborTask) -> VerifierSettings:
+    """[verifier] environment_mode (rollway's default: separate), user, env and environment, checked."""
+    section = task.config.get("verifier", {})
+    mode = section.get("environment_mode") or "separate"
+    if mode not in ("separate", "shared"):
+        raise HarborTaskError(f"task {task.name}: [verifier] environment_mode = {mode!r} must be \"separate\" "
+                              "or \"shared\"")
+    environment = section.get("environment")
+    if environment is not None and mode == "shared":
+        raise HarborTaskError(f"task {task.name}: [verifier] environment_mode = \"shared\" cannot have "
+                              "[verifier.environment]; remove one")
+    unsupported = sorted(set(environment or {}) - {"cpus", "memory_mb", "memory", "storage_mb", "storage",
+                                                    "build_timeout_sec"})
+    if unsupported:
+        raise HarborTaskError(f"task {task.name}: [verifier.environment] {', '.join(unsupported)} is not supported "
+                              "by rollway (the verifier runs in the task's own image); remove it")
+    return VerifierSettings(mode=mode, user=_verifier_user(task, section.get("user")),
+                            env=_verifier_env(task, section.get("env", {})),
+                            resources={k: v for k, v in task.resources(environment or {}).items() if v is not None})
+
+
+def _verifier_user(task: HarborTask, user: Any) -> str | None:
+    if user is None:
+        return None
+    if isinstance(user, bool) or not isinstance(user, int | str) or not _SAFE_USER.fullmatch(str(user)):
+        raise HarborTaskError(f"task {task.name}: [verifier] user = {user!r} must be a user name or uid of the "
+                              "image (optionally :group)")
+    return str(user)
+
+
+def _verifier_env(task: HarborTask, env: Any) -> dict[str, str]:
+    """Values are passed literally (no ${VAR} from the host: the host's environment never enters a sandbox)."""
+    if not isinstance(env, dict):
+        raise HarborTaskError(f"task {task.name}: [verifier] env must be a table of NAME = \"value\"")
+    for key, value in env.items():
+        if not _ENV_KEY.fullmatch(str(key)) or not isinstance(value, str) or "\0" in value:
+            raise HarborTaskError(f"task {task.name}: [verifier] env {key!r} = {value!r}: names are letters, digits "
+                                  "and _, values strings")
+    return dict(env)
 
 
 def load_tasks(path: str | Path) -> list[HarborTask]:
@@ -154,16 +268,20 @@ def map_from_lines(dockerfile: str, has_image: Any, base_image: str) -> tuple[st
 def rollway_layer(workdir: str) -> str:
     """Appended to the task's Dockerfile: the working directory stashed and linked to /workspace, and
     /tests, /logs, /solution linked into the workspace's .rollway folder."""
-    links = " && ".join(f"rm -rf {path} && ln -s /workspace/{target} {path}" for path, target in _LINKS.items())
+    links = " && ".join(f"rm -rf {path} && ln -s /workspace/{target} {path}" for path, target in LINKS.items())
     return (f"\nUSER root\nRUN mkdir -p {workdir} && rm -rf {STASH} && cp -a {workdir} {STASH} && rm -rf {workdir} "
             f"&& ln -s /workspace {workdir} && {links} && chmod -R a+rX {STASH}\nWORKDIR /workspace\n")
 
 
 class HarborImages:
-    """Builds each task's image once (tag from the hash of its environment folder and the mapping)."""
+    """Builds each task's image once (tag from the hash of its environment folder and the mapping), with
+    no network unless `network` names one (`tasks.build_network`)."""
 
-    def __init__(self, base_image: str, client: Any | None = None) -> None:
+    def __init__(self, base_image: str, client: Any | None = None, network: str = "none") -> None:
+        if not _IMAGE.fullmatch(base_image):
+            raise ValueError(f"tasks.base_image = {base_image!r} is not an image name (it is written into FROM lines)")
         self.base_image = base_image
+        self.network = network
         self._client = client
         self._known: dict[str, str] = {}
         self._locks = KeyedLocks()
@@ -195,11 +313,13 @@ class HarborImages:
         if task.name in self._known:
             return self._known[task.name]
         env = task.root / "environment"
+        check_folder(task.root, task.name)  # again: the folder may have changed since it was loaded
         text, mapped = map_from_lines((env / "Dockerfile").read_text(), self._has, self.base_image)
-        text += rollway_layer(workdir_of(text))
+        text += rollway_layer(_container_path(workdir_of(text), task.name, "WORKDIR"))
         digest = hashlib.sha256(text.encode())
-        for path in sorted(p for p in env.rglob("*") if p.is_file()):
-            digest.update(str(path.relative_to(env)).encode() + b"\0" + path.read_bytes())
+        for path in sorted(env.rglob("*")):  # links hashed as links, never followed
+            content = os.readlink(path).encode() if path.is_symlink() else path.read_bytes() if path.is_file() else b""
+            digest.update(str(path.relative_to(env)).encode() + b"\0" + content)
         tag = f"rollway-harbor/{re.sub(r'[^a-z0-9_.-]', '-', task.name.lower())[:100]}:{digest.hexdigest()[:12]}"
         if not self._has(tag):
             self._build(task, env, text, tag)
@@ -208,13 +328,13 @@ class HarborImages:
         return tag
 
     def _build(self, task: HarborTask, env: Path, text: str, tag: str) -> None:
-        import shutil
-
+        """`docker build` of a copy of environment/ (links copied as links: checked to stay inside it)."""
         with tempfile.TemporaryDirectory(prefix="rollway-harbor-") as ctx:
-            shutil.copytree(env, ctx, dirs_exist_ok=True)
+            shutil.copytree(env, ctx, symlinks=True, dirs_exist_ok=True)
             Path(ctx, "Dockerfile").write_text(text)
             try:
-                self.client.images.build(path=ctx, tag=tag, network_mode="host", rm=True, pull=False,
+                self.client.images.build(path=ctx, tag=tag, network_mode=self.network, rm=True, forcerm=True,
+                                         pull=False,
                                          timeout=int(task.config.get("environment", {}).get("build_timeout_sec", 600)))
             except Exception as exc:
                 raise SandboxError(f"building the image of Harbor task {task.name} failed: {exc}; its FROM lines are "
@@ -224,53 +344,11 @@ class HarborImages:
 # ---------------------------------------------------------------- running and verifying
 
 
-async def _copy_folder(sandbox: Sandbox, src: Path, dest: str) -> None:
-    """Every file under `src` byte for byte (binary fixtures too), executable bits kept."""
-    for path in sorted(p for p in src.rglob("*") if p.is_file()):
-        await sandbox.write_bytes(f"{dest}/{path.relative_to(src).as_posix()}", path.read_bytes(),
-                                  executable=os.access(path, os.X_OK))
-
-
 async def run_solution(task: HarborTask, sandbox: Sandbox) -> str:
-    """The oracle: solution/solve.sh run in the task's working directory; returns its output."""
-    await _copy_folder(sandbox, task.root / "solution", _LINKS["/solution"])
+    """The oracle: solution/solve.sh run in the task's working directory, as the agent; returns its output."""
+    await copy_folder(sandbox, task.files("solution"), LINKS["/solution"])
     result = await sandbox.exec("bash /solution/solve.sh 2>&1", timeout_s=task.timeout("agent", 600.0))
     return result.output
-
-
-async def verify(task: HarborTask, sandbox: Sandbox) -> Grade:
-    """Run tests/test.sh in the sandbox and read the reward it wrote. A verifier that timed out scores 0
-    (`test_timeout`); one that wrote no reward is an env_error."""
-    logs = _LINKS["/logs"]
-    await sandbox.exec(f"rm -rf {_LINKS['/tests']} {logs} && mkdir -p {logs}/verifier {logs}/agent")
-    await _copy_folder(sandbox, task.root / "tests", _LINKS["/tests"])
-    timeout_s = task.timeout("verifier", 600.0)
-    ran = await sandbox.exec("bash /tests/test.sh > /logs/verifier/test-stdout.txt 2>&1; echo exit=$?",
-                             timeout_s=timeout_s)
-    details: dict[str, Any] = {"task": task.name}
-    if ran.timed_out:
-        details.update(outcome="test_timeout", timeout_s=timeout_s)
-        return Grade(0.0, False, stop_reason="test_timeout", details=details)
-    reward = await _read_reward(sandbox, logs)
-    if reward is None:
-        out = await sandbox.exec("tail -c 1500 /logs/verifier/test-stdout.txt")
-        raise HarborEnvError(f"env_error: tests/test.sh of {task.name} wrote no reward to /logs/verifier/reward.txt "
-                             f"or reward.json ({ran.output.strip()}); its output ends: {out.output}")
-    details.update(outcome="resolved" if reward >= 1.0 else "unresolved", reward=reward)
-    return Grade(reward, reward >= 1.0, details=details)
-
-
-async def _read_reward(sandbox: Sandbox, logs: str) -> float | None:
-    for name in ("reward.txt", "reward.json"):
-        try:
-            text = (await sandbox.read_file(f"{logs}/verifier/{name}")).strip()
-        except SandboxError:
-            continue
-        try:
-            return float(json.loads(text)["reward"]) if name.endswith(".json") else float(text)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise HarborEnvError(f"env_error: {name} holds {text[:100]!r}, not a number") from exc
-    return None
 
 
 class HarborTaskSet(TaskSet):
@@ -284,7 +362,11 @@ class HarborTaskSet(TaskSet):
             raise ValueError("tasks.type=harbor needs tasks.path, a Harbor task folder or a folder of them")
         self.cfg = cfg
         self.by_name = {t.name: t for t in load_tasks(cfg.path)}
-        self.images = HarborImages(cfg.base_image or DEFAULT_BASE_IMAGE)
+        if cfg.build_network != "none":  # an explicit opt-in, said out loud
+            reach = "this host's loopback (broker, vLLM, learner)" if cfg.build_network == "host" else "the internet"
+            log.warning("harbor task images build with network", network=cfg.build_network,
+                        risk=f"a task's Dockerfile RUN steps can reach {reach}")
+        self.images = HarborImages(cfg.base_image or DEFAULT_BASE_IMAGE, network=cfg.build_network)
         self._tasks = select_tasks([Task(t.name, t.instruction, {"agent_timeout_s": t.timeout("agent", 600.0)})
                                     for t in self.by_name.values()], cfg)
 
@@ -309,7 +391,10 @@ class HarborTaskSet(TaskSet):
         return {**build_all(jobs, workers, progress), "built": list(self.images.built)}
 
     async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider) -> Grade:
-        return await verify(self.by_name[task.task_id], sandbox)
+        """Graded apart from the agent (envs/harbor_verifier.py)."""
+        harbor_task = self.by_name[task.task_id]
+        spec = await asyncio.to_thread(self.spec_for, harbor_task)
+        return await verify(harbor_task, sandbox, provider, spec, harbor_task.files("tests"))
 
 
 async def check_task(task: HarborTask, provider: SandboxProvider, spec: SandboxSpec, oracle: bool) -> Grade:
@@ -320,7 +405,7 @@ async def check_task(task: HarborTask, provider: SandboxProvider, spec: SandboxS
     try:
         if oracle:
             await run_solution(task, sandbox)
-        return await verify(task, sandbox)
+        return await verify(task, sandbox, provider, spec, task.files("tests"))
     finally:
         await sandbox.destroy()
 

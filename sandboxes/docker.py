@@ -126,6 +126,12 @@ class DockerSandbox(Sandbox):
         limits = JailLimits.from_config(self._provider.config, timeout_s)
         return await asyncio.to_thread(self._exec, command, limits)
 
+    async def exec_as(self, user: str, command: str, timeout_s: float | None = None) -> ExecResult:
+        """`exec` as another user of the image (a Harbor task's [verifier] user); the container's
+        capabilities stay dropped, so root here cannot override file modes or leave the container."""
+        limits = JailLimits.from_config(self._provider.config, timeout_s)
+        return await asyncio.to_thread(self._exec, command, limits, user)
+
     def _exec(self, command: str, limits: JailLimits, user: str = USER) -> ExecResult:
         """Run one command; its output is read from the exec's socket under a deadline, cut like a
         local jail's, and a flood or an overrun kills every process of the sandbox user and closes

@@ -12,13 +12,11 @@ import sys
 import uuid
 from pathlib import Path
 
-import pytest
 import yaml
 from docker_engine import ensure_engine
 
 from rollway.envs.config import TasksConfig
 from rollway.envs.harbor import (
-    HarborEnvError,
     HarborTaskSet,
     check_task,
     load_tasks,
@@ -61,8 +59,8 @@ def test_verify_runs_every_solution_and_an_empty_run(capsys):
 
 
 def test_verifier_outcomes(tmp_path):
-    """A test script that writes no reward is an env_error (raised: the pipeline retries it, no reward);
-    one that runs past [verifier].timeout_sec scores 0 as test_timeout; reward.json is read too."""
+    """A test script that writes no reward scores 0 (no_reward: no opt-out through env_error); one that
+    runs past [verifier].timeout_sec scores 0 as test_timeout; reward.json is read too."""
     ensure_engine()
     provider = DockerSandboxProvider(SandboxConfig(type="docker"))
     cases = {"no-reward": "echo nothing\n", "slow": "sleep 30\n",
@@ -78,8 +76,8 @@ def test_verifier_outcomes(tmp_path):
         task = taskset.by_name[name]
         return asyncio.run(check_task(task, provider, taskset.spec_for(task), oracle=False))
 
-    with pytest.raises(HarborEnvError, match="env_error: tests/test.sh of no-reward wrote no reward"):
-        check("no-reward")
+    silent = check("no-reward")
+    assert (silent.reward, silent.details["outcome"]) == (0.0, "no_reward")
     slow = check("slow")
     assert (slow.reward, slow.stop_reason) == (0.0, "test_timeout")
     half = check("json-reward")

@@ -1,10 +1,18 @@
-"""Recount the log independently and compare with top404.txt."""
+"""Recount the log independently and compare with top404.txt. The log is made again here from the same
+generator as the image's (tests/make_log.py is a copy of environment/make_log.py): /app/access.log is in
+the agent's hands, and a recount of an edited log would grade whatever the agent chose."""
 import collections
+import contextlib
+import io
 import pathlib
+import runpy
 import sys
 
+log = io.StringIO()
+with contextlib.redirect_stdout(log):
+    runpy.run_path(str(pathlib.Path(__file__).with_name("make_log.py")))
 counts = collections.Counter()
-for line in pathlib.Path("/app/access.log").read_text().splitlines():
+for line in log.getvalue().splitlines():
     fields = line.split()
     if len(fields) > 8 and fields[8] == "404":
         counts[fields[0]] += 1
