@@ -4,6 +4,7 @@ that does nothing must resolve none."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import uuid
@@ -13,7 +14,11 @@ from typing import Any
 import yaml
 
 from rollway.core.config import RunConfig, load_config
+from rollway.core.run_dir import TRAJECTORIES_FILE
 from rollway.schemas.messages import Trajectory
+
+_REWARD_OFFSETS = itertools.count()
+"""Offsets of the reward requests this process plays (a ledger in a run folder persists across episodes)."""
 
 DO_NOTHING_SCRIPT = "[{when: '', turns: ['I will not do anything.']}]"
 """The do-nothing policy: one reply without a tool call, every turn."""
@@ -42,7 +47,8 @@ async def play_episode(cfg: RunConfig, run_dir: Path, task_id: str, services: An
     while out.topic is AGENT_STEPS:
         [out] = await agent.handle(out.value, MessageMeta("agent-steps", 0, offset))
         offset += 1
-    [out] = await reward.handle(out.value, MessageMeta("reward-requests", 0, 0))
+    # Each reward request at its own offset: the reward stage's ledger knows handled messages by offset.
+    [out] = await reward.handle(out.value, MessageMeta("reward-requests", 0, next(_REWARD_OFFSETS)))
     if out.topic is not TRAJECTORIES:
         raise RuntimeError(f"task {task_id}: the episode failed: {out.value}")
     return out.value
@@ -67,8 +73,42 @@ async def verify_taskset(config: str | None, overrides: list[str], run_dir: Path
     for task in gold.taskset.tasks():
         g = await play_episode(gold.cfg, gold.run_dir, task.task_id, gold)
         n = await play_episode(nothing.cfg, nothing.run_dir, task.task_id, nothing)
-        rows.append({"task_id": task.task_id, "gold_resolved": g.resolved, "gold_reward": g.reward,
-                     "gold_stop_reason": g.stop_reason, "gold_turns": g.num_turns,
-                     "nothing_resolved": n.resolved, "nothing_reward": n.reward})
+        for services, traj in ((gold, g), (nothing, n)):
+            keep_trajectory(services.run_dir, traj)
+        row = {"task_id": task.task_id, "gold_resolved": g.resolved, "gold_reward": g.reward,
+               "gold_stop_reason": g.stop_reason, "gold_turns": g.num_turns,
+               "nothing_resolved": n.resolved, "nothing_reward": n.reward}
+        if not g.resolved:
+            row["gold_why"] = why_unresolved(g, gold.cfg)
+        rows.append(row)
     return {"total": len(rows), "gold_resolved": sum(r["gold_resolved"] for r in rows),
-            "nothing_resolved": sum(r["nothing_resolved"] for r in rows), "tasks": rows}
+            "nothing_resolved": sum(r["nothing_resolved"] for r in rows), "tasks": rows,
+            "trajectories": {"gold": str(gold.run_dir / TRAJECTORIES_FILE),
+                             "nothing": str(nothing.run_dir / TRAJECTORIES_FILE)}}
+
+
+def keep_trajectory(run_dir: Path, traj: Trajectory) -> None:
+    """Append the episode to `run_dir/trajectories.jsonl`, as the sink writes it (`rollway show DIR`)."""
+    from rollway.actors.sink import append_line
+    from rollway.schemas.codec import to_builtins
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    append_line(run_dir / TRAJECTORIES_FILE, json.dumps(to_builtins(traj)))
+
+
+def why_unresolved(traj: Trajectory, cfg: RunConfig) -> str:
+    """What a person checks first when the reference solution did not resolve its task: a turn the
+    token limits cut, the turn limit, a tool error, else the grade's own outcome."""
+    cut = [t.turn for t in traj.turns if t.finish_reason == "length"]
+    if cut:
+        return (f"turn(s) {cut} of the reference solution were cut at agent.max_tokens_per_turn="
+                f"{cfg.agent.max_tokens_per_turn}: raise it")
+    if traj.stop_reason in ("max_turns", "max_tokens", "prompt_too_long"):
+        limit = {"max_turns": f"agent.max_turns={cfg.agent.max_turns}",
+                 "max_tokens": f"agent.max_total_tokens={cfg.agent.max_total_tokens}",
+                 "prompt_too_long": f"agent.max_total_tokens={cfg.agent.max_total_tokens}"}[traj.stop_reason]
+        return f"the episode stopped at {limit} ({traj.stop_reason}) before the solution ended: raise it"
+    errors = [f"turn {t.turn}: {o.content[:200]}" for t in traj.turns for o in t.observations if o.is_error]
+    if errors:
+        return "a tool call of the reference solution failed: " + errors[0]
+    return f"graded {traj.reward} ({traj.grade.get('outcome') or traj.stop_reason})"

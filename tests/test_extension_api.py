@@ -342,6 +342,24 @@ def test_tasks_verify_checks_any_task_set(config):
     assert summary["total"] >= 2 and summary["gold_resolved"] == summary["total"] and summary["nothing_resolved"] == 0
 
 
+def test_verify_says_why_a_cut_reference_solution_failed_and_keeps_its_trajectories(tmp_path):
+    """A turn limit below the reference solution's length: verify names the limit to raise (it said only
+    "gold NOT resolved"), and both policies' episodes are kept for `rollway show`."""
+    out = subprocess.run([sys.executable, "-m", "rollway.runners", "tasks", "verify", str(SHELL_YAML),
+                          "agent.max_tokens_per_turn=8", "--json", "--run-dir", str(tmp_path)],
+                         capture_output=True, text=True, cwd=ROOT, env=cli_env(), timeout=300)
+    assert out.returncode == 1, out.stderr[-2000:]
+    summary = json.loads(out.stdout)
+    assert summary["gold_resolved"] == 0
+    assert all("agent.max_tokens_per_turn=8" in row["gold_why"] for row in summary["tasks"])
+    for policy in ("gold", "nothing"):
+        rows = [json.loads(line) for line in (tmp_path / policy / "trajectories.jsonl").read_text().splitlines()]
+        assert sorted(r["episode"]["task_id"] for r in rows) == sorted(r["task_id"] for r in summary["tasks"])
+    shown = subprocess.run([sys.executable, "-m", "rollway.runners", "show", str(tmp_path / "gold")],
+                           capture_output=True, text=True, cwd=ROOT, env=cli_env(), timeout=120)
+    assert shown.returncode == 0 and summary["tasks"][0]["task_id"] in shown.stdout, shown.stderr[-2000:]
+
+
 def _up(config: Path, run_dir: Path, *overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "rollway.runners", "up", str(config), "--run-dir", str(run_dir),
                            "run.timeout_s=240", *overrides], capture_output=True, text=True, cwd=ROOT,
