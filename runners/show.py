@@ -67,6 +67,8 @@ def turn_panel(turn: dict[str, Any], max_chars: int) -> Panel:
                   Text(_clip(obs["content"], max_chars), style="dim")]
     for hint in turn.get("hints", []):
         parts += [Text(""), Text(f"hint: {hint}", style="yellow")]
+    if turn.get("user_message") is not None:  # the task set's simulated user (next_user_message)
+        parts += [Text(""), Text("user", style="bold blue"), Text(_clip(turn["user_message"], max_chars))]
     title = (f"turn {turn['turn']} · policy v{turn['policy_version']} · finish {turn['finish_reason']} · "
              f"gen {_ms(turn.get('gen_seconds', 0.0))} · tools {_ms(turn.get('tool_seconds', 0.0))}"
              f" · {len(turn.get('completion_ids', []))} tokens")

@@ -62,3 +62,18 @@ def test_show_reads_episodes_from_the_topic(smoke_run, show):
 def test_show_names_a_missing_episode(smoke_run, show):
     out = show(str(smoke_run.run_dir), "--episode", "nope")
     assert out.returncode == 2 and "episode 'nope' is not in" in out.stderr
+
+
+def test_show_displays_the_simulated_users_messages():
+    """A task set's simulated user speaks after a turn (`user_message`); show printed every other part
+    of the turn but not that."""
+    from rich.console import Console
+
+    from rollway.runners.show import turn_panel
+
+    turn = {"turn": 0, "policy_version": 0, "finish_reason": "stop", "assistant_text": "What is your order?",
+            "observations": [], "hints": [], "user_message": "It's order A-17."}
+    console = Console(width=100, record=True)
+    console.print(turn_panel(turn, 2000))
+    text = console.export_text()
+    assert "What is your order?" in text and "It's order A-17." in text and "user" in text
