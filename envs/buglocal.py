@@ -9,7 +9,6 @@ from typing import Any
 
 from rollway.envs.base import Episode, Grade, Task, TaskSet
 from rollway.envs.config import BugLocTasksConfig
-from rollway.envs.split import select_tasks
 from rollway.envs.swe import load_instances, prepare_buggy_copy
 from rollway.sandboxes.base import Sandbox, SandboxProvider, SandboxSpec
 from rollway.tools.base import Tool, ToolResult
@@ -117,10 +116,9 @@ class BugLocTaskSet(TaskSet):
             raise ValueError(f"tasks.path {cfg.path} holds no instance of the selected libraries "
                              f"(repos={cfg.repos}, exclude_repos={cfg.exclude_repos})")
         self.instances = {row["instance_id"]: row for row in rows}
-        self._tasks = select_tasks([
-            Task(iid, task_prompt(row), {"repo": row["repo"], "file": row["mutation"]["path"],
-                                         "function": row["mutation"]["function"]})
-            for iid, row in self.instances.items()], cfg)
+        self._tasks = [Task(iid, task_prompt(row), {"repo": row["repo"], "file": row["mutation"]["path"],
+                                                   "function": row["mutation"]["function"]})
+                       for iid, row in self.instances.items()]
 
     def _library_selected(self, row: dict[str, Any]) -> bool:
         library = library_of(row["repo"])

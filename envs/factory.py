@@ -5,6 +5,7 @@ from __future__ import annotations
 from rollway.base.registry import Registry
 from rollway.envs.base import TaskSet
 from rollway.envs.config import TasksConfig
+from rollway.envs.split import select_tasks
 
 TASK_SETS = Registry("task set", "tasks.type", "rollway.envs.base:TaskSet")
 """`tasks.type` -> TaskSet class and its config class. A new built-in is one
@@ -21,5 +22,14 @@ TASK_SETS.add("harbor", "rollway.envs.harbor:HarborTaskSet", "rollway.envs.confi
 
 
 def build_taskset(cfg: TasksConfig) -> TaskSet:
-    """The task set `cfg.type` names, constructed with its (validated) config section."""
-    return TASK_SETS.load(cfg.type)(cfg)
+    """The task set `cfg.type` names, constructed with its (validated) config section, with the task
+    selection every task set has (`split`, `test_fraction`, `limit`) applied by the framework."""
+    return with_selection(TASK_SETS.load(cfg.type)(cfg), cfg)
+
+
+def with_selection(taskset: TaskSet, cfg: TasksConfig) -> TaskSet:
+    """`taskset` whose `tasks()` gives the configured split and limit of what the class lists. The
+    selection is idempotent, so a task set that also selects (older built-ins) gets the same list."""
+    chosen = select_tasks(taskset.tasks(), cfg)
+    taskset.tasks = lambda: list(chosen)  # type: ignore[method-assign]
+    return taskset

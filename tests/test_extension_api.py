@@ -403,3 +403,20 @@ def test_extending_page_lists_the_file_to_touch_per_extension():
                  "learning/registries.py", "sandboxes/config.py", "policies/config.py"):
         assert path in text and (ROOT / path).exists(), path
     assert os.path.exists(ROOT / "examples" / "plugins" / "shell_tasks.yaml")
+
+
+def test_task_selection_applies_to_plugin_task_sets():
+    """`tasks.split`, `test_fraction` and `limit` are fields every task set has: the framework applies
+    them (the shell plugin gave 4/4 tasks for every split)."""
+
+
+    def ids(*overrides: str) -> list[str]:
+        return [t.task_id for t in build_taskset(load_config(SHELL_YAML, list(overrides)).tasks).tasks()]
+
+    everything = ids()
+    train, test = ids("tasks.split=train", "tasks.test_fraction=0.5"), ids("tasks.split=test", "tasks.test_fraction=0.5")
+    assert len(everything) >= 4 and sorted(train + test) == sorted(everything) and not set(train) & set(test)
+    assert ids("tasks.limit=2") == everything[:2]
+    taskset = build_taskset(load_config(SHELL_YAML, ["tasks.limit=1"]).tasks)
+    with pytest.raises(KeyError, match="is not in this"):
+        taskset.get(everything[1])
