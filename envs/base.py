@@ -83,9 +83,11 @@ class TaskSet(ABC):
     """Your own config class (a `rollway.envs.config.TasksConfig` subclass with your fields): the
     `tasks` section is validated against it (unknown keys fail) and passed to the constructor."""
 
-    def tools_for(self, task: Task) -> Sequence[str]:
-        """The tools this task's episodes get (registered names or `python:MODULE:CLASS`); the init and
-        agent actors call it per episode, unless `tools.enabled` is set. Default: `default_tools`."""
+    def tools_for(self, task: Task) -> Sequence[Any]:
+        """The tools this task's episodes get: registered names, `python:MODULE:CLASS`, or Tool instances
+        this task set built from its own data (no global registration; name them with a prefix of your
+        family, e.g. `desk.refund`, so they never meet a built-in's name). The init and agent actors
+        call it per episode, unless `tools.enabled` is set. Default: `default_tools`."""
         return self.default_tools
 
     async def next_user_message(self, task: Task, episode: Episode) -> str | UserTurn | None:

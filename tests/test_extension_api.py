@@ -420,3 +420,38 @@ def test_task_selection_applies_to_plugin_task_sets():
     taskset = build_taskset(load_config(SHELL_YAML, ["tasks.limit=1"]).tasks)
     with pytest.raises(KeyError, match="is not in this"):
         taskset.get(everything[1])
+
+
+def test_a_task_set_gives_tools_built_from_its_data_without_registering_them(tmp_path):
+    """A simulator's function docs become tools at run time (the BFCL case: 130 tools made with type()
+    before): the task set returns instances from tools_for, namespaced by its family; nothing global."""
+    from rollway.envs.toy import ToyTaskSet
+    from rollway.tools.base import Tool, ToolResult
+    from rollway.tools.registry import TOOL_FACTORIES, run_tool_calls
+
+    class LookupTool(Tool):
+        def __init__(self, name: str, table: dict[str, str]) -> None:
+            self.name, self.table = name, table
+            self.description = f"look a key up in {name}"
+            self.parameters = {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}
+
+        async def call(self, arguments, sandbox):
+            return ToolResult(content=self.table.get(arguments["key"], "unknown key"))
+
+    class DataToolsTaskSet(ToyTaskSet):
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            self.data_tools = [LookupTool(f"sim.{n}", {"a": f"{n}-A"}) for n in ("rates", "stock")]
+
+        def tools_for(self, task):
+            return [*self.data_tools, "finish"]
+
+    s = Services(load_config(ROOT / "examples" / "smoke.yaml"), tmp_path)
+    s.__dict__["taskset"] = DataToolsTaskSet(s.cfg.tasks)
+    task = s.taskset.tasks()[0]
+    tools = s.tools_for(task)
+    assert list(tools) == ["sim.rates", "sim.stock", "finish"] and "sim.rates" not in TOOL_FACTORIES
+    assert s.tools_for(task) is tools  # built once per worker
+    call = '<tool_call>{"name": "sim.stock", "arguments": {"key": "a"}}</tool_call>'
+    turn = run(run_tool_calls(call, tools, None, s.cfg.tools))
+    assert [(o.tool, o.content, o.is_error) for o in turn.observations] == [("sim.stock", "stock-A", False)]

@@ -86,13 +86,17 @@ def check_tool_settings(cfg: ToolsConfig) -> None:
                                        for e in err.errors())) from None
 
 
-def build_tools(names: Sequence[str], cfg: ToolsConfig) -> dict[str, Tool]:
-    """The named tools (registered names or `python:MODULE:CLASS`), in the given order, keyed by the
-    name the model calls. Two tools under one name are an error, never a silent overwrite."""
+def build_tools(names: Sequence[str | Tool], cfg: ToolsConfig) -> dict[str, Tool]:
+    """The named tools (registered names, `python:MODULE:CLASS`, or Tool instances a task set made from
+    its data, which need no registration), in the given order, keyed by the name the model calls. Two
+    tools under one name are an error, never a silent overwrite."""
     tools: dict[str, Tool] = {}
     for ref in names:
-        tool = build_tool(ref, cfg)
-        key = ref if not is_plugin(ref) else tool.name
+        if isinstance(ref, Tool):
+            tool, key = ref, ref.name
+        else:
+            tool = build_tool(ref, cfg)
+            key = ref if not is_plugin(ref) else tool.name
         if key in tools:
             raise ValueError(f"two tools are named {key!r} ({type(tools[key]).__name__} and {type(tool).__name__}); "
                              "tool names must be unique within an episode")
