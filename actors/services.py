@@ -18,7 +18,7 @@ class Services:
     def taskset(self):
         from rollway.envs.factory import build_taskset
 
-        return build_taskset(self.cfg.tasks)
+        return build_taskset(self.cfg.tasks, self.cfg.sandbox)
 
     @cached_property
     def sandboxes(self):

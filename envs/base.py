@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
 from rollway.sandboxes.base import Sandbox, SandboxProvider, SandboxSpec
+from rollway.sandboxes.config import SandboxConfig
 from rollway.schemas.messages import TurnRecord
 
 
@@ -79,6 +80,10 @@ class TaskSet(ABC):
     describe_tools: bool = True
     """Render the tools' JSON specs into the prompt. Small models may do better with worked
     examples in `initial_messages` instead."""
+    sandbox_config: SandboxConfig | None = None
+    """The run's sandbox settings (type, image, HOME, workdir, env), set by the framework right after
+    construction, so hooks can depend on them instead of repeating them in the task set's own section.
+    None when the task set was built without a run config."""
     config_class: ClassVar[type | None] = None
     """Your own config class (a `rollway.envs.config.TasksConfig` subclass with your fields): the
     `tasks` section is validated against it (unknown keys fail) and passed to the constructor."""

@@ -6,6 +6,7 @@ from rollway.base.registry import Registry
 from rollway.envs.base import TaskSet
 from rollway.envs.config import TasksConfig
 from rollway.envs.split import select_tasks
+from rollway.sandboxes.config import SandboxConfig
 
 TASK_SETS = Registry("task set", "tasks.type", "rollway.envs.base:TaskSet")
 """`tasks.type` -> TaskSet class and its config class. A new built-in is one
@@ -21,10 +22,13 @@ TASK_SETS.add("buglocal", "rollway.envs.buglocal:BugLocTaskSet", "rollway.envs.c
 TASK_SETS.add("harbor", "rollway.envs.harbor:HarborTaskSet", "rollway.envs.config:HarborTasksConfig")
 
 
-def build_taskset(cfg: TasksConfig) -> TaskSet:
+def build_taskset(cfg: TasksConfig, sandbox: SandboxConfig | None = None) -> TaskSet:
     """The task set `cfg.type` names, constructed with its (validated) config section, with the task
-    selection every task set has (`split`, `test_fraction`, `limit`) applied by the framework."""
-    return with_selection(TASK_SETS.load(cfg.type)(cfg), cfg)
+    selection every task set has (`split`, `test_fraction`, `limit`) applied by the framework and the
+    run's sandbox settings given to it (`TaskSet.sandbox_config`)."""
+    taskset = with_selection(TASK_SETS.load(cfg.type)(cfg), cfg)
+    taskset.sandbox_config = sandbox
+    return taskset
 
 
 def with_selection(taskset: TaskSet, cfg: TasksConfig) -> TaskSet:

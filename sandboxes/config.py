@@ -82,12 +82,16 @@ class LocalSandboxConfig(SandboxConfig):
     @field_validator("workdir")
     @classmethod
     def _workdir_is_own_folder(cls, value: str) -> str:
-        top = value.rstrip("/").split("/")[1:2]
-        if not value.startswith("/") or not top or top[0] in ("usr", "bin", "lib", "lib64", "sbin", "etc", "proc",
-                                                               "dev", "tmp", "home", "sys", "run"):
+        path = value.rstrip("/")
+        parts = path.split("/")[1:]
+        # /home/<user> is a user's folder (a task may expect its repository there); /home itself and the
+        # jail's own HOME (/home/sandbox) are not.
+        own_home = parts[:1] == ["home"] and len(parts) >= 2 and parts[1] != "sandbox" and ".." not in parts
+        if not value.startswith("/") or not parts or (not own_home and parts[0] in (
+                "usr", "bin", "lib", "lib64", "sbin", "etc", "proc", "dev", "tmp", "home", "sys", "run")):
             raise ValueError(f"sandbox.workdir={value!r} must be an absolute folder outside the system folders "
-                             "(e.g. /workspace or /repo)")
-        return value.rstrip("/")
+                             "(e.g. /workspace, /repo or /home/agent; not /home/sandbox, the jail's HOME)")
+        return path
 
 
 class DockerSandboxConfig(SandboxConfig):

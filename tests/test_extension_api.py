@@ -455,3 +455,25 @@ def test_a_task_set_gives_tools_built_from_its_data_without_registering_them(tmp
     call = '<tool_call>{"name": "sim.stock", "arguments": {"key": "a"}}</tool_call>'
     turn = run(run_tool_calls(call, tools, None, s.cfg.tools))
     assert [(o.tool, o.content, o.is_error) for o in turn.observations] == [("sim.stock", "stock-A", False)]
+
+
+def test_a_task_set_reads_the_runs_sandbox_settings_and_a_workdir_may_be_a_users_home(tmp_path):
+    """Settings a task set depends on (the sandbox's HOME, its type, its workdir) come from the run's
+    sandbox section, not a copy in the task set's own section; /home/<user> is a valid workdir (a task
+    expecting its repository there), /home/sandbox (the jail's HOME) is not."""
+    from rollway.sandboxes.base import SandboxSpec
+
+    cfg = load_config(ROOT / "examples" / "smoke.yaml", ["sandbox.workdir=/home/agent/repo", "sandbox.home=tmp"])
+    s = Services(cfg, tmp_path)
+    assert (s.taskset.sandbox_config.workdir, s.taskset.sandbox_config.home) == ("/home/agent/repo", "tmp")
+
+    async def pwd():
+        sandbox = await s.sandboxes.create(SandboxSpec(), "home-workdir")
+        try:
+            return (await sandbox.exec("pwd; echo $HOME")).output.split()
+        finally:
+            await sandbox.destroy()
+
+    assert run(pwd()) == ["/home/agent/repo", "/tmp"]
+    with pytest.raises(ConfigError, match="jail's HOME"):
+        load_config(ROOT / "examples" / "smoke.yaml", ["sandbox.workdir=/home/sandbox"])
