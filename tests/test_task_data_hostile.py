@@ -44,7 +44,7 @@ def _row(cache: Path, **changes: Any) -> dict[str, Any]:
         "snapshot": _snapshot(cache, {"demo/m.py": "def f(a):\n    return a < 1\n", "tests/test_m.py": "x = 1\n"}),
         "problem_statement": "f is wrong", "FAIL_TO_PASS": ["tests/test_m.py::test_f"], "PASS_TO_PASS": [],
         "patch": "", "test_patch": "", "test_files": ["tests/test_m.py"], "python_path": ["."],
-        "mutation": {"path": "demo/m.py", "start": 24, "end": 25, "original": "<", "replacement": "<=",
+        "mutation": {"path": "demo/m.py", "start": 23, "end": 24, "original": "<", "replacement": "<=",
                      "operator": "compare", "function": "f", "line": 2},
     }  # fmt: skip
     for key, value in changes.items():
