@@ -243,3 +243,70 @@ def test_instance_images_build_without_network_unless_opted_in(tmp_path: Path) -
     assert [e for e in logs if e["log_level"] == "warning" and "network" in e["event"]]
     with pytest.raises(ValueError, match="network"):
         InstanceImages(None, "x", "b", client=client, network="bridge; rm")
+
+
+# ---------------------------------------------------------------- `rollway tasks build swe`: the archive's tests
+
+
+_HOSTILE_TESTS = '''
+import os, socket
+from pathlib import Path
+
+from evil import add
+
+def test_add():
+    assert add(2, 3) == 5
+
+def test_no_host_secret():
+    assert "ROLLWAY_BUILD_SECRET" not in os.environ
+
+def test_no_network():
+    try:
+        socket.create_connection(("127.0.0.1", {port}), timeout=2).close()
+    except OSError:
+        return
+    raise AssertionError("reached the host")
+
+def test_no_write_outside():
+    try:
+        Path({canary!r}).write_text("escaped")
+    except OSError:
+        return
+    raise AssertionError("wrote outside the tree")
+'''
+
+
+def test_build_runs_the_archives_tests_jailed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A source archive's own test suite runs code of the archive's author: it must run in the local jail
+    (no network, nothing outside its tree, none of the host's environment). The suite probes all three and
+    its verdicts land in the built row (PASS_TO_PASS); the host side is checked too."""
+    import io
+    import socket
+    import tarfile
+
+    from rollway.envs.swe_build import BuildOptions, build_instances
+
+    server = socket.create_server(("127.0.0.1", 0))
+    server.setblocking(False)
+    canary = tmp_path / "escaped.txt"
+    files = {"evil/__init__.py": "def add(a, b):\n    return a + b\n",
+             "tests/test_evil.py": _HOSTILE_TESTS.format(port=server.getsockname()[1], canary=str(canary)),
+             "setup.py": "from setuptools import setup\nsetup(name='evil', version='1.0')\n"}
+    (tmp_path / "cache" / "sdists").mkdir(parents=True)
+    with tarfile.open(tmp_path / "cache" / "sdists" / "evil-1.0.tar.gz", "w:gz") as tar:
+        for rel, text in files.items():
+            info = tarfile.TarInfo(f"evil-1.0/{rel}")
+            info.size = len(text.encode())
+            tar.addfile(info, io.BytesIO(text.encode()))
+    monkeypatch.setenv("ROLLWAY_BUILD_SECRET", "hunter2")
+    try:
+        rows = build_instances(BuildOptions(sdist="evil==1.0", max_tasks=1, cache_dir=str(tmp_path / "cache"),
+                                            log=lambda line: None))
+        with pytest.raises(BlockingIOError):
+            server.accept()  # nobody connected
+    finally:
+        server.close()
+    assert not canary.exists()
+    assert rows[0]["FAIL_TO_PASS"] == ["tests/test_evil.py::test_add"]
+    assert set(rows[0]["PASS_TO_PASS"]) == {f"tests/test_evil.py::{t}" for t in
+                                            ("test_no_host_secret", "test_no_network", "test_no_write_outside")}
