@@ -310,3 +310,21 @@ def test_build_runs_the_archives_tests_jailed(tmp_path: Path, monkeypatch: pytes
     assert rows[0]["FAIL_TO_PASS"] == ["tests/test_evil.py::test_add"]
     assert set(rows[0]["PASS_TO_PASS"]) == {f"tests/test_evil.py::{t}" for t in
                                             ("test_no_host_secret", "test_no_network", "test_no_write_outside")}
+
+
+def test_bug_patch_cannot_write_outside_the_exported_tree(tmp_path: Path, canary: Path) -> None:
+    """SWE-smith's `patch` (the bug) is applied on the host when an image is built: git apply must refuse
+    paths leaving the tree, directly or through a symlink the same patch creates."""
+    from rollway.envs.swe_images import EnvPrepError, export_tree
+
+    repo = _mirror(tmp_path)
+    escape = ("diff --git a/../../canary.txt b/../../canary.txt\n--- a/../../canary.txt\n+++ b/../../canary.txt\n"
+              "@@ -1 +1 @@\n-hello world\n+pwned\n")
+    link = ("diff --git a/lnk b/lnk\nnew file mode 120000\n--- /dev/null\n+++ b/lnk\n@@ -0,0 +1 @@\n"
+            f"+{tmp_path}\n\\ No newline at end of file\n"
+            "diff --git a/lnk/canary.txt b/lnk/canary.txt\n--- a/lnk/canary.txt\n+++ b/lnk/canary.txt\n"
+            "@@ -1 +1 @@\n-hello world\n+pwned\n")
+    for i, patch in enumerate((escape, link)):
+        with pytest.raises(EnvPrepError, match="bug patch does not apply"):
+            export_tree(repo, "HEAD", tmp_path / f"out{i}" / "tree", patch)
+    assert canary.read_text() == "hello world\n"
