@@ -328,3 +328,18 @@ def test_bug_patch_cannot_write_outside_the_exported_tree(tmp_path: Path, canary
         with pytest.raises(EnvPrepError, match="bug patch does not apply"):
             export_tree(repo, "HEAD", tmp_path / f"out{i}" / "tree", patch)
     assert canary.read_text() == "hello world\n"
+
+
+def test_task_sets_refuse_hostile_rows_when_built(tmp_path: Path, canary: Path) -> None:
+    """`rollway eval` and `up` build their task set from the config first: that is where a bad file stops."""
+    from rollway.envs.config import TasksConfig
+    from rollway.envs.factory import build_taskset
+
+    cache = tmp_path / "cache"
+    swe = _write(tmp_path / "i.jsonl", _hostile_mutation(_row(cache), str(canary)))
+    with pytest.raises(TaskDataError, match="'mutation.path'"):
+        build_taskset(TasksConfig(type="swe", path=str(swe), cache_dir=str(cache)))
+    rows = _write(tmp_path / "r.jsonl", _swebench_row(repo="../../etc"))
+    with pytest.raises(TaskDataError, match="'repo'"):
+        build_taskset(TasksConfig(type="swebench", path=str(rows)))
+    assert canary.read_text() == "hello world\n"
