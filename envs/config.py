@@ -143,6 +143,10 @@ class SWEBenchTasksConfig(GradedTasksConfig, ImageTasksConfig):
     image_template: str = "sweb.eval.x86_64.{id_docker}:latest"
     """Name of an instance's ready-made image, used when the engine has it (SWE-bench's naming; fields
     {instance_id} {id_lower} {id_docker} {repo} {repo_docker} {commit}); else rollway builds one."""
+    image_build_network: Literal["none", "bridge", "host"] = "none"
+    """Network of a row's `install` command while rollway builds an instance image: `none` (default) cuts it;
+    `bridge` (the engine's isolated network) or `host` (the host's, its local services included) opt in,
+    with a warning: the rows file's author then runs code with network access."""
     failure_outcomes: list[Literal["env_error", "patch_failed", "test_timeout"]] = Field(
         default_factory=lambda: ["env_error"])
     """Grading outcomes reported as failed attempts (retried, never a reward) instead of reward 0.

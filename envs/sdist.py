@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -41,11 +42,21 @@ def cache_root(cache_dir: str | os.PathLike[str] | None) -> Path:
     return Path(cache_dir).expanduser() if cache_dir else DEFAULT_CACHE
 
 
+# A project name as the package index spells it (PEP 508) and a version: nothing pip could read as an
+# option or a URL, nothing that leaves a cache folder name.
+_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,98}[A-Za-z0-9])?")
+_VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9.+!_-]{0,63}")
+
+
 def parse_requirement(sdist: str) -> tuple[str, str]:
     name, sep, version = sdist.partition("==")
-    if not sep or not name.strip() or not version.strip():
+    name, version = name.strip(), version.strip()
+    if not sep or not name or not version:
         raise SdistError(f"--sdist {sdist!r}: pin one version, e.g. --sdist toolz==1.2.0")
-    return name.strip(), version.strip()
+    if not _NAME.fullmatch(name) or not _VERSION.fullmatch(version) or ".." in version:
+        raise SdistError(f"--sdist {sdist!r} is not NAME==VERSION with a plain project name and version "
+                         "(letters, digits, . _ - and for versions + !), e.g. toolz==1.2.0")
+    return name, version
 
 
 def download_sdist(sdist: str, cache: Path) -> Path:
@@ -120,16 +131,23 @@ def prepare_snapshot(sdist: str, cache_dir: str | os.PathLike[str] | None = None
     archive = download_sdist(sdist, cache)
     sha = sha256_file(archive)
     name, version = parse_requirement(sdist)
-    path = unpack(archive, cache / "snapshots" / f"{name}-{version}-{sha[:12]}")
+    path = unpack(archive, snapshot_dir(cache, sdist, sha))
     return Snapshot(sdist=f"{name}=={version}", archive=archive.name, sha256=sha, path=str(path))
 
 
+def snapshot_dir(cache_dir: str | os.PathLike[str] | None, sdist: str, sha256: str) -> Path:
+    """Where the snapshot of `sdist` with this archive digest lives: rollway's only place for snapshots."""
+    name, version = parse_requirement(sdist)
+    return cache_root(cache_dir) / "snapshots" / f"{name}-{version}-{sha256[:12]}"
+
+
 def ensure_snapshot(info: dict[str, Any], cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """The snapshot an instance names: its recorded path when present, else fetched again and checked
+    """The snapshot an instance names: its folder in the cache (derived from the sdist and the sha256, never
+    taken from the row, which could name any host folder) when present, else fetched again and checked
     against the recorded sha256, so an instances file works on another machine."""
-    recorded = Path(info["path"])
-    if recorded.is_dir():
-        return recorded
+    expected = snapshot_dir(cache_dir, info["sdist"], info["sha256"])
+    if expected.is_dir() and not expected.is_symlink():
+        return expected
     snapshot = prepare_snapshot(info["sdist"], cache_dir)
     if snapshot.sha256 != info["sha256"]:
         shutil.rmtree(snapshot.path, ignore_errors=True)

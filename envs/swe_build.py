@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import difflib
 import os
+import posixpath
 import random
 import re
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
+import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +20,9 @@ from typing import Any
 from rollway.envs.mutations import Mutation, apply_mutation, iter_module_mutations
 from rollway.envs.pytest_report import PytestReport, node_file, parse_pytest_output, pytest_command
 from rollway.envs.sdist import Snapshot, parse_requirement, prepare_snapshot
+from rollway.sandboxes.base import SandboxError, SandboxSpec
+from rollway.sandboxes.config import SandboxConfig
+from rollway.sandboxes.local import LocalSandboxProvider
 
 # Folders that hold no library code or tests worth running (docs, benchmarks, build output).
 _SKIP_DIRS = {".git", ".tox", ".nox", "build", "dist", "docs", "doc", "examples", "example", "bench",
@@ -43,6 +46,8 @@ class BuildOptions:
     max_per_function: int = 1
     """Keep at most this many bugs in one function, so tasks spread over the library."""
     cache_dir: str | None = None
+    sandbox_root: str | None = None
+    """Folder of the local jail the archive's tests run in (sandbox.root); default /tmp/rollway-sandboxes."""
     log: Callable[[str], None] = field(default=lambda line: print(line, file=sys.stderr, flush=True))
 
 
@@ -113,7 +118,7 @@ def _is_package_dir(base: Path, rel: Path) -> bool:
     return True
 
 
-# ---------------------------------------------------------------- running tests on the host
+# ---------------------------------------------------------------- running the archive's tests, jailed
 
 
 @dataclass
@@ -124,22 +129,33 @@ class Run:
     timed_out: bool
 
 
-def run_tests(root: Path, files: list[str], timeout_s: float) -> Run:
-    """Run pytest on `files` in `root` with this interpreter; the whole process group dies on timeout
-    (a mutated loop may never end, and it may have spawned workers)."""
-    cmd = pytest_command(files, python=sys.executable, python_path=python_path(root))
-    start = time.monotonic()
-    proc = subprocess.Popen(["bash", "-c", cmd], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True, stdin=subprocess.DEVNULL)
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        timed_out = True
-    text = out.decode("utf-8", "replace")
-    return Run(parse_pytest_output(text), text, time.monotonic() - start, timed_out)
+_LOG = ".rollway/build/pytest.log"
+"""Where a run's pytest output goes (a file: -rA lists every test, more than a command's output keeps)."""
+
+
+def jail_config(root: str | None = None) -> SandboxConfig:
+    """The local jail the archive's tests run in: no network, the workspace only, a cleared environment,
+    limits roomy enough for a library's whole suite."""
+    return SandboxConfig(type="local", root=root, memory_mb=4096, workspace_mb=2048, max_processes=512,
+                         max_file_mb=512, tmp_mb=1024)
+
+
+class _Loop:
+    """A private event loop on its own thread: the sync builder drives the async sandbox through it,
+    whether or not its caller already runs a loop."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="rollway-swe-build", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        self.loop.close()
 
 
 @dataclass
@@ -149,17 +165,18 @@ class Baseline:
     duration_s: float
 
 
-def run_baseline(root: Path, log: Callable[[str], None]) -> Baseline:
+def run_baseline(work: _Workspace, log: Callable[[str], None]) -> Baseline:
     """Tests that pass on the clean tree, twice in a row (flaky tests would make bad tasks).
     Files that fail to import here (a missing optional dependency) are dropped, not fatal."""
+    root = work.root
     files = find_test_files(root)
-    first = run_tests(root, files, timeout_s=900)
+    first = work.run(files, timeout_s=900)
     if first.report.collection_errors:
         broken = set(first.report.collection_errors)
         log(f"baseline: dropping {len(broken)} test file(s) that do not import here: {sorted(broken)[:5]}")
         files = [f for f in files if f not in broken and not any(f.startswith(b.rstrip("/") + "/") for b in broken)]
-        first = run_tests(root, files, timeout_s=900)
-    second = run_tests(root, files, timeout_s=900)
+        first = work.run(files, timeout_s=900)
+    second = work.run(files, timeout_s=900)
     passing = first.report.passed() & second.report.passed()
     failing = len(first.report.outcomes) - len(first.report.passed())
     log(f"baseline: {len(passing)} passing tests in {len(files)} files ({failing} failing, dropped), "
@@ -251,24 +268,48 @@ def make_instance(snapshot: Snapshot, baseline: Baseline, root: Path, mutation: 
 
 
 class _Workspace:
-    """A scratch copy of the snapshot where mutations are applied and undone one at a time."""
+    """The archive's tests run here: a local bubblewrap sandbox holding a copy of the snapshot (no network,
+    the workspace only, none of the host's environment, as the invoking user never), where mutations are
+    applied and undone one at a time. Everything the builder reads comes from `root`, the pristine
+    snapshot, never from the jail's copy, which the tests may change (a planted symlink included)."""
 
-    def __init__(self, snapshot_path: Path) -> None:
-        self._tmp = tempfile.TemporaryDirectory(prefix="rollway-swe-build-")
-        self.root = Path(self._tmp.name) / "repo"
-        shutil.copytree(snapshot_path, self.root, symlinks=True)
+    def __init__(self, snapshot_path: Path, sandbox_root: str | None = None) -> None:
+        self.root = snapshot_path
+        self._loop = _Loop()
+        provider = LocalSandboxProvider(jail_config(sandbox_root))
+        try:
+            spec = SandboxSpec(source_dir=str(snapshot_path))
+            self._box = self._loop.run(provider.create(spec, f"swe-build-{uuid.uuid4().hex[:12]}"))
+        except BaseException:
+            self._loop.close()
+            raise
+
+    def run(self, files: list[str], timeout_s: float) -> Run:
+        """pytest on `files` in the jail; on timeout the jail's whole process tree dies (a mutated loop may
+        never end, and it may have spawned workers)."""
+        cmd = pytest_command(files, python_path=python_path(self.root))
+        start = time.monotonic()
+        done = self._loop.run(self._box.exec(f"mkdir -p {posixpath.dirname(_LOG)} && {cmd} > {_LOG} 2>&1",
+                                             timeout_s=timeout_s))
+        try:
+            text = self._loop.run(self._box.read_file(_LOG))
+        except SandboxError:  # the tests removed or replaced the log: nothing to read is nothing passed
+            text = done.output
+        return Run(parse_pytest_output(text), text, time.monotonic() - start, done.timed_out)
 
     def run_mutated(self, mutation: Mutation, files: list[str], timeout_s: float) -> Run:
-        target = self.root / mutation.path
-        clean = target.read_bytes()
-        target.write_bytes(apply_mutation(clean, mutation))
+        clean = (self.root / mutation.path).read_bytes()
+        self._loop.run(self._box.write_bytes(mutation.path, apply_mutation(clean, mutation)))
         try:
-            return run_tests(self.root, files, timeout_s)
+            return self.run(files, timeout_s)
         finally:
-            target.write_bytes(clean)
+            self._loop.run(self._box.write_bytes(mutation.path, clean))
 
     def close(self) -> None:
-        self._tmp.cleanup()
+        try:
+            self._loop.run(self._box.destroy())
+        finally:
+            self._loop.close()
 
 
 def judge(run: Run, expected: set[str], max_failing: int) -> tuple[list[str] | None, str]:
@@ -289,7 +330,7 @@ def build_instances(opts: BuildOptions) -> list[dict[str, Any]]:
     """Mutate the library, keep mutants that 1..max_failing baseline tests catch, up to max_tasks."""
     snapshot = prepare_snapshot(opts.sdist, opts.cache_dir)
     opts.log(f"snapshot: {snapshot.sdist} sha256 {snapshot.sha256[:12]} at {snapshot.path}")
-    work = _Workspace(Path(snapshot.path))
+    work = _Workspace(Path(snapshot.path), opts.sandbox_root)
     try:
         return _search(opts, snapshot, work)
     finally:
@@ -297,7 +338,7 @@ def build_instances(opts: BuildOptions) -> list[dict[str, Any]]:
 
 
 def _search(opts: BuildOptions, snapshot: Snapshot, work: _Workspace) -> list[dict[str, Any]]:
-    baseline = run_baseline(work.root, opts.log)
+    baseline = run_baseline(work, opts.log)
     library = find_library_files(work.root)
     candidates = ordered_candidates(library, opts.seed)
     opts.log(f"candidates: {len(candidates)} mutations in {len(library)} library files (seed {opts.seed})")

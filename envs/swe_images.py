@@ -12,6 +12,7 @@ request (another worker, another run) finds it and builds nothing.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -20,11 +21,18 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from rollway.envs.image_builds import KeyedLocks
 from rollway.envs.swe_rows import SWEInstance
+from rollway.envs.task_data import CONTAINER_DIR
 from rollway.sandboxes.base import SandboxError
 
 _HOST_CA = "/etc/ssl/certs/ca-certificates.crt"
+BUILD_NETWORKS = ("none", "bridge", "host")
+"""`none` (default): a row's install command runs with no network. `bridge`: the engine's isolated default
+network (the index reachable, the host's loopback services not). `host`: the host's network, as it was."""
+log = structlog.get_logger(__name__)
 
 
 class EnvPrepError(SandboxError):
@@ -100,16 +108,25 @@ def build_key(inst: SWEInstance, base_image_id: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
 
 
+INSTALL_SCRIPT = "rollway-install.sh"
+"""The row's install command, as a file in the build context: run by one RUN step, never Dockerfile text."""
+
+
 def dockerfile(base: str, repo_dir: str, install: str, has_ca: bool, labels: dict[str, str]) -> str:
+    """The instance image's Dockerfile. Row data enters it only as checked names (`repo_dir`, a plain
+    folder) and JSON-quoted label values; the install command stays in INSTALL_SCRIPT, so a newline in it
+    cannot start an instruction of its own."""
+    if not CONTAINER_DIR.fullmatch(repo_dir) or ".." in repo_dir:
+        raise EnvPrepError(f"repo_dir {repo_dir!r} is not a plain absolute folder; fix the row")
     lines = [f"FROM {base}"]
     if has_ca:
         lines += ["COPY ca-certificates.crt /etc/ssl/certs/rollway-build-ca.crt",
                   "ENV PIP_CERT=/etc/ssl/certs/rollway-build-ca.crt"]
     lines += [f"COPY repo/ {repo_dir}/", f"WORKDIR {repo_dir}"]
     if install.strip():
-        lines.append(f"RUN {install}")
+        lines += [f"COPY {INSTALL_SCRIPT} /tmp/{INSTALL_SCRIPT}", f"RUN sh /tmp/{INSTALL_SCRIPT}"]
     lines.append(f"RUN chmod -R a+rX {repo_dir}")
-    lines += [f'LABEL {k}="{v}"' for k, v in labels.items()]
+    lines += [f"LABEL {k}={json.dumps(v)}" for k, v in labels.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -117,8 +134,14 @@ class InstanceImages:
     """Finds or builds each instance's image on the engine (one per process; thread-safe)."""
 
     def __init__(self, mirror: str | None, template: str, base_image: str, git_url: str | None = None,
-                 client: Any | None = None) -> None:
+                 client: Any | None = None, network: str = "none") -> None:
+        if network not in BUILD_NETWORKS:
+            raise ValueError(f"image build network {network!r}: use one of {', '.join(BUILD_NETWORKS)}")
+        if network != "none":
+            log.warning("instance images are built with network access: a row's install command can reach "
+                        "the network (and, with host, the host's own services)", network=network)
         self.mirror, self.template, self.base_image, self.git_url = mirror, template, base_image, git_url
+        self.network = network
         self._client = client
         self._known: dict[tuple[str, str, str], str] = {}
         self._locks = KeyedLocks()
@@ -178,10 +201,11 @@ class InstanceImages:
             if has_ca:
                 shutil.copy(_HOST_CA, Path(ctx, "ca-certificates.crt"))
             labels = {"rollway.swe.instance": inst.instance_id, "rollway.swe.key": key}
+            Path(ctx, INSTALL_SCRIPT).write_text(inst.install)
             Path(ctx, "Dockerfile").write_text(dockerfile(self.base_image, inst.repo_dir, inst.install, has_ca,
                                                           labels))
             try:
-                self.client.images.build(path=ctx, tag=tag, network_mode="host", rm=True, pull=False)
+                self.client.images.build(path=ctx, tag=tag, network_mode=self.network, rm=True, pull=False)
             except Exception as exc:
                 raise EnvPrepError(f"building the image of {inst.instance_id} failed: {exc}; check the row's "
                                         "install command") from exc

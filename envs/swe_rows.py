@@ -31,6 +31,17 @@ from pathlib import Path
 from typing import Any
 
 from rollway.envs.r2e_diffs import patch_from_file_diffs
+from rollway.envs.task_data import (
+    COMMIT,
+    CONTAINER_DIR,
+    IMAGE,
+    REPO,
+    SAFE_ID,
+    check_name,
+    check_row_size,
+    check_tests,
+    check_text,
+)
 
 FORMATS = ("swebench", "swe-gym", "swe-smith", "r2e-gym")
 
@@ -89,7 +100,14 @@ def read_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     elif file.suffix == ".json":
         rows = json.loads(file.read_text())
     else:
-        rows = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+        rows = []
+        for number, line in enumerate(file.read_text().splitlines(), start=1):
+            if line.strip():
+                check_row_size(f"{file} line {number}", line)
+                rows.append(json.loads(line))
+    if file.suffix in (".parquet", ".json"):
+        for number, row in enumerate(rows, start=1):
+            check_row_size(f"{file} row {number}", json.dumps(row, default=str))
     if not rows:
         raise RowError(f"{file} holds no rows")
     return rows
@@ -127,8 +145,42 @@ def _extensions(row: dict[str, Any]) -> dict[str, Any]:
     return {k: row[k] for k in keys if row.get(k) not in (None, "")}
 
 
+_VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
+_PARSER = re.compile(r"[A-Za-z0-9_]{1,32}")
+
+
+def check_swe_instance(inst: SWEInstance) -> SWEInstance:
+    """Refuse fields that would leave their place: the id and repo name host folders (mirror lookups) and
+    image tags, commits are git arguments, repo_dir and labels go into Dockerfiles and shell commands.
+    TaskDataError names the task and the field."""
+    task = check_name("?", "instance_id", inst.instance_id, SAFE_ID)
+    check_name(task, "repo", inst.repo, REPO)
+    check_name(task, "base_commit", inst.base_commit, COMMIT)
+    if inst.environment_setup_commit:
+        check_name(task, "environment_setup_commit", inst.environment_setup_commit, COMMIT)
+    if inst.version:
+        check_name(task, "version", inst.version, _VERSION)
+    if inst.image_name is not None:
+        check_name(task, "image_name", inst.image_name, IMAGE)
+    check_name(task, "repo_dir", inst.repo_dir, CONTAINER_DIR)
+    check_name(task, "log_parser", inst.log_parser, _PARSER)
+    check_tests(task, "FAIL_TO_PASS", inst.fail_to_pass)
+    check_tests(task, "PASS_TO_PASS", inst.pass_to_pass)
+    for key in ("problem_statement", "patch", "test_patch", "pre_patch", "hints_text"):
+        check_text(task, key, getattr(inst, key))
+    # Commands: the task's own, run in its sandbox or its (network-less) image build; only kept whole.
+    for key in ("install", "test_command"):
+        if getattr(inst, key) is not None:
+            check_text(task, key, getattr(inst, key), 1 << 16)
+    return inst
+
+
 def normalise_row(row: dict[str, Any], fmt: str = "auto") -> SWEInstance:
-    """One row of any supported format as an SWEInstance."""
+    """One row of any supported format as an SWEInstance, its fields checked (`check_swe_instance`)."""
+    return check_swe_instance(_normalise(row, fmt))
+
+
+def _normalise(row: dict[str, Any], fmt: str) -> SWEInstance:
     fmt = detect_format(row) if fmt == "auto" else fmt
     if fmt in ("swebench", "swe-gym"):
         return SWEInstance(

@@ -180,7 +180,7 @@ async def _verify(args: argparse.Namespace) -> int:
     from rollway.envs.swe import load_instances
 
     try:
-        instances = load_instances(args.file)
+        instances = load_instances(args.file, args.cache)
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

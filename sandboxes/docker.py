@@ -53,7 +53,15 @@ _GRACE_S = 3.0
 # in the local jail, where each command has its own pid namespace).
 _WRAP = 'timeout -s KILL "$1" bash -c "$2"; rc=$?; kill -9 -1 2>/dev/null; exit $rc'
 _WRAP_KEEPER = 'timeout -s KILL "$1" bash -c "$2"'  # the keeper's own commands must not kill the keeper
-_GIT = f"git -c safe.directory='*' -c core.autocrlf=false --git-dir={STATE}/base.git --work-tree={WORKSPACE}"
+_GIT = (f"git -c safe.directory='*' -c core.autocrlf=false -c core.fsmonitor=false -c core.hooksPath=/dev/null "
+        f"--git-dir={STATE}/base.git --work-tree={WORKSPACE}")
+_KEEPER_ENV = {
+    # The keeper's git must read no configuration the agent can write: /tmp (the agent's HOME) is shared,
+    # so HOME and XDG point into the keeper-only STATE, and the global and system files are off. What
+    # the agent puts in the workspace (.gitattributes, .git/) then names filters no config defines.
+    "HOME": STATE, "XDG_CONFIG_HOME": STATE, "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null",
+    "GIT_ATTR_NOSYSTEM": "1", "GIT_TERMINAL_PROMPT": "0",
+}  # fmt: skip
 _EXCLUDES = r"__pycache__/\n*.py[cod]\n.pytest_cache/\n/.rollway/\n"  # as in local.py
 _SNAPSHOT = (
     f"set -e; command -v git >/dev/null || {{ echo 'rollway: this image has no git'; exit 127; }}; "
@@ -141,8 +149,8 @@ class DockerSandbox(Sandbox):
         wrap = _WRAP if user == USER else _WRAP_KEEPER
         argv = ["bash", "-c", wrap, "rollway", f"{limits.timeout_s:g}", command]
         with engine_errors("exec", self.name):
-            exec_id = api.exec_create(self.container_id, argv, user=user, workdir=WORKSPACE,
-                                      environment={"HOME": "/tmp", **self._provider.config.env})["Id"]  # fmt: skip
+            env = {"HOME": "/tmp", **self._provider.config.env} if user == USER else _KEEPER_ENV
+            exec_id = api.exec_create(self.container_id, argv, user=user, workdir=WORKSPACE, environment=env)["Id"]
             sock = api.exec_start(exec_id, socket=True)
         capture = OutputCapture(limits.max_output_bytes)
         try:
@@ -497,7 +505,14 @@ class DockerSandboxProvider(SandboxProvider):
             )
         name = str(handle.get("name", ""))
         with engine_errors("attach", name):
-            container = await asyncio.to_thread(self.client.containers.get, handle["container"])
+            container = await asyncio.to_thread(self.client.containers.get, str(handle.get("container", "")))
+        # A handle comes from a message anyone on the broker may write: only a container this provider
+        # kind made (its label holds the handle's name, which also names the volume destroy removes) may
+        # be exec'd in or removed.
+        labels = container.labels or {}
+        if not name or labels.get(LABEL) != name:
+            raise SandboxError(f"handle {handle!r} is not a rollway sandbox (the container's {LABEL} label is "
+                               f"{labels.get(LABEL)!r}); refusing to exec in or remove it")
         return DockerSandbox(self, str(container.id), name)
 
     def remove(self, container_id: str, name: str) -> None:

@@ -273,6 +273,11 @@ class LocalSandboxProvider(SandboxProvider):
         if Path(handle.get("path", "")) != box_dir / "workspace":
             raise SandboxError(f"handle path {handle.get('path')!r} is not under sandbox.root {self.root}; "
                                "workers sharing sandboxes need the same sandbox.root")  # fmt: skip
+        # A handle comes from a message: the folder must be a real one directly under the root (a symlink
+        # there could lead destroy's rmtree and every exec to any folder on the host).
+        if box_dir.is_symlink() or Path(os.path.realpath(box_dir)).parent != Path(os.path.realpath(self.root)):
+            raise SandboxError(f"handle {handle!r} names {box_dir}, which leads out of sandbox.root {self.root}; "
+                               "refusing to use it")
         if not (box_dir / _READY).exists():
             raise SandboxGone(f"sandbox {box_dir} does not exist (destroyed, or created on another machine)")
         return LocalSandbox(self, box_dir)
