@@ -115,17 +115,17 @@ class ImageTasksConfig(FileTasksConfig):
     (in a thread, once per image). `rollway tasks build-images CONFIG` does the same ahead of a run."""
     image_build_jobs: int = Field(2, ge=1, le=32)
     """`swebench`/`harbor`: images built side by side by the prebuild and `rollway tasks build-images`."""
+    build_network: Literal["none", "bridge", "host"] = "none"
+    """Network of task image builds (a Harbor Dockerfile's RUN steps, a SWE-bench row's `install`). `none`
+    (default): none, so what the task's author wrote reaches neither the internet nor this host's loopback
+    (the broker, vLLM, the learner). `bridge`: the engine's bridge (the internet, and host ports open beyond
+    loopback); `host`: the host's own network. Either of the last two is logged as a warning."""
 
 
 class HarborTasksConfig(ImageTasksConfig):
     """`tasks.type: harbor`; `path`: a folder of Harbor task folders (or one task folder)."""
 
     implementation = "harbor"
-    build_network: Literal["none", "bridge", "host"] = "none"
-    """Network of task image builds (the Dockerfile's RUN steps). `none` (default): none, so a task's build
-    reaches neither the internet nor this host's loopback (the broker, vLLM, the learner). `bridge`: the
-    engine's bridge (the internet, and host ports open beyond loopback); `host`: the host's own network.
-    Either of the last two is logged as a warning at start."""
 
 
 class SWEBenchTasksConfig(GradedTasksConfig, ImageTasksConfig):
@@ -143,10 +143,6 @@ class SWEBenchTasksConfig(GradedTasksConfig, ImageTasksConfig):
     image_template: str = "sweb.eval.x86_64.{id_docker}:latest"
     """Name of an instance's ready-made image, used when the engine has it (SWE-bench's naming; fields
     {instance_id} {id_lower} {id_docker} {repo} {repo_docker} {commit}); else rollway builds one."""
-    image_build_network: Literal["none", "bridge", "host"] = "none"
-    """Network of a row's `install` command while rollway builds an instance image: `none` (default) cuts it;
-    `bridge` (the engine's isolated network) or `host` (the host's, its local services included) opt in,
-    with a warning: the rows file's author then runs code with network access."""
     failure_outcomes: list[Literal["env_error", "patch_failed", "test_timeout"]] = Field(
         default_factory=lambda: ["env_error"])
     """Grading outcomes reported as failed attempts (retried, never a reward) instead of reward 0.

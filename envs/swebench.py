@@ -39,7 +39,7 @@ class SWEBenchTaskSet(TaskSet):
         self.cfg = cfg
         self.instances = {inst.instance_id: inst for inst in load_swe_instances(cfg.path, cfg.row_format)}
         self.images = InstanceImages(cfg.mirror, cfg.image_template, cfg.base_image or DEFAULT_BASE_IMAGE,
-                                     cfg.git_url, network=cfg.image_build_network)
+                                     cfg.git_url, network=cfg.build_network)
         self.settings = GradeSettings(cfg.test_timeout_s, tuple(cfg.failure_outcomes))
         self._tasks = select_tasks([Task(i.instance_id, task_prompt(i), {"repo": i.repo}) for i in
                                     self.instances.values()], cfg)
