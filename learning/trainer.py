@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -11,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import structlog
 import torch
 
 from rollway.learning.advantages import build_advantage_estimator, group_advantages
@@ -39,7 +39,7 @@ from rollway.learning.staleness import lag_histogram, policy_lag, stale_weight
 from rollway.schemas.messages import Trajectory
 from rollway.schemas.tokens import check_token_arrays
 
-log = logging.getLogger(__name__)
+log = structlog.get_logger()
 
 
 @dataclass(frozen=True)
@@ -205,7 +205,7 @@ class Trainer:
             self.state.version += 1
             self.state.step += 1
         else:
-            log.info("update skipped: no episode of %d groups has loss and signal", len(groups))
+            log.info("update skipped: no episode of these groups has loss and signal", groups=len(groups))
         self._consumed(prepared.episode_ids, abandoned, updated)
         if not updated:
             return None

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
 from pydantic import ValidationError
 
 from rollway.base.plugins import is_plugin, load_plugin
@@ -22,7 +22,7 @@ from rollway.tools.parsing import CallError, parse_tool_calls
 from rollway.tools.schema import example_value
 from rollway.tools.search import SearchTool
 
-log = logging.getLogger(__name__)
+log = structlog.get_logger()
 
 TOOL_FACTORIES: dict[str, Callable[[ToolsConfig], Tool]] = {
     "bash": BashTool,
@@ -181,7 +181,7 @@ async def run_call(call: ToolCall, tool: Tool, sandbox: Sandbox, context: ToolCo
     try:
         result = await call_tool(tool, call.arguments, sandbox, context)
     except Exception as error:  # noqa: BLE001 - deliberate: the worker must survive tool bugs
-        log.exception("tool %s failed on arguments %r", call.name, call.arguments)
+        log.exception("tool failed", tool=call.name, arguments=repr(call.arguments)[:500])
         return Observation(content=f"The tool `{call.name}` failed internally ({type(error).__name__}: {error}). "
                            "This is not a problem with your call's format; try again or use another tool.",
                            tool=call.name, call_id=call.call_id, arguments=call.arguments, is_error=True,
