@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
@@ -63,6 +63,11 @@ class UserTurn:
     """End the episode after this turn (stop reason `user_done`)."""
 
 
+ReferenceAgent = Callable[[str, int], str]
+"""(conversation so far as text, turn) -> that turn's assistant output (a reference solution that reacts
+to observations)."""
+
+
 class TaskCost(NamedTuple):
     """A task's expected cost, as the scheduler's issue order sees it."""
 
@@ -101,9 +106,11 @@ class TaskSet(ABC):
         (multi-turn user simulation); None adds nothing. Default: None."""
         return None
 
-    def reference_solution(self, task: Task) -> list[str] | None:
+    def reference_solution(self, task: Task) -> list[str] | ReferenceAgent | None:
         """A known-good agent for this task: the assistant outputs (tool calls in the chat format's
-        syntax) of each turn. The `gold` policy plays it; `rollway tasks verify CONFIG` checks that it
+        syntax) of each turn, or a small agent that reads what earlier calls printed: a callable given
+        the conversation so far (as the model would read it, decoded) and the turn number, returning
+        that turn's output. The `gold` policy plays it; `rollway tasks verify CONFIG` checks that it
         resolves every task and that doing nothing resolves none. None: unknown."""
         return None
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import random
+import re
 
 from rollway.envs.base import Grade, Task, TaskSet
 from rollway.envs.config import ToyTasksConfig
@@ -32,6 +34,21 @@ class ToyTaskSet(TaskSet):
         return list(self._tasks)
 
 
+    def reference_solution(self, task: Task):
+        """A reference agent that reads the file through the bash tool and answers with what it printed
+        (not with the task's metadata): cat, then write the sum it read, then finish."""
+
+        def agent(conversation: str, turn: int) -> str:
+            if turn == 0:
+                return tool_call("bash", command="cat numbers.txt")
+            seen = re.findall(r"^(-?\d+) (-?\d+)$", conversation, flags=re.MULTILINE)
+            if turn == 1 and seen:
+                a, b = map(int, seen[-1])
+                return tool_call("bash", command=f"echo {a + b} > answer.txt")
+            return tool_call("finish")
+
+        return agent
+
     def sandbox_spec(self, task: Task) -> SandboxSpec:
         return SandboxSpec(files={"numbers.txt": f"{task.metadata['a']} {task.metadata['b']}\n"})
 
@@ -43,3 +60,8 @@ class ToyTaskSet(TaskSet):
             return Grade(0.0, False, details={"answer": None, "expected": expected})
         ok = answer == str(expected)
         return Grade(1.0 if ok else 0.0, ok, details={"answer": answer[:100], "expected": expected})
+
+
+def tool_call(name: str, **arguments: str) -> str:
+    """A call in the hermes format every built-in chat format parses."""
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"

@@ -12,7 +12,8 @@ not for training)."""
 
 
 class GoldPolicy(InferenceClient):
-    """Turn k of an episode plays `taskset.reference_solution(task)[k]` (the last entry repeats).
+    """Turn k of an episode plays `taskset.reference_solution(task)[k]` (the last entry repeats), or
+    what the task set's reference agent answers to the conversation so far.
     A task set without a reference solution makes this policy fail naming the task."""
 
     @classmethod
@@ -33,7 +34,11 @@ class GoldPolicy(InferenceClient):
         if not turns:
             raise ValueError(f"{type(self.taskset).__name__} has no reference solution for task {task.task_id!r}: "
                              "implement TaskSet.reference_solution to use policy.type=gold")
-        ids = self.chat.encode(turns[min(params.turn, len(turns) - 1)]) + list(self.chat.stop_token_ids[:1])
+        if callable(turns):  # a reference agent: it reads the conversation so far
+            text = turns(self.chat.decode(prompt_ids), params.turn)
+        else:
+            text = turns[min(params.turn, len(turns) - 1)]
+        ids = self.chat.encode(text) + list(self.chat.stop_token_ids[:1])
         finish = "stop"
         if len(ids) > params.max_tokens:
             ids, finish = ids[: params.max_tokens], "length"

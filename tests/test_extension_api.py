@@ -477,3 +477,26 @@ def test_a_task_set_reads_the_runs_sandbox_settings_and_a_workdir_may_be_a_users
     assert run(pwd()) == ["/home/agent/repo", "/tmp"]
     with pytest.raises(ConfigError, match="jail's HOME"):
         load_config(ROOT / "examples" / "smoke.yaml", ["sandbox.workdir=/home/sandbox"])
+
+
+def test_the_reference_policy_can_be_an_agent_that_reads_observations(tmp_path):
+    """`tasks verify`'s gold may react to what a command printed (it played fixed text only): the toy
+    task set's reference agent cats the file and writes the sum it read. Planting other numbers in the
+    file shows the answer comes from the observation, not from the task's metadata."""
+    from rollway.envs.toy import ToyTaskSet
+    from rollway.runners.verify import with_policy
+    from rollway.sandboxes.base import SandboxSpec
+
+    cfg = with_policy(str(ROOT / "examples" / "smoke.yaml"), ["tasks.count=1"], type="gold")
+    s = Services(cfg, tmp_path)
+    traj = run(play_episode(cfg, tmp_path, "toy-000", s))
+    assert traj.resolved and [o.tool for t in traj.turns for o in t.observations] == ["bash", "bash", "finish"]
+
+    class PlantedNumbers(ToyTaskSet):
+        def sandbox_spec(self, task):
+            return SandboxSpec(files={"numbers.txt": "40 2\n"})
+
+    s2 = Services(cfg, tmp_path / "planted")
+    s2.__dict__["taskset"] = PlantedNumbers(cfg.tasks)
+    traj = run(play_episode(cfg, tmp_path / "planted", "toy-000", s2))
+    assert not traj.resolved and traj.grade["answer"] == "42"
