@@ -79,6 +79,9 @@ class PartitionLog:
     def __init__(self, path: Path, window: int):
         self.path, self.window = path, window
         self.entries: OrderedDict[str, tuple[int, bytes | None]] = OrderedDict()
+        self.key_at: dict[int, str] = {}
+        """The key recorded at each offset of the window: a different key at a handled offset is a
+        different message (a topic deleted and made again restarts its offsets), not a redelivery."""
         self.handled = HandledRanges(window)
         self.lines = 0
         self._stamp: tuple[int, int] | None = None  # (inode, size) of the file as last read or written
@@ -94,6 +97,7 @@ class PartitionLog:
             return
         if self._stamp is None or self._stamp[0] != st.st_ino or st.st_size < self._read_bytes:
             self.entries.clear()
+            self.key_at.clear()
             self.handled = HandledRanges(self.window)
             self.lines, self._read_bytes = 0, 0
         with open(self.path, "rb") as f:
@@ -121,11 +125,12 @@ class PartitionLog:
         result = base64.b64decode(row["r"]) if row.get("r") is not None else None
         self.entries[row["k"]] = (row["o"], result)
         self.entries.move_to_end(row["k"])
+        self.key_at[row["o"]] = row["k"]
 
     def get(self, key: str, offset: int) -> Seen | None:
         if key in self.entries:
             return Seen(self.entries[key][1])
-        return Seen(None) if offset in self.handled else None
+        return Seen(None) if offset in self.handled and self.key_at.get(offset, key) == key else None
 
     def add(self, key: str | None, offset: int, result: bytes | None) -> None:
         """Append one handled message (`key` None: only its offset is remembered)."""
@@ -148,6 +153,7 @@ class PartitionLog:
         """Keep the newest `window` entries; every handled offset stays known through the ranges."""
         while len(self.entries) > self.window:
             self.entries.popitem(last=False)  # its offset is in `handled` already
+        self.key_at = {offset: key for key, (offset, _) in self.entries.items()}
         tmp = self.path.with_name(self.path.name + ".tmp")
         with open(tmp, "wb") as f:
             f.write(json.dumps({"handled": self.handled.ranges}).encode() + b"\n")

@@ -96,6 +96,10 @@ class Registry:
     def names(self) -> list[str]:
         return sorted(self._builtins)
 
+    def registered(self, name: str) -> str | type | None:
+        """What `name` was registered as (`module:Class` or the class itself); None when not registered."""
+        return self._builtins.get(name)
+
     def __contains__(self, name: str) -> bool:
         return is_plugin(name) or name in self._builtins
 

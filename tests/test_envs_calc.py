@@ -8,6 +8,7 @@ from test_actors import play_episode, services
 
 from rollway.envs.calc import CalcTaskSet, evaluate
 from rollway.envs.config import TasksConfig
+from rollway.envs.factory import build_taskset
 
 
 def test_evaluate_allows_integer_arithmetic_only():
@@ -21,8 +22,9 @@ def test_tasks_are_seeded_and_split_disjointly():
     a = CalcTaskSet(TasksConfig(type="calc", count=40))
     b = CalcTaskSet(TasksConfig(type="calc", count=40))
     assert [t.prompt for t in a.tasks()] == [t.prompt for t in b.tasks()]
-    train = {t.task_id for t in CalcTaskSet(TasksConfig(type="calc", count=40, split="train")).tasks()}
-    test = {t.task_id for t in CalcTaskSet(TasksConfig(type="calc", count=40, split="test")).tasks()}
+    # the split is applied by the framework to every task set (build_taskset)
+    train = {t.task_id for t in build_taskset(TasksConfig(type="calc", count=40, split="train")).tasks()}
+    test = {t.task_id for t in build_taskset(TasksConfig(type="calc", count=40, split="test")).tasks()}
     assert train and test and not train & test and len(train | test) == 40
 
 

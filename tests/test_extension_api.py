@@ -427,7 +427,7 @@ def test_a_task_set_gives_tools_built_from_its_data_without_registering_them(tmp
     before): the task set returns instances from tools_for, namespaced by its family; nothing global."""
     from rollway.envs.toy import ToyTaskSet
     from rollway.tools.base import Tool, ToolResult
-    from rollway.tools.registry import TOOL_FACTORIES, run_tool_calls
+    from rollway.tools.registry import TOOLS, run_tool_calls
 
     class LookupTool(Tool):
         def __init__(self, name: str, table: dict[str, str]) -> None:
@@ -450,7 +450,7 @@ def test_a_task_set_gives_tools_built_from_its_data_without_registering_them(tmp
     s.__dict__["taskset"] = DataToolsTaskSet(s.cfg.tasks)
     task = s.taskset.tasks()[0]
     tools = s.tools_for(task)
-    assert list(tools) == ["sim.rates", "sim.stock", "finish"] and "sim.rates" not in TOOL_FACTORIES
+    assert list(tools) == ["sim.rates", "sim.stock", "finish"] and "sim.rates" not in TOOLS
     assert s.tools_for(task) is tools  # built once per worker
     call = '<tool_call>{"name": "sim.stock", "arguments": {"key": "a"}}</tool_call>'
     turn = run(run_tool_calls(call, tools, None, s.cfg.tools))

@@ -287,6 +287,19 @@ def test_ledger_never_counts_an_offset_still_in_flight_as_handled(tmp_path):
     assert restarted.seen("x", MessageMeta("t", 0, 21)) is None
 
 
+def test_a_different_message_at_a_handled_offset_is_not_taken_for_a_redelivery(tmp_path):
+    """A topic deleted and made again restarts its offsets: episode B arriving at the offset where the
+    ledger recorded episode A is new work (skipping it lost B); A itself at that offset is a redelivery,
+    and an offset compacted out of the window stays known handled."""
+    ledger = Ledger(tmp_path, window=2)
+    ledger.record("A", MessageMeta("t", 0, 0), b"a")
+    assert ledger.seen("B", MessageMeta("t", 0, 0)) is None
+    assert ledger.seen("A", MessageMeta("t", 0, 0)).result == b"a"
+    for offset in range(1, 8):
+        ledger.record(f"k{offset}", MessageMeta("t", 0, offset), b"r")
+    assert Ledger(tmp_path, window=2).seen("unknown-key", MessageMeta("t", 0, 0)) is not None
+
+
 def test_slow_grading_is_graded_after_a_kill_not_lost(tmp_path, monkeypatch):
     """Reward requests at offsets 0 (its grading hangs: the hook is faked to wait) and 1..4 (graded
     for real, fast). The runtime's commit position stays at 0; the worker is killed (the hung

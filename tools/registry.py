@@ -11,6 +11,7 @@ import structlog
 from pydantic import ValidationError
 
 from rollway.base.plugins import is_plugin, load_plugin
+from rollway.base.registry import Registry
 from rollway.sandboxes.base import Sandbox
 from rollway.schemas.messages import Observation
 from rollway.tools.base import Tool, ToolCall, ToolContext, call_tool
@@ -24,23 +25,23 @@ from rollway.tools.search import SearchTool
 
 log = structlog.get_logger()
 
-TOOL_FACTORIES: dict[str, Callable[[ToolsConfig], Tool]] = {
-    "bash": BashTool,
-    "editor": EditorTool,
-    "search": SearchTool,
-    "finish": FinishTool,
-}
-"""Built-in tools by name; `register_tool` adds more."""
+TOOLS = Registry("tool", "tools.enabled", "rollway.tools.base:Tool")
+"""Tools by the name a task set or `tools.enabled` lists (the same Registry as every other component
+kind); `register_tool` adds more. A task set may also give Tool instances directly (`tools_for`)."""
+TOOLS.add("bash", BashTool)
+TOOLS.add("editor", EditorTool)
+TOOLS.add("search", SearchTool)
+TOOLS.add("finish", FinishTool)
 
 
 def register_tool(name: str, factory: Callable[[ToolsConfig], Tool]) -> None:
     """Make a tool available to `build_tools` by `name` (call at import time of the module defining
     it). Names are global: registering a different tool under a taken name is an error."""
-    old = TOOL_FACTORIES.get(name)
+    old = TOOLS.registered(name)
     if old is not None and _qualified(old) != _qualified(factory):
         raise ValueError(f"tool name {name!r} is taken by {_qualified(old)}; register {_qualified(factory)} under "
                          "another name (e.g. prefixed with your task family: 'myfamily.lookup')")
-    TOOL_FACTORIES[name] = factory
+    TOOLS.add(name, factory)
 
 
 def _qualified(factory: Any) -> str:
@@ -52,10 +53,10 @@ def tool_factory(ref: str) -> Callable[..., Tool]:
     if is_plugin(ref):
         return load_plugin(ref, Tool)
     try:
-        return TOOL_FACTORIES[ref]
-    except KeyError:
+        return TOOLS.load(ref)
+    except ValueError:
         raise ValueError(
-            f"unknown tool {ref!r}; available tools: {', '.join(sorted(TOOL_FACTORIES))}, or your own Tool subclass "
+            f"unknown tool {ref!r}; available tools: {', '.join(TOOLS.names())}, or your own Tool subclass "
             "as python:MODULE:CLASS. Fix tools.enabled or the task set's tools (default_tools / tools_for); a tool "
             "registered with register_tool must be registered by a module the task set imports") from None
 
@@ -72,7 +73,7 @@ def build_tool(ref: str, cfg: ToolsConfig) -> Tool:
 
 def check_tool_settings(cfg: ToolsConfig) -> None:
     """Every `tools.settings` entry belongs to a tool with a config class and passes it (config load)."""
-    by_name = {getattr(f, "name", n): f for n, f in TOOL_FACTORIES.items()}
+    by_name = {getattr(f, "name", n): f for n in TOOLS.names() for f in [TOOLS.load(n)]}
     by_name |= {getattr(f, "name", r): f for r in cfg.enabled or () if is_plugin(r) for f in [tool_factory(r)]}
     for name, options in cfg.settings.items():
         config_class = getattr(by_name.get(name), "config_class", None)
