@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
+from rollway.base.redaction import redact
 from rollway.schemas.messages import EpisodeFailure, EpisodeMessage, Message
 from rollway.topics import EPISODE_FAILURES, TopicSpec
 
@@ -78,7 +79,7 @@ class Actor(ABC):
 def failure_output(msg: EpisodeMessage, stage: str, error: BaseException, retryable: bool = True) -> Output:
     """Tell the scheduler this attempt failed in `stage` (it re-issues or records the failure)."""
     return Output(EPISODE_FAILURES, msg.episode_id, EpisodeFailure(
-        episode=msg.episode, stage=stage, reason=f"{type(error).__name__}: {error}",
+        episode=msg.episode, stage=stage, reason=redact(f"{type(error).__name__}: {error}"),  # it crosses the broker
         retryable=retryable, at=time.time()))
 
 

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 import structlog
 
 from rollway.actors import STAGES
-from rollway.core.config import RunConfig, dump_config, write_resolved_config
+from rollway.core.config import RunConfig, dump_config, secret_values, write_resolved_config
+from rollway.core.logging import redact_data, register_secrets, spawn_logged
 from rollway.core.run_dir import RunDir
 
 if TYPE_CHECKING:
@@ -44,10 +45,9 @@ class StageProcess:
     env: dict[str, str] | None = None
 
     def start(self) -> None:
-        out = open(self.log_path, "ab")
         env = {**os.environ, **self.env} if self.env else None
-        self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-        out.close()
+        # Output through the redactor: a traceback or a library's line that quotes a secret is masked.
+        self.proc = spawn_logged(self.argv, self.log_path, env=env, start_new_session=True)
 
     @property
     def alive(self) -> bool:
@@ -73,10 +73,12 @@ class Job:
     """The inference servers the job launched (policy.launch), restarted like workers when they die."""
     env: dict[str, str] | None = None
     """Extra environment of the stage processes (chaos runs arm fault points with it)."""
+    secrets_env: dict[str, str] = field(default_factory=dict)
+    """The config's secrets for the stage processes (`SECRETS_ENV`), set by `start`: never in argv or a file."""
 
     @property
     def stage_config_path(self) -> Path:
-        """The resolved config every stage process loads (written by `start`, mode 0600)."""
+        """The resolved config every stage process loads (written by `start`; it holds no secret)."""
         return self.run_dir / "stage-config.json"
 
     def stage_argv(self, stage: str) -> list[str]:
@@ -88,13 +90,14 @@ class Job:
 
     def start(self) -> None:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        write_resolved_config(self.cfg, self.stage_config_path)
+        self.secrets_env = write_resolved_config(self.cfg, self.stage_config_path)
+        env = {**(self.env or {}), **self.secrets_env} or None
         for stage in START_ORDER:
             if stage == "scheduler":
                 self.wait_until_consuming()
             for i in range(1 if stage == "learner" else self.workers.get(stage, 1)):
                 p = StageProcess(stage, i, self.stage_argv(stage), self.run_dir / "logs" / f"{stage}-{i}.out",
-                                 env=self.env)
+                                 env=env)
                 p.start()
                 self.procs.append(p)
 
@@ -260,6 +263,7 @@ def run_job(cfg: RunConfig, config_path: str, overrides: list[str], bootstrap: s
     stop the processes, write and return `summary.json`. Crashed workers are restarted."""
     from rollway.core.kafka import ensure_topics
 
+    register_secrets(secret_values(cfg))
     if not quiet and not structlog.is_configured():
         from rollway.core.logging import configure_logging
 
@@ -317,7 +321,7 @@ def _run_stages(job: Job, on_tick, quiet: bool) -> dict:
         progress.update(RunDir(run_dir).scheduler(), RunDir(run_dir).sink())
         progress.close()
     summary = summarize(run_dir, cfg, time.monotonic() - t0, job)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    (run_dir / "summary.json").write_text(json.dumps(redact_data(summary), indent=1))
     if not quiet:
         log.info("run finished", **{k: summary[k] for k in ("episodes_completed", "episodes_failed", "reward_mean",
                                                             "pass_rate", "wall_seconds")})
