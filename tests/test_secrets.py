@@ -153,3 +153,120 @@ def test_dumped_config_masks_url_credentials():
     dumped = json.dumps(dump_config(planted_config()))
     assert "url-Pa55word" not in dumped and "sk-Key-123" not in dumped and SECRET not in dumped
     assert "http://***@127.0.0.1:9/v1" in dumped
+
+
+# ---- end to end: secrets planted in a real `rollway up` -------------------------------------------------------
+
+API_KEY = "sk-planted-ApiKey-7f3a"
+SASL_PASSWORD = "planted-Sasl-Pa55-91c"
+URL_PASSWORD = "planted-Url-Pa55-5d2"
+PLANTED = (API_KEY, SASL_PASSWORD, URL_PASSWORD)
+
+
+class _ScriptedServer:
+    """An OpenAI-compatible completions server in front of rollway's scripted policy (the only faked part:
+    the model). It answers only requests that carry the planted API key, so the run completes only if the
+    key reached the agent processes."""
+
+    def __init__(self, script: list) -> None:
+        import asyncio
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from rollway.policies.base import SamplingParams
+        from rollway.policies.chat import BytesChatML
+        from rollway.policies.config import ScriptRule
+        from rollway.policies.scripted import ScriptedPolicy
+
+        policy = ScriptedPolicy([ScriptRule(**r) for r in script], BytesChatML())
+        self.unauthorized = 0
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                if self.headers.get("Authorization") != f"Bearer {API_KEY}":
+                    outer.unauthorized += 1
+                    return self._send(401, {"error": {"message": "Unauthorized"}})
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                gen = asyncio.run(policy.generate(body["prompt"], SamplingParams(
+                    max_tokens=body["max_tokens"], temperature=body["temperature"], seed=body.get("seed"))))
+                self._send(200, {"choices": [{"token_ids": gen.token_ids, "finish_reason": gen.finish_reason,
+                                              "logprobs": {"token_logprobs": gen.logprobs}}]})
+
+            def _send(self, status: int, payload: dict) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_no_planted_secret_reaches_the_run_folder_logs_ps_or_sandboxes(broker, tmp_path):
+    """Attack surface of a real `rollway up examples/smoke.yaml`: an API key, a SASL password and a password
+    inside policy.base_url are configured. The episodes' first turn runs `env` in the sandbox (its output is
+    kept in trajectories.jsonl). While the stage processes live, `ps` is sampled. Afterwards no planted
+    value may be found in any file of the run folder (config, stage-config.json, summary, trajectories,
+    failures, logs, .out files), in the console output or in any `ps` line."""
+    import contextlib
+    import subprocess
+    import sys
+    import uuid
+
+    import yaml
+    from conftest import ROOT
+
+    cfg = yaml.safe_load((ROOT / "examples" / "smoke.yaml").read_text())
+    script = cfg["policy"]["script"]
+    script[0]["turns"].insert(0, '<tool_call>{"name": "bash", "arguments": {"command": "env"}}</tool_call>')
+    server = _ScriptedServer(script)
+    cfg["policy"] = {"type": "openai", "model": "scripted", "chat_format": "bytes-chatml", "api_key": API_KEY,
+                     "base_url": f"http://rollway:{URL_PASSWORD}@127.0.0.1:{server.port}/v1", "max_retries": 2}
+    cfg["broker"] = {"sasl_username": "alice", "sasl_password": SASL_PASSWORD}  # PLAINTEXT: kept, never sent
+    config = tmp_path / "planted.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    run_dir, console_path = tmp_path / "run", tmp_path / "console.txt"
+    console_file = console_path.open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "rollway.runners", "up", str(config), "--bootstrap",
+                             broker.bootstrap, "--run-dir", str(run_dir),
+                             f"topics.prefix=secrets{uuid.uuid4().hex[:6]}-"],
+                            cwd=ROOT, stdout=console_file, stderr=subprocess.STDOUT)
+    ps_lines: set[str] = set()
+    try:
+        while proc.poll() is None:  # sample the live processes' command lines until the job ends
+            ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
+            ps_lines |= {line for line in ps.splitlines() if "rollway" in line}
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        console_file.close()
+        server.close()
+    console = console_path.read_text(errors="replace")
+    assert proc.returncode == 0, console[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["episodes_completed"] == 8 and server.unauthorized == 0, summary
+    assert any("rollway.runners stage agent" in line for line in ps_lines)  # the sampling saw the stages
+    trajectories = (run_dir / "trajectories.jsonl").read_text()
+    assert "PATH=" in trajectories  # `env` ran in the sandboxes, and its output is there to search
+    found = []
+    for path in sorted(p for p in run_dir.rglob("*") if p.is_file()):
+        data = path.read_bytes()
+        found += [f"{path.relative_to(run_dir)}: {s}" for s in PLANTED if s.encode() in data]
+    found += [f"console: {s}" for s in PLANTED if s in console]
+    found += [f"ps: {line}" for line in ps_lines for s in PLANTED if s in line]
+    assert not found, found
+    assert json.loads((run_dir / "stage-config.json").read_text())["policy"]["api_key"] is None
