@@ -281,6 +281,7 @@ def run_job(cfg: RunConfig, config_path: str, overrides: list[str], bootstrap: s
         except (RuntimeError, TimeoutError) as err:
             raise JobFailed(f"the inference engine did not start: {err}") from err
         cfg = cfg.model_copy(update={"policy": cfg.policy.model_copy(update=engine.policy_settings())})
+        register_secrets(secret_values(cfg))  # the engine's key, when the launch made one
     try:
         job = Job(cfg, config_path, overrides, bootstrap, run_dir, workers, max_restarts=max_restarts,
                   engine=engine, env=env)
