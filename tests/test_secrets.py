@@ -270,3 +270,30 @@ def test_no_planted_secret_reaches_the_run_folder_logs_ps_or_sandboxes(broker, t
     found += [f"ps: {line}" for line in ps_lines for s in PLANTED if s in line]
     assert not found, found
     assert json.loads((run_dir / "stage-config.json").read_text())["policy"]["api_key"] is None
+
+
+def test_errors_of_an_unreachable_engine_do_not_carry_its_url_password(broker, tmp_path):
+    """Attack surface: the failure path. Every request to an engine whose base_url holds a password fails;
+    the error texts (failure records on the broker and in failures.jsonl, dead letters, logs) name the URL,
+    never its password."""
+    import subprocess
+    import sys
+    import uuid
+
+    import yaml
+    from conftest import ROOT
+
+    cfg = {"run": {"name": "failing", "timeout_s": 200}, "tasks": {"type": "toy", "count": 2},
+           "scheduler": {"group_size": 1, "max_attempts": 1, "episode_deadline_s": 60},
+           "policy": {"type": "openai", "model": "scripted", "chat_format": "bytes-chatml", "max_retries": 0,
+                      "base_url": f"http://bob:{URL_PASSWORD}@127.0.0.1:9/v1"}}  # port 9: nothing listens
+    config, run_dir = tmp_path / "failing.yaml", tmp_path / "run"
+    config.write_text(yaml.safe_dump(cfg))
+    out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", str(config), "--bootstrap", broker.bootstrap,
+                          "--run-dir", str(run_dir), f"topics.prefix=failing{uuid.uuid4().hex[:6]}-"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    failures = (run_dir / "failures.jsonl").read_text()
+    assert "127.0.0.1:9/v1/completions" in failures  # the reason names the endpoint it could not reach
+    leaks = [str(p) for p in run_dir.rglob("*") if p.is_file() and URL_PASSWORD.encode() in p.read_bytes()]
+    assert not leaks and URL_PASSWORD not in out.stdout + out.stderr, leaks
