@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
+from rollway.base.redaction import redact
 from rollway.schemas.messages import EpisodeFailure, EpisodeMessage, Message
 from rollway.topics import EPISODE_FAILURES, TopicSpec
 
@@ -84,7 +85,7 @@ def failure_output(msg: EpisodeMessage, stage: str, error: BaseException, retrya
     output the broker refused is not retryable: the same policy would likely write it again."""
     reason = f"{type(error).__name__}: {error}"[:MAX_FAILURE_REASON_CHARS]
     return Output(EPISODE_FAILURES, msg.episode_id, EpisodeFailure(
-        episode=msg.episode, stage=stage, reason=reason,
+        episode=msg.episode, stage=stage, reason=redact(reason),  # it crosses the broker
         retryable=retryable and not isinstance(error, OutputRefused), at=time.time()))
 
 

@@ -355,7 +355,9 @@ class Engine:
     def reset_prefix_cache(self) -> None:
         """Both modes replay the same prompts: a warm cache would spare the second one prefill."""
         for _ in range(50):
-            req = urllib.request.Request(f"{self.root}/reset_prefix_cache", method="POST")
+            key = os.environ.get("OPENAI_API_KEY")  # a guarded server wants its key on this dev route
+            req = urllib.request.Request(f"{self.root}/reset_prefix_cache", method="POST",
+                                         headers={"Authorization": f"Bearer {key}"} if key else {})
             body = urllib.request.urlopen(req, timeout=30).read()
             if not body.strip() or json.loads(body).get("success", True):
                 return

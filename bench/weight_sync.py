@@ -46,13 +46,14 @@ def run(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"model": args.model, "cores": os.cpu_count(), "load_average_start": round(load_start, 2),
                               "checkpoints_written_s": round(time.perf_counter() - made, 1)}
     launched = None
+    api_key = os.environ.get("OPENAI_API_KEY")  # a server given by --url: its key, if it has one
     if args.url:
         urls = [u.strip() for u in args.url.split(",") if u.strip()]
     else:
         launched, result["start_s"] = _launch(args, out)
-        urls = [s.base_url for s in launched.servers]
+        urls, api_key = [s.base_url for s in launched.servers], launched.api_key
     try:
-        result.update(asyncio.run(push_all(urls, args.model, full, adapters)))
+        result.update(asyncio.run(push_all(urls, args.model, full, adapters, api_key)))
     finally:
         if launched is not None:
             launched.stop()
@@ -114,13 +115,14 @@ def weight_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
 
 
-async def push_all(urls: list[str], model: str, full: list[Path], adapters: list[Path]) -> dict[str, Any]:
+async def push_all(urls: list[str], model: str, full: list[Path], adapters: list[Path],
+                   api_key: str | None = None) -> dict[str, Any]:
     """Every full checkpoint, then every adapter, then the base again, to all replicas; per update its
     kind, version, bytes per replica and in all, each replica's pause-to-resume and the total time."""
     from rollway.policies.model_loading import resolve_model_folder
     from rollway.policies.vllm import VLLMClient
 
-    client = VLLMClient(urls)
+    client = VLLMClient(urls, api_key=api_key)
     updates = []
     try:
         version = 0

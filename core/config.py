@@ -16,6 +16,7 @@ from pydantic import (
 )
 
 from rollway.base.config import StrictModel
+from rollway.base.redaction import URL_USERINFO, mask_url_credentials
 from rollway.base.registry import validate_section
 from rollway.envs.config import TasksConfig, ToyTasksConfig
 from rollway.envs.factory import TASK_SETS
@@ -356,41 +357,100 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         source = str(p)
     for override in overrides:
         apply_override(data, override)
+    _apply_secrets(data)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_errors(err, source)) from None
 
 
-def resolved_config(cfg: RunConfig) -> dict[str, Any]:
-    """The validated config as plain data that `load_config` reads back into an equal RunConfig:
-    what a parent process hands its children (a file, never override strings). Secrets are in clear
-    text (write it readable by the owner only); fields at their default are left out, so the child
-    sees the same `model_fields_set` (which some checks read) as the parent."""
+SECRETS_ENV = "ROLLWAY_SECRETS"
+"""Environment variable through which a parent hands its children the config's secrets (JSON: dotted key ->
+value); `load_config` reads it and removes it from the environment, so nothing the child starts inherits it."""
+def _walk_secrets(value: Any, path: tuple[str | int, ...], found: dict[tuple[str | int, ...], str]) -> Any:
+    """`value` (a python-mode dump) without secrets; each secret (a SecretStr, or a string holding a URL
+    with user-info) is recorded in `found` under its path. A SecretStr leaves a None, a URL its masked form."""
+    if isinstance(value, SecretStr):
+        found[path] = value.get_secret_value()
+        return None
+    if isinstance(value, str) and URL_USERINFO.search(value):
+        found[path] = value
+        return mask_url_credentials(value)
+    if isinstance(value, dict):
+        return {k: _walk_secrets(v, (*path, k), found) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_walk_secrets(v, (*path, i), found) for i, v in enumerate(value)]
+    return value
+
+
+def _split(cfg: RunConfig) -> tuple[dict[str, Any], dict[tuple[str | int, ...], str]]:
     import json
 
-    def plain(value: Any) -> Any:
-        if isinstance(value, SecretStr):
-            return value.get_secret_value()
-        return str(value)
-
-    return json.loads(json.dumps(cfg.model_dump(mode="python", exclude_defaults=True), default=plain))
+    found: dict[tuple[str | int, ...], str] = {}
+    public = _walk_secrets(cfg.model_dump(mode="python", exclude_defaults=True), (), found)
+    return json.loads(json.dumps(public, default=str)), found
 
 
-def write_resolved_config(cfg: RunConfig, path: Path) -> Path:
-    """`resolved_config(cfg)` as a JSON file (mode 0600: it may hold secrets) that `rollway stage` loads."""
+def resolved_config(cfg: RunConfig) -> dict[str, Any]:
+    """The validated config as plain data that `load_config` reads back into an equal RunConfig (with
+    `config_secrets` in the environment): what a parent process hands its children (a file, never override
+    strings). It holds no secret: SecretStr fields are left out (None), URLs with credentials masked.
+    Fields at their default are left out, so the child sees the same `model_fields_set` (which some
+    checks read) as the parent."""
+    return _split(cfg)[0]
+
+
+def config_secrets(cfg: RunConfig) -> dict[str, str]:
+    """The secrets `resolved_config` leaves out, as `{dotted key: value}` (list items by index)."""
+    return {".".join(str(k) for k in path): value for path, value in _split(cfg)[1].items()}
+
+
+def secret_values(cfg: RunConfig) -> list[str]:
+    """Every secret string of `cfg` (and each URL's user-info and password alone), for the log redactor."""
+    values = []
+    for value in config_secrets(cfg).values():
+        values.append(value)
+        for m in URL_USERINFO.finditer(value):
+            values += [m.group(2), m.group(2).partition(":")[2]]
+    return [v for v in values if v]
+
+
+def write_resolved_config(cfg: RunConfig, path: Path) -> dict[str, str]:
+    """Write `resolved_config(cfg)` as the JSON file `rollway stage` loads (it holds no secret), and
+    return the environment additions that carry the secrets to the children (`SECRETS_ENV`)."""
     import json
     import os
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # owner only still: it names hosts and paths
     with os.fdopen(fd, "w") as f:
         json.dump(resolved_config(cfg), f, indent=1)
     tmp.replace(path)
-    return path
+    secrets = config_secrets(cfg)
+    return {SECRETS_ENV: json.dumps(secrets)} if secrets else {}
+
+
+def _apply_secrets(data: dict[str, Any]) -> None:
+    """Put the secrets a parent passed in `SECRETS_ENV` back into `data` (exact strings, never parsed as
+    YAML), then drop the variable so sandboxes, tools and engines this process starts never see it."""
+    import json
+    import os
+
+    raw = os.environ.pop(SECRETS_ENV, None)
+    if not raw:
+        return
+    for dotted, value in json.loads(raw).items():
+        *parents, last = [int(k) if k.isdigit() else k for k in dotted.split(".")]
+        node: Any = data
+        for key in parents:
+            node = node[key] if isinstance(node, list) else node.setdefault(key, {})
+        node[last] = value
 
 
 def dump_config(cfg: RunConfig) -> dict[str, Any]:
-    """The config as plain data with secrets masked (safe to write into a run folder)."""
-    return cfg.model_dump(mode="json")
+    """The config as plain data with secrets masked (safe to write into a run folder): SecretStr fields
+    as `**********`, credentials inside URLs as `***`."""
+    import json
+
+    return json.loads(mask_url_credentials(json.dumps(cfg.model_dump(mode="json"))))

@@ -1,20 +1,27 @@
-"""structlog setup: readable lines on the console, JSON lines in the run folder, stage on every line."""
+"""structlog setup: readable lines on the console, JSON lines in the run folder, stage on every line.
+
+Every line that leaves a rollway process (structlog and stdlib records, their tracebacks, and the
+captured stdout/stderr of the processes `rollway up` starts) passes `redact`, which masks credential
+shapes and the values of the secrets configured for this run (`register_secrets`)."""
 
 from __future__ import annotations
 
 import logging
-import re
 import sys
 from pathlib import Path
 
 import structlog
 
-_SECRET = re.compile(r"(?i)(api[_-]?key|token|password|secret|authorization)(['\"]?\s*[:=]\s*['\"]?)([^\s'\",]+)")
+from rollway.base.redaction import MASK, redact, redact_data, register_secrets, spawn_logged
+
+__all__ = ["MASK", "configure_logging", "redact", "redact_data", "register_secrets", "spawn_logged"]
 
 
-def redact(text: str) -> str:
-    """Mask values that look like credentials (key=..., token: ...)."""
-    return _SECRET.sub(lambda m: m.group(1) + m.group(2) + "***", text)
+class RedactingFormatter(structlog.stdlib.ProcessorFormatter):
+    """Redacts the finished line, so the traceback (rendered after every processor ran) is covered too."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(super().format(record))
 
 
 def _redact_processor(_, __, event_dict: dict) -> dict:
@@ -43,15 +50,17 @@ def configure_logging(stage: str, run_dir: Path | None = None, level: str = "INF
     structlog.contextvars.bind_contextvars(stage=stage)
     handlers: list[logging.Handler] = []
     console = logging.StreamHandler(sys.stderr)
-    console.setFormatter(structlog.stdlib.ProcessorFormatter(
+    console.setFormatter(RedactingFormatter(
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, _console_prefix,
                     structlog.dev.ConsoleRenderer(colors=False)], foreign_pre_chain=shared))
     handlers.append(console)
     if run_dir is not None:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         fh = logging.FileHandler(run_dir / "logs" / f"{stage}.jsonl")
-        fh.setFormatter(structlog.stdlib.ProcessorFormatter(
-            processor=structlog.processors.JSONRenderer(), foreign_pre_chain=shared))
+        fh.setFormatter(RedactingFormatter(  # format_exc_info: stdlib records keep their traceback too
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                        structlog.processors.format_exc_info, structlog.processors.JSONRenderer()],
+            foreign_pre_chain=shared))
         handlers.append(fh)
     root = logging.getLogger()
     root.handlers = handlers

@@ -15,6 +15,12 @@ LoRA and the KL penalty work the same way: the frozen base (and the reference mo
 sharded like the policy; with LoRA the sharded checkpoint holds only the adapters and their optimizer
 state, and rank 0 writes the adapter folder the engines load.
 
+Trust. The channel carries no pickle: a command is MessagePack (tensors as dtype, shape and raw
+bytes) signed with HMAC-SHA256 under a per-run token (`ROLLWAY_DIST_TOKEN`, made by rank 0 when it starts
+the other ranks; set it on every rank under torchrun), and the per-step gathers use the same encoding.
+Rank 0's store listens on MASTER_ADDR only (127.0.0.1 unless configured), and gloo on loopback then.
+A command that does not verify ends the follower (RankDied) without being decoded.
+
 Failure. A rank that dies makes its peers' next collective (or store read) fail: on rank 0 the update
 raises, the trainer is `broken`, the actor ends the worker (FatalActorError) and the restarted learner
 resumes from the last checkpoint with fresh ranks; followers exit when rank 0's store goes away."""
@@ -23,9 +29,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
+import hashlib
+import hmac
 import logging
 import os
-import pickle
+import secrets
 import socket
 import subprocess
 import sys
@@ -35,10 +44,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import torch
 import torch.distributed as dist
 
 from rollway.base.faults import fault_point
+from rollway.base.redaction import register_secrets
 from rollway.learning.batching import Sample
 from rollway.learning.config import LearnerConfig
 from rollway.learning.losses import TokenStats, sequence_loss_weights, token_logprobs
@@ -50,6 +61,9 @@ DCP_DIR = "dcp"
 """Sub-folder of a checkpoint holding the sharded model and optimizer (torch.distributed.checkpoint)."""
 WEIGHTS_FILE = "model.safetensors"
 _CMD = "rollway/cmd/"
+DIST_TOKEN_ENV = "ROLLWAY_DIST_TOKEN"
+"""The per-run secret every rank signs and checks commands with (environment only: never argv or a file)."""
+_MAC_BYTES = hashlib.sha256().digest_size
 
 
 class RankDied(RuntimeError):
@@ -65,28 +79,107 @@ def wants_sharding(cfg: LearnerConfig) -> bool:
     return cfg.dist.fsdp or cfg.dist.ranks > 1 or world_from_env()[1] > 1
 
 
-class RankGroup:
-    """The process group plus rank 0's command channel (keys in the rendezvous TCPStore)."""
+class CommandRefused(RankDied):
+    """A command in the store that this run's token does not verify (or that is not MessagePack)."""
 
-    def __init__(self, cfg: LearnerConfig, device: torch.device):
-        self.timeout = timedelta(seconds=cfg.dist.collective_timeout_s)
-        backend = cfg.dist.backend if cfg.dist.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:  # a one-rank group (dist.fsdp on one process)
-            os.environ["MASTER_PORT"] = str(free_port())
-            os.environ.setdefault("RANK", "0")
-            os.environ.setdefault("WORLD_SIZE", "1")
-        if not dist.is_initialized():
-            dist.init_process_group(backend, timeout=self.timeout)
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.store = dist.distributed_c10d._get_default_store()
+
+def _pack(value: Any) -> Any:
+    """Plain data for MessagePack: tensors as dtype/shape/bytes, Samples and TokenStats as tagged maps."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        return {"__t": "tensor", "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                "data": t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""}
+    if isinstance(value, Sample | TokenStats):
+        return {"__t": type(value).__name__, **{f.name: _pack(getattr(value, f.name))
+                                               for f in dataclasses.fields(value)}}
+    if isinstance(value, dict):
+        return {k: _pack(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_pack(v) for v in value]
+    return value
+
+
+_TYPES = {"Sample": Sample, "TokenStats": TokenStats}
+
+
+def _unpack(value: Any) -> Any:
+    """Inverse of `_pack` (tuples come back as lists). Only these known shapes are built: no code runs."""
+    if isinstance(value, dict):
+        tag = value.get("__t")
+        if tag == "tensor":
+            dtype = getattr(torch, value["dtype"])
+            raw = torch.frombuffer(bytearray(value["data"]), dtype=torch.uint8) if value["data"] else \
+                torch.empty(0, dtype=torch.uint8)
+            return raw.view(dtype).reshape(value["shape"])
+        if tag in _TYPES:
+            return _TYPES[tag](**{k: _unpack(v) for k, v in value.items() if k != "__t"})
+        return {k: _unpack(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unpack(v) for v in value]
+    return value
+
+
+def encode_command(token: bytes, key: str, value: Any) -> bytes:
+    """`value` as MessagePack, prefixed by its HMAC-SHA256 under `token` over (`key`, body): a command
+    moved to another key (a replay) does not verify either."""
+    body = msgpack.packb(_pack(value), use_bin_type=True)
+    return hmac.new(token, key.encode() + body, hashlib.sha256).digest() + body
+
+
+def decode_command(token: bytes, key: str, raw: bytes) -> Any:
+    """The value of `encode_command`, after checking its MAC; anything else raises CommandRefused
+    before a byte of it is decoded."""
+    mac, body = raw[:_MAC_BYTES], raw[_MAC_BYTES:]
+    if len(raw) <= _MAC_BYTES or not hmac.compare_digest(mac, hmac.new(token, key.encode() + body,
+                                                                            hashlib.sha256).digest()):
+        raise CommandRefused(f"refused {key}: not signed with this run's {DIST_TOKEN_ENV} (another process "
+                             "wrote into the learner's rendezvous store, or the ranks were started with "
+                             "different tokens)")
+    return _unpack(msgpack.unpackb(body, raw=False, strict_map_key=False))
+
+
+def run_token(world: int) -> bytes:
+    """This run's channel token: `DIST_TOKEN_ENV`, required with more than one rank."""
+    token = os.environ.get(DIST_TOKEN_ENV)
+    if token:
+        register_secrets([token])
+        return token.encode()
+    if world > 1:
+        raise RankDied(f"{DIST_TOKEN_ENV} is not set: set the same random secret on every learner rank "
+                       "(rollway sets it when it starts the ranks itself; under torchrun export it first)")
+    return secrets.token_bytes(32)  # one rank: nobody else needs to know it
+
+
+def rendezvous_store(rank: int, world: int, timeout: timedelta) -> dist.TCPStore:
+    """The TCPStore at MASTER_ADDR:MASTER_PORT. Rank 0 listens on MASTER_ADDR only (torch's own store
+    listens on every interface), through a socket it binds itself."""
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if rank != 0:
+        return dist.TCPStore(host, port, world, False, timeout)
+    listener = socket.create_server((host, port), backlog=128)
+    port = listener.getsockname()[1]
+    # detach: the store owns the descriptor now (Python closing it under the store's daemon aborts the process)
+    return dist.TCPStore(host, port, world, True, timeout, wait_for_workers=False, master_listen_fd=listener.detach(),
+                         use_libuv=False)
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+class CommandChannel:
+    """Rank 0's numbered commands in the store, signed and checked with the run's token."""
+
+    def __init__(self, store: Any, token: bytes, rank: int) -> None:
+        self.store, self.token, self.rank = store, token, rank
         self._seq = 0
 
     def send(self, name: str, payload: Any = None) -> None:
         """Rank 0: publish the next command. Earlier commands' keys are dropped (every rank read them:
         their collectives finished)."""
         self._seq += 1
-        self.store.set(f"{_CMD}{self._seq}", pickle.dumps((name, payload)))
+        key = f"{_CMD}{self._seq}"
+        self.store.set(key, encode_command(self.token, key, [name, payload]))
         if self._seq > 2:
             with contextlib.suppress(Exception):
                 self.store.delete_key(f"{_CMD}{self._seq - 2}")
@@ -98,10 +191,45 @@ class RankGroup:
         while True:
             try:
                 self.store.wait([key], timedelta(seconds=poll_s))
-                return pickle.loads(self.store.get(key))
+                raw = self.store.get(key)
+                break
             except Exception as err:  # timeout: poll again; anything else: rank 0 is gone
                 if "timeout" not in str(err).lower() and "timed out" not in str(err).lower():
                     raise RankDied(f"rank {self.rank}: lost rank 0's command channel ({err})") from err
+        name, payload = decode_command(self.token, key, raw)
+        return name, payload
+
+
+class RankGroup:
+    """The process group plus rank 0's command channel (keys in the rendezvous TCPStore)."""
+
+    def __init__(self, cfg: LearnerConfig, device: torch.device):
+        self.timeout = timedelta(seconds=cfg.dist.collective_timeout_s)
+        backend = cfg.dist.backend if cfg.dist.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:  # a one-rank group (dist.fsdp on one process)
+            os.environ["MASTER_PORT"] = str(free_port())
+            os.environ.setdefault("RANK", "0")
+            os.environ.setdefault("WORLD_SIZE", "1")
+        if _is_loopback(os.environ["MASTER_ADDR"]):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's pair sockets on loopback too
+        rank, world = world_from_env()
+        token = run_token(world)
+        if not dist.is_initialized():
+            if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's agent owns the store (and its port)
+                dist.init_process_group(backend, timeout=self.timeout)
+            else:
+                dist.init_process_group(backend, timeout=self.timeout, rank=rank, world_size=world,
+                                        store=rendezvous_store(rank, world, self.timeout))
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.store = dist.distributed_c10d._get_default_store()
+        self.channel = CommandChannel(self.store, token, self.rank)
+
+    def send(self, name: str, payload: Any = None) -> None:
+        self.channel.send(name, payload)
+
+    def receive(self, poll_s: float = 5.0) -> tuple[str, Any]:
+        return self.channel.receive(poll_s)
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -347,9 +475,19 @@ class ShardedTrainer(Trainer):
         return [merged[i] for i in range(len(samples))]
 
     def _gather(self, obj: Any) -> list[Any]:
-        parts: list[Any] = [None] * self.group.world
-        dist.all_gather_object(parts, obj)
-        return parts
+        """`obj` of every rank, in rank order: MessagePack bytes through two all_gathers (lengths, then
+        padded bytes), not all_gather_object, which unpickles what peers send."""
+        data = torch.frombuffer(bytearray(msgpack.packb(_pack(obj), use_bin_type=True)), dtype=torch.uint8)
+        data = data.to(self.device)
+        sizes = [torch.zeros(1, dtype=torch.long, device=self.device) for _ in range(self.group.world)]
+        dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.long, device=self.device))
+        longest = max(int(n) for n in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8, device=self.device)
+        padded[:data.numel()] = data
+        parts = [torch.empty(longest, dtype=torch.uint8, device=self.device) for _ in range(self.group.world)]
+        dist.all_gather(parts, padded)
+        return [_unpack(msgpack.unpackb(p[:int(n)].cpu().numpy().tobytes(), raw=False, strict_map_key=False))
+                for p, n in zip(parts, sizes, strict=True)]
 
 
 def rank_plans(samples: list[Sample], world: int,
@@ -441,7 +579,9 @@ _children: list[subprocess.Popen] = []
 def start_followers(world: int, port: int | None, argv: list[str] | None = None) -> list[subprocess.Popen]:
     """Make this process rank 0 of `world` and start ranks 1..world-1 as copies of this command
     (`argv`, default this process's) with RANK/WORLD_SIZE/MASTER_* set; they are ended with it."""
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port or free_port()), "WORLD_SIZE": str(world)}
+    token = os.environ.get(DIST_TOKEN_ENV) or secrets.token_hex(32)  # signs rank 0's commands (environment only)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port or free_port()), "WORLD_SIZE": str(world),
+           DIST_TOKEN_ENV: token}
     os.environ.update({**env, "RANK": "0", "LOCAL_RANK": "0"})
     command = argv or [sys.executable, *sys.orig_argv[1:]]
     for rank in range(1, world):

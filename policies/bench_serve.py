@@ -140,7 +140,8 @@ def compare_engines(args: argparse.Namespace) -> dict[str, Any]:
         launched = launch_engine(cfg, Path(mkdtemp(prefix=f"bench-serve-{engine}-")))
         try:
             start_s = time.perf_counter() - t0
-            result[engine] = asyncio.run(_engine_figures(launched.servers[0].base_url, engine, counts, args))
+            result[engine] = asyncio.run(_engine_figures(launched.servers[0].base_url, engine, counts, args,
+                                                         launched.api_key))
             result[engine]["start_s"] = round(start_s, 1)
         finally:
             launched.stop()
@@ -150,13 +151,15 @@ def compare_engines(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-async def _engine_figures(url: str, engine: str, counts: list[int], args: argparse.Namespace) -> dict[str, Any]:
+async def _engine_figures(url: str, engine: str, counts: list[int], args: argparse.Namespace,
+                          api_key: str | None = None) -> dict[str, Any]:
     import aiohttp
 
     from rollway.policies.model_loading import resolve_model_folder
 
     figures: dict[str, Any] = {}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as http:
+    auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}  # a launched vLLM wants its key
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600), headers=auth) as http:
         model = (await _post_or_get(http, f"{url}/models"))["data"][0]["id"]
         await _complete(http, url, model, _prompt(0, args.prompt_len), 4)
         for c in counts:
@@ -164,7 +167,7 @@ async def _engine_figures(url: str, engine: str, counts: list[int], args: argpar
     if engine == "vllm":
         from rollway.policies.vllm import VLLMClient
 
-        client = VLLMClient([url])
+        client = VLLMClient([url], api_key=api_key)
     else:
         from rollway.policies.openai_client import OpenAICompletionsClient
 

@@ -28,7 +28,9 @@ Endpoints (request and response fields follow vLLM's documented ones, so one cli
 from __future__ import annotations
 
 import asyncio
+import hmac
 import math
+import os
 import threading
 import time
 import uuid
@@ -167,24 +169,38 @@ class CompletionRenderer:
                           "total_tokens": len(prompt_ids) + n_out}}
 
 
+ENGINE_KEY_ENV = "ROLLWAY_ENGINE_API_KEY"
+"""The API key `rollway serve` wants (environment only: argv is visible in `ps`); `policy.launch` sets it."""
+
+
 # -- the HTTP app ------------------------------------------------------------------------------------
 
 class EngineServer:
     """HTTP front of a `BatchEngine`; `app()` builds the aiohttp application."""
 
-    def __init__(self, engine: Any, tokenizer: Any, served_model: str, model_path: str = ""):
+    def __init__(self, engine: Any, tokenizer: Any, served_model: str, model_path: str = "",
+                 api_key: str | None = None):
         self.engine = engine
         self.served_model = served_model
         self.model_path = model_path
         self.renderer = CompletionRenderer(tokenizer, served_model)
         self._staged_checkpoint: str | None = None
+        self.api_key = api_key if api_key is not None else os.environ.get(ENGINE_KEY_ENV) or None
+        """With a key every route but /health wants it (`/collective_rpc` loads weights from any path)."""
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 2**20)
+        app = web.Application(client_max_size=64 * 2**20, middlewares=[self._require_key] if self.api_key else [])
         app.add_routes([web.post("/v1/completions", self.completions), web.get("/v1/models", self.models),
                         web.get("/health", self.health), web.post("/collective_rpc", self.collective_rpc),
                         web.post("/reset_prefix_cache", self.reset_prefix_cache)])
         return app
+
+    @web.middleware
+    async def _require_key(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        given = request.headers.get("Authorization", "").encode()
+        if request.path == "/health" or hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
+            return await handler(request)
+        return web.json_response({"error": {"message": "Unauthorized: send the engine's API key"}}, status=401)
 
     def _headers(self) -> dict[str, str]:
         return {VERSION_HEADER: str(self.engine.policy_version)}

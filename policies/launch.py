@@ -8,14 +8,19 @@ children of the job in their own process groups, stopped with it."""
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import structlog
+from pydantic import SecretStr
 
+from rollway.base.redaction import spawn_logged
 from rollway.policies.config import OpenAIPolicyConfig
+from rollway.policies.cpu_engine import ENGINE_KEY_ENV
 from rollway.policies.vllm import INSTALL_HINT, vllm_python, vllm_serve_command, vllm_serve_env, wait_ready
 
 log = structlog.get_logger()
@@ -44,9 +49,7 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env={**os.environ, **self.env})
+        self.proc = spawn_logged(self.argv, self.log_path, env={**os.environ, **self.env}, start_new_session=True)
         return self
 
     def wait_ready(self, timeout_s: float) -> None:
@@ -102,7 +105,8 @@ class LaunchedEngine:
                 server = builtin_server(cfg, old.port, old.log_path)
             server.start().wait_ready(self.cfg.start_timeout_s)
             if self.engine == "vllm" and version:
-                _post(f"http://127.0.0.1:{old.port}/update_weight_version", {"new_version": str(version)})
+                _post(f"http://127.0.0.1:{old.port}/update_weight_version", {"new_version": str(version)},
+                      self.api_key)
             self.servers[i] = server
             notes.append(f"inference server {i} exited; restarted serving {checkpoint or 'the initial model'}")
         return notes
@@ -111,12 +115,20 @@ class LaunchedEngine:
     def base_url(self) -> str:
         return ",".join(s.base_url for s in self.servers)
 
-    def policy_settings(self) -> dict[str, str]:
-        """The `policy` fields that point clients at the launched servers."""
-        return {"base_url": self.base_url, "engine": self.engine}
+    @property
+    def api_key(self) -> str | None:
+        """The key the servers want on every route but their health check, or None."""
+        return self.cfg.api_key_value() if self.cfg is not None else None
+
+    def policy_settings(self) -> dict[str, Any]:
+        """The `policy` fields that point clients at the launched servers (the key stays a SecretStr:
+        `rollway up` hands it to the stage processes by environment)."""
+        key = {"api_key": SecretStr(self.api_key)} if self.api_key else {}
+        return {"base_url": self.base_url, "engine": self.engine, **key}
 
     def overrides(self) -> list[str]:
-        return [f"policy.{key}={value}" for key, value in self.policy_settings().items()]
+        """Dotted overrides for `base_url` and `engine` (not the key: overrides end up in argv)."""
+        return [f"policy.{key}={value}" for key, value in self.policy_settings().items() if key != "api_key"]
 
     def stop(self) -> None:
         for server in self.servers:
@@ -130,18 +142,20 @@ def vllm_server(cfg: OpenAIPolicyConfig, port: int, log_path: Path, served_name:
     if python is None:
         raise RuntimeError(INSTALL_HINT)
     folder = resolve_model_folder(cfg.model)  # vLLM needs a Hugging Face folder: GGUF converted once, cached
+    key = cfg.api_key_value()  # by environment, never argv (`ps` shows argv to every user)
     argv = vllm_serve_command(str(folder), port=port, served_model_name=served_name,
                               max_model_len=cfg.max_model_len, dtype=cfg.dtype,
                               python=str(python), enforce_eager=cfg.enforce_eager,
-                              api_key=cfg.api_key_value(), extra_args=tuple(cfg.vllm_args))
-    return ServerProcess(argv, vllm_serve_env(cfg.kv_cache_gib), port, log_path)
+                              guarded=key is not None, extra_args=tuple(cfg.vllm_args))
+    return ServerProcess(argv, vllm_serve_env(cfg.kv_cache_gib, api_key=key), port, log_path)
 
 
 def builtin_server(cfg: OpenAIPolicyConfig, port: int, log_path: Path) -> ServerProcess:
     argv = [sys.executable, "-m", "rollway.runners", "serve", *([cfg.model] if cfg.model else []),
             "--port", str(port), "--max-batch", str(cfg.max_batch), "--max-model-len", str(cfg.max_model_len),
             "--dtype", cfg.dtype, "--threads", str(cfg.threads), *(["--device", cfg.device] if cfg.device else [])]
-    return ServerProcess(argv, {}, port, log_path)
+    key = cfg.api_key_value()
+    return ServerProcess(argv, {ENGINE_KEY_ENV: key} if key else {}, port, log_path)
 
 
 def launch_engine(cfg: OpenAIPolicyConfig, log_dir: Path) -> LaunchedEngine:
@@ -149,6 +163,8 @@ def launch_engine(cfg: OpenAIPolicyConfig, log_dir: Path) -> LaunchedEngine:
     from rollway.base.net import free_port
 
     engine = resolve_engine(cfg)
+    if cfg.api_key_value() is None:  # the weight-loading routes must not be open to anything on the host
+        cfg = cfg.model_copy(update={"api_key": SecretStr(secrets.token_urlsafe(32))})
     count = cfg.replicas if engine == "vllm" else 1
     make = vllm_server if engine == "vllm" else builtin_server
     name = "vllm" if engine == "vllm" else "engine"
@@ -185,11 +201,12 @@ def split_cores(count: int) -> list[str]:
     return [",".join(str(c) for c in share) for share in shares]
 
 
-def _post(url: str, body: dict) -> None:
+def _post(url: str, body: dict, api_key: str | None = None) -> None:
     import json
     import urllib.request
 
+    auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **auth})
     with urllib.request.urlopen(request, timeout=30) as response:
         response.read()

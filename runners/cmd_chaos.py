@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 
+from rollway.base.redaction import redact_data
 from rollway.core.run_dir import fresh_run_folder
 from rollway.runners.common import add_config_arguments, load_or_exit
 
@@ -76,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
               "fault_kills": _fault_kills(run_dir), "broker_restarts": sum("restart" in e for e in monkey.events),
               "events": monkey.events, "wall_seconds": summary.get("wall_seconds"), "run_dir": str(run_dir),
               "error": error}
-    (run_dir / "chaos.json").write_text(json.dumps(result, indent=1))
+    (run_dir / "chaos.json").write_text(json.dumps(redact_data(result), indent=1))
     if args.json:
         print(json.dumps(result))
     else:

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from rollway.base.redaction import redact_data
 from rollway.core.run_dir import fresh_run_folder
 from rollway.runners.common import add_config_arguments, load_or_exit
 from rollway.schemas.codec import check_version
@@ -72,7 +73,7 @@ def write_eval(run_dir: Path, cfg, task_ids: list[str] | None = None) -> dict:
         report = write_predictions(run_dir, cfg, task_ids, list(trajs.values()), reasons_by_task)
         result["swebench"] = {k: report[k] for k in ("resolved_instances", "unresolved_instances", "error_instances")}
         result["atif_files"] = write_atif(run_dir, cfg, list(trajs.values()))
-    (run_dir / "eval.json").write_text(json.dumps(result, indent=1))
+    (run_dir / "eval.json").write_text(json.dumps(redact_data(result), indent=1))
     return result
 
 

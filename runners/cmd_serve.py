@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_vllm(args: argparse.Namespace) -> int:
     import os
 
+    from rollway.policies.cpu_engine import ENGINE_KEY_ENV
     from rollway.policies.model_loading import resolve_model_folder
     from rollway.policies.vllm import INSTALL_HINT, vllm_python, vllm_serve_command, vllm_serve_env
 
@@ -57,8 +58,11 @@ def _run_vllm(args: argparse.Namespace) -> int:
     if python is None:
         print(f"rollway serve: {INSTALL_HINT}")
         return 2
+    # The same key as the built-in engine's (environment only); with it every route, dev routes included, wants it.
+    key = os.environ.get(ENGINE_KEY_ENV) or os.environ.get("VLLM_API_KEY") or None
     argv = vllm_serve_command(str(resolve_model_folder(args.model)), port=args.port, host=args.host,
                               served_model_name=args.served_model_name, max_model_len=args.max_model_len,
-                              dtype=args.dtype, python=str(python), enforce_eager=args.enforce_eager)
-    os.execve(str(python), argv, {**os.environ, **vllm_serve_env(args.kv_cache_gib)})
+                              dtype=args.dtype, python=str(python), enforce_eager=args.enforce_eager,
+                              guarded=key is not None)
+    os.execve(str(python), argv, {**os.environ, **vllm_serve_env(args.kv_cache_gib, api_key=key)})
     return 0  # not reached

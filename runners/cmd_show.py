@@ -40,6 +40,7 @@ def episode_stage_seconds(run_dir: Path, traj: dict) -> dict[str, float]:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from rollway.base.redaction import redact
     from rollway.core.kafka import BrokerUnavailable
     from rollway.runners.episodes import EpisodeNotFound, find_episode
     from rollway.runners.show import render, render_html
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     listing = args.episode is None
     seconds = None if args.bootstrap else episode_stage_seconds(Path(args.run_dir), episode)
     if args.html:
-        Path(args.html).write_text(render_html(trajs, episode, listing, args.max_chars, seconds))
+        Path(args.html).write_text(redact(render_html(trajs, episode, listing, args.max_chars, seconds)))
         print(args.html)
     else:
         render(trajs, episode, listing, args.max_chars, Console(), seconds)

@@ -22,11 +22,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rollway.core.config import secret_values
     from rollway.core.kafka import BrokerUnavailable
-    from rollway.core.logging import configure_logging
+    from rollway.core.logging import configure_logging, register_secrets
     from rollway.runners.stage import run_stage_sync
 
-    cfg = load_or_exit(args, "stage")
+    cfg = load_or_exit(args, "stage")  # secrets come from the environment (SECRETS_ENV), never argv
+    register_secrets(secret_values(cfg))
     run_dir = Path(args.run_dir or cfg.run.dir or f"runs/{cfg.run.name}")
     run_dir.mkdir(parents=True, exist_ok=True)
     configure_logging(args.name, run_dir)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rollway.base.redaction import redact
 from rollway.runners.episodes import load_run_dir
 from rollway.runners.telemetry import EpisodeStages, episode_stages, read_telemetry
 
@@ -357,5 +358,5 @@ def write_report(run_dir: Path) -> Path:
     data = load_report_data(Path(run_dir))
     pngs = save_plots(build_plots(data), data.run_dir / "plots")
     out = data.run_dir / "report.html"
-    out.write_text(render_html(data, pngs))
+    out.write_text(redact(render_html(data, pngs)))  # episode text may quote a credential
     return out

@@ -25,6 +25,7 @@ from aiokafka.errors import (
 from rollway.actors.base import Actor, FatalActorError, MessageMeta, Output, OutputRefused, StaleMessage
 from rollway.base.faults import fault_point
 from rollway.base.files import write_json_atomic
+from rollway.base.redaction import redact
 from rollway.core.config import RunConfig
 from rollway.core.kafka import ensure_topics, make_consumer, make_producer, read_to_end, topic_name
 from rollway.runners.stage_queue import Backlog, KeyLocks
@@ -175,6 +176,7 @@ async def send_dead_letter(sender: OutputSender, letter: Output) -> None:
 def dead_letter(stage: str, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None,
                 reason: str) -> Output:
     """The dead-letters message for one input: original bytes, reason and source."""
+    reason = redact(reason)  # an error quoting a secret must not reach the broker's log
     log.warning("dead letter", stage=stage, topic=topic, partition=partition, offset=offset, reason=reason[:500])
     return Output(DEAD_LETTERS, None, DeadLetter(source_topic=topic, partition=partition, offset=offset, key=key,
                                                  value=value, reason=reason[:MAX_REASON_CHARS], stage=stage,

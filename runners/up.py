@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from rollway.core.config import RunConfig, dump_config, write_resolved_config
+from rollway.core.config import RunConfig, dump_config, secret_values, write_resolved_config
+from rollway.core.logging import redact_data, register_secrets, spawn_logged
 from rollway.core.run_dir import RunDir, read_trajectories
 from rollway.topics.topology import STAGE_NAMES as STAGES
 from rollway.topics.topology import start_order
@@ -45,10 +46,9 @@ class StageProcess:
     env: dict[str, str] | None = None
 
     def start(self) -> None:
-        out = open(self.log_path, "ab")
         env = {**os.environ, **self.env} if self.env else None
-        self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-        out.close()
+        # Output through the redactor: a traceback or a library's line that quotes a secret is masked.
+        self.proc = spawn_logged(self.argv, self.log_path, env=env, start_new_session=True)
 
     @property
     def alive(self) -> bool:
@@ -74,10 +74,12 @@ class Job:
     """The inference servers the job launched (policy.launch), restarted like workers when they die."""
     env: dict[str, str] | None = None
     """Extra environment of the stage processes (chaos runs arm fault points with it)."""
+    secrets_env: dict[str, str] = field(default_factory=dict)
+    """The config's secrets for the stage processes (`SECRETS_ENV`), set by `start`: never in argv or a file."""
 
     @property
     def stage_config_path(self) -> Path:
-        """The resolved config every stage process loads (written by `start`, mode 0600)."""
+        """The resolved config every stage process loads (written by `start`; it holds no secret)."""
         return self.run_dir / "stage-config.json"
 
     def stage_argv(self, stage: str) -> list[str]:
@@ -91,12 +93,13 @@ class Job:
         """Start every stage process at once. The scheduler plans, scans the log and joins its group
         meanwhile, but issues nothing until `open_start_gate` sees every other worker own partitions."""
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        write_resolved_config(self.cfg, self.stage_config_path)
+        self.secrets_env = write_resolved_config(self.cfg, self.stage_config_path)
         gate = RunDir(self.run_dir).start_gate
         gate.unlink(missing_ok=True)
         self._started_at = time.monotonic()
         for stage in START_ORDER:
-            env = {**(self.env or {}), "ROLLWAY_START_GATE": str(gate)} if stage == "scheduler" else self.env
+            gate_env = {"ROLLWAY_START_GATE": str(gate)} if stage == "scheduler" else {}
+            env = {**(self.env or {}), **self.secrets_env, **gate_env} or None
             for i in range(1 if stage == "learner" else self.workers.get(stage, 1)):
                 p = StageProcess(stage, i, self.stage_argv(stage), self.run_dir / "logs" / f"{stage}-{i}.out", env=env)
                 p.start()
@@ -268,6 +271,7 @@ def run_job(cfg: RunConfig, config_path: str, overrides: list[str], bootstrap: s
     stop the processes, write and return `summary.json`. Crashed workers are restarted."""
     from rollway.core.kafka import ensure_topics
 
+    register_secrets(secret_values(cfg))
     if not quiet and not structlog.is_configured():
         from rollway.core.logging import configure_logging
 
@@ -285,6 +289,7 @@ def run_job(cfg: RunConfig, config_path: str, overrides: list[str], bootstrap: s
         except (RuntimeError, TimeoutError) as err:
             raise JobFailed(f"the inference engine did not start: {err}") from err
         cfg = cfg.model_copy(update={"policy": cfg.policy.model_copy(update=engine.policy_settings())})
+        register_secrets(secret_values(cfg))  # the engine's key, when the launch made one
     try:
         reap_sandboxes(cfg, "start")  # a resumed run folder: sandboxes of its killed workers
         job = Job(cfg, config_path, overrides, bootstrap, run_dir, workers, max_restarts=max_restarts,
@@ -329,7 +334,7 @@ def _run_stages(job: Job, on_tick, quiet: bool) -> dict:
         progress.close()
     summary = summarize(run_dir, cfg, time.monotonic() - t0, job)
     summary["sandboxes_reaped"] = reaped
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    (run_dir / "summary.json").write_text(json.dumps(redact_data(summary), indent=1))
     if not quiet:
         log.info("run finished", **{k: summary[k] for k in ("episodes_completed", "episodes_failed", "reward_mean",
                                                             "pass_rate", "wall_seconds")})

@@ -154,3 +154,85 @@ def test_two_ranks_with_a_kl_penalty_match_one_rank(tmp_path: Path) -> None:
     _assert_same(_weights(job["results"][-1]["checkpoint"]), reference)
     without = _single(tmp_path / "no-kl", groups)[1]
     assert max((without[k] - reference[k]).abs().max() for k in reference) > 1e-4  # the penalty changed the update
+
+
+# ---- the rank channel trusts no peer: no pickle, signed commands, loopback only -----------------------------
+
+
+class _Planted:
+    """Unpickling this creates a file: the proof that a pickle from the network ran code."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.path),))
+
+
+def _loopback_store(world: int = 2):
+    """Rank 0's real rendezvous store (learning/distributed.py) on a free loopback port."""
+    import os
+    from datetime import timedelta
+
+    from rollway.learning.distributed import free_port, rendezvous_store
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
+    return rendezvous_store(0, world, timedelta(seconds=10))
+
+
+def test_a_pickle_in_the_rank_channel_is_refused_unread(tmp_path: Path) -> None:
+    """Attack: a process on the host connects to the learner's store and plants the next command as a
+    pickle (what the channel used to unpickle). The follower refuses it and no code runs."""
+    import pickle
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from rollway.learning.distributed import CommandChannel, CommandRefused
+
+    store = _loopback_store()
+    attacker = dist.TCPStore("127.0.0.1", store.port, 2, False, timedelta(seconds=10))
+    marker = tmp_path / "pwned"
+    attacker.set("rollway/cmd/1", pickle.dumps(("optimise", _Planted(str(marker)))))
+    follower = CommandChannel(store, b"run-token", rank=1)
+    with pytest.raises(CommandRefused, match="ROLLWAY_DIST_TOKEN"):
+        follower.receive()
+    assert not marker.exists()
+
+
+def test_a_peer_without_the_run_token_is_refused_and_rank_0s_commands_verify() -> None:
+    """Attack: a peer that speaks the new encoding but does not know the per-run token (or replays a real
+    command under the next key) is refused; rank 0's own commands, samples included, arrive intact."""
+    from rollway.learning.batching import Sample
+    from rollway.learning.distributed import CommandChannel, CommandRefused, encode_command
+
+    store = _loopback_store()
+    leader, follower = CommandChannel(store, b"token-a", 0), CommandChannel(store, b"token-a", 1)
+    samples = [Sample("e-1", [1, 2, 3], [0, 1, 1], [None, -0.5, -0.25], 0.5, 0.75)]
+    leader.send("optimise", samples)
+    assert follower.receive() == ("optimise", samples)
+    store.set("rollway/cmd/2", encode_command(b"token-b", "rollway/cmd/2", ["save", "/tmp/elsewhere"]))
+    with pytest.raises(CommandRefused):
+        follower.receive()
+    replayed = CommandChannel(store, b"token-a", 1)  # the first command, copied to key 3
+    store.set("rollway/cmd/3", store.get("rollway/cmd/1"))
+    replayed._seq = 2
+    with pytest.raises(CommandRefused):
+        replayed.receive()
+
+
+def test_rank_0s_store_listens_on_loopback_only() -> None:
+    """torch's own TCPStore listens on every interface; rank 0's listens on MASTER_ADDR (127.0.0.1 here)."""
+    store = _loopback_store()
+    listening = subprocess.run(["ss", "-Hltn", f"sport = :{store.port}"], capture_output=True, text=True,
+                               check=True).stdout.split()
+    assert f"127.0.0.1:{store.port}" in listening and f"*:{store.port}" not in listening, listening
+
+
+def test_more_than_one_rank_without_a_token_fails_naming_it(monkeypatch) -> None:
+    from rollway.learning.distributed import RankDied, run_token
+
+    monkeypatch.delenv("ROLLWAY_DIST_TOKEN", raising=False)
+    with pytest.raises(RankDied, match="ROLLWAY_DIST_TOKEN is not set"):
+        run_token(2)
+    assert len(run_token(1)) == 32

@@ -205,3 +205,35 @@ def test_local_client_shares_the_engine(server, prompts):
     expected = complete(server, prompt, temperature=0, max_tokens=4)["choices"][0]
     gen = asyncio.run(LocalEngineClient(server.server.engine).generate(prompt, SamplingParams(0, max_tokens=4)))
     assert gen.token_ids == expected["token_ids"] and len(gen.logprobs) == 4
+
+
+def test_with_a_key_every_route_but_health_wants_it(server):
+    """Attack: a process on the host (a task image build, a sandbox with network) reaches the launched
+    engine's port and loads its own weights through /collective_rpc. `policy.launch` gives the engine a key
+    (ROLLWAY_ENGINE_API_KEY); without it, or with a wrong one, every route but /health answers 401."""
+    from aiohttp.test_utils import TestServer
+
+    from rollway.policies.cpu_engine import EngineServer
+
+    inner = server.server
+    keyed = EngineServer(inner.engine, inner.renderer.tokenizer, inner.served_model, inner.model_path,
+                         api_key="sk-engine-1")
+
+    async def statuses() -> list[int]:
+        site = TestServer(keyed.app(), host="127.0.0.1")
+        await site.start_server()
+        attack = {"method": "reload_weights", "kwargs": {"weights_path": "/tmp/attacker"}}
+        try:
+            async with aiohttp.ClientSession() as http:
+                got = []
+                for route, key in (("/collective_rpc", None), ("/collective_rpc", "wrong"), ("/v1/models", None),
+                                   ("/reset_prefix_cache", None), ("/health", None), ("/v1/models", "sk-engine-1")):
+                    headers = {"Authorization": f"Bearer {key}"} if key else {}
+                    method = http.get if route in ("/health", "/v1/models") else http.post
+                    async with method(str(site.make_url(route)), json=attack, headers=headers) as resp:
+                        got.append(resp.status)
+                return got
+        finally:
+            await site.close()
+
+    assert asyncio.run(statuses()) == [401, 401, 401, 401, 200, 200]

@@ -28,13 +28,17 @@ from rollway.policies.vllm import (
 
 def test_vllm_command_has_the_rl_flags():
     cmd = vllm_serve_command("Qwen/Qwen3-0.6B", port=8001, served_model_name="policy", max_model_len=8192,
-                             python="/x/bin/python", enforce_eager=True, api_key="k")
+                             python="/x/bin/python", enforce_eager=True, guarded=True)
     assert cmd[:5] == ["/x/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "Qwen/Qwen3-0.6B"]
     flags = " ".join(cmd)
     for flag in ("--port 8001", "--enable-scale-out", "--return-tokens-as-token-ids",
                  "--logprobs-mode processed_logprobs", "--generation-config vllm", "--served-model-name policy",
-                 "--max-model-len 8192", "--enforce-eager", "--api-key k"):
+                 "--max-model-len 8192", "--enforce-eager", "--middleware rollway_vllm_guard.RequireKey"):
         assert flag in flags
+    assert "--api-key" not in flags  # the key goes by environment: argv is visible to every user in `ps`
+    keyed = vllm_serve_env(api_key="sk-secret-1")
+    assert keyed["VLLM_API_KEY"] == "sk-secret-1"
+    assert keyed["PYTHONPATH"].split(":")[0].endswith("policies/vllm_plugins")
     assert vllm_serve_env() == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
     assert vllm_serve_env(1.5)["VLLM_CPU_KVCACHE_SPACE"] == "1.5"
     assert vllm_serve_shell("m").startswith("VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 "
@@ -181,3 +185,60 @@ def test_with_vllm_installed_auto_launches_vllm():
 
     assert vllm_python() is not None, "scripts/setup-vllm.sh builds .venv-vllm; the setup must have run it"
     assert resolve_engine(PolicyConfig(type="openai", launch=True)) == "vllm"
+
+
+def _asgi_call(app: type, path: str, headers: list[tuple[bytes, bytes]]) -> tuple[int, bool]:
+    """One HTTP request through an ASGI app: (status sent, whether the inner app was reached)."""
+    import asyncio
+
+    sent: list[dict] = []
+    reached: list[str] = []
+
+    async def inner(scope, receive, send):  # stands in for vLLM's routes (the real server: test_vllm_server.py)
+        reached.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def receive():
+        return {"type": "http.request", "body": b""}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": path, "headers": headers}
+    asyncio.run(app(inner)(scope, receive, send))
+    return sent[0]["status"], bool(reached)
+
+
+def test_vllm_guard_wants_the_key_on_dev_routes(monkeypatch):
+    """Attack: a process on the host (a task image build, a sandbox with network) calls vLLM's dev route
+    /collective_rpc, which vLLM's own key check (only /v1, /v2, /inference, /cohere) lets through."""
+    import importlib.util
+
+    from rollway.policies.vllm import GUARD_PATH
+
+    spec = importlib.util.spec_from_file_location("rollway_vllm_guard", GUARD_PATH / "rollway_vllm_guard.py")
+    guard = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(guard)
+    monkeypatch.setenv("VLLM_API_KEY", "sk-guard-1")
+    key = [(b"authorization", b"Bearer sk-guard-1")]
+    for path in ("/collective_rpc", "/pause", "/update_weight_version", "/v1/completions", "/tokenize"):
+        assert _asgi_call(guard.RequireKey, path, []) == (401, False), path
+        assert _asgi_call(guard.RequireKey, path, [(b"authorization", b"Bearer wrong")]) == (401, False), path
+        assert _asgi_call(guard.RequireKey, path, key) == (200, True), path
+    assert _asgi_call(guard.RequireKey, "/health", []) == (200, True)  # readiness probes need no key
+    monkeypatch.delenv("VLLM_API_KEY")
+    with pytest.raises(RuntimeError, match="VLLM_API_KEY"):
+        guard.RequireKey(None)  # never a guard that lets everything through
+
+
+def test_url_credentials_become_basic_auth_and_leave_the_url():
+    """A password in policy.base_url reaches the server (basic auth) but no URL an error could quote."""
+    client = build_inference(PolicyConfig(type="openai", base_url="http://bob:pa%40ss@h:1/v1"), chat=None)
+    assert client.base_url == "http://h:1/v1" and "pa" not in client.root_url
+    import base64
+
+    assert client.headers == {"Authorization": "Basic " + base64.b64encode(b"bob:pa@ss").decode()}
+    keyed = build_inference(PolicyConfig(type="openai", engine="vllm", base_url="http://u:p@h:1/v1", api_key="sk-1"),
+                            chat=None)
+    assert keyed.roots == ["http://h:1"] and keyed.headers == {"Authorization": "Bearer sk-1"}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -29,12 +30,11 @@ PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 11173, 30, 2, 198, 1, 4093, 198, 1
 
 
 LORA_ARGS = ["--enable-lora", "--max-lora-rank", "8"]
+API_KEY = "sk-rollway-test-" + __import__("secrets").token_hex(8)
 
 
 @pytest.fixture(scope="module")
 def vllm_url(tmp_path_factory):
-    import os
-
     from rollway.runners.broker import free_port
 
     if os.environ.get("ROLLWAY_TEST_VLLM_URL"):  # a server already running (development only)
@@ -45,14 +45,48 @@ def vllm_url(tmp_path_factory):
     # 4096: an SWE task's first prompt (system prompt, tools, issue) is over 1,000 tokens (the real bench test)
     log = tmp_path_factory.mktemp("vllm") / "vllm.out"
     # --enable-lora: the LoRA test loads the learner's adapter (start-up measured 32 s with it, the same as without)
+    # A key, as a launched engine always has: every client here (and the subprocesses the tests start) finds
+    # it in OPENAI_API_KEY, which PolicyConfig.api_key_value falls back to.
     server = vllm_server(PolicyConfig(type="openai", launch=True, engine="vllm", model="smollm2",
-                                      max_model_len=4096, kv_cache_gib=1.0, vllm_args=LORA_ARGS),
+                                      max_model_len=4096, kv_cache_gib=1.0, vllm_args=LORA_ARGS, api_key=API_KEY),
                          free_port(), log).start()
+    before = os.environ.get("OPENAI_API_KEY")
+    os.environ["OPENAI_API_KEY"] = API_KEY
     try:
         server.wait_ready(600)
         yield server.base_url
     finally:
         server.stop()
+        if before is None:
+            os.environ.pop("OPENAI_API_KEY", None)
+        else:
+            os.environ["OPENAI_API_KEY"] = before
+
+
+def test_the_key_is_not_in_argv_and_dev_routes_refuse_requests_without_it(vllm_url):
+    """Attack: anything on the host (a task image build, a sandbox with network) reads `ps` for the key, or
+    skips it and calls the dev routes (vLLM guards only /v1, /v2, /inference, /cohere itself)."""
+    import urllib.error
+    import urllib.request
+
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
+    assert "vllm.entrypoints.openai.api_server" in ps and API_KEY not in ps and "--api-key" not in ps
+    root = vllm_url.removesuffix("/v1")
+
+    def status(route: str, key: str | None, method: str = "POST") -> int:
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+        body = b'{"method": "reload_weights", "kwargs": {"weights_path": "/tmp/attacker"}}' if method == "POST" else None
+        try:
+            with urllib.request.urlopen(urllib.request.Request(f"{root}{route}", data=body, method=method,
+                                                               headers=headers), timeout=30) as r:
+                return r.status
+        except urllib.error.HTTPError as err:
+            return err.code
+
+    for route in ("/collective_rpc", "/pause", "/resume", "/update_weight_version", "/reset_prefix_cache"):
+        assert status(route, None) == 401 and status(route, "sk-guess") == 401, route
+    assert status("/weight_info", None, "GET") == 401 and status("/v1/models", None, "GET") == 401
+    assert status("/weight_info", API_KEY, "GET") == 200 and status("/health", None, "GET") == 200
 
 
 def client_for(url: str, **kw) -> VLLMClient:
