@@ -9,11 +9,11 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
-from rollway.actors.base import Actor, MessageMeta, Output, StaleMessage, failure_output
 from rollway.actors.episode import EpisodeState
 from rollway.actors.services import Services
 from rollway.actors.sink import belongs_to_run
 from rollway.actors.turn import TurnRunner
+from rollway.runtime.actor import Actor, MessageMeta, Output, StaleMessage, failure_output
 from rollway.sandboxes.base import SandboxGone
 from rollway.schemas.messages import AgentStep, RewardRequest
 from rollway.schemas.tokens import observation_messages

@@ -8,9 +8,9 @@ import uuid
 
 import structlog
 
-from rollway.actors.base import Actor, MessageMeta, Output, failure_output
 from rollway.actors.services import Services
 from rollway.actors.sink import belongs_to_run
+from rollway.runtime.actor import Actor, MessageMeta, Output, failure_output
 from rollway.schemas.messages import AgentStep, InitRequest
 from rollway.topics import AGENT_STEPS, INIT_REQUESTS
 

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import structlog
 
-from rollway.actors.base import Actor, FatalActorError, MessageMeta, Output
 from rollway.actors.scheduler import GIVE_UP_STAGE
 from rollway.actors.services import Services
 from rollway.actors.sink import belongs_to_run
 from rollway.base.faults import fault_point
-from rollway.core.run_dir import RunDir
+from rollway.base.run_dir import RunDir
+from rollway.runtime.actor import Actor, FatalActorError, MessageMeta, Output
 from rollway.schemas.messages import EpisodeFailure, PolicyVersion, Trajectory
 from rollway.topics import EPISODE_FAILURES, POLICY_VERSIONS, TRAJECTORIES
 

@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollway.actors.base import MessageMeta
+from rollway.runtime.actor import MessageMeta
 
 
 @dataclass(frozen=True)

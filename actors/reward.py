@@ -8,11 +8,11 @@ from pathlib import Path
 
 import structlog
 
-from rollway.actors.base import Actor, MessageMeta, Output, failure_output
 from rollway.actors.ledger import Ledger
 from rollway.actors.services import Services
 from rollway.actors.sink import belongs_to_run
 from rollway.base.faults import fault_point
+from rollway.runtime.actor import Actor, MessageMeta, Output, failure_output
 from rollway.sandboxes.base import SandboxError
 from rollway.schemas.codec import decode, encode
 from rollway.schemas.messages import RewardRequest, Trajectory

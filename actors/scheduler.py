@@ -16,11 +16,11 @@ from pathlib import Path
 
 import structlog
 
-from rollway.actors.base import Actor, MessageMeta, Output
 from rollway.actors.scheduling import IssueStrategy, ends_order, johnson_order
 from rollway.actors.services import Services
 from rollway.base.faults import fault_point
-from rollway.core.run_dir import RunDir
+from rollway.base.run_dir import RunDir
+from rollway.runtime.actor import Actor, MessageMeta, Output
 from rollway.schemas.messages import (
     EpisodeFailure,
     EpisodeKey,
@@ -76,7 +76,7 @@ class SchedulerActor(Actor):
         self.s = services
         self._scan_log = scan_log
         """(topic spec) -> async iterator of its decoded messages from the start to the current end,
-        raising when it cannot reach the end (runners/topic_scan.py; None: no rebuild)."""
+        raising when it cannot reach the end (runtime/scan.py; None: no rebuild)."""
         self.cfg = services.cfg.scheduler
         self.run_id = services.cfg.run.id or new_run_id()
         self.groups: list[list[Ticket]] = []

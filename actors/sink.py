@@ -8,10 +8,10 @@ import os
 import time
 from pathlib import Path
 
-from rollway.actors.base import Actor, FatalActorError, MessageMeta, Output
 from rollway.actors.ledger import Ledger
 from rollway.actors.services import Services
-from rollway.core.run_dir import FAILURES_FILE, TRAJECTORIES_FILE, RunDir, iter_jsonl
+from rollway.base.run_dir import FAILURES_FILE, TRAJECTORIES_FILE, RunDir, iter_jsonl
+from rollway.runtime.actor import Actor, FatalActorError, MessageMeta, Output
 from rollway.schemas.codec import check_version, to_builtins
 from rollway.schemas.messages import EpisodeFailure, Trajectory
 from rollway.topics import EPISODE_FAILURES, TRAJECTORIES
@@ -118,7 +118,7 @@ def drop_torn_tail(path: Path) -> None:
 
 def append_line(path: Path, line: str) -> None:
     """Append one whole line, flushed. A file whose last line a killed writer cut short gets a
-    newline first, so the new line stays readable (readers skip the torn one: core/run_dir.py).
+    newline first, so the new line stays readable (readers skip the torn one: base/run_dir.py).
     Locked: sink workers of one run share the file."""
     with open(path, "ab+") as f:
         fcntl.flock(f, fcntl.LOCK_EX)

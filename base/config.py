@@ -5,6 +5,10 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the key."""
+
+
 class StrictModel(BaseModel):
     """Base for every config: unknown keys are an error, never silently ignored; assignments are
     validated like construction."""

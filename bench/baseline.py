@@ -1,6 +1,6 @@
 """The baseline: bounded async batching. A fixed number of slots, each running one episode's init, agent
 turns and grading in sequence with the real actors' `handle`, in-process, no broker. It records the same
-telemetry as the stage runtimes (runners/telemetry.py), a message's production being the end of the
+telemetry as the stage runtimes (runtime/telemetry.py), a message's production being the end of the
 handling that made it."""
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollway.actors.agent import AgentActor
-from rollway.actors.base import MessageMeta
 from rollway.actors.init import InitActor
 from rollway.actors.reward import RewardActor
 from rollway.actors.scheduler import SchedulerActor, Ticket
 from rollway.actors.services import Services
+from rollway.base.run_dir import RunDir
 from rollway.core.config import RunConfig
-from rollway.core.run_dir import RunDir
-from rollway.runners.telemetry import TelemetryLog
+from rollway.runtime.actor import MessageMeta
+from rollway.runtime.telemetry import TelemetryLog
 from rollway.schemas.messages import AgentStep, InitRequest, RewardRequest, Trajectory
 
 NO_DEADLINE_S = 1e9

@@ -63,10 +63,10 @@ class CallTimers:
 
 async def _seed_turn_zero(cfg: Any, run_dir: Path, bootstrap: str, episodes: int) -> None:
     """Every episode's turn-0 message on agent-steps (made by the real init actor), before the clock starts."""
-    from rollway.actors.base import MessageMeta
     from rollway.actors.init import InitActor
     from rollway.actors.services import Services
-    from rollway.core.kafka import ensure_topics, make_producer, topic_name
+    from rollway.runtime.actor import MessageMeta
+    from rollway.runtime.kafka import ensure_topics, make_producer, topic_name
     from rollway.schemas.codec import encode
     from rollway.schemas.messages import EpisodeKey, InitRequest
 

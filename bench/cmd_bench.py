@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from rollway.core.run_dir import fresh_run_folder
+from rollway.base.run_dir import fresh_run_folder
 
 NAME = "bench"
 HELP = ("Benchmarks: pipeline (pipelined vs bounded-batch rollout), serve (inference engine), learner "

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from rollway.core.run_dir import fresh_run_folder
+from rollway.base.run_dir import fresh_run_folder
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -370,7 +370,7 @@ class Engine:
 def episode_figures(trajectories: list[dict[str, Any]], run_dir: Path) -> dict[str, Any]:
     """Work the mode did (sampling makes the two modes' episodes similar, not identical); init and
     grading seconds from the run's telemetry, generation and tool seconds from the turns."""
-    from rollway.runners.telemetry import read_telemetry, stage_seconds
+    from rollway.runtime.telemetry import read_telemetry, stage_seconds
 
     turns = sum(t["num_turns"] for t in trajectories)
     generated = sum(e - s for t in trajectories for s, e in t["turn_spans"])
@@ -400,7 +400,7 @@ def run_pipeline_mode(data: dict[str, Any], run_dir: Path, bootstrap: str) -> tu
     from rollway.bench.pipeline import run_pipeline
 
     run = run_pipeline(data, run_dir, bootstrap, 1)
-    from rollway.core.run_dir import read_trajectories
+    from rollway.base.run_dir import read_trajectories
 
     return run.started, run.ended, read_trajectories(run_dir)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rollway.runners.telemetry import Handled, handled
+from rollway.runtime.telemetry import Handled, handled
 
 CHAIN_TOPICS = ("init-requests", "agent-steps", "reward-requests")
 """Hops inside an episode's lifetime (issue -> graded)."""
@@ -19,7 +19,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def hop_stats(telemetry: list[Handled], issued_at: dict[str, float], created_at: dict[str, float]) -> dict:
-    """From the stage runtimes' telemetry (runners/telemetry.py, with `run.trace` for fetch times):
+    """From the stage runtimes' telemetry (runtime/telemetry.py, with `run.trace` for fetch times):
     hop latency = handling start - production (the record's timestamp; it includes waiting for a free
     slot). Broker transit = fetch time - max(production, start of the poll that fetched it): the time
     the message spent in produce, log and fetch while the consumer was waiting for work, i.e. the

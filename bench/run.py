@@ -29,7 +29,7 @@ from rollway.bench.workload import (
     write_plans,
 )
 from rollway.runners.broker import EmbeddedBroker, free_port
-from rollway.runners.telemetry import EpisodeStages, episode_stages, read_telemetry
+from rollway.runtime.telemetry import EpisodeStages, episode_stages, read_telemetry
 from rollway.sandboxes.sim import live_sandbox_stats
 
 PR_SET_PDEATHSIG = 1
@@ -161,7 +161,7 @@ def pipeline_mode(wl: WorkloadConfig, out: Path, server: SimServer, bootstrap: s
     server.reset()
     data = run_config(wl, out / "plans.jsonl", run_dir / "sandboxes", server.url, name, workers)
     run = run_pipeline(data, run_dir, bootstrap, workers)
-    from rollway.core.run_dir import read_trajectories
+    from rollway.base.run_dir import read_trajectories
 
     trajectories = read_trajectories(run_dir)
     batch = first_graded(run.created_at, wl.episodes)

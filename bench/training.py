@@ -33,7 +33,6 @@ import aiohttp
 from pydantic import Field
 
 from rollway.actors.agent import AgentActor
-from rollway.actors.base import MessageMeta
 from rollway.actors.gate import RankedGate
 from rollway.actors.init import InitActor
 from rollway.actors.reward import RewardActor
@@ -41,6 +40,7 @@ from rollway.actors.services import Services
 from rollway.base.config import StrictModel
 from rollway.bench.workload import WorkloadConfig
 from rollway.core.config import RunConfig
+from rollway.runtime.actor import MessageMeta
 from rollway.schemas.messages import AgentStep, EpisodeKey, InitRequest, Trajectory
 
 NO_DEADLINE_S = 1e9

@@ -141,7 +141,7 @@ class Ledger:
         from aiokafka import TopicPartition
 
         from rollway.actors.scheduler import GIVE_UP_STAGE
-        from rollway.core.kafka import make_consumer, read_to_end, topic_name
+        from rollway.runtime.kafka import make_consumer, read_to_end, topic_name
         from rollway.schemas.codec import DecodeError, decode
         from rollway.topics import EPISODE_FAILURES, INIT_REQUESTS, TRAJECTORIES
 
@@ -196,7 +196,7 @@ class Ledger:
 def sink_check(run_dir: Path, ledger: Ledger) -> dict[str, int]:
     """The sink's file against the log: episodes graded but not written, and lines written twice."""
 
-    from rollway.core.run_dir import read_trajectories
+    from rollway.base.run_dir import read_trajectories
 
     written = [t["episode"]["episode_id"] for t in read_trajectories(run_dir)]
     return {"sink_missing": len(set(ledger.completed) - set(written)), "sink_written_twice": len(written) - len(set(written))}

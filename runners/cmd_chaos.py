@@ -8,7 +8,7 @@ import json
 import sys
 
 from rollway.base.redaction import redact_data
-from rollway.core.run_dir import fresh_run_folder
+from rollway.base.run_dir import fresh_run_folder
 from rollway.runners.common import add_config_arguments, load_or_exit
 
 NAME = "chaos"

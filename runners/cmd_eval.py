@@ -8,9 +8,8 @@ import sys
 from pathlib import Path
 
 from rollway.base.redaction import redact_data
-from rollway.core.run_dir import fresh_run_folder
+from rollway.base.run_dir import fresh_run_folder
 from rollway.runners.common import add_config_arguments, load_or_exit
-from rollway.schemas.codec import check_version
 
 NAME = "eval"
 HELP = ("Evaluate the policy: k attempts per task at a set temperature, pass@k into DIR/eval.json "
@@ -78,19 +77,19 @@ def write_eval(run_dir: Path, cfg, task_ids: list[str] | None = None) -> dict:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    from rollway.core.run_dir import iter_jsonl
+    from rollway.base.run_dir import read_records
 
-    return [check_version(row, f"{path} row {i}") for i, row in enumerate(iter_jsonl(path), 1)]
+    return read_records(path)
 
 
 def run(args: argparse.Namespace) -> int:
 
     from rollway.actors.scheduler import new_run_id
     from rollway.core.config import load_config
-    from rollway.core.kafka import BrokerUnavailable
     from rollway.runners.broker import BrokerError, EmbeddedBroker
     from rollway.runners.cmd_up import prepare_run_dir
     from rollway.runners.up import JobFailed, parse_workers, run_job, write_run_files
+    from rollway.runtime.kafka import BrokerUnavailable
 
     base = load_or_exit(args, "eval")
     overrides = [*args.overrides, *eval_overrides(base)]

@@ -53,8 +53,8 @@ async def read_topic(args: argparse.Namespace, emit) -> int:
     import msgspec
     from aiokafka import TopicPartition
 
-    from rollway.core.config import BrokerConfig
-    from rollway.core.kafka import make_consumer, read_to_end
+    from rollway.base.broker import BrokerConfig
+    from rollway.runtime.kafka import make_consumer, read_to_end
     from rollway.schemas.codec import DecodeError, decode
     from rollway.topics import get_topic
 
@@ -131,7 +131,7 @@ def run_rerun(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rollway.core.kafka import BrokerUnavailable
+    from rollway.runtime.kafka import BrokerUnavailable
 
     if args.rerun:
         if not args.run_dir and not args.bootstrap:

@@ -31,7 +31,7 @@ def load(args: argparse.Namespace) -> tuple[list[dict], str]:
 
 def episode_stage_seconds(run_dir: Path, traj: dict) -> dict[str, float]:
     """Seconds per stage the run folder's telemetry recorded for the attempt that made `traj`."""
-    from rollway.runners.telemetry import attempt_records, read_telemetry, stage_seconds
+    from rollway.runtime.telemetry import attempt_records, read_telemetry, stage_seconds
 
     key = traj["episode"]
     return stage_seconds(attempt_records(read_telemetry(run_dir), key["episode_id"], key.get("attempt", 0)))
@@ -41,9 +41,9 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from rollway.base.redaction import redact
-    from rollway.core.kafka import BrokerUnavailable
     from rollway.runners.episodes import EpisodeNotFound, find_episode
     from rollway.runners.show import render, render_html
+    from rollway.runtime.kafka import BrokerUnavailable
     from rollway.schemas.codec import DecodeError
 
     try:

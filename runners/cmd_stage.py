@@ -23,9 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rollway.core.config import secret_values
-    from rollway.core.kafka import BrokerUnavailable
     from rollway.core.logging import configure_logging, register_secrets
     from rollway.runners.stage import run_stage_sync
+    from rollway.runtime.kafka import BrokerUnavailable
 
     cfg = load_or_exit(args, "stage")  # secrets come from the environment (SECRETS_ENV), never argv
     register_secrets(secret_values(cfg))

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from rollway.core.run_dir import fresh_run_folder
+from rollway.base.run_dir import fresh_run_folder
 from rollway.runners.common import add_config_arguments, load_or_exit
 
 NAME = "up"
@@ -34,10 +34,10 @@ def prepare_run_dir(args: argparse.Namespace, cfg, prog: str) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     from rollway.actors.scheduler import new_run_id
-    from rollway.core.kafka import BrokerUnavailable
     from rollway.core.logging import configure_logging
     from rollway.runners.broker import BrokerError, EmbeddedBroker
     from rollway.runners.up import JobFailed, parse_workers, run_job, write_run_files
+    from rollway.runtime.kafka import BrokerUnavailable
 
     cfg = load_or_exit(args, "up")
     cfg.run.id = cfg.run.id or new_run_id()

@@ -7,8 +7,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from rollway.core.run_dir import iter_jsonl
-from rollway.schemas.codec import check_version
+from rollway.base.run_dir import read_trajectories
 
 
 class EpisodeNotFound(LookupError):
@@ -20,7 +19,7 @@ def load_run_dir(run_dir: Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "trajectories.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist; pass the folder of a finished `rollway up` run")
-    trajs = [check_version(row, f"{path} episode {i}") for i, row in enumerate(iter_jsonl(path), 1)]
+    trajs = read_trajectories(run_dir)
     return sorted(trajs, key=lambda t: t.get("created_at", 0.0))
 
 

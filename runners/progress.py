@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from rollway.core.run_dir import RunDir
+from rollway.base.run_dir import RunDir
 from rollway.topics.topology import STAGE_NAMES
 
 STAGE_ORDER = STAGE_NAMES

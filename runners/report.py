@@ -14,7 +14,7 @@ from typing import Any
 
 from rollway.base.redaction import redact
 from rollway.runners.episodes import load_run_dir
-from rollway.runners.telemetry import EpisodeStages, episode_stages, read_telemetry
+from rollway.runtime.telemetry import EpisodeStages, episode_stages, read_telemetry
 
 Stages = dict[tuple[str, int], EpisodeStages]
 """Stage times per (episode id, attempt), from the run's telemetry."""

@@ -36,7 +36,7 @@ def episode_list(trajs: list[dict[str, Any]]) -> Table:
 
 
 def episode_header(t: dict[str, Any], stage_seconds: dict[str, float] | None = None) -> Table:
-    """`stage_seconds`: handling and queue seconds per stage (runners/telemetry.py); None: not known
+    """`stage_seconds`: handling and queue seconds per stage (runtime/telemetry.py); None: not known
     (an episode read from the topic)."""
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold cyan")

@@ -7,13 +7,13 @@ import os
 import signal
 from pathlib import Path
 
-from rollway.actors.base import Actor
 from rollway.actors.services import Services
 from rollway.base.registry import import_target
+from rollway.base.run_dir import RunDir
 from rollway.core.config import RunConfig
-from rollway.core.kafka import ensure_topics, stage_group_id
-from rollway.core.run_dir import RunDir
-from rollway.runners.stage_runtime import LogReader, StageWorker
+from rollway.runtime.actor import Actor
+from rollway.runtime.kafka import ensure_topics, stage_group_id
+from rollway.runtime.worker import LogReader, StageWorker
 from rollway.topics.topology import get_stage
 
 
@@ -22,8 +22,8 @@ def build_actor(name: str, services: Services, log_reader: LogReader | None) -> 
     reader, for stages that read the log back)."""
     stage = get_stage(name)
     actor_class = import_target(stage.actor)
-    if name == "scheduler":  # its log reader streams its own inputs back (runners/topic_scan.py)
-        from rollway.runners.topic_scan import StreamingTopicScanner
+    if name == "scheduler":  # its log reader streams its own inputs back (runtime/scan.py)
+        from rollway.runtime.scan import StreamingTopicScanner
 
         return actor_class(services, StreamingTopicScanner(services.cfg, log_reader.bootstrap) if log_reader else None)
     return actor_class(services, log_reader) if stage.reads_log else actor_class(services)
@@ -58,7 +58,7 @@ def stage_prefetch(name: str, cfg: RunConfig) -> int:
 
 
 def group_id(name: str, cfg: RunConfig) -> str:
-    """Every stage's group belongs to its run (core/kafka.py: stage_group_id)."""
+    """Every stage's group belongs to its run (runtime/kafka.py: stage_group_id)."""
     return stage_group_id(name, cfg.topics, cfg.run.id)
 
 
@@ -78,7 +78,7 @@ async def run_stage(name: str, cfg: RunConfig, bootstrap: str, run_dir: Path, st
         status = RunDir(run_dir).worker_status_path(name, os.getpid())
         telemetry = RunDir(run_dir).telemetry_path(name, os.getpid())
         if cfg.runtime.engine_for(name) == "faust":
-            from rollway.runners.faust_runtime import run_faust_worker  # imports faust only when chosen
+            from rollway.runtime.faust import run_faust_worker  # imports faust only when chosen
 
             await run_faust_worker(actor, cfg, bootstrap, stage_concurrency(name, cfg), group_id(name, cfg),
                                    run_dir, stop, status_path=status, prefetch=stage_prefetch(name, cfg),

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from rollway.base.run_dir import RunDir, read_trajectories
 from rollway.core.config import RunConfig, dump_config, secret_values, write_resolved_config
 from rollway.core.logging import redact_data, register_secrets, spawn_logged
-from rollway.core.run_dir import RunDir, read_trajectories
 from rollway.topics.topology import STAGE_NAMES as STAGES
 from rollway.topics.topology import start_order
 
@@ -230,7 +230,7 @@ def summarize(run_dir: Path, cfg: RunConfig, wall_s: float, job: Job) -> dict:
 
 def stage_time_totals(run_dir: Path, trajs: list[dict]) -> dict[str, float]:
     """Seconds per STAGE_TIME_KEYS over the run's written episodes."""
-    from rollway.runners.telemetry import read_telemetry, stage_seconds
+    from rollway.runtime.telemetry import read_telemetry, stage_seconds
 
     stages = stage_seconds(read_telemetry(run_dir), {t["episode"]["episode_id"] for t in trajs})
     turns = [u for t in trajs for u in t.get("turns", [])]
@@ -269,7 +269,7 @@ def run_job(cfg: RunConfig, config_path: str, overrides: list[str], bootstrap: s
             max_restarts: int = 3, env: dict[str, str] | None = None) -> dict:
     """Start every stage process, wait for the scheduler to finish and the sink/learner to catch up,
     stop the processes, write and return `summary.json`. Crashed workers are restarted."""
-    from rollway.core.kafka import ensure_topics
+    from rollway.runtime.kafka import ensure_topics
 
     register_secrets(secret_values(cfg))
     if not quiet and not structlog.is_configured():
@@ -392,8 +392,14 @@ async def consumer_lag(cfg: RunConfig, bootstrap: str, stages: tuple[str, ...]) 
     from aiokafka import TopicPartition
     from aiokafka.admin import AIOKafkaAdminClient
 
-    from rollway.core.kafka import client_kwargs, log_end_offsets, make_consumer, start_with_retry, topic_name
     from rollway.runners.stage import group_id, stage_inputs
+    from rollway.runtime.kafka import (
+        client_kwargs,
+        log_end_offsets,
+        make_consumer,
+        start_with_retry,
+        topic_name,
+    )
 
     # Its fetches only probe the high watermark at each end: a broker answers them after fetch_max_wait.
     probe = cfg.broker.model_copy(update={"fetch_max_wait_ms": 10})

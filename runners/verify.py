@@ -13,8 +13,8 @@ from typing import Any
 
 import yaml
 
+from rollway.base.run_dir import TRAJECTORIES_FILE
 from rollway.core.config import RunConfig, load_config
-from rollway.core.run_dir import TRAJECTORIES_FILE
 from rollway.schemas.messages import Trajectory
 
 _REWARD_OFFSETS = itertools.count()
@@ -27,10 +27,10 @@ DO_NOTHING_SCRIPT = "[{when: '', turns: ['I will not do anything.']}]"
 async def play_episode(cfg: RunConfig, run_dir: Path, task_id: str, services: Any = None) -> Trajectory:
     """One episode through the init, agent and reward actors, chained in this process (no broker)."""
     from rollway.actors.agent import AgentActor
-    from rollway.actors.base import MessageMeta
     from rollway.actors.init import InitActor
     from rollway.actors.reward import RewardActor
     from rollway.actors.services import Services
+    from rollway.runtime.actor import MessageMeta
     from rollway.schemas.messages import EpisodeKey, InitRequest
     from rollway.topics import AGENT_STEPS, TRAJECTORIES
 

@@ -10,7 +10,7 @@ import msgspec
 SCHEMA_VERSION = 2
 """Bumped on any incompatible change; decoders reject other versions. 2: the episode identity is one
 nested `episode` field (EpisodeKey); stage timings, stamps and `sent_at` left the messages (the stage
-runtimes record them as telemetry, runners/telemetry.py)."""
+runtimes record them as telemetry, runtime/telemetry.py)."""
 
 
 class Message(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -199,7 +199,7 @@ class Trajectory(EpisodeMessage, kw_only=True):
     """Initial chat messages."""
     template_drift_turns: int = 0
     created_at: float = 0.0
-    """When the reward actor graded it (unix seconds). Stage times are telemetry (runners/telemetry.py);
+    """When the reward actor graded it (unix seconds). Stage times are telemetry (runtime/telemetry.py);
     each turn's generation and tool times are on `turns` (the agent needs them)."""
 
 

@@ -10,7 +10,6 @@ import pytest
 from conftest import ROOT, run
 
 from rollway.actors.agent import AgentActor
-from rollway.actors.base import MessageMeta
 from rollway.actors.init import InitActor
 from rollway.actors.learner import LearnerActor
 from rollway.actors.reward import RewardActor
@@ -18,6 +17,7 @@ from rollway.actors.scheduler import SchedulerActor
 from rollway.actors.services import Services
 from rollway.actors.sink import SinkActor
 from rollway.core.config import load_config
+from rollway.runtime.actor import MessageMeta
 from rollway.schemas import (
     AgentStep,
     EpisodeFailure,

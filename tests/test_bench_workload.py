@@ -11,7 +11,6 @@ import pytest
 from conftest import ROOT, run
 
 from rollway.actors.agent import AgentActor
-from rollway.actors.base import MessageMeta
 from rollway.actors.scheduler import SchedulerActor, ends_order, johnson_order
 from rollway.actors.services import Services
 from rollway.bench.report import (
@@ -34,8 +33,9 @@ from rollway.bench.workload import (
 from rollway.core.config import load_config
 from rollway.envs.base import TaskCost
 from rollway.policies.chat import IM_END, BytesChatML
-from rollway.runners.stage_queue import Backlog
-from rollway.runners.telemetry import Handled
+from rollway.runtime.actor import MessageMeta
+from rollway.runtime.queue import Backlog
+from rollway.runtime.telemetry import Handled
 from rollway.sandboxes.base import SandboxSpec
 from rollway.sandboxes.config import SandboxConfig
 from rollway.sandboxes.sim import SIM_SPEC_FILE, SimSandboxProvider, live_sandbox_stats

@@ -229,7 +229,7 @@ def _produce_garbage(bootstrap: str) -> None:
             await p.stop()
 
     from rollway.core.config import RunConfig
-    from rollway.core.kafka import ensure_topics
+    from rollway.runtime.kafka import ensure_topics
 
     asyncio.run(ensure_topics(RunConfig().broker, RunConfig().topics, bootstrap))
     asyncio.run(go())

@@ -17,13 +17,13 @@ from conftest import ROOT, run
 from pydantic import BaseModel, ConfigDict
 
 from rollway.actors.agent import AgentActor
-from rollway.actors.base import MessageMeta
 from rollway.actors.init import InitActor
 from rollway.actors.learner import LearnerActor
 from rollway.actors.services import Services
 from rollway.core.config import ConfigError, RunConfig, config_secrets, load_config, resolved_config
 from rollway.envs.factory import build_taskset
 from rollway.runners.verify import DO_NOTHING_SCRIPT, play_episode
+from rollway.runtime.actor import MessageMeta
 from rollway.schemas import EpisodeKey, InitRequest
 from rollway.tools.base import Tool, ToolResult, takes_context
 from rollway.tools.config import ToolsConfig

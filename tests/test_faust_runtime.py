@@ -16,9 +16,8 @@ from aiokafka import AIOKafkaProducer
 from conftest import ROOT, run
 from test_stage_runtime import Forward, config, init_request, produce, read_all
 
-from rollway.core.config import BrokerConfig
-from rollway.core.kafka import ensure_topics
-from rollway.runners.faust_runtime import (
+from rollway.base.broker import BrokerConfig
+from rollway.runtime.faust import (
     FaustStage,
     changelog_name,
     dedup_key,
@@ -26,6 +25,7 @@ from rollway.runners.faust_runtime import (
     faust_credentials,
     run_faust_worker,
 )
+from rollway.runtime.kafka import ensure_topics
 from rollway.schemas import AgentStep, DeadLetter, EpisodeKey, decode, encode
 from rollway.topics import AGENT_STEPS, DEAD_LETTERS, INIT_REQUESTS
 

@@ -11,11 +11,11 @@ from pathlib import Path
 from conftest import ROOT, run
 
 from rollway.actors.agent import AgentActor
-from rollway.actors.base import MessageMeta
 from rollway.actors.init import InitActor
 from rollway.actors.reward import RewardActor
 from rollway.actors.services import Services
 from rollway.core.config import load_config
+from rollway.runtime.actor import MessageMeta
 from rollway.schemas import EpisodeKey, InitRequest, Trajectory, encode
 from rollway.topics import AGENT_STEPS, REWARD_REQUESTS, TRAJECTORIES
 

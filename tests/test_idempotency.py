@@ -12,11 +12,11 @@ from conftest import run
 from test_actors import meta, services
 
 from rollway.actors.agent import AgentActor
-from rollway.actors.base import MessageMeta
 from rollway.actors.init import InitActor
 from rollway.actors.ledger import Ledger
 from rollway.actors.reward import RewardActor
 from rollway.actors.sink import SinkActor
+from rollway.runtime.actor import MessageMeta
 from rollway.schemas import EpisodeKey, InitRequest, RewardRequest
 from rollway.topics import AGENT_STEPS, REWARD_REQUESTS, TRAJECTORIES
 

@@ -87,3 +87,40 @@ def test_base_is_the_bottom_layer():
 def test_the_checker_sees_a_cycle():
     """A guard for the guard: a made-up two-package loop is found."""
     assert find_cycle({"a": {"b": ["x"]}, "b": {"a": ["y"]}}) in (["a", "b", "a"], ["b", "a", "b"])
+
+
+LAYERS = (
+    ("schemas", "base"),
+    ("topics",),
+    ("runtime",),
+    ("sandboxes", "tools", "envs", "policies", "learning"),
+    ("core",),
+    ("actors",),
+    ("runners",),
+    ("bench", "gateway"),
+)
+"""Bottom to top: messages and the lowest helpers; the topics and the topology; the stream runtime; the
+domain packages; the config root (core); the actors; processes and the CLI; benchmarks. A package
+imports only packages of its own layer or below (within a layer the graph must stay acyclic)."""
+
+
+def test_packages_import_only_their_layer_or_below():
+    rank = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+    graph = package_graph()
+    assert set(graph) <= set(rank), f"packages without a layer: {sorted(set(graph) - set(rank))}"
+    upward = [f"{a} ({LAYERS[rank[a]]}) -> {b} ({LAYERS[rank[b]]}): {', '.join(files[:3])}"
+              for a, edges in graph.items() for b, files in edges.items() if rank[b] > rank[a]]
+    assert not upward, "imports against the layer order:\n" + "\n".join(upward)
+
+
+def test_the_stream_runtime_loads_no_domain_package():
+    """Importing the runtime (worker, Faust engine, log scans, Kafka clients, telemetry) loads only the
+    schemas, the topics, base and itself: no task set, tool, policy, sandbox or learner, nor faust."""
+    import subprocess
+    import sys
+
+    code = ("import sys, rollway.runtime.worker, rollway.runtime.faust, rollway.runtime.scan, rollway.runtime.kafka, "
+            "rollway.runtime.telemetry, rollway.runtime.actor; "
+            "print(sorted({m.split('.')[1] for m in sys.modules if m.startswith('rollway.')}), 'faust' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split("]")[0] + "]" == str(sorted(["base", "runtime", "schemas", "topics"])) and out.strip().endswith("False")

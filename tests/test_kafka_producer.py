@@ -12,9 +12,9 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import UnknownError
 from conftest import run
 
-from rollway.core import kafka
-from rollway.core.config import BrokerConfig
-from rollway.core.kafka import make_producer, producer_is_idempotent
+from rollway.base.broker import BrokerConfig
+from rollway.runtime import kafka
+from rollway.runtime.kafka import make_producer, producer_is_idempotent
 
 pytestmark = pytest.mark.broker
 
@@ -59,7 +59,7 @@ def test_scans_and_lag_reach_records_a_short_list_offsets_answer_leaves_out(brok
     from aiokafka import TopicPartition
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-    from rollway.core.kafka import log_end_offsets, make_consumer, read_to_end
+    from rollway.runtime.kafka import log_end_offsets, make_consumer, read_to_end
 
     topic = f"{topic_prefix}scan"
 
@@ -97,8 +97,8 @@ def test_one_message_size_limit_for_producers_consumers_and_created_topics(broke
     from aiokafka.admin import AIOKafkaAdminClient
     from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
-    from rollway.core.config import TopicsConfig
-    from rollway.core.kafka import ensure_topics, make_consumer
+    from rollway.base.broker import TopicsConfig
+    from rollway.runtime.kafka import ensure_topics, make_consumer
     from rollway.topics import ALL_TOPICS
 
     cfg = BrokerConfig(max_message_bytes=2 * 1024 * 1024, connect_timeout_s=10)

@@ -11,9 +11,9 @@ import pytest
 from conftest import ROOT, run
 from test_actors import services
 
-from rollway.actors.base import MessageMeta
 from rollway.actors.learner import LearnerActor
 from rollway.learning.testing import make_trajectory, tiny_model_factory
+from rollway.runtime.actor import MessageMeta
 
 
 def learner_services(tmp_path, *extra: str):

@@ -17,12 +17,12 @@ from conftest import ROOT, run, wait_until
 from test_actors import services
 
 from rollway.actors.agent import AgentActor
-from rollway.actors.base import FatalActorError, MessageMeta, Output
 from rollway.actors.init import InitActor
 from rollway.actors.ledger import Ledger
 from rollway.actors.reward import RewardActor
 from rollway.actors.sink import SinkActor
-from rollway.runners.stage_runtime import OffsetTracker, handle_or_dead_letter
+from rollway.runtime.actor import FatalActorError, MessageMeta, Output
+from rollway.runtime.worker import OffsetTracker, handle_or_dead_letter
 from rollway.sandboxes.base import SandboxSpec
 from rollway.schemas import EpisodeKey, InitRequest, RewardRequest, Trajectory
 from rollway.topics import (
@@ -393,7 +393,7 @@ def test_readers_of_trajectories_survive_a_torn_last_line(tmp_path):
     """A sink killed mid-write leaves half a line. Every reader of trajectories.jsonl skips it with a
     warning instead of crashing, and the restarted sink cuts it off before appending."""
     from rollway.actors.sink import export_parquet
-    from rollway.core.run_dir import read_trajectories
+    from rollway.base.run_dir import read_trajectories
     from rollway.runners.cmd_eval import read_jsonl
     from rollway.runners.episodes import load_run_dir
     from rollway.runners.progress import RewardTail
@@ -431,9 +431,9 @@ def test_two_runs_on_one_broker_keep_their_own_episodes(broker, topic_prefix, tm
 
     from rollway.actors.services import Services
     from rollway.core.config import load_config
-    from rollway.core.kafka import ensure_topics
     from rollway.runners.stage import group_id
-    from rollway.runners.stage_runtime import StageWorker
+    from rollway.runtime.kafka import ensure_topics
+    from rollway.runtime.worker import StageWorker
     from rollway.schemas import encode
 
     cfgs = {r: load_config(ROOT / "examples" / "smoke.yaml", [f"run.id={r}", f"topics.prefix={topic_prefix}"])
@@ -521,8 +521,8 @@ def test_restarted_scheduler_rebuilds_from_a_streamed_log(broker, topic_prefix, 
 
     from rollway.actors.scheduler import SchedulerActor
     from rollway.actors.services import Services
-    from rollway.core.kafka import ensure_topics
-    from rollway.runners.topic_scan import StreamingTopicScanner
+    from rollway.runtime.kafka import ensure_topics
+    from rollway.runtime.scan import StreamingTopicScanner
     from rollway.schemas import encode
 
     cfg = scheduler_config(topic_prefix)
@@ -558,8 +558,8 @@ def test_scheduler_rebuild_that_cannot_finish_its_scan_fails_loudly(broker, topi
     again what it had issued; now setup raises, naming the topic and what to do."""
     from rollway.actors.scheduler import SchedulerActor
     from rollway.actors.services import Services
-    from rollway.core.kafka import ensure_topics
-    from rollway.runners.topic_scan import ScanIncomplete, StreamingTopicScanner
+    from rollway.runtime.kafka import ensure_topics
+    from rollway.runtime.scan import ScanIncomplete, StreamingTopicScanner
 
     cfg = scheduler_config(topic_prefix)
 
@@ -577,7 +577,7 @@ def test_scheduler_of_a_run_older_than_retention_refuses_to_rebuild(tmp_path):
     and the old rebuild issued them again as new work. Now setup refuses, naming the way out."""
     from rollway.actors.scheduler import SchedulerActor
     from rollway.actors.services import Services
-    from rollway.core.run_dir import RunDir
+    from rollway.base.run_dir import RunDir
 
     cfg = scheduler_config("unused-")
     RunDir(tmp_path / "run").write(RunDir.SCHEDULER_STATUS, {"run_id": "rS", "started_at": time.time() - 8 * 86400})

@@ -132,7 +132,7 @@ def test_utilisation_counts_overlapping_generations_once():
 def test_runtimes_record_each_stage_of_each_episode_once_in_order(smoke_run):
     """The telemetry the stage runtimes wrote: every message of every episode handled exactly once (no
     failures in the smoke run), stages in order, each turn's generation inside its agent handling."""
-    from rollway.runners.telemetry import attempt_records, read_telemetry
+    from rollway.runtime.telemetry import attempt_records, read_telemetry
 
     telemetry = read_telemetry(smoke_run.run_dir)
     assert telemetry and all(r.produced_at <= r.started_at <= r.ended_at for r in telemetry)
@@ -196,7 +196,7 @@ def test_runs_started_in_the_same_second_get_their_own_folders(tmp_path):
     each other's plans file; each now claims its own folder."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from rollway.core.run_dir import fresh_run_folder
+    from rollway.base.run_dir import fresh_run_folder
 
     with ThreadPoolExecutor(8) as pool:
         folders = list(pool.map(lambda _: fresh_run_folder("bench-training", tmp_path), range(8)))

@@ -18,13 +18,13 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from conftest import run
 from test_stage_runtime import produce, read_all
 
-from rollway.actors.base import Actor, MessageMeta, Output, StaleMessage, failure_output
+from rollway.base.run_dir import RunDir
 from rollway.core.config import RunConfig, load_config
-from rollway.core.kafka import ensure_topics, topic_name
-from rollway.core.run_dir import RunDir
-from rollway.runners.faust_runtime import FaustStage, ensure_changelog_topics
-from rollway.runners.stage_runtime import StageWorker
-from rollway.runners.telemetry import read_telemetry
+from rollway.runtime.actor import Actor, MessageMeta, Output, StaleMessage, failure_output
+from rollway.runtime.faust import FaustStage, ensure_changelog_topics
+from rollway.runtime.kafka import ensure_topics, topic_name
+from rollway.runtime.telemetry import read_telemetry
+from rollway.runtime.worker import StageWorker
 from rollway.schemas import AgentStep, DeadLetter, EpisodeFailure, EpisodeKey, decode, encode
 from rollway.topics import AGENT_STEPS, ALL_TOPICS, DEAD_LETTERS, EPISODE_FAILURES, TopicSpec
 

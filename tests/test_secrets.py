@@ -8,8 +8,8 @@ import logging
 from conftest import wait_until
 
 from rollway.core.config import RunConfig, dump_config
-from rollway.core.kafka import client_kwargs
 from rollway.core.logging import configure_logging, redact
+from rollway.runtime.kafka import client_kwargs
 
 SECRET = "s3cr3t-Pa55"
 

@@ -10,11 +10,12 @@ from aiokafka import AIOKafkaConsumer
 from conftest import run
 
 from rollway.actors.agent import AgentActor
-from rollway.actors.base import Actor, MessageMeta, Output
-from rollway.core.config import BrokerConfig, RunConfig
-from rollway.core.kafka import BrokerUnavailable, ensure_topics, make_producer, topic_name
-from rollway.runners.stage_queue import KeyLocks
-from rollway.runners.stage_runtime import LogReader, StageWorker
+from rollway.base.broker import BrokerConfig
+from rollway.core.config import RunConfig
+from rollway.runtime.actor import Actor, MessageMeta, Output
+from rollway.runtime.kafka import BrokerUnavailable, ensure_topics, make_producer, topic_name
+from rollway.runtime.queue import KeyLocks
+from rollway.runtime.worker import LogReader, StageWorker
 from rollway.schemas import AgentStep, DeadLetter, EpisodeKey, InitRequest, decode, encode
 from rollway.topics import AGENT_STEPS, DEAD_LETTERS, INIT_REQUESTS
 
@@ -394,7 +395,7 @@ def test_a_cancelled_message_runs_again_when_its_partition_comes_back_to_the_sam
 def test_topic_scan_skips_a_deeply_nested_record(broker, topic_prefix):
     """A restarted scheduler rebuilds its state by scanning topics: a record nested 200,000 deep
     (RecursionError in the decoder) is skipped like any undecodable one, not the end of the scan."""
-    from rollway.runners.topic_scan import StreamingTopicScanner
+    from rollway.runtime.scan import StreamingTopicScanner
 
     cfg = config(topic_prefix, partitions=1)
     good = init_request(1)

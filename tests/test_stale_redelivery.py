@@ -15,13 +15,13 @@ from conftest import ROOT, run
 from test_stage_runtime import produce
 
 from rollway.actors.agent import AgentActor
-from rollway.actors.base import MessageMeta
 from rollway.actors.init import InitActor
 from rollway.actors.reward import RewardActor
 from rollway.actors.services import Services
 from rollway.core.config import RunConfig, load_config
-from rollway.core.kafka import ensure_topics, topic_name
-from rollway.runners.stage_runtime import LogReader, StageWorker
+from rollway.runtime.actor import MessageMeta
+from rollway.runtime.kafka import ensure_topics, topic_name
+from rollway.runtime.worker import LogReader, StageWorker
 from rollway.schemas import AgentStep, EpisodeKey, InitRequest, encode
 from rollway.topics import AGENT_STEPS, DEAD_LETTERS, EPISODE_FAILURES, REWARD_REQUESTS, TRAJECTORIES
 

@@ -49,7 +49,7 @@ def test_outputs_written_in_each_actor_are_declared():
         module = ROOT / "actors" / (stage.actor.split(":")[0].rsplit(".", 1)[1] + ".py")
         for constant in _topics_returned(module):
             assert by_constant[constant] in stage.produces, f"{stage.name} writes {constant} undeclared"
-    # failure_output (actors/base.py) writes episode-failures for init, agent and reward
+    # failure_output (runtime/actor.py) writes episode-failures for init, agent and reward
     for name in ("init", "agent", "reward"):
         assert any(t.name == "episode-failures" for t in get_stage(name).produces)
 

@@ -19,7 +19,7 @@ from aiokafka.errors import (
     UnsupportedVersionError,
 )
 
-from rollway.core.config import BrokerConfig, TopicsConfig
+from rollway.base.broker import BrokerConfig, TopicsConfig
 from rollway.topics import ALL_TOPICS, TopicSpec
 
 log = structlog.get_logger()

@@ -22,14 +22,14 @@ from aiokafka.errors import (
     RecordListTooLargeError,
 )
 
-from rollway.actors.base import Actor, FatalActorError, MessageMeta, Output, OutputRefused, StaleMessage
 from rollway.base.faults import fault_point
 from rollway.base.files import write_json_atomic
 from rollway.base.redaction import redact
-from rollway.core.config import RunConfig
-from rollway.core.kafka import ensure_topics, make_consumer, make_producer, read_to_end, topic_name
-from rollway.runners.stage_queue import Backlog, KeyLocks
-from rollway.runners.telemetry import TelemetryLog
+from rollway.runtime.actor import Actor, FatalActorError, MessageMeta, Output, OutputRefused, StaleMessage
+from rollway.runtime.kafka import ensure_topics, make_consumer, make_producer, read_to_end, topic_name
+from rollway.runtime.queue import Backlog, KeyLocks
+from rollway.runtime.settings import StreamConfig
+from rollway.runtime.telemetry import TelemetryLog
 from rollway.schemas.codec import DecodeError, EncodeError, decode, encode
 from rollway.schemas.messages import AgentStep, DeadLetter
 from rollway.topics import DEAD_LETTERS, TopicSpec
@@ -89,7 +89,7 @@ class OutputSender:
     `OutputRefused` for an output no retry can deliver (unencodable, over `broker.max_message_bytes`,
     refused by the broker for what it is), so its input is dead-lettered instead of retried forever."""
 
-    def __init__(self, stage: str, cfg: RunConfig, produce: Produce, stats: dict[str, int],
+    def __init__(self, stage: str, cfg: StreamConfig, produce: Produce, stats: dict[str, int],
                  on_backoff: Callable[[float], Awaitable[None]] | None = None):
         self.stage, self.cfg, self.produce, self.stats, self.on_backoff = stage, cfg, produce, stats, on_backoff
 
@@ -218,7 +218,7 @@ class OffsetTracker:
 class StageWorker:
     """One worker process of one stage (a member of the stage's consumer group)."""
 
-    def __init__(self, actor: Actor, cfg: RunConfig, bootstrap: str, concurrency: int, group_id: str,
+    def __init__(self, actor: Actor, cfg: StreamConfig, bootstrap: str, concurrency: int, group_id: str,
                  prefetch: int = 0, telemetry_path: Path | None = None, status_path: Path | None = None):
         self.actor, self.cfg, self.bootstrap = actor, cfg, bootstrap
         self.concurrency = concurrency
@@ -226,7 +226,7 @@ class StageWorker:
         """Messages fetched beyond `concurrency` into `backlog`, started by `actor.priority`."""
         self.backlog = Backlog()
         self.telemetry = TelemetryLog(telemetry_path, actor.name, fetch_times=cfg.run.trace)
-        """One line per handled message (runners/telemetry.py); nothing without a path."""
+        """One line per handled message (runtime/telemetry.py); nothing without a path."""
         self.group_id = group_id
         self.specs: dict[str, TopicSpec] = {topic_name(t, cfg.topics): t for t in actor.inputs}
         self.offsets = OffsetTracker()
@@ -454,7 +454,7 @@ class _Rebalance(ConsumerRebalanceListener):
 class LogReader:
     """Reads one episode's agent-steps back from the log (for a worker that lacks it in memory)."""
 
-    def __init__(self, cfg: RunConfig, bootstrap: str):
+    def __init__(self, cfg: StreamConfig, bootstrap: str):
         self.cfg, self.bootstrap = cfg, bootstrap
         self.consumer = None
         self.lock = asyncio.Lock()

@@ -20,7 +20,7 @@ runs one suite against both engines):
   priority backlog as the aiokafka worker's (re-ranked when `priority_epoch` changes).
 - `tick`, `done`, `on_error`, dead letters, outputs that can never be produced (the input dead-lettered,
   the episode failed: `deliver`), `StaleMessage` skips and telemetry (one line per handled message,
-  runners/telemetry.py) as in the aiokafka worker, through the same functions.
+  runtime/telemetry.py) as in the aiokafka worker, through the same functions.
 - Exactly-once effect: for init, reward, learner and sink, the stage keeps a Faust `Table` per input
   topic (memory store, compacted changelog topic) of the dedup keys it has handled, so a worker that
   takes a partition over, on this machine or another, skips redelivered episodes. An entry is
@@ -54,17 +54,15 @@ import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from rollway.actors.base import Actor, MessageMeta, Output
+from rollway.base.broker import BrokerConfig, unsupported_settings
+from rollway.base.config import ConfigError
 from rollway.base.files import write_json_atomic
-from rollway.core.config import (
-    BrokerConfig,
-    ConfigError,
-    RunConfig,
-    unsupported_settings,
-)
-from rollway.core.kafka import client_kwargs, create_topics, log_end_offsets, start_with_retry, topic_name
-from rollway.runners.stage_queue import Backlog, KeyLocks
-from rollway.runners.stage_runtime import (
+from rollway.runtime.actor import Actor, MessageMeta, Output
+from rollway.runtime.kafka import client_kwargs, create_topics, log_end_offsets, start_with_retry, topic_name
+from rollway.runtime.queue import Backlog, KeyLocks
+from rollway.runtime.settings import StreamConfig
+from rollway.runtime.telemetry import TelemetryLog
+from rollway.runtime.worker import (
     COMMIT_INTERVAL_S,
     STATUS_INTERVAL_S,
     TICK_INTERVAL_S,
@@ -74,7 +72,6 @@ from rollway.runners.stage_runtime import (
     handle_or_dead_letter,
     send_dead_letter,
 )
-from rollway.runners.telemetry import TelemetryLog
 from rollway.schemas.codec import DecodeError, decode
 from rollway.schemas.messages import (
     EpisodeFailure,
@@ -135,7 +132,7 @@ def faust_credentials(cfg: BrokerConfig) -> Any | None:
     return None
 
 
-def build_app(cfg: RunConfig, bootstrap: str, group_id: str, run_dir: Path) -> Any:
+def build_app(cfg: StreamConfig, bootstrap: str, group_id: str, run_dir: Path) -> Any:
     """A Faust app that consumes as `group_id`, never declares topics and serves no web pages."""
     import faust
 
@@ -173,7 +170,7 @@ def build_app(cfg: RunConfig, bootstrap: str, group_id: str, run_dir: Path) -> A
     )
 
 
-async def ensure_changelog_topics(cfg: RunConfig, bootstrap: str, group_id: str, specs: list[TopicSpec]) -> None:
+async def ensure_changelog_topics(cfg: StreamConfig, bootstrap: str, group_id: str, specs: list[TopicSpec]) -> None:
     """Create each dedup table's compacted changelog with its source topic's partition count (Faust
     writes a table entry to the partition of the event that caused it, and checks the counts match)."""
     admin = AIOKafkaAdminClient(**client_kwargs(cfg.broker, bootstrap))
@@ -241,7 +238,7 @@ class FaustStage:
     changelog), so the tables stay bounded. Redeliveries come from the committed offset on, and a
     worker commits soon after it handles: a key this many messages old is never asked for again."""
 
-    def __init__(self, actor: Actor, cfg: RunConfig, bootstrap: str, concurrency: int, group_id: str,
+    def __init__(self, actor: Actor, cfg: StreamConfig, bootstrap: str, concurrency: int, group_id: str,
                  run_dir: Path, status_path: Path | None = None, prefetch: int = 0,
                  telemetry_path: Path | None = None):
         self.actor, self.cfg, self.group_id, self.status_path = actor, cfg, group_id, status_path
@@ -316,7 +313,7 @@ class FaustStage:
             raise
 
     async def run(self, stop: asyncio.Event) -> None:
-        refused = unsupported_settings(self.cfg, [self.actor.name])
+        refused = unsupported_settings(self.cfg.broker, [self.actor.name])
         if refused:
             raise ConfigError("; ".join(refused))
         await self.actor.setup()
@@ -551,7 +548,7 @@ class FaustStage:
         await self.app.producer.send_and_wait(topic, key, value, partition=None, timestamp=None, headers=None)
 
 
-async def run_faust_worker(actor: Actor, cfg: RunConfig, bootstrap: str, concurrency: int, group_id: str,
+async def run_faust_worker(actor: Actor, cfg: StreamConfig, bootstrap: str, concurrency: int, group_id: str,
                            run_dir: Path, stop: asyncio.Event, status_path: Path | None = None,
                            prefetch: int = 0, telemetry_path: Path | None = None) -> None:
     """Run `actor` as a Faust worker until `stop` is set or the actor is done."""

@@ -11,8 +11,8 @@ from typing import Any
 
 from aiokafka import TopicPartition
 
-from rollway.core.config import RunConfig
-from rollway.core.kafka import make_consumer, read_to_end, topic_name
+from rollway.runtime.kafka import make_consumer, read_to_end, topic_name
+from rollway.runtime.settings import StreamConfig
 from rollway.schemas.codec import DecodeError, decode
 from rollway.topics import TopicSpec
 
@@ -26,7 +26,7 @@ class StreamingTopicScanner:
     order (undecodable records are skipped: they went to dead-letters). Raises ScanIncomplete when
     no record arrives for `stall_s` before the end: a stall, not a slow scan of a long log, fails it."""
 
-    def __init__(self, cfg: RunConfig, bootstrap: str, stall_s: float = 60.0):
+    def __init__(self, cfg: StreamConfig, bootstrap: str, stall_s: float = 60.0):
         self.cfg, self.bootstrap, self.stall_s = cfg, bootstrap, stall_s
 
     async def __call__(self, spec: TopicSpec) -> AsyncIterator[Any]:

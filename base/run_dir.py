@@ -47,8 +47,17 @@ def iter_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
 
 
 def read_trajectories(run_dir: str | Path) -> list[dict[str, Any]]:
-    """Every row of `run_dir/trajectories.jsonl` as written (torn lines skipped), in file order."""
-    return list(iter_jsonl(Path(run_dir) / TRAJECTORIES_FILE))
+    """Every row of `run_dir/trajectories.jsonl` as written (torn lines skipped), in file order: the one
+    reader of run folders' trajectories. A row of another schema version is refused (DecodeError with
+    what to do), never read as if it were this version."""
+    return read_records(Path(run_dir) / TRAJECTORIES_FILE)
+
+
+def read_records(path: str | Path) -> list[dict[str, Any]]:
+    """The message rows of a JSON-lines file (trajectories, eval outputs), schema version checked."""
+    from rollway.schemas.codec import check_version
+
+    return [check_version(row, f"{path} row {i}") for i, row in enumerate(iter_jsonl(path), 1)]
 
 
 def fresh_run_folder(prefix: str, root: str | Path = "runs") -> Path:
@@ -122,7 +131,7 @@ class RunDir:
         return self.path / "telemetry"
 
     def telemetry_path(self, stage: str, pid: int) -> Path:
-        """Where one worker process records every message it handled (runners/telemetry.py)."""
+        """Where one worker process records every message it handled (runtime/telemetry.py)."""
         return self.telemetry_dir / f"{stage}-{pid}.jsonl"
 
     @property

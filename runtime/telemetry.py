@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from rollway.core.run_dir import RunDir
+from rollway.base.run_dir import RunDir
 from rollway.schemas.messages import EpisodeKey
 
 FLUSH_INTERVAL_S = 0.5
