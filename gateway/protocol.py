@@ -129,8 +129,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
         raise RequestError("messages must be a non-empty list of message objects", "messages")
     messages = [_message(m, f"messages[{i}]") for i, m in enumerate(raw)]
     if messages[-1]["role"] == "assistant":
-        raise RequestError("the last message is the assistant's: the gateway samples a new assistant turn, "
-                           "so end with a user or tool message", f"messages[{len(raw) - 1}].role")
+        raise RequestError(f"messages[{len(raw) - 1}].role is assistant: the gateway samples a new assistant "
+                           "turn, so end with a user or tool message", f"messages[{len(raw) - 1}].role")
     tools = [_tool(t, f"tools[{i}]") for i, t in enumerate(_expect(body.get("tools", []), list, "tools", "a list"))]
     return ChatRequest(messages, tools, _tool_choice(body.get("tool_choice", "auto"), tools),
                        _sampling(body, "max_completion_tokens"))
