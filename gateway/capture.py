@@ -114,6 +114,14 @@ class EpisodeCapture:
                 out.append({"role": m["role"], "content": m["content"]})
         return out
 
+    def drifted(self, plan: Plan) -> bool:
+        """Whether a from-scratch render of the plan's conversation differs from its prompt ids (never
+        for a call that opens a segment: that prompt is a from-scratch render). Costs a full render."""
+        if plan.segment_reason is not None or self.api != "chat":
+            return False
+        history = [*self.rendered[: plan.keep_messages], *self._render(plan.new_messages)]
+        return self.chat.drift(history, plan.tools, plan.prompt_ids)
+
     # -- completions --------------------------------------------------------------------------------
 
     def plan_completion(self, prompt: list[int]) -> Plan:

@@ -68,10 +68,13 @@ class Gateway:
 
     def __init__(self, engine: InferenceClient, chat: ChatFormat, recorder: CallRecorder, *,
                  model_name: str = "rollway-policy", default_max_tokens: int = 1024, max_tokens_cap: int = 32768,
-                 host: str = "127.0.0.1", port: int = 0):
+                 check_drift: bool = True, host: str = "127.0.0.1", port: int = 0):
         self.engine, self.chat, self.recorder = engine, chat, recorder
         self.model_name, self.default_max_tokens, self.max_tokens_cap = model_name, default_max_tokens, max_tokens_cap
         self.host, self.port = host, port
+        self.check_drift = check_drift
+        """Re-render each continued call from scratch to flag template drift (`CapturedCall.template_drift`):
+        a full render per call, so off where rendering long histories costs too much."""
         self.episodes: dict[str, EpisodeHandle] = {}
         """By token; closed episodes stay (their calls get 409, not 401)."""
         self._runner: web.AppRunner | None = None
@@ -180,6 +183,10 @@ class Gateway:
         generation = await self.engine.generate(plan.prompt_ids, self._params(parsed.sampling, plan))
         output, reply = self._reply(generation, parsed.sampling, parse_tools)
         call = self._record_of(handle, api, plan, generation, output, reply)
+        if self.check_drift and capture.drifted(plan):
+            call.template_drift = True
+            log.info("template drift: the conversation re-renders differently", episode_id=handle.episode.episode_id,
+                     call=call.call_index)
         try:
             # Shielded: a client that goes away mid-record must not leave an acknowledged call uncommitted.
             await asyncio.shield(self._record_and_commit(handle, api, plan, call, reply))

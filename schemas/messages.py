@@ -280,4 +280,8 @@ class CapturedCall(EpisodeMessage, kw_only=True):
     """The text returned to the program (tool calls taken out, cut at a stop string)."""
     tool_calls: list[dict[str, Any]] = []
     """The tool calls returned to the program: [{id, name, arguments}]."""
+    template_drift: bool = False
+    """True when rendering this call's messages from scratch gives other ids than the prompt the engine
+    saw (sampled ids that re-tokenise differently, or a template that is not append-only). The
+    recorded ids are the ones the engine saw either way; only the gateway's drift check sets it."""
     created_at: float = 0.0
