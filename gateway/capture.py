@@ -144,7 +144,10 @@ class EpisodeCapture:
             self.api, self.tools = api, plan.tools
             self.conversation, self.rendered, self.stream, self.calls = [], [], [], []
         prompt_end = plan.prompt_start + len(plan.delta)
-        self.stream = self.stream[: plan.prompt_start] + plan.delta + output_ids
+        # In place: the stream of a long history is not copied per call.
+        del self.stream[plan.prompt_start:]
+        self.stream += plan.delta
+        self.stream += output_ids
         self.calls = [c for c in self.calls if c.prompt_end < prompt_end]
         index = self.next_index
         self.next_index += 1
