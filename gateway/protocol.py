@@ -24,6 +24,8 @@ class RequestError(ValueError):
         return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
 
 
+MAX_TOKEN_ID = 2**31
+"""Token ids a prompt may hold (vocabularies are far smaller; larger ids are not ids)."""
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _IGNORED_MESSAGE_KEYS = {"refusal", "annotations", "audio", "reasoning_content", "reasoning"}
 """Keys clients echo back from our own responses (null or informational); they do not reach the model."""
@@ -112,8 +114,8 @@ def _sampling(body: dict[str, Any], max_field: str | None = None) -> Sampling:
     if len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
         raise RequestError("stop must be up to 4 non-empty strings", "stop")
     seed = body.get("seed")
-    if seed is not None:
-        _expect(seed, int, "seed", "an integer")
+    if seed is not None and not 0 <= _expect(seed, int, "seed", "an integer") < 2**63:
+        raise RequestError(f"seed must be in [0, 2**63), got {seed}", "seed")
     options = body.get("stream_options") or {}
     _expect(options, dict, "stream_options", "an object")
     return Sampling(limit, temperature, top_p, tuple(stop), seed,
@@ -143,11 +145,11 @@ def parse_completion_request(body: Any) -> CompletionRequest:
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
         return CompletionRequest(prompt, _sampling(body))
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                   for t in prompt):
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and
+                                                   0 <= t < MAX_TOKEN_ID for t in prompt):
         return CompletionRequest(prompt, _sampling(body))
-    raise RequestError("prompt must be a non-empty string or a non-empty list of token ids (one prompt per "
-                       "request: batches of several are not supported)", "prompt")
+    raise RequestError(f"prompt must be a non-empty string or a non-empty list of token ids (0 <= id < "
+                       f"{MAX_TOKEN_ID}; one prompt per request: batches of several are not supported)", "prompt")
 
 
 def _text(content: Any, param: str) -> str:
@@ -207,8 +209,8 @@ def _echoed_call(raw: Any, param: str) -> dict[str, Any]:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments or "{}")
-        except ValueError:
-            pass
+        except (ValueError, RecursionError):
+            pass  # not JSON (or nested past the parser): kept as text
     return {"id": raw.get("id"), "name": fn["name"], "arguments": arguments}
 
 

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import structlog
 from aiohttp import web
 
@@ -140,8 +141,9 @@ class Gateway:
             handle = self._episode(request)
             try:
                 body = await request.json()
-            except (ValueError, UnicodeDecodeError):
-                raise RequestError("the request body is not valid JSON", None) from None
+            except (ValueError, UnicodeDecodeError, RecursionError):
+                raise RequestError("the request body is not valid JSON (or nests deeper than the parser "
+                                   "reads)", None) from None
             parsed = parse_chat_request(body) if api == "chat" else parse_completion_request(body)
             async with handle.lock:
                 self._check_open(handle)
@@ -180,6 +182,7 @@ class Gateway:
         else:
             prompt = parsed.prompt if isinstance(parsed.prompt, list) else self.chat.encode(parsed.prompt)
             plan, parse_tools = capture.plan_completion(prompt), False
+        _check_storable(plan)
         generation = await self.engine.generate(plan.prompt_ids, self._params(parsed.sampling, plan))
         output, reply = self._reply(generation, parsed.sampling, parse_tools)
         call = self._record_of(handle, api, plan, generation, output, reply)
@@ -269,3 +272,13 @@ class Gateway:
             # The call is already recorded; a program that left mid-stream retries or ends.
             log.info("client left mid-stream", call=call_id)
         return response
+
+
+def _check_storable(plan: Plan) -> None:
+    """The request's messages and tools go into the record: a value MessagePack cannot hold (an integer
+    beyond 64 bits in echoed tool arguments, nesting past its depth) is refused before the engine runs."""
+    try:
+        msgspec.msgpack.encode([plan.new_messages, plan.tools])
+    except Exception as err:  # noqa: BLE001 - msgspec raises OverflowError, RecursionError, TypeError
+        raise RequestError(f"the messages or tools hold a value the log cannot store ({type(err).__name__}: "
+                           f"{err}); integers must fit in 64 bits", "messages") from None

@@ -338,6 +338,12 @@ def test_bad_requests_are_refused_with_the_field_named_and_nothing_recorded():
          "tool_choice"),
         ({"messages": [{"role": "user", "content": "x"}], "frobnicate": True}, 400, "frobnicate"),
         ({"prompt": [1, -2]}, 400, "prompt"),
+        ({"prompt": [1, 2**70]}, 400, "prompt"),
+        ({"messages": [{"role": "user", "content": "x"}], "seed": 2**70}, 400, "seed"),
+        # Values JSON allows but the log cannot store: an integer beyond 64 bits in echoed arguments.
+        ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"n": 123456789012345678901234567890}'}}]},
+            {"role": "tool", "content": "ok"}]}, 400, "messages"),
     ]
 
     async def scenario():
@@ -350,6 +356,8 @@ def test_bad_requests_are_refused_with_the_field_named_and_nothing_recorded():
                     path = "completions" if "prompt" in body else "chat/completions"
                     async with http.post(f"{gateway.url}/v1/{path}", json={"model": "m", **body}) as r:
                         seen.append((r.status, (await r.json())["error"]))
+                async with http.post(f"{gateway.url}/v1/chat/completions", data=b"[" * 100_000 + b"]" * 100_000) as r:
+                    seen.append((r.status, (await r.json())["error"]))  # nested past the parser's depth
                 async with http.post(f"{gateway.url}/v1/chat/completions", data=b"{not json") as r:
                     seen.append((r.status, (await r.json())["error"]))
         finally:
@@ -360,7 +368,7 @@ def test_bad_requests_are_refused_with_the_field_named_and_nothing_recorded():
     for (body, status, param), (got, error) in zip(cases, seen, strict=False):
         assert (got, error["param"]) == (status, param), (body, error)
         assert param.split("[")[0].split(".")[0] in error["message"]
-    assert seen[-1][0] == 400 and "JSON" in seen[-1][1]["message"]
+    assert seen[-1][0] == seen[-2][0] == 400 and "JSON" in seen[-1][1]["message"] and "JSON" in seen[-2][1]["message"]
     assert recorded == []
 
 
