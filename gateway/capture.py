@@ -8,6 +8,7 @@ from typing import Any
 
 from rollway.gateway.protocol import Reply
 from rollway.policies.base import ChatFormat
+from rollway.schemas.messages import CapturedCall
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,33 @@ class EpisodeCapture:
                 return Plan(list(prompt), delta, len(self.stream), None, None, [], 0, [])
         reason = "start" if self.segment < 0 else "prompt_changed"
         return Plan(list(prompt), list(prompt), 0, reason, None, [], 0, [])
+
+    # -- rebuilt from the record ---------------------------------------------------------------------
+
+    @classmethod
+    def restore(cls, chat: ChatFormat, calls: list[CapturedCall]) -> EpisodeCapture:
+        """The capture as it stood after `calls` (an episode's records, any order, duplicates allowed),
+        so a gateway started after a crash continues the episode: the program's retried call is a
+        retry, its next call an extension, and call indices go on from the last recorded one."""
+        from rollway.gateway.trajectory import rebuild_segments
+
+        rebuild_segments(calls)  # refuses gaps and misplaced calls, naming them
+        capture = cls(chat)
+        for call in sorted({c.call_index: c for c in calls}.values(), key=lambda c: c.call_index):
+            capture.commit(capture._replayed(call), call.api, call.output_ids,
+                           Reply(call.content, call.tool_calls, call.finish_reason, call.raw_text))
+        return capture
+
+    def _replayed(self, call: CapturedCall) -> Plan:
+        if call.segment_reason is not None:
+            keep = 0
+        elif call.retry_of is not None:
+            keep = next(c.n_messages for c in self.calls if c.index == call.retry_of) - len(call.new_messages)
+        else:
+            keep = len(self.conversation)
+        tools = call.tools if call.segment_reason is not None else self.tools
+        return Plan([], call.prompt_ids, call.prompt_start, call.segment_reason, call.retry_of,
+                    call.new_messages, keep, tools or [])
 
     # -- after the call is recorded -----------------------------------------------------------------
 

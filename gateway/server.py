@@ -105,12 +105,20 @@ class Gateway:
             await self._runner.cleanup()
             self._runner = None
 
-    def open_episode(self, episode: EpisodeKey, max_calls: int | None = None) -> EpisodeHandle:
+    def open_episode(self, episode: EpisodeKey, max_calls: int | None = None, *, token: str | None = None,
+                     recorded: list[CapturedCall] | None = None) -> EpisodeHandle:
         """A fresh credential for `episode`. Give the program `handle.api_key` (with base URL
-        `gateway.url + "/v1"`) or `handle.base_url` (the key in the path)."""
-        token = secrets.token_urlsafe(24)
-        handle = EpisodeHandle(episode, token, f"{self.url}/e/{token}/v1", max_calls,
-                               capture=EpisodeCapture(self.chat))
+        `gateway.url + "/v1"`) or `handle.base_url` (the key in the path).
+
+        After a crash of the gateway's process, reopen a running episode with its `token` (the one its
+        program holds) and its `recorded` calls read back from the log: the episode goes on from there
+        and the program's retry of an answered call is recorded as a retry, not a second call."""
+        token = token or secrets.token_urlsafe(24)
+        if token in self.episodes:
+            raise ValueError(f"the token of episode {episode.episode_id} is already in use on this gateway")
+        capture = EpisodeCapture.restore(self.chat, recorded) if recorded else EpisodeCapture(self.chat)
+        handle = EpisodeHandle(episode, token, f"{self.url}/e/{token}/v1", max_calls, calls=capture.next_index,
+                               capture=capture)
         self.episodes[token] = handle
         return handle
 

@@ -531,3 +531,27 @@ def test_captured_call_round_trips_through_the_codec():
     call = _call(0, segment_reason="start", new_messages=[{"role": "user", "content": "hi"}], tools=[SHELL],
                  tool_calls=[{"id": "call_1", "name": "shell", "arguments": {"command": "ls"}}])
     assert decode(encode(call), CapturedCall) == call
+
+
+def test_a_capture_restored_from_its_records_continues_where_the_live_one_stood():
+    """What a restarted gateway rebuilds from the log equals the state the live gateway held, after
+    retries and a rewrite."""
+    from rollway.gateway import EpisodeCapture
+
+    async def scenario():
+        engine = LoggedEngine()
+        gateway, recorder = await serve(engine)
+        handle = gateway.open_episode(key())
+        program = _DictProgram(Program(client_for(gateway, handle)))
+        try:
+            messages = await tool_episode(program)
+            await program.call(messages[:4], [SHELL])  # a retry of call 1
+            await program.call([messages[0], {"role": "user", "content": "Summary."}, *messages[4:]], [SHELL])
+        finally:
+            await gateway.stop()
+        return handle.capture, recorder.calls
+
+    live, calls = run(scenario())
+    restored = EpisodeCapture.restore(BytesChatML(), list(reversed(calls)) + calls[:2])
+    for name in ("segment", "api", "tools", "conversation", "rendered", "stream", "calls", "next_index", "raw_texts"):
+        assert getattr(restored, name) == getattr(live, name), name

@@ -95,3 +95,84 @@ def test_a_call_over_the_message_size_limit_is_refused_not_lost(broker, topic_pr
     refused, logged = run(scenario())
     assert refused.status_code == 413 and "broker.max_message_bytes" in str(refused)
     assert [(c.call_index, c.segment_reason) for c in logged] == [(0, "start")]
+
+
+SERVE = """
+import asyncio, json, sys
+sys.path.insert(0, {tests!r})
+from test_gateway import SCRIPT, LoggedEngine, key
+from test_gateway_kafka import read_calls
+from rollway.core.config import BrokerConfig, TopicsConfig
+from rollway.gateway import Gateway, KafkaRecorder
+from rollway.policies.chat import BytesChatML
+
+async def main(bootstrap, prefix, port, token, resume):
+    topics = TopicsConfig(prefix=prefix)
+    recorder = await KafkaRecorder.connect(BrokerConfig(), topics, bootstrap)
+    gateway = Gateway(LoggedEngine(SCRIPT), BytesChatML(), recorder, port=port)
+    await gateway.start()
+    recorded = await read_calls(bootstrap, topics) if resume else None
+    handle = gateway.open_episode(key("crash"), token=token or None, recorded=recorded)
+    print("READY", json.dumps({{"base_url": handle.base_url, "port": gateway.port, "token": handle.token}}), flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main(*sys.argv[1:5], sys.argv[5] == "resume"))
+"""
+
+
+def test_a_killed_gateway_loses_no_answered_call_and_the_retry_is_not_a_duplicate(broker, topic_prefix):
+    """The gateway runs in its own process and is killed (SIGKILL) after answering two calls; a new
+    process reopens the episode from the log with the same credential. The program retries its second
+    call (as one whose read timed out would): the record holds each position once."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    from rollway.policies.chat import BytesChatML
+
+    topics = TopicsConfig(prefix=topic_prefix)
+    code = SERVE.format(tests=str(ROOT / "tests"))
+
+    def start(port: int, token: str, mode: str) -> tuple[subprocess.Popen, dict]:
+        proc = subprocess.Popen([sys.executable, "-c", code, broker.bootstrap, topic_prefix, str(port), token, mode],
+                                stdout=subprocess.PIPE, text=True)
+        for line in proc.stdout:  # the process logs to stdout too
+            if line.startswith("READY "):
+                return proc, json.loads(line.removeprefix("READY "))
+        raise AssertionError(f"the gateway process exited with {proc.wait()} before it was ready")
+
+    first, info = start(0, "", "fresh")
+    try:
+        client = openai.OpenAI(base_url=info["base_url"], api_key="x", max_retries=0)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "What does a.txt say?"}]
+        reply = client.chat.completions.create(model="m", messages=messages, tools=[SHELL]).choices[0].message
+        messages += [reply.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": reply.tool_calls[0].id, "content": "a.txt"}]
+        client.chat.completions.create(model="m", messages=messages, tools=[SHELL])
+    finally:
+        first.kill()
+        first.wait()
+    second, _ = start(info["port"], info["token"], "resume")
+    try:
+        retried = client.chat.completions.create(model="m", messages=messages, tools=[SHELL]).choices[0].message
+        messages += [retried.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": retried.tool_calls[0].id, "content": "hello"}]
+        final = client.chat.completions.create(model="m", messages=messages, tools=[SHELL]).choices[0].message
+    finally:
+        second.kill()
+        second.wait()
+
+    logged = run(read_calls(broker.bootstrap, topics))
+    assert final.content == "The file says hello. Done."
+    assert [(c.call_index, c.retry_of, c.segment_reason) for c in logged] == [
+        (0, None, "start"), (1, None, None), (2, 1, None), (3, None, None)]
+    [segment] = rebuild_segments(logged)
+    assert segment.call_indices == [0, 2, 3]
+    # Independently of the gateway: the final prompt is a fresh render of what the program sent.
+    raw = {c.call_index: c.raw_text for c in logged}
+    sent = [{"role": m["role"], "content": m.get("content", "")} for m in messages]
+    sent[1]["content"], sent[3]["content"] = raw[0], raw[2]
+    final_prompt = BytesChatML().initial(sent, [SHELL])
+    assert segment.token_ids == final_prompt + logged[-1].output_ids
