@@ -95,7 +95,7 @@ def _check_fields(body: Any, supported: set[str]) -> dict[str, Any]:
 
 
 def _sampling(body: dict[str, Any], max_field: str | None = None) -> Sampling:
-    if body.get("n", 1) != 1:
+    if _expect(body.get("n", 1), int, "n", "an integer") != 1:
         raise RequestError("only n=1 is supported: send one request per sample", "n", code="unsupported_option")
     limit = None
     for name in ("max_tokens", max_field):

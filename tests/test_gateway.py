@@ -329,6 +329,7 @@ def test_bad_requests_are_refused_with_the_field_named_and_nothing_recorded():
         ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}, 400,
          "messages[1].role"),
         ({"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": True}, 400, "n"),
         ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 1}}, 400, "logit_bias"),
         ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400, "temperature"),
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens"),
@@ -555,3 +556,50 @@ def test_a_capture_restored_from_its_records_continues_where_the_live_one_stood(
     restored = EpisodeCapture.restore(BytesChatML(), list(reversed(calls)) + calls[:2])
     for name in ("segment", "api", "tools", "conversation", "rendered", "stream", "calls", "next_index", "raw_texts"):
         assert getattr(restored, name) == getattr(live, name), name
+
+
+def test_concurrent_calls_of_one_episode_are_serialised_and_episodes_stay_apart():
+    """Two identical calls of one episode at once (a program that retried before its first answer)
+    are one call and its retry; a second episode's calls, interleaved, land only in its own record."""
+
+    async def scenario():
+        engine = LoggedEngine()
+        gateway, recorder = await serve(engine)
+        one, two = gateway.open_episode(key("one")), gateway.open_episode(key("two"))
+        messages = [{"role": "user", "content": "What does a.txt say?"}]
+        try:
+            a, b = client_for(gateway, one), client_for(gateway, two)
+            await asyncio.gather(a.chat.completions.create(model="m", messages=messages, tools=[SHELL]),
+                                 a.chat.completions.create(model="m", messages=messages, tools=[SHELL]),
+                                 b.chat.completions.create(model="m", messages=messages, tools=[SHELL]))
+        finally:
+            await gateway.stop()
+        return recorder
+
+    recorder = run(scenario())
+    assert [(c.call_index, c.retry_of) for c in recorder.of("one")] == [(0, None), (1, 0)]
+    assert [(c.call_index, c.retry_of) for c in recorder.of("two")] == [(0, None)]
+    assert rebuild_segments(recorder.of("one"))[0].call_indices == [1]
+
+
+def test_completions_stream_and_tool_choice_none():
+    async def scenario():
+        engine = LoggedEngine()
+        gateway, recorder = await serve(engine)
+        handle = gateway.open_episode(key())
+        client = client_for(gateway, handle)
+        try:
+            stream = await client.completions.create(model="m", prompt="Q?", max_tokens=5, stream=True)
+            pieces = [choice.text async for chunk in stream for choice in chunk.choices]
+            plain = await client.chat.completions.create(
+                model="m", messages=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "go"}],
+                tools=[SHELL], tool_choice="none")
+        finally:
+            await gateway.stop()
+        return "".join(pieces), plain.choices[0], recorder.calls
+
+    text, plain, calls = run(scenario())
+    assert text == LS[:5] and calls[0].finish_reason == "length"
+    # tool_choice none: the sampled call text is returned as text, not parsed into tool_calls.
+    assert plain.message.content == LS and not plain.message.tool_calls and plain.finish_reason == "stop"
+    assert calls[1].new_messages[0]["role"] == "system"
