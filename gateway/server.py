@@ -69,10 +69,12 @@ class Gateway:
 
     def __init__(self, engine: InferenceClient, chat: ChatFormat, recorder: CallRecorder, *,
                  model_name: str = "rollway-policy", default_max_tokens: int = 1024, max_tokens_cap: int = 32768,
-                 check_drift: bool = True, host: str = "127.0.0.1", port: int = 0):
+                 check_drift: bool = True, host: str = "127.0.0.1", port: int = 0, public_host: str | None = None):
         self.engine, self.chat, self.recorder = engine, chat, recorder
         self.model_name, self.default_max_tokens, self.max_tokens_cap = model_name, default_max_tokens, max_tokens_cap
         self.host, self.port = host, port
+        self.public_host = public_host or host
+        """The host programs reach the gateway by (a sandbox may see the host under another name)."""
         self.check_drift = check_drift
         """Re-render each continued call from scratch to flag template drift (`CapturedCall.template_drift`):
         a full render per call, so off where rendering long histories costs too much."""
@@ -98,7 +100,7 @@ class Gateway:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"http://{self.public_host}:{self.port}"
 
     async def stop(self) -> None:
         if self._runner is not None:
@@ -188,7 +190,7 @@ class Gateway:
             plan = capture.plan_chat(parsed.messages, parsed.tools)
             parse_tools = bool(parsed.tools) and parsed.tool_choice != "none"
         else:
-            prompt = parsed.prompt if isinstance(parsed.prompt, list) else self.chat.encode(parsed.prompt)
+            prompt = parsed.prompt if isinstance(parsed.prompt, list) else self._encode_prompt(parsed.prompt)
             plan, parse_tools = capture.plan_completion(prompt), False
         _check_storable(plan)
         generation = await self.engine.generate(plan.prompt_ids, self._params(parsed.sampling, plan))
@@ -209,6 +211,12 @@ class Gateway:
         usage = {"prompt_tokens": len(plan.prompt_ids), "completion_tokens": len(output),
                  "total_tokens": len(plan.prompt_ids) + len(output)}
         return f"{'chatcmpl' if api == 'chat' else 'cmpl'}-{handle.episode.episode_id}-{call.call_index}", reply, usage
+
+    def _encode_prompt(self, text: str) -> list[int]:
+        """A raw completions prompt as the engine would tokenise it: special-token text (a program that
+        writes the chat template itself) becomes special tokens where the format can say so."""
+        encode_special = getattr(self.chat, "encode_special", None)
+        return encode_special(text) if encode_special is not None else self.chat.encode(text)
 
     async def _record_and_commit(self, handle: EpisodeHandle, api: str, plan: Plan, call: CapturedCall,
                                  reply: Reply) -> None:

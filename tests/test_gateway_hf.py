@@ -90,3 +90,27 @@ def test_canonical_ids_re_render_exactly_with_the_template(chat):
     rendered = [{"role": m["role"], "content": calls[(i - 2) // 2].raw_text if m["role"] == "assistant"
                  else m["content"]} for i, m in enumerate(messages)]
     assert chat.initial(rendered, [SHELL]) == engine.log[-1][0]
+
+
+def test_a_completions_prompt_written_in_the_template_gets_its_special_tokens(chat):
+    """A program that writes the chat template itself (raw /v1/completions) gets the special tokens the
+    engine would parse, not the characters of '<|im_start|>'."""
+
+    async def scenario():
+        engine = LoggedEngine(SCRIPT)
+        engine.inner.chat = chat
+        gateway = Gateway(engine, chat, MemoryRecorder())
+        await gateway.start()
+        handle = gateway.open_episode(key())
+        client = openai.AsyncOpenAI(base_url=handle.base_url, api_key="x", max_retries=0)
+        try:
+            await client.completions.create(model="m", prompt="<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+                                            max_tokens=4)
+        finally:
+            await gateway.stop()
+        return gateway.recorder.calls
+
+    [call] = run(scenario())
+    start = chat.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert call.prompt_ids[0] == start and call.prompt_ids.count(start) == 2
+    assert call.prompt_ids[-len(chat.assistant_header_ids):] == list(chat.assistant_header_ids)
