@@ -603,3 +603,16 @@ def test_completions_stream_and_tool_choice_none():
     # tool_choice none: the sampled call text is returned as text, not parsed into tool_calls.
     assert plain.message.content == LS and not plain.message.tool_calls and plain.finish_reason == "stop"
     assert calls[1].new_messages[0]["role"] == "system"
+
+
+def test_bench_gateway_command_reports_the_added_time_as_json():
+    """`rollway bench gateway --json` runs end to end (tiny settings; the figures are not checked)."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "rollway.runners", "bench", "gateway", "--json", "--episodes", "2",
+                          "--prompt-tokens", "128", "--calls", "2", "--recorders", "memory"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    [row] = json.loads(out.stdout.splitlines()[-1])["rows"]
+    assert (row["episodes"], row["prompt_tokens"], row["continued"]["calls"], row["first_call"]["calls"]) == (2, 128, 2, 2)
+    assert {"added_p50_ms", "added_p99_ms", "gateway_p50_ms"} <= set(row["continued"])
