@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from rollway.schemas.messages import CapturedCall
 
@@ -29,6 +30,14 @@ class Segment:
     call_indices: list[int] = field(default_factory=list)
     """The calls whose outputs the segment keeps (a retried call's is replaced by its retry's)."""
     retries: int = 0
+
+    def trajectory_fields(self) -> dict[str, Any]:
+        """The segment under the token fields of a `Trajectory` (schemas/messages.py), for the learner:
+        one segment trains like one episode whose prompt is everything before its first output."""
+        return {"token_ids": list(self.token_ids), "loss_mask": list(self.loss_mask), "logprobs": list(self.logprobs),
+                "turn_policy_versions": list(self.turn_policy_versions), "turn_spans": list(self.turn_spans),
+                "num_turns": len(self.turn_spans),
+                "prompt_length": self.turn_spans[0][0] if self.turn_spans else len(self.token_ids)}
 
     def _cut(self, at: int) -> None:
         del self.token_ids[at:], self.loss_mask[at:], self.logprobs[at:]
