@@ -186,12 +186,7 @@ class Gateway:
     async def _call(self, handle: EpisodeHandle, api: str, parsed: Any) -> tuple[str, Reply, dict[str, int]]:
         capture = handle.capture
         assert capture is not None  # open episodes keep theirs
-        if api == "chat":
-            plan = capture.plan_chat(parsed.messages, parsed.tools)
-            parse_tools = bool(parsed.tools) and parsed.tool_choice != "none"
-        else:
-            prompt = parsed.prompt if isinstance(parsed.prompt, list) else self._encode_prompt(parsed.prompt)
-            plan, parse_tools = capture.plan_completion(prompt), False
+        plan, parse_tools = self._plan(capture, api, parsed)
         _check_storable(plan)
         generation = await self.engine.generate(plan.prompt_ids, self._params(parsed.sampling, plan))
         output, reply = self._reply(generation, parsed.sampling, parse_tools)
@@ -211,6 +206,20 @@ class Gateway:
         usage = {"prompt_tokens": len(plan.prompt_ids), "completion_tokens": len(output),
                  "total_tokens": len(plan.prompt_ids) + len(output)}
         return f"{'chatcmpl' if api == 'chat' else 'cmpl'}-{handle.episode.episode_id}-{call.call_index}", reply, usage
+
+    def _plan(self, capture: EpisodeCapture, api: str, parsed: Any) -> tuple[Plan, bool]:
+        """Where the call goes in the episode's stream, and whether to parse tool calls from its output."""
+        if api == "completions":
+            prompt = parsed.prompt if isinstance(parsed.prompt, list) else self._encode_prompt(parsed.prompt)
+            return capture.plan_completion(prompt), False
+        try:
+            plan = capture.plan_chat(parsed.messages, parsed.tools)
+        except Exception as err:  # noqa: BLE001 - a template's own checks (raise_exception) and its errors
+            # Rendering depends only on the request: a template that refuses these messages (roles out
+            # of the order it allows, a role it lacks) is the request's problem, said as the template says it.
+            raise RequestError(f"the policy's chat template cannot render these messages: {type(err).__name__}: "
+                               f"{str(err)[:500]}", "messages") from None
+        return plan, bool(parsed.tools) and parsed.tool_choice != "none"
 
     def _encode_prompt(self, text: str) -> list[int]:
         """A raw completions prompt as the engine would tokenise it: special-token text (a program that

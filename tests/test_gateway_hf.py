@@ -114,3 +114,32 @@ def test_a_completions_prompt_written_in_the_template_gets_its_special_tokens(ch
     start = chat.tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert call.prompt_ids[0] == start and call.prompt_ids.count(start) == 2
     assert call.prompt_ids[-len(chat.assistant_header_ids):] == list(chat.assistant_header_ids)
+
+
+def test_messages_the_template_refuses_get_400_with_the_templates_reason():
+    """A chat template with its own checks (raise_exception), as many models' templates have."""
+    from rollway.policies.model_loading import load_tokenizer
+
+    template = ("{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('tool messages are not "
+                "supported by this model') }}{% endif %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+                "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    strict = HFChatFormat(load_tokenizer(), chat_template=template)
+
+    async def scenario():
+        engine = LoggedEngine(SCRIPT)
+        engine.inner.chat = strict
+        gateway = Gateway(engine, strict, MemoryRecorder())
+        await gateway.start()
+        handle = gateway.open_episode(key())
+        client = openai.AsyncOpenAI(base_url=handle.base_url, api_key="x", max_retries=0)
+        try:
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.chat.completions.create(model="m", messages=[
+                    {"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "c", "content": "out"}])
+        finally:
+            await gateway.stop()
+        return refused.value, gateway.recorder.calls, engine.log
+
+    refused, calls, engine_log = run(scenario())
+    assert "not supported by this model" in str(refused) and refused.body["param"] == "messages"
+    assert calls == [] and engine_log == []
