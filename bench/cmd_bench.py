@@ -1,6 +1,7 @@
 """`rollway bench`: benchmarks. `pipeline` (pipelined vs batched rollout), `training` (sync vs async RL
 training), `ceiling` (one agent worker against a zero-latency engine), `serve`, `learner`, `learn`,
-`weight-sync` (learner-to-replicas weight broadcast)."""
+`weight-sync` (learner-to-replicas weight broadcast), `gateway` (the time the OpenAI-compatible gateway adds
+to a model call)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ HELP = ("Benchmarks: pipeline (pipelined vs bounded-batch rollout), serve (infer
         "(training tokens/s), learn (held-out pass rate before and after a training run).")
 
 DELEGATES = {"serve": "rollway.policies.bench_serve", "learner": "rollway.learning.bench",
-             "learn": "rollway.bench.learn", "weight-sync": "rollway.bench.weight_sync"}
+             "learn": "rollway.bench.learn", "weight-sync": "rollway.bench.weight_sync",
+             "gateway": "rollway.bench.gateway"}
 """Subcommands owned by other packages: each module has add_arguments(parser) and run(args)."""
 
 

@@ -4,6 +4,7 @@ from rollway.schemas.codec import DecodeError, check_version, decode, encode
 from rollway.schemas.messages import (
     SCHEMA_VERSION,
     AgentStep,
+    CapturedCall,
     DeadLetter,
     EpisodeFailure,
     EpisodeKey,
@@ -17,7 +18,7 @@ from rollway.schemas.messages import (
 )
 
 __all__ = [
-    "SCHEMA_VERSION", "AgentStep", "DeadLetter", "DecodeError", "EpisodeFailure", "EpisodeKey", "EpisodeMessage",
+    "SCHEMA_VERSION", "AgentStep", "CapturedCall", "DeadLetter", "DecodeError", "EpisodeFailure", "EpisodeKey", "EpisodeMessage",
     "InitRequest", "Observation", "PolicyVersion", "RewardRequest", "Trajectory", "TurnRecord", "check_version",
     "decode", "encode",
 ]

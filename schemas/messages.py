@@ -236,3 +236,52 @@ class DeadLetter(Message, kw_only=True):
     reason: str
     stage: str
     at: float
+
+
+class CapturedCall(EpisodeMessage, kw_only=True):
+    """gateway -> gateway-calls (learner, viewers): one model call an external agent program made,
+    token-exact, written and acknowledged before the program receives the response.
+
+    Event-sourced per segment: a segment's token stream is rebuilt by, for each of its calls in
+    `call_index` order, cutting the stream to `prompt_start`, appending `prompt_ids` (loss mask 0) and
+    then `output_ids` (loss mask 1). A call that opens a segment has `segment_reason` set and
+    `prompt_start` 0. A retry cuts back to the retried call's prompt, so the stream holds each position
+    once. Invariants: `logprobs` has the length of `output_ids`; `call_index` counts the episode's
+    recorded calls from 0 without gaps.
+    """
+
+    call_index: int
+    segment: int
+    """0-based segment of the episode; a new one starts when the program rewrites its history."""
+    segment_reason: str | None = None
+    """Set on the call that opens a segment: start, history_rewritten, system_changed, tools_changed,
+    prompt_changed (completions). None on a call that continues its segment."""
+    retry_of: int | None = None
+    """The call index this call repeats (same request again, e.g. after a client timeout); the
+    retried call's output is superseded. None: not a retry."""
+    prompt_start: int
+    """Where in the segment's stream `prompt_ids` go (the stream is cut there first)."""
+    prompt_ids: list[int]
+    """The new prompt tokens (rendered messages, loss mask 0); the whole prompt when a segment opens."""
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    policy_version: int
+    api: str = "chat"
+    """chat (/v1/chat/completions) or completions (/v1/completions)."""
+    new_messages: list[dict[str, Any]] = []
+    """The chat messages this call added (all of them when a segment opens), canonical form: role,
+    content, tool_calls [{id, name, arguments}], tool_call_id, name."""
+    tools: list[dict[str, Any]] | None = None
+    """The OpenAI tool specs offered; set when a segment opens (None: unchanged)."""
+    raw_text: str = ""
+    """The sampled ids decoded (tool-call markup included): how the assistant turn is rendered."""
+    content: str = ""
+    """The text returned to the program (tool calls taken out, cut at a stop string)."""
+    tool_calls: list[dict[str, Any]] = []
+    """The tool calls returned to the program: [{id, name, arguments}]."""
+    template_drift: bool = False
+    """True when rendering this call's messages from scratch gives other ids than the prompt the engine
+    saw (sampled ids that re-tokenise differently, or a template that is not append-only). The
+    recorded ids are the ones the engine saw either way; only the gateway's drift check sets it."""
+    created_at: float = 0.0

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from rollway.schemas.messages import (
     AgentStep,
+    CapturedCall,
     DeadLetter,
     EpisodeFailure,
     InitRequest,
@@ -34,10 +35,12 @@ TRAJECTORIES = TopicSpec("trajectories", Trajectory, keyed_by_episode=True)
 EPISODE_FAILURES = TopicSpec("episode-failures", EpisodeFailure, keyed_by_episode=True)
 POLICY_VERSIONS = TopicSpec("policy-versions", PolicyVersion, keyed_by_episode=False, partitions=1)
 DEAD_LETTERS = TopicSpec("dead-letters", DeadLetter, keyed_by_episode=False)
+GATEWAY_CALLS = TopicSpec("gateway-calls", CapturedCall, keyed_by_episode=True)
+"""Every model call an external agent program made through the gateway (rollway.gateway)."""
 
 ALL_TOPICS: tuple[TopicSpec, ...] = (
     INIT_REQUESTS, AGENT_STEPS, REWARD_REQUESTS, TRAJECTORIES, EPISODE_FAILURES, POLICY_VERSIONS,
-    DEAD_LETTERS,
+    DEAD_LETTERS, GATEWAY_CALLS,
 )
 BY_NAME = {t.name: t for t in ALL_TOPICS}
 

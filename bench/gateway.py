@@ -1,0 +1,233 @@
+"""`rollway bench gateway`: the time the gateway adds to a model call, against calling the engine directly.
+
+An in-process engine that answers at once (a fixed short reply) sits behind the gateway; each episode
+is a program that sends a long first prompt (`--prompt-tokens`), then extends it call after call with
+a tool result, as agent programs do. Measured per call, from the request's bytes leaving the client to
+its response parsed: through the gateway (render, engine, capture, record, HTTP) and the engine alone
+on the same prompts. Reported as p50/p99 over the continued calls (incremental rendering) and over the
+first calls (a full render) for 1 and 64 concurrent episodes, with the in-memory recorder (the
+gateway's own cost) and the Kafka recorder on an embedded broker (adds the log's acknowledgement)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from asyncio.subprocess import PIPE
+from typing import Any
+
+from rollway.policies.base import Generation, InferenceClient, SamplingParams
+from rollway.policies.chat import BytesChatML
+from rollway.schemas.messages import EpisodeKey
+
+REPLY = "Ran the command; the next step follows."
+TOOL_OUTPUT = "x" * 48  # about 64 tokens with its chat markup
+
+
+class ZeroLatencyEngine(InferenceClient):
+    """Answers every prompt at once with the same reply (no model, no sleep)."""
+
+    def __init__(self) -> None:
+        self.chat = BytesChatML()
+        self.reply = self.chat.encode(REPLY) + list(self.chat.stop_token_ids)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        return Generation(list(self.reply), [-0.1] * len(self.reply), "stop", 0)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--episodes", default="1,64", help="concurrent episodes (comma list)")
+    parser.add_argument("--prompt-tokens", default="1024,16384", help="first-prompt lengths in tokens (comma list)")
+    parser.add_argument("--calls", type=int, default=8, help="calls per episode (the first renders in full)")
+    parser.add_argument("--recorders", default="memory,kafka", help="memory, kafka (an embedded broker) or both")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        episodes = [int(x) for x in args.episodes.split(",")]
+        lengths = [int(x) for x in args.prompt_tokens.split(",")]
+        recorders = [r.strip() for r in args.recorders.split(",") if r.strip()]
+        if min(episodes) < 1 or min(lengths) < 64 or args.calls < 2 or not set(recorders) <= {"memory", "kafka"}:
+            raise ValueError
+    except ValueError:
+        print("rollway bench gateway: --episodes and --prompt-tokens are comma lists of positive integers "
+              "(prompts of 64 tokens or more), --calls at least 2, --recorders memory and/or kafka", file=sys.stderr)
+        return 2
+    result = asyncio.run(measure_all(episodes, lengths, args.calls, recorders))
+    print(json.dumps(result) if args.json else format_text(result))
+    return 0
+
+
+async def measure_all(episodes: list[int], lengths: list[int], calls: int, recorders: list[str]) -> dict[str, Any]:
+    rows = []
+    for name in recorders:
+        async with _recorder(name) as recorder:
+            for n in episodes:
+                for tokens in lengths:
+                    rows.append({"recorder": name, "episodes": n, "prompt_tokens": tokens,
+                                 **await measure(recorder, n, tokens, calls)})
+    return {"engine": "in-process, zero latency", "chat_format": "BytesChatML", "calls_per_episode": calls,
+            "cores": os.cpu_count(), "load_average": round(os.getloadavg()[0], 2), "rows": rows,
+            "target": "added p50 <= 5 ms on continued calls with 16k-token histories"}
+
+
+class _recorder:
+    """The recorder by name; the Kafka one on its own embedded broker, stopped on exit."""
+
+    def __init__(self, name: str):
+        self.name, self.broker, self.recorder = name, None, None
+
+    async def __aenter__(self) -> Any:
+        from rollway.gateway import KafkaRecorder
+
+        if self.name == "memory":
+            self.recorder = _Discarding()
+            return self.recorder
+        from rollway.core.config import BrokerConfig, TopicsConfig
+        from rollway.runners.broker import EmbeddedBroker
+
+        self.broker = await asyncio.to_thread(EmbeddedBroker(0).start)
+        self.recorder = await KafkaRecorder.connect(BrokerConfig(), TopicsConfig(prefix="bench-"), self.broker.bootstrap)
+        return self.recorder
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.recorder.close()
+        if self.broker is not None:
+            self.broker.stop()
+
+
+class _Discarding:
+    """An in-memory recorder that keeps nothing (the gateway's own cost, without the log's)."""
+
+    async def record(self, call: Any) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+async def measure(recorder: Any, episodes: int, prompt_tokens: int, calls: int) -> dict[str, Any]:
+    """One setting: the episodes' programs run in a client process of their own (so their JSON work
+    does not queue behind the gateway's in one event loop); the engine alone is timed here on the
+    same prompts afterwards."""
+    from rollway.gateway import Gateway
+
+    engine = ZeroLatencyEngine()
+    gateway = Gateway(engine, engine.chat, recorder)
+    await gateway.start()
+    try:
+        await _run_clients(gateway, 1, 256, 2)  # warm-up: connections, code paths
+        cpu = time.process_time()
+        handles, timings, wall = await _run_clients(gateway, episodes, prompt_tokens, calls)
+        cpu = time.process_time() - cpu
+    finally:
+        await gateway.stop()
+    direct = await _direct_timings(engine, handles, calls)
+    first = [(t[0], d) for t, d in zip(timings, direct, strict=True)]
+    later = [(x, d) for t, d in zip(timings, direct, strict=True) for x in t[1:]]
+    total = episodes * calls
+    # CPU of this process (the gateway, its recorder's client, the engine) per call: what bounds the
+    # calls/s one gateway process serves, whatever the machine's other load.
+    return {"continued": _summary(later), "first_call": _summary(first), "calls_per_s": round(total / wall, 1),
+            "gateway_cpu_ms_per_call": _ms(cpu / total)}
+
+
+async def _run_clients(gateway: Any, episodes: int, prompt_tokens: int, calls: int) -> tuple[list, list, float]:
+    handles = [gateway.open_episode(EpisodeKey(episode_id=f"e{i}", group_id="bench", task_id="bench"))
+               for i in range(episodes)]
+    spec = json.dumps({"urls": [h.base_url for h in handles], "prompt_tokens": prompt_tokens, "calls": calls})
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "rollway.bench.gateway", stdin=PIPE,
+                                                stdout=PIPE, stderr=PIPE)
+    out, err = await proc.communicate(spec.encode())
+    if proc.returncode != 0:
+        raise RuntimeError(f"the bench's client process failed: {err.decode()[-2000:]}")
+    result = json.loads(out)
+    for handle in handles:
+        await gateway.close_episode(handle)
+    return handles, result["timings"], result["wall_s"]
+
+
+async def _direct_timings(engine: ZeroLatencyEngine, handles: list[Any], calls: int) -> list[float]:
+    """The engine alone on a prompt of each episode's final length (median of `calls` calls)."""
+    prompt = [0] * 16
+    out = []
+    for handle in handles:
+        del handle  # the zero-latency engine's time does not depend on the prompt's content
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            await engine.generate(prompt, SamplingParams())
+            times.append(time.perf_counter() - start)
+        out.append(statistics.median(times))
+    return out
+
+
+async def client_main(spec: dict[str, Any]) -> dict[str, Any]:
+    """The programs: one per URL, all at once; seconds of each call through the gateway, and the
+    seconds from the first request to the last response."""
+    import aiohttp
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+        start = time.perf_counter()
+        timings = await asyncio.gather(*(_episode(http, url, spec["prompt_tokens"], spec["calls"])
+                                         for url in spec["urls"]))
+        return {"timings": list(timings), "wall_s": time.perf_counter() - start}
+
+
+async def _episode(http: Any, base_url: str, prompt_tokens: int, calls: int) -> list[float]:
+    filler = "y" * (prompt_tokens - 40)  # BytesChatML: one token per byte, plus the markup
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a bench."},
+                                      {"role": "user", "content": filler}]
+    out = []
+    for _ in range(calls):
+        body = json.dumps({"model": "m", "messages": messages}).encode()
+        start = time.perf_counter()
+        async with http.post(f"{base_url}/chat/completions", data=body,
+                             headers={"Content-Type": "application/json"}) as response:
+            raw = await response.read()
+        out.append(time.perf_counter() - start)
+        reply = json.loads(raw)
+        if response.status != 200:
+            raise RuntimeError(f"the gateway answered {response.status}: {reply}")
+        messages += [reply["choices"][0]["message"], {"role": "user", "content": TOOL_OUTPUT}]
+    return out
+
+
+def _summary(pairs: list[tuple[float, float]]) -> dict[str, float]:
+    """Percentiles of (through the gateway, engine alone) seconds per call."""
+    through = sorted(p[0] for p in pairs)
+    added = sorted(p[0] - p[1] for p in pairs)
+    return {"calls": len(pairs), "gateway_p50_ms": _ms(_pct(through, 50)), "gateway_p99_ms": _ms(_pct(through, 99)),
+            "direct_p50_ms": _ms(statistics.median(p[1] for p in pairs)),
+            "added_p50_ms": _ms(_pct(added, 50)), "added_p99_ms": _ms(_pct(added, 99))}
+
+
+def _pct(values: list[float], q: float) -> float:
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 3)
+
+
+def format_text(result: dict[str, Any]) -> str:
+    lines = [f"gateway overhead ({result['engine']} engine, {result['chat_format']}, {result['calls_per_episode']} "
+             f"calls per episode, {result['cores']} cores, load {result['load_average']})",
+             f"{'recorder':8} {'episodes':>8} {'prompt':>7} | {'continued: added p50':>20} {'p99':>8} | "
+             f"{'first call: added p50':>21} {'p99':>8} | {'CPU/call':>9} {'calls/s':>8}"]
+    for row in result["rows"]:
+        c, f = row["continued"], row["first_call"]
+        lines.append(f"{row['recorder']:8} {row['episodes']:>8} {row['prompt_tokens']:>7} | {c['added_p50_ms']:>17} ms "
+                     f"{c['added_p99_ms']:>5} ms | {f['added_p50_ms']:>18} ms {f['added_p99_ms']:>5} ms | "
+                     f"{row['gateway_cpu_ms_per_call']:>6} ms {row['calls_per_s']:>8}")
+    lines.append(f"target: {result['target']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # the client process of `measure`
+    print(json.dumps(asyncio.run(client_main(json.loads(sys.stdin.read())))))

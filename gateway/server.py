@@ -1,0 +1,309 @@
+"""The OpenAI-compatible gateway: per-episode credentials in front of one rollway InferenceClient; every
+call rendered token-exact, sent to the engine as ids, recorded durably, then answered."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import structlog
+from aiohttp import web
+
+from rollway.gateway.capture import EpisodeCapture, Plan
+from rollway.gateway.protocol import (
+    Reply,
+    RequestError,
+    Sampling,
+    chat_chunks,
+    chat_completion,
+    completion_chunks,
+    cut_at_stop,
+    make_reply,
+    parse_chat_request,
+    parse_completion_request,
+    text_completion,
+)
+from rollway.gateway.recorder import CallRecorder, RecordFailed, RecordTooLarge
+from rollway.policies.base import ChatFormat, Generation, InferenceClient, SamplingParams
+from rollway.schemas.messages import CapturedCall, EpisodeKey
+
+log = structlog.get_logger()
+
+
+@dataclass
+class EpisodeHandle:
+    """What an episode driver holds for one episode: the credential to give the program (`api_key`,
+    or `base_url` with the key in its path) and the episode's counters for its limits."""
+
+    episode: EpisodeKey
+    token: str
+    base_url: str
+    max_calls: int | None
+    calls: int = 0
+    """Calls recorded so far."""
+    last_call_at: float | None = None
+    """time.monotonic() of the last recorded call (None: none yet), for a silence limit."""
+    opened_at: float = field(default_factory=time.monotonic)
+    stop_reason: str | None = None
+    """Set when the gateway refused a call because of a limit (call_limit)."""
+    closed: bool = False
+    capture: EpisodeCapture | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def api_key(self) -> str:
+        return self.token
+
+
+class Gateway:
+    """Serves `/v1/chat/completions`, `/v1/completions` and `/v1/models` for the episodes opened on it.
+
+    A driver calls `open_episode` to get a credential for an episode's program and `close_episode`
+    when the episode ends (after which its calls get 409). Calls of one episode run one at a time, in
+    arrival order, so its token stream has one order; episodes run concurrently."""
+
+    def __init__(self, engine: InferenceClient, chat: ChatFormat, recorder: CallRecorder, *,
+                 model_name: str = "rollway-policy", default_max_tokens: int = 1024, max_tokens_cap: int = 32768,
+                 check_drift: bool = True, host: str = "127.0.0.1", port: int = 0, public_host: str | None = None):
+        self.engine, self.chat, self.recorder = engine, chat, recorder
+        self.model_name, self.default_max_tokens, self.max_tokens_cap = model_name, default_max_tokens, max_tokens_cap
+        self.host, self.port = host, port
+        self.public_host = public_host or host
+        """The host programs reach the gateway by (a sandbox may see the host under another name)."""
+        self.check_drift = check_drift
+        """Re-render each continued call from scratch to flag template drift (`CapturedCall.template_drift`):
+        a full render per call, so off where rendering long histories costs too much."""
+        self.episodes: dict[str, EpisodeHandle] = {}
+        """By token; closed episodes stay (their calls get 409, not 401)."""
+        self._runner: web.AppRunner | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+
+    async def start(self) -> str:
+        """Listen; returns the base URL (http://host:port)."""
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        for prefix in ("", "/e/{token}"):
+            app.router.add_post(f"{prefix}/v1/chat/completions", self._chat)
+            app.router.add_post(f"{prefix}/v1/completions", self._completions)
+            app.router.add_get(f"{prefix}/v1/models", self._models)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        return self.url
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.public_host}:{self.port}"
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def open_episode(self, episode: EpisodeKey, max_calls: int | None = None, *, token: str | None = None,
+                     recorded: list[CapturedCall] | None = None) -> EpisodeHandle:
+        """A fresh credential for `episode`. Give the program `handle.api_key` (with base URL
+        `gateway.url + "/v1"`) or `handle.base_url` (the key in the path).
+
+        After a crash of the gateway's process, reopen a running episode with its `token` (the one its
+        program holds) and its `recorded` calls read back from the log: the episode goes on from there
+        and the program's retry of an answered call is recorded as a retry, not a second call."""
+        token = token or secrets.token_urlsafe(24)
+        if token in self.episodes:
+            raise ValueError(f"the token of episode {episode.episode_id} is already in use on this gateway")
+        capture = EpisodeCapture.restore(self.chat, recorded) if recorded else EpisodeCapture(self.chat)
+        handle = EpisodeHandle(episode, token, f"{self.url}/e/{token}/v1", max_calls, calls=capture.next_index,
+                               capture=capture)
+        self.episodes[token] = handle
+        return handle
+
+    async def close_episode(self, handle: EpisodeHandle) -> None:
+        """End the episode: waits for a call in progress to be recorded; later calls get 409."""
+        async with handle.lock:
+            handle.closed = True
+            handle.capture = None  # the record is in the log; free the token stream
+
+    # -- handlers -----------------------------------------------------------------------------------
+
+    async def _models(self, request: web.Request) -> web.Response:
+        try:
+            self._episode(request)
+        except RequestError as err:
+            return web.json_response(err.body(), status=err.status)
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rollway"}]})
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "chat")
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "completions")
+
+    async def _serve(self, request: web.Request, api: str) -> web.StreamResponse:
+        try:
+            handle = self._episode(request)
+            try:
+                body = await request.json()
+            except (ValueError, UnicodeDecodeError, RecursionError):
+                raise RequestError("the request body is not valid JSON (or nests deeper than the parser "
+                                   "reads)", None) from None
+            parsed = parse_chat_request(body) if api == "chat" else parse_completion_request(body)
+            async with handle.lock:
+                self._check_open(handle)
+                result = await self._call(handle, api, parsed)
+        except RequestError as err:
+            return web.json_response(err.body(), status=err.status)
+        return await self._respond(request, api, parsed.sampling, *result)
+
+    def _episode(self, request: web.Request) -> EpisodeHandle:
+        """The episode of the path token, else of the bearer key; 401 for an unknown credential or a
+        key of another episode than the path's."""
+        bearer = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        token = request.match_info.get("token") or bearer
+        handle = self.episodes.get(token)
+        other = self.episodes.get(bearer)
+        if handle is None or (other is not None and other is not handle):
+            raise RequestError("unknown API key for this gateway, or a key of another episode: use the key "
+                               "(or base URL) the episode was given", None, 401, "invalid_api_key")
+        return handle
+
+    def _check_open(self, handle: EpisodeHandle) -> None:
+        if handle.closed:
+            raise RequestError(f"episode {handle.episode.episode_id} has ended; no more calls are taken",
+                               None, 409, "episode_closed")
+        if handle.max_calls is not None and handle.calls >= handle.max_calls:
+            handle.stop_reason = "call_limit"
+            raise RequestError(f"episode {handle.episode.episode_id} reached its limit of {handle.max_calls} "
+                               "model calls", None, 409, "call_limit_reached")
+
+    async def _call(self, handle: EpisodeHandle, api: str, parsed: Any) -> tuple[str, Reply, dict[str, int]]:
+        capture = handle.capture
+        assert capture is not None  # open episodes keep theirs
+        plan, parse_tools = self._plan(capture, api, parsed)
+        _check_storable(plan)
+        generation = await self.engine.generate(plan.prompt_ids, self._params(parsed.sampling, plan))
+        output, reply = self._reply(generation, parsed.sampling, parse_tools)
+        call = self._record_of(handle, api, plan, generation, output, reply)
+        if self.check_drift and capture.drifted(plan):
+            call.template_drift = True
+            log.info("template drift: the conversation re-renders differently", episode_id=handle.episode.episode_id,
+                     call=call.call_index)
+        try:
+            # Shielded: a client that goes away mid-record must not leave an acknowledged call uncommitted.
+            await asyncio.shield(self._record_and_commit(handle, api, plan, call, reply))
+        except RecordTooLarge as err:
+            raise RequestError(str(err), None, 413, "record_too_large") from None
+        except RecordFailed as err:
+            log.warning("call not recorded", episode_id=handle.episode.episode_id, error=str(err))
+            raise RequestError(f"{err}; retry the call", None, 503, "record_failed") from None
+        usage = {"prompt_tokens": len(plan.prompt_ids), "completion_tokens": len(output),
+                 "total_tokens": len(plan.prompt_ids) + len(output)}
+        return f"{'chatcmpl' if api == 'chat' else 'cmpl'}-{handle.episode.episode_id}-{call.call_index}", reply, usage
+
+    def _plan(self, capture: EpisodeCapture, api: str, parsed: Any) -> tuple[Plan, bool]:
+        """Where the call goes in the episode's stream, and whether to parse tool calls from its output."""
+        if api == "completions":
+            prompt = parsed.prompt if isinstance(parsed.prompt, list) else self._encode_prompt(parsed.prompt)
+            return capture.plan_completion(prompt), False
+        try:
+            plan = capture.plan_chat(parsed.messages, parsed.tools)
+        except Exception as err:  # noqa: BLE001 - a template's own checks (raise_exception) and its errors
+            # Rendering depends only on the request: a template that refuses these messages (roles out
+            # of the order it allows, a role it lacks) is the request's problem, said as the template says it.
+            raise RequestError(f"the policy's chat template cannot render these messages: {type(err).__name__}: "
+                               f"{str(err)[:500]}", "messages") from None
+        return plan, bool(parsed.tools) and parsed.tool_choice != "none"
+
+    def _encode_prompt(self, text: str) -> list[int]:
+        """A raw completions prompt as the engine would tokenise it: special-token text (a program that
+        writes the chat template itself) becomes special tokens where the format can say so."""
+        encode_special = getattr(self.chat, "encode_special", None)
+        return encode_special(text) if encode_special is not None else self.chat.encode(text)
+
+    async def _record_and_commit(self, handle: EpisodeHandle, api: str, plan: Plan, call: CapturedCall,
+                                 reply: Reply) -> None:
+        await self.recorder.record(call)
+        assert handle.capture is not None
+        handle.capture.commit(plan, api, call.output_ids, reply)
+        handle.calls += 1
+        handle.last_call_at = time.monotonic()
+
+    def _params(self, sampling: Sampling, plan: Plan) -> SamplingParams:
+        limit = min(sampling.max_tokens or self.default_max_tokens, self.max_tokens_cap)
+        return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=limit,
+                              stop_token_ids=tuple(self.chat.stop_token_ids), seed=sampling.seed)
+
+    def _reply(self, generation: Generation, sampling: Sampling, parse_tools: bool) -> tuple[list[int], Reply]:
+        """The kept output ids (cut after a stop string) and the reply decoded from them."""
+        ids, finish = list(generation.token_ids), generation.finish_reason
+        text = self.chat.decode(ids)
+        if sampling.stop and cut_at_stop(text, sampling.stop) is not None:
+            ids = ids[: self._stop_cut(ids, sampling.stop)]
+            text, finish = self.chat.decode(ids), "stop"
+            reply = make_reply(cut_at_stop(text, sampling.stop) or "", finish, parse_tools)
+            reply.raw_text = text
+            return ids, reply
+        return ids, make_reply(text, finish, parse_tools)
+
+    def _stop_cut(self, ids: list[int], stops: tuple[str, ...]) -> int:
+        """The fewest leading ids whose text contains a stop string (binary search: decoding grows
+        with the prefix)."""
+        lo, hi = 1, len(ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if cut_at_stop(self.chat.decode(ids[:mid]), stops) is not None:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def _record_of(self, handle: EpisodeHandle, api: str, plan: Plan, generation: Generation,
+                   output: list[int], reply: Reply) -> CapturedCall:
+        capture = handle.capture
+        assert capture is not None
+        opens = plan.segment_reason is not None
+        return CapturedCall(
+            episode=handle.episode, call_index=capture.next_index, segment=capture.segment + int(opens),
+            segment_reason=plan.segment_reason, retry_of=plan.retry_of, prompt_start=plan.prompt_start,
+            prompt_ids=plan.delta, output_ids=output, logprobs=list(generation.logprobs[: len(output)]),
+            finish_reason=reply.finish_reason, policy_version=generation.policy_version, api=api,
+            new_messages=plan.new_messages, tools=plan.tools if opens and api == "chat" else None,
+            raw_text=reply.raw_text, content=reply.content, tool_calls=reply.tool_calls, created_at=time.time())
+
+    async def _respond(self, request: web.Request, api: str, sampling: Sampling, call_id: str, reply: Reply,
+                       usage: dict[str, int]) -> web.StreamResponse:
+        if not sampling.stream:
+            body = (chat_completion(call_id, self.model_name, reply, usage) if api == "chat" else
+                    text_completion(call_id, self.model_name, reply.content, reply.finish_reason, usage))
+            return web.json_response(body)
+        shown_usage = usage if sampling.include_usage else None
+        chunks = (chat_chunks(call_id, self.model_name, reply, shown_usage) if api == "chat" else
+                  completion_chunks(call_id, self.model_name, reply.content, reply.finish_reason, shown_usage))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        try:
+            await response.prepare(request)
+            for chunk in chunks:
+                await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except (ConnectionResetError, ConnectionError):
+            # The call is already recorded; a program that left mid-stream retries or ends.
+            log.info("client left mid-stream", call=call_id)
+        return response
+
+
+def _check_storable(plan: Plan) -> None:
+    """The request's messages and tools go into the record: a value MessagePack cannot hold (an integer
+    beyond 64 bits in echoed tool arguments, nesting past its depth) is refused before the engine runs."""
+    try:
+        msgspec.msgpack.encode([plan.new_messages, plan.tools])
+    except Exception as err:  # noqa: BLE001 - msgspec raises OverflowError, RecursionError, TypeError
+        raise RequestError(f"the messages or tools hold a value the log cannot store ({type(err).__name__}: "
+                           f"{err}); integers must fit in 64 bits", "messages") from None

@@ -1,0 +1,622 @@
+"""The gateway driven by the real `openai` client: token-exact capture, segments, retries, errors.
+
+The scripted policy (policies/scripted.py) is the only fake part: it stands in for the model. Every
+captured call is checked against what the engine itself returned (a logging wrapper around it), and
+against a fresh render of the messages the program sent, independently of the gateway's bookkeeping."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from conftest import run
+
+from rollway.gateway import Gateway, MemoryRecorder, RecordFailed, rebuild_segments
+from rollway.policies.base import Generation, InferenceClient, SamplingParams
+from rollway.policies.chat import BytesChatML
+from rollway.policies.config import ScriptRule
+from rollway.policies.scripted import ScriptedPolicy
+from rollway.schemas.messages import CapturedCall, EpisodeKey
+
+ROOT = Path(__file__).resolve().parent.parent
+SHELL = {"type": "function", "function": {"name": "shell", "description": "Run a command.", "parameters": {
+    "type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}
+LS = '<tool_call>\n{"name": "shell", "arguments": {"command": "ls"}}\n</tool_call>'
+CAT = 'Reading it.\n<tool_call>\n{"name": "shell", "arguments": {"command": "cat a.txt"}}\n</tool_call>'
+SCRIPT = [ScriptRule(turns=[LS, CAT, "The file says hello. Done."])]
+
+
+class LoggedEngine(InferenceClient):
+    """The scripted policy (the fake model), with a log of each prompt it got and what it returned."""
+
+    def __init__(self, rules: list[ScriptRule] = SCRIPT):
+        self.inner = ScriptedPolicy(rules, BytesChatML())
+        self.log: list[tuple[list[int], Generation]] = []
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        generation = await self.inner.generate(prompt_ids, params)
+        self.log.append((list(prompt_ids), generation))
+        return generation
+
+
+def key(name: str = "ep-1") -> EpisodeKey:
+    return EpisodeKey(episode_id=name, group_id="g", task_id="t")
+
+
+class Program:
+    """An agent program's side of the conversation: what it sent on each call, for the checks."""
+
+    def __init__(self, client: openai.AsyncOpenAI):
+        self.client = client
+        self.sent: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]] = []
+
+    async def call(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                   **kw: Any) -> Any:
+        self.sent.append(([dict(m) for m in messages], tools or []))
+        extra = {"tools": tools} if tools else {}
+        return (await self.client.chat.completions.create(model="policy", messages=messages, **extra, **kw)
+                ).choices[0].message
+
+
+def check_against_engine(calls: list[CapturedCall], engine: LoggedEngine) -> None:
+    """Each record's output ids and logprobs are what the engine returned, and the prompt rebuilt from
+    the records is the prompt the engine received."""
+    calls = sorted(calls, key=lambda c: c.call_index)
+    assert len(calls) == len(engine.log)
+    streams: dict[int, list[int]] = {}
+    for call, (prompt, generation) in zip(calls, engine.log, strict=True):
+        assert call.output_ids == generation.token_ids
+        assert call.logprobs == generation.logprobs
+        stream = [] if call.segment_reason else streams[call.segment]
+        stream = stream[: call.prompt_start] + call.prompt_ids
+        assert stream == prompt, f"call {call.call_index}: the recorded prompt is not what the engine saw"
+        streams[call.segment] = stream + call.output_ids
+
+
+def check_rerender(program: Program, calls: list[CapturedCall], engine: LoggedEngine) -> None:
+    """Rendering each call's messages from scratch (assistant turns as the model wrote them) gives the
+    prompt the engine received (BytesChatML is append-only, so no divergence is possible)."""
+    chat = BytesChatML()
+
+    def raw(m: dict[str, Any]) -> str:
+        sent_calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in m.get("tool_calls", [])]
+        for c in calls:
+            if (c.content or "") == (m.get("content") or "") and \
+                    [(t["name"], t["arguments"]) for t in c.tool_calls] == sent_calls:
+                return c.raw_text
+        raise AssertionError(f"no recorded call returned {m}")
+
+    for (messages, tools), (prompt, _) in zip(program.sent, engine.log, strict=True):
+        rendered = [{"role": m["role"], "content": raw(m) if m["role"] == "assistant" else m["content"]}
+                    for m in messages]
+        assert chat.initial(rendered, tools) == prompt
+
+
+def as_dict(message: Any) -> dict[str, Any]:
+    return message.model_dump(exclude_none=True)
+
+
+async def serve(engine: LoggedEngine, recorder: Any = None, **kw: Any) -> tuple[Gateway, Any]:
+    recorder = recorder or MemoryRecorder()
+    gateway = Gateway(engine, BytesChatML(), recorder, **kw)
+    await gateway.start()
+    return gateway, recorder
+
+
+def client_for(gateway: Gateway, handle: Any) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=handle.api_key, max_retries=0)
+
+
+async def tool_episode(program: Program, stream: bool = False) -> list[dict[str, Any]]:
+    """user -> ls call -> tool -> cat call -> tool -> final answer, as a tool-calling program plays it."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."},
+                                      {"role": "user", "content": "What does a.txt say?"}]
+    for output in ("a.txt", "hello"):
+        reply = await (streamed_call(program, messages) if stream else program.call(messages, [SHELL]))
+        assert reply["tool_calls"][0]["function"]["name"] == "shell"
+        messages += [reply, {"role": "tool", "tool_call_id": reply["tool_calls"][0]["id"], "content": output}]
+    final = await (streamed_call(program, messages) if stream else program.call(messages, [SHELL]))
+    assert final["content"] == "The file says hello. Done." and not final.get("tool_calls")
+    return messages
+
+
+async def streamed_call(program: Program, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """One streamed call, assembled from its chunks as an OpenAI client program does."""
+    program.sent.append(([dict(m) for m in messages], [SHELL]))
+    stream = await program.client.chat.completions.create(model="policy", messages=messages, tools=[SHELL],
+                                                          stream=True)
+    content, calls = "", {}
+    async for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for call in choice.delta.tool_calls or []:
+                calls[call.index] = {"id": call.id, "type": "function",
+                                     "function": {"name": call.function.name, "arguments": call.function.arguments}}
+    reply: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        reply["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return reply
+
+
+# -- a whole episode ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_tool_calling_episode_is_captured_token_exact_in_one_segment(stream):
+    async def scenario():
+        engine = LoggedEngine()
+        gateway, recorder = await serve(engine)
+        handle = gateway.open_episode(key())
+        program = Program(client_for(gateway, handle))
+        try:
+            if stream:
+                await tool_episode(program, stream=True)
+            else:
+                await tool_episode(_DictProgram(program))
+        finally:
+            await gateway.stop()
+        return engine, recorder.of("ep-1"), program, handle
+
+    engine, calls, program, handle = run(scenario())
+    assert [c.call_index for c in calls] == [0, 1, 2] and handle.calls == 3
+    assert [c.segment for c in calls] == [0, 0, 0] and calls[0].segment_reason == "start"
+    assert [c.segment_reason for c in calls[1:]] == [None, None]
+    # Later calls carry only their new tokens: the tool message and the next generation prompt.
+    assert all(len(c.prompt_ids) < 60 for c in calls[1:]) and len(calls[0].prompt_ids) > 200
+    assert calls[0].tool_calls[0]["arguments"] == {"command": "ls"} and calls[1].content == "Reading it."
+    check_against_engine(calls, engine)
+    check_rerender(program, calls, engine)
+    [segment] = rebuild_segments(calls)
+    assert sum(segment.loss_mask) == sum(len(c.output_ids) for c in calls)
+    for (start, end), c in zip(segment.turn_spans, calls, strict=True):
+        assert segment.token_ids[start:end] == c.output_ids and set(segment.loss_mask[start:end]) == {1}
+        assert segment.logprobs[start:end] == c.logprobs
+    assert segment.token_ids == engine.log[-1][0] + engine.log[-1][1].token_ids
+
+
+class _DictProgram:
+    """Program whose replies are plain dicts, as a program echoing messages back sends them."""
+
+    def __init__(self, program: Program):
+        self.inner = program
+
+    async def call(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> dict[str, Any]:
+        return as_dict(await self.inner.call(messages, tools))
+
+
+def test_sse_stream_ends_with_done_and_usage_when_asked():
+    async def scenario():
+        gateway, _ = await serve(LoggedEngine())
+        handle = gateway.open_episode(key())
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                "stream_options": {"include_usage": True}}
+        try:
+            async with aiohttp.ClientSession() as http, http.post(f"{handle.base_url}/chat/completions",
+                                                                  json=body) as response:
+                return response.headers["Content-Type"], await response.text()
+        finally:
+            await gateway.stop()
+
+    content_type, text = run(scenario())
+    assert content_type.startswith("text/event-stream")
+    events = [line.removeprefix("data: ") for line in text.split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["usage"]["completion_tokens"] > 0
+    assert json.loads(events[-3])["choices"][0]["finish_reason"] == "stop"
+
+
+# -- segments and retries ----------------------------------------------------------------------------
+
+
+def test_history_rewrites_open_segments_with_their_reasons():
+    async def scenario():
+        engine = LoggedEngine()
+        gateway, recorder = await serve(engine)
+        handle = gateway.open_episode(key())
+        program = _DictProgram(Program(client_for(gateway, handle)))
+        try:
+            messages = await tool_episode(program)
+            # Compaction: the first exchange replaced by a summary.
+            compacted = [messages[0], {"role": "user", "content": "Summary: ls showed a.txt."}, *messages[4:]]
+            await program.call(compacted, [SHELL])
+            # An edited system prompt.
+            await program.call([{"role": "system", "content": "Be verbose."}, *compacted[1:]], [SHELL])
+            # Fewer tools.
+            await program.call(compacted, [])
+        finally:
+            await gateway.stop()
+        return engine, recorder.of("ep-1"), program.inner
+
+    engine, calls, program = run(scenario())
+    assert [(c.segment, c.segment_reason) for c in calls[3:]] == [
+        (1, "history_rewritten"), (2, "system_changed"), (3, "tools_changed")]
+    check_against_engine(calls, engine)
+    check_rerender(program, calls, engine)
+    segments = rebuild_segments(calls)
+    assert [s.reason for s in segments] == ["start", "history_rewritten", "system_changed", "tools_changed"]
+    # The rewritten segment renders the sampled assistant turn as the model wrote it (Hermes tags).
+    assert b"<tool_call>" in bytes(t for t in segments[1].token_ids if t < 256)
+
+
+def test_a_retried_call_replaces_its_position_instead_of_duplicating_it():
+    async def scenario():
+        engine = LoggedEngine()
+        gateway, recorder = await serve(engine)
+        handle = gateway.open_episode(key())
+        program = _DictProgram(Program(client_for(gateway, handle)))
+        try:
+            messages = [{"role": "user", "content": "What does a.txt say?"}]
+            first = await program.call(messages, [SHELL])
+            messages += [first, {"role": "tool", "tool_call_id": first["tool_calls"][0]["id"], "content": "a.txt"}]
+            await program.call(messages, [SHELL])
+            await program.call(messages, [SHELL])  # the same call again (a client timeout)
+            second = await program.call(messages, [SHELL])  # and again
+            messages += [second, {"role": "tool", "tool_call_id": second["tool_calls"][0]["id"], "content": "hi"}]
+            await program.call(messages, [SHELL])
+        finally:
+            await gateway.stop()
+        return engine, recorder.of("ep-1"), program.inner
+
+    engine, calls, program = run(scenario())
+    assert [c.retry_of for c in calls] == [None, None, 1, 2, None]
+    assert {c.segment for c in calls} == {0}
+    check_against_engine(calls, engine)
+    check_rerender(program, calls, engine)
+    [segment] = rebuild_segments(calls)
+    assert segment.call_indices == [0, 3, 4] and segment.retries == 2
+    assert segment.token_ids == engine.log[-1][0] + engine.log[-1][1].token_ids
+
+
+def test_completions_endpoint_extends_by_token_ids_and_text():
+    async def scenario():
+        engine = LoggedEngine([ScriptRule(turns=["42"])])
+        gateway, recorder = await serve(engine)
+        handle = gateway.open_episode(key())
+        client = client_for(gateway, handle)
+        try:
+            first = await client.completions.create(model="m", prompt="Q: 6*7?\nA:", max_tokens=8)
+            prompt = [*b"Q: 6*7?\nA:", *engine.log[0][1].token_ids, *b" again?"]
+            await client.completions.create(model="m", prompt=prompt, max_tokens=8)
+            await client.completions.create(model="m", prompt="Other question", max_tokens=1)
+        finally:
+            await gateway.stop()
+        return first, recorder.of("ep-1"), engine
+
+    first, calls, engine = run(scenario())
+    assert first.choices[0].text == "42"
+    assert [c.segment_reason for c in calls] == ["start", None, "prompt_changed"]
+    assert calls[1].prompt_ids == list(b" again?") and calls[2].finish_reason == "length"
+    check_against_engine(calls, engine)
+
+
+def test_stop_strings_cut_text_and_ids():
+    async def scenario():
+        engine = LoggedEngine([ScriptRule(turns=["one two END three"])])
+        gateway, recorder = await serve(engine)
+        handle = gateway.open_episode(key())
+        program = Program(client_for(gateway, handle))
+        try:
+            reply = await program.call([{"role": "user", "content": "count"}], stop=["END"])
+            messages = [{"role": "user", "content": "count"}, as_dict(reply), {"role": "user", "content": "more"}]
+            await program.call(messages, stop=["END"])
+        finally:
+            await gateway.stop()
+        return reply, recorder.of("ep-1")
+
+    reply, calls = run(scenario())
+    assert reply.content == "one two " and calls[0].output_ids == list(b"one two END")
+    assert calls[0].finish_reason == "stop" and calls[1].segment_reason is None  # the echo still extends
+    assert calls[1].prompt_ids[0] == BytesChatML().stop_token_ids[0]  # the cut turn closed, mask 0
+
+
+# -- bad input ---------------------------------------------------------------------------------------
+
+
+def test_bad_requests_are_refused_with_the_field_named_and_nothing_recorded():
+    cases = [
+        ({"messages": []}, 400, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
+        ({"messages": [{"role": "user"}]}, 400, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400,
+         "messages[0].content[0]"),
+        ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}, 400,
+         "messages[1].role"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": True}, 400, "n"),
+        ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 1}}, 400, "logit_bias"),
+        ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400, "temperature"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, "tools[0]"),
+        ({"messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "function",
+                                                                           "function": {"name": "nope"}}}, 400,
+         "tool_choice"),
+        ({"messages": [{"role": "user", "content": "x"}], "frobnicate": True}, 400, "frobnicate"),
+        ({"prompt": [1, -2]}, 400, "prompt"),
+        ({"prompt": [1, 2**70]}, 400, "prompt"),
+        ({"messages": [{"role": "user", "content": "x"}], "seed": 2**70}, 400, "seed"),
+        # Values JSON allows but the log cannot store: an integer beyond 64 bits in echoed arguments.
+        ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"n": 123456789012345678901234567890}'}}]},
+            {"role": "tool", "content": "ok"}]}, 400, "messages"),
+    ]
+
+    async def scenario():
+        gateway, recorder = await serve(LoggedEngine())
+        handle = gateway.open_episode(key())
+        seen = []
+        try:
+            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {handle.api_key}"}) as http:
+                for body, _, _ in cases:
+                    path = "completions" if "prompt" in body else "chat/completions"
+                    async with http.post(f"{gateway.url}/v1/{path}", json={"model": "m", **body}) as r:
+                        seen.append((r.status, (await r.json())["error"]))
+                async with http.post(f"{gateway.url}/v1/chat/completions", data=b"[" * 100_000 + b"]" * 100_000) as r:
+                    seen.append((r.status, (await r.json())["error"]))  # nested past the parser's depth
+                async with http.post(f"{gateway.url}/v1/chat/completions", data=b"{not json") as r:
+                    seen.append((r.status, (await r.json())["error"]))
+        finally:
+            await gateway.stop()
+        return seen, recorder.calls
+
+    seen, recorded = run(scenario())
+    for (body, status, param), (got, error) in zip(cases, seen, strict=False):
+        assert (got, error["param"]) == (status, param), (body, error)
+        assert param.split("[")[0].split(".")[0] in error["message"]
+    assert seen[-1][0] == seen[-2][0] == 400 and "JSON" in seen[-1][1]["message"] and "JSON" in seen[-2][1]["message"]
+    assert recorded == []
+
+
+def test_credentials_are_per_episode_and_closed_episodes_refuse():
+    async def scenario():
+        engine = LoggedEngine()
+        gateway, recorder = await serve(engine)
+        mine, theirs = gateway.open_episode(key("mine")), gateway.open_episode(key("theirs"), max_calls=1)
+        msgs = [{"role": "user", "content": "hi"}]
+        errors = {}
+        try:
+            bad = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="sk-guess", max_retries=0)
+            with pytest.raises(openai.AuthenticationError) as errors["unknown"]:
+                await bad.chat.completions.create(model="m", messages=msgs)
+            # Their path, my key: refused, nothing written into their episode.
+            crossed = openai.AsyncOpenAI(base_url=theirs.base_url, api_key=mine.api_key, max_retries=0)
+            with pytest.raises(openai.AuthenticationError):
+                await crossed.chat.completions.create(model="m", messages=msgs)
+            with pytest.raises(openai.AuthenticationError):
+                await openai.AsyncOpenAI(base_url=f"{gateway.url}/e/forged/v1", api_key="x",
+                                         max_retries=0).models.list()
+            # The path form with any key the program likes.
+            via_path = openai.AsyncOpenAI(base_url=theirs.base_url, api_key="anything", max_retries=0)
+            await via_path.chat.completions.create(model="m", messages=msgs)
+            assert [m.id async for m in via_path.models.list()] == ["rollway-policy"]
+            with pytest.raises(openai.ConflictError) as errors["limit"]:
+                await via_path.chat.completions.create(model="m", messages=msgs)
+            own = client_for(gateway, mine)
+            await own.chat.completions.create(model="m", messages=msgs)
+            await gateway.close_episode(mine)
+            with pytest.raises(openai.ConflictError) as errors["closed"]:
+                await own.chat.completions.create(model="m", messages=msgs)
+        finally:
+            await gateway.stop()
+        return errors, recorder, mine, theirs
+
+    errors, recorder, mine, theirs = run(scenario())
+    assert "another episode" in str(errors["unknown"].value)
+    assert "limit of 1" in str(errors["limit"].value) and theirs.stop_reason == "call_limit"
+    assert "has ended" in str(errors["closed"].value)
+    assert [c.episode_id for c in recorder.calls] == ["theirs", "mine"]
+    assert theirs.calls == 1 and theirs.last_call_at is not None and mine.closed
+
+
+class FlakyRecorder(MemoryRecorder):
+    """An in-memory recorder that fails its first write (a fake log outage; the real one is Kafka)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failures = 1
+
+    async def record(self, call: CapturedCall) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise RecordFailed("the log is down")
+        await super().record(call)
+
+
+def test_a_call_the_log_did_not_acknowledge_gets_503_and_leaves_no_trace():
+    async def scenario():
+        engine = LoggedEngine()
+        gateway, recorder = await serve(engine, FlakyRecorder())
+        handle = gateway.open_episode(key())
+        program = _DictProgram(Program(client_for(gateway, handle)))
+        messages = [{"role": "user", "content": "hi"}]
+        try:
+            with pytest.raises(openai.InternalServerError, match="retry"):
+                await program.call(messages, [SHELL])
+            await program.call(messages, [SHELL])  # the program retries
+        finally:
+            await gateway.stop()
+        return recorder.calls, handle
+
+    calls, handle = run(scenario())
+    assert [(c.call_index, c.retry_of, c.segment_reason) for c in calls] == [(0, None, "start")]
+    assert handle.calls == 1
+
+
+def test_a_client_leaving_mid_stream_leaves_the_call_recorded_once():
+    """Whether the server sees the reset before its last write depends on socket buffers; the record
+    must be the same either way: one call, then the program's repeat of it as a retry."""
+    long_turn = "word " * 2000
+
+    async def scenario():
+        engine = LoggedEngine([ScriptRule(turns=[long_turn, "short"])])
+        gateway, recorder = await serve(engine)
+        handle = gateway.open_episode(key())
+        body = {"model": "m", "messages": [{"role": "user", "content": "talk"}], "stream": True, "max_tokens": 20000}
+        try:
+            async with aiohttp.ClientSession() as http:
+                response = await http.post(f"{handle.base_url}/chat/completions", json=body)
+                await response.content.readline()  # the first event, then the program is gone
+                response.close()
+            # The program comes back with the same request: a retry of that position.
+            client = openai.AsyncOpenAI(base_url=handle.base_url, api_key="x", max_retries=0)
+            again = await client.chat.completions.create(model="m", messages=body["messages"], max_tokens=20000)
+        finally:
+            await gateway.stop()
+        return again, recorder.calls
+
+    again, calls = run(scenario())
+    assert again.choices[0].message.content == long_turn
+    assert [(c.call_index, c.retry_of) for c in calls] == [(0, None), (1, 0)]
+    [segment] = rebuild_segments(calls)
+    assert segment.call_indices == [1]
+
+
+# -- the rebuild ---------------------------------------------------------------------------------------
+
+
+def _call(index: int, **kw: Any) -> CapturedCall:
+    base = dict(episode=key(), call_index=index, segment=0, prompt_start=0, prompt_ids=[1], output_ids=[2],
+                logprobs=[-0.5], finish_reason="stop", policy_version=0)
+    return CapturedCall(**{**base, **kw})
+
+
+def test_rebuild_counts_a_redelivered_call_once_and_refuses_a_gap():
+    calls = [_call(0, segment_reason="start"), _call(1, prompt_start=2), _call(1, prompt_start=2)]
+    [segment] = rebuild_segments(reversed(calls))
+    assert segment.token_ids == [1, 2, 1, 2] and segment.loss_mask == [0, 1, 0, 1]
+    assert segment.logprobs == [None, -0.5, None, -0.5] and segment.turn_spans == [(1, 2), (3, 4)]
+    fields = segment.trajectory_fields()
+    assert (fields["prompt_length"], fields["num_turns"], fields["turn_policy_versions"]) == (1, 2, [0, 0])
+    with pytest.raises(ValueError, match="call 1 is missing"):
+        rebuild_segments([calls[0], _call(2, prompt_start=2)])
+    with pytest.raises(ValueError, match="starts at token 9"):
+        rebuild_segments([calls[0], _call(1, prompt_start=9)])
+
+
+# -- the example program -------------------------------------------------------------------------------
+
+
+def test_example_history_rewriting_program_trains_as_two_segments():
+    """examples/agent_program.py (the docs' 'train your own agent program'), run as its own process."""
+    rules = [ScriptRule(when="Summary:", turns=["Done: a.txt is listed."]),
+             ScriptRule(turns=['<tool_call>\n{"name": "shell", "arguments": {"command": "echo a.txt"}}\n</tool_call>'])]
+
+    async def scenario():
+        engine = LoggedEngine(rules)
+        gateway, recorder = await serve(engine)
+        handle = gateway.open_episode(key())
+        env = {**os.environ, "OPENAI_BASE_URL": handle.base_url, "OPENAI_API_KEY": "unused"}
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, str(ROOT / "examples" / "agent_program.py"), "List the files.", env=env,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            out, err = await asyncio.wait_for(proc.communicate(), 120)
+        finally:
+            await gateway.stop()
+        return proc.returncode, out.decode(), err.decode(), recorder.calls, engine
+
+    code, out, err, calls, engine = run(scenario())
+    assert code == 0, err[-2000:]
+    assert "Done: a.txt is listed." in out
+    assert [c.segment_reason for c in calls] == ["start", None, "history_rewritten"]
+    check_against_engine(calls, engine)
+    segments = rebuild_segments(calls)
+    assert [len(s.turn_spans) for s in segments] == [2, 1]
+
+
+def test_captured_call_round_trips_through_the_codec():
+    from rollway.schemas import decode, encode
+
+    call = _call(0, segment_reason="start", new_messages=[{"role": "user", "content": "hi"}], tools=[SHELL],
+                 tool_calls=[{"id": "call_1", "name": "shell", "arguments": {"command": "ls"}}])
+    assert decode(encode(call), CapturedCall) == call
+
+
+def test_a_capture_restored_from_its_records_continues_where_the_live_one_stood():
+    """What a restarted gateway rebuilds from the log equals the state the live gateway held, after
+    retries and a rewrite."""
+    from rollway.gateway import EpisodeCapture
+
+    async def scenario():
+        engine = LoggedEngine()
+        gateway, recorder = await serve(engine)
+        handle = gateway.open_episode(key())
+        program = _DictProgram(Program(client_for(gateway, handle)))
+        try:
+            messages = await tool_episode(program)
+            await program.call(messages[:4], [SHELL])  # a retry of call 1
+            await program.call([messages[0], {"role": "user", "content": "Summary."}, *messages[4:]], [SHELL])
+        finally:
+            await gateway.stop()
+        return handle.capture, recorder.calls
+
+    live, calls = run(scenario())
+    restored = EpisodeCapture.restore(BytesChatML(), list(reversed(calls)) + calls[:2])
+    for name in ("segment", "api", "tools", "conversation", "rendered", "stream", "calls", "next_index", "raw_texts"):
+        assert getattr(restored, name) == getattr(live, name), name
+
+
+def test_concurrent_calls_of_one_episode_are_serialised_and_episodes_stay_apart():
+    """Two identical calls of one episode at once (a program that retried before its first answer)
+    are one call and its retry; a second episode's calls, interleaved, land only in its own record."""
+
+    async def scenario():
+        engine = LoggedEngine()
+        gateway, recorder = await serve(engine)
+        one, two = gateway.open_episode(key("one")), gateway.open_episode(key("two"))
+        messages = [{"role": "user", "content": "What does a.txt say?"}]
+        try:
+            a, b = client_for(gateway, one), client_for(gateway, two)
+            await asyncio.gather(a.chat.completions.create(model="m", messages=messages, tools=[SHELL]),
+                                 a.chat.completions.create(model="m", messages=messages, tools=[SHELL]),
+                                 b.chat.completions.create(model="m", messages=messages, tools=[SHELL]))
+        finally:
+            await gateway.stop()
+        return recorder
+
+    recorder = run(scenario())
+    assert [(c.call_index, c.retry_of) for c in recorder.of("one")] == [(0, None), (1, 0)]
+    assert [(c.call_index, c.retry_of) for c in recorder.of("two")] == [(0, None)]
+    assert rebuild_segments(recorder.of("one"))[0].call_indices == [1]
+
+
+def test_completions_stream_and_tool_choice_none():
+    async def scenario():
+        engine = LoggedEngine()
+        gateway, recorder = await serve(engine)
+        handle = gateway.open_episode(key())
+        client = client_for(gateway, handle)
+        try:
+            stream = await client.completions.create(model="m", prompt="Q?", max_tokens=5, stream=True)
+            pieces = [choice.text async for chunk in stream for choice in chunk.choices]
+            plain = await client.chat.completions.create(
+                model="m", messages=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "go"}],
+                tools=[SHELL], tool_choice="none")
+        finally:
+            await gateway.stop()
+        return "".join(pieces), plain.choices[0], recorder.calls
+
+    text, plain, calls = run(scenario())
+    assert text == LS[:5] and calls[0].finish_reason == "length"
+    # tool_choice none: the sampled call text is returned as text, not parsed into tool_calls.
+    assert plain.message.content == LS and not plain.message.tool_calls and plain.finish_reason == "stop"
+    assert calls[1].new_messages[0]["role"] == "system"
+
+
+def test_bench_gateway_command_reports_the_added_time_as_json():
+    """`rollway bench gateway --json` runs end to end (tiny settings; the figures are not checked)."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "rollway.runners", "bench", "gateway", "--json", "--episodes", "2",
+                          "--prompt-tokens", "128", "--calls", "2", "--recorders", "memory"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    [row] = json.loads(out.stdout.splitlines()[-1])["rows"]
+    assert (row["episodes"], row["prompt_tokens"], row["continued"]["calls"], row["first_call"]["calls"]) == (2, 128, 2, 2)
+    assert {"added_p50_ms", "added_p99_ms", "gateway_p50_ms"} <= set(row["continued"])
