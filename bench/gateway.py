@@ -88,7 +88,7 @@ class _recorder:
         if self.name == "memory":
             self.recorder = _Discarding()
             return self.recorder
-        from rollway.core.config import BrokerConfig, TopicsConfig
+        from rollway.base.broker import BrokerConfig, TopicsConfig
         from rollway.runners.broker import EmbeddedBroker
 
         self.broker = await asyncio.to_thread(EmbeddedBroker(0).start)

@@ -53,7 +53,7 @@ class KafkaRecorder(CallRecorder):
     async def connect(cls, broker: Any, topics: Any, bootstrap: str) -> KafkaRecorder:
         """A recorder on `bootstrap` with rollway's producer; creates the topic when missing.
         `broker` and `topics` are the run's BrokerConfig and TopicsConfig."""
-        from rollway.core.kafka import ensure_topics, make_producer, topic_name
+        from rollway.runtime.kafka import ensure_topics, make_producer, topic_name
         from rollway.topics import GATEWAY_CALLS
 
         await ensure_topics(broker, topics, bootstrap, (GATEWAY_CALLS,))

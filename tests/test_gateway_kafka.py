@@ -10,7 +10,7 @@ import pytest
 from conftest import run
 from test_gateway import SHELL, LoggedEngine, check_against_engine, key
 
-from rollway.core.config import BrokerConfig, TopicsConfig
+from rollway.base.broker import BrokerConfig, TopicsConfig
 from rollway.gateway import Gateway, KafkaRecorder, rebuild_segments
 from rollway.policies.chat import BytesChatML
 from rollway.schemas import decode
@@ -23,7 +23,7 @@ async def read_calls(bootstrap: str, topics: TopicsConfig) -> list[CapturedCall]
     """Every record of the gateway-calls topic, read by a fresh consumer from the log's start."""
     from aiokafka import TopicPartition
 
-    from rollway.core.kafka import make_consumer, partitions_for, read_to_end, topic_name
+    from rollway.runtime.kafka import make_consumer, partitions_for, read_to_end, topic_name
     from rollway.topics import GATEWAY_CALLS
 
     name = topic_name(GATEWAY_CALLS, topics)
@@ -102,7 +102,7 @@ import asyncio, json, sys
 sys.path.insert(0, {tests!r})
 from test_gateway import SCRIPT, LoggedEngine, key
 from test_gateway_kafka import read_calls
-from rollway.core.config import BrokerConfig, TopicsConfig
+from rollway.base.broker import BrokerConfig, TopicsConfig
 from rollway.gateway import Gateway, KafkaRecorder
 from rollway.policies.chat import BytesChatML
 
