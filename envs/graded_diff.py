@@ -15,6 +15,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
+from typing import Any
 
 # Workspace paths never graded: tool state and bytecode (not the agent's answer).
 IGNORED = re.compile(r"(^|/)(\.rollway|__pycache__|\.pytest_cache)(/|$)|\.py[co]$")
@@ -50,9 +51,14 @@ class GradedDiff:
     unsafe: list[str] = field(default_factory=list)
     """Symlinks, submodules, paths under .git/ and sections whose paths could not be read."""
 
-    def details(self) -> dict[str, list[str]]:
-        return {"ignored_files": self.ignored, "dropped_test_files": self.tests,
-                "dropped_runner_files": self.runner, "dropped_unsafe_files": self.unsafe}
+    def details(self, keep: int = 50) -> dict[str, Any]:
+        """For a grade's details: each list cut to `keep` paths (an agent can create any number of
+        files), with the full counts."""
+        lists = {"ignored_files": self.ignored, "dropped_test_files": self.tests,
+                 "dropped_runner_files": self.runner, "dropped_unsafe_files": self.unsafe}
+        out: dict[str, Any] = {name: [p[:300] for p in paths[:keep]] for name, paths in lists.items()}
+        out["dropped_counts"] = {name: len(paths) for name, paths in lists.items() if len(paths) > keep}
+        return out
 
 
 def unquote(name: str) -> str:
@@ -135,7 +141,7 @@ def _module_name(part: str) -> str:
 
 def _creates(section: str) -> bool:
     """A section that adds a file (or renames/copies one into place)."""
-    return bool(re.search(r"(?m)^(new file mode |rename to |copy to |--- /dev/null)", section))
+    return bool(re.search(r"(?m)^(new file mode |rename to |copy to |--- /dev/null|@@ -0,0 )", section))
 
 
 def split_sections(patch: str) -> list[str]:
