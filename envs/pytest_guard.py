@@ -30,6 +30,8 @@ PLUGIN_DIR = f"{GRADE_DIR}/plugin"
 PLUGIN_MODULE = "rollway_grade_report"
 REPORT_FILE = f"{GRADE_DIR}/report.json"
 KEY_FILE = f"{GRADE_DIR}/key"
+PROBE_TIMEOUT_S = 120.0
+"""At least this long for the check on the unpatched tree (an infrastructure check, not the agent's time)."""
 LOG_CHARS = 1500
 """Characters of the run's output kept in a grade's details (a Trajectory must stay well under 1 MB)."""
 
@@ -143,6 +145,7 @@ async def run_guarded(sandbox: Sandbox, command: str, timeout_s: float, probe: b
     await sandbox.write_file(f"{PLUGIN_DIR}/{PLUGIN_MODULE}.py", PLUGIN_SOURCE)
     await sandbox.exec(f"rm -f {REPORT_FILE}", timeout_s=30)
     await sandbox.write_file(KEY_FILE, key)
+    timeout_s = max(timeout_s, PROBE_TIMEOUT_S) if probe else timeout_s
     ran = await sandbox.exec(f"{guarded(command, probe)} 2>&1; echo rollway-exit=$?", timeout_s=timeout_s)
     exit_code = _exit_code(ran.output)
     if ran.timed_out:

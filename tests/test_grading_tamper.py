@@ -265,3 +265,19 @@ def test_grade_details_stay_bounded():
     patch = "".join(new_file(f"pkg/conftest_{i}/conftest.py", "x = 1") for i in range(500))
     details = graded_diff(patch, set()).details()
     assert len(details["dropped_runner_files"]) == 50 and details["dropped_counts"] == {"dropped_runner_files": 500}
+
+
+@pytest.mark.slow
+def test_a_huge_diff_and_flood_of_output_keep_the_grade_small(toolz_task):
+    """3 MB of new code, 600 runner files and megabytes printed by the tests: the grade stays small."""
+    import json
+
+    async def flood(sandbox: Sandbox, row: dict) -> None:
+        await sandbox.write_file("notes/big.py", "x = 1  # padding\n" * 180_000)
+        await sandbox.exec("for i in $(seq 600); do mkdir -p d$i && echo 'x = 1' > d$i/conftest.py; done")
+        await append(sandbox, package_init(row), "\nprint('y' * 4_000_000)\n")
+
+    grade = grade_episode(toolz_task, flood)
+    size = len(json.dumps(grade.details))
+    assert grade.reward == 0.0 and size < 50_000, size
+    assert grade.details["dropped_counts"] == {"dropped_runner_files": 600}
