@@ -281,3 +281,51 @@ def test_a_huge_diff_and_flood_of_output_keep_the_grade_small(toolz_task):
     size = len(json.dumps(grade.details))
     assert grade.reward == 0.0 and size < 50_000, size
     assert grade.details["dropped_counts"] == {"dropped_runner_files": 600}
+
+
+def test_signed_report_reads_each_pytest_outcome():
+    """The report plugin in the real local sandbox on a small suite with one test of each kind; a report
+    whose body was edited after signing is refused."""
+    from rollway.envs.pytest_guard import REPORT_FILE, run_guarded, verify_report
+    from rollway.sandboxes.base import SandboxSpec
+
+    suite = '''import pytest
+
+@pytest.fixture
+def broken():
+    raise RuntimeError("setup")
+
+def test_pass(): pass
+def test_fail(): assert 0
+def test_error(broken): pass
+@pytest.mark.xfail
+def test_marked_xfail(): assert 0
+@pytest.mark.xfail
+def test_xpass(): pass
+def test_imperative_xfail(): pytest.xfail("the code under test says so")
+@pytest.mark.skip
+def test_skipped(): pass
+'''
+
+    async def run() -> tuple[dict, str]:
+        provider = LocalSandboxProvider()
+        sandbox = await provider.create(SandboxSpec(files={"test_kinds.py": suite}), f"report-{uuid.uuid4().hex[:8]}")
+        try:
+            ran = await run_guarded(sandbox, "python -m pytest -q -p no:cacheprovider test_kinds.py", 120)
+            return ran.statuses, await sandbox.read_file(REPORT_FILE)
+        finally:
+            await sandbox.destroy()
+
+    statuses, text = asyncio.run(run())
+    expected = {"pass": "PASSED", "fail": "FAILED", "error": "ERROR", "marked_xfail": "PASSED", "xpass": "FAILED",
+                "imperative_xfail": "FAILED", "skipped": "SKIPPED"}
+    assert statuses == {f"test_kinds.py::test_{k}": v for k, v in expected.items()}
+    import hashlib
+    import hmac
+    import json
+
+    body = json.loads(text)["body"]
+    signed = json.dumps({"body": body, "mac": hmac.new(b"k", body.encode(), hashlib.sha256).hexdigest()})
+    assert verify_report(signed, b"k")["tests"] == statuses
+    assert verify_report(signed.replace('\\"FAILED\\"', '\\"PASSED\\"'), b"k") is None
+    assert '\\"FAILED\\"' in signed
