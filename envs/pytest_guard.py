@@ -32,6 +32,7 @@ REPORT_FILE = f"{GRADE_DIR}/report.json"
 KEY_FILE = f"{GRADE_DIR}/key"
 PROBE_TIMEOUT_S = 120.0
 """At least this long for the check on the unpatched tree (an infrastructure check, not the agent's time)."""
+REPORT_MAX_BYTES = 64 * 2**20
 LOG_CHARS = 1500
 """Characters of the run's output kept in a grade's details (a Trajectory must stay well under 1 MB)."""
 
@@ -150,9 +151,14 @@ async def run_guarded(sandbox: Sandbox, command: str, timeout_s: float, probe: b
     exit_code = _exit_code(ran.output)
     if ran.timed_out:
         return GuardedRun(None, exit_code, ran.output, timed_out=True, problem="timed_out")
+    # A regular file of sane size only (the tested code may leave a FIFO, a symlink or gigabytes there).
+    fits = await sandbox.exec(f"test -f {REPORT_FILE} && ! test -L {REPORT_FILE} && "
+                              f"test $(stat -c %s {REPORT_FILE}) -le {REPORT_MAX_BYTES}", timeout_s=30)
     try:
-        text = await sandbox.read_file(REPORT_FILE)
+        text = await sandbox.read_file(REPORT_FILE) if fits.exit_code == 0 else None
     except SandboxError:
+        text = None
+    if text is None:
         return GuardedRun(None, exit_code, ran.output, problem="missing")
     report = verify_report(text, key.encode())
     if report is None:
