@@ -34,6 +34,7 @@ RUNNER_MODULES = frozenset({
 _DIST_META = re.compile(r"\.(dist-info|egg-info|egg-link)$")
 _QUOTED = r'"(?:[^"\\]|\\.)*"'
 _HEADER = re.compile(rf"^diff --git ({_QUOTED}|a/\S+) ({_QUOTED}|b/\S+)$")
+_HUNK = re.compile(r"^@@ -\d+(?:,(\d+))? \+\d+(?:,(\d+))? @@")
 _ESCAPES = {"n": "\n", "t": "\t", '"': '"', "\\": "\\", "a": "\a", "b": "\b", "f": "\f", "r": "\r", "v": "\v"}
 
 
@@ -90,9 +91,7 @@ def section_paths(section: str) -> list[str] | None:
         paths += [unquote(header.group(1))[2:], unquote(header.group(2))[2:]]
     elif not (lines and lines[0].startswith("--- ")):
         return None
-    for line in lines[:8]:  # the extended header lines come before the first hunk
-        if line.startswith("@@"):
-            break
+    for line in _header_lines(lines):
         for prefix in ("rename from ", "rename to ", "copy from ", "copy to "):
             if line.startswith(prefix):
                 paths.append(unquote(line[len(prefix):]))
@@ -101,6 +100,24 @@ def section_paths(section: str) -> list[str] | None:
             if name != "/dev/null":
                 paths.append(name.split("/", 1)[1] if "/" in name else name)
     return [p for p in dict.fromkeys(paths) if p] or None
+
+
+def _header_lines(lines: list[str]) -> list[str]:
+    """The lines outside hunks (hunk bodies skipped by their line counts): a second `--- `/`+++ ` pair
+    smuggled after a hunk is a file header to `patch` and `git apply`, so it is read as one here too."""
+    out, old_left, new_left = [], 0, 0
+    for line in lines:
+        if old_left > 0 or new_left > 0:
+            kind = line[:1]
+            old_left -= kind in (" ", "-", "")
+            new_left -= kind in (" ", "+", "")
+            continue
+        hunk = _HUNK.match(line)
+        if hunk:
+            old_left, new_left = int(hunk.group(1) or 1), int(hunk.group(2) or 1)
+        else:
+            out.append(line)
+    return out
 
 
 def is_unsafe(section: str, paths: list[str]) -> bool:

@@ -329,3 +329,14 @@ def test_skipped(): pass
     assert verify_report(signed, b"k")["tests"] == statuses
     assert verify_report(signed.replace('\\"FAILED\\"', '\\"PASSED\\"'), b"k") is None
     assert '\\"FAILED\\"' in signed
+
+
+def test_graded_diff_reads_a_file_header_smuggled_after_a_hunk():
+    """`patch` and `git apply` read a ---/+++ pair after a hunk as the next file; a removed line that
+    reads `-- x` inside a hunk's counted lines is not a header."""
+    honest = ("diff --git a/pkg/m.sql b/pkg/m.sql\n--- a/pkg/m.sql\n+++ b/pkg/m.sql\n@@ -1,2 +1,2 @@\n"
+              "--- old comment\n+++ new comment\n x\n")
+    smuggled = honest + "--- a/conftest.py\n+++ b/conftest.py\n@@ -0,0 +1 @@\n+import forge\n"
+    assert graded_diff(honest, set()).patch == honest
+    diff = graded_diff(smuggled, set())
+    assert diff.patch == "" and diff.runner == ["conftest.py"]
