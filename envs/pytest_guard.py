@@ -74,6 +74,16 @@ def _status(report):
 def _install():
     key = _take_key()
 
+    def write(config, tests, errors, exitstatus, collected):
+        root = str(config.rootpath) + os.sep
+        plugins = sorted({os.path.relpath(f, root) for p in config.pluginmanager.get_plugins()
+                          for f in [getattr(p, "__file__", None) or ""] if f.startswith(root)})
+        body = json.dumps({"tests": tests, "collection_errors": errors, "plugins": plugins,
+                           "exitstatus": int(exitstatus), "collected": collected})
+        mac = hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
+        with open(os.path.join(os.environ["ROLLWAY_GRADE_DIR"], "report.json"), "w") as handle:
+            json.dump({"body": body, "mac": mac}, handle)
+
     class Recorder:
         def __init__(self, config):
             self.config, self.tests, self.errors = config, {}, []
@@ -89,16 +99,14 @@ def _install():
 
         @pytest.hookimpl(trylast=True)
         def pytest_sessionfinish(self, session, exitstatus):
-            root = str(self.config.rootpath) + os.sep
-            plugins = sorted({os.path.relpath(f, root) for p in self.config.pluginmanager.get_plugins()
-                              for f in [getattr(p, "__file__", None) or ""] if f.startswith(root)})
-            body = json.dumps({"tests": self.tests, "collection_errors": self.errors, "plugins": plugins,
-                               "exitstatus": int(exitstatus), "collected": session.testscollected})
-            mac = hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
-            with open(os.path.join(os.environ["ROLLWAY_GRADE_DIR"], "report.json"), "w") as handle:
-                json.dump({"body": body, "mac": mac}, handle)
+            write(self.config, self.tests, self.errors, exitstatus, session.testscollected)
 
     def pytest_configure(config):
+        if os.environ.get("ROLLWAY_GRADE_PROBE"):
+            # The runner check: pytest, this plugin, the configuration and the initial conftests
+            # loaded; stop before any test module is imported.
+            write(config, {}, [], 0, 0)
+            pytest.exit("rollway runner check done", returncode=0)
         config.pluginmanager.register(Recorder(config), "rollway-grade-recorder")
 
     return pytest_configure
@@ -132,12 +140,14 @@ def uses_pytest(command: str) -> bool:
 
 def guarded(command: str, probe: bool = False) -> str:
     """`command` with the report plugin on the import path and in PYTEST_ADDOPTS; its own PYTHONPATH
-    assignments keep the plugin folder first. `probe` only collects (the infrastructure check)."""
+    assignments keep the plugin folder first. `probe` stops once pytest is configured (the runner check:
+    no test module is imported)."""
     plugin_dir = '"$ROLLWAY_GRADE_DIR/plugin"'
     command = re.sub(r"(?<![\w$])PYTHONPATH=", f"PYTHONPATH={plugin_dir}:", command)
-    opts = f"-p {PLUGIN_MODULE}" + (" --collect-only -q" if probe else "")
-    return (f'export ROLLWAY_GRADE_DIR="$PWD/{GRADE_DIR}"; export PYTHONPATH={plugin_dir}${{PYTHONPATH:+:$PYTHONPATH}} '
-            f'PYTEST_ADDOPTS="{opts}${{PYTEST_ADDOPTS:+ $PYTEST_ADDOPTS}}"; {command}')
+    probe_env = " ROLLWAY_GRADE_PROBE=1" if probe else ""
+    return (f'export ROLLWAY_GRADE_DIR="$PWD/{GRADE_DIR}"{probe_env}; '
+            f'export PYTHONPATH={plugin_dir}${{PYTHONPATH:+:$PYTHONPATH}} '
+            f'PYTEST_ADDOPTS="-p {PLUGIN_MODULE}${{PYTEST_ADDOPTS:+ $PYTEST_ADDOPTS}}"; {command}')
 
 
 async def run_guarded(sandbox: Sandbox, command: str, timeout_s: float, probe: bool = False) -> GuardedRun:

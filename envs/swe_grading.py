@@ -193,9 +193,10 @@ async def grade_in_sandbox(sandbox: Sandbox, inst: SWEInstance, patch: str, sett
 
 
 async def check_runner(sandbox: Sandbox, inst: SWEInstance, command: str, timeout_s: float) -> frozenset[str]:
-    """On the unpatched tree: a pytest command collects and writes a signed report (its plugin modules
-    inside the workspace are returned: the agent's edits to them are not graded); another command's
-    program exists. Raises GradingEnvError when not (the environment's fault, retried)."""
+    """On the unpatched tree: a pytest command starts, loads its configuration and the report plugin
+    and writes a signed report (its plugin modules inside the workspace are returned: the agent's edits
+    to them are not graded); another command's program exists. Raises GradingEnvError when not (the
+    environment's fault, retried)."""
     if not uses_pytest(command):
         problem = await probe_command(sandbox, command)
         if problem:
