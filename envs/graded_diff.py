@@ -46,7 +46,8 @@ class GradedDiff:
     ignored: list[str] = field(default_factory=list)
     """Tool state and bytecode (not part of the answer)."""
     tests: list[str] = field(default_factory=list)
-    """The graded test files (reset to the instance's version, as SWE-bench resets them)."""
+    """The graded test files and anything else in their folders (reset to the instance's version, as
+    SWE-bench resets test files: expected-output data and helpers there are the tests' too)."""
     runner: list[str] = field(default_factory=list)
     """Files that change how the tests run (conftest.py, pytest config, plugins, shadowing modules...)."""
     unsafe: list[str] = field(default_factory=list)
@@ -128,16 +129,20 @@ def is_unsafe(section: str, paths: list[str]) -> bool:
         p.startswith("/") for p in paths)
 
 
-def is_runner_file(path: str, import_roots: tuple[str, ...] = (".",), test_dirs: frozenset[str] = frozenset(),
-                   new: bool = True) -> bool:
+def in_test_dir(path: str, test_dirs: frozenset[str]) -> bool:
+    """Under a folder that holds graded test files (their data, helpers and fixtures are the tests' too;
+    the repository root, where some projects keep a test file, does not count)."""
+    parents = {str(p) for p in PurePosixPath(path).parents}
+    return any(d in parents for d in test_dirs if d not in ("", "."))
+
+
+def is_runner_file(path: str, import_roots: tuple[str, ...] = (".",), new: bool = True) -> bool:
     """Whether `path` can change how the tests run rather than the code they test. A *new* top-level
     module named like the standard library or pytest would shadow it (an existing one, as in pytest's own
     repository, is the code under test)."""
     pure = PurePosixPath(path)
     if pure.name in RUNNER_NAMES or pure.suffix == ".pth" or any(_DIST_META.search(p) for p in pure.parts):
         return True
-    if pure.name == "__init__.py" and str(pure.parent) in test_dirs:
-        return True  # the tests' own package: imported with them, like a conftest
     for root in import_roots if new else ():
         rel = pure if root in (".", "") else _relative(pure, root)
         if rel is not None and rel.parts and _module_name(rel.parts[0]) in RUNNER_MODULES:
@@ -181,9 +186,9 @@ def graded_diff(patch: str, test_files: set[str] | frozenset[str], import_roots:
             out.unsafe.append(paths[-1])
         elif all(IGNORED.search(p) for p in paths):
             out.ignored.append(paths[-1])
-        elif any(p in test_files for p in paths):
+        elif any(p in test_files or in_test_dir(p, test_dirs) for p in paths):
             out.tests.append(paths[-1])
-        elif any(p in runner_files or is_runner_file(p, import_roots, test_dirs, _creates(section)) for p in paths):
+        elif any(p in runner_files or is_runner_file(p, import_roots, _creates(section)) for p in paths):
             out.runner.append(paths[-1])
         else:
             kept.append(section)

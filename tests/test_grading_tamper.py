@@ -175,7 +175,8 @@ async def xfail_from_library(sandbox: Sandbox, row: dict) -> None:
 def test_files_that_change_how_tests_run_are_not_graded(toolz_task, attack, dropped):
     grade = grade_episode(toolz_task, attack)
     assert (grade.reward, grade.resolved) == (0.0, False), grade.details
-    assert any(p.endswith(dropped) for p in grade.details["dropped_runner_files"]), grade.details
+    left_out = grade.details["dropped_runner_files"] + grade.details["dropped_test_files"]
+    assert any(p.endswith(dropped) for p in left_out), grade.details
 
 
 @pytest.mark.slow
@@ -236,7 +237,9 @@ def new_file(path: str, text: str) -> str:
     ("lib/site-packages/x.pth", "runner"), ("pkg.egg-info/entry_points.txt", "runner"),
     ("json.py", "runner"), ("_pytest/__init__.py", "runner"), ("src/pluggy.py", "runner"),
     ("rollway_grade_report.py", "runner"), (".git/hooks/post-checkout", "unsafe"), ("pkg/.git/config", "unsafe"),
-    ("pkg/tests/test_m.py", "tests"), (".rollway/notes", "ignored"), ("pkg/m.py", "kept"), ("setup.py", "kept"),
+    ("pkg/tests/test_m.py", "tests"), ("pkg/tests/data/expected.json", "tests"), ("pkg/tests/helpers.py", "tests"),
+    (".rollway/notes", "ignored"), ("pkg/m.py", "kept"), ("setup.py", "kept"), ("pkg/test/runner.py", "kept"),
+    ("pkg/testsuite.py", "kept"),
 ])  # fmt: skip
 def test_graded_diff_sorts_each_kind_of_file(path, kind):
     diff = graded_diff(new_file(path, "x = 1"), {"pkg/tests/test_m.py"}, (".", "src"))
