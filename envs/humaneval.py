@@ -38,25 +38,29 @@ KEY_FILE = ".check_key"
 _CHECK_TEMPLATE = """import builtins, os, sys, types
 
 
-def _plain(value, depth=0):
-    kind = type(value)
-    if kind in (int, float, bool, str, bytes, complex, type(None)):
-        return True
-    if kind in (list, tuple, set, frozenset) and depth < 50:
-        return all(_plain(v, depth + 1) for v in value)
-    if kind is dict and depth < 50:
-        return all(_plain(k, depth + 1) and _plain(v, depth + 1) for k, v in value.items())
-    return False
-
-
 def _main():
+    # Everything the verdict uses is bound here, before the solution runs: it may rebind builtins,
+    # this module's globals (`__main__`) or the attributes of modules it can import.
+    _type, _all, _any, _vars, _write = type, all, any, vars, sys.stdout.write
+    atoms, seqs = (int, float, bool, str, bytes, complex, type(None)), (list, tuple, set, frozenset)
+
+    def plain(value, depth=0):
+        kind = _type(value)
+        if kind in atoms:
+            return True
+        if depth < 50 and kind in seqs:
+            return _all(plain(v, depth + 1) for v in value)
+        if depth < 50 and kind is dict:
+            return _all(plain(k, depth + 1) and plain(v, depth + 1) for k, v in value.items())
+        return False
+
     with open({key_file!r}, encoding="utf-8") as handle:
         key = handle.read().strip()
     os.unlink({key_file!r})
     tests = {{"__name__": "hidden_tests", "__builtins__": dict(vars(builtins))}}
     exec(compile({prompt!r}, "prompt.py", "exec"), tests)
     exec(compile({test!r}, "hidden_tests.py", "exec"), tests)
-    modules = {{n: dict(vars(m)) for n, m in tests.items() if isinstance(m, types.ModuleType)}}
+    modules = {{n: (m, dict(vars(m))) for n, m in tests.items() if isinstance(m, types.ModuleType)}}
     solution = {{"__name__": "solution"}}
     with open({solution!r}, encoding="utf-8") as handle:
         exec(compile(handle.read(), {solution!r}, "exec"), solution)
@@ -64,17 +68,17 @@ def _main():
 
     def candidate(*args, **kwargs):
         result = function(*args, **kwargs)
-        if not _plain(result):
-            raise TypeError(f"returned a {{type(result).__name__}}, not plain data")
+        if not plain(result):
+            raise TypeError("the solution returned something that is not plain data")
         return result
 
     tests[{entry_point!r}] = candidate  # some tests call the function by its name (HumanEval/33)
     tests["check"](candidate)
-    for name, before in modules.items():
-        now = vars(tests[name])
-        if any(now.get(k) is not v for k, v in before.items()):
-            raise RuntimeError(f"the solution changed module {{name}} used by the tests")
-    sys.stdout.write({passed!r} + " " + key + "\\n")
+    for module, before in modules.values():
+        now = _vars(module)
+        if _any(now.get(k) is not v for k, v in before.items()):
+            raise RuntimeError("the solution changed a module the tests use")
+    _write({passed!r} + " " + key + "\\n")
     sys.stdout.flush()
 
 

@@ -84,6 +84,10 @@ _FORGERIES = {
                                             "    return 0.5\n"),
     "patches builtins.abs": ("HumanEval/2", "import builtins\nbuiltins.abs = lambda x: 0\n\n\n"
                              "def truncate_number(number):\n    return 0.5\n"),
+    "__eq__ always True, after disarming the checker": ("HumanEval/0", "import builtins, __main__\n"
+        "__main__._plain = lambda *a, **k: True\nbuiltins.type = lambda v: int\nbuiltins.all = lambda xs: True\n"
+        "builtins.any = lambda xs: False\n\n\nclass Any:\n    def __eq__(self, other):\n        return True\n\n\n"
+        "def has_close_elements(numbers, threshold):\n    return Any()\n"),
     "patches math.fabs the tests use": ("HumanEval/32", "import math\nmath.fabs = lambda x: 0.0\n{prompt}"
                                         "    return 0.0\n"),
 }
