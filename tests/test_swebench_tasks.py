@@ -327,6 +327,46 @@ def test_typed_outcomes(built):
         run(grade_instance(missing, inst.patch, provider, spec, taskset.settings))
 
 
+def test_grading_in_images_resists_tampering(built):
+    """The agent is an adversary (real image, real Docker engine, the bug left unfixed): a conftest.py that
+    turns failures into passes is not graded; code that exits 127 when the tests import it is a graded 0
+    (the runner was checked on the unpatched tree), never an env_error to retry; a 3 MB diff leaves a
+    grade that still fits a broker message."""
+    from test_grading_tamper import FORGE_PLUGIN
+
+    rows = [json.loads(line) for line in (built / "rows.jsonl").read_text().splitlines()]
+    taskset = SWEBenchTaskSet(TasksConfig(type="swebench", path=str(built / "rows.jsonl"), mirror=str(built / "mirror"),
+                                          test_timeout_s=600))
+    task = taskset.get(rows[0]["instance_id"])
+    buggy_module = taskset.instances[task.task_id].patch.split(" b/", 1)[1].split("\n", 1)[0]
+    provider = DockerSandboxProvider(SandboxConfig(type="docker"))
+
+    async def episode(edit):
+        sandbox = await provider.create(taskset.sandbox_spec(task), f"tamper-{uuid.uuid4().hex[:8]}")
+        try:
+            await edit(sandbox)
+            return await taskset.grade(task, sandbox, provider)
+        finally:
+            await sandbox.destroy()
+
+    async def conftest(sandbox):
+        await sandbox.write_file("conftest.py", FORGE_PLUGIN)
+
+    async def exit_127(sandbox):
+        await sandbox.write_file(buggy_module, await sandbox.read_file(buggy_module) + "\nimport os\nos._exit(127)\n")
+
+    async def huge(sandbox):
+        await sandbox.write_file("notes.py", "x = 1  # padding\n" * 180_000)
+
+    forged = run(episode(conftest))
+    assert forged.reward == 0.0 and forged.details["dropped_runner_files"] == ["conftest.py"], forged.details
+    opted_out = run(episode(exit_127))
+    assert (opted_out.reward, opted_out.details["outcome"]) == (0.0, "no_report"), opted_out.details
+    big = run(episode(huge))
+    assert big.details["model_patch_truncated"] and big.details["model_patch_chars"] > 3_000_000
+    assert len(json.dumps(big.details)) < 300_000
+
+
 def test_images_are_found_by_template_and_cached(built):
     from rollway.envs.swe_images import InstanceImages
 
