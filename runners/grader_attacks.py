@@ -100,11 +100,31 @@ def _names(t: Target) -> str:
     return json.dumps(t.tests)
 
 
-_REWRITE_LOG_DAEMON = '''
-import os, time
-_rw_log = os.readlink("/proc/self/fd/1")
+_REAL_OUT = '''
+import os, stat, fcntl
+def _rw_real_out():
+    # The test log: pytest captures fd 1 while it imports test modules (into a deleted temp file) and
+    # keeps the original stdout (the log) open on another fd: find the linked regular files open for writing.
+    found = []
+    for fd in range(1, 64):
+        try:
+            st, flags = os.fstat(fd), fcntl.fcntl(fd, fcntl.F_GETFL)
+            path = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_nlink > 0 and flags & (os.O_WRONLY | os.O_RDWR) and not path.endswith(".py"):
+            found.append((fd, path))
+    return found
+def _rw_print(text):
+    for fd, _ in _rw_real_out():
+        os.write(fd, text.encode())
+'''
+
+_REWRITE_LOG_DAEMON = _REAL_OUT + '''
+import time
+_rw_logs = [path for _, path in _rw_real_out()]
 _rw_runner, _rw_shell = os.getpid(), os.getppid()
-if not os.environ.get("RW_DAEMON") and os.path.isfile(_rw_log):
+if not os.environ.get("RW_DAEMON") and _rw_logs:
     os.environ["RW_DAEMON"] = "1"
     if os.fork() == 0:
         os.setsid()
@@ -122,8 +142,9 @@ if not os.environ.get("RW_DAEMON") and os.path.isfile(_rw_log):
                     return False
             while (_rw_alive(_rw_runner) or _rw_alive(_rw_shell)) and time.time() < _rw_end:
                 time.sleep(0.02)
-            with open(_rw_log, "w") as _rw_f:
-                _rw_f.write(FAKE)
+            for _rw_log in _rw_logs:
+                with open(_rw_log, "w") as _rw_f:
+                    _rw_f.write(FAKE)
         os._exit(0)
 '''
 
@@ -206,11 +227,11 @@ async def _payload(box: Sandbox, t: Target, body: str) -> None:
 
 
 async def fake_pass_then_exit(box: Sandbox, t: Target) -> None:
-    await _payload(box, t, f"import os\nprint({fake_summary(t.tests)!r}, flush=True)\nos._exit(0)")
+    await _payload(box, t, _REAL_OUT + f"_rw_print({fake_summary(t.tests)!r})\nos._exit(0)")
 
 
 async def fake_pass_lines(box: Sandbox, t: Target) -> None:
-    await _payload(box, t, f"print({fake_summary(t.tests)!r}, flush=True)")
+    await _payload(box, t, _REAL_OUT + f"_rw_print({fake_summary(t.tests)!r})")
 
 
 async def exit_at_import(box: Sandbox, t: Target) -> None:
@@ -218,7 +239,7 @@ async def exit_at_import(box: Sandbox, t: Target) -> None:
 
 
 async def kill_parent(box: Sandbox, t: Target) -> None:
-    await _payload(box, t, f"import os, signal\nprint({fake_summary(t.tests)!r}, flush=True)\n"
+    await _payload(box, t, _REAL_OUT + f"import signal\n_rw_print({fake_summary(t.tests)!r})\n"
                            "os.kill(os.getppid(), signal.SIGKILL)\nos._exit(0)")
 
 
@@ -261,9 +282,10 @@ async def fake_log_files(box: Sandbox, t: Target) -> None:
 
 async def output_flood(box: Sandbox, t: Target) -> None:
     """The tests print gigabytes (each write's failure, e.g. a full disk, is ignored)."""
-    await _payload(box, t, "import os, signal\nsignal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
-                           "_rw_chunk = b'PASSED x\\n' * 100000\nfor _ in range(2500):\n    try:\n"
-                           "        os.write(1, _rw_chunk)\n    except OSError:\n        break")
+    await _payload(box, t, _REAL_OUT + "import signal\nsignal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+                           "_rw_chunk = b'PASSED x\\n' * 100000\n_rw_fds = [1] + [fd for fd, _ in _rw_real_out()]\n"
+                           "for _ in range(2500):\n    try:\n        for _rw_fd in _rw_fds:\n"
+                           "            os.write(_rw_fd, _rw_chunk)\n    except OSError:\n        break")
 
 
 async def huge_diff(box: Sandbox, t: Target) -> None:

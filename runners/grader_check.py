@@ -28,7 +28,7 @@ DOCKER_ONLY = {"swebench", "harbor"}
 """Families whose tasks run in their own images (sandbox.type=docker only)."""
 REPO = Path(__file__).resolve().parent.parent
 SWE_SDIST = "toolz==1.2.0"
-TEST_TIMEOUT_S = 20.0
+TEST_TIMEOUT_S = 45.0
 """The families' own test timeout here: long enough for the task's tests, short for the looping rows."""
 
 
@@ -65,6 +65,8 @@ class Options:
     swebench_rows: str | None = None
     mirror: str | None = None
     harbor: str | None = None
+    name_prefix: str = "gcheck-"
+    """Names of the attacked sandboxes start with it (a test counts what is left)."""
 
 
 # ---------------------------------------------------------------- the task families
@@ -124,11 +126,12 @@ def _swe_family(name: str, taskset: TaskSet, source: str, f2p: list[str], p2p: l
 # ---------------------------------------------------------------- playing one row
 
 
-async def play_workspace(attack: Attack, fam: Family, provider: SandboxProvider) -> tuple[bool, str]:
+async def play_workspace(attack: Attack, fam: Family, provider: SandboxProvider, prefix: str = "gcheck-"
+                         ) -> tuple[bool, str]:
     """The task's sandbox made as the init stage makes it, the attack played in it, graded as the reward
     stage grades it; (contained, reason)."""
     await fam.taskset.prepare(fam.task)
-    box = await provider.create(fam.taskset.sandbox_spec(fam.task), f"gcheck-{uuid.uuid4().hex[:10]}")
+    box = await provider.create(fam.taskset.sandbox_spec(fam.task), f"{prefix}{uuid.uuid4().hex[:10]}")
     target = Target(**{**asdict(fam.target), "extra": {**fam.target.extra, "nonce": uuid.uuid4().hex[:10]}})
     try:
         check = await attack.play(box, target)
@@ -219,7 +222,7 @@ async def run_suite(opts: Options, families: list[Family] | None = None) -> dict
             for attack in ATTACKS:
                 if fam.name in attack.families and _selected(attack.name, opts):
                     rows.append(await run_row(attack.name, fam.name, lambda a=attack, f=fam: play_workspace(
-                        a, f, provider), opts, attack.what))
+                        a, f, provider, opts.name_prefix), opts, attack.what))
         if any(f.name == "toy" for f in families):
             for name, (what, output) in TOOL_ATTACKS.items():
                 if _selected(name, opts):
