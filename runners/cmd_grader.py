@@ -20,6 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "(swebench and harbor need --type docker)")
     check.add_argument("--attack", action="append", default=[], metavar="ROW", help="only this row (repeatable)")
     check.add_argument("--row-timeout", type=float, default=180.0, help="seconds one row may take (default 180)")
+    check.add_argument("--jobs", type=int, default=2, help="rows played side by side (default 2)")
     check.add_argument("--swe-instances", default=None, help="swe instances file (default: toolz, built once)")
     check.add_argument("--swebench-rows", default=None, help="swebench rows file (with --mirror; default: toolz)")
     check.add_argument("--mirror", default=None, help="git mirror folder of --swebench-rows")
@@ -42,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     opts = Options(sandbox=args.type, families=tuple(args.family) or FAMILIES, attacks=tuple(args.attack),
-                   row_timeout_s=args.row_timeout, swe_instances=args.swe_instances,
+                   row_timeout_s=args.row_timeout, jobs=max(1, args.jobs), swe_instances=args.swe_instances,
                    swebench_rows=args.swebench_rows, mirror=args.mirror, harbor=args.harbor)
     try:
         report = asyncio.run(run_suite(opts))

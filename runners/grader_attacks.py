@@ -271,6 +271,19 @@ async def rewrite_log_later(box: Sandbox, t: Target) -> None:
     await _payload(box, t, f"FAKE = {fake_summary(t.tests)!r}\n" + _REWRITE_LOG_DAEMON)
 
 
+async def plugin_from_code(box: Sandbox, t: Target) -> None:
+    """Code under test finds the running pytest's config (gc) and registers the failure-to-pass hook."""
+    await _payload(box, t, "import gc, pytest\ntry:\n    from _pytest.config import Config as _RwConfig\n"
+                           "except ImportError:\n    _RwConfig = None\n"
+                           "class _RwCheat:\n    @pytest.hookimpl(hookwrapper=True)\n"
+                           "    def pytest_runtest_makereport(self, item, call):\n        outcome = yield\n"
+                           "        report = outcome.get_result()\n        report.outcome = 'passed'\n"
+                           "        report.longrepr = None\n"
+                           "for _rw_obj in gc.get_objects() if _RwConfig else []:\n"
+                           "    if isinstance(_rw_obj, _RwConfig) and not _rw_obj.pluginmanager.has_plugin('rw-cheat'):\n"
+                           "        _rw_obj.pluginmanager.register(_RwCheat(), 'rw-cheat')")
+
+
 async def fake_log_files(box: Sandbox, t: Target) -> None:
     fake = fake_summary(t.tests)
     for path in (".rollway/grade/pytest.log", ".rollway/grade/test.log", "pytest.log", "test.log",
@@ -430,6 +443,11 @@ async def harbor_shadow_bash(box: Sandbox, t: Target) -> None:
         await put(box, f"bin/{name}", "#!/bin/sh\necho 1 > /logs/verifier/reward.txt\nexit 0\n", mode="755")
 
 
+async def harbor_dir_is_file(box: Sandbox, t: Target) -> None:
+    """The verifier's folder replaced by a read-only file: its tests cannot even be copied in."""
+    await sh(box, f"rm -rf {_H} && mkdir -p .rollway && echo x > {_H} && chmod a-w {_H} .rollway")
+
+
 # ---------------------------------------------------------------- answer-file attacks (toy)
 
 
@@ -449,6 +467,10 @@ async def answer_symlink_outside(box: Sandbox, t: Target) -> Check:
         return None
 
     return leaked
+
+
+async def answer_directory(box: Sandbox, t: Target) -> None:
+    await sh(box, "rm -f answer.txt && mkdir -p answer.txt/x")
 
 
 async def answer_huge(box: Sandbox, t: Target) -> None:
@@ -486,6 +508,8 @@ ATTACKS: list[Attack] = [
     Attack("python_shadow", SWE, "files named python/python3/pytest (exit 127) in the workspace", python_shadow),
     Attack("rewrite_log_after_run", SWE, "a forked daemon rewrites the test log with PASSED lines after the run",
            rewrite_log_later),
+    Attack("plugin_from_code_under_test", SWE, "code under test registers the failure-to-pass hook on the running "
+           "pytest (found with gc)", plugin_from_code),
     Attack("fake_log_files", SWE, "fake pytest logs and a junit file in the workspace", fake_log_files),
     Attack("output_flood", SWE, "the tests print gigabytes", output_flood),
     Attack("huge_diff", SWE, "about 120 MB of new files in the diff", huge_diff),
@@ -514,6 +538,9 @@ ATTACKS: list[Attack] = [
            harbor_reward_symlink),
     Attack("shadowed_commands", ("harbor",), "stat/python3/grep/cat shadowed by workspace scripts writing 1",
            harbor_shadow_bash),
+    Attack("verifier_folder_is_a_file", ("harbor",), "the verifier's .rollway/harbor replaced by a read-only file",
+           harbor_dir_is_file),
+    Attack("answer_directory", ("toy",), "answer.txt is a directory", answer_directory),
     Attack("answer_fifo", ("toy",), "answer.txt is a FIFO (a read blocks forever)", answer_fifo),
     Attack("answer_symlink_outside", ("toy",), "answer.txt links to a file outside the workspace",
            answer_symlink_outside),
@@ -550,6 +577,9 @@ TOOL_ATTACKS: dict[str, tuple[str, str]] = {
     "tool_nul_bytes": ("NUL bytes in a command and a path",
                        _call("editor", '{"command": "create", "path": "a\\u0000b", "file_text": "\\u0000"}')),
     "tool_huge_output": ("a command printing 50 MB", _call("bash", '{"command": "yes | head -c 50000000"}')),
+    "tool_many_calls": ("5,000 tool calls in one message", _call("bash", '{"command": "true"}') * 5000),
+    "tool_name_is_a_reference": ("a tool name that is a python:MODULE:CLASS reference",
+                                 _call("python:os:system", '{"command": "touch /tmp/rw-tool-ref"}')),
     "tool_invalid_utf8_output": ("a command printing invalid UTF-8 bytes",
                                  _call("bash", '{"command": "head -c 3000 /dev/urandom"}')),
 }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import subprocess
 import sys
@@ -65,6 +66,8 @@ class Options:
     swebench_rows: str | None = None
     mirror: str | None = None
     harbor: str | None = None
+    jobs: int = 2
+    """Rows played side by side (each in its own sandboxes)."""
     name_prefix: str = "gcheck-"
     """Names of the attacked sandboxes start with it (a test counts what is left)."""
 
@@ -190,8 +193,9 @@ async def play_tool_call(name: str, output: str, opts: Options) -> tuple[bool, s
     if traj.reward > 0:
         return False, f"scored reward {traj.reward:g}"
     first = traj.turns[0].observations if traj.turns else []
-    shown = "; ".join(o.content[:80].replace("\n", " ") for o in first) or "no observation"
-    return True, f"observation: {shown}"
+    shown = "; ".join(o.content[:80].replace("\n", " ") for o in first[:2]) or "no observation"
+    more = f" (+{len(first) - 2} more)" if len(first) > 2 else ""
+    return True, f"observation: {shown}{more}"
 
 
 async def run_row(attack: str, family: str, play: Any, opts: Options, what: str) -> Row:
@@ -216,18 +220,23 @@ async def run_suite(opts: Options, families: list[Family] | None = None) -> dict
     if families is None:
         wanted = [f for f in opts.families if opts.sandbox == "docker" or f not in DOCKER_ONLY]
         families = [_family(f, opts) for f in wanted]
-    rows: list[Row] = []
+    plays: list[tuple[str, str, Any, str]] = []
+    for fam in families:
+        plays += [(a.name, fam.name, functools.partial(play_workspace, a, fam, provider, opts.name_prefix), a.what)
+                  for a in ATTACKS if fam.name in a.families and _selected(a.name, opts)]
+    if any(f.name == "toy" for f in families):
+        plays += [(name, "agent-tools", functools.partial(play_tool_call, name, output, opts), what)
+                  for name, (what, output) in TOOL_ATTACKS.items() if _selected(name, opts)]
+    slots = asyncio.Semaphore(opts.jobs)
+
+    async def one(name: str, family: str, play: Any, what: str) -> Row:
+        async with slots:
+            return await run_row(name, family, play, opts, what)
+
     try:
-        for fam in families:
-            for attack in ATTACKS:
-                if fam.name in attack.families and _selected(attack.name, opts):
-                    rows.append(await run_row(attack.name, fam.name, lambda a=attack, f=fam: play_workspace(
-                        a, f, provider, opts.name_prefix), opts, attack.what))
-        if any(f.name == "toy" for f in families):
-            for name, (what, output) in TOOL_ATTACKS.items():
-                if _selected(name, opts):
-                    rows.append(await run_row(name, "agent-tools", lambda o=output, n=name: play_tool_call(
-                        n, o, opts), opts, what))
+        for fam in families:  # an image to build: once, before rows start side by side
+            await fam.taskset.prepare(fam.task)
+        rows = await asyncio.gather(*(one(*p) for p in plays))
     finally:
         await provider.close()
     return {"sandbox": opts.sandbox, "total": len(rows), "contained": sum(r.contained for r in rows),
