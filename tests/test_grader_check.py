@@ -33,6 +33,7 @@ def holes(report: dict) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # about 60 rows, two side by side: minutes per sandbox
 @pytest.mark.parametrize("kind", ["local", "docker"])
 def test_every_grader_contains_every_attack(kind):
     """The whole suite: every built-in family's grader (swebench and harbor on docker only) and the tool-call
