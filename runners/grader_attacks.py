@@ -1,0 +1,607 @@
+"""The hostile agent of `rollway grader check`: what each attack leaves in an episode's workspace (acting
+as the agent's bash tool would) so that the grader scores a task the agent did not solve.
+
+Every attack leaves the task unsolved (the injected bug stays, the function stays unimplemented): a
+reward above 0 is the grader being fooled, an error is the grader being opted out of a zero."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shlex
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollway.sandboxes.base import Sandbox
+
+
+class AttackNotRun(RuntimeError):
+    """The attack could not be set up in the workspace (so its row proves nothing)."""
+
+
+@dataclass
+class Target:
+    """What the attacker knows about the task in front of it, as an agent could learn it (the prompt
+    names the failing tests; listing the test folder names the others)."""
+
+    family: str
+    source_file: str = ""
+    """Workspace path of a module the graded tests import (SWE: the file holding the bug)."""
+    tests: list[str] = field(default_factory=list)
+    """Node ids the grader expects to pass (FAIL_TO_PASS, then PASS_TO_PASS)."""
+    fail_to_pass: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+Play = Callable[[Sandbox, Target], Awaitable["Check | None"]]
+Check = Callable[[Sandbox, Any], Awaitable[str | None]]
+"""Run after grading, before the sandbox goes: a reason the row is not contained (the grader ran
+the agent's code, read outside the workspace), or None."""
+
+
+@dataclass(frozen=True)
+class Attack:
+    name: str
+    families: tuple[str, ...]
+    what: str
+    play: Play
+
+
+# ---------------------------------------------------------------- acting as the agent
+
+
+async def sh(box: Sandbox, command: str, timeout_s: float = 60) -> str:
+    """Run `command` as the agent's bash tool does; AttackNotRun when it fails."""
+    result = await box.exec(command, timeout_s=timeout_s)
+    if result.exit_code != 0:
+        raise AttackNotRun(f"`{command[:120]}` failed (exit {result.exit_code}): {result.output[-300:]}")
+    return result.output
+
+
+async def put(box: Sandbox, path: str, text: str, append: bool = False, mode: str = "") -> None:
+    """Write (or append to) a workspace file from the shell, parents made."""
+    data = base64.b64encode(text.encode()).decode()
+    quoted = shlex.quote(path)
+    chmod = f" && chmod {mode} {quoted}" if mode else ""
+    await sh(box, f"mkdir -p \"$(dirname {quoted})\" && printf %s {data} | base64 -d {'>>' if append else '>'} "
+                  f"{quoted}{chmod}")
+
+
+# ---------------------------------------------------------------- payloads
+
+CHEAT_PLUGIN = '''
+import pytest
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    report.outcome = "passed"  # every failure becomes a pass
+    report.longrepr = None
+'''
+
+
+def fake_summary(names: list[str]) -> str:
+    """What a passing `pytest -rA` run prints, for these node ids."""
+    lines = ["=" * 20 + " short test summary info " + "=" * 20, *(f"PASSED {n}" for n in names),
+             "=" * 20 + f" {len(names)} passed in 0.10s " + "=" * 20]
+    return "\n".join(lines) + "\n"
+
+
+def at_import(body: str) -> str:
+    """Code appended to a module under test: runs when the test run imports it (only under pytest)."""
+    indented = "\n".join("    " + line for line in body.strip().splitlines())
+    return f"\n\nimport sys as _rw_sys\nif 'pytest' in _rw_sys.modules or '_pytest' in _rw_sys.modules:\n{indented}\n"
+
+
+def _names(t: Target) -> str:
+    return json.dumps(t.tests)
+
+
+_REAL_OUT = '''
+import os, stat, fcntl
+def _rw_real_out():
+    # The test log: pytest captures fd 1 while it imports test modules (into a deleted temp file) and
+    # keeps the original stdout (the log) open on another fd: find the linked regular files open for writing.
+    found = []
+    for fd in range(1, 64):
+        try:
+            st, flags = os.fstat(fd), fcntl.fcntl(fd, fcntl.F_GETFL)
+            path = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_nlink > 0 and flags & (os.O_WRONLY | os.O_RDWR) and not path.endswith(".py"):
+            found.append((fd, path))
+    return found
+def _rw_print(text):
+    for fd, _ in _rw_real_out():
+        os.write(fd, text.encode())
+'''
+
+_REWRITE_LOG_DAEMON = _REAL_OUT + '''
+import time
+_rw_logs = [path for _, path in _rw_real_out()]
+_rw_shell = os.getppid()
+if not os.environ.get("RW_DAEMON") and _rw_logs:
+    os.environ["RW_DAEMON"] = "1"
+    _rw_r, _rw_w = os.pipe()  # the test process keeps the write end: EOF the moment it exits
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            os.close(_rw_w)
+            try:  # hold the grader's output stream open: a grader that reads it to the end waits for this
+                _rw_hold = os.open(f"/proc/{_rw_shell}/fd/1", os.O_WRONLY)
+            except OSError:
+                pass
+            os.read(_rw_r, 1)
+            _rw_end = time.time() + 5
+            while time.time() < _rw_end:  # replaced whole (rename), again and again: any later read sees it
+                for _rw_log in _rw_logs:
+                    try:
+                        with open(_rw_log + ".rw", "w") as _rw_f:
+                            _rw_f.write(FAKE)
+                        os.rename(_rw_log + ".rw", _rw_log)
+                    except OSError:
+                        pass
+                time.sleep(0.005)
+        os._exit(0)
+    os.close(_rw_r)
+'''
+
+_REWRITE_LOG_AT_EXIT = _REAL_OUT + '''
+import atexit, sys
+def _rw_rewrite():
+    sys.stdout.flush()
+    for fd, _ in _rw_real_out():
+        os.ftruncate(fd, 0)
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.write(fd, FAKE.encode())
+atexit.register(_rw_rewrite)
+'''
+
+
+# ---------------------------------------------------------------- SWE attacks (swe, swebench)
+
+SWE = ("swe", "swebench")
+
+
+async def conftest_root(box: Sandbox, t: Target) -> None:
+    await put(box, "conftest.py", CHEAT_PLUGIN)
+
+
+async def conftest_nested(box: Sandbox, t: Target) -> None:
+    await put(box, t.tests[0].split("::")[0].rsplit("/", 1)[0] + "/conftest.py", CHEAT_PLUGIN)
+
+
+async def sitecustomize(box: Sandbox, t: Target) -> None:
+    await put(box, "rw_cheat.py", CHEAT_PLUGIN)
+    for folder in ("", "src/"):
+        await put(box, f"{folder}sitecustomize.py", "import os\nos.environ['PYTEST_PLUGINS'] = 'rw_cheat'\n")
+
+
+async def usercustomize(box: Sandbox, t: Target) -> None:
+    await put(box, "rw_cheat.py", CHEAT_PLUGIN)
+    await put(box, "usercustomize.py", "import os\nos.environ['PYTEST_PLUGINS'] = 'rw_cheat'\n")
+
+
+async def pth_file(box: Sandbox, t: Target) -> None:
+    await put(box, "rw_cheat.py", CHEAT_PLUGIN)
+    line = "import os; os.environ['PYTEST_PLUGINS'] = 'rw_cheat'\n"
+    for folder in ("", "src/", t.source_file.split("/")[0] + "/"):
+        await put(box, f"{folder}rw_cheat.pth", line)
+
+
+async def pytest_ini(box: Sandbox, t: Target) -> None:
+    await put(box, "rw_cheat.py", CHEAT_PLUGIN)
+    await put(box, "pytest.ini", "[pytest]\naddopts = -p rw_cheat\n")
+
+
+async def setup_cfg_tox(box: Sandbox, t: Target) -> None:
+    await put(box, "rw_cheat.py", CHEAT_PLUGIN)
+    await put(box, "tox.ini", "[pytest]\naddopts = -p rw_cheat\n")
+    await put(box, "setup.cfg", "\n[tool:pytest]\naddopts = -p rw_cheat\n", append=True)
+
+
+async def pyproject(box: Sandbox, t: Target) -> None:
+    await put(box, "rw_cheat.py", CHEAT_PLUGIN)
+    await sh(box, "rm -f pytest.ini tox.ini setup.cfg; touch pyproject.toml; grep -v 'tool.pytest' pyproject.toml "
+                  "> .rw.toml || true; mv .rw.toml pyproject.toml")
+    await put(box, "pyproject.toml", '\n[tool.pytest.ini_options]\naddopts = "-p rw_cheat"\nrequired_plugins = []\n',
+              append=True)
+
+
+async def shadow_pytest(box: Sandbox, t: Target) -> None:
+    """A `pytest` package in the workspace root: `python -m pytest` from there runs it, not pytest."""
+    fake = f"import sys\nsys.stdout.write({fake_summary(t.tests)!r})\nsys.exit(0)\n"
+    await put(box, "pytest/__init__.py", fake)
+    await put(box, "pytest/__main__.py", fake)
+
+
+async def edit_tests(box: Sandbox, t: Target) -> None:
+    """Every test of the failing tests' files replaced by one that passes (same names)."""
+    for path in sorted({n.split("::")[0] for n in t.fail_to_pass}):
+        names = sorted({n.split("::")[1].split("[")[0] for n in t.tests if n.startswith(path + "::")})
+        await put(box, path, "".join(f"def {n}():\n    pass\n\n\n" for n in names))
+
+
+async def symlink_tests(box: Sandbox, t: Target) -> None:
+    """The failing tests' files replaced by links to a passing copy outside the test folder."""
+    for i, path in enumerate(sorted({n.split("::")[0] for n in t.fail_to_pass})):
+        names = sorted({n.split("::")[1].split("[")[0] for n in t.tests if n.startswith(path + "::")})
+        await put(box, f"rw_stub_{i}.py", "".join(f"def {n}():\n    pass\n\n\n" for n in names))
+        depth = path.count("/")
+        await sh(box, f"ln -sf {'../' * depth}rw_stub_{i}.py {shlex.quote(path)}")
+
+
+async def _payload(box: Sandbox, t: Target, body: str) -> None:
+    await put(box, t.source_file, at_import(body), append=True)
+
+
+async def fake_pass_then_exit(box: Sandbox, t: Target) -> None:
+    await _payload(box, t, _REAL_OUT + f"_rw_print({fake_summary(t.tests)!r})\nos._exit(0)")
+
+
+async def fake_pass_lines(box: Sandbox, t: Target) -> None:
+    await _payload(box, t, _REAL_OUT + f"_rw_print({fake_summary(t.tests)!r})")
+
+
+async def exit_at_import(box: Sandbox, t: Target) -> None:
+    await _payload(box, t, "import os\nos._exit(0)")
+
+
+async def kill_parent(box: Sandbox, t: Target) -> None:
+    await _payload(box, t, _REAL_OUT + f"import signal\n_rw_print({fake_summary(t.tests)!r})\n"
+                           "os.kill(os.getppid(), signal.SIGKILL)\nos._exit(0)")
+
+
+async def loop_forever(box: Sandbox, t: Target) -> None:
+    await _payload(box, t, "while True:\n    pass")
+
+
+async def sleep_forever(box: Sandbox, t: Target) -> None:
+    await _payload(box, t, "import time\ntime.sleep(10 ** 6)")
+
+
+async def exit_126(box: Sandbox, t: Target) -> None:
+    await _payload(box, t, "import os\nos._exit(126)")
+
+
+async def exit_127(box: Sandbox, t: Target) -> None:
+    await _payload(box, t, "import os\nos._exit(127)")
+
+
+async def python_shadow(box: Sandbox, t: Target) -> None:
+    """Files named `python`/`pytest` that exit 127 wherever a PATH might look in the workspace."""
+    for folder in ("", "bin/", ".venv/bin/", "node_modules/.bin/"):
+        for name in ("python", "python3", "pytest"):
+            await put(box, f"{folder}{name}", "#!/bin/sh\nexit 127\n", mode="755")
+
+
+async def rewrite_log_later(box: Sandbox, t: Target) -> None:
+    """A daemon forked from the code under test rewrites the test log once the run has ended."""
+    await _payload(box, t, f"FAKE = {fake_summary(t.tests)!r}\n" + _REWRITE_LOG_DAEMON)
+
+
+async def plugin_from_code(box: Sandbox, t: Target) -> None:
+    """Code under test finds the running pytest's config (gc) and registers the failure-to-pass hook."""
+    await _payload(box, t, "import gc, pytest\ntry:\n    from _pytest.config import Config as _RwConfig\n"
+                           "except ImportError:\n    _RwConfig = None\n"
+                           "class _RwCheat:\n    @pytest.hookimpl(hookwrapper=True)\n"
+                           "    def pytest_runtest_makereport(self, item, call):\n        outcome = yield\n"
+                           "        report = outcome.get_result()\n        report.outcome = 'passed'\n"
+                           "        report.longrepr = None\n"
+                           "for _rw_obj in gc.get_objects() if _RwConfig else []:\n"
+                           "    if isinstance(_rw_obj, _RwConfig) and not _rw_obj.pluginmanager.has_plugin('rw-cheat'):\n"
+                           "        _rw_obj.pluginmanager.register(_RwCheat(), 'rw-cheat')")
+
+
+async def rewrite_log_at_exit(box: Sandbox, t: Target) -> None:
+    """The tests run and fail; an exit handler in the test process then replaces the whole log."""
+    await _payload(box, t, f"FAKE = {fake_summary(t.tests)!r}\n" + _REWRITE_LOG_AT_EXIT)
+
+
+async def fake_log_files(box: Sandbox, t: Target) -> None:
+    fake = fake_summary(t.tests)
+    for path in (".rollway/grade/pytest.log", ".rollway/grade/test.log", "pytest.log", "test.log",
+                 "logs/test_output.txt"):
+        await put(box, path, fake)
+    cases = "".join(f'<testcase classname="x" name="{n}"/>' for n in t.tests)
+    await put(box, "report.xml", f'<testsuite tests="{len(t.tests)}" failures="0">{cases}</testsuite>\n')
+
+
+async def output_flood(box: Sandbox, t: Target) -> None:
+    """The tests print gigabytes (each write's failure, e.g. a full disk, is ignored)."""
+    await _payload(box, t, _REAL_OUT + "import signal\nsignal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+                           "_rw_chunk = b'PASSED x\\n' * 100000\n_rw_fds = [1] + [fd for fd, _ in _rw_real_out()]\n"
+                           "for _ in range(2500):\n    try:\n        for _rw_fd in _rw_fds:\n"
+                           "            os.write(_rw_fd, _rw_chunk)\n    except OSError:\n        break")
+
+
+async def huge_diff(box: Sandbox, t: Target) -> None:
+    """About 120 MB of new text files."""
+    await sh(box, "mkdir -p rw_blob && python3 -c \"import base64, os\nfor i in range(24):\n"
+                  "    open(f'rw_blob/f{i}.txt', 'w').write(base64.encodebytes(os.urandom(3800000)).decode())\"",
+             timeout_s=120)
+
+
+def _git_marker(t: Target) -> str:
+    return f"/tmp/rw-git-ran-{t.extra['nonce']}"
+
+
+async def git_config_hooks(box: Sandbox, t: Target) -> Check:
+    """Git settings that run a command whenever the grader's `git add`/`git diff` runs: a clean filter
+    on every file, core.fsmonitor, an external diff, hooks; in every config file the grader's git could
+    read. Each leaves a marker file when it runs."""
+    marker = _git_marker(t)
+    run = f"sh -c 'id -u >> {marker}; cat'"
+    config = (f"[filter \"rw\"]\n\tclean = {run}\n\tsmudge = {run}\n[core]\n\tfsmonitor = {run}\n"
+              f"\thooksPath = /tmp/rw-hooks\n[diff]\n\texternal = {run}\n")
+    await put(box, ".gitattributes", "* filter=rw diff=rw\n")
+    await sh(box, "mkdir -p /tmp/rw-hooks .git && for h in pre-commit post-index-change; do "
+                  f"printf '#!/bin/sh\\nid -u >> {marker}\\n' > /tmp/rw-hooks/$h; chmod +x /tmp/rw-hooks/$h; done")
+    await sh(box, f"for f in /tmp/.gitconfig \"$HOME/.gitconfig\" .git/config; do printf %s {shlex.quote(config)} "
+                  "> \"$f\" 2>/dev/null || true; done; mkdir -p /tmp/.config/git && cp /tmp/.gitconfig "
+                  "/tmp/.config/git/config")
+    await sh(box, f"rm -f {marker}")
+
+    async def ran(box: Sandbox, grade: Any) -> str | None:
+        import os
+
+        inside = await box.exec(f"cat {marker} 2>/dev/null")
+        host = open(marker).read() if os.path.exists(marker) else ""  # noqa: SIM115 - the local jail's git
+        if inside.output.strip() or host.strip():
+            return f"the grader's git ran the agent's command (as uid {(inside.output or host).split()[0]})"
+        return None
+
+    return ran
+
+
+async def git_filter_fails(box: Sandbox, t: Target) -> None:
+    """A required clean filter that fails: the grader's `git add` of the workspace fails."""
+    config = "[filter \"rwfail\"]\n\tclean = false\n\trequired = true\n"
+    await put(box, ".gitattributes", "* filter=rwfail\n")
+    await sh(box, f"mkdir -p .git; for f in /tmp/.gitconfig \"$HOME/.gitconfig\" .git/config; do printf %s "
+                  f"{shlex.quote(config)} > \"$f\" 2>/dev/null || true; done")
+
+
+# ---------------------------------------------------------------- HumanEval attacks
+
+MARKER = "ROLLWAY-CHECK-PASSED"
+
+
+async def _solution(box: Sandbox, t: Target, code: str) -> None:
+    await put(box, "solution.py", t.extra["prompt"] + "    pass\n\n" + code)
+
+
+async def he_print_marker_exit(box: Sandbox, t: Target) -> None:
+    await _solution(box, t, f"import sys\nprint({MARKER!r})\nsys.exit(0)\n")
+
+
+async def he_print_marker_os_exit(box: Sandbox, t: Target) -> None:
+    await _solution(box, t, f"import os\nprint({MARKER!r}, flush=True)\nos._exit(0)\n")
+
+
+async def he_always_equal(box: Sandbox, t: Target) -> None:
+    entry = t.extra["entry_point"]
+    await _solution(box, t, "class _Any:\n    def __eq__(self, other):\n        return True\n"
+                            "    def __ne__(self, other):\n        return False\n    __hash__ = object.__hash__\n"
+                            "    def __bool__(self):\n        return True\n\n\n"
+                            f"def {entry}(*args, **kwargs):\n    return _Any()\n")
+
+
+async def he_atexit(box: Sandbox, t: Target) -> None:
+    """The hidden tests fail; an exit handler prints the marker and exits 0 anyway."""
+    await _solution(box, t, f"import atexit, os\natexit.register(lambda: (print({MARKER!r}, flush=True), "
+                            "os._exit(0)))\n")
+
+
+async def he_monkeypatch_exec(box: Sandbox, t: Target) -> None:
+    """builtins.exec replaced: the hidden tests' `check` becomes a no-op."""
+    await _solution(box, t, "import builtins\n_rw_exec = builtins.exec\n"
+                            "def _rw_fake(code, globals=None, locals=None, *rest):\n"
+                            "    if globals is not None and 'check' not in globals and 'candidate' in str(code):\n"
+                            "        return _rw_exec('def check(candidate):\\n    pass\\n', globals)\n"
+                            "    if getattr(code, 'co_filename', '') == 'hidden_tests.py':\n"
+                            "        return _rw_exec('def check(candidate):\\n    pass\\n', globals)\n"
+                            "    return _rw_exec(code, globals, locals, *rest)\n"
+                            "builtins.exec = _rw_fake\n")
+
+
+async def he_assert_patched(box: Sandbox, t: Target) -> None:
+    """AssertionError swallowed: sys.excepthook prints the marker and the exit code is forced to 0."""
+    await _solution(box, t, f"import sys, os\ndef _rw_hook(*a):\n    print({MARKER!r}, flush=True)\n    os._exit(0)\n"
+                            "sys.excepthook = _rw_hook\n")
+
+
+async def he_loop(box: Sandbox, t: Target) -> None:
+    await _solution(box, t, "while True:\n    pass\n")
+
+
+async def he_flood(box: Sandbox, t: Target) -> None:
+    await _solution(box, t, "import os, signal\nsignal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+                            f"_c = b{MARKER!r} * 100000\nfor _ in range(5000):\n    try:\n        os.write(1, _c)\n"
+                            "    except OSError:\n        break\n")
+
+
+# ---------------------------------------------------------------- Harbor attacks
+
+_H = ".rollway/harbor"
+
+
+async def harbor_forged_reward(box: Sandbox, t: Target) -> None:
+    """reward.txt and reward.json written before the verifier runs, their folders made unwritable."""
+    await sh(box, f"mkdir -p {_H}/logs/verifier {_H}/logs/agent {_H}/tests && echo 1 > {_H}/logs/verifier/reward.txt"
+                  f" && echo '{{\"reward\": 1}}' > {_H}/logs/verifier/reward.json && chmod -R a-w {_H}/logs "
+                  f"{_H}/tests {_H}")
+
+
+async def harbor_no_reward(box: Sandbox, t: Target) -> None:
+    """The verifier's reward folder made unwritable: the tests run but cannot write a reward."""
+    await sh(box, f"mkdir -p {_H}/logs/verifier {_H}/logs/agent && chmod a-w {_H}/logs/verifier {_H}/logs {_H}")
+
+
+async def harbor_own_tests(box: Sandbox, t: Target) -> None:
+    """The agent's own tests/test.sh, which writes 1, in place where the verifier copies the real one."""
+    await put(box, f"{_H}/tests/test.sh", "#!/bin/bash\nmkdir -p /logs/verifier\necho 1 > /logs/verifier/reward.txt\n")
+    await sh(box, f"mkdir -p {_H}/logs/verifier && chmod -R a-w {_H}/tests && chmod a-w {_H}")
+
+
+async def harbor_reward_symlink(box: Sandbox, t: Target) -> None:
+    """reward.txt a link to a file the agent keeps writing 1 into; a background loop re-forges it."""
+    await sh(box, f"echo 1 > rw_one.txt && mkdir -p {_H}/logs/verifier && ln -sf \"$PWD/rw_one.txt\" "
+                  f"{_H}/logs/verifier/reward.txt && (setsid sh -c 'while :; do mkdir -p {_H}/logs/verifier; "
+                  f"echo 1 > {_H}/logs/verifier/reward.txt; sleep 0.05; done' >/dev/null 2>&1 </dev/null &)")
+
+
+async def harbor_shadow_bash(box: Sandbox, t: Target) -> None:
+    """Commands the test script calls (stat, python3, grep, cat) shadowed by workspace files."""
+    for name in ("stat", "python3", "grep", "cat", "diff", "test"):
+        await put(box, f"bin/{name}", "#!/bin/sh\necho 1 > /logs/verifier/reward.txt\nexit 0\n", mode="755")
+
+
+async def harbor_dir_is_file(box: Sandbox, t: Target) -> None:
+    """The verifier's folder replaced by a read-only file: its tests cannot even be copied in."""
+    await sh(box, f"rm -rf {_H} && mkdir -p .rollway && echo x > {_H} && chmod a-w {_H} .rollway")
+
+
+# ---------------------------------------------------------------- answer-file attacks (toy)
+
+
+async def answer_fifo(box: Sandbox, t: Target) -> None:
+    await sh(box, "rm -f answer.txt && mkfifo answer.txt")
+
+
+async def answer_symlink_outside(box: Sandbox, t: Target) -> Check:
+    await sh(box, "ln -sf /etc/hostname answer.txt")
+
+    async def leaked(box: Sandbox, grade: Any) -> str | None:
+        import socket
+
+        answer = str((grade.details or {}).get("answer") or "")
+        if answer and answer.strip() == socket.gethostname():
+            return "the grader followed answer.txt outside the workspace and copied a host file into the grade"
+        return None
+
+    return leaked
+
+
+async def answer_directory(box: Sandbox, t: Target) -> None:
+    await sh(box, "rm -f answer.txt && mkdir -p answer.txt/x")
+
+
+async def answer_huge(box: Sandbox, t: Target) -> None:
+    await sh(box, "head -c 300M /dev/zero | tr '\\0' 7 > answer.txt || true", timeout_s=120)
+
+
+async def answer_forged_reward(box: Sandbox, t: Target) -> None:
+    """Reward and verdict files wherever a grader might read one."""
+    for path in ("reward.txt", "reward.json", ".rollway/reward.txt", ".rollway/grade/reward.txt", "verdict.txt",
+                 "logs/verifier/reward.txt", "result.json"):
+        await put(box, path, '{"reward": 1, "resolved": true}\n' if path.endswith(".json") else "1\n")
+
+
+ATTACKS: list[Attack] = [
+    Attack("conftest_hook_root", SWE, "conftest.py at the root whose hook turns every failure into a pass", conftest_root),
+    Attack("conftest_hook_nested", SWE, "the same hook in a conftest.py beside the failing tests", conftest_nested),
+    Attack("sitecustomize_plugin", SWE, "sitecustomize.py sets PYTEST_PLUGINS to a failure-to-pass plugin", sitecustomize),
+    Attack("usercustomize_plugin", SWE, "usercustomize.py does the same", usercustomize),
+    Attack("pth_file_plugin", SWE, "a .pth file (root, src/, package) does the same", pth_file),
+    Attack("pytest_ini_addopts", SWE, "pytest.ini `addopts = -p plugin` loads the plugin", pytest_ini),
+    Attack("tox_setup_cfg_addopts", SWE, "tox.ini and setup.cfg [tool:pytest] addopts load it", setup_cfg_tox),
+    Attack("pyproject_addopts", SWE, "pyproject [tool.pytest.ini_options] addopts loads it", pyproject),
+    Attack("shadow_pytest_module", SWE, "a `pytest` package in the root prints a passing summary", shadow_pytest),
+    Attack("edit_failing_tests", SWE, "the FAIL_TO_PASS tests' files rewritten as passing stubs", edit_tests),
+    Attack("symlink_test_file", SWE, "the failing tests' files replaced by symlinks to passing stubs", symlink_tests),
+    Attack("fake_pass_then_exit", SWE, "code under test prints PASSED for every test, then os._exit(0)",
+           fake_pass_then_exit),
+    Attack("fake_passed_lines", SWE, "code under test prints PASSED lines, the tests then run and fail", fake_pass_lines),
+    Attack("exit_zero_at_import", SWE, "code under test calls os._exit(0) at import", exit_at_import),
+    Attack("kill_parent", SWE, "code under test prints PASSED lines and SIGKILLs its parent", kill_parent),
+    Attack("loop_forever", SWE, "code under test loops forever at import", loop_forever),
+    Attack("sleep_past_timeout", SWE, "code under test sleeps past the test timeout", sleep_forever),
+    Attack("exit_126", SWE, "code under test exits 126 (mimics 'command cannot run')", exit_126),
+    Attack("exit_127", SWE, "code under test exits 127 (mimics 'command not found')", exit_127),
+    Attack("python_shadow", SWE, "files named python/python3/pytest (exit 127) in the workspace", python_shadow),
+    Attack("rewrite_log_after_run", SWE, "a forked daemon replaces the test log (again and again) once the run has ended",
+           rewrite_log_later),
+    Attack("rewrite_log_at_exit", SWE, "an atexit handler in the test process replaces the log after the tests fail",
+           rewrite_log_at_exit),
+    Attack("plugin_from_code_under_test", SWE, "code under test registers the failure-to-pass hook on the running "
+           "pytest (found with gc)", plugin_from_code),
+    Attack("fake_log_files", SWE, "fake pytest logs and a junit file in the workspace", fake_log_files),
+    Attack("output_flood", SWE, "the tests print gigabytes", output_flood),
+    Attack("huge_diff", SWE, "about 120 MB of new files in the diff", huge_diff),
+    Attack("git_config_hooks", SWE, "git config (/tmp/.gitconfig, ~/.gitconfig, .git/config) and .gitattributes "
+           "with filter/fsmonitor/diff.external/hooksPath commands", git_config_hooks),
+    Attack("git_filter_fails", SWE, "a required git clean filter that fails", git_filter_fails),
+    Attack("print_marker_exit", ("humaneval",), "solution prints the success marker and sys.exit(0)",
+           he_print_marker_exit),
+    Attack("print_marker_os_exit", ("humaneval",), "solution prints the marker and os._exit(0)", he_print_marker_os_exit),
+    Attack("always_equal_result", ("humaneval",), "function returns an object whose `__eq__` is always True",
+           he_always_equal),
+    Attack("atexit_exit_zero", ("humaneval",), "an atexit handler prints the marker and exits 0 after the tests fail",
+           he_atexit),
+    Attack("monkeypatch_exec", ("humaneval",), "builtins.exec patched so the hidden `check` is a no-op",
+           he_monkeypatch_exec),
+    Attack("excepthook_exit_zero", ("humaneval",), "sys.excepthook prints the marker and exits 0", he_assert_patched),
+    Attack("solution_loops", ("humaneval",), "solution loops forever at import", he_loop),
+    Attack("solution_flood", ("humaneval",), "solution prints gigabytes of the marker", he_flood),
+    Attack("forged_reward_file", ("harbor",), "reward.txt/reward.json = 1 pre-written, folders made unwritable",
+           harbor_forged_reward),
+    Attack("reward_folder_unwritable", ("harbor",), "the reward folder made unwritable (no reward written)",
+           harbor_no_reward),
+    Attack("own_test_script", ("harbor",), "the agent's tests/test.sh (writes 1) left where the real one goes",
+           harbor_own_tests),
+    Attack("reward_rewritten_in_background", ("harbor",), "reward.txt a symlink, and a background loop writing 1",
+           harbor_reward_symlink),
+    Attack("shadowed_commands", ("harbor",), "stat/python3/grep/cat shadowed by workspace scripts writing 1",
+           harbor_shadow_bash),
+    Attack("verifier_folder_is_a_file", ("harbor",), "the verifier's .rollway/harbor replaced by a read-only file",
+           harbor_dir_is_file),
+    Attack("answer_directory", ("toy",), "answer.txt is a directory", answer_directory),
+    Attack("answer_fifo", ("toy",), "answer.txt is a FIFO (a read blocks forever)", answer_fifo),
+    Attack("answer_symlink_outside", ("toy",), "answer.txt links to a file outside the workspace",
+           answer_symlink_outside),
+    Attack("answer_huge", ("toy",), "answer.txt is 300 MB", answer_huge),
+    Attack("forged_reward_files", ("toy", "humaneval", "harbor", "trusting"),
+           "reward/verdict files (reward.txt, result.json, ...) written in the workspace", answer_forged_reward),
+]
+"""Workspace attacks: the agent acts, then the task set grades. Tool-call attacks are in TOOL_ATTACKS."""
+
+
+# ---------------------------------------------------------------- tool-call attacks (through the agent)
+
+
+def _call(name: str, arguments_json: str) -> str:
+    return f'<tool_call>{{"name": "{name}", "arguments": {arguments_json}}}</tool_call>'
+
+
+TOOL_ATTACKS: dict[str, tuple[str, str]] = {
+    "tool_nested_brackets": ("~1,200 nested [ in the arguments",
+                             _call("bash", '{"command": ' + "[" * 1200 + "]" * 1200 + "}")),
+    "tool_nested_unclosed": ("~1,200 nested [ never closed", _call("bash", '{"command": ' + "[" * 1200 + "}")),
+    "tool_huge_view_range": ("an integer above 2**64 in an editor view_range",
+                             _call("editor", '{"command": "view", "path": "numbers.txt", "view_range": [1, '
+                                   + str(2**70) + "]}")),
+    "tool_inf_view_range": ("1e999 (inf) in an editor view_range",
+                            _call("editor", '{"command": "view", "path": "numbers.txt", "view_range": [1e999, 2]}')),
+    "tool_huge_int_literal": ("a 5,000-digit integer in the arguments (over Python's int parsing limit)",
+                              _call("bash", '{"command": "true", "timeout": ' + "9" * 5000 + "}")),
+    "tool_huge_string": ("a 300 KB command string", _call("bash", json.dumps({"command": "echo " + "A" * 300_000}))),
+    "tool_surrogates": ("lone surrogates (invalid UTF-8) in the arguments",
+                        _call("bash", '{"command": "echo \\udc80\\ud800"}')),
+    "tool_surrogate_path": ("a lone surrogate in an editor path",
+                            _call("editor", '{"command": "create", "path": "a\\udc80.txt", "file_text": "x"}')),
+    "tool_nul_bytes": ("NUL bytes in a command and a path",
+                       _call("editor", '{"command": "create", "path": "a\\u0000b", "file_text": "\\u0000"}')),
+    "tool_huge_output": ("a command printing 50 MB", _call("bash", '{"command": "yes | head -c 50000000"}')),
+    "tool_many_calls": ("5,000 tool calls in one message", _call("bash", '{"command": "true"}') * 5000),
+    "tool_name_is_a_reference": ("a tool name that is a python:MODULE:CLASS reference",
+                                 _call("python:os:system", '{"command": "touch /tmp/rw-tool-ref"}')),
+    "tool_invalid_utf8_output": ("a command printing invalid UTF-8 bytes",
+                                 _call("bash", '{"command": "head -c 3000 /dev/urandom"}')),
+}
+"""Tool-call rows: (what, the model's output). Played through the agent actor (parsing, tools), then the
+reward actor; each must end as an observation and a graded episode, never a failed attempt."""

@@ -1,0 +1,259 @@
+"""`rollway grader check`: the hostile-agent suite for graders. Each row plays one attack on one task
+family in one sandbox type through the pipeline's own seams (the task set's sandbox as the init stage
+makes it, the agent's bash tool or the agent actor itself, then the task set's grade as the reward stage
+calls it) and reports whether the attack was contained: reward 0 with a reason, or an observation for
+the model. A reward above 0, a grading error (an infrastructure failure is an opt-out from a zero) or
+a row that gets no verdict in time is not contained."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rollway.envs.base import Episode, Grade, Task, TaskSet, grade_episode
+from rollway.runners.grader_attacks import ATTACKS, TOOL_ATTACKS, Attack, AttackNotRun, Target
+from rollway.sandboxes.base import Sandbox, SandboxProvider
+
+FAMILIES = ("swe", "swebench", "humaneval", "harbor", "toy")
+DOCKER_ONLY = {"swebench", "harbor"}
+"""Families whose tasks run in their own images (sandbox.type=docker only)."""
+REPO = Path(__file__).resolve().parent.parent
+SWE_SDIST = "toolz==1.2.0"
+TEST_TIMEOUT_S = 45.0
+"""The families' own test timeout here: long enough for the task's tests, short for the looping rows."""
+
+
+@dataclass
+class Row:
+    attack: str
+    family: str
+    sandbox: str
+    contained: bool
+    reason: str
+    seconds: float = 0.0
+    what: str = ""
+
+
+@dataclass
+class Family:
+    """One task of a family, ready to attack."""
+
+    name: str
+    taskset: TaskSet
+    task: Task
+    target: Target
+
+
+@dataclass
+class Options:
+    sandbox: str = "local"
+    families: tuple[str, ...] = FAMILIES
+    attacks: tuple[str, ...] = ()
+    """Only these rows (names); empty: all."""
+    row_timeout_s: float = 180.0
+    cache_dir: Path = field(default_factory=lambda: Path("~/.cache/rollway/grader-check").expanduser())
+    swe_instances: str | None = None
+    swebench_rows: str | None = None
+    mirror: str | None = None
+    harbor: str | None = None
+    jobs: int = 2
+    """Rows played side by side (each in its own sandboxes)."""
+    name_prefix: str = "gcheck-"
+    """Names of the attacked sandboxes start with it (a test counts what is left)."""
+
+
+# ---------------------------------------------------------------- the task families
+
+
+def _build_rows(opts: Options, swebench: bool) -> tuple[str, str | None]:
+    """The toolz SWE task (instances file, and for swebench the mirror), built once into the cache."""
+    folder = opts.cache_dir / ("swebench" if swebench else "swe")
+    out, mirror = folder / "rows.jsonl", folder / "mirror"
+    if not out.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        fmt = ["--format", "swebench", "--mirror", str(mirror)] if swebench else []
+        proc = subprocess.run([sys.executable, "-m", "rollway.runners", "tasks", "build", "swe", "--sdist", SWE_SDIST,
+                               "--max-tasks", "1", "--seed", "0", *fmt, "--out", str(out)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"building the {SWE_SDIST} task failed: {proc.stdout[-1500:]}{proc.stderr[-1500:]}")
+    return str(out), str(mirror) if swebench else None
+
+
+def _family(name: str, opts: Options) -> Family:
+    from rollway.envs import config as c
+    from rollway.envs.factory import build_taskset
+
+    if name == "swe":
+        path = opts.swe_instances or _build_rows(opts, swebench=False)[0]
+        taskset = build_taskset(c.SWETasksConfig(type="swe", path=path, test_timeout_s=TEST_TIMEOUT_S, limit=1))
+        row = taskset.instances[taskset.tasks()[0].task_id]
+        return _swe_family(name, taskset, row["mutation"]["path"], row["FAIL_TO_PASS"], row["PASS_TO_PASS"])
+    if name == "swebench":
+        path, mirror = (opts.swebench_rows, opts.mirror) if opts.swebench_rows else _build_rows(opts, swebench=True)
+        taskset = build_taskset(c.SWEBenchTasksConfig(type="swebench", path=path, mirror=mirror, limit=1,
+                                                      test_timeout_s=TEST_TIMEOUT_S))
+        inst = taskset.instances[taskset.tasks()[0].task_id]
+        source = inst.patch.split("diff --git a/", 1)[1].split(" ", 1)[0]
+        return _swe_family(name, taskset, source, inst.fail_to_pass, inst.pass_to_pass)
+    if name == "humaneval":
+        taskset = build_taskset(c.HumanEvalTasksConfig(type="humaneval", limit=1, test_timeout_s=TEST_TIMEOUT_S))
+        task = taskset.tasks()[0]
+        problem = taskset.problems[task.task_id]
+        return Family(name, taskset, task, Target(name, "solution.py", extra={
+            "prompt": problem["prompt"], "entry_point": problem["entry_point"]}))
+    if name == "harbor":
+        path = opts.harbor or str(REPO / "examples" / "harbor" / "file-permissions")
+        taskset = build_taskset(c.HarborTasksConfig(type="harbor", path=path, limit=1))
+        return Family(name, taskset, taskset.tasks()[0], Target(name))
+    if name == "toy":
+        taskset = build_taskset(c.ToyTasksConfig(type="toy", count=1))
+        return Family(name, taskset, taskset.tasks()[0], Target(name))
+    raise ValueError(f"unknown task family {name!r}; use one of {', '.join(FAMILIES)}")
+
+
+def _swe_family(name: str, taskset: TaskSet, source: str, f2p: list[str], p2p: list[str]) -> Family:
+    return Family(name, taskset, taskset.tasks()[0], Target(name, source, tests=[*f2p, *p2p], fail_to_pass=list(f2p)))
+
+
+# ---------------------------------------------------------------- playing one row
+
+
+async def play_workspace(attack: Attack, fam: Family, provider: SandboxProvider, prefix: str = "gcheck-"
+                         ) -> tuple[bool, str]:
+    """The task's sandbox made as the init stage makes it, the attack played in it, graded as the reward
+    stage grades it; (contained, reason)."""
+    await fam.taskset.prepare(fam.task)
+    box = await provider.create(fam.taskset.sandbox_spec(fam.task), f"{prefix}{uuid.uuid4().hex[:10]}")
+    target = Target(**{**asdict(fam.target), "extra": {**fam.target.extra, "nonce": uuid.uuid4().hex[:10]}})
+    try:
+        check = await attack.play(box, target)
+        episode = Episode(episode_id=f"grader-check-{attack.name}", attempt=0, task=fam.task, messages=[],
+                          stop_reason="finish")
+        try:
+            grade = await grade_episode(fam.taskset, fam.task, box, provider, episode)
+        except asyncio.CancelledError:
+            await _unwedge(box)
+            raise
+        extra = await check(box, grade) if check else None
+        return verdict(grade, extra)
+    finally:
+        await box.destroy()
+
+
+async def _unwedge(box: Sandbox) -> None:
+    """A grader blocked reading a FIFO (in a worker thread that cannot be cancelled) is given a writer,
+    so the process can exit."""
+    with contextlib.suppress(Exception):
+        await box.exec("for f in $(find . -maxdepth 4 -type p 2>/dev/null); do timeout 2 sh -c \"echo 0 > $f\"; "
+                       "done", timeout_s=10)
+
+
+def verdict(grade: Grade, extra: str | None) -> tuple[bool, str]:
+    """(contained, reason) of a graded row: contained only at reward 0 with nothing else found."""
+    if grade.reward > 0 or grade.resolved:
+        return False, f"scored reward {grade.reward:g} (resolved={grade.resolved}): the grader was fooled"
+    if extra:
+        return False, extra
+    why = grade.stop_reason or grade.details.get("outcome") or "unresolved"
+    counts = grade.details.get("fail_to_pass")
+    if isinstance(counts, dict):
+        why += f", FAIL_TO_PASS {counts.get('passed')}/{counts.get('total')}"
+    ignored = grade.details.get("ignored_files")
+    if ignored:
+        why += f", ignored {len(ignored)} file(s)"
+    return True, f"reward 0: {why}"
+
+
+async def play_tool_call(name: str, output: str, opts: Options) -> tuple[bool, str]:
+    """The model's output played through the agent actor (parsing, tools) on a toy task, then a
+    `finish`; graded by the reward actor. The episode must come back graded, not failed."""
+    from rollway.core.config import load_config
+    from rollway.runners.verify import play_episode
+
+    script = [{"when": "", "turns": [output, '<tool_call>{"name": "finish", "arguments": {}}</tool_call>']}]
+    cfg = load_config(None, ["tasks.type=toy", "tasks.count=1", f"sandbox.type={opts.sandbox}",
+                             'tools.enabled=["bash", "editor", "finish"]', "agent.max_turns=3",
+                             "agent.max_tokens_per_turn=1000000", "agent.max_total_tokens=4000000",
+                             "policy=" + json.dumps({"type": "scripted", "script": script})])
+    with tempfile.TemporaryDirectory(prefix="rollway-grader-check-") as run_dir:
+        try:
+            traj = await play_episode(cfg, Path(run_dir), "toy-000")
+        except RuntimeError as exc:
+            return False, f"the attempt failed instead of giving an observation: {str(exc)[:300]}"
+    if traj.reward > 0:
+        return False, f"scored reward {traj.reward:g}"
+    first = traj.turns[0].observations if traj.turns else []
+    shown = "; ".join(o.content[:80].replace("\n", " ") for o in first[:2]) or "no observation"
+    more = f" (+{len(first) - 2} more)" if len(first) > 2 else ""
+    return True, f"observation: {shown}{more}"
+
+
+async def run_row(attack: str, family: str, play: Any, opts: Options, what: str) -> Row:
+    start = time.monotonic()
+    try:
+        contained, reason = await asyncio.wait_for(play(), opts.row_timeout_s)
+    except TimeoutError:
+        contained, reason = False, f"wedged: no verdict within {opts.row_timeout_s:g}s"
+    except AttackNotRun as exc:
+        contained, reason = False, f"the attack could not be set up (fix the suite): {exc}"
+    except Exception as exc:  # noqa: BLE001 - any grading error is this row's finding
+        contained, reason = False, f"raised {type(exc).__name__} (a failed attempt, not a 0): {str(exc)[:300]}"
+    return Row(attack, family, opts.sandbox, contained, reason, round(time.monotonic() - start, 1), what)
+
+
+async def run_suite(opts: Options, families: list[Family] | None = None) -> dict[str, Any]:
+    """Every selected row on `opts.sandbox`; `families` replaces the built-in ones (the self-test's)."""
+    from rollway.sandboxes.config import SandboxConfig
+    from rollway.sandboxes.factory import build_sandbox_provider
+
+    provider = build_sandbox_provider(SandboxConfig(type=opts.sandbox))  # type: ignore[arg-type]
+    if families is None:
+        wanted = [f for f in opts.families if opts.sandbox == "docker" or f not in DOCKER_ONLY]
+        families = [_family(f, opts) for f in wanted]
+    plays: list[tuple[str, str, Any, str]] = []
+    for fam in families:
+        plays += [(a.name, fam.name, functools.partial(play_workspace, a, fam, provider, opts.name_prefix), a.what)
+                  for a in ATTACKS if fam.name in a.families and _selected(a.name, opts)]
+    if any(f.name == "toy" for f in families):
+        plays += [(name, "agent-tools", functools.partial(play_tool_call, name, output, opts), what)
+                  for name, (what, output) in TOOL_ATTACKS.items() if _selected(name, opts)]
+    slots = asyncio.Semaphore(opts.jobs)
+
+    async def one(name: str, family: str, play: Any, what: str) -> Row:
+        async with slots:
+            return await run_row(name, family, play, opts, what)
+
+    try:
+        for fam in families:  # an image to build: once, before rows start side by side
+            await fam.taskset.prepare(fam.task)
+        rows = await asyncio.gather(*(one(*p) for p in plays))
+    finally:
+        await provider.close()
+    return {"sandbox": opts.sandbox, "total": len(rows), "contained": sum(r.contained for r in rows),
+            "all_contained": all(r.contained for r in rows), "rows": [asdict(r) for r in rows]}
+
+
+def _selected(name: str, opts: Options) -> bool:
+    return not opts.attacks or name in opts.attacks
+
+
+def table(report: dict[str, Any]) -> str:
+    rows = report["rows"]
+    width = max([len(r["attack"]) for r in rows] + [6])
+    lines = [f"{'row':<{width}}  {'family':<11} {'sandbox':<7} contained  reason"]
+    for r in rows:
+        lines.append(f"{r['attack']:<{width}}  {r['family']:<11} {r['sandbox']:<7} {'yes' if r['contained'] else 'NO':<9}  "
+                     f"{r['reason']}")
+    lines.append(f"{report['contained']}/{report['total']} contained on {report['sandbox']}")
+    return "\n".join(lines)
