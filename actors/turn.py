@@ -87,7 +87,9 @@ class TurnRunner:
             t0, gen_started_at = time.perf_counter(), time.time()
             gen = await self.inference.generate(state.token_ids, params)
             gen_s = time.perf_counter() - t0
-        text = chat.decode(gen.token_ids)
+        # What the record carries must encode: ids that decode to lone surrogates (invalid UTF-8 from a
+        # byte-level model) become U+FFFD in the text; the token ids stay exactly as sampled.
+        text = chat.decode(gen.token_ids).encode("utf-8", "replace").decode("utf-8")
         t1 = time.perf_counter()
         sandbox = await sandbox_for_turn(turn)
         if deadline is not None:

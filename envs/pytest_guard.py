@@ -88,7 +88,13 @@ def _install():
         def __init__(self, config):
             self.config, self.tests, self.errors = config, {}, []
 
-        def pytest_runtest_logreport(self, report):
+        # Each report is read right after pytest's own makereport hooks (xfail handling included) built
+        # it, before any wrapper registered later (by code under test, during collection) can rewrite it.
+        # An in-process attacker who hooks in ahead of this one still wins: docs/security/grading.md.
+        @pytest.hookimpl(hookwrapper=True)
+        def pytest_runtest_makereport(self, item, call):
+            outcome = yield
+            report = outcome.get_result()
             status = _status(report)
             if status and _RANK[status] >= _RANK.get(self.tests.get(report.nodeid, ""), -1):
                 self.tests[report.nodeid] = status

@@ -303,3 +303,21 @@ def test_every_tools_arguments_are_bounded(arguments: dict, problem: str) -> Non
 
     parsed = parse_tool_calls([ToolCall("open", arguments)], {"open": Open()})
     assert parsed.calls == [] and problem in parsed.errors[0].message
+
+
+def test_lone_surrogate_escapes_are_refused_and_every_observation_encodes() -> None:
+    """JSON lets a model write `"\\udc80"`: a string no UTF-8 record can carry. The call is refused with
+    a reason (it failed the whole attempt at encoding before), and a surrogate in a tool name still
+    gives an observation that encodes."""
+    from rollway.schemas.codec import encode
+    from rollway.schemas.messages import TurnRecord
+
+    tools = build_tools(["bash", "editor", "finish"], ToolsConfig())
+    text = ('<tool_call>{"name": "bash", "arguments": {"command": "echo \\udc80\\ud800"}}</tool_call>'
+            '<tool_call>{"name": "ba\\udc80sh", "arguments": {"command": "true"}}</tool_call>')
+    turn = asyncio.run(run_tool_calls(text, tools, None, ToolsConfig()))
+    assert [o.is_error for o in turn.observations] == [True, True]
+    assert "not valid Unicode" in turn.observations[0].content
+    record = TurnRecord(turn=0, completion_ids=[], logprobs=[], policy_version=0, finish_reason="stop",
+                        assistant_text="", observations=turn.observations)
+    assert encode(record)

@@ -44,6 +44,11 @@ def register_tool(name: str, factory: Callable[[ToolsConfig], Tool]) -> None:
     TOOLS.add(name, factory)
 
 
+def _text(value: str) -> str:
+    """`value` with anything UTF-8 cannot carry (lone surrogates) replaced, so the record encodes."""
+    return value.encode("utf-8", "replace").decode("utf-8")
+
+
 def _qualified(factory: Any) -> str:
     return f"{getattr(factory, '__module__', '?')}.{getattr(factory, '__qualname__', repr(factory))}"
 
@@ -165,7 +170,9 @@ async def _run_item(
     context: ToolContext | None = None,
 ) -> Observation:
     if isinstance(item, CallError):
-        return Observation(content=item.message, tool=item.name or "", call_id=item.call_id, is_error=True)
+        # A tool name or id parsed from the model's JSON may hold lone surrogates: kept as valid text.
+        return Observation(content=_text(item.message), tool=_text(item.name or ""),
+                           call_id=_text(item.call_id) if item.call_id else None, is_error=True)
     if turn.ends_episode:
         return Observation(content="Not run: `finish` was called earlier in this message.", tool=item.name,
                            call_id=item.call_id, arguments=item.arguments)

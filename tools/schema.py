@@ -29,6 +29,15 @@ INT_MIN, INT_MAX = -(2**63), 2**63 - 1
 """Integers outside signed 64 bits cannot travel in a message (MessagePack) or index anything."""
 
 
+def is_valid_unicode(text: str) -> bool:
+    """False for a string holding a lone surrogate (JSON lets `"\\udc80"` through; no UTF-8 can carry it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def argument_bounds(value: Any, where: str = "arguments") -> list[str]:
     """Violations of the bounds every tool call obeys whatever its schema states (depth, string
     length, item counts, 64-bit integers). Iterative, so a value nested beyond Python's recursion
@@ -43,6 +52,8 @@ def argument_bounds(value: Any, where: str = "arguments") -> list[str]:
             problems.append(f"{at}: must be an integer between -2**63 and 2**63-1")
         elif isinstance(item, str) and len(item) > MAX_STRING_CHARS:
             problems.append(f"{at}: longer than {MAX_STRING_CHARS} characters ({len(item)})")
+        elif isinstance(item, str) and not is_valid_unicode(item):
+            problems.append(f"{at}: not valid Unicode (a lone surrogate escape such as \\udc80); send the text itself")
         elif isinstance(item, (list, dict)) and len(item) > MAX_ITEMS:
             problems.append(f"{at}: more than {MAX_ITEMS} items ({len(item)})")
         elif isinstance(item, list):
