@@ -76,7 +76,7 @@ async def _seed_turn_zero(cfg: Any, run_dir: Path, bootstrap: str, episodes: int
     producer = await make_producer(cfg.broker, bootstrap)
     try:
         for i in range(episodes):
-            eid = f"ceiling-e{i:05d}"
+            eid = f"{cfg.run.id}-ceiling-e{i:05d}"  # the run's own episodes (stages skip others)
             req = InitRequest(episode=EpisodeKey(episode_id=eid, group_id=eid, task_id=f"sim-{i:05d}"),
                               issued_at=time.time(), deadline=time.time() + 1e9)
             out = (await init.handle(req, MessageMeta("init-requests", 0, i)))[0]

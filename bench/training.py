@@ -225,7 +225,7 @@ class TrainingLoop:
         return MessageMeta(topic, 0, next(self.offsets))
 
     async def run_episode(self, record: EpisodeRecord) -> Trajectory:
-        eid = f"train-l{self.lag}-e{record.index:05d}"
+        eid = f"{self.services.cfg.run.id}-train-l{self.lag}-e{record.index:05d}"  # the run's own (stages skip others)
         req = InitRequest(episode=EpisodeKey(episode_id=eid, group_id=eid, task_id=f"sim-{record.index:05d}"),
                           issued_at=record.issued_at, deadline=record.issued_at + NO_DEADLINE_S)
         async with self.init_gate:

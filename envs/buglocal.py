@@ -111,7 +111,7 @@ class BugLocTaskSet(TaskSet):
             raise ValueError("tasks.type=buglocal needs tasks.path, an instances file written by "
                              "`rollway tasks build swe ... --out FILE`")
         self.cfg = cfg
-        rows = [row for row in load_instances(cfg.path) if self._library_selected(row)]
+        rows = [row for row in load_instances(cfg.path, cfg.cache_dir) if self._library_selected(row)]
         if not rows:
             raise ValueError(f"tasks.path {cfg.path} holds no instance of the selected libraries "
                              f"(repos={cfg.repos}, exclude_repos={cfg.exclude_repos})")

@@ -153,7 +153,7 @@ def test_tasks_are_drawn_across_archives_and_a_short_archive_leaves_the_rest_to_
                                          "sub": ("x - y", "sub(5, 3) == 2")})
     said: list[str] = []
     path = ensure_tasks([one, two], None, 3, 0, tmp_path / "out", said.append, cache_dir=tmp_path)
-    rows = load_instances(path)
+    rows = load_instances(path, tmp_path)  # snapshots are read only from the cache they were built in
     assert sorted(r["repo"] for r in rows) == [one, two, two] and len({r["instance_id"] for r in rows}) == 3
     assert all(r["FAIL_TO_PASS"] and r["patch"] for r in rows)
     assert any("rwone==1.0: [1/" in line for line in said) and any("rwtwo==1.0: [1/" in line for line in said)
