@@ -89,8 +89,8 @@ async def _run_worker(cfg: Any, run_dir: Path, bootstrap: str, turns: int, timer
     """One agent worker until it has handled `turns` turns; wall and CPU time of that stretch."""
     from rollway.actors.agent import AgentActor
     from rollway.actors.services import Services
-    from rollway.runners import stage_runtime
     from rollway.runners.stage import group_id, stage_concurrency, stage_prefetch
+    from rollway.runtime import worker as stage_runtime
     from rollway.tools import registry
 
     services = Services(cfg, run_dir)
