@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -101,6 +102,17 @@ class Gateway:
     @property
     def url(self) -> str:
         return f"http://{self.public_host}:{self.port}"
+
+    async def listen_unix(self, path: str) -> web.UnixSite:
+        """Also serve on the unix socket `path` (made writable by anyone who can reach its folder: a
+        sandbox without network reaches the gateway through a socket bound into it). Stop the returned
+        site when the episode that uses it ends."""
+        if self._runner is None:
+            raise RuntimeError("start the gateway before adding a unix socket listener")
+        site = web.UnixSite(self._runner, path)
+        await site.start()
+        os.chmod(path, 0o666)  # the sandbox's user is not the gateway's
+        return site
 
     async def stop(self) -> None:
         if self._runner is not None:

@@ -1,0 +1,115 @@
+"""Harness episodes end to end: `rollway up` with an external agent program (examples/agent_program.py
+and tiny programs) playing toy tasks inside the local jail, through the worker's gateway. Real broker,
+real bubblewrap jail, real gateway; the scripted policy is the only fake (it is the model)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+from conftest import ROOT
+
+pytestmark = pytest.mark.e2e
+ROLLWAY = [sys.executable, "-m", "rollway.runners"]
+
+SHELL_CALL = '<tool_call>{{"name": "shell", "arguments": {{"command": "{}"}}}}</tool_call>'
+FIX = [  # the first two calls extend one stream; then agent_program.py compacts its history
+    {"when": "Summary:", "turns": ["unused", "The sum is in answer.txt."]},
+    {"when": "", "turns": [SHELL_CALL.format("cat numbers.txt"),
+                           SHELL_CALL.format("awk '{print $1 + $2}' numbers.txt > answer.txt")]},
+]
+NON_FIX = [{"when": "", "turns": ["I cannot do this."]}]
+
+
+def harness_job(tmp_path, script: list[dict], harness: dict, **agent) -> dict:
+    job = {
+        "run": {"name": "harness", "timeout_s": 240},
+        "tasks": {"type": "toy", "count": 2},
+        "scheduler": {"group_size": 1, "max_inflight_episodes": 2, "episode_deadline_s": 120, "max_attempts": 2},
+        "agent": {"concurrency": 2, "harness": harness, **agent},
+        "policy": {"type": "scripted", "chat_format": "bytes-chatml", "script": script},
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return job
+
+
+def up(tmp_path, script: list[dict], harness: dict) -> tuple[subprocess.CompletedProcess, dict, list[dict]]:
+    harness_job(tmp_path, script, harness)
+    run_dir = tmp_path / "run"
+    out = subprocess.run([*ROLLWAY, "up", str(tmp_path / "job.yaml"), "--run-dir", str(run_dir)],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    trajs_file = run_dir / "trajectories.jsonl"
+    trajs = [json.loads(line) for line in trajs_file.read_text().splitlines()] if trajs_file.exists() else []
+    return out, summary, trajs
+
+
+AGENT_PROGRAM = {"command": ["python3", f"{ROOT}/examples/agent_program.py", "{instruction}"],
+                 "install": {"type": "host_dir", "path": str(ROOT / "examples")}}
+
+
+def test_agent_program_fixes_toy_tasks_and_its_tokens_are_what_the_engine_sampled(tmp_path):
+    from rollway.policies.factory import build_chat_format
+    from rollway.policies.config import ScriptedPolicyConfig
+
+    out, summary, trajs = up(tmp_path, FIX, AGENT_PROGRAM)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert summary["episodes_completed"] == 2 and summary["episodes_failed"] == 0
+    assert len(trajs) == 2
+    chat = build_chat_format(ScriptedPolicyConfig(script=FIX))
+    for t in trajs:
+        assert t["resolved"] and t["reward"] == 1.0, t["grade"]
+        assert t["stop_reason"] == "harness_exit"
+        # Three calls: two in the first stream, the third after the program compacted its history.
+        assert t["num_turns"] == 3 and len(t["segment_starts"]) == 1
+        assert t["turns"][2]["segment_reason"] == "history_rewritten"
+        sampled = [chat.decode(t["token_ids"][s:e]) for s, e in t["turn_spans"]]
+        expected = [FIX[1]["turns"][0], FIX[1]["turns"][1], FIX[0]["turns"][1]]
+        assert sampled == [text + chat.decode(chat.stop_token_ids[:1]) for text in expected]
+        for turn, (s, e) in zip(t["turns"], t["turn_spans"], strict=True):
+            assert t["token_ids"][s:e] == turn["completion_ids"]
+            assert t["logprobs"][s:e] == turn["logprobs"]
+        assert sum(t["loss_mask"]) == sum(e - s for s, e in t["turn_spans"])
+        # The second stream is the whole prompt of the compacted call, not a suffix of the first.
+        start = t["segment_starts"][0]
+        assert "Summary:" in chat.decode(t["token_ids"][start:t["turn_spans"][2][0]])
+
+
+def test_a_program_that_gives_up_is_graded_unresolved(tmp_path):
+    out, summary, trajs = up(tmp_path, NON_FIX, AGENT_PROGRAM)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert len(trajs) == 2
+    assert all(not t["resolved"] and t["reward"] == 0.0 and t["stop_reason"] == "harness_exit" for t in trajs)
+    assert all(t["num_turns"] == 1 and t["segment_starts"] == [] for t in trajs)
+
+
+def test_a_crashing_program_fails_the_attempt_with_its_exit_code_and_output(tmp_path):
+    crash = {"command": ["python3", "-c", "import sys; print('disk on fire'); sys.exit(3)"]}
+    out, summary, trajs = up(tmp_path, NON_FIX, crash)
+    assert trajs == []
+    failures = [json.loads(line) for line in (tmp_path / "run" / "failures.jsonl").read_text().splitlines()]
+    assert failures, out.stderr[-3000:]
+    assert all("exited with code 3" in f["reason"] and "disk on fire" in f["reason"] for f in failures)
+    assert {f["stage"] for f in failures} == {"agent"}
+    assert {f["episode"]["attempt"] for f in failures} == {0, 1}  # retried once (max_attempts=2), then given up
+
+
+def test_a_program_that_never_exits_stops_at_the_time_limit(tmp_path):
+    sleeper = {"command": ["python3", "-c", "import time; time.sleep(3600)"], "time_limit_s": 3,
+               "silence_limit_s": 600}
+    out, summary, trajs = up(tmp_path, NON_FIX, sleeper)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert len(trajs) == 2
+    assert all(t["stop_reason"] == "harness_time_limit" and not t["resolved"] for t in trajs)
+
+
+def test_a_silent_program_stops_at_the_silence_limit(tmp_path):
+    sleeper = {"command": ["python3", "-c", "import time; time.sleep(3600)"], "time_limit_s": 600,
+               "silence_limit_s": 2}
+    out, summary, trajs = up(tmp_path, NON_FIX, sleeper)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert all(t["stop_reason"] == "harness_silence" for t in trajs) and len(trajs) == 2
