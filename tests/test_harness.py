@@ -53,8 +53,8 @@ AGENT_PROGRAM = {"command": ["python3", f"{ROOT}/examples/agent_program.py", "{i
 
 
 def test_agent_program_fixes_toy_tasks_and_its_tokens_are_what_the_engine_sampled(tmp_path):
-    from rollway.policies.factory import build_chat_format
     from rollway.policies.config import ScriptedPolicyConfig
+    from rollway.policies.factory import build_chat_format
 
     out, summary, trajs = up(tmp_path, FIX, AGENT_PROGRAM)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -94,8 +94,13 @@ def test_a_crashing_program_fails_the_attempt_with_its_exit_code_and_output(tmp_
     failures = [json.loads(line) for line in (tmp_path / "run" / "failures.jsonl").read_text().splitlines()]
     assert failures, out.stderr[-3000:]
     assert all("exited with code 3" in f["reason"] and "disk on fire" in f["reason"] for f in failures)
-    assert {f["stage"] for f in failures} == {"agent"}
-    assert {f["episode"]["attempt"] for f in failures} == {0, 1}  # retried once (max_attempts=2), then given up
+    # Each episode: its attempt failed in the agent stage, was retried once (max_attempts=2), then given up.
+    agent = [f for f in failures if f["stage"] == "agent"]
+    assert sorted((f["episode"]["task_id"], f["episode"]["attempt"]) for f in agent) == [
+        ("toy-000", 0), ("toy-000", 1), ("toy-001", 0), ("toy-001", 1)]
+    given_up = [f for f in failures if f["stage"] == "scheduler"]
+    assert len(given_up) == 2 and not any(f["retryable"] for f in given_up)
+    assert summary["episodes_failed"] == 2
 
 
 def test_a_program_that_never_exits_stops_at_the_time_limit(tmp_path):
@@ -113,3 +118,55 @@ def test_a_silent_program_stops_at_the_silence_limit(tmp_path):
     out, summary, trajs = up(tmp_path, NON_FIX, sleeper)
     assert out.returncode == 0, out.stderr[-3000:]
     assert all(t["stop_reason"] == "harness_silence" for t in trajs) and len(trajs) == 2
+
+
+PROBE = r"""
+import json, os, socket, sys, urllib.request
+req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/models",
+                             headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]})
+models = json.load(urllib.request.urlopen(req, timeout=10))
+reached = []
+for host in sys.argv[2:]:
+    try:
+        socket.create_connection((host, int(sys.argv[1])), timeout=5).close()
+        reached.append(host)
+    except OSError:
+        pass
+print("models", [m["id"] for m in models["data"]], "reached", reached)
+sys.exit(0 if models["data"] and not reached else 5)
+"""
+
+
+def test_the_sandbox_reaches_the_gateway_and_nothing_else(tmp_path):
+    """The program asks the gateway for its models (through the forwarder), then tries a listener this
+    test opens on every host address; it exits 5 (failing the attempt) if the gateway did not answer or
+    the listener was reached."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("0.0.0.0", 0))
+    port = listener.getsockname()[1]
+    accepted: list[object] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                accepted.append(listener.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    hosts = ["127.0.0.1", *subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()]
+    assert len(hosts) > 1, "this host has no address besides loopback to probe"
+    # The probe itself: the host can reach the listener (so a jail that could would be caught).
+    socket.create_connection((hosts[1], port), timeout=5).close()
+    try:
+        probe = {"command": ["python3", "-c", PROBE, str(port), *hosts]}
+        out, summary, trajs = up(tmp_path, NON_FIX, probe)
+    finally:
+        listener.close()
+    assert out.returncode == 0, out.stderr[-3000:]
+    failures = tmp_path / "run" / "failures.jsonl"
+    assert not failures.exists() or not failures.read_text().strip(), failures.read_text()
+    assert len(trajs) == 2 and all(t["stop_reason"] == "harness_exit" for t in trajs)
+    assert len(accepted) == 1  # only the host's own check above
