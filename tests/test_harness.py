@@ -170,3 +170,23 @@ def test_the_sandbox_reaches_the_gateway_and_nothing_else(tmp_path):
     assert not failures.exists() or not failures.read_text().strip(), failures.read_text()
     assert len(trajs) == 2 and all(t["stop_reason"] == "harness_exit" for t in trajs)
     assert len(accepted) == 1  # only the host's own check above
+
+
+def test_a_program_past_its_call_limit_ends_with_the_call_limit(tmp_path):
+    """agent_program.py's third call is refused (409); the program then exits non-zero, which is the
+    limit's doing, not a crash."""
+    out, summary, trajs = up(tmp_path, FIX, {**AGENT_PROGRAM, "max_calls": 2})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert len(trajs) == 2
+    assert all(t["stop_reason"] == "harness_call_limit" and t["num_turns"] == 2 for t in trajs)
+
+
+@pytest.mark.parametrize("command", [
+    ["sh", "-c", "grep -q numbers.txt {instruction_file} && awk '{print $1 + $2}' numbers.txt > answer.txt"],
+    ["sh", "-c", "grep -q numbers.txt && awk '{print $1 + $2}' numbers.txt > answer.txt"],  # stdin
+], ids=["instruction_file", "stdin"])
+def test_the_instruction_reaches_the_program_by_file_or_stdin(tmp_path, command):
+    """A program that makes no model call: it solves the task only if it read the instruction."""
+    out, summary, trajs = up(tmp_path, NON_FIX, {"command": command})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert len(trajs) == 2 and all(t["resolved"] and t["stop_reason"] == "harness_exit" for t in trajs)
