@@ -48,6 +48,7 @@ class HarnessConfig(StrictModel):
     env: dict[str, str] = Field(default_factory=dict)
     """Extra environment of the program (rollway's OPENAI_* variables win over these)."""
     install: HarnessInstall = Field(default_factory=HarnessInstall)
+    """How the program is installed: in the task image, or a host folder bound read-only."""
     time_limit_s: float = Field(600.0, gt=0)
     """Wall time of the program; then it is killed and the episode ends with `harness_time_limit`
     (a task's own agent time, when shorter, wins)."""
