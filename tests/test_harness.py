@@ -55,6 +55,7 @@ AGENT_PROGRAM = {"command": ["python3", f"{ROOT}/examples/agent_program.py", "{i
 def test_agent_program_fixes_toy_tasks_and_its_tokens_are_what_the_engine_sampled(tmp_path):
     from rollway.policies.config import ScriptedPolicyConfig
     from rollway.policies.factory import build_chat_format
+    from rollway.policies.scripted import SCRIPTED_LOGPROB
 
     out, summary, trajs = up(tmp_path, FIX, AGENT_PROGRAM)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -67,12 +68,12 @@ def test_agent_program_fixes_toy_tasks_and_its_tokens_are_what_the_engine_sample
         # Three calls: two in the first stream, the third after the program compacted its history.
         assert t["num_turns"] == 3 and len(t["segment_starts"]) == 1
         assert t["turns"][2]["segment_reason"] == "history_rewritten"
-        sampled = [chat.decode(t["token_ids"][s:e]) for s, e in t["turn_spans"]]
+        # The scripted engine returns encode(text) + the stop token, each with SCRIPTED_LOGPROB.
         expected = [FIX[1]["turns"][0], FIX[1]["turns"][1], FIX[0]["turns"][1]]
-        assert sampled == [text + chat.decode(chat.stop_token_ids[:1]) for text in expected]
-        for turn, (s, e) in zip(t["turns"], t["turn_spans"], strict=True):
-            assert t["token_ids"][s:e] == turn["completion_ids"]
-            assert t["logprobs"][s:e] == turn["logprobs"]
+        returned = [chat.encode(text) + list(chat.stop_token_ids[:1]) for text in expected]
+        assert [t["token_ids"][s:e] for s, e in t["turn_spans"]] == returned
+        assert [t["logprobs"][s:e] for s, e in t["turn_spans"]] == [[SCRIPTED_LOGPROB] * len(r) for r in returned]
+        assert [turn["completion_ids"] for turn in t["turns"]] == returned
         assert sum(t["loss_mask"]) == sum(e - s for s, e in t["turn_spans"])
         # The second stream is the whole prompt of the compacted call, not a suffix of the first.
         start = t["segment_starts"][0]
