@@ -222,3 +222,46 @@ def test_mini_swe_agent_plays_toy_tasks_in_its_text_format(tmp_path, script, res
     assert len(trajs) == 2, failures.read_text()[-3000:] if failures.exists() else out.stderr[-3000:]
     assert all(t["resolved"] is resolved and t["stop_reason"] == "harness_exit" for t in trajs)
     assert all(t["num_turns"] == (2 if resolved else 1) for t in trajs)
+
+
+def test_calls_with_retries_and_a_rewrite_become_turns_that_reassemble_each_segment_exactly():
+    """The mapping from captured calls to turns (actors/harness.py), on calls a real gateway recorded in
+    memory: retried calls count once, a rewritten history opens a segment, and the reward stage's
+    assembly of the turns gives back each segment's tokens, mask and logprobs in order."""
+    import asyncio
+
+    from test_gateway import SHELL, LoggedEngine, Program, _DictProgram, client_for, key, serve
+
+    from rollway.actors.harness import outcome_of
+    from rollway.gateway import rebuild_segments
+    from rollway.schemas.tokens import TokenStream
+
+    async def scenario():
+        engine = LoggedEngine()
+        gateway, recorder = await serve(engine)
+        handle = gateway.open_episode(key())
+        program = _DictProgram(Program(client_for(gateway, handle)))
+        try:
+            messages = [{"role": "user", "content": "What does a.txt say?"}]
+            first = await program.call(messages, [SHELL])
+            messages += [first, {"role": "tool", "tool_call_id": first["tool_calls"][0]["id"], "content": "a.txt"}]
+            await program.call(messages, [SHELL])
+            await program.call(messages, [SHELL])  # the same call again (a client timeout)
+            await program.call([{"role": "user", "content": "Summary: a.txt exists. What does it say?"}], [SHELL])
+        finally:
+            await gateway.stop()
+        return recorder.of("ep-1")
+
+    calls = asyncio.run(scenario())
+    assert [(c.retry_of, c.segment_reason) for c in calls] == [(None, "start"), (None, None), (1, None),
+                                                               (None, "history_rewritten")]
+    segments = rebuild_segments(calls)
+    outcome = outcome_of(list(reversed(calls)), "harness_exit", [])  # any order, as the log may give them
+    assert len(outcome.turns) == 3 and [t.turn for t in outcome.turns] == [0, 1, 2]
+    assert [t.segment_reason for t in outcome.turns] == [None, None, "history_rewritten"]
+    stream = TokenStream.of(outcome.prompt_ids, outcome.turns)
+    assert stream.segment_starts == [len(segments[0].token_ids)]
+    assert stream.token_ids == segments[0].token_ids + segments[1].token_ids
+    assert stream.loss_mask == segments[0].loss_mask + segments[1].loss_mask
+    assert stream.logprobs == segments[0].logprobs + segments[1].logprobs
+    assert outcome.messages == [{"role": "user", "content": "What does a.txt say?"}]
