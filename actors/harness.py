@@ -117,35 +117,31 @@ class HarnessRunner:
                    deadline: float | None = None) -> HarnessOutcome:
         """Run the program to its end or a limit in `sandbox`; the episode's turns from its calls.
         `deadline`: the task's own end of agent time (unix seconds), when it has one."""
-        if sandbox.workspace_path is None:
-            raise SandboxError("harness episodes need a sandbox with a host workspace (sandbox.type=local); "
-                               "the docker sandbox is not wired to the gateway yet")
+        host_socket, sandbox_socket = await gateway_socket(sandbox)
         handle = self.gateway.open_episode(episode, self.cfg.max_calls)
-        socket_path = Path(sandbox.workspace_path) / SOCKET
-        socket_path.parent.mkdir(parents=True, exist_ok=True)
-        socket_path.unlink(missing_ok=True)
-        site = await self.gateway.listen_unix(str(socket_path))
+        host_socket.unlink(missing_ok=True)
+        site = await self.gateway.listen_unix(str(host_socket))
         try:
-            stop_reason = await self._run(handle, instruction, sandbox, deadline)
+            stop_reason = await self._run(handle, instruction, sandbox, sandbox_socket, deadline)
         finally:
             await self.gateway.close_episode(handle)
             await site.stop()
-            socket_path.unlink(missing_ok=True)
+            host_socket.unlink(missing_ok=True)
         calls = self.recorder.take(episode.episode_id)
         log.info("harness episode ended", episode_id=episode.episode_id, stop_reason=stop_reason, calls=len(calls))
         return outcome_of(calls, stop_reason, fallback_prompt)
 
-    async def _run(self, handle: EpisodeHandle, instruction: str, sandbox: Sandbox, deadline: float | None) -> str:
+    async def _run(self, handle: EpisodeHandle, instruction: str, sandbox: Sandbox, socket: str,
+                   deadline: float | None) -> str:
         limit = self.cfg.time_limit_s
         if deadline is not None:
             limit = max(0.001, min(limit, deadline - time.time()))
-        run = asyncio.create_task(sandbox.exec(self._command(handle, instruction), timeout_s=limit))
+        run = asyncio.create_task(sandbox.exec(self._command(handle, instruction, socket), timeout_s=limit))
         try:
             stop_reason = await self._watch(handle, run)
         finally:
             if not run.done():
-                run.cancel()  # the sandbox kills the program's whole process group
-                await asyncio.gather(run, return_exceptions=True)
+                await _stop(run, sandbox)
         if stop_reason is not None:
             return stop_reason
         result = run.result()
@@ -171,13 +167,40 @@ class HarnessRunner:
             await asyncio.wait({run}, timeout=min(0.2, self.cfg.silence_limit_s - silent_for))
         return None
 
-    def _command(self, handle: EpisodeHandle, instruction: str) -> str:
+    def _command(self, handle: EpisodeHandle, instruction: str, socket: str) -> str:
         cfg = self.cfg
-        spec = {"socket": SOCKET, "argv": cfg.argv(instruction), "instruction": instruction,
+        spec = {"socket": socket, "argv": cfg.argv(instruction), "instruction": instruction,
                 "env": {**cfg.env, "OPENAI_API_KEY": handle.api_key, "OPENAI_MODEL": self.gateway.model_name},
                 "stdin": cfg.stdin_instruction,
                 "instruction_file": INSTRUCTION_FILE if any("{instruction_file}" in a for a in cfg.command) else None}
         return f"python3 -c {shlex.quote(LAUNCHER)} {shlex.quote(json.dumps(spec))}"
+
+
+async def _stop(run: asyncio.Task, sandbox: Sandbox) -> None:
+    """End the program before its time: cancelling a local jail's command kills its process group
+    (and pid namespace); a container's command runs on in the engine, so every process of the
+    sandbox user is killed there too."""
+    run.cancel()
+    if sandbox.workspace_path is None:
+        await sandbox.exec("kill -9 -1 2>/dev/null; true", timeout_s=10)
+    await asyncio.gather(run, return_exceptions=True)
+
+
+async def gateway_socket(sandbox: Sandbox) -> tuple[Path, str]:
+    """(host path, path inside the sandbox) of the gateway socket for this sandbox: in the local
+    jail's workspace, or in the folder a docker container has bound at /rollway-gateway."""
+    if sandbox.workspace_path is not None:
+        host = Path(sandbox.workspace_path) / SOCKET
+        host.parent.mkdir(parents=True, exist_ok=True)
+        return host, SOCKET
+    folder = await sandbox.gateway_dir() if hasattr(sandbox, "gateway_dir") else None
+    if folder is None:
+        raise SandboxError("harness episodes need a way out to the gateway: a local jail, or a docker container "
+                           "started with sandbox.gateway_root set (agent.harness sets it; a sandbox created "
+                           "before that, or another sandbox type, has none)")
+    from rollway.sandboxes.docker import GATEWAY_DIR
+
+    return Path(folder) / "gateway.sock", f"{GATEWAY_DIR}/gateway.sock"
 
 
 def outcome_of(calls: list[CapturedCall], stop_reason: str, fallback_prompt: list[int]) -> HarnessOutcome:

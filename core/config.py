@@ -26,7 +26,7 @@ from rollway.learning.config import LearnerConfig
 from rollway.learning.registries import LEARNERS
 from rollway.policies.config import PolicyConfig, ScriptedPolicyConfig
 from rollway.policies.factory import POLICIES
-from rollway.sandboxes.config import LocalSandboxConfig, SandboxConfig
+from rollway.sandboxes.config import DockerSandboxConfig, LocalSandboxConfig, SandboxConfig
 from rollway.sandboxes.factory import SANDBOXES
 from rollway.tools.config import HintsConfig, ToolsConfig
 from rollway.topics.topology import STAGE_NAMES
@@ -223,8 +223,11 @@ class RunConfig(StrictModel):
 
     @model_validator(mode="after")
     def _harness_install_reachable(self) -> RunConfig:
-        """A harness installed in a host folder is bound read-only into every local jail."""
+        """A harness installed in a host folder is bound read-only into every local jail; docker
+        containers get a host folder for the gateway's socket."""
         harness = self.agent.harness
+        if harness is not None and isinstance(self.sandbox, DockerSandboxConfig) and not self.sandbox.gateway_root:
+            self.sandbox.gateway_root = "/tmp/rollway-gateway"
         if harness is None or harness.install.type != "host_dir":
             return self
         if not isinstance(self.sandbox, LocalSandboxConfig):

@@ -265,3 +265,50 @@ def test_calls_with_retries_and_a_rewrite_become_turns_that_reassemble_each_segm
     assert stream.loss_mask == segments[0].loss_mask + segments[1].loss_mask
     assert stream.logprobs == segments[0].logprobs + segments[1].logprobs
     assert outcome.messages == [{"role": "user", "content": "What does a.txt say?"}]
+
+
+def docker_up(tmp_path, harness: dict) -> tuple[subprocess.CompletedProcess, dict, list[dict]]:
+    from docker_engine import ensure_engine
+
+    ensure_engine()
+    job = harness_job(tmp_path, NON_FIX, harness)
+    job["sandbox"] = {"type": "docker", "image": "rollway-sandbox:bookworm",
+                      "gateway_root": str(tmp_path / "gateway")}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    run_dir = tmp_path / "run"
+    out = subprocess.run([*ROLLWAY, "up", str(tmp_path / "job.yaml"), "--run-dir", str(run_dir)],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    trajs_file = run_dir / "trajectories.jsonl"
+    trajs = [json.loads(line) for line in trajs_file.read_text().splitlines()] if trajs_file.exists() else []
+    return out, {}, trajs
+
+
+def test_in_a_docker_container_the_program_reaches_the_gateway_and_nothing_else(tmp_path):
+    """As the jail test, with the episode's sandbox a container (network none): the gateway answers
+    through the socket folder bound into it; no host address (docker's bridge included) is reached."""
+    import socket
+
+    listener = socket.create_server(("0.0.0.0", 0))
+    port = listener.getsockname()[1]
+    hosts = ["127.0.0.1", *subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()]
+    try:
+        probe = {"command": ["python3", "-c", PROBE, str(port), *hosts]}
+        out, _, trajs = docker_up(tmp_path, probe)
+    finally:
+        listener.close()
+    failures = tmp_path / "run" / "failures.jsonl"
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert len(trajs) == 2, failures.read_text()[-3000:] if failures.exists() else out.stderr[-3000:]
+    assert all(t["stop_reason"] == "harness_exit" for t in trajs)
+    assert list((tmp_path / "gateway").iterdir()) == []  # each container's socket folder went with it
+
+
+def test_in_a_docker_container_a_silent_program_is_stopped_and_the_task_graded(tmp_path):
+    """The program solves the task from its instruction file, then hangs: the silence limit ends it
+    (killed inside the container) and the grade is right."""
+    solve = {"command": ["sh", "-c", "grep -q numbers.txt {instruction_file} && "
+                                     "awk '{print $1 + $2}' numbers.txt > answer.txt && sleep 3600"],
+             "silence_limit_s": 3}
+    out, _, trajs = docker_up(tmp_path, solve)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert len(trajs) == 2 and all(t["stop_reason"] == "harness_silence" and t["resolved"] for t in trajs)
