@@ -312,3 +312,33 @@ def test_in_a_docker_container_a_silent_program_is_stopped_and_the_task_graded(t
     out, _, trajs = docker_up(tmp_path, solve)
     assert out.returncode == 0, out.stderr[-3000:]
     assert len(trajs) == 2 and all(t["stop_reason"] == "harness_silence" and t["resolved"] for t in trajs)
+
+
+@pytest.mark.parametrize(("harness", "sandbox", "message"), [
+    ({"command": []}, {}, "agent.harness.command"),
+    ({"command": ["  "]}, {}, r"command\[0\] must name the program"),
+    ({"command": ["x"], "install": {"type": "host_dir"}}, {}, "install.path must be an absolute host folder"),
+    ({"command": ["x"], "install": {"type": "host_dir", "path": "/no/such/folder"}}, {}, "is not a folder"),
+    ({"command": ["x"], "install": {"type": "image", "path": "/usr"}}, {}, "only read with install.type=host_dir"),
+    ({"command": ["x"], "install": {"type": "host_dir", "path": "/usr"}}, {"type": "docker"}, "needs sandbox.type=local"),
+    ({"command": ["x"], "max_calls": 0}, {}, "max_calls"),
+    ({"command": ["x"], "silence": 3}, {}, "silence"),
+])
+def test_bad_harness_config_is_refused_naming_what_to_fix(harness, sandbox, message):
+    from pydantic import ValidationError
+
+    from rollway.core.config import RunConfig
+
+    with pytest.raises(ValidationError, match=message):
+        RunConfig.model_validate({"agent": {"harness": harness}, "sandbox": sandbox})
+
+
+def test_harness_config_binds_its_host_folder_and_gives_containers_a_socket_folder():
+    from rollway.core.config import RunConfig
+
+    local = RunConfig.model_validate({"agent": {"harness": {"command": ["x"], "install": {
+        "type": "host_dir", "path": str(ROOT / "examples")}}}})
+    assert str(ROOT / "examples") in local.sandbox.ro_binds
+    docker = RunConfig.model_validate({"agent": {"harness": {"command": ["x"]}}, "sandbox": {"type": "docker"}})
+    assert docker.sandbox.gateway_root == "/tmp/rollway-gateway"
+    assert RunConfig.model_validate({"sandbox": {"type": "docker"}}).sandbox.gateway_root is None
