@@ -226,6 +226,10 @@ class RunConfig(StrictModel):
         """A harness installed in a host folder is bound read-only into every local jail; docker
         containers get a host folder for the gateway's socket."""
         harness = self.agent.harness
+        if harness is not None and harness.time_limit_s >= self.scheduler.episode_deadline_s:
+            raise ValueError(f"agent.harness.time_limit_s={harness.time_limit_s:g} must be under "
+                             f"scheduler.episode_deadline_s={self.scheduler.episode_deadline_s:g} (with time left to "
+                             "grade), or the scheduler re-issues episodes whose program is still running")
         if harness is not None and isinstance(self.sandbox, DockerSandboxConfig) and not self.sandbox.gateway_root:
             self.sandbox.gateway_root = "/tmp/rollway-gateway"
         if harness is None or harness.install.type != "host_dir":

@@ -49,9 +49,10 @@ class HarnessConfig(StrictModel):
     """Extra environment of the program (rollway's OPENAI_* variables win over these)."""
     install: HarnessInstall = Field(default_factory=HarnessInstall)
     """How the program is installed: in the task image, or a host folder bound read-only."""
-    time_limit_s: float = Field(600.0, gt=0)
+    time_limit_s: float = Field(240.0, gt=0)
     """Wall time of the program; then it is killed and the episode ends with `harness_time_limit`
-    (a task's own agent time, when shorter, wins)."""
+    (a task's own agent time, when shorter, wins). Must stay under `scheduler.episode_deadline_s`,
+    leaving time to grade, or the scheduler re-issues episodes whose program is still running."""
     max_calls: int = Field(50, ge=1)
     """Model calls per episode; the next one is refused and the episode ends with `harness_call_limit`."""
     silence_limit_s: float = Field(120.0, gt=0)

@@ -29,7 +29,7 @@ def harness_job(tmp_path, script: list[dict], harness: dict, **agent) -> dict:
     job = {
         "run": {"name": "harness", "timeout_s": 240},
         "tasks": {"type": "toy", "count": 2},
-        "scheduler": {"group_size": 1, "max_inflight_episodes": 2, "episode_deadline_s": 120, "max_attempts": 2},
+        "scheduler": {"group_size": 1, "max_inflight_episodes": 2, "episode_deadline_s": 300, "max_attempts": 2},
         "agent": {"concurrency": 2, "harness": harness, **agent},
         "policy": {"type": "scripted", "chat_format": "bytes-chatml", "script": script},
     }
@@ -323,6 +323,7 @@ def test_in_a_docker_container_a_silent_program_is_stopped_and_the_task_graded(t
     ({"command": ["x"], "install": {"type": "host_dir", "path": "/usr"}}, {"type": "docker"}, "needs sandbox.type=local"),
     ({"command": ["x"], "max_calls": 0}, {}, "max_calls"),
     ({"command": ["x"], "silence": 3}, {}, "silence"),
+    ({"command": ["x"], "time_limit_s": 300}, {}, "time_limit_s=300 must be under scheduler.episode_deadline_s=300"),
 ])
 def test_bad_harness_config_is_refused_naming_what_to_fix(harness, sandbox, message):
     from pydantic import ValidationError
