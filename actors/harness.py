@@ -191,7 +191,12 @@ async def gateway_socket(sandbox: Sandbox) -> tuple[Path, str]:
     jail's workspace, or in the folder a docker container has bound at /rollway-gateway."""
     if sandbox.workspace_path is not None:
         host = Path(sandbox.workspace_path) / SOCKET
-        host.parent.mkdir(parents=True, exist_ok=True)
+        # The workspace holds task data: a `.rollway` that is a link would have the gateway (root)
+        # place its socket wherever the link points on the host.
+        if host.parent.is_symlink() or (host.parent.exists() and not host.parent.is_dir()):
+            raise SandboxError(f"the workspace's {host.parent.name}/ is not a plain folder (a link in the task's "
+                               "files?); rollway keeps its own files there: remove it from the task")
+        host.parent.mkdir(exist_ok=True)
         return host, SOCKET
     folder = await sandbox.gateway_dir() if hasattr(sandbox, "gateway_dir") else None
     if folder is None:

@@ -343,3 +343,32 @@ def test_harness_config_binds_its_host_folder_and_gives_containers_a_socket_fold
     docker = RunConfig.model_validate({"agent": {"harness": {"command": ["x"]}}, "sandbox": {"type": "docker"}})
     assert docker.sandbox.gateway_root == "/tmp/rollway-gateway"
     assert RunConfig.model_validate({"sandbox": {"type": "docker"}}).sandbox.gateway_root is None
+
+
+def test_a_task_whose_rollway_folder_is_a_link_gets_no_gateway_socket_outside_its_workspace(tmp_path):
+    """Task files are data: a `.rollway` link in the task's folder must not make the gateway (root)
+    bind its socket where the link points on the host."""
+    import asyncio
+
+    from rollway.actors.harness import gateway_socket
+    from rollway.sandboxes.base import SandboxError, SandboxSpec
+    from rollway.sandboxes.config import LocalSandboxConfig
+    from rollway.sandboxes.local import LocalSandboxProvider
+
+    source, outside = tmp_path / "task", tmp_path / "outside"
+    source.mkdir()
+    outside.mkdir()
+    (source / "numbers.txt").write_text("1 2\n")
+    (source / ".rollway").symlink_to(outside)
+    provider = LocalSandboxProvider(LocalSandboxConfig(root=str(tmp_path / "boxes")))
+
+    async def scenario() -> None:
+        sandbox = await provider.create(SandboxSpec(source_dir=str(source)), "harness-link-1")
+        try:
+            with pytest.raises(SandboxError, match="not a plain folder"):
+                await gateway_socket(sandbox)
+        finally:
+            await sandbox.destroy()
+
+    asyncio.run(scenario())
+    assert list(outside.iterdir()) == []
