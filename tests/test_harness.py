@@ -62,6 +62,8 @@ def test_agent_program_fixes_toy_tasks_and_its_tokens_are_what_the_engine_sample
     assert out.returncode == 0, out.stderr[-3000:]
     assert summary["episodes_completed"] == 2 and summary["episodes_failed"] == 0
     assert len(trajs) == 2
+    # The same learner stage as built-in episodes received them (it trains only with a trainable policy).
+    assert json.loads((tmp_path / "run" / "learner-status.json").read_text())["episodes_received"] == 2
     chat = build_chat_format(ScriptedPolicyConfig(script=FIX))
     for t in trajs:
         assert t["resolved"] and t["reward"] == 1.0, t["grade"]
