@@ -117,7 +117,7 @@ def test_a_program_that_never_exits_stops_at_the_time_limit(tmp_path):
 
 
 def test_a_silent_program_stops_at_the_silence_limit(tmp_path):
-    sleeper = {"command": ["python3", "-c", "import time; time.sleep(3600)"], "time_limit_s": 600,
+    sleeper = {"command": ["python3", "-c", "import time; time.sleep(3600)"], "time_limit_s": 200,
                "silence_limit_s": 2}
     out, summary, trajs = up(tmp_path, NON_FIX, sleeper)
     assert out.returncode == 0, out.stderr[-3000:]
