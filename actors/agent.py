@@ -4,6 +4,7 @@ the log, drops duplicates, claims each turn in its sandbox, emits the next turn 
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
@@ -40,6 +41,9 @@ class AgentActor(Actor):
         self.final_wave = False
         """Set by the first final-wave message this worker sees: the run is draining."""
         self._turns: TurnRunner | None = None
+        self._harness = None
+        """The harness runner and its gateway (actors/harness.py), started by the first harness episode."""
+        self._harness_lock = asyncio.Lock()
 
     @property
     def turns(self) -> TurnRunner:
@@ -56,6 +60,8 @@ class AgentActor(Actor):
         state = await self._state_for(msg, meta)
         if state is None:
             return []  # duplicate delivery of a turn that was already run
+        if self.cfg.harness is not None:
+            return await self._harness_episode(state)
         record, stop_reason = await self.turns.run(state, lambda turn: self._sandbox_for_turn(state, turn),
                                                    lambda: self._rank(msg.turn))
         state.apply(record, observation_messages(record))
@@ -181,6 +187,38 @@ class AgentActor(Actor):
                                "ran its tool calls once (a crash or rebalance before its produce); the sandbox was "
                                "destroyed and the attempt fails so the scheduler re-issues it in a fresh sandbox")
         return sandbox
+
+    # -- harness episodes (actors/harness.py) -----------------------------------------------
+    async def _harness_episode(self, state: EpisodeState) -> list[Output]:
+        """Turn 0 of a harness episode is the whole episode: the program runs to its end or a limit."""
+        from rollway.actors.agent_time import agent_deadline
+
+        f = state.first
+        task = self.s.taskset.get(f.task_id)
+        runner = await self._harness_runner()
+        sandbox = await self._sandbox_for_turn(state, 0)  # claimed: a redelivery never starts it twice
+        outcome = await runner.play(f.episode, task.prompt, sandbox, list(f.prompt_ids or []),
+                                    agent_deadline(task.metadata, f.ready_at))
+        self.cache.pop((f.episode_id, f.attempt), None)
+        request = RewardRequest(episode=f.episode, sandbox=f.sandbox, prompt_ids=outcome.prompt_ids,
+                                messages=outcome.messages or list(f.messages or []), turns=outcome.turns,
+                                stop_reason=outcome.stop_reason, deadline=f.deadline)
+        return [Output(REWARD_REQUESTS, f.episode_id, request)]
+
+    async def _harness_runner(self):
+        """This worker's gateway (one per process, in front of its inference client), started on first use."""
+        async with self._harness_lock:
+            if self._harness is None:
+                from rollway.actors.harness import start_harness_runner
+
+                bootstrap = getattr(self.read_log, "bootstrap", None) or self.s.cfg.broker.bootstrap
+                self._harness = await start_harness_runner(self.s, bootstrap)
+            return self._harness
+
+    async def close(self) -> None:
+        if self._harness is not None:
+            await self._harness.close()
+            self._harness = None
 
     # -- outputs ----------------------------------------------------------------------------
     def _next_step(self, state: EpisodeState) -> AgentStep:

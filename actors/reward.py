@@ -31,7 +31,7 @@ def assemble(req: RewardRequest) -> dict:
     (TokenStream: the same code that built the agent's prompts)."""
     stream = TokenStream.of(req.prompt_ids, req.turns, req.episode_id)
     return {"token_ids": stream.token_ids, "loss_mask": stream.loss_mask, "logprobs": stream.logprobs,
-            "turn_spans": stream.turn_spans}
+            "turn_spans": stream.turn_spans, "segment_starts": stream.segment_starts}
 
 
 class RewardActor(Actor):

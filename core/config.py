@@ -21,11 +21,12 @@ from rollway.base.redaction import URL_USERINFO, mask_url_credentials
 from rollway.base.registry import validate_section
 from rollway.envs.config import TasksConfig, ToyTasksConfig
 from rollway.envs.factory import TASK_SETS
+from rollway.gateway.config import HarnessConfig
 from rollway.learning.config import LearnerConfig
 from rollway.learning.registries import LEARNERS
 from rollway.policies.config import PolicyConfig, ScriptedPolicyConfig
 from rollway.policies.factory import POLICIES
-from rollway.sandboxes.config import LocalSandboxConfig, SandboxConfig
+from rollway.sandboxes.config import DockerSandboxConfig, LocalSandboxConfig, SandboxConfig
 from rollway.sandboxes.factory import SANDBOXES
 from rollway.tools.config import HintsConfig, ToolsConfig
 from rollway.topics.topology import STAGE_NAMES
@@ -109,6 +110,9 @@ class AgentConfig(StageConfig):
     """Nucleus sampling."""
     system_prompt: str | None = None
     """Overrides the task set's system prompt."""
+    harness: HarnessConfig | None = None
+    """An external agent program plays each episode instead of the built-in loop (docs/harness.md);
+    None: the built-in loop."""
 
 
 class RewardConfig(StageConfig):
@@ -215,6 +219,26 @@ class RunConfig(StrictModel):
         from rollway.tools.registry import check_tool_settings
 
         check_tool_settings(self.tools)
+        return self
+
+    @model_validator(mode="after")
+    def _harness_install_reachable(self) -> RunConfig:
+        """A harness installed in a host folder is bound read-only into every local jail; docker
+        containers get a host folder for the gateway's socket."""
+        harness = self.agent.harness
+        if harness is not None and harness.time_limit_s >= self.scheduler.episode_deadline_s:
+            raise ValueError(f"agent.harness.time_limit_s={harness.time_limit_s:g} must be under "
+                             f"scheduler.episode_deadline_s={self.scheduler.episode_deadline_s:g} (with time left to "
+                             "grade), or the scheduler re-issues episodes whose program is still running")
+        if harness is not None and isinstance(self.sandbox, DockerSandboxConfig) and not self.sandbox.gateway_root:
+            self.sandbox.gateway_root = "/tmp/rollway-gateway"
+        if harness is None or harness.install.type != "host_dir":
+            return self
+        if not isinstance(self.sandbox, LocalSandboxConfig):
+            raise ValueError(f"agent.harness.install.type=host_dir needs sandbox.type=local (got {self.sandbox.type}); "
+                             "with docker, bake the program into the task image and use install.type=image")
+        if harness.install.path not in self.sandbox.ro_binds:
+            self.sandbox.ro_binds = [*self.sandbox.ro_binds, harness.install.path]
         return self
 
     @model_validator(mode="after")

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,6 +103,16 @@ class Gateway:
     @property
     def url(self) -> str:
         return f"http://{self.public_host}:{self.port}"
+
+    async def listen_unix(self, path: str) -> web.UnixSite:
+        """Also serve on the unix socket `path` (made writable by anyone who can reach its folder: a
+        sandbox without network reaches the gateway through a socket bound into it). Stop the returned
+        site when the episode that uses it ends."""
+        if self._runner is None:
+            raise RuntimeError("start the gateway before adding a unix socket listener")
+        site = web.SockSite(self._runner, _bound_unix_socket(path))
+        await site.start()
+        return site
 
     async def stop(self) -> None:
         if self._runner is not None:
@@ -297,6 +309,22 @@ class Gateway:
             # The call is already recorded; a program that left mid-stream retries or ends.
             log.info("client left mid-stream", call=call_id)
         return response
+
+
+def _bound_unix_socket(path: str) -> socket.socket:
+    """A unix socket bound at `path`, however long: bound through /proc/self/fd of its folder, since
+    a socket address holds at most 107 bytes (a sandbox's workspace path can be longer)."""
+    folder = os.open(os.path.dirname(path) or ".", os.O_PATH | os.O_DIRECTORY)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(f"/proc/self/fd/{folder}/{os.path.basename(path)}")
+        os.chmod(path, 0o666)  # the sandbox's user is not the gateway's
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        os.close(folder)
+    return sock
 
 
 def _check_storable(plan: Plan) -> None:

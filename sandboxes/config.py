@@ -106,6 +106,10 @@ class DockerSandboxConfig(SandboxConfig):
     """Started containers each provider (the init stage's) keeps ready per image, so
     an episode's sandbox skips the container start; 0 = none. Idle ones are removed when the stage
     stops (`rollway-pool-*` containers left by a killed worker can be removed by hand)."""
+    gateway_root: str | None = None
+    """Host folder under which each container gets its own subfolder, bound read-only at
+    /rollway-gateway: harness episodes (agent.harness) reach the gateway's unix socket there, the
+    container's only way out. None: no such folder (set by agent.harness when unset)."""
 
 
 class SimSandboxConfig(SandboxConfig):

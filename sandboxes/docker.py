@@ -6,6 +6,7 @@ import asyncio
 import io
 import os
 import posixpath
+import shutil
 import socket
 import struct
 import tarfile
@@ -37,6 +38,8 @@ USER = "65534:65534"
 KEEPER = "65533:65533"
 """The container's own process (`sleep infinity`) and the snapshot's git run as this second
 unprivileged user: an agent command that kills every process it may signal cannot stop the container."""
+GATEWAY_DIR = "/rollway-gateway"
+"""Where a container sees its host folder under `sandbox.gateway_root` (read-only)."""
 LABEL = "rollway.sandbox"
 POOL_OWNER_LABEL = "rollway.pool-owner"
 """On warm-pool containers: `HOST:PID` of the process that started them, so another provider on
@@ -129,6 +132,12 @@ class DockerSandbox(Sandbox):
     @property
     def handle(self) -> dict[str, Any]:
         return {"kind": "docker", "container": self.container_id, "name": self.name}
+
+    async def gateway_dir(self) -> str | None:
+        """The host folder bound at GATEWAY_DIR in this container (None: none was bound)."""
+        with engine_errors("inspect", self.name):
+            info = await asyncio.to_thread(self._provider.client.api.inspect_container, self.container_id)
+        return next((m["Source"] for m in info.get("Mounts", []) if m.get("Destination") == GATEWAY_DIR), None)
 
     async def exec(self, command: str, timeout_s: float | None = None) -> ExecResult:
         limits = JailLimits.from_config(self._provider.config, timeout_s)
@@ -376,7 +385,8 @@ class DockerSandboxProvider(SandboxProvider):
                 {"Name": "fsize", "Soft": cfg.max_file_mb * 2**20, "Hard": cfg.max_file_mb * 2**20},
                 {"Name": "core", "Soft": 0, "Hard": 0},
             ],  # fmt: skip
-            "volumes": {f"rollway-{name}": {"bind": WORKSPACE, "mode": "rw"}},
+            "volumes": {f"rollway-{name}": {"bind": WORKSPACE, "mode": "rw"},
+                        **({self.gateway_folder(name): {"bind": GATEWAY_DIR, "mode": "ro"}} if cfg.gateway_root else {})},
             "tmpfs": {
                 "/tmp": f"rw,exec,size={cfg.tmp_mb}m,mode=1777",
                 STATE: f"rw,size=256m,mode=0700,uid={keeper_uid},gid={keeper_uid}",
@@ -384,6 +394,13 @@ class DockerSandboxProvider(SandboxProvider):
             "environment": {"HOME": "/tmp", **cfg.env},
             "labels": labels,
         }
+
+    def gateway_folder(self, name: str) -> str:
+        """The host folder bound at GATEWAY_DIR in sandbox `name`'s container (made here, root-owned,
+        readable by the container's users)."""
+        folder = os.path.join(self.config.gateway_root or "", name)
+        os.makedirs(folder, mode=0o755, exist_ok=True)
+        return folder
 
     def _require_image(self, image: str) -> None:
         """Refuse early, and without trying to pull, when the engine lacks the image."""
@@ -527,6 +544,8 @@ class DockerSandboxProvider(SandboxProvider):
             except SandboxError as exc:
                 if not _is_not_found(exc.__cause__ or exc):
                     raise
+        if self.config.gateway_root:
+            shutil.rmtree(os.path.join(self.config.gateway_root, name), ignore_errors=True)
 
     async def check(self) -> dict[str, Any]:
         """Engine reachable, then the containment suite run against a throwaway container."""

@@ -124,6 +124,13 @@ class TurnRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The episode's state store after this turn when the turn changed it (None: unchanged). The store
     of turn k is the last non-None `state` of turns 0..k, so a worker rebuilding the episode from the
     log restores it."""
+    segment_prompt_ids: list[int] | None = None
+    """Harness episodes (an external program through the gateway): this turn's model call did not
+    extend the previous one's context (the program rewrote its history), so it opens a new token
+    stream: the full prompt the engine saw, placed before `completion_ids` (loss mask 0); the previous
+    turn's `observation_ids` are then empty. None: the turn continues the current stream."""
+    segment_reason: str | None = None
+    """Why the segment opened (history_rewritten, system_changed, tools_changed, prompt_changed)."""
 
 
 class AgentStep(EpisodeMessage, kw_only=True):
@@ -201,6 +208,10 @@ class Trajectory(EpisodeMessage, kw_only=True):
     created_at: float = 0.0
     """When the reward actor graded it (unix seconds). Stage times are telemetry (runtime/telemetry.py);
     each turn's generation and tool times are on `turns` (the agent needs them)."""
+    segment_starts: list[int] = []
+    """Harness episodes whose program rewrote its history: the offset in `token_ids` where each token
+    stream after the first begins (its prompt). Tokens of a segment were seen by the model only with
+    the tokens from its own start, not with earlier segments. Empty: one stream."""
 
 
 class EpisodeFailure(EpisodeMessage, kw_only=True):

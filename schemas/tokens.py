@@ -22,6 +22,8 @@ class TokenStream:
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
     turn_spans: list[tuple[int, int]] = field(default_factory=list)
+    segment_starts: list[int] = field(default_factory=list)
+    """Where each later segment (a turn with `segment_prompt_ids`) begins."""
 
     @classmethod
     def start(cls, prompt_ids: list[int]) -> TokenStream:
@@ -32,6 +34,11 @@ class TokenStream:
         if len(record.logprobs) != len(record.completion_ids):
             raise ValueError(f"episode {episode_id} turn {record.turn}: {len(record.logprobs)} logprobs for "
                              f"{len(record.completion_ids)} tokens")
+        if record.segment_prompt_ids is not None:  # a harness call that opened a new stream
+            self.segment_starts.append(len(self.token_ids))
+            self.token_ids += record.segment_prompt_ids
+            self.loss_mask += [0] * len(record.segment_prompt_ids)
+            self.logprobs += [None] * len(record.segment_prompt_ids)
         start = len(self.token_ids)
         self.token_ids += record.completion_ids
         self.loss_mask += [1] * len(record.completion_ids)

@@ -93,11 +93,11 @@ LAYERS = (
     ("schemas", "base"),
     ("topics",),
     ("runtime",),
-    ("sandboxes", "tools", "envs", "policies", "learning"),
+    ("sandboxes", "tools", "envs", "policies", "learning", "gateway"),
     ("core",),
     ("actors",),
     ("runners",),
-    ("bench", "gateway"),
+    ("bench",),
 )
 """Bottom to top: messages and the lowest helpers; the topics and the topology; the stream runtime; the
 domain packages; the config root (core); the actors; processes and the CLI; benchmarks. A package

@@ -1,0 +1,257 @@
+"""Harness episodes: an external agent program plays the whole episode inside its sandbox, talking to
+the worker's gateway; its captured calls become the episode's turns (one TurnRecord per call), which
+the reward stage grades and assembles exactly as for built-in episodes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shlex
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from rollway.gateway.config import INSTRUCTION_FILE, HarnessConfig
+from rollway.gateway.recorder import CallRecorder
+from rollway.gateway.server import EpisodeHandle, Gateway
+from rollway.gateway.trajectory import Segment, rebuild_segments
+from rollway.sandboxes.base import Sandbox, SandboxError
+from rollway.schemas.messages import CapturedCall, EpisodeKey, TurnRecord
+
+log = structlog.get_logger()
+
+SOCKET = ".rollway/gateway.sock"
+"""The gateway's unix socket, relative to the workspace (the jail's working folder): the only way out
+of a sandbox without network. `.rollway/` is left out of the diff that is graded."""
+
+OUTPUT_TAIL = 2000
+"""Characters of the program's output quoted in a crash's reason."""
+
+# Run by the sandbox's own python: listen on the sandbox's loopback, forward each connection to the
+# gateway's socket, run the program with OPENAI_BASE_URL pointing there, exit with its exit code.
+LAUNCHER = r"""
+import json, os, socket, subprocess, sys, threading
+c = json.loads(sys.argv[1])
+srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(64)
+def pipe(a, b):
+    try:
+        while data := a.recv(65536):
+            b.sendall(data)
+        b.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+def serve():
+    while True:
+        client, _ = srv.accept()
+        up = socket.socket(socket.AF_UNIX)
+        try:
+            up.connect(c["socket"])
+        except OSError:
+            client.close(); continue
+        for a, b in ((client, up), (up, client)):
+            threading.Thread(target=pipe, args=(a, b), daemon=True).start()
+threading.Thread(target=serve, daemon=True).start()
+env = {**os.environ, **c["env"], "OPENAI_BASE_URL": "http://127.0.0.1:%d/v1" % srv.getsockname()[1]}
+if c["instruction_file"]:
+    with open(c["instruction_file"], "w") as f:
+        f.write(c["instruction"])
+proc = subprocess.Popen(c["argv"], env=env, stdin=subprocess.PIPE if c["stdin"] else subprocess.DEVNULL)
+if c["stdin"]:
+    try:
+        proc.stdin.write(c["instruction"].encode()); proc.stdin.close()
+    except BrokenPipeError:
+        pass
+code = proc.wait()
+sys.stdout.flush()
+os._exit(code if code >= 0 else 128 - code)
+"""
+
+
+class HarnessCrashed(RuntimeError):
+    """The program exited non-zero on its own: the attempt fails (and is retried by the pipeline's rules)."""
+
+
+@dataclass
+class HarnessOutcome:
+    """What the agent stage emits for a harness episode (as a RewardRequest)."""
+
+    prompt_ids: list[int]
+    messages: list[dict[str, Any]]
+    turns: list[TurnRecord]
+    stop_reason: str
+
+
+class KeepingRecorder(CallRecorder):
+    """Writes each call through `inner` (the log) and, once acknowledged, keeps it in memory by
+    episode, so the driver rebuilds the episode from exactly what the log acknowledged."""
+
+    def __init__(self, inner: CallRecorder) -> None:
+        self.inner = inner
+        self.kept: dict[str, list[CapturedCall]] = {}
+
+    async def record(self, call: CapturedCall) -> None:
+        await self.inner.record(call)
+        self.kept.setdefault(call.episode_id, []).append(call)
+
+    def take(self, episode_id: str) -> list[CapturedCall]:
+        return self.kept.pop(episode_id, [])
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+class HarnessRunner:
+    """Plays harness episodes on one worker's gateway (started once per worker process)."""
+
+    def __init__(self, cfg: HarnessConfig, gateway: Gateway, recorder: KeepingRecorder) -> None:
+        self.cfg, self.gateway, self.recorder = cfg, gateway, recorder
+
+    async def close(self) -> None:
+        await self.gateway.stop()
+        await self.recorder.close()
+
+    async def play(self, episode: EpisodeKey, instruction: str, sandbox: Sandbox, fallback_prompt: list[int],
+                   deadline: float | None = None) -> HarnessOutcome:
+        """Run the program to its end or a limit in `sandbox`; the episode's turns from its calls.
+        `deadline`: the task's own end of agent time (unix seconds), when it has one."""
+        host_socket, sandbox_socket = await gateway_socket(sandbox)
+        handle = self.gateway.open_episode(episode, self.cfg.max_calls)
+        host_socket.unlink(missing_ok=True)
+        site = await self.gateway.listen_unix(str(host_socket))
+        try:
+            stop_reason = await self._run(handle, instruction, sandbox, sandbox_socket, deadline)
+        finally:
+            await self.gateway.close_episode(handle)
+            await site.stop()
+            host_socket.unlink(missing_ok=True)
+        calls = self.recorder.take(episode.episode_id)
+        log.info("harness episode ended", episode_id=episode.episode_id, stop_reason=stop_reason, calls=len(calls))
+        return outcome_of(calls, stop_reason, fallback_prompt)
+
+    async def _run(self, handle: EpisodeHandle, instruction: str, sandbox: Sandbox, socket: str,
+                   deadline: float | None) -> str:
+        limit = self.cfg.time_limit_s
+        if deadline is not None:
+            limit = max(0.001, min(limit, deadline - time.time()))
+        run = asyncio.create_task(sandbox.exec(self._command(handle, instruction, socket), timeout_s=limit))
+        try:
+            stop_reason = await self._watch(handle, run)
+        finally:
+            if not run.done():
+                await _stop(run, sandbox)
+        if stop_reason is not None:
+            return stop_reason
+        result = run.result()
+        if handle.stop_reason == "call_limit":
+            return "harness_call_limit"  # the refused call may have made the program exit non-zero
+        if result.timed_out:
+            return "harness_time_limit"
+        if result.exit_code != 0:
+            raise HarnessCrashed(f"episode {handle.episode.episode_id}: the harness program exited with code "
+                                 f"{result.exit_code}; its output ends:\n{result.output[-OUTPUT_TAIL:]}")
+        return "harness_exit"
+
+    async def _watch(self, handle: EpisodeHandle, run: asyncio.Task) -> str | None:
+        """Wait for the program; a stop reason when a limit ends it first (None: it exited)."""
+        while not run.done():
+            since = handle.last_call_at or handle.opened_at
+            silent_for = time.monotonic() - since
+            if silent_for >= self.cfg.silence_limit_s:
+                return "harness_silence"
+            if handle.stop_reason == "call_limit":
+                return "harness_call_limit"
+            # The call limit is noticed within this poll; the silence limit exactly when due.
+            await asyncio.wait({run}, timeout=min(0.2, self.cfg.silence_limit_s - silent_for))
+        return None
+
+    def _command(self, handle: EpisodeHandle, instruction: str, socket: str) -> str:
+        cfg = self.cfg
+        spec = {"socket": socket, "argv": cfg.argv(instruction), "instruction": instruction,
+                "env": {**cfg.env, "OPENAI_API_KEY": handle.api_key, "OPENAI_MODEL": self.gateway.model_name},
+                "stdin": cfg.stdin_instruction,
+                "instruction_file": INSTRUCTION_FILE if any("{instruction_file}" in a for a in cfg.command) else None}
+        return f"python3 -c {shlex.quote(LAUNCHER)} {shlex.quote(json.dumps(spec))}"
+
+
+async def _stop(run: asyncio.Task, sandbox: Sandbox) -> None:
+    """End the program before its time: cancelling a local jail's command kills its process group
+    (and pid namespace); a container's command runs on in the engine, so every process of the
+    sandbox user is killed there too."""
+    run.cancel()
+    if sandbox.workspace_path is None:
+        await sandbox.exec("kill -9 -1 2>/dev/null; true", timeout_s=10)
+    await asyncio.gather(run, return_exceptions=True)
+
+
+async def gateway_socket(sandbox: Sandbox) -> tuple[Path, str]:
+    """(host path, path inside the sandbox) of the gateway socket for this sandbox: in the local
+    jail's workspace, or in the folder a docker container has bound at /rollway-gateway."""
+    if sandbox.workspace_path is not None:
+        host = Path(sandbox.workspace_path) / SOCKET
+        # The workspace holds task data: a `.rollway` that is a link would have the gateway (root)
+        # place its socket wherever the link points on the host.
+        if host.parent.is_symlink() or (host.parent.exists() and not host.parent.is_dir()):
+            raise SandboxError(f"the workspace's {host.parent.name}/ is not a plain folder (a link in the task's "
+                               "files?); rollway keeps its own files there: remove it from the task")
+        host.parent.mkdir(exist_ok=True)
+        return host, SOCKET
+    folder = await sandbox.gateway_dir() if hasattr(sandbox, "gateway_dir") else None
+    if folder is None:
+        raise SandboxError("harness episodes need a way out to the gateway: a local jail, or a docker container "
+                           "started with sandbox.gateway_root set (agent.harness sets it; a sandbox created "
+                           "before that, or another sandbox type, has none)")
+    from rollway.sandboxes.docker import GATEWAY_DIR
+
+    return Path(folder) / "gateway.sock", f"{GATEWAY_DIR}/gateway.sock"
+
+
+def outcome_of(calls: list[CapturedCall], stop_reason: str, fallback_prompt: list[int]) -> HarnessOutcome:
+    """The episode's turns from its captured calls: one TurnRecord per kept call; observation ids are
+    the tokens the next call of the same segment added; a call that opened a later segment carries
+    that segment's prompt (`segment_prompt_ids`). No calls: one empty turn on `fallback_prompt`."""
+    if not calls:
+        empty = TurnRecord(turn=0, completion_ids=[], logprobs=[], policy_version=0, finish_reason=stop_reason,
+                           assistant_text="")
+        return HarnessOutcome(list(fallback_prompt), [], [empty], stop_reason)
+    by_index = {c.call_index: c for c in calls}
+    segments = rebuild_segments(calls)
+    turns: list[TurnRecord] = []
+    for segment in segments:
+        turns += _segment_turns(segment, by_index, first_turn=len(turns), opens=segment.index > 0)
+    first = segments[0]
+    messages = list(by_index[first.call_indices[0]].new_messages)
+    return HarnessOutcome(first.token_ids[: first.turn_spans[0][0]], messages, turns, stop_reason)
+
+
+def _segment_turns(segment: Segment, by_index: dict[int, CapturedCall], first_turn: int, opens: bool) -> list[TurnRecord]:
+    ids, spans = segment.token_ids, segment.turn_spans
+    turns = []
+    for k, (start, end) in enumerate(spans):
+        call = by_index[segment.call_indices[k]]
+        nxt = spans[k + 1][0] if k + 1 < len(spans) else len(ids)
+        turns.append(TurnRecord(
+            turn=first_turn + k, completion_ids=ids[start:end], logprobs=[float(x) for x in segment.logprobs[start:end]],
+            policy_version=segment.turn_policy_versions[k], finish_reason=call.finish_reason,
+            assistant_text=call.raw_text, observation_ids=ids[end:nxt], template_drift=call.template_drift,
+            segment_prompt_ids=ids[:start] if opens and k == 0 else None,
+            segment_reason=segment.reason if opens and k == 0 else None))
+    return turns
+
+
+async def start_harness_runner(services: Any, bootstrap: str | None) -> HarnessRunner:
+    """A gateway in front of the worker's inference client, recording to the run's gateway-calls topic."""
+    from rollway.base.config import ConfigError
+    from rollway.gateway.recorder import KafkaRecorder
+
+    cfg = services.cfg
+    if not bootstrap:
+        raise ConfigError("agent.harness needs the broker's address to record the program's calls: run the agent "
+                          "stage with a log reader (rollway up / rollway stage) or set broker.bootstrap")
+    recorder = KeepingRecorder(await KafkaRecorder.connect(cfg.broker, cfg.topics, bootstrap))
+    gateway = Gateway(services.inference, services.chat, recorder, model_name=cfg.agent.harness.model_name,
+                      default_max_tokens=cfg.agent.max_tokens_per_turn)
+    await gateway.start()
+    return HarnessRunner(cfg.agent.harness, gateway, recorder)

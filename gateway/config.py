@@ -1,0 +1,79 @@
+"""The `agent.harness` section: an external agent program plays each episode inside its sandbox,
+talking to the gateway, instead of rollway's built-in loop (off when absent)."""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from rollway.base.config import StrictModel
+
+INSTRUCTION_FILE = "/tmp/rollway-instruction.txt"
+"""Where the program finds the task's instruction inside the sandbox (`{instruction_file}`)."""
+PLACEHOLDERS = ("{instruction}", "{instruction_file}")
+
+
+class HarnessInstall(StrictModel):
+    """How the program gets into the sandbox."""
+
+    type: Literal["image", "host_dir"] = "image"
+    """`image`: already in the task image (or on the jail's PATH: /usr, the configured python).
+    `host_dir`: the host folder `path`, bound read-only into the local jail at the same path."""
+    path: str | None = None
+    """The host folder of `host_dir` (absolute; the program's files and, say, its virtualenv)."""
+
+    @model_validator(mode="after")
+    def _path_for_host_dir(self) -> HarnessInstall:
+        if self.type == "host_dir":
+            if not self.path or not os.path.isabs(self.path):
+                raise ValueError("agent.harness.install.path must be an absolute host folder with install.type=host_dir")
+            if not os.path.isdir(self.path):
+                raise ValueError(f"agent.harness.install.path={self.path!r} is not a folder on this host")
+        elif self.path is not None:
+            raise ValueError("agent.harness.install.path is only read with install.type=host_dir")
+        return self
+
+
+class HarnessConfig(StrictModel):
+    """An agent program run once per episode in the episode's sandbox (docs/harness.md). Its model
+    calls go to the worker's gateway (OPENAI_BASE_URL, OPENAI_API_KEY are set); the episode ends when
+    it exits or at a limit, and the reward stage grades the sandbox as for built-in episodes."""
+
+    command: list[str] = Field(min_length=1)
+    """The program's argv. `{instruction}` in an argument becomes the task's instruction,
+    `{instruction_file}` a file inside the sandbox holding it; with neither, the instruction is the
+    program's stdin."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Extra environment of the program (rollway's OPENAI_* variables win over these)."""
+    install: HarnessInstall = Field(default_factory=HarnessInstall)
+    """How the program is installed: in the task image, or a host folder bound read-only."""
+    time_limit_s: float = Field(240.0, gt=0)
+    """Wall time of the program; then it is killed and the episode ends with `harness_time_limit`
+    (a task's own agent time, when shorter, wins). Must stay under `scheduler.episode_deadline_s`,
+    leaving time to grade, or the scheduler re-issues episodes whose program is still running."""
+    max_calls: int = Field(50, ge=1)
+    """Model calls per episode; the next one is refused and the episode ends with `harness_call_limit`."""
+    silence_limit_s: float = Field(120.0, gt=0)
+    """Time without a model call (from the start) after which the program is killed and the episode
+    ends with `harness_silence`."""
+    model_name: str = "rollway-policy"
+    """The model name the gateway serves (OPENAI_MODEL)."""
+
+    @field_validator("command")
+    @classmethod
+    def _command_not_blank(cls, value: list[str]) -> list[str]:
+        if not value[0].strip():
+            raise ValueError("agent.harness.command[0] must name the program to run")
+        return value
+
+    @property
+    def stdin_instruction(self) -> bool:
+        """True when no argument names the instruction: the program reads it on stdin."""
+        return not any(p in arg for arg in self.command for p in PLACEHOLDERS)
+
+    def argv(self, instruction: str) -> list[str]:
+        """The command with its placeholders filled."""
+        return [a.replace("{instruction_file}", INSTRUCTION_FILE).replace("{instruction}", instruction)
+                for a in self.command]

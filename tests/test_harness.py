@@ -1,0 +1,376 @@
+"""Harness episodes end to end: `rollway up` with an external agent program (examples/agent_program.py
+and tiny programs) playing toy tasks inside the local jail, through the worker's gateway. Real broker,
+real bubblewrap jail, real gateway; the scripted policy is the only fake (it is the model)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import ROOT
+
+pytestmark = pytest.mark.e2e
+ROLLWAY = [sys.executable, "-m", "rollway.runners"]
+
+SHELL_CALL = '<tool_call>{{"name": "shell", "arguments": {{"command": "{}"}}}}</tool_call>'
+FIX = [  # the first two calls extend one stream; then agent_program.py compacts its history
+    {"when": "Summary:", "turns": ["unused", "The sum is in answer.txt."]},
+    {"when": "", "turns": [SHELL_CALL.format("cat numbers.txt"),
+                           SHELL_CALL.format("awk '{print $1 + $2}' numbers.txt > answer.txt")]},
+]
+NON_FIX = [{"when": "", "turns": ["I cannot do this."]}]
+
+
+def harness_job(tmp_path, script: list[dict], harness: dict, **agent) -> dict:
+    job = {
+        "run": {"name": "harness", "timeout_s": 240},
+        "tasks": {"type": "toy", "count": 2},
+        "scheduler": {"group_size": 1, "max_inflight_episodes": 2, "episode_deadline_s": 300, "max_attempts": 2},
+        "agent": {"concurrency": 2, "harness": harness, **agent},
+        "policy": {"type": "scripted", "chat_format": "bytes-chatml", "script": script},
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return job
+
+
+def up(tmp_path, script: list[dict], harness: dict) -> tuple[subprocess.CompletedProcess, dict, list[dict]]:
+    harness_job(tmp_path, script, harness)
+    run_dir = tmp_path / "run"
+    out = subprocess.run([*ROLLWAY, "up", str(tmp_path / "job.yaml"), "--run-dir", str(run_dir)],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    trajs_file = run_dir / "trajectories.jsonl"
+    trajs = [json.loads(line) for line in trajs_file.read_text().splitlines()] if trajs_file.exists() else []
+    return out, summary, trajs
+
+
+AGENT_PROGRAM = {"command": ["python3", f"{ROOT}/examples/agent_program.py", "{instruction}"],
+                 "install": {"type": "host_dir", "path": str(ROOT / "examples")}}
+
+
+def test_agent_program_fixes_toy_tasks_and_its_tokens_are_what_the_engine_sampled(tmp_path):
+    from rollway.policies.config import ScriptedPolicyConfig
+    from rollway.policies.factory import build_chat_format
+    from rollway.policies.scripted import SCRIPTED_LOGPROB
+
+    out, summary, trajs = up(tmp_path, FIX, AGENT_PROGRAM)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert summary["episodes_completed"] == 2 and summary["episodes_failed"] == 0
+    assert len(trajs) == 2
+    # The same learner stage as built-in episodes received them (it trains only with a trainable policy).
+    assert json.loads((tmp_path / "run" / "learner-status.json").read_text())["episodes_received"] == 2
+    chat = build_chat_format(ScriptedPolicyConfig(script=FIX))
+    for t in trajs:
+        assert t["resolved"] and t["reward"] == 1.0, t["grade"]
+        assert t["stop_reason"] == "harness_exit"
+        # Three calls: two in the first stream, the third after the program compacted its history.
+        assert t["num_turns"] == 3 and len(t["segment_starts"]) == 1
+        assert t["turns"][2]["segment_reason"] == "history_rewritten"
+        # The scripted engine returns encode(text) + the stop token, each with SCRIPTED_LOGPROB.
+        expected = [FIX[1]["turns"][0], FIX[1]["turns"][1], FIX[0]["turns"][1]]
+        returned = [chat.encode(text) + list(chat.stop_token_ids[:1]) for text in expected]
+        assert [t["token_ids"][s:e] for s, e in t["turn_spans"]] == returned
+        assert [t["logprobs"][s:e] for s, e in t["turn_spans"]] == [[SCRIPTED_LOGPROB] * len(r) for r in returned]
+        assert [turn["completion_ids"] for turn in t["turns"]] == returned
+        assert sum(t["loss_mask"]) == sum(e - s for s, e in t["turn_spans"])
+        # The second stream is the whole prompt of the compacted call, not a suffix of the first.
+        start = t["segment_starts"][0]
+        assert "Summary:" in chat.decode(t["token_ids"][start:t["turn_spans"][2][0]])
+
+
+def test_a_program_that_gives_up_is_graded_unresolved(tmp_path):
+    out, summary, trajs = up(tmp_path, NON_FIX, AGENT_PROGRAM)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert len(trajs) == 2
+    assert all(not t["resolved"] and t["reward"] == 0.0 and t["stop_reason"] == "harness_exit" for t in trajs)
+    assert all(t["num_turns"] == 1 and t["segment_starts"] == [] for t in trajs)
+
+
+def test_a_crashing_program_fails_the_attempt_with_its_exit_code_and_output(tmp_path):
+    crash = {"command": ["python3", "-c", "import sys; print('disk on fire'); sys.exit(3)"]}
+    out, summary, trajs = up(tmp_path, NON_FIX, crash)
+    assert trajs == []
+    failures = [json.loads(line) for line in (tmp_path / "run" / "failures.jsonl").read_text().splitlines()]
+    assert failures, out.stderr[-3000:]
+    assert all("exited with code 3" in f["reason"] and "disk on fire" in f["reason"] for f in failures)
+    # Each episode: its attempt failed in the agent stage, was retried once (max_attempts=2), then given up.
+    agent = [f for f in failures if f["stage"] == "agent"]
+    assert sorted((f["episode"]["task_id"], f["episode"]["attempt"]) for f in agent) == [
+        ("toy-000", 0), ("toy-000", 1), ("toy-001", 0), ("toy-001", 1)]
+    given_up = [f for f in failures if f["stage"] == "scheduler"]
+    assert len(given_up) == 2 and not any(f["retryable"] for f in given_up)
+    assert summary["episodes_failed"] == 2
+
+
+def test_a_program_that_never_exits_stops_at_the_time_limit(tmp_path):
+    sleeper = {"command": ["python3", "-c", "import time; time.sleep(3600)"], "time_limit_s": 3,
+               "silence_limit_s": 600}
+    out, summary, trajs = up(tmp_path, NON_FIX, sleeper)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert len(trajs) == 2
+    assert all(t["stop_reason"] == "harness_time_limit" and not t["resolved"] for t in trajs)
+
+
+def test_a_silent_program_stops_at_the_silence_limit(tmp_path):
+    sleeper = {"command": ["python3", "-c", "import time; time.sleep(3600)"], "time_limit_s": 200,
+               "silence_limit_s": 2}
+    out, summary, trajs = up(tmp_path, NON_FIX, sleeper)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert all(t["stop_reason"] == "harness_silence" for t in trajs) and len(trajs) == 2
+
+
+PROBE = r"""
+import json, os, socket, sys, urllib.request
+req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/models",
+                             headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]})
+models = json.load(urllib.request.urlopen(req, timeout=10))
+reached = []
+for host in sys.argv[2:]:
+    try:
+        socket.create_connection((host, int(sys.argv[1])), timeout=5).close()
+        reached.append(host)
+    except OSError:
+        pass
+print("models", [m["id"] for m in models["data"]], "reached", reached)
+sys.exit(0 if models["data"] and not reached else 5)
+"""
+
+
+def test_the_sandbox_reaches_the_gateway_and_nothing_else(tmp_path):
+    """The program asks the gateway for its models (through the forwarder), then tries a listener this
+    test opens on every host address; it exits 5 (failing the attempt) if the gateway did not answer or
+    the listener was reached."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("0.0.0.0", 0))
+    port = listener.getsockname()[1]
+    accepted: list[object] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                accepted.append(listener.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    hosts = ["127.0.0.1", *subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()]
+    assert len(hosts) > 1, "this host has no address besides loopback to probe"
+    # The probe itself: the host can reach the listener (so a jail that could would be caught).
+    socket.create_connection((hosts[1], port), timeout=5).close()
+    try:
+        probe = {"command": ["python3", "-c", PROBE, str(port), *hosts]}
+        out, summary, trajs = up(tmp_path, NON_FIX, probe)
+    finally:
+        listener.close()
+    assert out.returncode == 0, out.stderr[-3000:]
+    failures = tmp_path / "run" / "failures.jsonl"
+    assert not failures.exists() or not failures.read_text().strip(), failures.read_text()
+    assert len(trajs) == 2 and all(t["stop_reason"] == "harness_exit" for t in trajs)
+    assert len(accepted) == 1  # only the host's own check above
+
+
+def test_a_program_past_its_call_limit_ends_with_the_call_limit(tmp_path):
+    """agent_program.py's third call is refused (409); the program then exits non-zero, which is the
+    limit's doing, not a crash."""
+    out, summary, trajs = up(tmp_path, FIX, {**AGENT_PROGRAM, "max_calls": 2})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert len(trajs) == 2
+    assert all(t["stop_reason"] == "harness_call_limit" and t["num_turns"] == 2 for t in trajs)
+
+
+@pytest.mark.parametrize("command", [
+    ["sh", "-c", "grep -q numbers.txt {instruction_file} && awk '{print $1 + $2}' numbers.txt > answer.txt"],
+    ["sh", "-c", "grep -q numbers.txt && awk '{print $1 + $2}' numbers.txt > answer.txt"],  # stdin
+], ids=["instruction_file", "stdin"])
+def test_the_instruction_reaches_the_program_by_file_or_stdin(tmp_path, command):
+    """A program that makes no model call: it solves the task only if it read the instruction."""
+    out, summary, trajs = up(tmp_path, NON_FIX, {"command": command})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert len(trajs) == 2 and all(t["resolved"] and t["stop_reason"] == "harness_exit" for t in trajs)
+
+
+MINI_VENV = Path.home() / ".cache" / "rollway" / "mini-swe-agent-2.4.6"
+MINI_ACTION = "THOUGHT: {}\n\n```mswea_bash_command\n{}\n```"
+MINI_FIX = [  # mini-swe-agent's observations are user messages: the script keys on what the prompt holds
+    {"when": "<returncode>0</returncode>", "turns": [MINI_ACTION.format("Done.", "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")]},
+    {"when": "", "turns": [MINI_ACTION.format("Add them.", "awk '{print $1 + $2}' numbers.txt > answer.txt")]},
+]
+MINI_NON_FIX = [{"when": "", "turns": [MINI_ACTION.format("Nothing to do.", "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")]}]
+
+
+def mini_harness() -> dict:
+    config = MINI_VENV / "lib" / "python3.11" / "site-packages" / "minisweagent" / "config" / "mini_textbased.yaml"
+    return {"command": [str(MINI_VENV / "bin" / "mini"), "-c", str(config), "-m", "openai/rollway-policy", "--model-class", "litellm_textbased",
+                        "-t", "{instruction}", "-y", "--exit-immediately", "-l", "0", "-o", "/tmp/mini.traj.json"],
+            "env": {"MSWEA_CONFIGURED": "true", "MSWEA_COST_TRACKING": "ignore_errors", "MSWEA_SILENT_STARTUP": "1",
+                    "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+            "install": {"type": "host_dir", "path": str(MINI_VENV)}}
+
+
+@pytest.mark.skipif(not (MINI_VENV / "bin" / "mini").exists(),
+                    reason=f"pip install mini-swe-agent==2.4.6 into a venv at {MINI_VENV} (docs/harness.md)")
+@pytest.mark.parametrize(("script", "resolved"), [(MINI_FIX, True), (MINI_NON_FIX, False)], ids=["fix", "non_fix"])
+def test_mini_swe_agent_plays_toy_tasks_in_its_text_format(tmp_path, script, resolved):
+    out, summary, trajs = up(tmp_path, script, mini_harness())
+    assert out.returncode == 0, out.stderr[-3000:]
+    failures = tmp_path / "run" / "failures.jsonl"
+    assert len(trajs) == 2, failures.read_text()[-3000:] if failures.exists() else out.stderr[-3000:]
+    assert all(t["resolved"] is resolved and t["stop_reason"] == "harness_exit" for t in trajs)
+    assert all(t["num_turns"] == (2 if resolved else 1) for t in trajs)
+
+
+def test_calls_with_retries_and_a_rewrite_become_turns_that_reassemble_each_segment_exactly():
+    """The mapping from captured calls to turns (actors/harness.py), on calls a real gateway recorded in
+    memory: retried calls count once, a rewritten history opens a segment, and the reward stage's
+    assembly of the turns gives back each segment's tokens, mask and logprobs in order."""
+    import asyncio
+
+    from test_gateway import SHELL, LoggedEngine, Program, _DictProgram, client_for, key, serve
+
+    from rollway.actors.harness import outcome_of
+    from rollway.gateway import rebuild_segments
+    from rollway.schemas.tokens import TokenStream
+
+    async def scenario():
+        engine = LoggedEngine()
+        gateway, recorder = await serve(engine)
+        handle = gateway.open_episode(key())
+        program = _DictProgram(Program(client_for(gateway, handle)))
+        try:
+            messages = [{"role": "user", "content": "What does a.txt say?"}]
+            first = await program.call(messages, [SHELL])
+            messages += [first, {"role": "tool", "tool_call_id": first["tool_calls"][0]["id"], "content": "a.txt"}]
+            await program.call(messages, [SHELL])
+            await program.call(messages, [SHELL])  # the same call again (a client timeout)
+            await program.call([{"role": "user", "content": "Summary: a.txt exists. What does it say?"}], [SHELL])
+        finally:
+            await gateway.stop()
+        return recorder.of("ep-1")
+
+    calls = asyncio.run(scenario())
+    assert [(c.retry_of, c.segment_reason) for c in calls] == [(None, "start"), (None, None), (1, None),
+                                                               (None, "history_rewritten")]
+    segments = rebuild_segments(calls)
+    outcome = outcome_of(list(reversed(calls)), "harness_exit", [])  # any order, as the log may give them
+    assert len(outcome.turns) == 3 and [t.turn for t in outcome.turns] == [0, 1, 2]
+    assert [t.segment_reason for t in outcome.turns] == [None, None, "history_rewritten"]
+    stream = TokenStream.of(outcome.prompt_ids, outcome.turns)
+    assert stream.segment_starts == [len(segments[0].token_ids)]
+    assert stream.token_ids == segments[0].token_ids + segments[1].token_ids
+    assert stream.loss_mask == segments[0].loss_mask + segments[1].loss_mask
+    assert stream.logprobs == segments[0].logprobs + segments[1].logprobs
+    assert outcome.messages == [{"role": "user", "content": "What does a.txt say?"}]
+
+
+def docker_up(tmp_path, harness: dict) -> tuple[subprocess.CompletedProcess, dict, list[dict]]:
+    from docker_engine import ensure_engine
+
+    ensure_engine()
+    job = harness_job(tmp_path, NON_FIX, harness)
+    job["sandbox"] = {"type": "docker", "image": "rollway-sandbox:bookworm",
+                      "gateway_root": str(tmp_path / "gateway")}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    run_dir = tmp_path / "run"
+    out = subprocess.run([*ROLLWAY, "up", str(tmp_path / "job.yaml"), "--run-dir", str(run_dir)],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    trajs_file = run_dir / "trajectories.jsonl"
+    trajs = [json.loads(line) for line in trajs_file.read_text().splitlines()] if trajs_file.exists() else []
+    return out, {}, trajs
+
+
+def test_in_a_docker_container_the_program_reaches_the_gateway_and_nothing_else(tmp_path):
+    """As the jail test, with the episode's sandbox a container (network none): the gateway answers
+    through the socket folder bound into it; no host address (docker's bridge included) is reached."""
+    import socket
+
+    listener = socket.create_server(("0.0.0.0", 0))
+    port = listener.getsockname()[1]
+    hosts = ["127.0.0.1", *subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()]
+    try:
+        probe = {"command": ["python3", "-c", PROBE, str(port), *hosts]}
+        out, _, trajs = docker_up(tmp_path, probe)
+    finally:
+        listener.close()
+    failures = tmp_path / "run" / "failures.jsonl"
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert len(trajs) == 2, failures.read_text()[-3000:] if failures.exists() else out.stderr[-3000:]
+    assert all(t["stop_reason"] == "harness_exit" for t in trajs)
+    assert list((tmp_path / "gateway").iterdir()) == []  # each container's socket folder went with it
+
+
+def test_in_a_docker_container_a_silent_program_is_stopped_and_the_task_graded(tmp_path):
+    """The program solves the task from its instruction file, then hangs: the silence limit ends it
+    (killed inside the container) and the grade is right."""
+    solve = {"command": ["sh", "-c", "grep -q numbers.txt {instruction_file} && "
+                                     "awk '{print $1 + $2}' numbers.txt > answer.txt && sleep 3600"],
+             "silence_limit_s": 3}
+    out, _, trajs = docker_up(tmp_path, solve)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert len(trajs) == 2 and all(t["stop_reason"] == "harness_silence" and t["resolved"] for t in trajs)
+
+
+@pytest.mark.parametrize(("harness", "sandbox", "message"), [
+    ({"command": []}, {}, "agent.harness.command"),
+    ({"command": ["  "]}, {}, r"command\[0\] must name the program"),
+    ({"command": ["x"], "install": {"type": "host_dir"}}, {}, "install.path must be an absolute host folder"),
+    ({"command": ["x"], "install": {"type": "host_dir", "path": "/no/such/folder"}}, {}, "is not a folder"),
+    ({"command": ["x"], "install": {"type": "image", "path": "/usr"}}, {}, "only read with install.type=host_dir"),
+    ({"command": ["x"], "install": {"type": "host_dir", "path": "/usr"}}, {"type": "docker"}, "needs sandbox.type=local"),
+    ({"command": ["x"], "max_calls": 0}, {}, "max_calls"),
+    ({"command": ["x"], "silence": 3}, {}, "silence"),
+    ({"command": ["x"], "time_limit_s": 300}, {}, "time_limit_s=300 must be under scheduler.episode_deadline_s=300"),
+])
+def test_bad_harness_config_is_refused_naming_what_to_fix(harness, sandbox, message):
+    from pydantic import ValidationError
+
+    from rollway.core.config import RunConfig
+
+    with pytest.raises(ValidationError, match=message):
+        RunConfig.model_validate({"agent": {"harness": harness}, "sandbox": sandbox})
+
+
+def test_harness_config_binds_its_host_folder_and_gives_containers_a_socket_folder():
+    from rollway.core.config import RunConfig
+
+    local = RunConfig.model_validate({"agent": {"harness": {"command": ["x"], "install": {
+        "type": "host_dir", "path": str(ROOT / "examples")}}}})
+    assert str(ROOT / "examples") in local.sandbox.ro_binds
+    docker = RunConfig.model_validate({"agent": {"harness": {"command": ["x"]}}, "sandbox": {"type": "docker"}})
+    assert docker.sandbox.gateway_root == "/tmp/rollway-gateway"
+    assert RunConfig.model_validate({"sandbox": {"type": "docker"}}).sandbox.gateway_root is None
+
+
+def test_a_task_whose_rollway_folder_is_a_link_gets_no_gateway_socket_outside_its_workspace(tmp_path):
+    """Task files are data: a `.rollway` link in the task's folder must not make the gateway (root)
+    bind its socket where the link points on the host."""
+    import asyncio
+
+    from rollway.actors.harness import gateway_socket
+    from rollway.sandboxes.base import SandboxError, SandboxSpec
+    from rollway.sandboxes.config import LocalSandboxConfig
+    from rollway.sandboxes.local import LocalSandboxProvider
+
+    source, outside = tmp_path / "task", tmp_path / "outside"
+    source.mkdir()
+    outside.mkdir()
+    (source / "numbers.txt").write_text("1 2\n")
+    (source / ".rollway").symlink_to(outside)
+    provider = LocalSandboxProvider(LocalSandboxConfig(root=str(tmp_path / "boxes")))
+
+    async def scenario() -> None:
+        sandbox = await provider.create(SandboxSpec(source_dir=str(source)), "harness-link-1")
+        try:
+            with pytest.raises(SandboxError, match="not a plain folder"):
+                await gateway_socket(sandbox)
+        finally:
+            await sandbox.destroy()
+
+    asyncio.run(scenario())
+    assert list(outside.iterdir()) == []
