@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from rollway.base.process import Child
 from rollway.base.run_dir import fresh_run_folder
 
 
@@ -25,17 +26,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _rollway(*args: str, stop_grace_s: float = 60.0) -> None:
     cmd = [sys.executable, "-m", "rollway.runners", *args]
     print(f"rollway bench learn: {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
-    child = subprocess.Popen(cmd)
+    # Not its own process group: a terminal's Ctrl-C reaches the phase as it reaches this process.
+    child = Child(cmd, name="rollway " + args[0], own_group=False).start()
     try:
         code = child.wait()
     except BaseException:
-        # Stopped (SIGTERM, Ctrl-C): let the phase stop its stage workers and engine itself.
-        # (subprocess.run would SIGKILL it, leaving everything it started running.)
-        child.terminate()
-        try:
-            child.wait(stop_grace_s)
-        except subprocess.TimeoutExpired:
-            child.kill()
+        # Stopped (SIGTERM, Ctrl-C): SIGTERM lets the phase stop its stage workers and engine itself
+        # (subprocess.run would SIGKILL it, leaving everything it started running).
+        child.stop(grace_s=stop_grace_s)
         raise
     if code != 0:
         raise subprocess.CalledProcessError(code, cmd)

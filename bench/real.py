@@ -11,10 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,7 +20,7 @@ import msgspec
 from pydantic import Field, field_validator, model_validator
 
 from rollway.base.config import StrictModel
-from rollway.bench.run import die_with_parent
+from rollway.base.http import http_get, http_post
 from rollway.policies.launch import ServerProcess
 
 ENGINE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
@@ -251,7 +249,7 @@ class Sampler(threading.Thread):
         me = os.getpid()
         while not self._halt.is_set():
             try:
-                text = urllib.request.urlopen(self.metrics_url, timeout=2).read().decode()
+                text = http_get(self.metrics_url, timeout_s=2).text
                 gauges = parse_metrics(text, ENGINE_GAUGES)
             except OSError:
                 gauges = dict.fromkeys(ENGINE_GAUGES, float("nan"))
@@ -294,14 +292,9 @@ class Sampler(threading.Thread):
 
 class DiesWithBench(ServerProcess):
     """A server child that the kernel stops when the bench dies, however it dies (as the simulated
-    server, `rollway.bench.run.die_with_parent`); its own process group, as `ServerProcess` makes it."""
+    server); its own process group, as `ServerProcess` makes it."""
 
-    def start(self) -> DiesWithBench:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env={**os.environ, **self.env}, preexec_fn=die_with_parent)
-        return self
+    die_with_parent = True
 
 
 class Engine:
@@ -316,9 +309,9 @@ class Engine:
         if self.rc.engine_url:
             self.url = self.rc.engine_url.rstrip("/")
             return self
+        from rollway.base.process import free_port
         from rollway.policies.config import PolicyConfig
         from rollway.policies.launch import vllm_server
-        from rollway.runners.broker import free_port
 
         cfg = PolicyConfig(type="openai", launch=True, engine="vllm", model=self.rc.model,
                            max_model_len=self.rc.max_model_len, kv_cache_gib=self.rc.kv_cache_gib,
@@ -349,16 +342,15 @@ class Engine:
         return self.server.proc.pid if self.server is not None and self.server.proc else None
 
     def counters(self) -> dict[str, float]:
-        text = urllib.request.urlopen(f"{self.root}/metrics", timeout=10).read().decode()
+        text = http_get(f"{self.root}/metrics", timeout_s=10).text
         return parse_metrics(text, ENGINE_COUNTERS)
 
     def reset_prefix_cache(self) -> None:
         """Both modes replay the same prompts: a warm cache would spare the second one prefill."""
         for _ in range(50):
             key = os.environ.get("OPENAI_API_KEY")  # a guarded server wants its key on this dev route
-            req = urllib.request.Request(f"{self.root}/reset_prefix_cache", method="POST",
-                                         headers={"Authorization": f"Bearer {key}"} if key else {})
-            body = urllib.request.urlopen(req, timeout=30).read()
+            body = http_post(f"{self.root}/reset_prefix_cache", timeout_s=30,
+                             headers={"Authorization": f"Bearer {key}"} if key else None).body
             if not body.strip() or json.loads(body).get("success", True):
                 return
             time.sleep(0.1)

@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import dataclasses
-import json
-import signal
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from rollway.base.http import http_get, http_post
+from rollway.base.process import Child, free_port
 from rollway.bench import report
 from rollway.bench.baseline import BaselineResult, run_baseline
 from rollway.bench.pipeline import PipelineRun, load_run_config, run_config, run_pipeline
@@ -28,26 +25,15 @@ from rollway.bench.workload import (
     workload_summary,
     write_plans,
 )
-from rollway.runners.broker import EmbeddedBroker, free_port
+from rollway.runners.broker import EmbeddedBroker
 from rollway.runtime.telemetry import EpisodeStages, episode_stages, read_telemetry
 from rollway.sandboxes.sim import live_sandbox_stats
-
-PR_SET_PDEATHSIG = 1
-"""prctl option (linux/prctl.h): the signal the kernel sends a process when its parent dies."""
-
-
-def die_with_parent() -> None:
-    """preexec_fn of a benchmark's helper process: SIGTERM it when the bench process dies, however it
-    dies (SIGKILL included, where no cleanup code runs). Linux only; a no-op elsewhere."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
 
 
 class SimServer:
     """The simulated inference server as its own process (shared by every agent worker). It dies with
-    the bench process (`die_with_parent`), so a bench killed from outside leaves no server behind."""
+    the bench process (the launcher's `die_with_parent`), so a bench killed from outside leaves no
+    server behind."""
 
     def __init__(self, plans_path: Path, wl: WorkloadConfig, log_path: Path, instant: bool = False):
         self.port = free_port()
@@ -55,36 +41,25 @@ class SimServer:
         self.argv = [sys.executable, "-m", "rollway.bench.sim_server", "--plans", str(plans_path),
                      "--workload", wl.model_dump_json(), "--port", str(self.port)] + ["--instant"] * instant
         self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
+        self.proc: Child | None = None
 
     def __enter__(self) -> SimServer:
-        with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1).read()
-                return self
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the sim server did not start; see {self.log_path}") from None
-                time.sleep(0.1)
+        self.proc = Child(self.argv, self.log_path, name="the sim server", die_with_parent=True).start()
+        self.proc.wait_for_http(f"http://127.0.0.1:{self.port}/health", timeout_s=30)
+        return self
 
     def __exit__(self, *exc: Any) -> None:
         if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(10)
+            self.proc.stop(grace_s=10)
 
     def reset(self) -> None:
         """Empty the server's prefix cache before a mode: both modes run the same episodes, and a
         warm cache would spare the second one the prefill of each episode's first prompt."""
-        urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{self.port}/sim/reset", method="POST"),
-                               timeout=30).read()
+        http_post(f"http://127.0.0.1:{self.port}/sim/reset", timeout_s=30)
 
     def steps(self, t0: float, t1: float) -> dict[str, Any]:
         """The server's steps, cap and request log over [t0, t1]."""
-        url = f"http://127.0.0.1:{self.port}/sim/steps?t0={t0}&t1={t1}"
-        return json.loads(urllib.request.urlopen(url, timeout=30).read())
+        return http_get(f"http://127.0.0.1:{self.port}/sim/steps?t0={t0}&t1={t1}", timeout_s=30).json()
 
 
 def partial(plans: list[EpisodePlan], carried: list[list[int]]) -> list[EpisodePlan]:

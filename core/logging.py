@@ -12,7 +12,8 @@ from pathlib import Path
 
 import structlog
 
-from rollway.base.redaction import MASK, redact, redact_data, register_secrets, spawn_logged
+from rollway.base.process import spawn_logged
+from rollway.base.redaction import MASK, redact, redact_data, register_secrets
 
 __all__ = ["MASK", "configure_logging", "redact", "redact_data", "register_secrets", "spawn_logged"]
 

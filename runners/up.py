@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -16,9 +13,10 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from rollway.base.process import Child
 from rollway.base.run_dir import RunDir, read_trajectories
 from rollway.core.config import RunConfig, dump_config, secret_values, write_resolved_config
-from rollway.core.logging import redact_data, register_secrets, spawn_logged
+from rollway.core.logging import redact_data, register_secrets
 from rollway.topics.topology import STAGE_NAMES as STAGES
 from rollway.topics.topology import start_order
 
@@ -40,19 +38,19 @@ class StageProcess:
     index: int
     argv: list[str]
     log_path: Path
-    proc: subprocess.Popen | None = None
+    proc: Child | None = None
     restarts: int = 0
 
     env: dict[str, str] | None = None
 
     def start(self) -> None:
-        env = {**os.environ, **self.env} if self.env else None
         # Output through the redactor: a traceback or a library's line that quotes a secret is masked.
-        self.proc = spawn_logged(self.argv, self.log_path, env=env, start_new_session=True)
+        self.proc = Child(self.argv, self.log_path, self.env, name=f"stage {self.stage} worker {self.index}",
+                          term_leader_only=True).start()
 
     @property
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.proc is not None and self.proc.alive
 
 
 @dataclass
@@ -160,18 +158,14 @@ class Job:
         return None
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        for p in self.procs:
-            if p.alive:
-                p.proc.send_signal(signal.SIGTERM)
+        """SIGTERM every worker at once (they stop in parallel), then each gets what is left of
+        `timeout_s` before its process group is killed."""
+        started = [p.proc for p in self.procs if p.proc is not None]
+        for proc in started:
+            proc.terminate()
         deadline = time.monotonic() + timeout_s
-        for p in self.procs:
-            if p.proc is None:
-                continue
-            try:
-                p.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(p.proc.pid, signal.SIGKILL)
-                p.proc.wait()
+        for proc in started:
+            proc.stop(grace_s=max(0.1, deadline - time.monotonic()))
 
 
 def log_tail(path: Path, lines: int = 12) -> str:
