@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from rollway.base.process import Child
-from rollway.base.run_dir import fresh_run_folder
+from rollway.base.run_dir import RunDir, fresh_run_folder
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,20 +55,20 @@ def run(args: argparse.Namespace) -> int:
     root = Path(args.run_dir or fresh_run_folder("learn-bench"))
     held_out = ["tasks.split=test", f"tasks.limit={args.eval_tasks}"]
     t0 = time.monotonic()
-    _rollway("eval", args.config, *args.overrides, *held_out, "--run-dir", str(root / "before"))
+    _rollway("eval", args.config, *args.overrides, *held_out, "--run-dir", str(RunDir(root).sub("before").path))
     t1 = time.monotonic()
-    _rollway("up", args.config, *args.overrides, "--run-dir", str(root / "train"))
+    _rollway("up", args.config, *args.overrides, "--run-dir", str(RunDir(root).sub("train").path))
     t2 = time.monotonic()
-    checkpoints = sorted((root / "train" / "checkpoints").glob("step_*"))
+    checkpoints = sorted(RunDir(root).sub("train").checkpoints.glob("step_*"))
     if not checkpoints:
         print("rollway bench learn: the training run wrote no checkpoint (no update had signal)", file=sys.stderr)
         return 1
     _rollway("eval", args.config, *args.overrides, *held_out, f"policy.model={checkpoints[-1]}",
-             "--run-dir", str(root / "after"))
+             "--run-dir", str(RunDir(root).sub("after").path))
     t3 = time.monotonic()
-    before = json.loads((root / "before" / "eval.json").read_text())
-    after = json.loads((root / "after" / "eval.json").read_text())
-    train = json.loads((root / "train" / "summary.json").read_text())
+    before = json.loads(RunDir(root).sub("before").eval_result.read_text())
+    after = json.loads(RunDir(root).sub("after").eval_result.read_text())
+    train = json.loads(RunDir(root).sub("train").summary.read_text())
     result = {
         "before": {k: before[k] for k in ("tasks", "attempts", "pass@1", "pass@4") if k in before},
         "after": {k: after[k] for k in ("tasks", "attempts", "pass@1", "pass@4") if k in after},
@@ -79,6 +79,6 @@ def run(args: argparse.Namespace) -> int:
         "run_dir": str(root),
     }
     result["rose_beyond_noise"] = bool(result["paired"]["z"] and result["paired"]["z"] > 2)
-    (root / "learn-bench.json").write_text(json.dumps(result, indent=1))
+    RunDir(root).learn_bench_result.write_text(json.dumps(result, indent=1))
     print(json.dumps(result) if args.json else json.dumps(result, indent=1))
     return 0

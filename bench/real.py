@@ -21,6 +21,7 @@ from pydantic import Field, field_validator, model_validator
 
 from rollway.base.config import StrictModel
 from rollway.base.http import http_get, http_post
+from rollway.base.run_dir import RunDir
 from rollway.policies.launch import ServerProcess
 
 ENGINE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
@@ -147,7 +148,7 @@ def real_run_config(rc: RealBenchConfig, tasks_path: Path, run_dir: Path, url: s
         "topics": {"prefix": f"{name}.", "default_partitions": 4},
         "broker": {"fetch_max_wait_ms": rc.fetch_max_wait_ms},
         "tasks": {"type": "swe", "path": str(tasks_path), "test_timeout_s": rc.test_timeout_s},
-        "sandbox": {"type": "local", "root": str(run_dir / "sandboxes")},
+        "sandbox": {"type": "local", "root": str(RunDir(run_dir).sandboxes)},
         "policy": {"type": "openai", "engine": "vllm", "base_url": url, "chat_format": "hf", "tokenizer": tokenizer,
                    "max_model_len": rc.max_model_len},
         "scheduler": {"group_size": rc.group_size, "num_tasks": rc.num_tasks, "epochs": rc.epochs,
@@ -383,7 +384,7 @@ def run_baseline_mode(data: dict[str, Any], run_dir: Path, slots: int) -> tuple[
     from rollway.bench.baseline import run_baseline
     from rollway.bench.pipeline import load_run_config
 
-    cfg = load_run_config(data, run_dir / "config.yaml")
+    cfg = load_run_config(data, RunDir(run_dir).run_config_yaml)
     result = asyncio.run(run_baseline(cfg, run_dir, slots))
     return result.started, result.ended, [msgspec.to_builtins(t) for t in result.trajectories]
 
@@ -412,7 +413,7 @@ def run_real_bench(rc: RealBenchConfig, out: Path, say=print) -> dict[str, Any]:
     tokenizer = str(resolve_model_folder(rc.model))
     modes: dict[str, dict[str, Any]] = {}
     note("bench real: starting the engine" if not rc.engine_url else f"bench real: engine at {rc.engine_url}")
-    with Engine(rc, out) as engine, EmbeddedBroker(log_path=out / "broker.log") as broker:
+    with Engine(rc, out) as engine, EmbeddedBroker(log_path=RunDir(out).bench_broker_log) as broker:
         sampler = Sampler(f"{engine.root}/metrics", engine.pid, rc.sample_interval_s)
         sampler.start()
         try:

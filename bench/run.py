@@ -13,6 +13,7 @@ import msgspec
 
 from rollway.base.http import http_get, http_post
 from rollway.base.process import Child, free_port
+from rollway.base.run_dir import RunDir
 from rollway.bench import report
 from rollway.bench.baseline import BaselineResult, run_baseline
 from rollway.bench.pipeline import PipelineRun, load_run_config, run_config, run_pipeline
@@ -113,12 +114,12 @@ def mode_figures(label: str, started: float, ended: float, trajectories: list[di
 def baseline_mode(wl: WorkloadConfig, out: Path, server: SimServer) -> tuple[dict, list, BaselineResult]:
     run_dir = out / "baseline"
     server.reset()
-    data = run_config(wl, out / "plans.jsonl", run_dir / "sandboxes", server.url, "baseline")
-    cfg = load_run_config(data, run_dir / "config.yaml")
+    data = run_config(wl, RunDir(out).plans, RunDir(run_dir).sandboxes, server.url, "baseline")
+    cfg = load_run_config(data, RunDir(run_dir).run_config_yaml)
     result = asyncio.run(run_baseline(cfg, run_dir, wl.slots))
     batch = sorted(result.trajectories, key=lambda t: t.created_at)[:wl.episodes]
     figures, series = mode_figures(f"baseline ({wl.slots} slots)", result.started, batch[-1].created_at,
-                                   [msgspec.to_builtins(t) for t in batch], server, run_dir / "sandboxes",
+                                   [msgspec.to_builtins(t) for t in batch], server, RunDir(run_dir).sandboxes,
                                    len(result.trajectories))
     figures["peak_busy_slots"] = result.peak_busy_slots
     figures["batch"] = sorted(plan_index(t.task_id) for t in batch)
@@ -134,7 +135,7 @@ def pipeline_mode(wl: WorkloadConfig, out: Path, server: SimServer, bootstrap: s
     name = f"pipeline-a{workers}"
     run_dir = out / name
     server.reset()
-    data = run_config(wl, out / "plans.jsonl", run_dir / "sandboxes", server.url, name, workers)
+    data = run_config(wl, RunDir(out).plans, RunDir(run_dir).sandboxes, server.url, name, workers)
     run = run_pipeline(data, run_dir, bootstrap, workers)
     from rollway.base.run_dir import read_trajectories
 
@@ -144,7 +145,7 @@ def pipeline_mode(wl: WorkloadConfig, out: Path, server: SimServer, bootstrap: s
     in_batch = set(batch)
     figures, series = mode_figures(f"pipeline ({workers} agent worker{'s' * (workers > 1)})", run.started,
                                    ended, [t for t in trajectories if t["episode"]["episode_id"] in in_batch], server,
-                                   run_dir / "sandboxes", len(trajectories))
+                                   RunDir(run_dir).sandboxes, len(trajectories))
     telemetry = read_telemetry(run_dir)
     figures.update(report.hop_stats(telemetry, run.issued_at, {e: run.created_at[e] for e in batch}))
     held = [(s, min(e, ended)) for s, e in report.model_slot_intervals(telemetry, trajectories, wl.tool_overlap)
@@ -175,11 +176,11 @@ def run_bench(wl: WorkloadConfig, out: Path, scaling: list[int], say=print, with
         print_progress(f"[{time.monotonic() - t0:5.0f}s] {message}")
 
     plans = plan_workload(wl.model_copy(update={"episodes": wl.episodes + wl.carried}))
-    write_plans(plans, out / "plans.jsonl")
+    write_plans(plans, RunDir(out).plans)
     runs: dict[int, dict] = {}
     series: dict[str, list] = {}
-    with SimServer(out / "plans.jsonl", wl, out / "sim-server.log") as server, \
-            EmbeddedBroker(log_path=out / "broker.log") as broker:
+    with SimServer(RunDir(out).plans, wl, RunDir(out).sim_server_log) as server, \
+            EmbeddedBroker(log_path=RunDir(out).bench_broker_log) as broker:
         baseline = None
         if with_baseline:
             say(f"bench: baseline, {wl.episodes} episodes, {wl.slots} slots")
