@@ -252,6 +252,30 @@ class RunDir:
         return self.path / "broker.log"
 
     @property
+    def engine_log(self) -> Path:
+        """The output of the vLLM server `bench pipeline --real` starts for both its modes."""
+        return self.path / "vllm.out"
+
+    @property
+    def profile(self) -> Path:
+        """`bench ceiling`'s cProfile of its profiled pass, read back for the CPU breakdown."""
+        return self.path / "profiled.pstats"
+
+    @property
+    def utilisation_plot(self) -> Path:
+        """`bench pipeline`'s plot of busy slots over time per mode."""
+        return self.path / "utilisation.png"
+
+    @property
+    def training_plot(self) -> Path:
+        """`bench training`'s plot of the importance-ratio histogram and the timeline."""
+        return self.path / "training.png"
+
+    def mode_result(self, mode: str) -> Path:
+        """One mode's figures of `bench pipeline --real`, written as soon as that mode ends."""
+        return self.path / f"{mode}.json"
+
+    @property
     def result(self) -> Path:
         """A benchmark's result, written at its end (bench run, real, ceiling, weight sync)."""
         return self.path / "result.json"

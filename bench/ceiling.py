@@ -138,7 +138,7 @@ def measure(wl: WorkloadConfig, out: Path, bootstrap: str, server_url: str, name
     """One worker over the workload's episodes; figures and the per-turn breakdown (ms)."""
     from rollway.bench.pipeline import load_run_config, run_config
 
-    run_dir = out / name
+    run_dir = RunDir(out).sub(name).path
     data = run_config(wl, RunDir(out).plans, RunDir(run_dir).sandboxes, server_url, name)
     data["run"]["trace"] = False
     cfg = load_run_config(data, RunDir(run_dir).run_config_yaml)
@@ -192,8 +192,8 @@ def run_ceiling_bench(wl: WorkloadConfig, out: Path, profile: bool = False, say=
         results["concurrent"] = measure(wl, out, broker.bootstrap, server.url, "concurrent")
         if profile:
             say("bench ceiling: the concurrent run again under cProfile (CPU by category)")
-            profiled = measure(wl, out, broker.bootstrap, server.url, "profiled", out / "profiled.pstats")
-            results["cpu"] = cpu_breakdown(out / "profiled.pstats", profiled["turns"],
+            profiled = measure(wl, out, broker.bootstrap, server.url, "profiled", RunDir(out).profile)
+            results["cpu"] = cpu_breakdown(RunDir(out).profile, profiled["turns"],
                                            results["concurrent"]["cpu_ms_per_turn"])
     return {"workload": wl.model_dump(), **results, "out_dir": str(out)}
 

@@ -319,7 +319,7 @@ class Engine:
                            vllm_args=["--max-num-seqs", str(self.rc.slots),
                                       "--disable-uvicorn-access-log"])  # the sampler polls /metrics 4x a second
         t0 = time.monotonic()
-        base = vllm_server(cfg, free_port(), self.out / "vllm.out")  # the argv and environment rollway uses
+        base = vllm_server(cfg, free_port(), RunDir(self.out).engine_log)  # the argv and environment rollway uses
         self.server = DiesWithBench(base.argv, base.env, base.port, base.log_path).start()
         try:
             self.server.wait_ready(self.rc.engine_start_timeout_s)
@@ -420,7 +420,7 @@ def run_real_bench(rc: RealBenchConfig, out: Path, say=print) -> dict[str, Any]:
             for mode in rc.modes:
                 note(f"bench real: {mode}, {rc.episodes} episodes, {rc.slots} model-call slots")
                 engine.reset_prefix_cache()
-                run_dir = out / mode
+                run_dir = RunDir(out).sub(mode).path
                 data = real_run_config(rc, tasks_path, run_dir, engine.url, tokenizer, mode)
                 before = engine.counters()
                 if mode == "baseline":
@@ -432,7 +432,7 @@ def run_real_bench(rc: RealBenchConfig, out: Path, say=print) -> dict[str, Any]:
                 modes[mode] = {"makespan_s": t1 - t0, **episode_figures(trajectories, run_dir), **sampler.window(t0, t1),
                                **{k.removeprefix("vllm:"): after[k] - before[k] for k in ENGINE_COUNTERS}}
                 modes[mode]["generated_tokens_per_s"] = modes[mode]["generated_tokens"] / modes[mode]["makespan_s"]
-                (out / f"{mode}.json").write_text(json.dumps(modes[mode], indent=1))  # kept if a later mode fails
+                RunDir(out).mode_result(mode).write_text(json.dumps(modes[mode], indent=1))  # kept if a later mode fails
         finally:
             sampler.stop()
     from rollway.bench.real_tasks import per_archive, read_rows

@@ -112,7 +112,7 @@ def mode_figures(label: str, started: float, ended: float, trajectories: list[di
 
 
 def baseline_mode(wl: WorkloadConfig, out: Path, server: SimServer) -> tuple[dict, list, BaselineResult]:
-    run_dir = out / "baseline"
+    run_dir = RunDir(out).sub("baseline").path
     server.reset()
     data = run_config(wl, RunDir(out).plans, RunDir(run_dir).sandboxes, server.url, "baseline")
     cfg = load_run_config(data, RunDir(run_dir).run_config_yaml)
@@ -133,7 +133,7 @@ def baseline_mode(wl: WorkloadConfig, out: Path, server: SimServer) -> tuple[dic
 def pipeline_mode(wl: WorkloadConfig, out: Path, server: SimServer, bootstrap: str,
                   workers: int) -> tuple[dict, list, PipelineRun]:
     name = f"pipeline-a{workers}"
-    run_dir = out / name
+    run_dir = RunDir(out).sub(name).path
     server.reset()
     data = run_config(wl, RunDir(out).plans, RunDir(run_dir).sandboxes, server.url, name, workers)
     run = run_pipeline(data, run_dir, bootstrap, workers)
@@ -200,7 +200,7 @@ def run_bench(wl: WorkloadConfig, out: Path, scaling: list[int], say=print, with
         baseline["ideal_makespan"] = ideal_makespan([plans[i] for i in baseline.pop("batch")], wl,
                                                     partial(plans, baseline.pop("carried")))["ideal_makespan"]
     ideal = headline["ideal"]
-    plot = out / "utilisation.png"
+    plot = RunDir(out).utilisation_plot
     report.plot_utilisation({**({baseline["label"]: series["baseline"]} if baseline else {}),
                              headline["label"]: series["pipeline"]}, wl.slots, plot)
     return {"workload": wl.model_dump(), "workload_summary": workload_summary(plans[:wl.episodes]), "ideal": ideal,

@@ -367,7 +367,7 @@ def run_mode(wl: WorkloadConfig, tc: TrainingConfig, lag: int, out: Path, server
     from rollway.bench.sim_server import busy_stats
 
     name = "sync" if lag == 0 else f"async-lag{lag}"
-    run_dir = out / name
+    run_dir = RunDir(out).sub(name).path
     server.reset()
     data = run_config(wl, RunDir(out).plans, RunDir(run_dir).sandboxes, server.url, name)
     cfg = load_run_config(data, RunDir(run_dir).run_config_yaml)
@@ -406,7 +406,7 @@ def run_training_bench(wl: WorkloadConfig, tc: TrainingConfig, out: Path, say=pr
         m["ratio_to_sync"] = m["trained_episodes_per_s"] / sync["trained_episodes_per_s"] if sync else None
         m["steady_ratio_to_sync"] = (m["steady_episodes_per_s"] / sync["steady_episodes_per_s"]
                                      if sync and m["steady_episodes_per_s"] and sync["steady_episodes_per_s"] else None)
-    plot = out / "training.png"
+    plot = RunDir(out).training_plot
     plot_training(modes, series, plot, wl.slots)
     return {"workload": wl.model_dump(), "training": tc.model_dump(), "workload_summary": workload_summary(plans),
             "modes": modes, "ratios": {m["mode"]: m["ratio_to_sync"] for m in modes},
