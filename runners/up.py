@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -165,7 +166,10 @@ class Job:
             proc.terminate()
         deadline = time.monotonic() + timeout_s
         for proc in started:
-            proc.stop(grace_s=max(0.1, deadline - time.monotonic()))
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 def log_tail(path: Path, lines: int = 12) -> str:
