@@ -5,11 +5,9 @@ this run (`register_secrets`). Lives in `base` so every package (policies, actor
 from __future__ import annotations
 
 import re
-import subprocess
 import threading
 from collections.abc import Iterable
-from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 MASK = "***"
 _KEYS = r"[\w-]*(?:api[_-]?key|apikey|token|password|passwd|secret)"
@@ -60,23 +58,3 @@ def redact_data(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [redact_data(v) for v in value]
     return value
-
-
-def spawn_logged(argv: list[str], log_path: Path, env: dict[str, str] | None = None,
-                 **popen_kwargs: Any) -> subprocess.Popen:
-    """Start `argv` with stdout and stderr appended to `log_path` through `redact`: whatever the child
-    prints (a traceback, a library's debug line, a C library's message) reaches the run folder masked.
-    A thread copies line by line until the child closes its output."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, **popen_kwargs)
-    assert proc.stdout is not None
-    out = open(log_path, "ab")  # noqa: SIM115 (the copier thread owns and closes it)
-    threading.Thread(target=_copy_redacted, args=(proc.stdout, out), daemon=True,
-                     name=f"log-copy-{proc.pid}").start()
-    return proc
-
-
-def _copy_redacted(src: IO[bytes], dst: IO[bytes]) -> None:
-    with src, dst:
-        for line in iter(src.readline, b""):
-            dst.write(redact(line.decode("utf-8", errors="replace")).encode())
-            dst.flush()  # readers (log_tail on a crash, tests) see the line at once

@@ -50,7 +50,7 @@ def read_trajectories(run_dir: str | Path) -> list[dict[str, Any]]:
     """Every row of `run_dir/trajectories.jsonl` as written (torn lines skipped), in file order: the one
     reader of run folders' trajectories. A row of another schema version is refused (DecodeError with
     what to do), never read as if it were this version."""
-    return read_records(Path(run_dir) / TRAJECTORIES_FILE)
+    return read_records(RunDir(run_dir).trajectories)
 
 
 def read_records(path: str | Path) -> list[dict[str, Any]]:
@@ -134,6 +134,172 @@ class RunDir:
         """Where one worker process records every message it handled (runtime/telemetry.py)."""
         return self.telemetry_dir / f"{stage}-{pid}.jsonl"
 
+    def sub(self, name: str) -> RunDir:
+        """A run folder inside this one: verify's `gold` and `nothing` runs, bench learn's
+        `before`, `train` and `after`, a benchmark's per-mode runs."""
+        return RunDir(self.path / name)
+
+    # -- what the stages write
+    @property
+    def trajectories(self) -> Path:
+        """One JSON line per finished episode: appended by the sink (actors/sink.py) and verify; read
+        through `read_trajectories` (show, eval, report, benchmarks) and by the progress display."""
+        return self.path / TRAJECTORIES_FILE
+
+    @property
+    def failures(self) -> Path:
+        """One JSON line per distinct episode failure: appended by the sink; read by `rollway eval`."""
+        return self.path / FAILURES_FILE
+
+    @property
+    def metrics(self) -> Path:
+        """One JSON line per learner step: appended by learning/metrics.py; read by `rollway report`."""
+        return self.path / "metrics.jsonl"
+
+    @property
+    def tensorboard(self) -> Path:
+        """TensorBoard event files, written by learning/metrics.py when TensorBoard is installed."""
+        return self.path / "tb"
+
+    @property
+    def checkpoints(self) -> Path:
+        """The learner's checkpoints (learning/checkpoint.py writes them); `rollway up` resumes from the
+        newest and bench learn evaluates it."""
+        return self.path / "checkpoints"
+
+    # -- what `rollway up` and the other commands write
+    @property
+    def config(self) -> Path:
+        """The resolved run config, secrets masked: written by `rollway up` before any stage starts;
+        read by `rollway replay --run-dir` to find the topics."""
+        return self.path / "config.json"
+
+    @property
+    def stage_config(self) -> Path:
+        """The config `rollway up` hands every stage process (`rollway stage --config`)."""
+        return self.path / "stage-config.json"
+
+    @property
+    def summary(self) -> Path:
+        """The run's figures, written by `rollway up` at the end; read by `rollway report`, bench learn,
+        and by `rollway up`, which refuses to start over a finished run."""
+        return self.path / "summary.json"
+
+    @property
+    def eval_result(self) -> Path:
+        """`rollway eval`'s pass rates; read by bench learn."""
+        return self.path / "eval.json"
+
+    @property
+    def chaos_result(self) -> Path:
+        """`rollway chaos`'s kills and what survived them."""
+        return self.path / "chaos.json"
+
+    @property
+    def faults_state(self) -> Path:
+        """`rollway chaos`: where fault points marked `once` record that they fired (base/faults.py),
+        so a restarted worker does not fail at the same point again."""
+        return self.path / "faults"
+
+    @property
+    def predictions(self) -> Path:
+        """SWE-bench predictions (one JSON line per instance), written by runners/eval_outputs.py."""
+        return self.path / "predictions.jsonl"
+
+    @property
+    def swebench_report(self) -> Path:
+        """The SWE-bench-style report, written by runners/eval_outputs.py."""
+        return self.path / "swebench_report.json"
+
+    @property
+    def atif(self) -> Path:
+        """One ATIF trajectory file per episode, written by runners/eval_outputs.py."""
+        return self.path / "atif"
+
+    @property
+    def report_html(self) -> Path:
+        """`rollway report`'s page; its images go to `plots`."""
+        return self.path / "report.html"
+
+    @property
+    def plots(self) -> Path:
+        return self.path / "plots"
+
+    @property
+    def sandboxes(self) -> Path:
+        """Where the benchmarks' local sandboxes live (their config's sandbox root)."""
+        return self.path / "sandboxes"
+
+    @property
+    def run_config_yaml(self) -> Path:
+        """The run config a benchmark writes and loads for one of its runs."""
+        return self.path / "config.yaml"
+
+    # -- what the benchmarks write in their own folder
+    @property
+    def plans(self) -> Path:
+        """The seeded workload's episode plans: written by the benchmark, read by its sim server."""
+        return self.path / "plans.jsonl"
+
+    @property
+    def sim_server_log(self) -> Path:
+        """The simulated inference server's output (bench/run.py `SimServer`)."""
+        return self.path / "sim-server.log"
+
+    @property
+    def bench_broker_log(self) -> Path:
+        """The output of the broker a benchmark starts for all its runs."""
+        return self.path / "broker.log"
+
+    @property
+    def engine_log(self) -> Path:
+        """The output of the vLLM server `bench pipeline --real` starts for both its modes."""
+        return self.path / "vllm.out"
+
+    @property
+    def profile(self) -> Path:
+        """`bench ceiling`'s cProfile of its profiled pass, read back for the CPU breakdown."""
+        return self.path / "profiled.pstats"
+
+    @property
+    def utilisation_plot(self) -> Path:
+        """`bench pipeline`'s plot of busy slots over time per mode."""
+        return self.path / "utilisation.png"
+
+    @property
+    def training_plot(self) -> Path:
+        """`bench training`'s plot of the importance-ratio histogram and the timeline."""
+        return self.path / "training.png"
+
+    def mode_result(self, mode: str) -> Path:
+        """One mode's figures of `bench pipeline --real`, written as soon as that mode ends."""
+        return self.path / f"{mode}.json"
+
+    @property
+    def result(self) -> Path:
+        """A benchmark's result, written at its end (bench run, real, ceiling, weight sync)."""
+        return self.path / "result.json"
+
+    @property
+    def learn_bench_result(self) -> Path:
+        """bench learn's result: pass rates before and after and the paired difference."""
+        return self.path / "learn-bench.json"
+
+    # -- logs
     @property
     def logs(self) -> Path:
+        """Every process's log: stage workers, the broker, engines, structlog's JSON lines."""
         return self.path / "logs"
+
+    def stage_log(self, stage: str, index: int) -> Path:
+        """A stage worker's stdout and stderr (redacted), written by the launcher for `rollway up`."""
+        return self.logs / f"{stage}-{index}.out"
+
+    @property
+    def broker_log(self) -> Path:
+        """The embedded broker's output, when a command started one for this run."""
+        return self.logs / "broker.out"
+
+    def json_log(self, stage: str) -> Path:
+        """structlog's JSON lines of one process (core/logging.py)."""
+        return self.logs / f"{stage}.jsonl"

@@ -14,6 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from rollway.base.run_dir import RunDir
 from rollway.bench.workload import WorkloadConfig, plan_workload, write_plans
 
 ZERO_TIME = {"tool_s_median": 0.0, "init_s_median": 0.0, "grade_s_median": 0.0}
@@ -137,10 +138,10 @@ def measure(wl: WorkloadConfig, out: Path, bootstrap: str, server_url: str, name
     """One worker over the workload's episodes; figures and the per-turn breakdown (ms)."""
     from rollway.bench.pipeline import load_run_config, run_config
 
-    run_dir = out / name
-    data = run_config(wl, out / "plans.jsonl", run_dir / "sandboxes", server_url, name)
+    run_dir = RunDir(out).sub(name).path
+    data = run_config(wl, RunDir(out).plans, RunDir(run_dir).sandboxes, server_url, name)
     data["run"]["trace"] = False
-    cfg = load_run_config(data, run_dir / "config.yaml")
+    cfg = load_run_config(data, RunDir(run_dir).run_config_yaml)
     turns = sum(p.num_turns for p in plan_workload(wl))
     asyncio.run(_seed_turn_zero(cfg, run_dir, bootstrap, wl.episodes))
     timers = CallTimers()
@@ -179,20 +180,20 @@ def run_ceiling_bench(wl: WorkloadConfig, out: Path, profile: bool = False, say=
 
     out.mkdir(parents=True, exist_ok=True)
     wl = wl.model_copy(update=ZERO_TIME)
-    write_plans(plan_workload(wl), out / "plans.jsonl")
+    write_plans(plan_workload(wl), RunDir(out).plans)
     serial = wl.model_copy(update={"slots": 1, "tool_overlap": 0, "model_call_slack": 0, "agent_prefetch": 4,
                                    "episodes": min(wl.episodes, 64)})
     results = {}
-    with SimServer(out / "plans.jsonl", wl, out / "sim-server.log", instant=True) as server, \
-            EmbeddedBroker(log_path=out / "broker.log") as broker:
+    with SimServer(RunDir(out).plans, wl, RunDir(out).sim_server_log, instant=True) as server, \
+            EmbeddedBroker(log_path=RunDir(out).bench_broker_log) as broker:
         say(f"bench ceiling: one turn at a time, {serial.episodes} episodes")
         results["serial"] = measure(serial, out, broker.bootstrap, server.url, "serial")
         say(f"bench ceiling: {wl.slots + wl.model_call_slack + wl.tool_overlap} turns at once, {wl.episodes} episodes")
         results["concurrent"] = measure(wl, out, broker.bootstrap, server.url, "concurrent")
         if profile:
             say("bench ceiling: the concurrent run again under cProfile (CPU by category)")
-            profiled = measure(wl, out, broker.bootstrap, server.url, "profiled", out / "profiled.pstats")
-            results["cpu"] = cpu_breakdown(out / "profiled.pstats", profiled["turns"],
+            profiled = measure(wl, out, broker.bootstrap, server.url, "profiled", RunDir(out).profile)
+            results["cpu"] = cpu_breakdown(RunDir(out).profile, profiled["turns"],
                                            results["concurrent"]["cpu_ms_per_turn"])
     return {"workload": wl.model_dump(), **results, "out_dir": str(out)}
 

@@ -11,7 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from rollway.base.run_dir import fresh_run_folder
+from rollway.base.process import Child
+from rollway.base.run_dir import RunDir, fresh_run_folder
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,17 +26,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _rollway(*args: str, stop_grace_s: float = 60.0) -> None:
     cmd = [sys.executable, "-m", "rollway.runners", *args]
     print(f"rollway bench learn: {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
-    child = subprocess.Popen(cmd)
+    # Not its own process group: a terminal's Ctrl-C reaches the phase as it reaches this process.
+    child = Child(cmd, name="rollway " + args[0], own_group=False).start()
     try:
         code = child.wait()
     except BaseException:
-        # Stopped (SIGTERM, Ctrl-C): let the phase stop its stage workers and engine itself.
-        # (subprocess.run would SIGKILL it, leaving everything it started running.)
-        child.terminate()
-        try:
-            child.wait(stop_grace_s)
-        except subprocess.TimeoutExpired:
-            child.kill()
+        # Stopped (SIGTERM, Ctrl-C): SIGTERM lets the phase stop its stage workers and engine itself
+        # (subprocess.run would SIGKILL it, leaving everything it started running).
+        child.stop(grace_s=stop_grace_s)
         raise
     if code != 0:
         raise subprocess.CalledProcessError(code, cmd)
@@ -57,20 +55,20 @@ def run(args: argparse.Namespace) -> int:
     root = Path(args.run_dir or fresh_run_folder("learn-bench"))
     held_out = ["tasks.split=test", f"tasks.limit={args.eval_tasks}"]
     t0 = time.monotonic()
-    _rollway("eval", args.config, *args.overrides, *held_out, "--run-dir", str(root / "before"))
+    _rollway("eval", args.config, *args.overrides, *held_out, "--run-dir", str(RunDir(root).sub("before").path))
     t1 = time.monotonic()
-    _rollway("up", args.config, *args.overrides, "--run-dir", str(root / "train"))
+    _rollway("up", args.config, *args.overrides, "--run-dir", str(RunDir(root).sub("train").path))
     t2 = time.monotonic()
-    checkpoints = sorted((root / "train" / "checkpoints").glob("step_*"))
+    checkpoints = sorted(RunDir(root).sub("train").checkpoints.glob("step_*"))
     if not checkpoints:
         print("rollway bench learn: the training run wrote no checkpoint (no update had signal)", file=sys.stderr)
         return 1
     _rollway("eval", args.config, *args.overrides, *held_out, f"policy.model={checkpoints[-1]}",
-             "--run-dir", str(root / "after"))
+             "--run-dir", str(RunDir(root).sub("after").path))
     t3 = time.monotonic()
-    before = json.loads((root / "before" / "eval.json").read_text())
-    after = json.loads((root / "after" / "eval.json").read_text())
-    train = json.loads((root / "train" / "summary.json").read_text())
+    before = json.loads(RunDir(root).sub("before").eval_result.read_text())
+    after = json.loads(RunDir(root).sub("after").eval_result.read_text())
+    train = json.loads(RunDir(root).sub("train").summary.read_text())
     result = {
         "before": {k: before[k] for k in ("tasks", "attempts", "pass@1", "pass@4") if k in before},
         "after": {k: after[k] for k in ("tasks", "attempts", "pass@1", "pass@4") if k in after},
@@ -81,6 +79,6 @@ def run(args: argparse.Namespace) -> int:
         "run_dir": str(root),
     }
     result["rose_beyond_noise"] = bool(result["paired"]["z"] and result["paired"]["z"] > 2)
-    (root / "learn-bench.json").write_text(json.dumps(result, indent=1))
+    RunDir(root).learn_bench_result.write_text(json.dumps(result, indent=1))
     print(json.dumps(result) if args.json else json.dumps(result, indent=1))
     return 0

@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 from aiokafka import TopicPartition
 
+from rollway.base.run_dir import RunDir
 from rollway.bench.workload import WorkloadConfig
 from rollway.core.config import RunConfig, load_config
 from rollway.runtime.kafka import make_consumer, partitions_for, read_to_end, topic_name
@@ -88,7 +89,7 @@ class PipelineRun:
 def run_pipeline(data: dict[str, Any], run_dir: Path, bootstrap: str, agent_workers: int) -> PipelineRun:
     from rollway.runners.up import parse_workers, run_job
 
-    config_path = run_dir / "config.yaml"
+    config_path = RunDir(run_dir).run_config_yaml
     cfg = load_run_config(data, config_path)
     summary = run_job(cfg, str(config_path), [], bootstrap, run_dir,
                       parse_workers([f"agent={agent_workers}"]), quiet=True)

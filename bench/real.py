@@ -11,10 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,7 +20,8 @@ import msgspec
 from pydantic import Field, field_validator, model_validator
 
 from rollway.base.config import StrictModel
-from rollway.bench.run import die_with_parent
+from rollway.base.http import http_get, http_post
+from rollway.base.run_dir import RunDir
 from rollway.policies.launch import ServerProcess
 
 ENGINE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
@@ -149,7 +148,7 @@ def real_run_config(rc: RealBenchConfig, tasks_path: Path, run_dir: Path, url: s
         "topics": {"prefix": f"{name}.", "default_partitions": 4},
         "broker": {"fetch_max_wait_ms": rc.fetch_max_wait_ms},
         "tasks": {"type": "swe", "path": str(tasks_path), "test_timeout_s": rc.test_timeout_s},
-        "sandbox": {"type": "local", "root": str(run_dir / "sandboxes")},
+        "sandbox": {"type": "local", "root": str(RunDir(run_dir).sandboxes)},
         "policy": {"type": "openai", "engine": "vllm", "base_url": url, "chat_format": "hf", "tokenizer": tokenizer,
                    "max_model_len": rc.max_model_len},
         "scheduler": {"group_size": rc.group_size, "num_tasks": rc.num_tasks, "epochs": rc.epochs,
@@ -251,7 +250,7 @@ class Sampler(threading.Thread):
         me = os.getpid()
         while not self._halt.is_set():
             try:
-                text = urllib.request.urlopen(self.metrics_url, timeout=2).read().decode()
+                text = http_get(self.metrics_url, timeout_s=2).text
                 gauges = parse_metrics(text, ENGINE_GAUGES)
             except OSError:
                 gauges = dict.fromkeys(ENGINE_GAUGES, float("nan"))
@@ -294,14 +293,9 @@ class Sampler(threading.Thread):
 
 class DiesWithBench(ServerProcess):
     """A server child that the kernel stops when the bench dies, however it dies (as the simulated
-    server, `rollway.bench.run.die_with_parent`); its own process group, as `ServerProcess` makes it."""
+    server); its own process group, as `ServerProcess` makes it."""
 
-    def start(self) -> DiesWithBench:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env={**os.environ, **self.env}, preexec_fn=die_with_parent)
-        return self
+    die_with_parent = True
 
 
 class Engine:
@@ -316,16 +310,16 @@ class Engine:
         if self.rc.engine_url:
             self.url = self.rc.engine_url.rstrip("/")
             return self
+        from rollway.base.process import free_port
         from rollway.policies.config import PolicyConfig
         from rollway.policies.launch import vllm_server
-        from rollway.runners.broker import free_port
 
         cfg = PolicyConfig(type="openai", launch=True, engine="vllm", model=self.rc.model,
                            max_model_len=self.rc.max_model_len, kv_cache_gib=self.rc.kv_cache_gib,
                            vllm_args=["--max-num-seqs", str(self.rc.slots),
                                       "--disable-uvicorn-access-log"])  # the sampler polls /metrics 4x a second
         t0 = time.monotonic()
-        base = vllm_server(cfg, free_port(), self.out / "vllm.out")  # the argv and environment rollway uses
+        base = vllm_server(cfg, free_port(), RunDir(self.out).engine_log)  # the argv and environment rollway uses
         self.server = DiesWithBench(base.argv, base.env, base.port, base.log_path).start()
         try:
             self.server.wait_ready(self.rc.engine_start_timeout_s)
@@ -349,16 +343,15 @@ class Engine:
         return self.server.proc.pid if self.server is not None and self.server.proc else None
 
     def counters(self) -> dict[str, float]:
-        text = urllib.request.urlopen(f"{self.root}/metrics", timeout=10).read().decode()
+        text = http_get(f"{self.root}/metrics", timeout_s=10).text
         return parse_metrics(text, ENGINE_COUNTERS)
 
     def reset_prefix_cache(self) -> None:
         """Both modes replay the same prompts: a warm cache would spare the second one prefill."""
         for _ in range(50):
             key = os.environ.get("OPENAI_API_KEY")  # a guarded server wants its key on this dev route
-            req = urllib.request.Request(f"{self.root}/reset_prefix_cache", method="POST",
-                                         headers={"Authorization": f"Bearer {key}"} if key else {})
-            body = urllib.request.urlopen(req, timeout=30).read()
+            body = http_post(f"{self.root}/reset_prefix_cache", timeout_s=30,
+                             headers={"Authorization": f"Bearer {key}"} if key else None).body
             if not body.strip() or json.loads(body).get("success", True):
                 return
             time.sleep(0.1)
@@ -391,7 +384,7 @@ def run_baseline_mode(data: dict[str, Any], run_dir: Path, slots: int) -> tuple[
     from rollway.bench.baseline import run_baseline
     from rollway.bench.pipeline import load_run_config
 
-    cfg = load_run_config(data, run_dir / "config.yaml")
+    cfg = load_run_config(data, RunDir(run_dir).run_config_yaml)
     result = asyncio.run(run_baseline(cfg, run_dir, slots))
     return result.started, result.ended, [msgspec.to_builtins(t) for t in result.trajectories]
 
@@ -420,14 +413,14 @@ def run_real_bench(rc: RealBenchConfig, out: Path, say=print) -> dict[str, Any]:
     tokenizer = str(resolve_model_folder(rc.model))
     modes: dict[str, dict[str, Any]] = {}
     note("bench real: starting the engine" if not rc.engine_url else f"bench real: engine at {rc.engine_url}")
-    with Engine(rc, out) as engine, EmbeddedBroker(log_path=out / "broker.log") as broker:
+    with Engine(rc, out) as engine, EmbeddedBroker(log_path=RunDir(out).bench_broker_log) as broker:
         sampler = Sampler(f"{engine.root}/metrics", engine.pid, rc.sample_interval_s)
         sampler.start()
         try:
             for mode in rc.modes:
                 note(f"bench real: {mode}, {rc.episodes} episodes, {rc.slots} model-call slots")
                 engine.reset_prefix_cache()
-                run_dir = out / mode
+                run_dir = RunDir(out).sub(mode).path
                 data = real_run_config(rc, tasks_path, run_dir, engine.url, tokenizer, mode)
                 before = engine.counters()
                 if mode == "baseline":
@@ -439,7 +432,7 @@ def run_real_bench(rc: RealBenchConfig, out: Path, say=print) -> dict[str, Any]:
                 modes[mode] = {"makespan_s": t1 - t0, **episode_figures(trajectories, run_dir), **sampler.window(t0, t1),
                                **{k.removeprefix("vllm:"): after[k] - before[k] for k in ENGINE_COUNTERS}}
                 modes[mode]["generated_tokens_per_s"] = modes[mode]["generated_tokens"] / modes[mode]["makespan_s"]
-                (out / f"{mode}.json").write_text(json.dumps(modes[mode], indent=1))  # kept if a later mode fails
+                RunDir(out).mode_result(mode).write_text(json.dumps(modes[mode], indent=1))  # kept if a later mode fails
         finally:
             sampler.stop()
     from rollway.bench.real_tasks import per_archive, read_rows

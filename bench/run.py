@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import dataclasses
-import json
-import signal
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from rollway.base.http import http_get, http_post
+from rollway.base.process import Child, free_port
+from rollway.base.run_dir import RunDir
 from rollway.bench import report
 from rollway.bench.baseline import BaselineResult, run_baseline
 from rollway.bench.pipeline import PipelineRun, load_run_config, run_config, run_pipeline
@@ -28,26 +26,15 @@ from rollway.bench.workload import (
     workload_summary,
     write_plans,
 )
-from rollway.runners.broker import EmbeddedBroker, free_port
+from rollway.runners.broker import EmbeddedBroker
 from rollway.runtime.telemetry import EpisodeStages, episode_stages, read_telemetry
 from rollway.sandboxes.sim import live_sandbox_stats
-
-PR_SET_PDEATHSIG = 1
-"""prctl option (linux/prctl.h): the signal the kernel sends a process when its parent dies."""
-
-
-def die_with_parent() -> None:
-    """preexec_fn of a benchmark's helper process: SIGTERM it when the bench process dies, however it
-    dies (SIGKILL included, where no cleanup code runs). Linux only; a no-op elsewhere."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
 
 
 class SimServer:
     """The simulated inference server as its own process (shared by every agent worker). It dies with
-    the bench process (`die_with_parent`), so a bench killed from outside leaves no server behind."""
+    the bench process (the launcher's `die_with_parent`), so a bench killed from outside leaves no
+    server behind."""
 
     def __init__(self, plans_path: Path, wl: WorkloadConfig, log_path: Path, instant: bool = False):
         self.port = free_port()
@@ -55,36 +42,25 @@ class SimServer:
         self.argv = [sys.executable, "-m", "rollway.bench.sim_server", "--plans", str(plans_path),
                      "--workload", wl.model_dump_json(), "--port", str(self.port)] + ["--instant"] * instant
         self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
+        self.proc: Child | None = None
 
     def __enter__(self) -> SimServer:
-        with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1).read()
-                return self
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the sim server did not start; see {self.log_path}") from None
-                time.sleep(0.1)
+        self.proc = Child(self.argv, self.log_path, name="the sim server", die_with_parent=True).start()
+        self.proc.wait_for_http(f"http://127.0.0.1:{self.port}/health", timeout_s=30)
+        return self
 
     def __exit__(self, *exc: Any) -> None:
         if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(10)
+            self.proc.stop(grace_s=10)
 
     def reset(self) -> None:
         """Empty the server's prefix cache before a mode: both modes run the same episodes, and a
         warm cache would spare the second one the prefill of each episode's first prompt."""
-        urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{self.port}/sim/reset", method="POST"),
-                               timeout=30).read()
+        http_post(f"http://127.0.0.1:{self.port}/sim/reset", timeout_s=30)
 
     def steps(self, t0: float, t1: float) -> dict[str, Any]:
         """The server's steps, cap and request log over [t0, t1]."""
-        url = f"http://127.0.0.1:{self.port}/sim/steps?t0={t0}&t1={t1}"
-        return json.loads(urllib.request.urlopen(url, timeout=30).read())
+        return http_get(f"http://127.0.0.1:{self.port}/sim/steps?t0={t0}&t1={t1}", timeout_s=30).json()
 
 
 def partial(plans: list[EpisodePlan], carried: list[list[int]]) -> list[EpisodePlan]:
@@ -136,14 +112,14 @@ def mode_figures(label: str, started: float, ended: float, trajectories: list[di
 
 
 def baseline_mode(wl: WorkloadConfig, out: Path, server: SimServer) -> tuple[dict, list, BaselineResult]:
-    run_dir = out / "baseline"
+    run_dir = RunDir(out).sub("baseline").path
     server.reset()
-    data = run_config(wl, out / "plans.jsonl", run_dir / "sandboxes", server.url, "baseline")
-    cfg = load_run_config(data, run_dir / "config.yaml")
+    data = run_config(wl, RunDir(out).plans, RunDir(run_dir).sandboxes, server.url, "baseline")
+    cfg = load_run_config(data, RunDir(run_dir).run_config_yaml)
     result = asyncio.run(run_baseline(cfg, run_dir, wl.slots))
     batch = sorted(result.trajectories, key=lambda t: t.created_at)[:wl.episodes]
     figures, series = mode_figures(f"baseline ({wl.slots} slots)", result.started, batch[-1].created_at,
-                                   [msgspec.to_builtins(t) for t in batch], server, run_dir / "sandboxes",
+                                   [msgspec.to_builtins(t) for t in batch], server, RunDir(run_dir).sandboxes,
                                    len(result.trajectories))
     figures["peak_busy_slots"] = result.peak_busy_slots
     figures["batch"] = sorted(plan_index(t.task_id) for t in batch)
@@ -157,9 +133,9 @@ def baseline_mode(wl: WorkloadConfig, out: Path, server: SimServer) -> tuple[dic
 def pipeline_mode(wl: WorkloadConfig, out: Path, server: SimServer, bootstrap: str,
                   workers: int) -> tuple[dict, list, PipelineRun]:
     name = f"pipeline-a{workers}"
-    run_dir = out / name
+    run_dir = RunDir(out).sub(name).path
     server.reset()
-    data = run_config(wl, out / "plans.jsonl", run_dir / "sandboxes", server.url, name, workers)
+    data = run_config(wl, RunDir(out).plans, RunDir(run_dir).sandboxes, server.url, name, workers)
     run = run_pipeline(data, run_dir, bootstrap, workers)
     from rollway.base.run_dir import read_trajectories
 
@@ -169,7 +145,7 @@ def pipeline_mode(wl: WorkloadConfig, out: Path, server: SimServer, bootstrap: s
     in_batch = set(batch)
     figures, series = mode_figures(f"pipeline ({workers} agent worker{'s' * (workers > 1)})", run.started,
                                    ended, [t for t in trajectories if t["episode"]["episode_id"] in in_batch], server,
-                                   run_dir / "sandboxes", len(trajectories))
+                                   RunDir(run_dir).sandboxes, len(trajectories))
     telemetry = read_telemetry(run_dir)
     figures.update(report.hop_stats(telemetry, run.issued_at, {e: run.created_at[e] for e in batch}))
     held = [(s, min(e, ended)) for s, e in report.model_slot_intervals(telemetry, trajectories, wl.tool_overlap)
@@ -200,11 +176,11 @@ def run_bench(wl: WorkloadConfig, out: Path, scaling: list[int], say=print, with
         print_progress(f"[{time.monotonic() - t0:5.0f}s] {message}")
 
     plans = plan_workload(wl.model_copy(update={"episodes": wl.episodes + wl.carried}))
-    write_plans(plans, out / "plans.jsonl")
+    write_plans(plans, RunDir(out).plans)
     runs: dict[int, dict] = {}
     series: dict[str, list] = {}
-    with SimServer(out / "plans.jsonl", wl, out / "sim-server.log") as server, \
-            EmbeddedBroker(log_path=out / "broker.log") as broker:
+    with SimServer(RunDir(out).plans, wl, RunDir(out).sim_server_log) as server, \
+            EmbeddedBroker(log_path=RunDir(out).bench_broker_log) as broker:
         baseline = None
         if with_baseline:
             say(f"bench: baseline, {wl.episodes} episodes, {wl.slots} slots")
@@ -224,7 +200,7 @@ def run_bench(wl: WorkloadConfig, out: Path, scaling: list[int], say=print, with
         baseline["ideal_makespan"] = ideal_makespan([plans[i] for i in baseline.pop("batch")], wl,
                                                     partial(plans, baseline.pop("carried")))["ideal_makespan"]
     ideal = headline["ideal"]
-    plot = out / "utilisation.png"
+    plot = RunDir(out).utilisation_plot
     report.plot_utilisation({**({baseline["label"]: series["baseline"]} if baseline else {}),
                              headline["label"]: series["pipeline"]}, wl.slots, plot)
     return {"workload": wl.model_dump(), "workload_summary": workload_summary(plans[:wl.episodes]), "ideal": ideal,

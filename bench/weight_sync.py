@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rollway.base.run_dir import RunDir
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=2, help="vLLM servers to start (ignored with --url)")
@@ -58,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         if launched is not None:
             launched.stop()
     result["load_average_end"] = round(os.getloadavg()[0], 2)
-    (out / "result.json").write_text(json.dumps(result, indent=1))
+    RunDir(out).result.write_text(json.dumps(result, indent=1))
     print(json.dumps(result) if args.json else report(result))
     return 0
 
@@ -70,7 +72,7 @@ def _launch(args: argparse.Namespace, out: Path) -> tuple[Any, float]:
     cfg = PolicyConfig(type="openai", launch=True, engine="vllm", model=args.model, replicas=args.replicas,
                        kv_cache_gib=args.kv_cache_gib, vllm_args=["--enable-lora", "--max-lora-rank", str(args.lora_r)])
     start = time.perf_counter()
-    launched = launch_engine(cfg, out / "logs")
+    launched = launch_engine(cfg, RunDir(out).logs)
     return launched, round(time.perf_counter() - start, 1)
 
 

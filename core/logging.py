@@ -12,7 +12,9 @@ from pathlib import Path
 
 import structlog
 
-from rollway.base.redaction import MASK, redact, redact_data, register_secrets, spawn_logged
+from rollway.base.process import spawn_logged
+from rollway.base.redaction import MASK, redact, redact_data, register_secrets
+from rollway.base.run_dir import RunDir
 
 __all__ = ["MASK", "configure_logging", "redact", "redact_data", "register_secrets", "spawn_logged"]
 
@@ -55,8 +57,8 @@ def configure_logging(stage: str, run_dir: Path | None = None, level: str = "INF
                     structlog.dev.ConsoleRenderer(colors=False)], foreign_pre_chain=shared))
     handlers.append(console)
     if run_dir is not None:
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        fh = logging.FileHandler(run_dir / "logs" / f"{stage}.jsonl")
+        RunDir(run_dir).logs.mkdir(parents=True, exist_ok=True)
+        fh = logging.FileHandler(RunDir(run_dir).json_log(stage))
         fh.setFormatter(RedactingFormatter(  # format_exc_info: stdlib records keep their traceback too
             processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
                         structlog.processors.format_exc_info, structlog.processors.JSONRenderer()],

@@ -17,6 +17,7 @@ import torch
 
 from rollway.base.faults import fault_point
 from rollway.base.files import write_json_atomic
+from rollway.base.run_dir import RunDir
 
 STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "manifest.json"
@@ -88,7 +89,7 @@ class TrainerState:
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
-    return run_dir / "checkpoints"
+    return RunDir(run_dir).checkpoints
 
 
 def _complete(root: Path) -> list[Path]:

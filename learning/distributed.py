@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from rollway.base.faults import fault_point
+from rollway.base.process import Child, free_port
 from rollway.base.redaction import register_secrets
 from rollway.learning.batching import Sample
 from rollway.learning.config import LearnerConfig
@@ -555,12 +556,6 @@ def _rank_device(cfg: LearnerConfig) -> torch.device:
     return device
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def build_trainer(cfg: LearnerConfig, run_dir: Path, *, group_size: int | None = None,
                   model_factory: Any = None) -> Trainer:
     """The learner's trainer: the single-process Trainer, or rank 0 of a sharded group (starting
@@ -573,10 +568,10 @@ def build_trainer(cfg: LearnerConfig, run_dir: Path, *, group_size: int | None =
     return ShardedTrainer(cfg, run_dir, group_size=group_size, **kwargs)
 
 
-_children: list[subprocess.Popen] = []
+_children: list[Child] = []
 
 
-def start_followers(world: int, port: int | None, argv: list[str] | None = None) -> list[subprocess.Popen]:
+def start_followers(world: int, port: int | None, argv: list[str] | None = None) -> list[Child]:
     """Make this process rank 0 of `world` and start ranks 1..world-1 as copies of this command
     (`argv`, default this process's) with RANK/WORLD_SIZE/MASTER_* set; they are ended with it."""
     token = os.environ.get(DIST_TOKEN_ENV) or secrets.token_hex(32)  # signs rank 0's commands (environment only)
@@ -585,8 +580,9 @@ def start_followers(world: int, port: int | None, argv: list[str] | None = None)
     os.environ.update({**env, "RANK": "0", "LOCAL_RANK": "0"})
     command = argv or [sys.executable, *sys.orig_argv[1:]]
     for rank in range(1, world):
-        child_env = {**os.environ, **env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-        _children.append(subprocess.Popen(command, env=child_env))
+        # Sharing this process's output and group: a rank's traceback lands in the learner's own log.
+        _children.append(Child(command, None, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                               name=f"learner rank {rank}", own_group=False).start())
     atexit.register(stop_followers)
     return list(_children)
 
@@ -597,9 +593,7 @@ def stop_followers(grace_s: float = 10.0) -> None:
     for child in _children:
         with contextlib.suppress(subprocess.TimeoutExpired):
             child.wait(max(0.0, deadline - time.monotonic()))
-        if child.poll() is None:
-            child.kill()
-            child.wait()
+        child.kill()  # a no-op for a rank that exited
     _children.clear()
 
 

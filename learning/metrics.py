@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rollway.base.run_dir import RunDir
+
 
 def distribution(prefix: str, values: Sequence[float]) -> dict[str, float]:
     """mean/std/min/max of `values` as `<prefix>_<stat>` (population std; empty -> zeros)."""
@@ -37,13 +39,13 @@ class MetricsWriter:
     histograms) to TensorBoard in run_dir/tb when enabled."""
 
     def __init__(self, run_dir: Path, tensorboard: bool = True) -> None:
-        self.path = run_dir / "metrics.jsonl"
+        self.path = RunDir(run_dir).metrics
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._tb: Any = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tb"))
+            self._tb = SummaryWriter(log_dir=str(RunDir(run_dir).tensorboard))
 
     def write(self, step: int, metrics: dict[str, float], histograms: dict[str, Sequence[float]] | None = None) -> None:
         record = {"step": step, "time": time.time(), **metrics}

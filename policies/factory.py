@@ -56,18 +56,15 @@ def _is_local_model(spec: str | None) -> bool:
 
 def _served_root(cfg: PolicyConfig) -> str | None:
     """The `root` (vLLM: the model's path or hub name) of the served model in /v1/models."""
-    import json
-    import urllib.request
+    from rollway.base.http import http_get
 
     urls = cfg.base_urls()
     if not urls:
         return None
-    request = urllib.request.Request(f"{urls[0].rstrip('/')}/models")
-    if key := cfg.api_key_value():
-        request.add_header("Authorization", f"Bearer {key}")
+    key = cfg.api_key_value()
     try:
-        with urllib.request.urlopen(request, timeout=10) as resp:
-            models = json.load(resp)["data"]
+        models = http_get(f"{urls[0].rstrip('/')}/models", timeout_s=10,
+                          headers={"Authorization": f"Bearer {key}"} if key else None).json()["data"]
     except (OSError, ValueError, KeyError) as err:
         raise ValueError(f"could not ask {urls[0]}/models which model it serves ({err}); set policy.tokenizer "
                          "to the served model's tokenizer") from err

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,10 +16,11 @@ from typing import Any
 import structlog
 from pydantic import SecretStr
 
-from rollway.base.redaction import spawn_logged
+from rollway.base.http import http_post
+from rollway.base.process import Child, free_port
 from rollway.policies.config import OpenAIPolicyConfig
 from rollway.policies.cpu_engine import ENGINE_KEY_ENV
-from rollway.policies.vllm import INSTALL_HINT, vllm_python, vllm_serve_command, vllm_serve_env, wait_ready
+from rollway.policies.vllm import INSTALL_HINT, vllm_python, vllm_serve_command, vllm_serve_env
 
 log = structlog.get_logger()
 
@@ -37,37 +36,35 @@ def resolve_engine(cfg: OpenAIPolicyConfig) -> str:
 
 
 class ServerProcess:
-    """One server child: argv, log file, process group."""
+    """One server child: argv, extra environment, port and log file; started, awaited and stopped by
+    the launcher (base/process.py) in its own process group."""
+
+    die_with_parent = False
+    """True: the kernel stops the server when the process that started it dies (benchmarks)."""
 
     def __init__(self, argv: list[str], env: dict[str, str], port: int, log_path: Path):
         self.argv, self.env, self.port, self.log_path = argv, env, port, log_path
-        self.proc: subprocess.Popen | None = None
+        self.proc: Child | None = None
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def start(self) -> ServerProcess:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.proc = spawn_logged(self.argv, self.log_path, env={**os.environ, **self.env}, start_new_session=True)
+        self.proc = Child(self.argv, self.log_path, self.env, name="the engine",
+                          die_with_parent=self.die_with_parent).start()
         return self
 
     def wait_ready(self, timeout_s: float) -> None:
         assert self.proc is not None
-        wait_ready(f"http://127.0.0.1:{self.port}/health", self.proc, timeout_s, self.log_path)
+        self.proc.wait_for_http(f"http://127.0.0.1:{self.port}/health", timeout_s)
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.proc is not None and self.proc.alive
 
     def stop(self) -> None:
-        if self.alive():
-            assert self.proc is not None
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        if self.proc is not None:
+            self.proc.stop(grace_s=20)
 
 
 class LaunchedEngine:
@@ -83,9 +80,8 @@ class LaunchedEngine:
     def kill(self, index: int) -> None:
         """SIGKILL one server (chaos runs); `restart_dead` brings it back."""
         proc = self.servers[index].proc
-        if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        if proc is not None:
+            proc.kill()
 
     def restart_dead(self, checkpoint: str | None, version: int = 0) -> list[str]:
         """Start every dead server again on its port, serving `checkpoint` (the learner's newest) when
@@ -160,8 +156,6 @@ def builtin_server(cfg: OpenAIPolicyConfig, port: int, log_path: Path) -> Server
 
 def launch_engine(cfg: OpenAIPolicyConfig, log_dir: Path) -> LaunchedEngine:
     """Start the configured servers and wait until every one answers /health."""
-    from rollway.base.net import free_port
-
     engine = resolve_engine(cfg)
     if cfg.api_key_value() is None:  # the weight-loading routes must not be open to anything on the host
         cfg = cfg.model_copy(update={"api_key": SecretStr(secrets.token_urlsafe(32))})
@@ -202,11 +196,5 @@ def split_cores(count: int) -> list[str]:
 
 
 def _post(url: str, body: dict, api_key: str | None = None) -> None:
-    import json
-    import urllib.request
-
     auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json", **auth})
-    with urllib.request.urlopen(request, timeout=30) as response:
-        response.read()
+    http_post(url, body, headers=auth, timeout_s=30)

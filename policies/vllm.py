@@ -342,24 +342,3 @@ class VLLMClient(OpenAICompletionsClient):
         if len(labels) != 1:
             raise RuntimeError(f"vLLM replicas serve different policy versions: {sorted(labels)}")
         return labels.pop()
-
-
-def wait_ready(url: str, proc: Any, timeout_s: float, log_path: Path | None = None) -> None:
-    """Poll `url` (a /health route) until it answers 200; raise if `proc` exits or time runs out."""
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"the engine exited at start (code {proc.returncode}); see {log_path}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the engine was not ready within {timeout_s:.0f}s; see {log_path}")
-        time.sleep(0.5)
-
-

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import time
+import os
 from pathlib import Path
 
-from rollway.base.net import free_port
+from rollway.base.process import Child, ProcessStartError, free_port, port_open
 
 __all__ = ["BrokerError", "EmbeddedBroker", "broker_binary", "free_port", "port_in_use"]
 
@@ -31,8 +29,7 @@ def broker_binary() -> str:
 
 
 def port_in_use(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
+    return port_open(port)
 
 
 class EmbeddedBroker:
@@ -41,7 +38,7 @@ class EmbeddedBroker:
     def __init__(self, port: int = 0, log_path: Path | None = None):
         self.port = port or free_port()
         self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
+        self.proc: Child | None = None
 
     @property
     def bootstrap(self) -> str:
@@ -51,29 +48,18 @@ class EmbeddedBroker:
         if port_in_use(self.port):
             raise BrokerError(f"port {self.port} on 127.0.0.1 is already in use; choose another with --port")
         url = f"tcp://127.0.0.1:{self.port}"
-        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(
-            [broker_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url,
-             "--storage-engine", "memory://tansu/"],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while not port_in_use(self.port):
-            if self.proc.poll() is not None:
-                raise BrokerError(f"the broker exited at start (code {self.proc.returncode}); see {self.log_path or 'its output'}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise BrokerError(f"the broker did not listen on {self.bootstrap} within {timeout_s}s")
-            time.sleep(0.02)
+        argv = [broker_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url,
+                "--storage-engine", "memory://tansu/"]
+        self.proc = Child(argv, self.log_path or Path(os.devnull), name="the broker").start()
+        try:
+            self.proc.wait_for_port(self.port, timeout_s)
+        except ProcessStartError as err:
+            raise BrokerError(str(err)) from None
         return self
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            self.proc.stop(grace_s=5)
 
     def __enter__(self) -> EmbeddedBroker:
         return self.start()

@@ -6,9 +6,7 @@ an independent consumer, and the manifests of the optimiser steps inside the lea
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import signal
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -69,8 +67,7 @@ class ChaosMonkey:
             return
         live = [p for p in job.procs if p.stage == kind and p.alive]
         victim = self.rng.choice(live)
-        os.killpg(victim.proc.pid, signal.SIGKILL)
-        victim.proc.wait()
+        victim.proc.kill()  # SIGKILL to its whole process group
         self.events.append({"t": round(now - self.started, 2), "kill": f"{kind}-{victim.index}"})
 
     @property

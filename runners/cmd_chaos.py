@@ -8,7 +8,7 @@ import json
 import sys
 
 from rollway.base.redaction import redact_data
-from rollway.base.run_dir import fresh_run_folder
+from rollway.base.run_dir import RunDir, fresh_run_folder
 from rollway.runners.common import add_config_arguments, load_or_exit
 
 NAME = "chaos"
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     workers = parse_workers(["init=2", "agent=2", "reward=2", *args.workers])
     write_run_files(run_dir, cfg)
     try:
-        broker = EmbeddedBroker(cfg.broker.port, log_path=run_dir / "logs" / "broker.out").start()
+        broker = EmbeddedBroker(cfg.broker.port, log_path=RunDir(run_dir).broker_log).start()
     except BrokerError as err:
         print(f"rollway chaos: {err}", file=sys.stderr)
         return 1
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
                          kinds=tuple(args.kinds.split(",")) if args.kinds else None)
     faults = FAULT_POINTS if args.faults is None else ("" if args.faults == "none" else args.faults)
     env = {"ROLLWAY_FAULTS": faults, "ROLLWAY_FAULTS_SEED": str(args.seed),
-           "ROLLWAY_FAULTS_STATE": str(run_dir / "faults")}  # `NAME=once` points: one kill per run
+           "ROLLWAY_FAULTS_STATE": str(RunDir(run_dir).faults_state)}  # `NAME=once` points: one kill per run
     error = None
     try:
         summary = run_job(cfg, args.config, list(args.overrides), broker.bootstrap, run_dir, workers,
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
               "fault_kills": _fault_kills(run_dir), "broker_restarts": sum("restart" in e for e in monkey.events),
               "events": monkey.events, "wall_seconds": summary.get("wall_seconds"), "run_dir": str(run_dir),
               "error": error}
-    (run_dir / "chaos.json").write_text(json.dumps(redact_data(result), indent=1))
+    RunDir(run_dir).chaos_result.write_text(json.dumps(redact_data(result), indent=1))
     if args.json:
         print(json.dumps(result))
     else:
@@ -93,7 +93,7 @@ def _fault_kills(run_dir) -> dict[str, int]:
 
     marker = "rollway fault injection: killed at "
     found: Counter[str] = Counter()
-    for path in (run_dir / "logs").glob("*.out"):
+    for path in RunDir(run_dir).logs.glob("*.out"):
         for line in path.read_text(errors="replace").splitlines():
             if marker in line:
                 found[line.split(marker, 1)[1].strip()] += 1

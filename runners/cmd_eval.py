@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from rollway.base.redaction import redact_data
-from rollway.base.run_dir import fresh_run_folder
+from rollway.base.run_dir import RunDir, fresh_run_folder
 from rollway.runners.common import add_config_arguments, load_or_exit
 
 NAME = "eval"
@@ -54,9 +54,9 @@ def write_eval(run_dir: Path, cfg, task_ids: list[str] | None = None) -> dict:
         from rollway.envs.factory import build_taskset
 
         task_ids = [t.task_id for t in build_taskset(cfg.tasks).tasks()]
-    trajs = {t["episode"]["episode_id"]: t for t in read_jsonl(run_dir / "trajectories.jsonl")
+    trajs = {t["episode"]["episode_id"]: t for t in read_jsonl(RunDir(run_dir).trajectories)
              if belongs_to_run(t["episode"]["episode_id"], cfg.run.id)}
-    last_failure = {f["episode"]["episode_id"]: f for f in read_jsonl(run_dir / "failures.jsonl")
+    last_failure = {f["episode"]["episode_id"]: f for f in read_jsonl(RunDir(run_dir).failures)
                     if belongs_to_run(f["episode"]["episode_id"], cfg.run.id)}
     reasons = Counter(_reason(f)[:200] for eid, f in last_failure.items() if eid not in trajs)
     ks = sorted({*cfg.eval.ks, cfg.eval.attempts})
@@ -72,7 +72,7 @@ def write_eval(run_dir: Path, cfg, task_ids: list[str] | None = None) -> dict:
         report = write_predictions(run_dir, cfg, task_ids, list(trajs.values()), reasons_by_task)
         result["swebench"] = {k: report[k] for k in ("resolved_instances", "unresolved_instances", "error_instances")}
         result["atif_files"] = write_atif(run_dir, cfg, list(trajs.values()))
-    (run_dir / "eval.json").write_text(json.dumps(redact_data(result), indent=1))
+    RunDir(run_dir).eval_result.write_text(json.dumps(redact_data(result), indent=1))
     return result
 
 
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     broker = None
     try:
         if args.bootstrap is None and cfg.broker.bootstrap is None:
-            broker = EmbeddedBroker(cfg.broker.port, log_path=run_dir / "logs" / "broker.out").start()
+            broker = EmbeddedBroker(cfg.broker.port, log_path=RunDir(run_dir).broker_log).start()
         bootstrap = args.bootstrap or cfg.broker.bootstrap or broker.bootstrap
         run_job(cfg, args.config, overrides, bootstrap, run_dir, parse_workers(args.workers))
     except (BrokerError, BrokerUnavailable, JobFailed, ValueError) as err:

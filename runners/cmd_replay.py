@@ -100,9 +100,10 @@ async def read_topic(args: argparse.Namespace, emit) -> int:
 
 def rerun_config(args: argparse.Namespace):
     """The config the episode ran with: CONFIG if given, else the run folder's config.json."""
+    from rollway.base.run_dir import RunDir
     from rollway.runners.common import load_or_exit
 
-    config = args.topic or (str(Path(args.run_dir) / "config.json") if args.run_dir else None)
+    config = args.topic or (str(RunDir(args.run_dir).config) if args.run_dir else None)
     if config is None:
         print("rollway replay: --rerun with --bootstrap needs the run's CONFIG (or --run-dir)", file=sys.stderr)
         raise SystemExit(2)

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from rollway.base.run_dir import fresh_run_folder
+from rollway.base.run_dir import RunDir, fresh_run_folder
 from rollway.runners.common import add_config_arguments, load_or_exit
 
 NAME = "up"
@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def prepare_run_dir(args: argparse.Namespace, cfg, prog: str) -> Path:
     """The run folder: new, or at least not holding another run's results."""
     run_dir = Path(args.run_dir or cfg.run.dir or fresh_run_folder(cfg.run.name))
-    if (run_dir / "trajectories.jsonl").exists() or (run_dir / "summary.json").exists():
+    if RunDir(run_dir).trajectories.exists() or RunDir(run_dir).summary.exists():
         print(f"rollway {prog}: run folder {run_dir} already holds a run; choose another --run-dir or delete it",
               file=sys.stderr)
         raise SystemExit(2)
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     broker = None
     try:
         if args.bootstrap is None and cfg.broker.bootstrap is None:
-            broker = EmbeddedBroker(cfg.broker.port, log_path=run_dir / "logs" / "broker.out").start()
+            broker = EmbeddedBroker(cfg.broker.port, log_path=RunDir(run_dir).broker_log).start()
         bootstrap = args.bootstrap or cfg.broker.bootstrap or broker.bootstrap
         summary = run_job(cfg, args.config, list(args.overrides), bootstrap, run_dir, workers)
     except (BrokerError, BrokerUnavailable, JobFailed) as err:

@@ -7,7 +7,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from rollway.base.run_dir import read_trajectories
+from rollway.base.run_dir import RunDir, read_trajectories
 
 
 class EpisodeNotFound(LookupError):
@@ -16,7 +16,7 @@ class EpisodeNotFound(LookupError):
 
 def load_run_dir(run_dir: Path) -> list[dict[str, Any]]:
     """Trajectories the sink wrote into `run_dir/trajectories.jsonl`, in completion order."""
-    path = Path(run_dir) / "trajectories.jsonl"
+    path = RunDir(run_dir).trajectories
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist; pass the folder of a finished `rollway up` run")
     trajs = read_trajectories(run_dir)

@@ -8,6 +8,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from rollway.base.run_dir import RunDir
+
 ATIF_VERSION = "ATIF-v1.4"
 ERROR_OUTCOMES = ("patch_failed", "test_timeout", "env_error")
 
@@ -41,7 +43,7 @@ def write_predictions(run_dir: Path, cfg: Any, task_ids: list[str], trajs: list[
     the pipeline with `failures[task_id]` as the reason). Returns the report."""
     chosen = chosen_attempts(trajs)
     name = model_name(cfg)
-    with (run_dir / "predictions.jsonl").open("w") as out:
+    with RunDir(run_dir).predictions.open("w") as out:
         for task_id in task_ids:
             if task_id in chosen:
                 patch = (chosen[task_id].get("grade") or {}).get("model_patch", "")
@@ -60,7 +62,7 @@ def write_predictions(run_dir: Path, cfg: Any, task_ids: list[str], trajs: list[
         "empty_patch_ids": sorted(t for t, tr in chosen.items() if not (tr.get("grade") or {}).get("model_patch")),
         "incomplete_ids": sorted(t for t in task_ids if t not in chosen and t not in failures),
     }
-    (run_dir / "swebench_report.json").write_text(json.dumps(report, indent=1))
+    RunDir(run_dir).swebench_report.write_text(json.dumps(report, indent=1))
     return report
 
 
@@ -102,7 +104,7 @@ def to_atif(traj: dict[str, Any], model: str) -> dict[str, Any]:
 
 
 def write_atif(run_dir: Path, cfg: Any, trajs: list[dict[str, Any]]) -> int:
-    folder = run_dir / "atif"
+    folder = RunDir(run_dir).atif
     folder.mkdir(exist_ok=True)
     model = model_name(cfg)
     for traj in trajs:

@@ -147,7 +147,7 @@ class Progress:
                  stream: TextIO | None = None):
         self.display = ProgressDisplay("episodes", every_s=every_s, enabled=enabled, stream=stream)
         self.run_dir = run_dir
-        self.rewards = RewardTail(run_dir / "trajectories.jsonl") if run_dir is not None else None
+        self.rewards = RewardTail(RunDir(run_dir).trajectories) if run_dir is not None else None
         self.started = time.monotonic()
 
     def line(self, sched: dict, sink: dict) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rollway.base.redaction import redact
+from rollway.base.run_dir import RunDir, iter_jsonl
 from rollway.runners.episodes import load_run_dir
 from rollway.runtime.telemetry import EpisodeStages, episode_stages, read_telemetry
 
@@ -52,9 +53,8 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def load_report_data(run_dir: Path) -> ReportData:
     run_dir = Path(run_dir)
-    metrics_path = run_dir / "metrics.jsonl"
-    metrics = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()] if metrics_path.exists() else []
-    return ReportData(run_dir, load_run_dir(run_dir), _read_json(run_dir / "summary.json"), metrics,
+    metrics = list(iter_jsonl(RunDir(run_dir).metrics))
+    return ReportData(run_dir, load_run_dir(run_dir), _read_json(RunDir(run_dir).summary), metrics,
                       episode_stages(read_telemetry(run_dir)))
 
 
@@ -356,7 +356,7 @@ def render_html(data: ReportData, pngs: dict[str, bytes]) -> str:
 def write_report(run_dir: Path) -> Path:
     """Write `run_dir/plots/*.png` and `run_dir/report.html`; returns the HTML path."""
     data = load_report_data(Path(run_dir))
-    pngs = save_plots(build_plots(data), data.run_dir / "plots")
-    out = data.run_dir / "report.html"
+    pngs = save_plots(build_plots(data), RunDir(data.run_dir).plots)
+    out = RunDir(data.run_dir).report_html
     out.write_text(redact(render_html(data, pngs)))  # episode text may quote a credential
     return out

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,9 +14,10 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from rollway.base.process import Child
 from rollway.base.run_dir import RunDir, read_trajectories
 from rollway.core.config import RunConfig, dump_config, secret_values, write_resolved_config
-from rollway.core.logging import redact_data, register_secrets, spawn_logged
+from rollway.core.logging import redact_data, register_secrets
 from rollway.topics.topology import STAGE_NAMES as STAGES
 from rollway.topics.topology import start_order
 
@@ -40,19 +39,19 @@ class StageProcess:
     index: int
     argv: list[str]
     log_path: Path
-    proc: subprocess.Popen | None = None
+    proc: Child | None = None
     restarts: int = 0
 
     env: dict[str, str] | None = None
 
     def start(self) -> None:
-        env = {**os.environ, **self.env} if self.env else None
         # Output through the redactor: a traceback or a library's line that quotes a secret is masked.
-        self.proc = spawn_logged(self.argv, self.log_path, env=env, start_new_session=True)
+        self.proc = Child(self.argv, self.log_path, self.env, name=f"stage {self.stage} worker {self.index}",
+                          term_leader_only=True).start()
 
     @property
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.proc is not None and self.proc.alive
 
 
 @dataclass
@@ -80,7 +79,7 @@ class Job:
     @property
     def stage_config_path(self) -> Path:
         """The resolved config every stage process loads (written by `start`; it holds no secret)."""
-        return self.run_dir / "stage-config.json"
+        return RunDir(self.run_dir).stage_config
 
     def stage_argv(self, stage: str) -> list[str]:
         # learner=N: one learner process, rank 0 of N sharded ranks (it starts the others, learning/distributed.py)
@@ -92,7 +91,7 @@ class Job:
     def start(self) -> None:
         """Start every stage process at once. The scheduler plans, scans the log and joins its group
         meanwhile, but issues nothing until `open_start_gate` sees every other worker own partitions."""
-        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        RunDir(self.run_dir).logs.mkdir(parents=True, exist_ok=True)
         self.secrets_env = write_resolved_config(self.cfg, self.stage_config_path)
         gate = RunDir(self.run_dir).start_gate
         gate.unlink(missing_ok=True)
@@ -101,7 +100,7 @@ class Job:
             gate_env = {"ROLLWAY_START_GATE": str(gate)} if stage == "scheduler" else {}
             env = {**(self.env or {}), **self.secrets_env, **gate_env} or None
             for i in range(1 if stage == "learner" else self.workers.get(stage, 1)):
-                p = StageProcess(stage, i, self.stage_argv(stage), self.run_dir / "logs" / f"{stage}-{i}.out", env=env)
+                p = StageProcess(stage, i, self.stage_argv(stage), RunDir(self.run_dir).stage_log(stage, i), env=env)
                 p.start()
                 self.procs.append(p)
 
@@ -160,18 +159,17 @@ class Job:
         return None
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        for p in self.procs:
-            if p.alive:
-                p.proc.send_signal(signal.SIGTERM)
+        """SIGTERM every worker at once (they stop in parallel), then each gets what is left of
+        `timeout_s` before its process group is killed."""
+        started = [p.proc for p in self.procs if p.proc is not None]
+        for proc in started:
+            proc.terminate()
         deadline = time.monotonic() + timeout_s
-        for p in self.procs:
-            if p.proc is None:
-                continue
+        for proc in started:
             try:
-                p.proc.wait(max(0.1, deadline - time.monotonic()))
+                proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                os.killpg(p.proc.pid, signal.SIGKILL)
-                p.proc.wait()
+                proc.kill()
 
 
 def log_tail(path: Path, lines: int = 12) -> str:
@@ -240,8 +238,8 @@ def stage_time_totals(run_dir: Path, trajs: list[dict]) -> dict[str, float]:
 
 
 def write_run_files(run_dir: Path, cfg: RunConfig) -> None:
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(dump_config(cfg), indent=1))
+    RunDir(run_dir).logs.mkdir(parents=True, exist_ok=True)
+    RunDir(run_dir).config.write_text(json.dumps(dump_config(cfg), indent=1))
 
 
 class JobFailed(RuntimeError):
@@ -285,7 +283,7 @@ def run_job(cfg: RunConfig, config_path: str, overrides: list[str], bootstrap: s
         from rollway.policies.launch import launch_engine
 
         try:
-            engine = launch_engine(cfg.policy, run_dir / "logs")
+            engine = launch_engine(cfg.policy, RunDir(run_dir).logs)
         except (RuntimeError, TimeoutError) as err:
             raise JobFailed(f"the inference engine did not start: {err}") from err
         cfg = cfg.model_copy(update={"policy": cfg.policy.model_copy(update=engine.policy_settings())})
@@ -314,7 +312,7 @@ def _run_stages(job: Job, on_tick, quiet: bool) -> dict:
         while (code := job.scheduler_exit_code()) is None:
             gate_open = job.open_start_gate()
             if time.monotonic() - t0 > cfg.run.timeout_s:
-                raise JobFailed(f"timed out after {cfg.run.timeout_s:.0f}s (run.timeout_s); see {run_dir / 'logs'}")
+                raise JobFailed(f"timed out after {cfg.run.timeout_s:.0f}s (run.timeout_s); see {RunDir(run_dir).logs}")
             for note in job.restart_dead_workers():
                 log.warning("worker restarted", note=note)
             if (reason := job.given_up()) is not None:
@@ -325,7 +323,7 @@ def _run_stages(job: Job, on_tick, quiet: bool) -> dict:
             time.sleep(0.25 if gate_open else 0.05)
         sched = RunDir(run_dir).scheduler()
         if code != 0 or not sched.get("done"):
-            raise JobFailed(f"the scheduler exited with code {code}; see {run_dir / 'logs' / 'scheduler-0.out'}")
+            raise JobFailed(f"the scheduler exited with code {code}; see {RunDir(run_dir).stage_log('scheduler', 0)}")
         wait_for_consumers(run_dir, sched["episodes_completed"], job)
     finally:
         job.stop()  # workers write their final status files as they stop
@@ -334,7 +332,7 @@ def _run_stages(job: Job, on_tick, quiet: bool) -> dict:
         progress.close()
     summary = summarize(run_dir, cfg, time.monotonic() - t0, job)
     summary["sandboxes_reaped"] = reaped
-    (run_dir / "summary.json").write_text(json.dumps(redact_data(summary), indent=1))
+    RunDir(run_dir).summary.write_text(json.dumps(redact_data(summary), indent=1))
     if not quiet:
         log.info("run finished", **{k: summary[k] for k in ("episodes_completed", "episodes_failed", "reward_mean",
                                                             "pass_rate", "wall_seconds")})

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from rollway.base.run_dir import TRAJECTORIES_FILE
+from rollway.base.run_dir import RunDir
 from rollway.core.config import RunConfig, load_config
 from rollway.schemas.messages import Trajectory
 
@@ -66,9 +66,9 @@ async def verify_taskset(config: str | None, overrides: list[str], run_dir: Path
     """Every task played by the gold policy and by the do-nothing policy; the rows and the totals."""
     from rollway.actors.services import Services
 
-    gold = Services(with_policy(config, overrides, type="gold"), run_dir / "gold")
+    gold = Services(with_policy(config, overrides, type="gold"), RunDir(run_dir).sub("gold").path)
     nothing = Services(with_policy(config, overrides, type="scripted", script=yaml.safe_load(DO_NOTHING_SCRIPT)),
-                       run_dir / "nothing")
+                       RunDir(run_dir).sub("nothing").path)
     rows = []
     for task in gold.taskset.tasks():
         g = await play_episode(gold.cfg, gold.run_dir, task.task_id, gold)
@@ -83,8 +83,8 @@ async def verify_taskset(config: str | None, overrides: list[str], run_dir: Path
         rows.append(row)
     return {"total": len(rows), "gold_resolved": sum(r["gold_resolved"] for r in rows),
             "nothing_resolved": sum(r["nothing_resolved"] for r in rows), "tasks": rows,
-            "trajectories": {"gold": str(gold.run_dir / TRAJECTORIES_FILE),
-                             "nothing": str(nothing.run_dir / TRAJECTORIES_FILE)}}
+            "trajectories": {"gold": str(RunDir(gold.run_dir).trajectories),
+                             "nothing": str(RunDir(nothing.run_dir).trajectories)}}
 
 
 def keep_trajectory(run_dir: Path, traj: Trajectory) -> None:
@@ -93,7 +93,7 @@ def keep_trajectory(run_dir: Path, traj: Trajectory) -> None:
     from rollway.schemas.codec import to_builtins
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    append_line(run_dir / TRAJECTORIES_FILE, json.dumps(to_builtins(traj)))
+    append_line(RunDir(run_dir).trajectories, json.dumps(to_builtins(traj)))
 
 
 def why_unresolved(traj: Trajectory, cfg: RunConfig) -> str:
