@@ -58,7 +58,7 @@ env = {**os.environ, **c["env"], "OPENAI_BASE_URL": "http://127.0.0.1:%d/v1" % s
 if c["instruction_file"]:
     with open(c["instruction_file"], "w") as f:
         f.write(c["instruction"])
-proc = subprocess.Popen(c["argv"], env=env, stdin=subprocess.PIPE if c["stdin"] else subprocess.DEVNULL)
+proc = subprocess.Popen(c["argv"], env=env, stdin=subprocess.PIPE if c["stdin"] else subprocess.DEVNULL)  # in-sandbox
 if c["stdin"]:
     try:
         proc.stdin.write(c["instruction"].encode()); proc.stdin.close()

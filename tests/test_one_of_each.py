@@ -27,7 +27,8 @@ def offenders(pattern: str, files: list[Path], allowed: set[str] = frozenset()) 
         if rel in allowed:
             continue
         for number, line in enumerate(path.read_text().splitlines(), 1):
-            if regex.search(line) and not line.lstrip().startswith("#"):
+            # `# in-sandbox`: a line of a script that runs inside a sandbox, where rollway is not installed
+            if regex.search(line) and not line.lstrip().startswith("#") and not line.endswith("# in-sandbox"):
                 found.append(f"{rel}:{number}: {line.strip()}")
     return found
 
