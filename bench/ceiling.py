@@ -104,7 +104,7 @@ async def _run_worker(cfg: Any, run_dir: Path, bootstrap: str, turns: int, timer
         timers.wrap(services.chat, name, "tokenisation")
     timers.wrap(services.inference, "generate", "inference_round_trip")
     timers.wrap(registry, "run_tool_calls", "tool_dispatch")
-    timers.wrap(worker, "_send", "produce")
+    timers.wrap(worker.sender, "produce", "produce")  # the broker round trip (encoding is timed apart)
     timers.wrap(worker, "commit", "commit")
     timers.wrap(actor, "handle", "handle")
     stop = asyncio.Event()
