@@ -55,6 +55,33 @@ def cli_env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
+def toolz_two_tasks(tmp_path_factory) -> Path:
+    """Two toolz SWE instances (`rollway tasks build swe --sdist toolz==1.2.0 --max-tasks 2 --seed 0`),
+    built once per test session: the build runs the archive's test suite per candidate bug in the jail
+    (about a minute here), and four test modules need the same instances. The build is deterministic:
+    its first row equals a one-task build's (tests/test_envs_swe.py checks that)."""
+    import argparse
+
+    from rollway.runners import cmd_tasks
+
+    out = tmp_path_factory.mktemp("toolz") / "toolz.jsonl"
+    parser = argparse.ArgumentParser(prog="rollway tasks")
+    cmd_tasks.add_arguments(parser)
+    args = parser.parse_args(["build", "swe", "--sdist", "toolz==1.2.0", "--max-tasks", "2", "--seed", "0",
+                              "--out", str(out)])
+    assert cmd_tasks.run(args) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def toolz_one_task(toolz_two_tasks, tmp_path_factory) -> Path:
+    """The first of `toolz_two_tasks` alone, as a one-task instances file."""
+    out = tmp_path_factory.mktemp("toolz1") / "toolz.jsonl"
+    out.write_text(toolz_two_tasks.read_text().splitlines()[0] + "\n")
+    return out
+
+
+@pytest.fixture(scope="session")
 def smoke_run(broker, tmp_path_factory):
     """One real `rollway up examples/smoke.yaml` on the session broker, shared by the report, show and
     re-run tests: its run folder, topic prefix and console output."""

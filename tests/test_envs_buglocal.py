@@ -4,7 +4,6 @@ faked part)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import subprocess
@@ -19,7 +18,6 @@ from rollway.envs.buglocal import answer_of, judge, normalise_file, normalise_fu
 from rollway.envs.config import TasksConfig
 from rollway.envs.factory import build_taskset
 from rollway.envs.swe import load_instances
-from rollway.runners import cmd_tasks
 from rollway.schemas.messages import Observation, TurnRecord
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,15 +52,9 @@ def test_right_file_wrong_function_scores_zero_with_file_credit():
 
 
 @pytest.fixture(scope="module")
-def toolz_instances(tmp_path_factory) -> Path:
-    """Two toolz mutation instances (the sdist is cached under ~/.cache/rollway)."""
-    out = tmp_path_factory.mktemp("buglocal") / "toolz.jsonl"
-    parser = argparse.ArgumentParser()
-    cmd_tasks.add_arguments(parser)
-    args = parser.parse_args(["build", "swe", "--sdist", "toolz==1.2.0", "--max-tasks", "2", "--seed", "0",
-                              "--out", str(out)])
-    assert cmd_tasks.run(args) == 0
-    return out
+def toolz_instances(toolz_two_tasks) -> Path:
+    """Two toolz mutation instances, built once per session (conftest.py)."""
+    return toolz_two_tasks
 
 
 @pytest.mark.slow

@@ -117,11 +117,9 @@ def cli(argv: list[str]) -> int:
 
 
 @pytest.fixture(scope="module")
-def toolz_instances(tmp_path_factory) -> Path:
-    """Two toolz tasks built once for the module (the sdist is cached under ~/.cache/rollway)."""
-    out = tmp_path_factory.mktemp("swe") / "toolz.jsonl"
-    assert cli(["build", "swe", "--sdist", SDIST, "--max-tasks", "2", "--seed", "0", "--out", str(out)]) == 0
-    return out
+def toolz_instances(toolz_two_tasks) -> Path:
+    """Two toolz tasks, built once per session (conftest.py)."""
+    return toolz_two_tasks
 
 
 @pytest.fixture

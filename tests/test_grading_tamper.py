@@ -69,11 +69,9 @@ def cli(argv: list[str]) -> int:
 
 
 @pytest.fixture(scope="module")
-def toolz_task(tmp_path_factory) -> Path:
-    """One toolz task (the sdist is cached under ~/.cache/rollway)."""
-    out = tmp_path_factory.mktemp("tamper") / "toolz.jsonl"
-    assert cli(["build", "swe", "--sdist", SDIST, "--max-tasks", "1", "--seed", "0", "--out", str(out)]) == 0
-    return out
+def toolz_task(toolz_one_task) -> Path:
+    """One toolz task, built once per session (conftest.py)."""
+    return toolz_one_task
 
 
 def grade_episode(instances: Path, edit: Callable[[Sandbox, dict], Awaitable[None]]) -> Grade:

@@ -264,7 +264,8 @@ def test_task_image_built_from_the_base_with_pypi_packages(
         client.images.remove(tag, force=True)
 
 
-def test_swe_tasks_in_containers_end_to_end(client: docker.DockerClient, broker, tmp_path: Path) -> None:
+def test_swe_tasks_in_containers_end_to_end(client: docker.DockerClient, broker, tmp_path: Path,
+                                            toolz_one_task: Path) -> None:
     """SWE tasks built from toolz's source archive, in the default image: the gold patch resolves the
     task and the empty patch does not (tests run with the image's python and pytest); then `rollway up`
     with docker sandboxes resolves it through the pipeline (the scripted policy applies the gold patch
@@ -277,11 +278,7 @@ def test_swe_tasks_in_containers_end_to_end(client: docker.DockerClient, broker,
     from test_envs_swe import editor_fix_calls
 
     from rollway.envs.swe import grade_patch, load_instances
-    from rollway.envs.swe_build import BuildOptions, build_instances
-
-    tasks = tmp_path / "toolz.jsonl"
-    rows = build_instances(BuildOptions(sdist="toolz==1.2.0", max_tasks=1, seed=0))
-    tasks.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tasks = toolz_one_task  # built once per session (conftest.py)
     instance = load_instances(tasks)[0]
     provider = DockerSandboxProvider(SandboxConfig(type="docker"))
     gold = run(grade_patch(instance, instance["patch"], provider))
