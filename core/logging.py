@@ -76,3 +76,20 @@ def configure_logging(stage: str, run_dir: Path | None = None, level: str = "INF
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
         cache_logger_on_first_use=False,
     )
+
+
+class _CurrentStderr:
+    """Writes to whatever `sys.stderr` is when a line is written, not when logging was configured (a
+    caller that swaps stderr, a test capturing it, must not leave the logger holding a closed stream)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def log_to_stderr() -> None:
+    """Console log lines to stderr only (commands whose stdout is their result: `tasks verify --json`,
+    `grader check --json`)."""
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(_CurrentStderr()))

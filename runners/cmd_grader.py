@@ -30,12 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """0 when every row is contained, 1 when one is not, 2 when the suite cannot run here."""
-    import structlog
-
+    from rollway.core.logging import log_to_stderr
     from rollway.runners.grader_check import FAMILIES, Options, run_suite, table
     from rollway.sandboxes.base import SandboxError
 
-    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))  # stdout: the report only
+    log_to_stderr()  # stdout: the report only
 
     unknown = sorted(set(args.family) - set(FAMILIES))
     if unknown:

@@ -147,12 +147,11 @@ async def verify_instances(instances: list[dict[str, Any]], timeout_s: float = 1
 async def _verify_config(args: argparse.Namespace) -> int:
     import tempfile
 
-    import structlog
-
     from rollway.core.config import ConfigError
+    from rollway.core.logging import log_to_stderr
     from rollway.runners.verify import verify_taskset
 
-    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))  # stdout: the result only
+    log_to_stderr()  # stdout: the result only
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="rollway-verify-"))
     try:
         summary = await verify_taskset(args.file, list(args.overrides), run_dir)

@@ -17,6 +17,19 @@ from rollway.sandboxes.base import ExecResult, Sandbox
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True)
+def _logging_is_reset_after_each_test():
+    """A test that runs a command in this process (`rollway up`, `tasks verify`) configures structlog and the
+    root logger for it; the next test must not inherit that (e.g. a stream that test's capture closed)."""
+    import logging
+
+    import structlog
+
+    yield
+    structlog.reset_defaults()
+    logging.getLogger().handlers = []
+
+
 @pytest.fixture(scope="session")
 def broker():
     from rollway.runners.broker import EmbeddedBroker
