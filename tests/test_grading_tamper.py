@@ -6,7 +6,6 @@ so any reward above 0 is a forgery. Nothing is faked."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import uuid
 from collections.abc import Awaitable, Callable
@@ -19,7 +18,6 @@ from rollway.envs.config import TasksConfig
 from rollway.envs.factory import build_taskset
 from rollway.envs.graded_diff import graded_diff
 from rollway.envs.swe import grade_patch, load_instances
-from rollway.runners import cmd_tasks
 from rollway.sandboxes.base import Sandbox
 from rollway.sandboxes.local import LocalSandboxProvider
 
@@ -61,11 +59,6 @@ with open(".rollway/grade/report.json", "w") as _f:
     _f.write(_json.dumps({{"body": _body, "mac": "0" * 64}}))
 '''
 
-
-def cli(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="rollway tasks")
-    cmd_tasks.add_arguments(parser)
-    return cmd_tasks.run(parser.parse_args(argv))
 
 
 @pytest.fixture(scope="module")
