@@ -17,7 +17,7 @@ import structlog
 from rollway.gateway.config import INSTRUCTION_FILE, HarnessConfig
 from rollway.gateway.recorder import CallRecorder
 from rollway.gateway.server import EpisodeHandle, Gateway
-from rollway.gateway.trajectory import Segment, rebuild_segments
+from rollway.gateway.trajectory import Segment, program_reply, rebuild_segments
 from rollway.sandboxes.base import Sandbox, SandboxError
 from rollway.schemas.messages import CapturedCall, EpisodeKey, TurnRecord
 
@@ -232,12 +232,16 @@ def _segment_turns(segment: Segment, by_index: dict[int, CapturedCall], first_tu
     for k, (start, end) in enumerate(spans):
         call = by_index[segment.call_indices[k]]
         nxt = spans[k + 1][0] if k + 1 < len(spans) else len(ids)
+        following = by_index[segment.call_indices[k + 1]] if k + 1 < len(spans) else None
+        observations, user_message = program_reply(call, following, by_index)  # for viewers and graders
         turns.append(TurnRecord(
             turn=first_turn + k, completion_ids=ids[start:end], logprobs=[float(x) for x in segment.logprobs[start:end]],
             policy_version=segment.turn_policy_versions[k], finish_reason=call.finish_reason,
             assistant_text=call.raw_text, observation_ids=ids[end:nxt], template_drift=call.template_drift,
             segment_prompt_ids=ids[:start] if opens and k == 0 else None,
-            segment_reason=segment.reason if opens and k == 0 else None))
+            segment_reason=segment.reason if opens and k == 0 else None, call_index=call.call_index,
+            segment_messages=list(call.new_messages) if opens and k == 0 else None,
+            observations=observations, user_message=user_message))
     return turns
 
 
