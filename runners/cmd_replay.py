@@ -112,7 +112,13 @@ def rerun_config(args: argparse.Namespace):
 
 def run_rerun(args: argparse.Namespace) -> int:
     from rollway.runners.episodes import EpisodeNotFound, find_episode, load_run_dir, load_topic
-    from rollway.runners.rerun import NotRerunnable, check_rerunnable, format_result, normalizer, rerun_episode
+    from rollway.runners.rerun import (
+        NotRerunnable,
+        check_rerunnable,
+        format_result,
+        normalizer,
+        rerun_episode,
+    )
     from rollway.schemas.codec import DecodeError
 
     cfg = rerun_config(args)

@@ -6,8 +6,8 @@ segment) in the local jail on the session broker; the scripted policy is the onl
 from __future__ import annotations
 
 import json
+import os
 import subprocess
-import sys
 import uuid
 from types import SimpleNamespace
 
@@ -36,7 +36,7 @@ def harness_run(broker, tmp_path_factory):
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*ROLLWAY, *args], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                          env={**__import__("os").environ, "COLUMNS": "160"})
+                          env={**os.environ, "COLUMNS": "160"})
 
 
 def test_harness_turns_record_each_call_and_what_the_program_sent_back(harness_run):
