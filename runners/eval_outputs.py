@@ -80,7 +80,9 @@ def to_atif(traj: dict[str, Any], model: str) -> dict[str, Any]:
         calls, results = [], []
         segment += turn.get("segment_reason") is not None
         for i, obs in enumerate(turn.get("observations") or []):
-            call_id = obs.get("call_id") or f"call_{turn['turn']}_{i}"
+            # a harness call's results answer the gateway's tool-call ids (unique per episode)
+            harness_id = obs.get("call_id") if turn.get("call_index") is not None else None
+            call_id = harness_id or f"call_{turn['turn']}_{i}"
             calls.append({"tool_call_id": call_id, "function_name": obs["tool"], "arguments": obs.get("arguments") or {}})
             results.append({"source_call_id": call_id, "content": obs.get("content", "")})
         completion_tokens += len(turn.get("completion_ids") or [])
