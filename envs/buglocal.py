@@ -25,8 +25,8 @@ SYSTEM_PROMPT = (
     "name (function, or Class.method). You have one answer: locate ends the episode.")
 
 
-def _call(name: str, **arguments: str) -> str:
-    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+def _call(tool: str, **arguments: str) -> str:
+    return f"<tool_call>{json.dumps({'name': tool, 'arguments': arguments})}</tool_call>"
 
 
 class LocateTool(Tool):
@@ -100,6 +100,34 @@ def task_prompt(instance: dict[str, Any]) -> str:
             "One function of the library was changed. Which? Answer with locate(file, function).")
 
 
+EXAMPLE_TASK = task_prompt({
+    "repo": "shapes==1.0",
+    "problem_statement": "Some behaviour of `shapes==1.0` is broken: tests of its own test suite fail on this "
+                         "checkout.\n\nFailing tests:\n- `tests/test_geometry.py::test_square_area`: "
+                         "assert 8 == 16\n\nThe rest of the test suite passes."})
+"""A made-up library's task for the worked example (the 135M model needs one to emit tool calls)."""
+
+_NAVIGATION = {
+    "search": (_call("search", action="definition", name="area"),
+               "1 definition of `area` (best match first):\n"
+               "shapes/geometry.py:9  method Square.area: def area(self):"),
+    "bash": (_call("bash", command='grep -rn "def area" --include=*.py .'),
+             "Exit code: 0\n./shapes/geometry.py:9:    def area(self):"),
+}
+"""The worked example's one navigation step, per arm: the AST search, or grep through bash (outputs as
+the real tools print them)."""
+
+
+def worked_example(tool: str) -> list[dict[str, str]]:
+    """One solved episode shown as earlier turns: read the failing test, find the definition, answer."""
+    call, output = _NAVIGATION[tool]
+    return [{"role": "user", "content": EXAMPLE_TASK},
+            {"role": "assistant", "content": call},
+            {"role": "tool", "content": output},
+            {"role": "assistant", "content": _call("locate", file="shapes/geometry.py", function="Square.area")},
+            {"role": "tool", "content": "Answer recorded."}]
+
+
 class BugLocTaskSet(TaskSet):
     """One task per mutation instance; `repos`/`exclude_repos` split by library for held-out tests."""
 
@@ -111,6 +139,7 @@ class BugLocTaskSet(TaskSet):
             raise ValueError("tasks.type=buglocal needs tasks.path, an instances file written by "
                              "`rollway tasks build swe ... --out FILE`")
         self.cfg = cfg
+        self.describe_tools = cfg.describe_tools
         rows = [row for row in load_instances(cfg.path, cfg.cache_dir) if self._library_selected(row)]
         if not rows:
             raise ValueError(f"tasks.path {cfg.path} holds no instance of the selected libraries "
@@ -128,6 +157,11 @@ class BugLocTaskSet(TaskSet):
 
     def tasks(self) -> list[Task]:
         return list(self._tasks)
+
+    def initial_messages(self, task: Task, system_prompt: str | None = None) -> list[dict[str, Any]]:
+        example = worked_example(self.cfg.worked_example) if self.cfg.worked_example else []
+        return [{"role": "system", "content": system_prompt or self.system_prompt}, *example,
+                {"role": "user", "content": task.prompt}]
 
     def sandbox_spec(self, task: Task) -> SandboxSpec:
         return SandboxSpec(source_dir=str(prepare_buggy_copy(self.instances[task.task_id], self.cfg.cache_dir)))
