@@ -69,8 +69,13 @@ def file_accuracy(folder: RunDir) -> float | None:
     return round(sum(bool(t["grade"].get("file_correct")) for t in trajs) / len(trajs), 4) if trajs else None
 
 
+KNOWN_TOOLS = {"bash", "search", "locate"}
+
+
 def tool_calls(traj: dict[str, Any]) -> Counter:
-    return Counter(obs["tool"] for turn in traj["turns"] for obs in turn["observations"])
+    """Calls per tool; `invalid` counts the rest (no parseable call, a tool the arm does not have)."""
+    return Counter(obs["tool"] if obs["tool"] in KNOWN_TOOLS else "invalid"
+                   for turn in traj["turns"] for obs in turn["observations"])
 
 
 def tool_calls_per_episode(trajs: list[dict[str, Any]]) -> dict[str, float]:

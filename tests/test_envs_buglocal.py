@@ -134,20 +134,22 @@ def test_paired_figures_of_the_search_bench():
 @pytest.mark.slow
 def test_family_builds_by_library_resumes_from_cache_and_plays_both_arms(broker, tmp_path):
     """`rollway tasks build buglocal` on a small real library (inflection, jailed tests), again from its
-    cache without running a test, then `rollway up` with the scripted policy (the only faked part):
-    the search arm's episode finds the function and is rewarded, the bash arm's names a wrong one."""
+    cache without running a test, then `rollway up` per arm with the scripted policy (the only faked part)
+    on the built task: the search arm's episode finds the function and is rewarded, the bash arm's names
+    a wrong function of the right file."""
     from rollway.envs.buglocal_build import FamilyOptions, build_family
     from rollway.envs.swe_build import BuildError
 
     lines: list[str] = []
-    opts = FamilyOptions(out=tmp_path / "family", train=[], heldout=["inflection==0.5.1"], per_library=2,
+    opts = FamilyOptions(out=tmp_path / "family", train=[], heldout=["inflection==0.5.1"], per_library=1,
                          max_failing=10, log=lines.append)
     with pytest.raises(BuildError, match="both --train and --heldout"):
         build_family(FamilyOptions(out=tmp_path / "x", train=["Inflection==0.5.1"], heldout=["inflection==0.5.1"]))
-    assert build_family(opts)["heldout"] == 2
+    assert build_family(opts)["heldout"] == 1
     lines.clear()
-    assert build_family(opts)["heldout"] == 2 and not any("baseline" in line for line in lines), lines
-    right, wrong = load_instances(tmp_path / "family" / "heldout.jsonl")
+    assert build_family(opts)["heldout"] == 1 and not any("baseline" in line for line in lines), lines
+    [right] = load_instances(tmp_path / "family" / "heldout.jsonl")
+    wrong = right
     name = right["mutation"]["function"]
     runs = {}
     for arm, instance, script in (
