@@ -103,16 +103,16 @@ def task_prompt(instance: dict[str, Any]) -> str:
 EXAMPLE_TASK = task_prompt({
     "repo": "shapes==1.0",
     "problem_statement": "Some behaviour of `shapes==1.0` is broken: tests of its own test suite fail on this "
-                         "checkout.\n\nFailing tests:\n- `tests/test_geometry.py::test_square_area`: "
-                         "assert 8 == 16\n\nThe rest of the test suite passes."})
+                         "checkout.\n\nFailing tests:\n- `tests/test_geometry.py::test_circle_area`: "
+                         "assert 6.283185307179586 == 3.141592653589793\n\nThe rest of the test suite passes."})
 """A made-up library's task for the worked example (the 135M model needs one to emit tool calls)."""
 
 _NAVIGATION = {
-    "search": (_call("search", action="definition", name="area"),
-               "1 definition of `area` (best match first):\n"
-               "shapes/geometry.py:9  method Square.area: def area(self):"),
-    "bash": (_call("bash", command='grep -rn "def area" --include=*.py .'),
-             "Exit code: 0\n./shapes/geometry.py:9:    def area(self):"),
+    "search": (_call("search", action="definition", name="circle_area"),
+               "1 definition of `circle_area` (best match first):\n"
+               "shapes/geometry.py:4  function circle_area: def circle_area(radius):"),
+    "bash": (_call("bash", command='grep -rn "def circle_area" --include=*.py .'),
+             "Exit code: 0\n./shapes/geometry.py:4:def circle_area(radius):"),
 }
 """The worked example's one navigation step, per arm: the AST search, or grep through bash (outputs as
 the real tools print them)."""
@@ -124,7 +124,7 @@ def worked_example(tool: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": EXAMPLE_TASK},
             {"role": "assistant", "content": call},
             {"role": "tool", "content": output},
-            {"role": "assistant", "content": _call("locate", file="shapes/geometry.py", function="Square.area")},
+            {"role": "assistant", "content": _call("locate", file="shapes/geometry.py", function="circle_area")},
             {"role": "tool", "content": "Answer recorded."}]
 
 

@@ -114,8 +114,8 @@ def test_worked_examples_of_the_two_arms_differ_only_in_the_navigation_step():
     differing = [i for i, (a, b) in enumerate(zip(search, bash, strict=True)) if a != b]
     assert differing == [1, 2]  # the navigation call and what the tool printed
     assert '"search"' in search[1]["content"] and "grep" in bash[1]["content"]
-    assert judge("shapes/geometry.py", "Square.area", {"file": "./shapes/geometry.py",
-                                                       "function": "Square.area"}).reward == 1.0
+    assert judge("shapes/geometry.py", "circle_area", {"file": "./shapes/geometry.py",
+                                                       "function": "circle_area"}).reward == 1.0
 
 
 def test_paired_figures_of_the_search_bench():
