@@ -55,8 +55,9 @@ class LibraryCache:
 
     def __init__(self, out: Path, sdist: str, seed: int) -> None:
         name, version = parse_requirement(sdist)
-        stem = out / "libs" / f"{name.lower()}-{version}-s{seed}"
-        self.rows_file, self.progress_file = stem.with_suffix(".jsonl"), stem.with_suffix(".progress.json")
+        stem = f"{name.lower()}-{version}-s{seed}"  # a version's dots are no suffix: no with_suffix here
+        self.rows_file = out / "libs" / f"{stem}.jsonl"
+        self.progress_file = out / "libs" / f"{stem}.progress.json"
         self.rows_file.parent.mkdir(parents=True, exist_ok=True)
 
     def rows(self) -> list[dict[str, Any]]:
