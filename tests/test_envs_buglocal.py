@@ -179,3 +179,14 @@ def test_family_builds_by_library_resumes_from_cache_and_plays_both_arms(broker,
     assert right["mutation"]["path"] in good["turns"][0]["observations"][0]["content"]
     assert bad["reward"] == 0.0 and bad["grade"]["file_correct"] is True
     assert bad["turns"][0]["observations"][0]["tool"] == "bash"
+
+
+def test_library_cache_files_are_per_version_and_seed(tmp_path):
+    from rollway.envs.buglocal_build import LibraryCache
+
+    files = {LibraryCache(tmp_path, sdist, seed).rows_file.name
+             for sdist, seed in (("inflection==0.5.1", 0), ("inflection==0.5.2", 0), ("inflection==0.5.1", 1))}
+    assert files == {"inflection-0.5.1-s0.jsonl", "inflection-0.5.2-s0.jsonl", "inflection-0.5.1-s1.jsonl"}
+    cache = LibraryCache(tmp_path, "inflection==0.5.1", 0)
+    cache.record(7, None)
+    assert cache.progress() == {"tried": 7} and cache.rows() == []
