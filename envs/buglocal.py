@@ -97,35 +97,49 @@ def task_prompt(instance: dict[str, Any]) -> str:
     # The SWE statement ends by asking for a fix; here the question is where the bug is.
     failing = instance["problem_statement"].split("\n\nThe rest of the test suite passes")[0]
     return (f"Repository: {instance['repo']} (checked out in the working directory).\n\n{failing}\n\n"
-            "One function of the library was changed. Which? Answer with locate(file, function).")
+            "One function of the library was changed. Find where it is defined, then answer with "
+            "locate(file, function).")
 
 
-EXAMPLE_TASK = task_prompt({
-    "repo": "shapes==1.0",
-    "problem_statement": "Some behaviour of `shapes==1.0` is broken: tests of its own test suite fail on this "
-                         "checkout.\n\nFailing tests:\n- `tests/test_geometry.py::test_circle_area`: "
-                         "assert 6.283185307179586 == 3.141592653589793\n\nThe rest of the test suite passes."})
-"""A made-up library's task for the worked example (the 135M model needs one to emit tool calls)."""
+def _example_task(test: str, message: str) -> str:
+    return task_prompt({"repo": "shapes==1.0", "problem_statement": (
+        "Some behaviour of `shapes==1.0` is broken: tests of its own test suite fail on this checkout.\n\n"
+        f"Failing tests:\n- `{test}`: {message}\n\nThe rest of the test suite passes.")})
 
-_NAVIGATION = {
-    "search": (_call("search", action="definition", name="circle_area"),
-               "1 definition of `circle_area` (best match first):\n"
-               "shapes/geometry.py:4  function circle_area: def circle_area(radius):"),
-    "bash": (_call("bash", command='grep -rn "def circle_area" --include=*.py .'),
-             "Exit code: 0\n./shapes/geometry.py:4:def circle_area(radius):"),
-}
-"""The worked example's one navigation step, per arm: the AST search, or grep through bash (outputs as
-the real tools print them)."""
+
+EXAMPLES = [
+    # (task, where the definition is: search's answer, grep's answer, file, function)
+    (_example_task("tests/test_text.py::test_shout", "assert 'hi' == 'HI'"),
+     ("shout", "shapes/text.py:5  function shout: def shout(text):", "./shapes/text.py:5:def shout(text):"),
+     "shapes/text.py", "shout"),
+    (_example_task("tests/test_geometry.py::test_circle_area", "assert 6.283185307179586 == 3.141592653589793"),
+     ("circle_area", "shapes/geometry.py:4  function circle_area: def circle_area(radius):",
+      "./shapes/geometry.py:4:def circle_area(radius):"),
+     "shapes/geometry.py", "circle_area"),
+]
+"""Two made-up tasks of a made-up library, solved in the worked examples (the 135M model needs them to emit
+tool calls); the tools' outputs are as the real tools print them."""
+
+
+def _navigation(tool: str, name: str, search_out: str, grep_out: str) -> tuple[str, str]:
+    """The one navigation step, per arm: the AST search, or grep through bash."""
+    if tool == "search":
+        return (_call("search", action="definition", name=name),
+                f"1 definition of `{name}` (best match first):\n{search_out}")
+    return _call("bash", command=f'grep -rn "def {name}" --include=*.py .'), f"Exit code: 0\n{grep_out}"
 
 
 def worked_example(tool: str) -> list[dict[str, str]]:
-    """One solved episode shown as earlier turns: read the failing test, find the definition, answer."""
-    call, output = _NAVIGATION[tool]
-    return [{"role": "user", "content": EXAMPLE_TASK},
-            {"role": "assistant", "content": call},
-            {"role": "tool", "content": output},
-            {"role": "assistant", "content": _call("locate", file="shapes/geometry.py", function="circle_area")},
-            {"role": "tool", "content": "Answer recorded."}]
+    """Solved episodes shown as earlier turns: read the failing test, find the definition, answer."""
+    messages = []
+    for task, (name, search_out, grep_out), file, function in EXAMPLES:
+        call, output = _navigation(tool, name, search_out, grep_out)
+        messages += [{"role": "user", "content": task},
+                     {"role": "assistant", "content": call},
+                     {"role": "tool", "content": output},
+                     {"role": "assistant", "content": _call("locate", file=file, function=function)},
+                     {"role": "tool", "content": "Answer recorded."}]
+    return messages
 
 
 class BugLocTaskSet(TaskSet):
