@@ -93,9 +93,19 @@ def judge(truth_file: str, truth_function: str, answer: dict[str, str] | None) -
     return Grade(1.0 if function_ok else 0.0, function_ok, details=details)
 
 
+MAX_TESTS_SHOWN = 5
+"""Failing tests listed in a task (the rest are counted): a bug that breaks 40 parametrised cases is a
+fine localisation task, and its prompt stays short enough for a small model's context."""
+
+
 def task_prompt(instance: dict[str, Any]) -> str:
     # The SWE statement ends by asking for a fix; here the question is where the bug is.
     failing = instance["problem_statement"].split("\n\nThe rest of the test suite passes")[0]
+    head, _, tests = failing.partition("Failing tests:\n")
+    lines = tests.split("\n")
+    if len(lines) > MAX_TESTS_SHOWN:
+        failing = (f"{head}Failing tests:\n" + "\n".join(lines[:MAX_TESTS_SHOWN])
+                   + f"\n- ... and {len(lines) - MAX_TESTS_SHOWN} more failing tests")
     return (f"Repository: {instance['repo']} (checked out in the working directory).\n\n{failing}\n\n"
             "One function of the library was changed. Find where it is defined, then answer with "
             "locate(file, function).")

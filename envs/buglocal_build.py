@@ -28,7 +28,7 @@ class FamilyOptions:
     heldout: list[str]
     per_library: int = 30
     seed: int = 0
-    max_failing: int = 5
+    max_failing: int = 50
     max_candidates: int = 1500
     max_per_function: int = 2
     cache_dir: str | None = None

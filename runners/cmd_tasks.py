@@ -31,8 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     build.add_argument("--max-tasks", type=int, default=5, help="stop after this many instances (default 5)")
     build.add_argument("--seed", type=int, default=0, help="order of the mutations tried (default 0)")
     build.add_argument("--out", required=True, help="instances file to write (JSONL)")
-    build.add_argument("--max-failing", type=int, default=5,
-                       help="keep a bug only when 1..K tests fail with it (default 5)")
+    build.add_argument("--max-failing", type=int, default=None,
+                       help="keep a bug only when 1..K tests fail with it (default 5; buglocal 50)")
     build.add_argument("--max-candidates", type=int, default=400,
                        help="give up after trying this many mutations (default 400)")
     build.add_argument("--cache", default=None, help="cache folder for sdists and snapshots (default ~/.cache/rollway)")
@@ -110,6 +110,7 @@ def _build(args: argparse.Namespace) -> int:
     if not args.sdist:
         print("error: tasks build swe needs --sdist NAME==VERSION", file=sys.stderr)
         return 2
+    args.max_failing = 5 if args.max_failing is None else args.max_failing
     if args.max_tasks < 1 or args.max_failing < 1:
         print("error: --max-tasks and --max-failing must be at least 1", file=sys.stderr)
         return 2
@@ -143,8 +144,11 @@ def _build_buglocal(args: argparse.Namespace) -> int:
     if not train and not heldout:
         print("error: tasks build buglocal needs --train and/or --heldout libraries", file=sys.stderr)
         return 2
+    # A task lists its first failing tests only (envs/buglocal.py), so a bug many tests catch is kept:
+    # --max-failing defaults to 50 here (5 for swe, where every failing test is in the statement).
+    max_failing = 50 if args.max_failing is None else args.max_failing
     opts = FamilyOptions(out=Path(args.out), train=train, heldout=heldout, per_library=args.per_library,
-                         seed=args.seed, max_failing=args.max_failing,
+                         seed=args.seed, max_failing=max_failing,
                          max_candidates=max(args.max_candidates, 4 * args.per_library),
                          max_per_function=args.max_per_function, cache_dir=args.cache)
     try:
