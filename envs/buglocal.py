@@ -164,7 +164,8 @@ class BugLocTaskSet(TaskSet):
                              "`rollway tasks build swe ... --out FILE`")
         self.cfg = cfg
         self.describe_tools = cfg.describe_tools
-        rows = [row for row in load_instances(cfg.path, cfg.cache_dir) if self._library_selected(row)]
+        rows = [row for row in load_instances(cfg.path, cfg.cache_dir)
+                if self._library_selected(row) and (cfg.difficulty == "all" or named_in_tests(row))]
         if not rows:
             raise ValueError(f"tasks.path {cfg.path} holds no instance of the selected libraries "
                              f"(repos={cfg.repos}, exclude_repos={cfg.exclude_repos})")
@@ -196,6 +197,13 @@ class BugLocTaskSet(TaskSet):
     async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider,
                     episode: Episode | None = None) -> Grade:
         return judge(task.metadata["file"], task.metadata["function"], answer_of(episode))
+
+
+def named_in_tests(instance: dict[str, Any]) -> bool:
+    """The changed function's own name (`bar` of `Foo.bar`) starts a word of a failing test's name
+    (`test_bar`, `test_bar_empty[1]`, `TestFoo::test_bar`)."""
+    name = instance["mutation"]["function"].split(".")[-1].strip("_").lower()
+    return any(f"_{name}" in "_" + test.split("::")[-1].lower() for test in instance["FAIL_TO_PASS"])
 
 
 def library_of(repo: str) -> str:

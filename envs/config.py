@@ -107,6 +107,9 @@ class BugLocTasksConfig(FileTasksConfig):
     None: no example."""
     describe_tools: bool = True
     """Render the tools' JSON specs into the prompt (false: only the worked example shows the calls)."""
+    difficulty: Literal["all", "named"] = "all"
+    """`named`: only bugs in a function whose name appears in a failing test's name (`test_camelize[...]` for
+    `camelize`), the easier half a small model can start from; `all`: every instance."""
 
 
 class ImageTasksConfig(FileTasksConfig):

@@ -190,3 +190,15 @@ def test_library_cache_files_are_per_version_and_seed(tmp_path):
     cache = LibraryCache(tmp_path, "inflection==0.5.1", 0)
     cache.record(7, None)
     assert cache.progress() == {"tried": 7} and cache.rows() == []
+
+
+def test_named_difficulty_keeps_bugs_whose_function_names_a_failing_test():
+    from rollway.envs.buglocal import named_in_tests
+
+    def row(function, *tests):
+        return {"mutation": {"function": function}, "FAIL_TO_PASS": list(tests)}
+
+    assert named_in_tests(row("camelize", "t.py::test_camelize[A-a]"))
+    assert named_in_tests(row("Foo.bar", "t.py::TestFoo::test_bar_empty"))
+    assert not named_in_tests(row("_irregular", "t.py::test_singularize_plural[child-children]"))
+    assert not named_in_tests(row("map", "t.py::test_bitmap"))
