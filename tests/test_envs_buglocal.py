@@ -132,6 +132,7 @@ def test_paired_figures_of_the_search_bench():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # one task's build runs inflection's 455 tests 5 times, then two `rollway up`
 def test_family_builds_by_library_resumes_from_cache_and_plays_both_arms(broker, tmp_path):
     """`rollway tasks build buglocal` on a small real library (inflection, jailed tests), again from its
     cache without running a test, then `rollway up` per arm with the scripted policy (the only faked part)
