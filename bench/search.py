@@ -178,7 +178,7 @@ def plot(result: dict, path: Path, k: int) -> None:
         axes[0].bar([j + i * 0.27 for j in range(len(bars))], [b[1].get(metric) or 0 for b in bars], 0.27,
                     label=metric)
     axes[0].set_xticks([j + 0.27 for j in range(len(bars))], [b[0] for b in bars], rotation=20)
-    axes[0].set_title("held-out")
+    axes[0].set(title="held-out", ylim=(0, 1))
     axes[0].legend()
     for arm, curves in result.get("training", {}).items():
         steps = curves["reward_per_update"]
