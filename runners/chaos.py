@@ -86,10 +86,13 @@ class ChaosMonkey:
         return sum("kill" in e for e in self.events)
 
     def _ready(self, p: Any) -> bool:
-        """Alive, and (an agent worker of a harness job) running at least one agent program."""
+        """Alive, and (an agent worker of a harness job) running at least one agent program, once the
+        log holds calls of an attempt not graded yet (so kills tend to hit acknowledged calls)."""
         if not p.alive:
             return False
-        return not (self.harness and p.stage == "agent") or jails_of(p.proc.pid) > 0
+        if not (self.harness and p.stage == "agent"):
+            return True
+        return jails_of(p.proc.pid) > 0 and (self.ledger is None or self.ledger.calls_in_flight())
 
     def lingering(self, timeout_s: float = 10.0) -> int:
         """Processes that descended from a killed agent worker (its programs' jails) and still run:
@@ -146,8 +149,9 @@ class Ledger:
         self.harness = cfg.agent.harness is not None
         self.calls: dict[tuple[str, int], dict[int, tuple[int | None, tuple[int, ...], tuple[float, ...]]]] = {}
         """Harness jobs: (episode, attempt) -> call index -> (retry_of, output ids, logprobs), from gateway-calls."""
-        self.graded: list[tuple[str, int, list[tuple[tuple[int, ...], tuple[float, ...]]]]] = []
-        """Harness jobs: (episode, attempt, [(sampled ids, logprobs) of each turn span]) per trajectory message."""
+        self.graded: list[tuple[str, int, list[tuple[Any, tuple[int, ...], tuple[float, ...]]]]] = []
+        """Harness jobs: (episode, attempt, [(call named, sampled ids, logprobs) of each turn span]) per
+        trajectory message."""
         self._last_poll = 0.0
 
     def maybe_poll(self) -> None:
@@ -227,43 +231,55 @@ class Ledger:
                 "attempts": sum(self.attempts.values()), "optimizer_steps": sum(s["updated"] for s in steps)}
 
 
+    def calls_in_flight(self) -> bool:
+        """Some attempt has recorded calls on gateway-calls and no trajectory yet (as last polled)."""
+        graded = {(e, a) for e, a, _ in self.graded}
+        return any(key not in graded for key in self.calls)
+
     def judge_calls(self, run_dir: Path, trains: bool) -> dict[str, int]:
         """Harness jobs: each trajectory (of a trained episode, with a training learner) against the calls
-        its own attempt recorded on gateway-calls, matched by the ids and logprobs the engine returned.
-        `calls_lost`: a recorded call of the attempt (not superseded by a retry) missing from its
-        trajectory; `calls_duplicated`: a sampled span beyond a one-to-one match (a call twice, or one
-        of another attempt); `calls_out_of_order`: trajectories whose spans are the calls in another
-        order. `dead_attempts`: attempts that recorded calls and were never graded (killed mid-episode)."""
+        its own attempt recorded on gateway-calls. A sampled span of the trajectory (what the learner
+        trains) names its call (`TurnRecord.call`: attempt, call index) and must hold that call's output
+        ids and logprobs. `calls_lost`: a recorded call of the attempt (not superseded by a retry) no span
+        holds; `calls_duplicated`: a call held by a second span; `calls_foreign`: a span that is no
+        recorded call of the trajectory's own attempt (another attempt's, or other tokens);
+        `calls_out_of_order`: trajectories whose calls are out of call order. `dead_attempts`: attempts
+        that recorded calls and were never graded (their worker was killed mid-episode)."""
         from rollway.learning.checkpoint import read_manifests
 
         trained = {e for s in read_manifests(run_dir) for e in s["episode_ids"]} if trains else None
         graded = {(e, a) for e, a, _ in self.graded}
         dead = [calls for key, calls in self.calls.items() if key not in graded]
-        lost = duplicated = out_of_order = checked = 0
+        lost = duplicated = foreign = out_of_order = checked = 0
         for episode_id, attempt, spans in self.graded:
             if trained is not None and episode_id not in trained:
                 continue
-            kept = _kept_calls(self.calls.get((episode_id, attempt), {}))
-            extra, missing = Counter(spans) - Counter(kept), Counter(kept) - Counter(spans)
-            duplicated += sum(extra.values())
-            lost += sum(missing.values())
-            out_of_order += int(not extra and not missing and spans != kept)
+            recorded = self.calls.get((episode_id, attempt), {})
+            held = Counter(ref[1] for ref, ids, lps in spans if ref is not None and ref[0] == attempt
+                           and ref[1] in recorded and recorded[ref[1]][1:] == (ids, lps))
+            foreign += len(spans) - sum(held.values())
+            duplicated += sum(n - 1 for n in held.values())
+            lost += sum(1 for i in _kept_calls(recorded) if i not in held)
+            order = [ref[1] for ref, _, _ in spans if ref is not None]
+            out_of_order += int(order != sorted(order))
             checked += len(spans)
         return {"calls_recorded": sum(len(c) for c in self.calls.values()), "calls_in_trajectories": checked,
-                "calls_lost": lost, "calls_duplicated": duplicated, "calls_out_of_order": out_of_order,
-                "dead_attempts": len(dead), "dead_attempt_calls": sum(len(c) for c in dead)}
+                "calls_lost": lost, "calls_duplicated": duplicated, "calls_foreign": foreign,
+                "calls_out_of_order": out_of_order, "dead_attempts": len(dead),
+                "dead_attempt_calls": sum(len(c) for c in dead)}
 
 
-def _sampled_spans(traj: Any) -> list[tuple[tuple[int, ...], tuple[float, ...]]]:
-    """The trajectory's sampled token ranges (what the learner trains: loss mask 1), with their
-    logprobs. A harness episode without calls has one empty turn, which is no call."""
-    return [(tuple(traj.token_ids[s:e]), tuple(traj.logprobs[s:e])) for s, e in traj.turn_spans if e > s]
+def _sampled_spans(traj: Any) -> list[tuple[tuple[int, int] | None, tuple[int, ...], tuple[float, ...]]]:
+    """(the call it names, sampled ids, logprobs) of each turn span of a trajectory: what the learner
+    trains (loss mask 1). A harness episode without calls has one empty turn, which is no call."""
+    return [(tuple(turn.call) if turn.call is not None else None, tuple(traj.token_ids[s:e]), tuple(traj.logprobs[s:e]))
+            for turn, (s, e) in zip(traj.turns, traj.turn_spans, strict=False) if e > s]
 
 
-def _kept_calls(calls: dict[int, tuple[int | None, tuple[int, ...], tuple[float, ...]]]) -> list[tuple]:
-    """(output ids, logprobs) of an attempt's calls in call order, less those a later retry superseded."""
+def _kept_calls(calls: dict[int, tuple[int | None, tuple[int, ...], tuple[float, ...]]]) -> list[int]:
+    """Indices of an attempt's calls in call order, less those a later retry superseded."""
     superseded = {retry_of for retry_of, _, _ in calls.values() if retry_of is not None}
-    return [(out, lps) for i, (_, out, lps) in sorted(calls.items()) if i not in superseded]
+    return [i for i in sorted(calls) if i not in superseded]
 
 
 def sink_check(run_dir: Path, ledger: Ledger) -> dict[str, int]:

@@ -91,8 +91,8 @@ def run(args: argparse.Namespace) -> int:
                      "agent_kills_with_programs", "programs_lingering"]
         print(" ".join(f"{k}={result[k]}" for k in keys))
     exact = not cfg.learner.trains or (result["completed_not_trained"] == 0 and result["trained_not_completed"] == 0)
-    calls_exact = not monkey.harness or not any(result[k] for k in ("calls_lost", "calls_duplicated",
-                                                                    "calls_out_of_order", "programs_lingering"))
+    calls_exact = not monkey.harness or not any(result[k] for k in (
+        "calls_lost", "calls_duplicated", "calls_foreign", "calls_out_of_order", "programs_lingering"))
     return 0 if error is None and result["lost"] == 0 and result["duplicated"] == 0 and exact and calls_exact else 1
 
 

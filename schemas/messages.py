@@ -131,6 +131,9 @@ class TurnRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     turn's `observation_ids` are then empty. None: the turn continues the current stream."""
     segment_reason: str | None = None
     """Why the segment opened (history_rewritten, system_changed, tools_changed, prompt_changed)."""
+    call: tuple[int, int] | None = None
+    """Harness episodes: (attempt, call_index) of the captured call (`gateway-calls`) this turn is, so
+    the log tells which attempt's call a trained turn came from. None: a built-in turn."""
 
 
 class AgentStep(EpisodeMessage, kw_only=True):

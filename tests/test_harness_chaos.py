@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import subprocess
-import sys
 import uuid
 
 import pytest
@@ -101,3 +99,109 @@ def test_a_later_attempt_on_the_same_worker_gets_only_its_own_calls(tmp_path, br
     assert outcome.stop_reason == "harness_exit"
     live = chat.encode("live") + list(chat.stop_token_ids[:1])
     assert [t.completion_ids for t in outcome.turns] == [live, live]
+    assert [t.call for t in outcome.turns] == [(1, 0), (1, 1)]  # (attempt, call index) on gateway-calls
+
+
+def test_the_call_judge_counts_a_call_twice_a_missing_call_and_another_attempts_call():
+    """The chaos ledger's judge itself, on calls and trajectories written here as the topics would
+    hold them: (attempt, call index) -> (retry_of, output ids, logprobs)."""
+    from rollway.core.config import RunConfig
+    from rollway.runners.chaos import Ledger
+
+    ledger = Ledger(RunConfig.model_validate({"run": {"id": "r"}, "agent": {"harness": {"command": ["x"]}}}), "unused:0")
+    out = {i: ((10 + i,), (-0.5,)) for i in range(3)}
+    ledger.calls = {("r-a", 0): {0: (None, *out[0]), 1: (None, *out[1])},  # a dead attempt: never graded
+                    ("r-a", 1): {0: (None, *out[0]), 1: (None, *out[1])},
+                    ("r-b", 0): {0: (None, *out[0]), 1: (None, *out[1])},
+                    ("r-c", 1): {0: (None, *out[0])},
+                    ("r-d", 0): {0: (None, *out[0]), 1: (0, *out[1]), 2: (None, *out[2])}}  # 1 retried 0
+    ledger.graded = [("r-a", 1, [((1, 0), *out[0]), ((1, 1), *out[1])]),   # right
+                     ("r-b", 0, [((0, 0), *out[0]), ((0, 0), *out[0])]),   # call 0 twice, call 1 lost
+                     ("r-c", 1, [((0, 0), *out[0])]),                      # attempt 0's call in attempt 1's
+                     ("r-d", 0, [((0, 1), *out[1]), ((0, 2), *out[2])])]   # the retry supersedes call 0
+    got = ledger.judge_calls(ROOT, trains=False)
+    assert got == {"calls_recorded": 10, "calls_in_trajectories": 7, "calls_lost": 2, "calls_duplicated": 1,
+                   "calls_foreign": 1, "calls_out_of_order": 0, "dead_attempts": 1, "dead_attempt_calls": 2}
+
+
+SHELL_CALL = '<tool_call>{{"name": "shell", "arguments": {{"command": "{}"}}}}</tool_call>'
+
+
+@pytest.mark.broker
+@pytest.mark.e2e
+def test_killing_the_gateways_process_mid_episode_reruns_it_and_trains_each_call_once(tmp_path, broker, topic_prefix):
+    """`rollway up`'s stages with one agent worker: examples/agent_program.py's first shell command
+    waits for a file this test creates only after it has SIGKILLed the agent worker (the process that
+    serves the episode's gateway) with that call acknowledged on gateway-calls and the program
+    running. The program dies with its worker; the redelivered episode finds its turn claimed and the
+    attempt fails; the scheduler re-runs it, and the one trajectory holds each call of its own
+    attempt once. Everything is read back from the topics."""
+    import yaml
+
+    from rollway.actors.scheduler import new_run_id
+    from rollway.core.config import load_config
+    from rollway.runners.chaos import Ledger, descendants, jails_of
+    from rollway.runners.up import run_job, write_run_files
+
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    wait = f"while [ ! -e {gate}/go ]; do sleep 0.05; done; cat numbers.txt"
+    job = {
+        "run": {"name": "killgw", "timeout_s": 300},
+        "tasks": {"type": "toy", "count": 1},
+        "scheduler": {"group_size": 1, "max_inflight_episodes": 1, "episode_deadline_s": 280, "max_attempts": 3},
+        "agent": {"concurrency": 1, "harness": {
+            "command": ["python3", "{install_path}/agent_program.py", "{instruction}"],
+            "install": {"type": "host_dir", "path": str(ROOT / "examples")}, "time_limit_s": 200,
+            "silence_limit_s": 200}},
+        "sandbox": {"ro_binds": [str(gate)]},  # the program sees the file appear
+        "policy": {"type": "scripted", "chat_format": "bytes-chatml", "script": [
+            {"when": "Summary:", "turns": ["unused", "The sum is in answer.txt."]},
+            {"when": "", "turns": [SHELL_CALL.format(wait),
+                                   SHELL_CALL.format("awk '{print $1 + $2}' numbers.txt > answer.txt")]}]},
+        "topics": {"prefix": topic_prefix},
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    cfg = load_config(path)
+    cfg.run.id = new_run_id()
+    run_dir = tmp_path / "run"
+    write_run_files(run_dir, cfg)
+    ledger = Ledger(cfg, broker.bootstrap, poll_every_s=0.5)
+    killed: dict = {}
+
+    def kill_once_the_first_call_is_acknowledged(job) -> None:
+        if killed:
+            return
+        ledger.maybe_poll()
+        if ledger.calls.get((f"{cfg.run.id}-g00000-s0", 0)) is None:
+            return
+        (agent,) = [p for p in job.procs if p.stage == "agent" and p.alive]
+        killed.update(programs=jails_of(agent.proc.pid), tree=descendants(agent.proc.pid))
+        agent.proc.kill()
+        (gate / "go").touch()
+
+    summary = run_job(cfg, str(path), [], broker.bootstrap, run_dir, {"agent": 1, "init": 1, "reward": 1},
+                      on_tick=kill_once_the_first_call_is_acknowledged, quiet=True)
+    ledger.poll()
+    assert killed["programs"] == 1, killed  # the program was running when its gateway died
+    assert not [p for p in killed["tree"] if _running(p)], "a process of the killed worker's program outlived it"
+    episode = f"{cfg.run.id}-g00000-s0"
+    assert summary["episodes_completed"] == 1 and summary["episodes_failed"] == 0
+    assert len(ledger.calls[(episode, 0)]) == 1  # acknowledged by the dead attempt, kept in the log
+    assert len(ledger.calls[(episode, 1)]) == 3 and ledger.attempts[episode] == 2
+    ((graded_episode, attempt, spans),) = ledger.graded
+    assert (graded_episode, attempt) == (episode, 1)
+    assert [ref for ref, _, _ in spans] == [(1, 0), (1, 1), (1, 2)]
+    assert ledger.judge_calls(run_dir, trains=False) == {
+        "calls_recorded": 4, "calls_in_trajectories": 3, "calls_lost": 0, "calls_duplicated": 0, "calls_foreign": 0,
+        "calls_out_of_order": 0, "dead_attempts": 1, "dead_attempt_calls": 1}
+    failures = [json.loads(line) for line in (run_dir / "failures.jsonl").read_text().splitlines()]
+    assert [(f["stage"], f["episode"]["attempt"]) for f in failures] == [("agent", 0)]
+    assert "already ran its tool calls once" in failures[0]["reason"]
+
+
+def _running(process: tuple[int, int, int]) -> bool:
+    from rollway.runners.chaos import _running as running
+
+    return running(process[0], process[1])
