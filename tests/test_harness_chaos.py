@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import subprocess
+import sys
 import uuid
 
 import pytest
@@ -205,3 +207,25 @@ def _running(process: tuple[int, int, int]) -> bool:
     from rollway.runners.chaos import _running as running
 
     return running(process[0], process[1])
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_chaos_run_of_harness_episodes_loses_and_duplicates_no_episode_and_no_call(tmp_path):
+    """`rollway chaos examples/chaos-harness.yaml` on 3 tasks x 2 samples: agent workers are killed only
+    while they run agent programs (with calls of a running attempt on the log), reward and learner
+    workers at random, and the default fault points are armed. Judged from the topics: no episode lost
+    or trained twice, and every trajectory holds each call of its own attempt once."""
+    out = subprocess.run(
+        [sys.executable, "-m", "rollway.runners", "chaos", "examples/chaos-harness.yaml", "--seed", "2", "--json",
+         "--run-dir", str(tmp_path / "run"), "--kinds", "agent,reward,learner", "--min-gap", "1.0",
+         "--max-gap", "2.0", "--max-kills", "6", "tasks.count=3"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert out.returncode == 0, (result, out.stderr[-2000:])
+    assert result["scheduled"] == 6 and result["completed"] + result["failed"] == 6
+    assert result["lost"] == 0 and result["duplicated"] == 0 and result["trained"] == result["completed"]
+    assert {"agent", "reward", "learner"} <= set(result["killed_kinds"]), result["events"]
+    assert result["agent_kills_with_programs"] >= 1 and result["programs_lingering"] == 0, result["events"]
+    assert result["calls_lost"] == result["calls_duplicated"] == result["calls_foreign"] == 0
+    assert result["calls_in_trajectories"] == 3 * result["completed"]  # agent_program.py makes 3 calls
