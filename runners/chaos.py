@@ -230,7 +230,6 @@ class Ledger:
                 "graded_twice": sum(1 for c in self.completed.values() if c > 1),
                 "attempts": sum(self.attempts.values()), "optimizer_steps": sum(s["updated"] for s in steps)}
 
-
     def calls_in_flight(self) -> bool:
         """Some attempt has recorded calls on gateway-calls and no trajectory yet (as last polled)."""
         graded = {(e, a) for e, a, _ in self.graded}
