@@ -140,6 +140,9 @@ class TurnRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Harness episodes, on the turn that opens a later segment: the chat messages the program sent for
     it (its rewritten history, canonical form: role, content, tool_calls, tool_call_id, name); the first
     segment's are the trajectory's `messages`. None elsewhere."""
+    call_attempt: int | None = None
+    """Harness episodes: the attempt whose `gateway-calls` record this turn is (with `call_index`, the log
+    tells which attempt's acknowledged call a trained turn came from). None: a built-in turn."""
 
 
 class AgentStep(EpisodeMessage, kw_only=True):
