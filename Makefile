@@ -16,8 +16,9 @@ run: $(VENV)/.ready            ## a short learning run (4 groups x 8 episodes, 2
 smoke: $(VENV)/.ready          ## the smoke job: 8 scripted episodes through the whole pipeline
 	$(ROLLWAY) up examples/smoke.yaml
 
-test: $(VENV)/.ready           ## the whole test suite
-	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
+TEST_WORKERS ?= 4
+test: $(VENV)/.ready           ## the whole test suite, TEST_WORKERS tests side by side (most of its time is waiting)
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup --durations=25 tests
 
 bench: $(VENV)/.ready          ## pipelined vs bounded-batch rollout on the simulated workload (about 6 minutes)
 	$(ROLLWAY) bench pipeline

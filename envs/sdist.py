@@ -67,9 +67,15 @@ def download_sdist(sdist: str, cache: Path) -> Path:
     if found:
         return found
     folder.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-           "--disable-pip-version-check", "-q", "-d", str(folder), f"{name}=={version}"]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    # Into a private folder, then renamed: a process sharing the cache (a parallel test worker, a second
+    # build) never sees a half-written archive.
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".download-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+               "--disable-pip-version-check", "-q", "-d", tmp, f"{name}=={version}"]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        got = _find_archive(Path(tmp), name, version)
+        if got is not None and _find_archive(folder, name, version) is None:
+            os.replace(got, folder / got.name)
     found = _find_archive(folder, name, version)
     if done.returncode != 0 or not found:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import functools
 import json
 import subprocess
@@ -76,17 +77,23 @@ class Options:
 
 
 def _build_rows(opts: Options, swebench: bool) -> tuple[str, str | None]:
-    """The toolz SWE task (instances file, and for swebench the mirror), built once into the cache."""
+    """The toolz SWE task (instances file, and for swebench the mirror), built once into the cache. Under
+    a file lock and renamed into place: checks run side by side (two test workers, two terminals) build
+    it once and never read a half-written file."""
     folder = opts.cache_dir / ("swebench" if swebench else "swe")
     out, mirror = folder / "rows.jsonl", folder / "mirror"
-    if not out.is_file():
-        folder.mkdir(parents=True, exist_ok=True)
-        fmt = ["--format", "swebench", "--mirror", str(mirror)] if swebench else []
-        proc = subprocess.run([sys.executable, "-m", "rollway.runners", "tasks", "build", "swe", "--sdist", SWE_SDIST,
-                               "--max-tasks", "1", "--seed", "0", *fmt, "--out", str(out)],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"building the {SWE_SDIST} task failed: {proc.stdout[-1500:]}{proc.stderr[-1500:]}")
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.is_file():
+            partial = folder / "rows.partial.jsonl"
+            fmt = ["--format", "swebench", "--mirror", str(mirror)] if swebench else []
+            proc = subprocess.run([sys.executable, "-m", "rollway.runners", "tasks", "build", "swe", "--sdist",
+                                   SWE_SDIST, "--max-tasks", "1", "--seed", "0", *fmt, "--out", str(partial)],
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"building the {SWE_SDIST} task failed: {proc.stdout[-1500:]}{proc.stderr[-1500:]}")
+            partial.replace(out)
     return str(out), str(mirror) if swebench else None
 
 

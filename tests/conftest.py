@@ -1,4 +1,6 @@
-"""Shared fixtures: one embedded broker per test session, fresh topic names per test."""
+"""Shared fixtures: one embedded broker per test session (per worker when the suite runs in parallel,
+`pytest -n N`), fresh topic names per test, expensive builds made once for all workers, and the longest
+tests scheduled first."""
 
 from __future__ import annotations
 
@@ -15,6 +17,47 @@ import pytest
 from rollway.sandboxes.base import ExecResult, Sandbox
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+# Longest-first scheduling: with `pytest -n N` these start before the many short tests, so no worker
+# begins a multi-minute test when the others are nearly done. From `--durations` of a whole run (the
+# slowest 25 there; a test missing here only runs later, never not at all).
+LONGEST_FIRST = (
+    "test_vllm_server.py", "test_grader_check.py::test_every_grader_contains_every_attack",
+    "test_vllm_pipeline.py", "test_learning_distributed.py", "test_bench_real.py", "test_chaos.py",
+    "test_compose.py", "test_harness_chaos.py", "test_envs_swe.py", "test_swebench_tasks.py",
+    "test_harness.py", "test_qwen_code.py", "test_cli_e2e.py", "test_learner_actor.py", "test_envs_buglocal.py",
+    "test_harness_views.py", "test_sandbox_docker.py", "test_rerun.py", "test_faust_runtime.py",
+    "test_bench_pipeline.py", "test_bench_training.py", "test_grading_tamper.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        nodeid = item.nodeid.split("/")[-1]
+        return next((i for i, name in enumerate(LONGEST_FIRST) if nodeid.startswith(name)), len(LONGEST_FIRST))
+
+    items.sort(key=rank)  # stable: the order within a rank is the collection order
+
+
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
+    """`build(folder)` run once per test run, however many pytest-xdist workers ask (they share the
+    parent of their base temporary folders), under a file lock; a failed build is retried by the next."""
+    import fcntl
+    import shutil
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    folder, done = root / f"built-{name}", root / f"built-{name}.done"
+    with open(root / f"built-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            build(folder)
+            done.touch()
+    return folder
 
 
 @pytest.fixture(autouse=True)
@@ -70,20 +113,21 @@ def cli_env() -> dict[str, str]:
 @pytest.fixture(scope="session")
 def toolz_two_tasks(tmp_path_factory) -> Path:
     """Two toolz SWE instances (`rollway tasks build swe --sdist toolz==1.2.0 --max-tasks 2 --seed 0`),
-    built once per test session: the build runs the archive's test suite per candidate bug in the jail
-    (about a minute here), and four test modules need the same instances. The build is deterministic:
-    its first row equals a one-task build's (tests/test_envs_swe.py checks that)."""
+    built once per test run (`built_once`): the build runs the archive's test suite per candidate bug in
+    the jail (about a minute here), and several test modules need the same instances. The build is
+    deterministic: its first row equals a one-task build's (tests/test_envs_swe.py checks that)."""
     import argparse
 
     from rollway.runners import cmd_tasks
 
-    out = tmp_path_factory.mktemp("toolz") / "toolz.jsonl"
-    parser = argparse.ArgumentParser(prog="rollway tasks")
-    cmd_tasks.add_arguments(parser)
-    args = parser.parse_args(["build", "swe", "--sdist", "toolz==1.2.0", "--max-tasks", "2", "--seed", "0",
-                              "--out", str(out)])
-    assert cmd_tasks.run(args) == 0
-    return out
+    def build(folder: Path) -> None:
+        parser = argparse.ArgumentParser(prog="rollway tasks")
+        cmd_tasks.add_arguments(parser)
+        args = parser.parse_args(["build", "swe", "--sdist", "toolz==1.2.0", "--max-tasks", "2", "--seed", "0",
+                                  "--out", str(folder / "toolz.jsonl")])
+        assert cmd_tasks.run(args) == 0
+
+    return built_once(tmp_path_factory, "toolz", build) / "toolz.jsonl"
 
 
 @pytest.fixture(scope="session")

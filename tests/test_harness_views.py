@@ -15,7 +15,8 @@ import pytest
 from conftest import ROOT
 from test_harness import AGENT_PROGRAM, FIX, ROLLWAY, harness_job
 
-pytestmark = pytest.mark.e2e
+# One worker runs this module with `pytest -n N --dist loadgroup`: its tests share a module fixture.
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("harness-views")]
 
 
 @pytest.fixture(scope="module")

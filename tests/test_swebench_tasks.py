@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import built_once
 from docker_engine import ensure_engine
 from test_envs_swe import editor_fix_calls
 
@@ -210,23 +211,26 @@ def cli(argv: list[str]) -> int:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """One instance from each of three libraries' source archives, as SWE-bench rows over a git mirror
-    (built once for the module; sdists cached under ~/.cache/rollway, images cached on the engine)."""
+    (built once per test run, `built_once`; sdists cached under ~/.cache/rollway, images cached on the
+    engine)."""
     ensure_engine()
-    folder = tmp_path_factory.mktemp("swebench")
-    mirror, rows = folder / "mirror", []
-    # The three builds run side by side (each its own process; they share only the mirror folder, one
-    # repository each).
-    procs = [(out, subprocess.Popen([sys.executable, "-m", "rollway.runners", "tasks", "build", "swe", "--sdist", sdist,
-                                     "--max-tasks", "1", "--format", "swebench", "--mirror", str(mirror),
-                                     "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    cwd=ROOT))
-             for sdist in LIBRARIES for out in [folder / f"{sdist.split('==')[0]}.jsonl"]]
-    for out, proc in procs:
-        log, _ = proc.communicate(timeout=600)
-        assert proc.returncode == 0, log[-3000:]
-        rows += [json.loads(line) for line in out.read_text().splitlines()]
-    (folder / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return folder
+
+    def build(folder: Path) -> None:
+        mirror, rows = folder / "mirror", []
+        # The three builds run side by side (each its own process; they share only the mirror folder, one
+        # repository each).
+        procs = [(out, subprocess.Popen([sys.executable, "-m", "rollway.runners", "tasks", "build", "swe", "--sdist",
+                                         sdist, "--max-tasks", "1", "--format", "swebench", "--mirror", str(mirror),
+                                         "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True, cwd=ROOT))
+                 for sdist in LIBRARIES for out in [folder / f"{sdist.split('==')[0]}.jsonl"]]
+        for out, proc in procs:
+            log, _ = proc.communicate(timeout=600)
+            assert proc.returncode == 0, log[-3000:]
+            rows += [json.loads(line) for line in out.read_text().splitlines()]
+        (folder / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    return built_once(tmp_path_factory, "swebench-rows", build)
 
 
 def test_built_rows_are_swebench_rows_over_real_commits(built):

@@ -41,9 +41,11 @@ def test_exit_code_and_output(sandbox: Sandbox) -> None:
 
 
 def test_timeout_is_reported(sandbox: Sandbox) -> None:
-    result = bash(sandbox, "echo started; sleep 5", timeout_s=1)
+    # 3 s: the jail's start counts against the limit, and "started" must be printed before it expires
+    # even on a loaded machine (at 1 s it was not, at load average 20)
+    result = bash(sandbox, "echo started; sleep 60", timeout_s=3)
     assert result.is_error and result.metadata["timed_out"]
-    assert "timed out after 1 s" in result.content and "started" in result.content
+    assert "timed out after 3 s" in result.content and "started" in result.content
 
 
 def test_long_output_is_cut_with_notices(sandbox: Sandbox) -> None:

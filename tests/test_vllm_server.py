@@ -24,6 +24,9 @@ from rollway.policies.launch import vllm_server
 from rollway.policies.model_loading import resolve_model_folder
 from rollway.policies.vllm import INSTALL_HINT, VLLMClient, vllm_python
 
+# One worker runs this module with `pytest -n N --dist loadgroup`: its tests share a module fixture.
+pytestmark = pytest.mark.xdist_group("vllm-server")
+
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 11173, 30, 2, 198, 1, 4093, 198, 1780, 314, 216, 34, 1232, 216,
           34, 47, 2, 198, 1, 520, 9531, 198]
 """A fixed ChatML prompt in SmolLM2's ids (system, user "what is 2 + 2?", assistant header)."""
@@ -407,6 +410,7 @@ def test_chat_mode_talks_to_an_endpoint_without_token_ids(vllm_url):
 
 STAND_IN = """
 import socket, sys, time
+
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind(("127.0.0.1", int(sys.argv[1]))); s.listen(64)
 conns = []
