@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from rollway.envs.base import Grade, Task, TaskSet
+from rollway.envs.base import Episode, Grade, Task, TaskSet
 from rollway.envs.config import TasksConfig
 from rollway.envs.graded_diff import graded_diff
 from rollway.envs.mutations import Mutation, apply_mutation
@@ -243,6 +243,6 @@ class SWETaskSet(TaskSet):
     def sandbox_spec(self, task: Task) -> SandboxSpec:
         return SandboxSpec(source_dir=str(prepare_buggy_copy(self.instances[task.task_id], self.cfg.cache_dir)))
 
-    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider) -> Grade:
+    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider, episode: Episode) -> Grade:
         return await grade_patch(self.instances[task.task_id], await sandbox.diff(), provider,
                                  test_timeout_s=self.cfg.test_timeout_s, cache_dir=self.cfg.cache_dir)

@@ -6,7 +6,7 @@ import asyncio
 import functools
 from typing import Any
 
-from rollway.envs.base import Grade, Task, TaskSet
+from rollway.envs.base import Episode, Grade, Task, TaskSet
 from rollway.envs.config import SWEBenchTasksConfig
 from rollway.envs.image_builds import build_all
 from rollway.envs.pytest_guard import bounded_patch
@@ -65,7 +65,7 @@ class SWEBenchTaskSet(TaskSet):
         jobs = [(t.task_id, functools.partial(self.images.image_for, self.instances[t.task_id])) for t in self._tasks]
         return {**build_all(jobs, workers, progress), "built": list(self.images.built)}
 
-    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider) -> Grade:
+    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider, episode: Episode) -> Grade:
         inst = self.instances[task.task_id]
         patch = await sandbox.diff()
         try:
