@@ -29,7 +29,7 @@ class Grade:
     reward: float
     resolved: bool
     stop_reason: str | None = None
-    """Set when grading itself ended abnormally (`apply_failed`, `test_timeout`); overrides the
+    """Set when grading itself ended abnormally (`patch_failed`, `test_timeout`); overrides the
     agent's stop reason in the trajectory."""
     details: dict[str, Any] = field(default_factory=dict)
     """Partial counts and test names, e.g. {"fail_to_pass": {"passed": 1, "total": 2}}."""

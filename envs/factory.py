@@ -13,7 +13,7 @@ TASK_SETS = Registry("task set", "tasks.type", "rollway.envs.base:TaskSet")
 `TASK_SETS.add(name, "module:Class", "module:ItsConfig")` line (and its name in TasksConfig.type); a plugin
 needs nothing here (its `config_class` attribute names its config)."""
 TASK_SETS.add("toy", "rollway.envs.toy:ToyTaskSet", "rollway.envs.config:ToyTasksConfig")
-TASK_SETS.add("swe", "rollway.envs.swe:SWETaskSet", "rollway.envs.config:SWETasksConfig")
+TASK_SETS.add("swe", "rollway.envs.swebench:SWEBenchTaskSet", "rollway.envs.config:SWETasksConfig")
 TASK_SETS.add("humaneval", "rollway.envs.humaneval:HumanEvalTaskSet", "rollway.envs.config:HumanEvalTasksConfig")
 TASK_SETS.add("calc", "rollway.envs.calc:CalcTaskSet", "rollway.envs.config:CalcTasksConfig")
 TASK_SETS.add("sim", "rollway.envs.sim:SimTaskSet", "rollway.envs.config:SimTasksConfig")
