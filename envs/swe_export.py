@@ -16,9 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from rollway.envs.mutations import Mutation, apply_mutation
+from rollway.envs.pytest_report import node_file, pytest_command
 from rollway.envs.r2e_diffs import file_diffs_from_patch
 from rollway.envs.sdist import ensure_snapshot, parse_requirement
 from rollway.envs.swe_rows import FORMATS
+from rollway.envs.task_data import resolve_in_tree
 
 _GIT_ENV = {"GIT_AUTHOR_NAME": "rollway", "GIT_AUTHOR_EMAIL": "rollway@localhost",
             "GIT_COMMITTER_NAME": "rollway", "GIT_COMMITTER_EMAIL": "rollway@localhost",
@@ -72,7 +74,8 @@ def _export_library(sdist: str, group: list[dict[str, Any]], mirror: Path, cache
         clean = _commit_all(work, f"Import {sdist} from its source archive")
         for inst in group:
             mutation = Mutation.from_dict(inst["mutation"])
-            target = work / mutation.path
+            # A real file of the copied tree: a symlink planted in the snapshot would carry the write out.
+            target = resolve_in_tree(inst["instance_id"], "mutation.path", work, mutation.path)
             original = target.read_bytes()
             target.write_bytes(apply_mutation(original, mutation))
             bug = _commit_all(work, f"Change {mutation.function}")
@@ -93,9 +96,13 @@ def _row(inst: dict[str, Any], sdist: str, clean: str, bug: str, fix: str) -> di
         "problem_statement": inst["problem_statement"], "hints_text": "", "created_at": "2020-01-01T00:00:00Z",
         "patch": inst["patch"], "test_patch": "", "version": version, "environment_setup_commit": clean,
         "FAIL_TO_PASS": json.dumps(inst["FAIL_TO_PASS"]), "PASS_TO_PASS": json.dumps(inst["PASS_TO_PASS"]),
-        "test_command": inst["test_command"], "log_parser": "pytest", "install": "",
+        # Made from the checked test ids and import roots, never taken from the instance's own field (an
+        # instances file converted on load may come from anyone; the builder writes this same command).
+        "test_command": pytest_command(sorted({node_file(t) for t in inst["FAIL_TO_PASS"] + inst["PASS_TO_PASS"]}),
+                                       python_path=tuple(inst.get("python_path", ["."]))),
+        "log_parser": "pytest", "install": "",
         # Not part of SWE-bench's schema: what the other formats' rows are made from.
-        "bug_patch": inst["bug_patch"], "fix_commit": fix,
+        "bug_patch": inst.get("bug_patch", ""), "fix_commit": fix,
     }
 
 
