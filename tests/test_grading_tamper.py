@@ -271,7 +271,8 @@ def test_grade_details_stay_bounded():
 
 @pytest.mark.slow
 def test_a_huge_diff_and_flood_of_output_keep_the_grade_small(toolz_task):
-    """3 MB of new code, 600 runner files and megabytes printed by the tests: the grade stays small."""
+    """3 MB of new code, 600 runner files and megabytes printed by the tests: the grade stays small (well
+    under a broker message, 1 MB)."""
     import json
 
     async def flood(sandbox: Sandbox, row: dict) -> None:
@@ -280,8 +281,11 @@ def test_a_huge_diff_and_flood_of_output_keep_the_grade_small(toolz_task):
         await append(sandbox, package_init(row), "\nprint('y' * 4_000_000)\n")
 
     grade = grade_episode(toolz_task, flood)
+    # The model's patch is kept for `rollway eval`'s predictions, capped (its whole length and sha256 beside it).
+    kept = {k: v for k, v in grade.details.items() if not k.startswith("model_patch")}
+    assert grade.details["model_patch_truncated"] and grade.details["model_patch_chars"] > 3_000_000
     size = len(json.dumps(grade.details))
-    assert grade.reward == 0.0 and size < 50_000, size
+    assert grade.reward == 0.0 and len(json.dumps(kept)) < 50_000 and size < 300_000, size
     assert grade.details["dropped_counts"] == {"dropped_runner_files": 600}
 
 
