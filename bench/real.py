@@ -42,7 +42,8 @@ class RealBenchConfig(StrictModel):
     across them in turn (an archive that yields fewer leaves the rest to the others). Each archive's tasks
     are built once per (archive, count, task_seed) and cached under ~/.cache/rollway/bench."""
     tasks_path: str | None = None
-    """An instances file written by `rollway tasks build swe` (without --format swebench); overrides `sdist`."""
+    """An instances file written by `rollway tasks build swe --format instances` (the swe task set converts it
+    to SWE-bench rows over git on load); overrides `sdist`."""
     task_seed: int = 0
     """Seed of the task builder (which mutations become tasks)."""
     num_tasks: int = Field(4, ge=1)

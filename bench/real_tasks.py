@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 REQUIRED_FIELDS = ("instance_id", "snapshot", "mutation", "FAIL_TO_PASS", "PASS_TO_PASS")
-"""What the `swe` task set reads from an instance (the rows `rollway tasks build swe` writes)."""
+"""What an instances file (`rollway tasks build swe --format instances`) holds per instance."""
 
 
 class TaskSetError(RuntimeError):
@@ -146,7 +146,7 @@ def check_instances(path: Path, num_tasks: int) -> list[dict[str, Any]]:
             rid = row.get("instance_id", "?") if isinstance(row, dict) else "?"
             raise TaskSetError(f"tasks_path {path}: instance {rid} lacks {', '.join(lacking)}; the real bench runs "
                                "`tasks.type: swe` in local sandboxes and needs the rows `rollway tasks build swe` "
-                               "writes without --format swebench")
+                               "writes with --format instances (converted to SWE-bench rows over git on load)")
     return rows
 
 

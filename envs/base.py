@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
+from rollway.base.hooks import check_hook
 from rollway.sandboxes.base import Sandbox, SandboxProvider, SandboxSpec
 from rollway.sandboxes.config import SandboxConfig
 from rollway.schemas.messages import TurnRecord
@@ -29,7 +29,7 @@ class Grade:
     reward: float
     resolved: bool
     stop_reason: str | None = None
-    """Set when grading itself ended abnormally (`apply_failed`, `test_timeout`); overrides the
+    """Set when grading itself ended abnormally (`patch_failed`, `test_timeout`); overrides the
     agent's stop reason in the trajectory."""
     details: dict[str, Any] = field(default_factory=dict)
     """Partial counts and test names, e.g. {"fail_to_pass": {"passed": 1, "total": 2}}."""
@@ -51,6 +51,11 @@ class Episode:
     """The episode's state store (what tools and hooks kept there, see ToolContext.state)."""
     stop_reason: str | None = None
     """Why the agent stopped (in `grade`); None while the episode runs."""
+
+    @classmethod
+    def outside_run(cls, task: Task, episode_id: str = "") -> Episode:
+        """An episode with no transcript, for grading a sandbox outside a run (tests, `tasks verify`)."""
+        return cls(episode_id=episode_id, attempt=0, task=task, messages=[])
 
 
 @dataclass
@@ -154,21 +159,23 @@ class TaskSet(ABC):
         """How the init actor builds this task's sandbox."""
 
     @abstractmethod
-    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider) -> Grade:
-        """Called by the reward actor once per episode, before the sandbox is destroyed. Declare a
-        fourth parameter `episode: Episode` to get the transcript, the episode id and its state store."""
+    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider, episode: Episode) -> Grade:
+        """Called by the reward actor once per episode, before the sandbox is destroyed. `episode`: the
+        transcript, the episode id and its state store (`Episode.outside_run(task)` when grading outside a
+        run). Every task set's `grade` takes these four arguments."""
 
 
-def takes_episode(method: Any) -> bool:
-    """Whether a hook (`grade`) accepts the episode (an `episode` parameter or a fourth positional one)."""
-    params = list(inspect.signature(method).parameters.values())
-    return any(p.name == "episode" for p in params) or len(params) >= 4 or any(
-        p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
+GRADE_SIGNATURE = "async def grade(self, task, sandbox, provider, episode: Episode) -> Grade"
+
+
+def check_taskset(taskset: TaskSet | type[TaskSet]) -> None:
+    """Refuse a task set whose hooks have another signature than rollway calls (HookSignatureError)."""
+    check_hook(taskset, "grade", ("task", "sandbox", "provider", "episode"), GRADE_SIGNATURE)
+    check_hook(taskset, "next_user_message", ("task", "episode"),
+               "async def next_user_message(self, task, episode: Episode) -> str | UserTurn | None")
 
 
 async def grade_episode(taskset: TaskSet, task: Task, sandbox: Sandbox, provider: SandboxProvider,
                         episode: Episode | None) -> Grade:
-    """`taskset.grade`, with the episode when it takes one (task sets written for three arguments keep working)."""
-    if episode is not None and takes_episode(taskset.grade):
-        return await taskset.grade(task, sandbox, provider, episode)
-    return await taskset.grade(task, sandbox, provider)
+    """`taskset.grade`; a grading outside a run gets an empty episode (`Episode.outside_run`)."""
+    return await taskset.grade(task, sandbox, provider, episode if episode is not None else Episode.outside_run(task))

@@ -11,7 +11,7 @@ from rollway.envs.base import Episode, Grade, Task, TaskSet
 from rollway.envs.config import BugLocTasksConfig
 from rollway.envs.swe import load_instances, prepare_buggy_copy
 from rollway.sandboxes.base import Sandbox, SandboxProvider, SandboxSpec
-from rollway.tools.base import Tool, ToolResult
+from rollway.tools.base import Tool, ToolContext, ToolResult
 from rollway.tools.config import ToolsConfig
 from rollway.tools.registry import register_tool
 
@@ -48,7 +48,7 @@ class LocateTool(Tool):
     def __init__(self, cfg: ToolsConfig | None = None) -> None:
         self.cfg = cfg
 
-    async def call(self, arguments: dict[str, Any], sandbox: Sandbox) -> ToolResult:
+    async def call(self, arguments: dict[str, Any], sandbox: Sandbox, context: ToolContext) -> ToolResult:
         # The grade reads the arguments from the episode's record of this call, not from the sandbox,
         # so nothing the agent's commands write can stand in for the answer.
         return ToolResult(content="Answer recorded.", ends_episode=True)
@@ -194,8 +194,7 @@ class BugLocTaskSet(TaskSet):
     def reference_solution(self, task: Task) -> list[str] | None:
         return [_call("locate", file=task.metadata["file"], function=task.metadata["function"])]
 
-    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider,
-                    episode: Episode | None = None) -> Grade:
+    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider, episode: Episode) -> Grade:
         return judge(task.metadata["file"], task.metadata["function"], answer_of(episode))
 
 

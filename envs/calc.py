@@ -9,10 +9,10 @@ import operator
 import random
 from typing import Any
 
-from rollway.envs.base import Grade, Task, TaskSet
+from rollway.envs.base import Episode, Grade, Task, TaskSet
 from rollway.envs.config import CalcTasksConfig
 from rollway.sandboxes.base import Sandbox, SandboxError, SandboxProvider, SandboxSpec
-from rollway.tools.base import Tool, ToolResult
+from rollway.tools.base import Tool, ToolContext, ToolResult
 from rollway.tools.config import ToolsConfig
 from rollway.tools.registry import register_tool
 
@@ -64,7 +64,7 @@ class CalculatorTool(Tool):
     def __init__(self, cfg: ToolsConfig | None = None) -> None:
         self.cfg = cfg
 
-    async def call(self, arguments: dict[str, Any], sandbox: Sandbox) -> ToolResult:
+    async def call(self, arguments: dict[str, Any], sandbox: Sandbox, context: ToolContext) -> ToolResult:
         try:
             return ToolResult(content=str(evaluate(str(arguments["expression"]))))
         except (ValueError, SyntaxError) as err:
@@ -80,7 +80,7 @@ class AnswerTool(Tool):
     def __init__(self, cfg: ToolsConfig | None = None) -> None:
         self.cfg = cfg
 
-    async def call(self, arguments: dict[str, Any], sandbox: Sandbox) -> ToolResult:
+    async def call(self, arguments: dict[str, Any], sandbox: Sandbox, context: ToolContext) -> ToolResult:
         # Kept in the sandbox so the reward actor (another process) can grade it.
         await sandbox.write_file(ANSWER_FILE, str(arguments["value"]).strip())
         return ToolResult(content="Answer recorded.", ends_episode=True)
@@ -117,7 +117,7 @@ class CalcTaskSet(TaskSet):
     def sandbox_spec(self, task: Task) -> SandboxSpec:
         return SandboxSpec()
 
-    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider) -> Grade:
+    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider, episode: Episode) -> Grade:
         try:
             answer = (await sandbox.read_file(ANSWER_FILE)).strip()
         except (SandboxError, OSError):

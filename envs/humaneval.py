@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from rollway.envs import humaneval_tools  # noqa: F401 - registers the `python` tool
-from rollway.envs.base import Grade, Task, TaskSet
+from rollway.envs.base import Episode, Grade, Task, TaskSet
 from rollway.envs.config import HumanEvalTasksConfig
 from rollway.envs.split import select_tasks
 from rollway.sandboxes.base import Sandbox, SandboxProvider, SandboxSpec
@@ -152,7 +152,7 @@ class HumanEvalTaskSet(TaskSet):
     def sandbox_spec(self, task: Task) -> SandboxSpec:
         return SandboxSpec(files={SOLUTION_FILE: self.problems[task.task_id]["prompt"]})
 
-    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider) -> Grade:
+    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider, episode: Episode) -> Grade:
         try:
             solution = await sandbox.read_file(SOLUTION_FILE)
         except Exception as exc:  # noqa: BLE001 - a deleted solution is a failed episode, not a crash

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rollway.sandboxes.base import Sandbox
-from rollway.tools.base import Tool, ToolResult
+from rollway.tools.base import Tool, ToolContext, ToolResult
 from rollway.tools.config import ToolsConfig
 
 SNIPPET_PATH = ".rollway/python/snippet.py"
@@ -34,7 +34,7 @@ class PythonTool(Tool):
     def __init__(self, cfg: ToolsConfig | None = None) -> None:
         self.cfg = cfg or ToolsConfig()
 
-    async def call(self, arguments: dict[str, Any], sandbox: Sandbox) -> ToolResult:
+    async def call(self, arguments: dict[str, Any], sandbox: Sandbox, context: ToolContext) -> ToolResult:
         code, path = arguments.get("code"), arguments.get("path")
         if bool(code) == bool(path):
             return ToolResult('Pass exactly one of "code" (source to run) or "path" (a .py file), '

@@ -69,7 +69,7 @@ def pytest_command(files: list[str], python: str = "python", python_path: tuple[
     cache is off (nothing written outside the tree), bytecode is not written (a mutation that keeps
     a file's size and mtime second could otherwise reuse a stale .pyc), and the terminal is wide so
     failure messages are not cut."""
-    env = f"PYTHONDONTWRITEBYTECODE=1 COLUMNS=250 PYTHONPATH={':'.join(python_path)}"
+    env = f"PYTHONDONTWRITEBYTECODE=1 COLUMNS=250 PYTHONPATH={shlex.quote(':'.join(python_path))}"
     # Marks registered by plugins we lack (pytest-cov's no_cover) must not abort under filterwarnings=error.
     args = "-q -rA --tb=short --no-header -p no:cacheprovider -o addopts= -W ignore::pytest.PytestUnknownMarkWarning"
     return f"{env} {shlex.quote(python)} -m pytest {args} {' '.join(shlex.quote(f) for f in files)}"

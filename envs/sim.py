@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from rollway.envs.base import Grade, Task, TaskSet
+from rollway.envs.base import Episode, Grade, Task, TaskSet
 from rollway.envs.config import SimTasksConfig
 from rollway.sandboxes.base import Sandbox, SandboxProvider, SandboxSpec
 from rollway.sandboxes.sim import SIM_SPEC_FILE
@@ -47,7 +47,7 @@ class SimTaskSet(TaskSet):
     def sandbox_spec(self, task: Task) -> SandboxSpec:
         return SandboxSpec(files={SIM_SPEC_FILE: json.dumps({"init_s": task.metadata["init_s"]})})
 
-    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider) -> Grade:
+    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider, episode: Episode) -> Grade:
         passed = int(task.metadata["resolved"])
         result = await sandbox.exec(f"sim-grade {task.metadata['grade_s']:.3f} {passed}")
         ok = result.exit_code == 0

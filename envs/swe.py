@@ -1,26 +1,20 @@
-"""SWE task set: repair a bug injected into a library snapshot; graded by FAIL_TO_PASS and PASS_TO_PASS tests."""
+"""rollway's older SWE instances format (`rollway tasks build swe --format instances`): a bug injected into an
+unpacked source archive. Read here (`load_instances`, every field checked) for the task sets built on the
+mutations themselves (envs/buglocal.py); SWE tasks run on SWE-bench rows over git (envs/swebench.py),
+which converts an instances file on load (envs/swe_export.py)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import re
 import shutil
 import tempfile
-import uuid
 from pathlib import Path
 from typing import Any
 
-from rollway.envs.base import Grade, Task, TaskSet
-from rollway.envs.config import TasksConfig
-from rollway.envs.graded_diff import graded_diff
 from rollway.envs.mutations import Mutation, apply_mutation
-from rollway.envs.pytest_guard import GRADE_DIR, run_guarded, tail
-from rollway.envs.pytest_report import node_file, pytest_command
 from rollway.envs.sdist import SdistError, cache_root, ensure_snapshot, parse_requirement, snapshot_dir
-from rollway.envs.split import select_tasks
-from rollway.envs.swe_grading import GradingEnvError
 from rollway.envs.task_data import (
     SHA256,
     TaskDataError,
@@ -33,7 +27,6 @@ from rollway.envs.task_data import (
     refuse,
     resolve_in_tree,
 )
-from rollway.sandboxes.base import Sandbox, SandboxProvider, SandboxSpec
 
 SWE_SYSTEM_PROMPT = """You are a software engineer fixing a bug in a Python repository.
 The repository is checked out in your working directory. Tools run there; nothing else persists.
@@ -144,105 +137,3 @@ def prepare_buggy_copy(instance: dict[str, Any], cache_dir: str | os.PathLike[st
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
-
-
-def answer_patch(patch: str, test_files: list[str], python_path: tuple[str, ...] = (".",),
-                 runner_files: frozenset[str] = frozenset()) -> tuple[str, list[str]]:
-    """The part of an agent's diff that is graded, and the files left out: tool state, bytecode, the
-    graded test files themselves (tests are reset, as in SWE-bench, so editing them cannot pass) and
-    files that change how the tests run (conftest.py, pytest config, .pth...: envs/graded_diff.py)."""
-    diff = graded_diff(patch, set(test_files), python_path, runner_files)
-    return diff.patch, diff.ignored + diff.tests + diff.runner + diff.unsafe
-
-
-def _count(expected: list[str], statuses: dict[str, str]) -> dict[str, Any]:
-    failed = [t for t in expected if statuses.get(t) != "PASSED"]
-    return {"passed": len(expected) - len(failed), "total": len(expected), "failed": failed[:20]}
-
-
-async def grade_patch(instance: dict[str, Any], patch: str, provider: SandboxProvider, *,
-                      test_timeout_s: float = 120.0, cache_dir: str | None = None) -> Grade:
-    """Apply `patch` to a fresh sandbox of the buggy tree and run the instance's tests there.
-
-    Reward 1.0 only when every FAIL_TO_PASS and PASS_TO_PASS test passes in pytest's signed report
-    (envs/pytest_guard.py). The grading sandbox is destroyed before returning, whatever happens."""
-    spec = SandboxSpec(source_dir=str(prepare_buggy_copy(instance, cache_dir)))
-    sandbox = await provider.create(spec, f"grade-{_safe(instance['instance_id'])}-{uuid.uuid4().hex[:8]}")
-    try:
-        return await _grade_in(sandbox, instance, patch, test_timeout_s)
-    finally:
-        await sandbox.destroy()
-
-
-def _safe(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", text)[:60]
-
-
-async def _grade_in(sandbox: Sandbox, instance: dict[str, Any], patch: str, timeout_s: float) -> Grade:
-    f2p, p2p = instance["FAIL_TO_PASS"], instance["PASS_TO_PASS"]
-    roots = tuple(instance.get("python_path", ["."]))
-    command = pytest_command(sorted({node_file(t) for t in f2p + p2p}), python_path=roots)
-    # The runner is checked on the unpatched tree: a run the patch breaks is then the patch's 0.
-    probe = await run_guarded(sandbox, command, timeout_s, probe=True)
-    if probe.report is None:
-        raise GradingEnvError(f"env_error: pytest did not start on the unpatched tree of {instance['instance_id']} "
-                              f"({probe.problem}, exit {probe.exit_code}): {probe.output[-300:]}")
-    diff = graded_diff(patch, set(instance["test_files"]), roots, frozenset(probe.plugin_files))
-    details: dict[str, Any] = {**diff.details(), "patch_chars": len(diff.patch), "report": "signed"}
-    if diff.patch.strip():
-        await sandbox.write_file(f"{GRADE_DIR}/answer.patch", diff.patch)
-        applied = await sandbox.exec(
-            # The ceiling stops git from finding an enclosing repository, where it would skip paths.
-            f'GIT_CEILING_DIRECTORIES="$(dirname "$PWD")" git apply --whitespace=nowarn {GRADE_DIR}/answer.patch 2>&1 '
-            f"|| patch -p1 --batch --forward < {GRADE_DIR}/answer.patch 2>&1", timeout_s=60)
-        if applied.exit_code != 0:
-            details["apply_output"] = tail(applied.output, 2000)
-            return Grade(0.0, False, stop_reason="apply_failed", details=details)
-    ran = await run_guarded(sandbox, command, timeout_s)
-    if ran.timed_out:
-        details["timeout_s"] = timeout_s
-        return Grade(0.0, False, stop_reason="test_timeout", details=details)
-    if ran.report is None:
-        details.update(outcome="no_report", reason=f"no valid test report ({ran.problem}, exit {ran.exit_code})",
-                       log_tail=tail(ran.output))
-        return Grade(0.0, False, details=details)
-    details["fail_to_pass"] = _count(f2p, ran.statuses)
-    details["pass_to_pass"] = _count(p2p, ran.statuses)
-    resolved = not details["fail_to_pass"]["failed"] and not details["pass_to_pass"]["failed"]
-    details["outcome"] = "resolved" if resolved else "unresolved"
-    if not resolved:
-        details["log_tail"] = tail(ran.output)
-    return Grade(1.0 if resolved else 0.0, resolved, details=details)
-
-
-def task_prompt(instance: dict[str, Any]) -> str:
-    return (f"Repository: {instance['repo']} (source distribution, checked out in the working directory).\n\n"
-            f"Issue:\n{instance['problem_statement']}\n\n"
-            "Run a failing test with e.g. `python -m pytest -q "
-            f"{instance['FAIL_TO_PASS'][0]}`.")
-
-
-class SWETaskSet(TaskSet):
-    """Tasks from an instances file; each episode starts from the buggy tree of its instance."""
-
-    system_prompt = SWE_SYSTEM_PROMPT
-    default_tools = ("bash", "editor", "search", "finish")
-
-    def __init__(self, cfg: TasksConfig) -> None:
-        if not cfg.path:
-            raise ValueError("tasks.type=swe needs tasks.path, the instances file written by "
-                             "`rollway tasks build swe ... --out FILE`")
-        self.cfg = cfg
-        self.instances = {row["instance_id"]: row for row in load_instances(cfg.path, cfg.cache_dir)}
-        self._tasks = select_tasks(
-            [Task(iid, task_prompt(row), {"repo": row["repo"]}) for iid, row in self.instances.items()], cfg)
-
-    def tasks(self) -> list[Task]:
-        return list(self._tasks)
-
-    def sandbox_spec(self, task: Task) -> SandboxSpec:
-        return SandboxSpec(source_dir=str(prepare_buggy_copy(self.instances[task.task_id], self.cfg.cache_dir)))
-
-    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider) -> Grade:
-        return await grade_patch(self.instances[task.task_id], await sandbox.diff(), provider,
-                                 test_timeout_s=self.cfg.test_timeout_s, cache_dir=self.cfg.cache_dir)

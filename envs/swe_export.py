@@ -16,9 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from rollway.envs.mutations import Mutation, apply_mutation
+from rollway.envs.pytest_report import node_file, pytest_command
 from rollway.envs.r2e_diffs import file_diffs_from_patch
 from rollway.envs.sdist import ensure_snapshot, parse_requirement
 from rollway.envs.swe_rows import FORMATS
+from rollway.envs.task_data import resolve_in_tree
 
 _GIT_ENV = {"GIT_AUTHOR_NAME": "rollway", "GIT_AUTHOR_EMAIL": "rollway@localhost",
             "GIT_COMMITTER_NAME": "rollway", "GIT_COMMITTER_EMAIL": "rollway@localhost",
@@ -72,7 +74,8 @@ def _export_library(sdist: str, group: list[dict[str, Any]], mirror: Path, cache
         clean = _commit_all(work, f"Import {sdist} from its source archive")
         for inst in group:
             mutation = Mutation.from_dict(inst["mutation"])
-            target = work / mutation.path
+            # A real file of the copied tree: a symlink planted in the snapshot would carry the write out.
+            target = resolve_in_tree(inst["instance_id"], "mutation.path", work, mutation.path)
             original = target.read_bytes()
             target.write_bytes(apply_mutation(original, mutation))
             bug = _commit_all(work, f"Change {mutation.function}")
@@ -93,9 +96,13 @@ def _row(inst: dict[str, Any], sdist: str, clean: str, bug: str, fix: str) -> di
         "problem_statement": inst["problem_statement"], "hints_text": "", "created_at": "2020-01-01T00:00:00Z",
         "patch": inst["patch"], "test_patch": "", "version": version, "environment_setup_commit": clean,
         "FAIL_TO_PASS": json.dumps(inst["FAIL_TO_PASS"]), "PASS_TO_PASS": json.dumps(inst["PASS_TO_PASS"]),
-        "test_command": inst["test_command"], "log_parser": "pytest", "install": "",
+        # Made from the checked test ids and import roots, never taken from the instance's own field (an
+        # instances file converted on load may come from anyone; the builder writes this same command).
+        "test_command": pytest_command(sorted({node_file(t) for t in inst["FAIL_TO_PASS"] + inst["PASS_TO_PASS"]}),
+                                       python_path=tuple(inst.get("python_path", ["."]))),
+        "log_parser": "pytest", "install": "",
         # Not part of SWE-bench's schema: what the other formats' rows are made from.
-        "bug_patch": inst["bug_patch"], "fix_commit": fix,
+        "bug_patch": inst.get("bug_patch", ""), "fix_commit": fix,
     }
 
 
@@ -127,36 +134,92 @@ def as_variant(row: dict[str, Any], fmt: str) -> dict[str, Any]:
             "execution_result_content": "", "instance_id": row["instance_id"], **ext}
 
 
-async def validate_in_images(rows: list[dict[str, Any]], mirror: str, base_image: str,
-                             log: Any = print) -> list[dict[str, Any]]:
-    """Grade each row's gold patch in its image (as SWE-bench validates its instances): PASS_TO_PASS
-    tests that fail there (the image lacks something the build host had) are dropped; a row whose
-    FAIL_TO_PASS tests do not all pass with the gold patch is dropped."""
+async def validate_rows(rows: list[dict[str, Any]], mirror: str, sandbox: str = "local",
+                        base_image: str = "rollway-sandbox:bookworm", cache_dir: str | None = None,
+                        log: Any = print) -> list[dict[str, Any]]:
+    """Grade each row's gold patch in the workspace the task path gives it (as SWE-bench validates its
+    instances): its tree in the local jail, or its image with `sandbox="docker"`. PASS_TO_PASS tests that
+    fail there (the image lacks something the build host had) are dropped; a row whose FAIL_TO_PASS
+    tests do not all pass with the gold patch is dropped."""
     from rollway.envs.swe_grading import GradeSettings, grade_instance
-    from rollway.envs.swe_images import InstanceImages, copy_repo_command
+    from rollway.envs.swe_images import InstanceImages, copy_repo_command, prepared_tree
     from rollway.envs.swe_rows import normalise_row
     from rollway.sandboxes.base import SandboxSpec
     from rollway.sandboxes.config import SandboxConfig
-    from rollway.sandboxes.docker import DockerSandboxProvider
+    from rollway.sandboxes.factory import build_sandbox_provider
 
     images = InstanceImages(mirror, "rollway-never-prebuilt/{id_docker}:none", base_image)
-    provider = DockerSandboxProvider(SandboxConfig(type="docker", image=base_image))
+    provider = build_sandbox_provider(SandboxConfig(type=sandbox, **({"image": base_image} if sandbox == "docker"
+                                                                     else {})))
+
+    def spec_for(inst: Any) -> SandboxSpec:
+        if sandbox == "docker":
+            return SandboxSpec(image=images.image_for(inst), setup_commands=[copy_repo_command(inst.repo_dir)])
+        return SandboxSpec(source_dir=str(prepared_tree(inst, mirror, cache_dir)))
+
     kept = []
     for row in rows:
         inst = normalise_row(row)
-        spec = SandboxSpec(image=images.image_for(inst), setup_commands=[copy_repo_command(inst.repo_dir)])
-        grade = await grade_instance(inst, inst.patch, provider, spec, GradeSettings(timeout_s=600, all_failed=True))
+        grade = await grade_instance(inst, inst.patch, provider, spec_for(inst),
+                                     GradeSettings(timeout_s=600, all_failed=True))
         if "fail_to_pass" not in grade.details:
-            log(f"{inst.instance_id}: dropped, its gold patch graded {grade.details['outcome']} in the image")
+            log(f"{inst.instance_id}: dropped, its gold patch graded {grade.details['outcome']} ({sandbox})")
             continue
         if grade.details["fail_to_pass"]["failed"]:
-            log(f"{inst.instance_id}: dropped, FAIL_TO_PASS tests fail in the image with the gold patch: "
+            log(f"{inst.instance_id}: dropped, FAIL_TO_PASS tests fail ({sandbox}) with the gold patch: "
                 f"{grade.details['fail_to_pass']['failed'][:3]}")
             continue
         broken = set(grade.details["pass_to_pass"]["failed"])
         if broken:
-            log(f"{inst.instance_id}: {len(broken)} PASS_TO_PASS tests fail in the image, dropped from the row "
+            log(f"{inst.instance_id}: {len(broken)} PASS_TO_PASS tests fail ({sandbox}), dropped from the row "
                 f"(e.g. {sorted(broken)[:2]})")
             row = {**row, "PASS_TO_PASS": json.dumps([t for t in inst.pass_to_pass if t not in broken])}
         kept.append(row)
     return kept
+
+
+def is_instances_file(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` is rollway's older instances format (`rollway tasks build swe --format instances`:
+    JSONL rows carrying `mutation` and `snapshot`) rather than SWE-bench-schema rows."""
+    file = Path(path).expanduser()
+    if file.suffix != ".jsonl" or not file.is_file():
+        return False
+    with file.open() as lines:
+        first = next((line for line in lines if line.strip()), "")
+    try:
+        row = json.loads(first) if first else {}
+    except json.JSONDecodeError:
+        return False
+    return isinstance(row, dict) and "mutation" in row and "snapshot" in row
+
+
+def rows_from_instances(path: str | os.PathLike[str], cache_dir: str | None = None,
+                        mirror: str | os.PathLike[str] | None = None) -> tuple[list[dict[str, Any]], str]:
+    """An instances file converted on load: its instances (checked by `load_instances`) committed into
+    a git mirror (default `CACHE/swe-mirror`) as SWE-bench rows, which are returned with the mirror.
+
+    Converted once per file content: the rows are kept beside the mirror, and workers converting the
+    same file at once take turns on a lock (the commits are deterministic, so any of them may write)."""
+    import fcntl
+    import hashlib
+
+    from rollway.envs.sdist import cache_root
+    from rollway.envs.swe import load_instances
+
+    file = Path(path).expanduser()
+    instances = load_instances(file, cache_dir)  # every field checked before anything is written
+    root = Path(mirror).expanduser() if mirror else cache_root(cache_dir) / "swe-mirror"
+    root.mkdir(parents=True, exist_ok=True)
+    key = hashlib.sha256(file.read_bytes()).hexdigest()[:16]
+    done = root / "converted" / f"{key}.jsonl"
+    with open(root / ".convert.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if done.is_file() and all((root / f"{repo_name(i['snapshot']['sdist']).replace('/', '__')}.git").is_dir()
+                                  for i in instances):
+            return [json.loads(line) for line in done.read_text().splitlines() if line.strip()], str(root)
+        rows = export_swebench(instances, root, cache_dir)
+        done.parent.mkdir(exist_ok=True)
+        tmp = done.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        os.replace(tmp, done)
+    return rows, str(root)

@@ -100,6 +100,33 @@ def export_tree(repo_path: Path, commit: str, dest: Path, pre_patch: str = "") -
             raise EnvPrepError(f"the row's bug patch does not apply to {commit}: {done.stderr.decode()[-300:]}")
 
 
+def prepared_tree(inst: SWEInstance, mirror: str | None, cache_dir: str | None = None,
+                  git_url: str | None = None) -> Path:
+    """The instance's starting tree as a folder (the repository at `base_commit` plus `pre_patch`, no .git),
+    exported from the mirror once under the cache (`CACHE/swe-trees`): the workspace of sandboxes without
+    images (sandbox.type=local). The folder's name hashes what went in, so a changed row gets a new one."""
+    from rollway.envs.sdist import cache_root
+
+    repo_path = find_repo(mirror, inst.repo, git_url)
+    key = hashlib.sha256("\0".join([str(repo_path.resolve()), inst.repo, inst.base_commit,
+                                     inst.pre_patch]).encode()).hexdigest()[:12]
+    dest = cache_root(cache_dir) / "swe-trees" / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', inst.instance_id)[:80]}-{key}"
+    if dest.is_dir():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".export-"))
+    try:
+        export_tree(repo_path, inst.base_commit, tmp / "tree", inst.pre_patch)
+        try:
+            os.rename(tmp / "tree", dest)  # atomic: workers racing here all see a complete tree
+        except OSError:
+            if not dest.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
 # ---------------------------------------------------------------- images
 
 
@@ -216,6 +243,6 @@ def copy_repo_command(repo_dir: str) -> str:
     """Setup command: the image's repository (without .git) copied into the workspace, owned by the
     sandbox user. A sandbox without the folder (not docker, or a foreign image) fails with the fix."""
     q = repo_dir.rstrip("/") or "/"
-    return (f"test -d {q} || {{ echo 'rollway: {q} is missing: tasks.type=swebench needs sandbox.type=docker and "
-            f"an image holding the repository at {q}'; exit 1; }}; "
+    return (f"test -d {q} || {{ echo 'rollway: {q} is missing: an image-based SWE workspace needs an image holding "
+            f"the repository at {q}'; exit 1; }}; "
             f"tar -C {q} --exclude=./.git -cf - . | tar -xf - --no-same-owner")

@@ -92,7 +92,7 @@ def read_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     file = Path(path).expanduser()
     if not file.is_file():
         raise FileNotFoundError(f"instances file {file} does not exist; pass a SWE-bench-schema JSONL or Parquet "
-                                "file, or build one with `rollway tasks build swe --format swebench`")
+                                "file, or build one with `rollway tasks build swe`")
     if file.suffix == ".parquet":
         import pyarrow.parquet as pq
 

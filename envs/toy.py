@@ -6,7 +6,7 @@ import json
 import random
 import re
 
-from rollway.envs.base import Grade, Task, TaskSet
+from rollway.envs.base import Episode, Grade, Task, TaskSet
 from rollway.envs.config import ToyTasksConfig
 from rollway.sandboxes.base import Sandbox, SandboxError, SandboxProvider, SandboxSpec
 
@@ -52,7 +52,7 @@ class ToyTaskSet(TaskSet):
     def sandbox_spec(self, task: Task) -> SandboxSpec:
         return SandboxSpec(files={"numbers.txt": f"{task.metadata['a']} {task.metadata['b']}\n"})
 
-    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider) -> Grade:
+    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider, episode: Episode) -> Grade:
         expected = task.metadata["a"] + task.metadata["b"]
         try:
             answer = (await sandbox.read_file("answer.txt")).strip()

@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     check.add_argument("--attack", action="append", default=[], metavar="ROW", help="only this row (repeatable)")
     check.add_argument("--row-timeout", type=float, default=180.0, help="seconds one row may take (default 180)")
     check.add_argument("--jobs", type=int, default=2, help="rows played side by side (default 2)")
-    check.add_argument("--swe-instances", default=None, help="swe instances file (default: toolz, built once)")
+    check.add_argument("--swe-instances", default=None, help="swe rows file (or an older instances file; default: toolz, built once)")
     check.add_argument("--swebench-rows", default=None, help="swebench rows file (with --mirror; default: toolz)")
     check.add_argument("--mirror", default=None, help="git mirror folder of --swebench-rows")
     check.add_argument("--harbor", default=None, help="Harbor task folder (default examples/harbor/file-permissions)")

@@ -8,11 +8,11 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 NAME = "tasks"
-HELP = ("build SWE-style task instances from a package's sdist (build); check a task set (verify CONFIG: gold "
-        "policy resolves every task, doing nothing resolves none) or SWE instances' gold patches (verify FILE.jsonl); "
+HELP = ("build SWE tasks (SWE-bench rows over a git repository) from a package's sdist (build); check a task set "
+        "(verify CONFIG: gold policy resolves every task, doing nothing resolves none) or SWE rows' gold patches "
+        "(verify FILE.jsonl); "
         "find or build every task image of a swebench/harbor config (build-images CONFIG)")
 
 
@@ -30,36 +30,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="buglocal: bugs kept in one function at most (default 2)")
     build.add_argument("--max-tasks", type=int, default=5, help="stop after this many instances (default 5)")
     build.add_argument("--seed", type=int, default=0, help="order of the mutations tried (default 0)")
-    build.add_argument("--out", required=True, help="instances file to write (JSONL)")
+    build.add_argument("--out", required=True, help="swe: rows file to write (JSONL); buglocal: a folder")
     build.add_argument("--max-failing", type=int, default=None,
                        help="keep a bug only when 1..K tests fail with it (default 5; buglocal 50)")
     build.add_argument("--max-candidates", type=int, default=400,
                        help="give up after trying this many mutations (default 400)")
     build.add_argument("--cache", default=None, help="cache folder for sdists and snapshots (default ~/.cache/rollway)")
-    build.add_argument("--format", choices=["rollway", "swebench"], default="rollway",
-                       help="rollway: instances over the unpacked sdist (tasks.type=swe); swebench: SWE-bench rows "
-                            "over a git repository written into --mirror (tasks.type=swebench), checked in images")
-    build.add_argument("--mirror", default=None, help="--format swebench: folder of git repositories to write into")
+    build.add_argument("--format", choices=["swebench", "instances"], default="swebench",
+                       help="swebench (default): SWE-bench rows over a git repository written into --mirror "
+                            "(tasks.type swe or swebench); instances: rollway's older mutation instances over the "
+                            "unpacked sdist (what tasks.type=buglocal reads; swe/swebench convert them on load)")
+    build.add_argument("--mirror", default=None, help="folder of git repositories to write into (default: `mirror` "
+                       "next to --out, where the task set looks for it)")
+    build.add_argument("--sandbox", choices=["local", "docker"], default="local",
+                       help="where each row's gold patch is checked before it is written: its tree in the bubblewrap "
+                            "jail (default) or its instance image (docker)")
     build.add_argument("--variant", choices=["swebench", "swe-gym", "swe-smith", "r2e-gym"], default="swebench",
-                       help="--format swebench: write the rows in this dataset's field layout (default swebench)")
+                       help="write the rows in this dataset's field layout (default swebench)")
     build.add_argument("--base-image", default="rollway-sandbox:bookworm",
-                       help="--format swebench: image the instance images are built from")
+                       help="--sandbox docker: image the instance images are built from")
     verify = sub.add_parser("verify", help="CONFIG.yaml: play every task with the gold policy (reference_solution) "
                             "and a do-nothing policy; FILE: grade each instance's gold and empty patch (or a Harbor "
                             "task's solution and an empty run) in a real sandbox")
-    verify.add_argument("file", help="a run config (YAML: any task set), an instances file from `rollway tasks build "
-                        "swe`, a SWE-bench-schema rows file (JSONL/Parquet), or a Harbor task folder (or a folder of them)")
+    verify.add_argument("file", help="a run config (YAML: any task set), a SWE-bench-schema rows file (JSONL/Parquet; "
+                        "an older instances file is converted), or a Harbor task folder (or a folder of them)")
     verify.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (with a CONFIG)")
     verify.add_argument("--run-dir", default=None, help="folder for the episodes' files (CONFIG; default a temp folder)")
     verify.add_argument("--type", choices=["auto", "swe", "swebench", "harbor"], default="auto",
-                        help="task family of FILE (auto: a folder is harbor, rows with `mutation` swe, else swebench)")
+                        help="task family of FILE (auto: a folder is harbor, else SWE rows; swe and swebench are one)")
     verify.add_argument("--mirror", default=None, help="swebench: folder of git repositories (tasks.mirror)")
     verify.add_argument("--base-image", default=None, help="swebench/harbor: tasks.base_image")
     verify.add_argument("--json", action="store_true", help="print the result as JSON")
     verify.add_argument("--timeout", type=float, default=120.0, help="test time limit per grading, seconds")
     verify.add_argument("--cache", default=None, help="cache folder for snapshots (default ~/.cache/rollway)")
     verify.add_argument("--sandbox", choices=["local", "docker"], default="local",
-                        help="grade in the bubblewrap jail (default) or in Docker containers")
+                        help="SWE rows: grade in the bubblewrap jail on the tree from the mirror (default) or in "
+                             "containers of each instance's image (docker); Harbor tasks always run in docker")
     verify.add_argument("--image", default=None, help="docker image (default: sandbox.image, the locally built base)")
 
 
@@ -79,26 +85,19 @@ def run(args: argparse.Namespace) -> int:
 
         return build_images_command(args)
     kind = _verify_kind(args)
-    if kind not in ("swe", "config"):
-        from rollway.runners.tasks_formats import verify_formats
+    if kind == "config":
+        return asyncio.run(_verify_config(args))
+    from rollway.runners.tasks_formats import verify_formats
 
-        return asyncio.run(verify_formats(args, kind))
-    return asyncio.run(_verify(args))
+    return asyncio.run(verify_formats(args, kind))
 
 
 def _verify_kind(args: argparse.Namespace) -> str:
     if args.file.endswith((".yaml", ".yml")):
         return "config"  # a run config: played with the gold and the do-nothing policy
     if args.type != "auto":
-        return args.type
-    path = Path(args.file)
-    if path.is_dir():
-        return "harbor"
-    if path.suffix in (".jsonl", ".json") and path.is_file():
-        first = next((line for line in path.read_text().splitlines() if line.strip()), "{}")
-        if path.suffix == ".jsonl" and "mutation" in json.loads(first):
-            return "swe"
-    return "swebench"
+        return "swebench" if args.type == "swe" else args.type
+    return "harbor" if Path(args.file).is_dir() else "swebench"
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -126,6 +125,7 @@ def _build(args: argparse.Namespace) -> int:
         from rollway.runners.tasks_formats import write_swebench
 
         return write_swebench(args, instances, started)
+    # --format instances: the older format, for the task sets built on the mutations (buglocal).
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(row) + "\n" for row in instances))
@@ -162,29 +162,6 @@ def _build_buglocal(args: argparse.Namespace) -> int:
     return 0
 
 
-async def verify_instances(instances: list[dict[str, Any]], timeout_s: float = 120.0,
-                           cache_dir: str | None = None, progress: Any = None,
-                           sandbox: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Grade gold and empty patches of every instance in a real sandbox (`sandbox`: SandboxConfig
-    fields; default the local bubblewrap jail)."""
-    from rollway.envs.swe import grade_patch
-    from rollway.sandboxes.config import SandboxConfig
-    from rollway.sandboxes.factory import build_sandbox_provider
-
-    provider = build_sandbox_provider(SandboxConfig(**{"type": "local", **(sandbox or {})}))
-    rows = []
-    for inst in instances:
-        gold = await grade_patch(inst, inst["patch"], provider, test_timeout_s=timeout_s, cache_dir=cache_dir)
-        empty = await grade_patch(inst, "", provider, test_timeout_s=timeout_s, cache_dir=cache_dir)
-        rows.append({"instance_id": inst["instance_id"], "gold_resolved": gold.resolved,
-                     "empty_resolved": empty.resolved, "gold_stop_reason": gold.stop_reason,
-                     "empty_stop_reason": empty.stop_reason})
-        if progress is not None:  # a rollway.runners.progress.ProgressDisplay
-            progress.update(len(rows), len(instances), f"{sum(r['gold_resolved'] for r in rows)} gold resolved")
-    return {"total": len(rows), "gold_resolved": sum(r["gold_resolved"] for r in rows),
-            "empty_resolved": sum(r["empty_resolved"] for r in rows), "instances": rows}
-
-
 async def _verify_config(args: argparse.Namespace) -> int:
     import tempfile
 
@@ -212,34 +189,3 @@ async def _verify_config(args: argparse.Namespace) -> int:
         print(f"trajectories: rollway show {Path(summary['trajectories']['gold']).parent} (gold), "
               f"rollway show {Path(summary['trajectories']['nothing']).parent} (do-nothing)")
     return 0 if summary["gold_resolved"] == summary["total"] and summary["nothing_resolved"] == 0 else 1
-
-
-async def _verify(args: argparse.Namespace) -> int:
-    if args.file.endswith((".yaml", ".yml")):
-        return await _verify_config(args)
-    from rollway.envs.swe import load_instances
-
-    try:
-        instances = load_instances(args.file, args.cache)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    from rollway.runners.progress import ProgressDisplay
-
-    progress = ProgressDisplay("instances verified", every_s=10.0)
-    try:
-        sandbox = {"type": args.sandbox, **({"image": args.image} if args.image else {})}
-        summary = await verify_instances(instances, args.timeout, args.cache, progress, sandbox)
-    finally:
-        progress.close()
-    if args.json:
-        print(json.dumps(summary, indent=2))
-    else:
-        for row in summary["instances"]:
-            print(f"{row['instance_id']}: gold {'resolved' if row['gold_resolved'] else 'NOT resolved'}"
-                  f"{' (' + row['gold_stop_reason'] + ')' if row['gold_stop_reason'] else ''}, "
-                  f"empty {'RESOLVED' if row['empty_resolved'] else 'not resolved'}")
-        print(f"gold_resolved {summary['gold_resolved']}/{summary['total']}, "
-              f"empty_resolved {summary['empty_resolved']}/{summary['total']}")
-    ok = summary["gold_resolved"] == summary["total"] and summary["empty_resolved"] == 0
-    return 0 if ok else 1

@@ -76,40 +76,41 @@ class Options:
 # ---------------------------------------------------------------- the task families
 
 
-def _build_rows(opts: Options, swebench: bool) -> tuple[str, str | None]:
-    """The toolz SWE task (instances file, and for swebench the mirror), built once into the cache. Under
-    a file lock and renamed into place: checks run side by side (two test workers, two terminals) build
-    it once and never read a half-written file."""
-    folder = opts.cache_dir / ("swebench" if swebench else "swe")
+def _build_rows(opts: Options, swebench: bool) -> tuple[str, str]:
+    """The toolz SWE task as SWE-bench rows over a git mirror (`rollway tasks build swe`), built once into
+    the cache; for swebench its gold patch is checked in its instance image. Under a file lock and renamed
+    into place: checks run side by side (two test workers, two terminals) build it once and never read a
+    half-written file."""
+    folder = opts.cache_dir / ("swebench" if swebench else "swe-rows")
     out, mirror = folder / "rows.jsonl", folder / "mirror"
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not out.is_file():
             partial = folder / "rows.partial.jsonl"
-            fmt = ["--format", "swebench", "--mirror", str(mirror)] if swebench else []
+            check = ["--sandbox", "docker"] if swebench else []
             proc = subprocess.run([sys.executable, "-m", "rollway.runners", "tasks", "build", "swe", "--sdist",
-                                   SWE_SDIST, "--max-tasks", "1", "--seed", "0", *fmt, "--out", str(partial)],
-                                  capture_output=True, text=True)
+                                   SWE_SDIST, "--max-tasks", "1", "--seed", "0", "--mirror", str(mirror), *check,
+                                   "--out", str(partial)], capture_output=True, text=True)
             if proc.returncode != 0:
                 raise RuntimeError(f"building the {SWE_SDIST} task failed: {proc.stdout[-1500:]}{proc.stderr[-1500:]}")
             partial.replace(out)
-    return str(out), str(mirror) if swebench else None
+    return str(out), str(mirror)
 
 
 def _family(name: str, opts: Options) -> Family:
     from rollway.envs import config as c
     from rollway.envs.factory import build_taskset
+    from rollway.sandboxes.config import SandboxConfig
 
-    if name == "swe":
-        path = opts.swe_instances or _build_rows(opts, swebench=False)[0]
-        taskset = build_taskset(c.SWETasksConfig(type="swe", path=path, test_timeout_s=TEST_TIMEOUT_S, limit=1))
-        row = taskset.instances[taskset.tasks()[0].task_id]
-        return _swe_family(name, taskset, row["mutation"]["path"], row["FAIL_TO_PASS"], row["PASS_TO_PASS"])
-    if name == "swebench":
-        path, mirror = (opts.swebench_rows, opts.mirror) if opts.swebench_rows else _build_rows(opts, swebench=True)
-        taskset = build_taskset(c.SWEBenchTasksConfig(type="swebench", path=path, mirror=mirror, limit=1,
-                                                      test_timeout_s=TEST_TIMEOUT_S))
+    if name in ("swe", "swebench"):
+        # One task path: `swe` is the row graded in this sandbox (local: its tree from the mirror), swebench
+        # the same kind of row in its instance image (docker only).
+        given = (opts.swe_instances, None) if name == "swe" else (opts.swebench_rows, opts.mirror)
+        path, mirror = given if given[0] else _build_rows(opts, swebench=name == "swebench")
+        cls = c.SWETasksConfig if name == "swe" else c.SWEBenchTasksConfig
+        taskset = build_taskset(cls(type=name, path=path, mirror=mirror, limit=1, test_timeout_s=TEST_TIMEOUT_S),
+                                SandboxConfig(type=opts.sandbox))  # type: ignore[arg-type]
         inst = taskset.instances[taskset.tasks()[0].task_id]
         source = inst.patch.split("diff --git a/", 1)[1].split(" ", 1)[0]
         return _swe_family(name, taskset, source, inst.fail_to_pass, inst.pass_to_pass)

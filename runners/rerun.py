@@ -114,6 +114,8 @@ async def rerun_episode(traj: dict[str, Any], cfg: RunConfig, normalize: Any, gr
     harness episode: `check_rerunnable`)."""
     check_rerunnable(traj)
     from rollway.actors.services import Services
+    from rollway.envs.base import Episode, grade_episode
+    from rollway.tools.base import ToolContext
     from rollway.tools.registry import run_tool_calls
 
     s = Services(cfg, Path("."))
@@ -123,10 +125,12 @@ async def rerun_episode(traj: dict[str, Any], cfg: RunConfig, normalize: Any, gr
                          recorded_reward=traj.get("reward"))
     try:
         for turn in traj.get("turns", []):
-            replayed = await run_tool_calls(turn["assistant_text"], s.tools, sandbox, cfg.tools)
+            context = ToolContext(task=task, episode_id=result.episode_id, turn=turn.get("turn", 0))
+            replayed = await run_tool_calls(turn["assistant_text"], s.tools, sandbox, cfg.tools, context)
             result.differences += compare_turn(turn, replayed.observations, normalize)
         if grade:
-            result.replayed_reward = (await s.taskset.grade(task, sandbox, s.sandboxes)).reward
+            result.replayed_reward = (await grade_episode(s.taskset, task, sandbox, s.sandboxes,
+                                                          Episode.outside_run(task, result.episode_id))).reward
     finally:
         await sandbox.destroy()
     return result

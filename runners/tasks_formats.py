@@ -1,4 +1,4 @@
-"""`rollway tasks build swe --format swebench` and `rollway tasks verify` for SWE-bench rows and Harbor tasks."""
+"""`rollway tasks build swe` (SWE-bench rows over git) and `rollway tasks verify` for SWE rows and Harbor tasks."""
 
 from __future__ import annotations
 
@@ -11,39 +11,47 @@ from pathlib import Path
 from typing import Any
 
 
-def write_swebench(args: argparse.Namespace, instances: list[dict[str, Any]], started: float) -> int:
-    """Commit the instances into the mirror as git history, check them in their images, write the rows."""
-    from rollway.envs.swe_export import as_variant, export_swebench, validate_in_images
+def default_mirror(out: str | Path) -> Path:
+    """Where `rollway tasks build swe` writes its git repositories unless told: `mirror/` next to the rows
+    file (several libraries built into one folder share it; the task set looks there by default)."""
+    return Path(out).expanduser().parent / "mirror"
 
-    if not args.mirror:
-        print("error: --format swebench needs --mirror DIR (the folder of git repositories to write)", file=sys.stderr)
-        return 2
-    rows = export_swebench(instances, args.mirror, args.cache)
-    rows = asyncio.run(validate_in_images(rows, args.mirror, args.base_image,
-                                          lambda line: print(line, file=sys.stderr, flush=True)))
+
+def write_swebench(args: argparse.Namespace, instances: list[dict[str, Any]], started: float) -> int:
+    """Commit the instances into the mirror as git history, check each gold patch on the task path
+    (`--sandbox`: the exported tree in the local jail, or the instance image), write the rows."""
+    from rollway.envs.swe_export import as_variant, export_swebench, validate_rows
+
+    mirror = str(Path(args.mirror).expanduser() if args.mirror else default_mirror(args.out))
+    rows = export_swebench(instances, mirror, args.cache)
+    rows = asyncio.run(validate_rows(rows, mirror, args.sandbox, args.base_image, args.cache,
+                                     lambda line: print(line, file=sys.stderr, flush=True)))
     if not rows:
-        print("error: no instance passed with its gold patch in its image", file=sys.stderr)
+        print(f"error: no instance passed with its gold patch ({args.sandbox} sandbox)", file=sys.stderr)
         return 1
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(as_variant(row, args.variant)) + "\n" for row in rows))
-    print(f"wrote {len(rows)} {args.variant} rows to {out} (repositories in {args.mirror}) "
-          f"in {time.monotonic() - started:.1f}s")
+    print(f"wrote {len(rows)} {args.variant} rows to {out} (repositories in {mirror}) "
+          f"in {time.monotonic() - started:.1f}s" + ("" if len(rows) == args.max_tasks else f" (asked for {args.max_tasks})"))
     return 0
 
 
 async def verify_formats(args: argparse.Namespace, kind: str) -> int:
+    """`rollway tasks verify FILE`: a Harbor folder (docker), or SWE rows (an instances file is converted
+    on load) graded on the task path in the `--sandbox` given."""
     from rollway.envs.config import HarborTasksConfig, SWEBenchTasksConfig
-    from rollway.sandboxes.config import DockerSandboxConfig
+    from rollway.sandboxes.config import DockerSandboxConfig, SandboxConfig
     from rollway.sandboxes.docker import DockerSandboxProvider
+    from rollway.sandboxes.factory import build_sandbox_provider
 
     extra = {"base_image": args.base_image} if args.base_image else {}
-    provider = DockerSandboxProvider(DockerSandboxConfig(**({"image": args.base_image} if args.base_image
-                                                                      else {})))
     try:
         if kind == "harbor":
             from rollway.envs.harbor import HarborTaskSet, verify_tasks
 
+            provider = DockerSandboxProvider(DockerSandboxConfig(**({"image": args.base_image} if args.base_image
+                                                                      else {})))
             summary = await verify_tasks(HarborTaskSet(HarborTasksConfig(path=args.file, **extra)), provider)
             ok = summary["oracle_passed"] == summary["with_solution"] and summary["empty_passed"] == 0
             lines = [f"{r['task']}: oracle {r.get('oracle_reward')} ({r.get('oracle_outcome')}), "
@@ -52,10 +60,20 @@ async def verify_formats(args: argparse.Namespace, kind: str) -> int:
                          f"empty_passed {summary['empty_passed']}/{summary['total']}")
         else:
             from rollway.envs.swebench import SWEBenchTaskSet, verify_instances
+            from rollway.runners.progress import ProgressDisplay
 
-            taskset = SWEBenchTaskSet(SWEBenchTasksConfig(path=args.file, mirror=args.mirror,
+            image = args.image or args.base_image
+            sandbox = SandboxConfig(type=args.sandbox, **({"image": image} if image and args.sandbox == "docker"
+                                                          else {}))
+            provider = build_sandbox_provider(sandbox)
+            taskset = SWEBenchTaskSet(SWEBenchTasksConfig(path=args.file, mirror=args.mirror, cache_dir=args.cache,
                                                           test_timeout_s=args.timeout, **extra))
-            summary = await verify_instances(taskset, provider)
+            taskset.sandbox_config = sandbox
+            progress = ProgressDisplay("instances verified", every_s=10.0)
+            try:
+                summary = await verify_instances(taskset, provider, progress)
+            finally:
+                progress.close()
             ok = summary["gold_resolved"] == summary["total"] and summary["empty_resolved"] == 0
             lines = [f"{r['instance_id']}: gold {r['gold_outcome']}, empty {r['empty_outcome']}"
                      for r in summary["instances"]]
@@ -75,7 +93,7 @@ def build_task_images(cfg: Any, workers: int | None = None, quiet: bool = False)
     from rollway.envs.factory import build_taskset
     from rollway.runners.progress import ProgressDisplay
 
-    taskset = build_taskset(cfg.tasks)
+    taskset = build_taskset(cfg.tasks, cfg.sandbox)
     build = getattr(taskset, "build_images", None)
     if build is None:
         return None
@@ -93,7 +111,7 @@ def prebuild_at_start(cfg: Any, quiet: bool = False) -> None:
     """Start of `rollway up`/`eval`: build the task images first (tasks.prebuild_images, docker sandboxes)."""
     if not getattr(cfg.tasks, "prebuild_images", False) or cfg.sandbox.type != "docker":
         return
-    if cfg.tasks.type in ("toy", "swe", "humaneval", "calc", "sim"):  # built-in sets without task images
+    if cfg.tasks.type in ("toy", "humaneval", "calc", "sim"):  # built-in sets without task images
         return
     import structlog
 

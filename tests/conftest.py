@@ -112,10 +112,12 @@ def cli_env() -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def toolz_two_tasks(tmp_path_factory) -> Path:
-    """Two toolz SWE instances (`rollway tasks build swe --sdist toolz==1.2.0 --max-tasks 2 --seed 0`),
-    built once per test run (`built_once`): the build runs the archive's test suite per candidate bug in
-    the jail (about a minute here), and several test modules need the same instances. The build is
-    deterministic: its first row equals a one-task build's (tests/test_envs_swe.py checks that)."""
+    """Two toolz SWE instances in the older instances format (`rollway tasks build swe --sdist toolz==1.2.0
+    --max-tasks 2 --seed 0 --format instances`): what `tasks.type: buglocal` reads, and what `swe`/`swebench`
+    convert on load into SWE-bench rows over a git mirror (the one SWE task path), built once per test run
+    (`built_once`): the build runs the archive's test suite per candidate bug in the jail (about a minute
+    here), and several test modules need the same instances. The build is deterministic: its first row
+    equals a one-task build's (tests/test_envs_swe.py checks that)."""
     import argparse
 
     from rollway.runners import cmd_tasks
@@ -124,7 +126,7 @@ def toolz_two_tasks(tmp_path_factory) -> Path:
         parser = argparse.ArgumentParser(prog="rollway tasks")
         cmd_tasks.add_arguments(parser)
         args = parser.parse_args(["build", "swe", "--sdist", "toolz==1.2.0", "--max-tasks", "2", "--seed", "0",
-                                  "--out", str(folder / "toolz.jsonl")])
+                                  "--format", "instances", "--out", str(folder / "toolz.jsonl")])
         assert cmd_tasks.run(args) == 0
 
     return built_once(tmp_path_factory, "toolz", build) / "toolz.jsonl"

@@ -6,11 +6,13 @@ import asyncio
 
 import pytest
 
+from rollway.envs.base import Episode
 from rollway.envs.config import TasksConfig
 from rollway.envs.factory import build_taskset
 from rollway.envs.humaneval import SOLUTION_FILE, HumanEvalTaskSet, grade_solution, load_problems
 from rollway.envs.humaneval_tools import PythonTool
 from rollway.sandboxes.local import LocalSandboxProvider
+from rollway.tools.base import outside_episode
 
 
 @pytest.fixture
@@ -60,10 +62,10 @@ def test_episode_with_python_tool_then_grade(provider):
             await sandbox.write_file(SOLUTION_FILE, problem["prompt"] + problem["canonical_solution"])
             tool = PythonTool()
             ran = await tool.call({"code": "from solution import has_close_elements as f\n"
-                                           "print(f([1.0, 1.1], 0.5))"}, sandbox)
-            bad = await tool.call({}, sandbox)
+                                           "print(f([1.0, 1.1], 0.5))"}, sandbox, outside_episode(task))
+            bad = await tool.call({}, sandbox, outside_episode(task))
             assert bad.is_error
-            return ran.content, (await taskset.grade(task, sandbox, provider)).reward
+            return ran.content, (await taskset.grade(task, sandbox, provider, Episode.outside_run(task))).reward
         finally:
             await sandbox.destroy()
 

@@ -1,4 +1,5 @@
-"""SWE tasks: mutation operators, the sdist task builder on toolz, grading in the real local sandbox."""
+"""SWE tasks: mutation operators, the sdist task builder on toolz (SWE-bench rows over a real git mirror by
+default; the older instances format converted on load), grading on the one SWE path in the real local sandbox."""
 
 from __future__ import annotations
 
@@ -10,13 +11,17 @@ from pathlib import Path
 
 import pytest
 
+from rollway.envs.base import Episode
 from rollway.envs.config import TasksConfig
 from rollway.envs.factory import build_taskset
 from rollway.envs.mutations import Mutation, apply_mutation, find_mutations
 from rollway.envs.pytest_report import parse_pytest_output
-from rollway.envs.swe import answer_patch, grade_patch, load_instances, prepare_buggy_copy
+from rollway.envs.swe import load_instances
 from rollway.envs.swe_build import make_patch, ordered_candidates
+from rollway.envs.swe_export import rows_from_instances
+from rollway.envs.swe_grading import answer_patch
 from rollway.runners import cmd_tasks
+from rollway.sandboxes.config import SandboxConfig
 from rollway.sandboxes.local import LocalSandboxProvider
 
 SDIST = "toolz==1.2.0"
@@ -102,7 +107,7 @@ def test_parse_pytest_summary():
 def test_answer_patch_drops_tool_state_and_test_edits():
     patch = (make_patch("pkg/m.py", b"a = 1\n", b"a = 2\n") + make_patch(".rollway/x", b"", b"y\n")
              + make_patch("pkg/tests/test_m.py", b"x\n", b"y\n"))
-    kept, dropped = answer_patch(patch, ["pkg/tests/test_m.py"])
+    kept, dropped = answer_patch(patch, {"pkg/tests/test_m.py"})
     assert "pkg/m.py" in kept and ".rollway" not in kept and "test_m" not in kept
     assert dropped == [".rollway/x", "pkg/tests/test_m.py"]
 
@@ -144,16 +149,30 @@ def test_build_writes_swe_bench_style_instances(toolz_instances):
 
 
 @pytest.mark.slow
-def test_build_is_deterministic_for_a_seed(toolz_instances, tmp_path):
-    again = tmp_path / "again.jsonl"
-    assert cli(["build", "swe", "--sdist", SDIST, "--max-tasks", "1", "--seed", "0", "--out", str(again)]) == 0
-    assert load_instances(again)[0] == load_instances(toolz_instances)[0]
+@pytest.mark.timeout(900)  # a build (the archive's suite per candidate bug) and a check of its row, jailed
+def test_build_writes_swe_bench_rows_over_git_by_default(toolz_instances, tmp_path):
+    """The default build: SWE-bench rows whose repository (a real git mirror next to the rows file) holds
+    the clean sdist and the bug as one commit on it; the build is deterministic for a seed, so its row
+    is the one the older instances file of the same seed converts to (same commits)."""
+    import subprocess
+
+    out = tmp_path / "again.jsonl"
+    assert cli(["build", "swe", "--sdist", SDIST, "--max-tasks", "1", "--seed", "0", "--out", str(out)]) == 0
+    [row] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["repo"] == "pypi/toolz" and json.loads(row["FAIL_TO_PASS"]) and "mutation" not in row
+    git = ["git", "-C", str(tmp_path / "mirror" / "pypi__toolz.git")]
+    parent = subprocess.run([*git, "rev-parse", f"{row['base_commit']}^"], capture_output=True, text=True, check=True)
+    assert parent.stdout.strip() == row["environment_setup_commit"]
+    converted, mirror = rows_from_instances(toolz_instances)
+    assert converted[0] == row and (Path(mirror) / "pypi__toolz.git").is_dir()
+    assert converted[0]["instance_id"] == load_instances(toolz_instances)[0]["instance_id"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sandbox", ["local", "docker"])
 def test_verify_gold_resolves_and_empty_does_not(toolz_instances, capsys, sandbox):
-    """In the bubblewrap jail and in containers of the locally built image (real Docker engine)."""
+    """An instances file, converted on load, in the bubblewrap jail (the tree exported from the mirror)
+    and in containers of each instance's image built here (real Docker engine)."""
     if sandbox == "docker":
         from docker_engine import ensure_engine
 
@@ -163,36 +182,50 @@ def test_verify_gold_resolves_and_empty_does_not(toolz_instances, capsys, sandbo
     assert (summary["total"], summary["gold_resolved"], summary["empty_resolved"]) == (2, 2, 0)
 
 
+def local_taskset(path: Path, **fields):
+    return build_taskset(TasksConfig(type="swe", path=str(path), **fields), SandboxConfig(type="local"))
+
+
 @pytest.mark.slow
 def test_grade_reports_apply_failure_and_test_timeout(toolz_instances, provider):
     row = load_instances(toolz_instances)[0]
+    taskset = local_taskset(toolz_instances)
+    inst = taskset.instances[row["instance_id"]]
     bad = make_patch(row["mutation"]["path"], b"no such text\n", b"other text\n")
-    grade = asyncio.run(grade_patch(row, bad, provider))
-    assert (grade.reward, grade.stop_reason) == (0.0, "apply_failed")
-    grade = asyncio.run(grade_patch(row, row["patch"], provider, test_timeout_s=0.3))
-    assert (grade.reward, grade.stop_reason) == (0.0, "test_timeout")
+    grade = asyncio.run(taskset.grade_patch(inst, bad, provider))
+    assert (grade.reward, grade.stop_reason) == (0.0, "patch_failed")
+    # An endless loop in the library (what a bad patch may leave) runs into the test time limit.
+    init = row["mutation"]["path"].split("/")[0] + "/__init__.py"
+    short = local_taskset(toolz_instances, test_timeout_s=5)
+    source = Path(short.spec_for(inst).source_dir, init).read_text().splitlines()
+    hang = (f"--- a/{init}\n+++ b/{init}\n@@ -{len(source)},1 +{len(source)},3 @@\n {source[-1]}\n"
+            "+while True:\n+    pass\n")
+    grade = asyncio.run(short.grade_patch(inst, hang, provider))
+    assert (grade.reward, grade.stop_reason) == (0.0, "test_timeout"), grade.details
 
 
 @pytest.mark.slow
 def test_taskset_grades_the_episode_sandbox(toolz_instances, provider):
-    taskset = build_taskset(TasksConfig(type="swe", path=str(toolz_instances)))
+    """`tasks.type: swe` over an instances file: converted on load, the workspace is the bug's commit
+    exported from the mirror, graded by the SWE-bench path."""
+    taskset = local_taskset(toolz_instances)
     task = taskset.tasks()[0]
-    row = taskset.instances[task.task_id]
+    row = {r["instance_id"]: r for r in load_instances(toolz_instances)}[task.task_id]
     assert taskset.default_tools == ("bash", "editor", "search", "finish")
     path = row["mutation"]["path"]
-    buggy = prepare_buggy_copy(row) / path
-    assert (buggy.read_bytes() != (Path(row["snapshot"]["path"]) / path).read_bytes())
+    clean = (Path(row["snapshot"]["path"]) / path).read_text()
+    assert (Path(taskset.sandbox_spec(task).source_dir) / path).read_text() != clean
 
     async def episode(fix: bool, edit_tests: bool) -> float:
         sandbox = await provider.create(taskset.sandbox_spec(task), f"swe-test-{fix}-{edit_tests}")
         try:
             await sandbox.write_file(".rollway/notes.txt", "tool state, not graded\n")
             if fix:  # what a successful agent leaves behind: the original source
-                await sandbox.write_file(path, (Path(row["snapshot"]["path"]) / path).read_text())
+                await sandbox.write_file(path, clean)
             if edit_tests:  # deleting the failing test must not count
                 test_file = row["FAIL_TO_PASS"][0].split("::")[0]
                 await sandbox.write_file(test_file, "")
-            return (await taskset.grade(task, sandbox, provider)).reward
+            return (await taskset.grade(task, sandbox, provider, Episode.outside_run(task))).reward
         finally:
             await sandbox.destroy()
 

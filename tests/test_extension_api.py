@@ -25,7 +25,7 @@ from rollway.envs.factory import build_taskset
 from rollway.runners.verify import DO_NOTHING_SCRIPT, play_episode
 from rollway.runtime.actor import MessageMeta
 from rollway.schemas import EpisodeKey, InitRequest
-from rollway.tools.base import Tool, ToolResult, takes_context
+from rollway.tools.base import Tool, ToolResult
 from rollway.tools.config import ToolsConfig
 from rollway.tools.registry import build_tools, register_tool
 
@@ -118,8 +118,8 @@ class _Named(Tool):
     def __init__(self, cfg: ToolsConfig) -> None:
         pass
 
-    async def call(self, arguments, sandbox) -> ToolResult:
-        return ToolResult("old-style")
+    async def call(self, arguments, sandbox, context) -> ToolResult:
+        return ToolResult("named")
 
 
 class Clash(_Named):
@@ -165,7 +165,6 @@ def test_tool_names_collide_with_an_error_never_an_overwrite():
         register_tool("ext_test_tool", Another)
     with pytest.raises(ValueError, match="two tools are named 'bash'"):
         build_tools(["bash", "python:tests.test_extension_api:Clash"], ToolsConfig())
-    assert not takes_context(Other(ToolsConfig()))  # (arguments, sandbox) tools are still called that way
 
 
 def test_enabled_plugin_tool_is_built_after_the_task_set_module_is_imported():
@@ -437,7 +436,7 @@ def test_a_task_set_gives_tools_built_from_its_data_without_registering_them(tmp
             self.description = f"look a key up in {name}"
             self.parameters = {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}
 
-        async def call(self, arguments, sandbox):
+        async def call(self, arguments, sandbox, context):
             return ToolResult(content=self.table.get(arguments["key"], "unknown key"))
 
     class DataToolsTaskSet(ToyTaskSet):

@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from rollway.envs.base import Grade, Task
+from rollway.envs.base import Episode, Grade, Task
 from rollway.envs.config import ToyTasksConfig
 from rollway.envs.toy import ToyTaskSet
 from rollway.runners import cmd_grader
@@ -75,7 +75,7 @@ def test_cli_reports_a_contained_row_as_json(capsys):
 class TrustingTaskSet(ToyTaskSet):
     """A deliberately broken grader: it believes a reward file the agent can write."""
 
-    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider) -> Grade:
+    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider, episode: Episode) -> Grade:
         try:
             reward = float((await sandbox.read_file("reward.txt")).strip())
         except Exception:  # noqa: BLE001 - no file: nothing to believe
@@ -86,7 +86,7 @@ class TrustingTaskSet(ToyTaskSet):
 class CrashingTaskSet(ToyTaskSet):
     """A grader that turns a strange workspace into an error (an opt-out from a zero)."""
 
-    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider) -> Grade:
+    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider, episode: Episode) -> Grade:
         if (await sandbox.exec("test -e reward.json && echo seen")).output.strip() == "seen":
             raise RuntimeError("reward.json is in the way")
         return Grade(0.0, False)
@@ -95,7 +95,7 @@ class CrashingTaskSet(ToyTaskSet):
 class HangingTaskSet(ToyTaskSet):
     """A grader that waits on something the agent controls (here: forever once reward.txt exists)."""
 
-    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider) -> Grade:
+    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider, episode: Episode) -> Grade:
         while (await sandbox.exec("test -e reward.txt && echo wait")).output.strip() == "wait":
             await asyncio.sleep(0.5)
         return Grade(0.0, False)

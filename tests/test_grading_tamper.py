@@ -1,8 +1,8 @@
 """The policy is an adversary: SWE grading it cannot tamper with, and no opt-out from a zero.
 
 Each attack is what an agent could leave in its workspace on a real toolz task (built from the PyPI
-source archive), graded by the real `swe` grader in the real bubblewrap sandbox: the bug stays unfixed,
-so any reward above 0 is a forgery. Nothing is faked."""
+source archive, as SWE-bench rows over a git mirror: the one SWE task path), graded by the real grader
+in the real bubblewrap sandbox: the bug stays unfixed, so any reward above 0 is a forgery. Nothing is faked."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from rollway.envs.base import Grade
+from rollway.envs.base import Episode, Grade
 from rollway.envs.config import TasksConfig
 from rollway.envs.factory import build_taskset
 from rollway.envs.graded_diff import graded_diff
-from rollway.envs.swe import grade_patch, load_instances
+from rollway.envs.swe import load_instances
 from rollway.sandboxes.base import Sandbox
+from rollway.sandboxes.config import SandboxConfig
 from rollway.sandboxes.local import LocalSandboxProvider
 
 SDIST = "toolz==1.2.0"
@@ -67,18 +68,24 @@ def toolz_task(toolz_one_task) -> Path:
     return toolz_one_task
 
 
+def local_taskset(instances: Path):
+    """`tasks.type: swe` on the instances file (converted on load into rows over a git mirror), local sandbox."""
+    return build_taskset(TasksConfig(type="swe", path=str(instances)), SandboxConfig(type="local"))
+
+
 def grade_episode(instances: Path, edit: Callable[[Sandbox, dict], Awaitable[None]]) -> Grade:
-    """Start the task's episode sandbox, let `edit` play the agent, grade what it left."""
-    taskset = build_taskset(TasksConfig(type="swe", path=str(instances)))
+    """Start the task's episode sandbox, let `edit` play the agent, grade what it left. `edit` gets the
+    task's instance (its mutation names the buggy file)."""
+    taskset = local_taskset(instances)
     task = taskset.tasks()[0]
-    row = taskset.instances[task.task_id]
+    row = {r["instance_id"]: r for r in load_instances(instances)}[task.task_id]
     provider = LocalSandboxProvider()
 
     async def run() -> Grade:
         sandbox = await provider.create(taskset.sandbox_spec(task), f"tamper-{uuid.uuid4().hex[:10]}")
         try:
             await edit(sandbox, row)
-            return await taskset.grade(task, sandbox, provider)
+            return await taskset.grade(task, sandbox, provider, Episode.outside_run(task))
         finally:
             await sandbox.destroy()
 
@@ -196,7 +203,8 @@ def test_symlink_into_the_tests_is_dropped(toolz_task):
     patch = (f"diff --git a/{link} b/{link}\nnew file mode 120000\n--- /dev/null\n+++ b/{link}\n@@ -0,0 +1 @@\n"
              f"+{target}\n\\ No newline at end of file\n"
              f"diff --git a/{link}/{name} b/{link}/{name}\ndeleted file mode 100644\n--- a/{link}/{name}\n+++ /dev/null\n")
-    grade = asyncio.run(grade_patch(row, patch, LocalSandboxProvider()))
+    taskset = local_taskset(toolz_task)
+    grade = asyncio.run(taskset.grade_patch(taskset.instances[row["instance_id"]], patch, LocalSandboxProvider()))
     assert grade.reward == 0.0 and link in grade.details["dropped_unsafe_files"], grade.details
 
 
@@ -263,7 +271,8 @@ def test_grade_details_stay_bounded():
 
 @pytest.mark.slow
 def test_a_huge_diff_and_flood_of_output_keep_the_grade_small(toolz_task):
-    """3 MB of new code, 600 runner files and megabytes printed by the tests: the grade stays small."""
+    """3 MB of new code, 600 runner files and megabytes printed by the tests: the grade stays small (well
+    under a broker message, 1 MB)."""
     import json
 
     async def flood(sandbox: Sandbox, row: dict) -> None:
@@ -272,8 +281,11 @@ def test_a_huge_diff_and_flood_of_output_keep_the_grade_small(toolz_task):
         await append(sandbox, package_init(row), "\nprint('y' * 4_000_000)\n")
 
     grade = grade_episode(toolz_task, flood)
+    # The model's patch is kept for `rollway eval`'s predictions, capped (its whole length and sha256 beside it).
+    kept = {k: v for k, v in grade.details.items() if not k.startswith("model_patch")}
+    assert grade.details["model_patch_truncated"] and grade.details["model_patch_chars"] > 3_000_000
     size = len(json.dumps(grade.details))
-    assert grade.reward == 0.0 and size < 50_000, size
+    assert grade.reward == 0.0 and len(json.dumps(kept)) < 50_000 and size < 300_000, size
     assert grade.details["dropped_counts"] == {"dropped_runner_files": 600}
 
 

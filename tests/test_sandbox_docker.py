@@ -277,12 +277,16 @@ def test_swe_tasks_in_containers_end_to_end(client: docker.DockerClient, broker,
     import yaml
     from test_envs_swe import editor_fix_calls
 
-    from rollway.envs.swe import grade_patch, load_instances
-    tasks = toolz_one_task  # built once per session (conftest.py)
+    from rollway.envs.config import TasksConfig
+    from rollway.envs.factory import build_taskset
+    from rollway.envs.swe import load_instances
+    tasks = toolz_one_task  # built once per session (conftest.py); converted on load into a row over git
     instance = load_instances(tasks)[0]
     provider = DockerSandboxProvider(SandboxConfig(type="docker"))
-    gold = run(grade_patch(instance, instance["patch"], provider))
-    empty = run(grade_patch(instance, "", provider))
+    taskset = build_taskset(TasksConfig(type="swe", path=str(tasks)), SandboxConfig(type="docker"))
+    row = taskset.instances[instance["instance_id"]]  # graded in its instance image, built here
+    gold = run(taskset.grade_patch(row, row.patch, provider))
+    empty = run(taskset.grade_patch(row, "", provider))
     assert (gold.resolved, empty.resolved) == (True, False), (gold, empty)
 
     finish = '<tool_call>{"name": "finish", "arguments": {}}</tool_call>'

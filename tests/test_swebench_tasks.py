@@ -18,6 +18,7 @@ from conftest import built_once
 from docker_engine import ensure_engine
 from test_envs_swe import editor_fix_calls
 
+from rollway.envs.base import Episode
 from rollway.envs.config import TasksConfig
 from rollway.envs.swe_export import as_variant
 from rollway.envs.swe_grading import (
@@ -220,7 +221,7 @@ def built(tmp_path_factory):
         # The three builds run side by side (each its own process; they share only the mirror folder, one
         # repository each).
         procs = [(out, subprocess.Popen([sys.executable, "-m", "rollway.runners", "tasks", "build", "swe", "--sdist",
-                                         sdist, "--max-tasks", "1", "--format", "swebench", "--mirror", str(mirror),
+                                         sdist, "--max-tasks", "1", "--sandbox", "docker", "--mirror", str(mirror),
                                          "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True, cwd=ROOT))
                  for sdist in LIBRARIES for out in [folder / f"{sdist.split('==')[0]}.jsonl"]]
@@ -248,7 +249,8 @@ def test_built_rows_are_swebench_rows_over_real_commits(built):
 
 def test_verify_gold_resolves_and_empty_does_not_in_images(built, capsys):
     # Generous time limits: on a loaded machine a test run in a 1-CPU container can take minutes.
-    assert cli(["verify", str(built / "rows.jsonl"), "--mirror", str(built / "mirror"), "--json", "--timeout", "600"]) == 0
+    assert cli(["verify", str(built / "rows.jsonl"), "--mirror", str(built / "mirror"), "--json", "--timeout", "600",
+                "--sandbox", "docker"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert (summary["total"], summary["gold_resolved"], summary["empty_resolved"]) == (3, 3, 0)
 
@@ -262,6 +264,7 @@ def test_each_format_variant_grades_like_the_swebench_row(built, tmp_path):
         path = tmp_path / f"{fmt}.jsonl"
         path.write_text(json.dumps(as_variant(row, fmt)) + "\n")
         taskset = SWEBenchTaskSet(TasksConfig(type="swebench", path=str(path), mirror=str(built / "mirror"), test_timeout_s=600))
+        taskset.sandbox_config = SandboxConfig(type="docker")  # workspaces from images
         inst = next(iter(taskset.instances.values()))
         assert inst.source_format == fmt
         spec = taskset.spec_for(inst)
@@ -282,6 +285,7 @@ def test_missing_image_builds_once_in_a_thread_while_other_episodes_start(built,
     (tmp_path / "rows.jsonl").write_text(json.dumps(slow) + "\n" + json.dumps(rows[1]) + "\n")
     taskset = SWEBenchTaskSet(TasksConfig(type="swebench", path=str(tmp_path / "rows.jsonl"),
                                           mirror=str(built / "mirror")))
+    taskset.sandbox_config = SandboxConfig(type="docker")  # workspaces from images
     provider = DockerSandboxProvider(SandboxConfig(type="docker"))
     task_a, task_b = taskset.get(slow["instance_id"]), taskset.get(rows[1]["instance_id"])
     run(taskset.prepare(task_b))  # B's image ready first (found, or built by this call)
@@ -312,6 +316,7 @@ def test_typed_outcomes(built):
     rows = [json.loads(line) for line in (built / "rows.jsonl").read_text().splitlines()]
     taskset = SWEBenchTaskSet(TasksConfig(type="swebench", path=str(built / "rows.jsonl"), mirror=str(built / "mirror"),
                                           test_timeout_s=600))
+    taskset.sandbox_config = SandboxConfig(type="docker")  # workspaces from images
     inst = taskset.instances[rows[0]["instance_id"]]
     provider = DockerSandboxProvider(SandboxConfig(type="docker"))
     spec = taskset.spec_for(inst)
@@ -341,6 +346,7 @@ def test_grading_in_images_resists_tampering(built):
     rows = [json.loads(line) for line in (built / "rows.jsonl").read_text().splitlines()]
     taskset = SWEBenchTaskSet(TasksConfig(type="swebench", path=str(built / "rows.jsonl"), mirror=str(built / "mirror"),
                                           test_timeout_s=600))
+    taskset.sandbox_config = SandboxConfig(type="docker")  # workspaces from images
     task = taskset.get(rows[0]["instance_id"])
     buggy_module = taskset.instances[task.task_id].patch.split(" b/", 1)[1].split("\n", 1)[0]
     provider = DockerSandboxProvider(SandboxConfig(type="docker"))
@@ -349,7 +355,7 @@ def test_grading_in_images_resists_tampering(built):
         sandbox = await provider.create(taskset.sandbox_spec(task), f"tamper-{uuid.uuid4().hex[:8]}")
         try:
             await edit(sandbox)
-            return await taskset.grade(task, sandbox, provider)
+            return await taskset.grade(task, sandbox, provider, Episode.outside_run(task))
         finally:
             await sandbox.destroy()
 

@@ -104,6 +104,20 @@ def test_mutation_of_a_symlink_leaving_the_snapshot_is_refused(tmp_path: Path, c
     assert canary.read_text() == "hello world\n"
 
 
+def test_instances_converted_on_load_refuse_a_symlink_leaving_the_snapshot(tmp_path: Path, canary: Path) -> None:
+    """`tasks.type: swe` on an instances file commits each bug into a git mirror (the one SWE path): the
+    mutation is written into a copy of the snapshot, where a planted link would carry it to a host file."""
+    from rollway.envs.config import TasksConfig
+    from rollway.envs.factory import build_taskset
+
+    cache = tmp_path / "cache"
+    row = _hostile_mutation(_row(cache), "demo/link.py")
+    (Path(row["snapshot"]["path"]) / "demo" / "link.py").symlink_to(canary)
+    with pytest.raises(TaskDataError, match=r"'mutation.path'.*leads out"):
+        build_taskset(TasksConfig(type="swe", path=str(_write(tmp_path / "i.jsonl", row)), cache_dir=str(cache)))
+    assert canary.read_text() == "hello world\n"
+
+
 def test_snapshot_outside_the_cache_is_refused_and_not_copied(tmp_path: Path) -> None:
     """A row naming any host folder as its snapshot would have it copied into the agent's workspace."""
     cache = tmp_path / "cache"

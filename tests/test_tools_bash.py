@@ -12,6 +12,7 @@ import pytest
 from rollway.sandboxes.base import Sandbox, SandboxSpec
 from rollway.sandboxes.config import SandboxConfig
 from rollway.sandboxes.local import LocalSandboxProvider, remove_tree
+from rollway.tools.base import outside_episode
 from rollway.tools.bash import BashTool
 from rollway.tools.config import ToolsConfig
 from rollway.tools.registry import build_tools, run_tool_calls
@@ -28,7 +29,7 @@ def sandbox() -> Iterator[Sandbox]:
 
 
 def bash(sandbox: Sandbox, command: str, timeout_s: float = 10.0):
-    return asyncio.run(BashTool(ToolsConfig(bash_timeout_s=timeout_s)).call({"command": command}, sandbox))
+    return asyncio.run(BashTool(ToolsConfig(bash_timeout_s=timeout_s)).call({"command": command}, sandbox, outside_episode()))
 
 
 def test_exit_code_and_output(sandbox: Sandbox) -> None:

@@ -14,6 +14,7 @@ from conftest import HiddenFolderSandbox
 from rollway.sandboxes.base import Sandbox, SandboxSpec
 from rollway.sandboxes.config import SandboxConfig
 from rollway.sandboxes.local import LocalSandboxProvider, remove_tree
+from rollway.tools.base import outside_episode
 from rollway.tools.config import ToolsConfig
 from rollway.tools.editor import EditorTool
 from rollway.tools.registry import build_tools, run_tool_calls
@@ -48,7 +49,7 @@ def box(tmp_path: Path, boxes_root: str, request: pytest.FixtureRequest) -> Iter
 
 
 def edit(sandbox: Sandbox, **arguments: Any):
-    return asyncio.run(EDITOR.call(arguments, sandbox))
+    return asyncio.run(EDITOR.call(arguments, sandbox, outside_episode()))
 
 
 def test_view_file_ranges_and_folders(box) -> None:

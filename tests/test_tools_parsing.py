@@ -172,7 +172,7 @@ class _BrokenTool(Tool):
     description = "Always raises."
     parameters = {"type": "object", "properties": {}}
 
-    async def call(self, arguments: dict[str, Any], sandbox: Any) -> ToolResult:
+    async def call(self, arguments: dict[str, Any], sandbox: Any, context: Any) -> ToolResult:
         raise KeyError("bug")
 
 
@@ -298,7 +298,7 @@ def test_every_tools_arguments_are_bounded(arguments: dict, problem: str) -> Non
         description = "takes anything"
         parameters = {"type": "object", "properties": {"command": {"type": "string"}}}
 
-        async def call(self, arguments, sandbox):  # pragma: no cover - never reached
+        async def call(self, arguments, sandbox, context):  # pragma: no cover - never reached
             return ToolResult("ran")
 
     parsed = parse_tool_calls([ToolCall("open", arguments)], {"open": Open()})

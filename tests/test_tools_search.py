@@ -18,6 +18,7 @@ from conftest import HiddenFolderSandbox
 from rollway.sandboxes.base import Sandbox, SandboxSpec
 from rollway.sandboxes.config import SandboxConfig
 from rollway.sandboxes.local import LocalSandboxProvider, remove_tree
+from rollway.tools.base import outside_episode
 from rollway.tools.config import ToolsConfig
 from rollway.tools.search import SearchTool, search_folder
 
@@ -186,7 +187,7 @@ def yaml_box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sandbox]:
 def test_tool_in_real_sandbox(yaml_box: Sandbox, hide_folder: bool) -> None:
     sandbox = HiddenFolderSandbox(yaml_box) if hide_folder else yaml_box
     tool = SearchTool(ToolsConfig())
-    run = lambda **arguments: asyncio.run(tool.call(arguments, sandbox))  # noqa: E731
+    run = lambda **arguments: asyncio.run(tool.call(arguments, sandbox, outside_episode()))  # noqa: E731
     expected = ast_def("yaml/loader.py", "SafeLoader.__init__").lineno
     assert (
         first_hit(run(action="definition", name="SafeLoader.__init__").content)

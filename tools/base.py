@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from rollway.base.hooks import check_hook
 from rollway.sandboxes.base import Sandbox
 
 
@@ -33,7 +33,7 @@ class ToolResult:
 
 @dataclass
 class ToolContext:
-    """What a tool call may know about its episode (passed to `Tool.call` when it takes `context`)."""
+    """What a tool call knows about its episode (the third argument of every `Tool.call`)."""
 
     task: Any
     """The episode's task (a `rollway.envs.base.Task`)."""
@@ -67,21 +67,25 @@ class Tool(ABC):
         }
 
     @abstractmethod
-    async def call(self, arguments: dict[str, Any], sandbox: Sandbox) -> ToolResult:
+    async def call(self, arguments: dict[str, Any], sandbox: Sandbox, context: ToolContext) -> ToolResult:
         """Run the tool. Raise nothing for bad input: return ToolResult(is_error=True) saying how
-        to call it correctly. Declare a third parameter `context: ToolContext` to receive the task,
-        the episode id and the episode's state store."""
+        to call it correctly. `context`: the task, the episode id and the episode's state store (a tool
+        that needs none of them still declares it: every tool is called with these three arguments)."""
 
 
-def takes_context(tool: Tool) -> bool:
-    """Whether `tool.call` accepts the ToolContext (a `context` parameter, or a third positional one)."""
-    params = list(inspect.signature(tool.call).parameters.values())
-    return any(p.name == "context" for p in params) or len(params) >= 3 or any(
-        p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
+CALL_SIGNATURE = "async def call(self, arguments, sandbox, context: ToolContext) -> ToolResult"
+
+
+def check_tool(tool: Tool | type[Tool]) -> None:
+    """Refuse a tool whose `call` is not `call(arguments, sandbox, context)` (HookSignatureError naming it)."""
+    check_hook(tool, "call", ("arguments", "sandbox", "context"), CALL_SIGNATURE)
+
+
+def outside_episode(task: Any = None) -> ToolContext:
+    """The context of a call made outside a run's episode (a test, a replay without its episode)."""
+    return ToolContext(task=task, episode_id="")
 
 
 async def call_tool(tool: Tool, arguments: dict[str, Any], sandbox: Sandbox, context: ToolContext | None) -> ToolResult:
-    """`tool.call`, with the context when the tool takes one (tools written for `(arguments, sandbox)` keep working)."""
-    if context is not None and takes_context(tool):
-        return await tool.call(arguments, sandbox, context)
-    return await tool.call(arguments, sandbox)
+    """`tool.call`; a call outside an episode gets an empty context (`outside_episode`)."""
+    return await tool.call(arguments, sandbox, context if context is not None else outside_episode())

@@ -9,7 +9,7 @@ import shlex
 from typing import Any
 
 from rollway.sandboxes.base import Sandbox
-from rollway.tools.base import Tool, ToolResult
+from rollway.tools.base import Tool, ToolContext, ToolResult
 from rollway.tools.config import ToolsConfig
 from rollway.tools.paths import PRIVATE_DIR, PathError, resolve_workspace_path
 
@@ -73,7 +73,7 @@ class EditorTool(Tool):
     def __init__(self, cfg: ToolsConfig | None = None) -> None:
         self.cfg = cfg or ToolsConfig()
 
-    async def call(self, arguments: dict[str, Any], sandbox: Sandbox) -> ToolResult:
+    async def call(self, arguments: dict[str, Any], sandbox: Sandbox, context: ToolContext) -> ToolResult:
         try:
             path = await resolve_workspace_path(arguments["path"], sandbox)
         except PathError as error:

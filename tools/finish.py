@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rollway.sandboxes.base import Sandbox
-from rollway.tools.base import Tool, ToolResult
+from rollway.tools.base import Tool, ToolContext, ToolResult
 from rollway.tools.config import ToolsConfig
 
 
@@ -29,7 +29,7 @@ class FinishTool(Tool):
     def __init__(self, cfg: ToolsConfig | None = None) -> None:
         self.cfg = cfg or ToolsConfig()
 
-    async def call(self, arguments: dict[str, Any], sandbox: Sandbox) -> ToolResult:
+    async def call(self, arguments: dict[str, Any], sandbox: Sandbox, context: ToolContext) -> ToolResult:
         message = str(arguments.get("message") or "").strip()
         return ToolResult(
             content="Episode finished." + (f" Summary: {message}" if message else ""),

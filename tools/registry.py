@@ -14,7 +14,7 @@ from rollway.base.plugins import is_plugin, load_plugin
 from rollway.base.registry import Registry
 from rollway.sandboxes.base import Sandbox
 from rollway.schemas.messages import Observation
-from rollway.tools.base import Tool, ToolCall, ToolContext, call_tool
+from rollway.tools.base import Tool, ToolCall, ToolContext, call_tool, check_tool
 from rollway.tools.bash import BashTool
 from rollway.tools.config import ToolsConfig
 from rollway.tools.editor import EditorTool
@@ -95,7 +95,8 @@ def check_tool_settings(cfg: ToolsConfig) -> None:
 def build_tools(names: Sequence[str | Tool], cfg: ToolsConfig) -> dict[str, Tool]:
     """The named tools (registered names, `python:MODULE:CLASS`, or Tool instances a task set made from
     its data, which need no registration), in the given order, keyed by the name the model calls. Two
-    tools under one name are an error, never a silent overwrite."""
+    tools under one name are an error, never a silent overwrite; so is a tool whose `call` is not
+    `call(arguments, sandbox, context)` (HookSignatureError)."""
     tools: dict[str, Tool] = {}
     for ref in names:
         if isinstance(ref, Tool):
@@ -103,6 +104,7 @@ def build_tools(names: Sequence[str | Tool], cfg: ToolsConfig) -> dict[str, Tool
         else:
             tool = build_tool(ref, cfg)
             key = ref if not is_plugin(ref) else tool.name
+        check_tool(tool)  # `call` with another signature fails here, named, not at the model's first call
         if key in tools:
             raise ValueError(f"two tools are named {key!r} ({type(tools[key]).__name__} and {type(tool).__name__}); "
                              "tool names must be unique within an episode")

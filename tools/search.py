@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollway.sandboxes.base import Sandbox
-from rollway.tools.base import Tool, ToolResult
+from rollway.tools.base import Tool, ToolContext, ToolResult
 from rollway.tools.code_index import (
     LANGUAGE_BY_SUFFIX,
     FileIndex,
@@ -73,7 +73,7 @@ class SearchTool(Tool):
     def __init__(self, cfg: ToolsConfig | None = None) -> None:
         self.cfg = cfg or ToolsConfig()
 
-    async def call(self, arguments: dict[str, Any], sandbox: Sandbox) -> ToolResult:
+    async def call(self, arguments: dict[str, Any], sandbox: Sandbox, context: ToolContext) -> ToolResult:
         action, name = arguments["action"], str(arguments.get("name") or "").strip()
         if action == "outline" and not arguments.get("path"):
             return ToolResult(

@@ -3,7 +3,7 @@
 import asyncio
 
 from rollway.core.config import load_config
-from rollway.envs.base import Grade, Task
+from rollway.envs.base import Episode, Grade, Task
 from rollway.envs.factory import build_taskset
 from rollway.envs.toy import ToyTaskSet
 from rollway.sandboxes.base import Sandbox, SandboxProvider
@@ -13,7 +13,7 @@ from rollway.sandboxes.factory import build_sandbox_provider
 class PartialCreditToyTaskSet(ToyTaskSet):
     """The toy tasks with a softer reward: 1.0 for the right sum, 0.2 for any number in answer.txt."""
 
-    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider) -> Grade:
+    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider, episode: Episode) -> Grade:
         # The reward actor calls this once per episode, before it destroys the sandbox.
         expected = task.metadata["a"] + task.metadata["b"]
         check = await sandbox.exec(f'test "$(cat answer.txt)" -eq {expected}')
@@ -33,7 +33,7 @@ async def main() -> None:
         try:
             a, b = task.metadata["a"], task.metadata["b"]
             await sandbox.write_file("answer.txt", answer.format(a=a, b=b, sum=a + b) + "\n")
-            rewards.append((await taskset.grade(task, sandbox, provider)).reward)
+            rewards.append((await taskset.grade(task, sandbox, provider, Episode.outside_run(task))).reward)
         finally:
             await sandbox.destroy()
     print(rewards)

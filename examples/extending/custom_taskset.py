@@ -6,7 +6,7 @@ import tempfile
 from pathlib import Path
 
 from rollway.core.config import load_config
-from rollway.envs.base import Grade, Task, TaskSet
+from rollway.envs.base import Episode, Grade, Task, TaskSet
 from rollway.envs.config import FileTasksConfig
 from rollway.envs.factory import build_taskset
 from rollway.sandboxes.base import Sandbox, SandboxError, SandboxProvider, SandboxSpec
@@ -30,7 +30,7 @@ class FileTaskSet(TaskSet):
     def sandbox_spec(self, task: Task) -> SandboxSpec:
         return SandboxSpec(files=task.metadata["files"])
 
-    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider) -> Grade:
+    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider, episode: Episode) -> Grade:
         try:
             answer = (await sandbox.read_file("answer.txt")).strip()
         except SandboxError:
@@ -54,7 +54,7 @@ async def main() -> None:
     sandbox = await provider.create(taskset.sandbox_spec(first), "demo-taskset")
     try:
         await sandbox.exec("awk '{print $1 + $2}' numbers.txt > answer.txt")  # what a good agent does
-        grade = await taskset.grade(first, sandbox, provider)
+        grade = await taskset.grade(first, sandbox, provider, Episode.outside_run(first))
     finally:
         await sandbox.destroy()
     print(first.task_id, grade)

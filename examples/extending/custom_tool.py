@@ -5,7 +5,7 @@ from typing import Any
 
 from rollway.sandboxes.base import Sandbox, SandboxError, SandboxSpec
 from rollway.sandboxes.local import LocalSandboxProvider
-from rollway.tools.base import Tool, ToolResult
+from rollway.tools.base import Tool, ToolContext, ToolResult
 from rollway.tools.config import ToolsConfig
 from rollway.tools.registry import build_tools, register_tool, run_tool_calls
 
@@ -23,7 +23,7 @@ class WordCountTool(Tool):
     def __init__(self, cfg: ToolsConfig) -> None:
         self.cfg = cfg
 
-    async def call(self, arguments: dict[str, Any], sandbox: Sandbox) -> ToolResult:
+    async def call(self, arguments: dict[str, Any], sandbox: Sandbox, context: ToolContext) -> ToolResult:
         try:
             text = await sandbox.read_file(arguments["path"])
         except SandboxError as err:  # bad input is an observation the model can learn from

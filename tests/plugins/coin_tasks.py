@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from rollway.envs.base import Grade, Task, TaskSet
+from rollway.envs.base import Episode, Grade, Task, TaskSet
 from rollway.envs.config import CountedTasksConfig
 from rollway.sandboxes.base import Sandbox, SandboxProvider, SandboxSpec
 
@@ -33,7 +33,7 @@ class CoinTaskSet(TaskSet):
     def sandbox_spec(self, task: Task) -> SandboxSpec:
         return SandboxSpec()
 
-    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider) -> Grade:
+    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider, episode: Episode) -> Grade:
         if task.metadata["flat"]:
             return Grade(reward=0.5, resolved=False)
         digest = hashlib.sha256(json.dumps(sandbox.handle, sort_keys=True).encode()).digest()
