@@ -322,7 +322,7 @@ def test_in_a_docker_container_a_silent_program_is_stopped_and_the_task_graded(t
     ({"command": ["x"], "install": {"type": "host_dir"}}, {}, "install.path must be an absolute host folder"),
     ({"command": ["x"], "install": {"type": "host_dir", "path": "/no/such/folder"}}, {}, "is not a folder"),
     ({"command": ["x"], "install": {"type": "image", "path": "/usr"}}, {}, "only read with install.type=host_dir"),
-    ({"command": ["x"], "install": {"type": "host_dir", "path": "/usr"}}, {"type": "docker"}, "needs sandbox.type=local"),
+    ({"command": ["x"], "install": {"type": "host_dir", "path": "/usr"}}, {"type": "sim"}, "needs sandbox.type=local or docker"),
     ({"command": ["x"], "max_calls": 0}, {}, "max_calls"),
     ({"command": ["x"], "silence": 3}, {}, "silence"),
     ({"command": ["x"], "time_limit_s": 300}, {}, "time_limit_s=300 must be under scheduler.episode_deadline_s=300"),
@@ -345,6 +345,21 @@ def test_harness_config_binds_its_host_folder_and_gives_containers_a_socket_fold
     docker = RunConfig.model_validate({"agent": {"harness": {"command": ["x"]}}, "sandbox": {"type": "docker"}})
     assert docker.sandbox.gateway_root == "/tmp/rollway-gateway"
     assert RunConfig.model_validate({"sandbox": {"type": "docker"}}).sandbox.gateway_root is None
+
+
+def test_a_host_folder_install_is_bound_read_only_into_each_docker_container():
+    """`install.type: host_dir` with docker: the folder (say a node runtime and Qwen Code) appears
+    read-only at the same path in every episode's container, beside the gateway's socket folder."""
+    from rollway.core.config import RunConfig
+    from rollway.sandboxes.docker import DockerSandboxProvider
+
+    cfg = RunConfig.model_validate({"agent": {"harness": {"command": ["x"], "install": {
+        "type": "host_dir", "path": str(ROOT / "examples")}}}, "sandbox": {"type": "docker"}})
+    assert cfg.sandbox.ro_binds == [str(ROOT / "examples")]
+    provider = DockerSandboxProvider.__new__(DockerSandboxProvider)  # no engine needed to read the options
+    provider.config = cfg.sandbox
+    volumes = provider.container_options("harness-ro-1")["volumes"]
+    assert volumes[str(ROOT / "examples")] == {"bind": str(ROOT / "examples"), "mode": "ro"}
 
 
 def test_a_task_whose_rollway_folder_is_a_link_gets_no_gateway_socket_outside_its_workspace(tmp_path):
