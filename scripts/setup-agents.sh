@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent: the real agent programs that harness episodes are tested with, installed once into
-# $ROLLWAY_CACHE (default ~/.cache/rollway) from this machine's configured registries (pip's and npm's own
+# $ROLLWAY_AGENTS_DIR from this machine's configured registries (pip's and npm's own
 # configuration; no registry address is written here):
 #   mini-swe-agent-$MINI_VERSION/  a virtualenv with mini-swe-agent (bin/mini)
 #   qwen-code-$QWEN_VERSION/       Qwen Code (node_modules/@qwen-code/qwen-code/cli.js) and bin/node, a copy of
@@ -15,12 +15,16 @@ if [ "${ROLLWAY_SKIP_AGENTS:-0}" = 1 ]; then
   echo "setup-agents: skipped (ROLLWAY_SKIP_AGENTS=1)"
   exit 0
 fi
-CACHE=${ROLLWAY_CACHE:-$HOME/.cache/rollway}
+# Default /opt/rollway/agents as root, else ~/.cache/rollway/agents. Not under /root: a docker sandbox binds
+# the folder at the same path, and its unprivileged user cannot pass through the image's /root (mode 700).
+if [ "$(id -u)" = 0 ]; then DEFAULT_AGENTS=/opt/rollway/agents; else DEFAULT_AGENTS=$HOME/.cache/rollway/agents; fi
+CACHE=${ROLLWAY_AGENTS_DIR:-$DEFAULT_AGENTS}
 MINI_VERSION=${ROLLWAY_MINI_SWE_AGENT_VERSION:-2.4.6}
 QWEN_VERSION=${ROLLWAY_QWEN_CODE_VERSION:-0.15.10}
 say() { echo "setup-agents: $*" >&2; }
 ready() { [ -f "$1/.ready" ] && [ "$(cat "$1/.ready")" = "$2" ]; }
 mkdir -p "$CACHE"
+chmod 755 "$CACHE"
 
 # The interpreter of the virtualenv must be one the local jail shows (docs/harness.md): rollway's own
 # python's base installation, i.e. the one .venv was made from.
