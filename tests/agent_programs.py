@@ -35,7 +35,7 @@ def qwen_code() -> Path:
     return _ensure(CACHE / f"qwen-code-{QWEN_VERSION}", QWEN_VERSION)
 
 
-def qwen_harness(folder: Path, memory_note: bool = True) -> dict:
+def qwen_harness(folder: Path) -> dict:
     """`agent.harness` running Qwen Code non-interactively from `folder` (bound read-only)."""
     return {
         "command": [str(folder / "bin" / "node"), str(folder / "node_modules" / "@qwen-code" / "qwen-code" / "cli.js"),

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
@@ -196,7 +195,6 @@ def test_the_instruction_reaches_the_program_by_file_or_stdin(tmp_path, command)
     assert len(trajs) == 2 and all(t["resolved"] and t["stop_reason"] == "harness_exit" for t in trajs)
 
 
-MINI_VENV = Path.home() / ".cache" / "rollway" / "mini-swe-agent-2.4.6"
 MINI_ACTION = "THOUGHT: {}\n\n```mswea_bash_command\n{}\n```"
 MINI_FIX = [  # mini-swe-agent's observations are user messages: the script keys on what the prompt holds
     {"when": "<returncode>0</returncode>", "turns": [MINI_ACTION.format("Done.", "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")]},
@@ -206,16 +204,17 @@ MINI_NON_FIX = [{"when": "", "turns": [MINI_ACTION.format("Nothing to do.", "ech
 
 
 def mini_harness() -> dict:
-    config = MINI_VENV / "lib" / "python3.11" / "site-packages" / "minisweagent" / "config" / "mini_textbased.yaml"
-    return {"command": [str(MINI_VENV / "bin" / "mini"), "-c", str(config), "-m", "openai/rollway-policy", "--model-class", "litellm_textbased",
+    from agent_programs import mini_swe_agent
+
+    venv = mini_swe_agent()  # installed by scripts/setup-agents.sh (run here when missing: a failure, never a skip)
+    config = venv / "lib" / "python3.11" / "site-packages" / "minisweagent" / "config" / "mini_textbased.yaml"
+    return {"command": [str(venv / "bin" / "mini"), "-c", str(config), "-m", "openai/rollway-policy", "--model-class", "litellm_textbased",
                         "-t", "{instruction}", "-y", "--exit-immediately", "-l", "0", "-o", "/tmp/mini.traj.json"],
             "env": {"MSWEA_CONFIGURED": "true", "MSWEA_COST_TRACKING": "ignore_errors", "MSWEA_SILENT_STARTUP": "1",
                     "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
-            "install": {"type": "host_dir", "path": str(MINI_VENV)}}
+            "install": {"type": "host_dir", "path": str(venv)}}
 
 
-@pytest.mark.skipif(not (MINI_VENV / "bin" / "mini").exists(),
-                    reason=f"pip install mini-swe-agent==2.4.6 into a venv at {MINI_VENV} (docs/harness.md)")
 @pytest.mark.parametrize(("script", "resolved"), [(MINI_FIX, True), (MINI_NON_FIX, False)], ids=["fix", "non_fix"])
 def test_mini_swe_agent_plays_toy_tasks_in_its_text_format(tmp_path, script, resolved):
     out, summary, trajs = up(tmp_path, script, mini_harness())
