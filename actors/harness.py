@@ -17,7 +17,7 @@ import structlog
 from rollway.gateway.config import INSTRUCTION_FILE, HarnessConfig
 from rollway.gateway.recorder import CallRecorder
 from rollway.gateway.server import EpisodeHandle, Gateway
-from rollway.gateway.trajectory import Segment, rebuild_segments
+from rollway.gateway.trajectory import Segment, program_reply, rebuild_segments
 from rollway.sandboxes.base import Sandbox, SandboxError
 from rollway.schemas.messages import CapturedCall, EpisodeKey, TurnRecord
 
@@ -86,18 +86,20 @@ class HarnessOutcome:
 
 class KeepingRecorder(CallRecorder):
     """Writes each call through `inner` (the log) and, once acknowledged, keeps it in memory by
-    episode, so the driver rebuilds the episode from exactly what the log acknowledged."""
+    episode attempt, so the driver rebuilds the attempt from exactly what the log acknowledged.
+    Keyed by attempt, and taken however the attempt ends: calls of an attempt that crashed or was
+    cancelled stay in the log only, never in a later attempt's trajectory."""
 
     def __init__(self, inner: CallRecorder) -> None:
         self.inner = inner
-        self.kept: dict[str, list[CapturedCall]] = {}
+        self.kept: dict[tuple[str, int], list[CapturedCall]] = {}
 
     async def record(self, call: CapturedCall) -> None:
         await self.inner.record(call)
-        self.kept.setdefault(call.episode_id, []).append(call)
+        self.kept.setdefault((call.episode_id, call.episode.attempt), []).append(call)
 
-    def take(self, episode_id: str) -> list[CapturedCall]:
-        return self.kept.pop(episode_id, [])
+    def take(self, episode: EpisodeKey) -> list[CapturedCall]:
+        return self.kept.pop((episode.episode_id, episode.attempt), [])
 
     async def close(self) -> None:
         await self.inner.close()
@@ -124,10 +126,10 @@ class HarnessRunner:
         try:
             stop_reason = await self._run(handle, instruction, sandbox, sandbox_socket, deadline)
         finally:
-            await self.gateway.close_episode(handle)
+            await self.gateway.close_episode(handle)  # no call of this attempt is recorded after this
             await site.stop()
             host_socket.unlink(missing_ok=True)
-        calls = self.recorder.take(episode.episode_id)
+            calls = self.recorder.take(episode)  # a crashed or cancelled attempt's calls stay in the log only
         log.info("harness episode ended", episode_id=episode.episode_id, stop_reason=stop_reason, calls=len(calls))
         return outcome_of(calls, stop_reason, fallback_prompt)
 
@@ -232,12 +234,17 @@ def _segment_turns(segment: Segment, by_index: dict[int, CapturedCall], first_tu
     for k, (start, end) in enumerate(spans):
         call = by_index[segment.call_indices[k]]
         nxt = spans[k + 1][0] if k + 1 < len(spans) else len(ids)
+        following = by_index[segment.call_indices[k + 1]] if k + 1 < len(spans) else None
+        observations, user_message = program_reply(call, following, by_index)  # for viewers and graders
         turns.append(TurnRecord(
             turn=first_turn + k, completion_ids=ids[start:end], logprobs=[float(x) for x in segment.logprobs[start:end]],
             policy_version=segment.turn_policy_versions[k], finish_reason=call.finish_reason,
             assistant_text=call.raw_text, observation_ids=ids[end:nxt], template_drift=call.template_drift,
             segment_prompt_ids=ids[:start] if opens and k == 0 else None,
-            segment_reason=segment.reason if opens and k == 0 else None))
+            segment_reason=segment.reason if opens and k == 0 else None, call_index=call.call_index,
+            call_attempt=call.episode.attempt,
+            segment_messages=list(call.new_messages) if opens and k == 0 else None,
+            observations=observations, user_message=user_message))
     return turns
 
 

@@ -70,14 +70,16 @@ class Child:
     """One child process. `log_path`: its output, appended through the redactor (None: it shares this
     process's stdout and stderr; os.devnull: discarded). `env`: added to this process's environment.
     `own_group`: its own session and process group, so `stop` ends everything it started too (False for
-    a child that must get a terminal's Ctrl-C with its parent). `die_with_parent`: the kernel SIGTERMs it
-    when this process dies, even by SIGKILL (benchmarks killed from outside leave nothing behind).
+    a child that must get a terminal's Ctrl-C with its parent). `die_with_parent` (default on): the kernel
+    SIGTERMs it when the thread that started it ends, so a supervisor, benchmark or test killed from
+    outside (SIGKILL, a timeout) leaves no stage worker, broker or engine running on its own; start a
+    child from a thread that lives as long as the child should.
     `term_leader_only`: `stop`'s SIGTERM goes to the child alone, which then ends its own children in
     its own order (a stage worker tears its sandboxes down); the SIGKILL after the grace still goes to
     the whole group."""
 
     def __init__(self, argv: list[str], log_path: Path | None = None, env: Mapping[str, str] | None = None,
-                 *, name: str | None = None, own_group: bool = True, die_with_parent: bool = False,
+                 *, name: str | None = None, own_group: bool = True, die_with_parent: bool = True,
                  term_leader_only: bool = False) -> None:
         self.argv, self.log_path, self.env = list(argv), log_path, dict(env or {})
         self.name = name or Path(argv[0]).name

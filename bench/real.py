@@ -291,13 +291,6 @@ class Sampler(threading.Thread):
 # ------------------------------------------------------------------ the engine
 
 
-class DiesWithBench(ServerProcess):
-    """A server child that the kernel stops when the bench dies, however it dies (as the simulated
-    server); its own process group, as `ServerProcess` makes it."""
-
-    die_with_parent = True
-
-
 class Engine:
     """The vLLM server both modes share: started here (`engine_url` None) or one already running."""
 
@@ -320,7 +313,7 @@ class Engine:
                                       "--disable-uvicorn-access-log"])  # the sampler polls /metrics 4x a second
         t0 = time.monotonic()
         base = vllm_server(cfg, free_port(), RunDir(self.out).engine_log)  # the argv and environment rollway uses
-        self.server = DiesWithBench(base.argv, base.env, base.port, base.log_path).start()
+        self.server = ServerProcess(base.argv, base.env, base.port, base.log_path).start()
         try:
             self.server.wait_ready(self.rc.engine_start_timeout_s)
         except BaseException:

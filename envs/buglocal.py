@@ -25,8 +25,8 @@ SYSTEM_PROMPT = (
     "name (function, or Class.method). You have one answer: locate ends the episode.")
 
 
-def _call(name: str, **arguments: str) -> str:
-    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+def _call(tool: str, **arguments: str) -> str:
+    return f"<tool_call>{json.dumps({'name': tool, 'arguments': arguments})}</tool_call>"
 
 
 class LocateTool(Tool):
@@ -93,11 +93,63 @@ def judge(truth_file: str, truth_function: str, answer: dict[str, str] | None) -
     return Grade(1.0 if function_ok else 0.0, function_ok, details=details)
 
 
+MAX_TESTS_SHOWN = 5
+"""Failing tests listed in a task (the rest are counted): a bug that breaks 40 parametrised cases is a
+fine localisation task, and its prompt stays short enough for a small model's context."""
+
+
 def task_prompt(instance: dict[str, Any]) -> str:
     # The SWE statement ends by asking for a fix; here the question is where the bug is.
     failing = instance["problem_statement"].split("\n\nThe rest of the test suite passes")[0]
+    head, _, tests = failing.partition("Failing tests:\n")
+    lines = tests.split("\n")
+    if len(lines) > MAX_TESTS_SHOWN:
+        failing = (f"{head}Failing tests:\n" + "\n".join(lines[:MAX_TESTS_SHOWN])
+                   + f"\n- ... and {len(lines) - MAX_TESTS_SHOWN} more failing tests")
     return (f"Repository: {instance['repo']} (checked out in the working directory).\n\n{failing}\n\n"
-            "One function of the library was changed. Which? Answer with locate(file, function).")
+            "One function of the library was changed. Find where it is defined, then answer with "
+            "locate(file, function).")
+
+
+def _example_task(test: str, message: str) -> str:
+    return task_prompt({"repo": "shapes==1.0", "problem_statement": (
+        "Some behaviour of `shapes==1.0` is broken: tests of its own test suite fail on this checkout.\n\n"
+        f"Failing tests:\n- `{test}`: {message}\n\nThe rest of the test suite passes.")})
+
+
+EXAMPLES = [
+    # (task, where the definition is: search's answer, grep's answer, file, function)
+    (_example_task("tests/test_text.py::test_shout", "assert 'hi' == 'HI'"),
+     ("shout", "shapes/text.py:5  function shout: def shout(text):", "./shapes/text.py:5:def shout(text):"),
+     "shapes/text.py", "shout"),
+    (_example_task("tests/test_geometry.py::test_circle_area", "assert 6.283185307179586 == 3.141592653589793"),
+     ("circle_area", "shapes/geometry.py:4  function circle_area: def circle_area(radius):",
+      "./shapes/geometry.py:4:def circle_area(radius):"),
+     "shapes/geometry.py", "circle_area"),
+]
+"""Two made-up tasks of a made-up library, solved in the worked examples (the 135M model needs them to emit
+tool calls); the tools' outputs are as the real tools print them."""
+
+
+def _navigation(tool: str, name: str, search_out: str, grep_out: str) -> tuple[str, str]:
+    """The one navigation step, per arm: the AST search, or grep through bash."""
+    if tool == "search":
+        return (_call("search", action="definition", name=name),
+                f"1 definition of `{name}` (best match first):\n{search_out}")
+    return _call("bash", command=f'grep -rn "def {name}" --include=*.py .'), f"Exit code: 0\n{grep_out}"
+
+
+def worked_example(tool: str) -> list[dict[str, str]]:
+    """Solved episodes shown as earlier turns: read the failing test, find the definition, answer."""
+    messages = []
+    for task, (name, search_out, grep_out), file, function in EXAMPLES:
+        call, output = _navigation(tool, name, search_out, grep_out)
+        messages += [{"role": "user", "content": task},
+                     {"role": "assistant", "content": call},
+                     {"role": "tool", "content": output},
+                     {"role": "assistant", "content": _call("locate", file=file, function=function)},
+                     {"role": "tool", "content": "Answer recorded."}]
+    return messages
 
 
 class BugLocTaskSet(TaskSet):
@@ -111,7 +163,9 @@ class BugLocTaskSet(TaskSet):
             raise ValueError("tasks.type=buglocal needs tasks.path, an instances file written by "
                              "`rollway tasks build swe ... --out FILE`")
         self.cfg = cfg
-        rows = [row for row in load_instances(cfg.path, cfg.cache_dir) if self._library_selected(row)]
+        self.describe_tools = cfg.describe_tools
+        rows = [row for row in load_instances(cfg.path, cfg.cache_dir)
+                if self._library_selected(row) and (cfg.difficulty == "all" or named_in_tests(row))]
         if not rows:
             raise ValueError(f"tasks.path {cfg.path} holds no instance of the selected libraries "
                              f"(repos={cfg.repos}, exclude_repos={cfg.exclude_repos})")
@@ -129,6 +183,11 @@ class BugLocTaskSet(TaskSet):
     def tasks(self) -> list[Task]:
         return list(self._tasks)
 
+    def initial_messages(self, task: Task, system_prompt: str | None = None) -> list[dict[str, Any]]:
+        example = worked_example(self.cfg.worked_example) if self.cfg.worked_example else []
+        return [{"role": "system", "content": system_prompt or self.system_prompt}, *example,
+                {"role": "user", "content": task.prompt}]
+
     def sandbox_spec(self, task: Task) -> SandboxSpec:
         return SandboxSpec(source_dir=str(prepare_buggy_copy(self.instances[task.task_id], self.cfg.cache_dir)))
 
@@ -138,6 +197,13 @@ class BugLocTaskSet(TaskSet):
     async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider,
                     episode: Episode | None = None) -> Grade:
         return judge(task.metadata["file"], task.metadata["function"], answer_of(episode))
+
+
+def named_in_tests(instance: dict[str, Any]) -> bool:
+    """The changed function's own name (`bar` of `Foo.bar`) starts a word of a failing test's name
+    (`test_bar`, `test_bar_empty[1]`, `TestFoo::test_bar`)."""
+    name = instance["mutation"]["function"].split(".")[-1].strip("_").lower()
+    return any(f"_{name}" in "_" + test.split("::")[-1].lower() for test in instance["FAIL_TO_PASS"])
 
 
 def library_of(repo: str) -> str:

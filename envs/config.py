@@ -101,6 +101,15 @@ class BugLocTasksConfig(FileTasksConfig):
     Held-out evaluation names libraries that training excludes."""
     exclude_repos: list[str] = []
     """Drop instances of these libraries (training leaves out the held-out ones)."""
+    worked_example: Literal["search", "bash"] | None = None
+    """Show one solved made-up task before the real one, finding the definition with this tool (`search`:
+    the AST search; `bash`: grep), then answering with locate. Small models need it to emit tool calls;
+    None: no example."""
+    describe_tools: bool = True
+    """Render the tools' JSON specs into the prompt (false: only the worked example shows the calls)."""
+    difficulty: Literal["all", "named"] = "all"
+    """`named`: only bugs in a function whose name appears in a failing test's name (`test_camelize[...]` for
+    `camelize`), the easier half a small model can start from; `all`: every instance."""
 
 
 class ImageTasksConfig(FileTasksConfig):

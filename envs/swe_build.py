@@ -49,6 +49,13 @@ class BuildOptions:
     sandbox_root: str | None = None
     """Folder of the local jail the archive's tests run in (sandbox.root); default /tmp/rollway-sandboxes."""
     log: Callable[[str], None] = field(default=lambda line: print(line, file=sys.stderr, flush=True))
+    resume: list[dict[str, Any]] = field(default_factory=list)
+    """Instances an interrupted build of the same sdist and seed already kept (they count toward max_tasks)."""
+    skip_candidates: int = 0
+    """Candidates (in the seeded order) that interrupted build already tried: not tried again."""
+    on_tried: Callable[[int, dict[str, Any] | None], None] | None = None
+    """Called after each candidate with how many were tried so far and the instance kept (or None), so a
+    caller can record progress and resume (`rollway tasks build buglocal`)."""
 
 
 # ---------------------------------------------------------------- layout of an unpacked sdist
@@ -344,13 +351,16 @@ def _search(opts: BuildOptions, snapshot: Snapshot, work: _Workspace) -> list[di
     opts.log(f"candidates: {len(candidates)} mutations in {len(library)} library files (seed {opts.seed})")
     timeout_s = max(20.0, 4 * baseline.duration_s + 10)
     per_function_index = _per_function_index(candidates)
-    kept: list[dict[str, Any]] = []
+    kept: list[dict[str, Any]] = list(opts.resume)
     used: dict[tuple[str, str], int] = {}
+    for row in kept:
+        key = (row["mutation"]["path"], row["mutation"]["function"])
+        used[key] = used.get(key, 0) + 1
     for tried, mutation in enumerate(candidates[: opts.max_candidates], start=1):
         if len(kept) >= opts.max_tasks:
             break
         key = (mutation.path, mutation.function)
-        if used.get(key, 0) >= opts.max_per_function:
+        if tried <= opts.skip_candidates or used.get(key, 0) >= opts.max_per_function:
             continue
         instance, verdict = _try(opts, snapshot, work, baseline, mutation, per_function_index[mutation],
                                  timeout_s)
@@ -361,6 +371,8 @@ def _search(opts: BuildOptions, snapshot: Snapshot, work: _Workspace) -> list[di
         if instance:
             kept.append(instance)
             used[key] = used.get(key, 0) + 1
+        if opts.on_tried is not None:
+            opts.on_tried(tried, instance)
     if not kept:
         raise BuildError(f"no mutation of {opts.sdist} made 1..{opts.max_failing} tests fail; try another "
                          "--seed, a larger --max-failing or --max-candidates")

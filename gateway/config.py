@@ -23,13 +23,17 @@ class HarnessInstall(StrictModel):
     `host_dir`: the host folder `path`, bound read-only at the same path into the local jail or the
     docker container."""
     path: str | None = None
-    """The host folder of `host_dir` (absolute; the program's files and, say, its virtualenv)."""
+    """The host folder of `host_dir` (the program's files and, say, its virtualenv); a relative path is
+    taken from the folder rollway is started in (every stage process shares it). `{install_path}` in
+    `command` becomes the absolute path."""
 
     @model_validator(mode="after")
     def _path_for_host_dir(self) -> HarnessInstall:
         if self.type == "host_dir":
-            if not self.path or not os.path.isabs(self.path):
-                raise ValueError("agent.harness.install.path must be an absolute host folder with install.type=host_dir")
+            if not self.path:
+                raise ValueError("agent.harness.install.path must name a host folder with install.type=host_dir")
+            if not os.path.isabs(self.path):
+                self.path = os.path.abspath(self.path)  # validated again on assignment: absolute then
             if not os.path.isdir(self.path):
                 raise ValueError(f"agent.harness.install.path={self.path!r} is not a folder on this host")
         elif self.path is not None:
@@ -45,7 +49,7 @@ class HarnessConfig(StrictModel):
     command: list[str] = Field(min_length=1)
     """The program's argv. `{instruction}` in an argument becomes the task's instruction,
     `{instruction_file}` a file inside the sandbox holding it; with neither, the instruction is the
-    program's stdin."""
+    program's stdin. `{install_path}` becomes `install.path` (install.type=host_dir)."""
     env: dict[str, str] = Field(default_factory=dict)
     """Extra environment of the program (rollway's OPENAI_* variables win over these)."""
     install: HarnessInstall = Field(default_factory=HarnessInstall)
@@ -76,5 +80,5 @@ class HarnessConfig(StrictModel):
 
     def argv(self, instruction: str) -> list[str]:
         """The command with its placeholders filled."""
-        return [a.replace("{instruction_file}", INSTRUCTION_FILE).replace("{instruction}", instruction)
-                for a in self.command]
+        return [a.replace("{install_path}", self.install.path or "").replace("{instruction_file}", INSTRUCTION_FILE)
+                .replace("{instruction}", instruction) for a in self.command]

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
+from rollway.schemas.messages import Trajectory
+from rollway.schemas.tokens import segment_bounds
+
 
 @dataclass(frozen=True)
 class Sample:
@@ -60,6 +63,20 @@ class MicroBatch:
         """The inverse of `place`: each sample's unpadded values."""
         lengths = self.attention_mask_B_T.sum(-1).tolist()
         return {i: values_B_T[r, : int(lengths[r])] for r, i in enumerate(self.rows)}
+
+
+def trajectory_samples(traj: Trajectory, advantage: float, sample_weight: float = 1.0) -> list[Sample]:
+    """The trajectory's training sequences: one per token stream (`schemas.tokens.segment_bounds`), each
+    from its own start, so a harness episode whose program rewrote its history trains each segment
+    conditioned only on what the model saw with it. Every segment carries the episode's advantage and
+    staleness weight; a segment without loss tokens is left out (it would train nothing)."""
+    samples = []
+    for start, end in segment_bounds(traj):
+        mask = traj.loss_mask[start:end]
+        if any(mask):
+            samples.append(Sample(traj.episode_id, traj.token_ids[start:end], mask, traj.logprobs[start:end],
+                                  advantage, sample_weight))
+    return samples
 
 
 def plan_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:

@@ -424,7 +424,8 @@ class ShardedTrainer(Trainer):
         """This rank's share of one optimizer step; stats and totals come back summed over ranks."""
         assert self.optimizer is not None
         weights = sequence_loss_weights([s.loss_tokens for s in samples], [s.sample_weight for s in samples],
-                                        self.cfg.effective_loss_agg, self.cfg.loss_norm_tokens)
+                                        self.cfg.effective_loss_agg, self.cfg.loss_norm_tokens,
+                                        episode_ids=[s.episode_id for s in samples])
         plans = rank_plans(samples, self.group.world, self._plan)
         mine, steps = plans[self.rank], max(len(p) for p in plans)
         local_stats, local = TokenStats(), {"loss": 0.0, "tokens": 0.0, "padded_tokens": 0.0}

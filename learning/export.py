@@ -19,6 +19,10 @@ Columns (see learning/EXPORT.md for how verl- and SkyRL-train-style trainers rea
                                                 relative to the start of response_ids
   min_policy_version, max_policy_version  int32  (-1 for an episode without turns)
   created_at                      float64  unix seconds the reward actor graded the episode
+  response_segment_starts         list<int32>   harness episodes whose program rewrote its history:
+                                                where each later token stream starts, relative to
+                                                response_ids; train each stream as its own sequence
+                                                (empty: one stream)
 
 Invariant: response_ids, response_loss_mask and response_logprobs have equal length.
 """
@@ -43,7 +47,7 @@ SCHEMA = pa.schema([
     ("num_turns", pa.int32()), ("turn_policy_versions", pa.list_(pa.int32())),
     ("response_turn_spans", pa.list_(pa.list_(pa.int32()))),
     ("min_policy_version", pa.int32()), ("max_policy_version", pa.int32()),
-    ("created_at", pa.float64()),
+    ("created_at", pa.float64()), ("response_segment_starts", pa.list_(pa.int32())),
 ])
 
 
@@ -60,7 +64,7 @@ def trajectory_row(traj: Trajectory) -> dict[str, Any]:
         "num_turns": traj.num_turns, "turn_policy_versions": versions,
         "response_turn_spans": [[s - p, e - p] for s, e in traj.turn_spans],
         "min_policy_version": min(versions, default=-1), "max_policy_version": max(versions, default=-1),
-        "created_at": traj.created_at,
+        "created_at": traj.created_at, "response_segment_starts": [s - p for s in traj.segment_starts],
     }
 
 
@@ -114,4 +118,5 @@ def _row_to_trajectory(row: dict[str, Any]) -> Trajectory:
         turn_spans=[(s + p, e + p) for s, e in row["response_turn_spans"]],
         reward=row["reward"], resolved=row["resolved"], stop_reason=row["stop_reason"],
         num_turns=row["num_turns"], prompt_length=p, created_at=row["created_at"],
+        segment_starts=[s + p for s in row.get("response_segment_starts") or []],
     )

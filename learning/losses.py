@@ -92,14 +92,20 @@ def _entropy(z_N_V: torch.Tensor) -> torch.Tensor:
 
 
 def sequence_loss_weights(token_counts: list[int], sample_weights: list[float], mode: LossAgg,
-                          norm_tokens: int) -> list[float]:
+                          norm_tokens: int, *, episode_ids: list[str] | None = None) -> list[float]:
     """Per-token loss weight of each sequence of a mini-batch, so that sum(weight x token loss)
     over all micro-batches is the aggregated loss. In every mode the weight is constant inside a
     sequence, which lets gradient accumulation split the mini-batch anywhere.
 
     token-mean: 1 / (loss tokens of the mini-batch); seq-mean-token-mean: 1 / (L_i x sequences);
     token-sum-norm: 1 / (norm_tokens x sequences). Sequences count only with L_i > 0; the sample
-    weight (staleness) multiplies the weight and does not change the normaliser."""
+    weight (staleness) multiplies the weight and does not change the normaliser.
+
+    `episode_ids`: the episode of each sequence. The segments of one episode (a harness program that
+    rewrote its history trains as one sequence per segment) then count as ONE sequence whose L_i is
+    their loss tokens together, so splitting an episode into segments never changes its weight."""
+    if episode_ids is not None:
+        return _episode_loss_weights(token_counts, sample_weights, mode, norm_tokens, episode_ids)
     live = [n for n in token_counts if n > 0]
     if not live:
         return [0.0] * len(token_counts)
@@ -116,6 +122,20 @@ def sequence_loss_weights(token_counts: list[int], sample_weights: list[float], 
         else:
             raise ValueError(f"unknown loss aggregation {mode!r}")
     return weights
+
+
+def _episode_loss_weights(token_counts: list[int], sample_weights: list[float], mode: LossAgg, norm_tokens: int,
+                          episode_ids: list[str]) -> list[float]:
+    episodes = list(dict.fromkeys(episode_ids))
+    tokens = dict.fromkeys(episodes, 0)
+    weight: dict[str, float] = {}
+    for episode, n, w in zip(episode_ids, token_counts, sample_weights, strict=True):
+        tokens[episode] += n
+        weight[episode] = w  # (one staleness weight per episode: its segments share it)
+    per_episode = sequence_loss_weights([tokens[e] for e in episodes], [weight[e] for e in episodes], mode,
+                                        norm_tokens)
+    by_episode = dict(zip(episodes, per_episode, strict=True))
+    return [by_episode[e] if n > 0 else 0.0 for e, n in zip(episode_ids, token_counts, strict=True)]
 
 
 @dataclass(frozen=True)

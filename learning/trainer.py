@@ -14,7 +14,7 @@ import structlog
 import torch
 
 from rollway.learning.advantages import build_advantage_estimator, group_advantages
-from rollway.learning.batching import Sample, collate, plan_micro_batches
+from rollway.learning.batching import Sample, collate, plan_micro_batches, trajectory_samples
 from rollway.learning.checkpoint import (
     OPTIMIZER_FILE,
     RecentIds,
@@ -240,7 +240,7 @@ class Trainer:
                 masked += not keep
                 dropped += keep and weight == 0
                 if keep and weight > 0 and any(traj.loss_mask):
-                    samples.append(Sample(traj.episode_id, traj.token_ids, traj.loss_mask, traj.logprobs, adv, weight))
+                    samples += trajectory_samples(traj, adv, weight)  # one per segment (harness episodes)
                     advs.append(adv)
         metrics = batch_metrics(rewards, resolved, advs, masked, dropped, degenerate, len(groups))
         return _Prepared(samples, ids, metrics, lags)
@@ -248,8 +248,8 @@ class Trainer:
     def _optimise(self, samples: list[Sample]) -> dict[str, float]:
         """ppo_epochs x mini_batches optimizer steps over `samples`; returns loss/optimizer metrics."""
         start = time.perf_counter()
-        n_mb = min(self.cfg.mini_batches, len(samples))
-        minibatches = [list(range(i, len(samples), n_mb)) for i in range(n_mb)]
+        minibatches = episode_minibatches([s.episode_id for s in samples], self.cfg.mini_batches)
+        n_mb = len(minibatches)
         single_step = n_mb == 1 and self.cfg.ppo_epochs == 1
         old = None if single_step else self._logprobs_no_grad(self.model, samples)
         ref = self._logprobs_no_grad(self._ref_model, samples) if self.cfg.kl_coef > 0 else None
@@ -269,7 +269,8 @@ class Trainer:
         """Accumulate gradients over token-budgeted micro-batches, clip, step."""
         assert self.optimizer is not None
         weights = sequence_loss_weights([s.loss_tokens for s in samples], [s.sample_weight for s in samples],
-                                        self.cfg.effective_loss_agg, self.cfg.loss_norm_tokens)
+                                        self.cfg.effective_loss_agg, self.cfg.loss_norm_tokens,
+                                        episode_ids=[s.episode_id for s in samples])
         self.optimizer.zero_grad(set_to_none=True)
         for rows in self._plan([len(s.token_ids) for s in samples]):
             mb = self._collate(samples, rows, weights)
@@ -422,6 +423,16 @@ class Trainer:
         if self._writer is None:
             self._writer = MetricsWriter(self.run_dir, self.cfg.tensorboard)
         return self._writer
+
+
+def episode_minibatches(episode_ids: list[str], mini_batches: int) -> list[list[int]]:
+    """Sample indices per mini-batch, dealt round-robin by episode: the segments of one episode stay in
+    one mini-batch, so its weight is normalised once (`sequence_loss_weights`). One sample per episode
+    gives the plain round-robin over samples."""
+    episodes = list(dict.fromkeys(episode_ids))
+    n = min(mini_batches, len(episodes))
+    slot = {e: k % n for k, e in enumerate(episodes)}
+    return [[i for i, e in enumerate(episode_ids) if slot[e] == j] for j in range(n)]
 
 
 def _pick(values: list[torch.Tensor] | None, rows: list[int]) -> list[torch.Tensor] | None:

@@ -39,8 +39,8 @@ class ServerProcess:
     """One server child: argv, extra environment, port and log file; started, awaited and stopped by
     the launcher (base/process.py) in its own process group."""
 
-    die_with_parent = False
-    """True: the kernel stops the server when the process that started it dies (benchmarks)."""
+    die_with_parent = True
+    """The kernel stops the server when the thread that started it ends (base/process.py `Child`)."""
 
     def __init__(self, argv: list[str], env: dict[str, str], port: int, log_path: Path):
         self.argv, self.env, self.port, self.log_path = argv, env, port, log_path

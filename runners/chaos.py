@@ -38,7 +38,13 @@ class ChaosMonkey:
     ledger: Ledger | None = None
     kinds: tuple[str, ...] | None = None
     """Kinds to kill (None: every kind present)."""
+    harness: bool = False
+    """Harness episodes: an agent worker is killed only while it runs at least one agent program (a
+    jail it started), and the processes it started are remembered so `lingering` can say whether any
+    outlived it."""
     events: list[dict] = field(default_factory=list)
+    orphans: list[tuple[int, int]] = field(default_factory=list)
+    """(pid, start time) of every process that descended from a killed agent worker at its kill."""
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
@@ -65,14 +71,36 @@ class ChaosMonkey:
             job.engine.kill(index)
             self.events.append({"t": round(now - self.started, 2), "kill": f"engine-{index}"})
             return
-        live = [p for p in job.procs if p.stage == kind and p.alive]
+        live = [p for p in job.procs if p.stage == kind and self._ready(p)]
         victim = self.rng.choice(live)
-        victim.proc.kill()  # SIGKILL to its whole process group
-        self.events.append({"t": round(now - self.started, 2), "kill": f"{kind}-{victim.index}"})
+        event = {"t": round(now - self.started, 2), "kill": f"{kind}-{victim.index}"}
+        if self.harness and kind == "agent":
+            tree = descendants(victim.proc.pid)
+            self.orphans += [(pid, started) for pid, started, _ in tree]
+            event["programs"] = jails_of(victim.proc.pid)
+        victim.proc.kill()  # SIGKILL to its whole process group (its jails have sessions of their own)
+        self.events.append(event)
 
     @property
     def kills(self) -> int:
         return sum("kill" in e for e in self.events)
+
+    def _ready(self, p: Any) -> bool:
+        """Alive, and (an agent worker of a harness job) running at least one agent program, once the
+        log holds calls of an attempt not graded yet (so kills tend to hit acknowledged calls)."""
+        if not p.alive:
+            return False
+        if not (self.harness and p.stage == "agent"):
+            return True
+        return jails_of(p.proc.pid) > 0 and (self.ledger is None or self.ledger.calls_in_flight())
+
+    def lingering(self, timeout_s: float = 10.0) -> int:
+        """Processes that descended from a killed agent worker (its programs' jails) and still run:
+        polled until none is left or `timeout_s` passes (the kernel's parent-death signal is prompt)."""
+        deadline = time.monotonic() + timeout_s
+        while (alive := [o for o in self.orphans if _running(*o)]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return len(alive)
 
     def _next_kind(self, job: Job) -> str | None:
         """Kinds in a shuffled round, so every kind is hit before any is hit twice; a kind with no
@@ -85,7 +113,8 @@ class ChaosMonkey:
                 kinds = [k for k in kinds if k in self.kinds]
             self._round = self.rng.sample(kinds, len(kinds))
         for kind in reversed(self._round):
-            alive = bool(job.engine.alive()) if kind == "engine" else any(p.stage == kind and p.alive for p in job.procs)
+            alive = bool(job.engine.alive()) if kind == "engine" else any(p.stage == kind and self._ready(p)
+                                                                          for p in job.procs)
             if alive:
                 self._round.remove(kind)
                 return kind
@@ -117,6 +146,12 @@ class Ledger:
         self.attempts: Counter[str] = Counter()
         self.completed: Counter[str] = Counter()
         self.failed: dict[str, str] = {}
+        self.harness = cfg.agent.harness is not None
+        self.calls: dict[tuple[str, int], dict[int, tuple[int | None, tuple[int, ...], tuple[float, ...]]]] = {}
+        """Harness jobs: (episode, attempt) -> call index -> (retry_of, output ids, logprobs), from gateway-calls."""
+        self.graded: list[tuple[str, int, list[tuple[Any, tuple[int, ...], tuple[float, ...]]]]] = []
+        """Harness jobs: (episode, attempt, [(call named, sampled ids, logprobs) of each turn span]) per
+        trajectory message."""
         self._last_poll = 0.0
 
     def maybe_poll(self) -> None:
@@ -140,9 +175,10 @@ class Ledger:
         from rollway.actors.scheduler import GIVE_UP_STAGE
         from rollway.runtime.kafka import make_consumer, read_to_end, topic_name
         from rollway.schemas.codec import DecodeError, decode
-        from rollway.topics import EPISODE_FAILURES, INIT_REQUESTS, TRAJECTORIES
+        from rollway.topics import EPISODE_FAILURES, GATEWAY_CALLS, INIT_REQUESTS, TRAJECTORIES
 
-        specs = {topic_name(s, self.cfg.topics): s for s in (INIT_REQUESTS, TRAJECTORIES, EPISODE_FAILURES)}
+        read = (INIT_REQUESTS, TRAJECTORIES, EPISODE_FAILURES, *((GATEWAY_CALLS,) if self.harness else ()))
+        specs = {topic_name(s, self.cfg.topics): s for s in read}
         consumer = await make_consumer(self.cfg.broker, self.bootstrap, group_id=None)
         try:
             await consumer.topics()  # fetches the metadata partitions_for_topic reads
@@ -163,6 +199,11 @@ class Ledger:
                     self.attempts[msg.episode_id] += 1
                 elif name == TRAJECTORIES.name:
                     self.completed[msg.episode_id] += 1
+                    if self.harness:
+                        self.graded.append((msg.episode_id, msg.episode.attempt, _sampled_spans(msg)))
+                elif name == GATEWAY_CALLS.name:
+                    self.calls.setdefault((msg.episode_id, msg.episode.attempt), {}).setdefault(
+                        msg.call_index, (msg.retry_of, tuple(msg.output_ids), tuple(msg.logprobs)))
                 elif msg.stage == GIVE_UP_STAGE:
                     self.failed[msg.episode_id] = msg.reason
         finally:
@@ -189,6 +230,56 @@ class Ledger:
                 "graded_twice": sum(1 for c in self.completed.values() if c > 1),
                 "attempts": sum(self.attempts.values()), "optimizer_steps": sum(s["updated"] for s in steps)}
 
+    def calls_in_flight(self) -> bool:
+        """Some attempt has recorded calls on gateway-calls and no trajectory yet (as last polled)."""
+        graded = {(e, a) for e, a, _ in self.graded}
+        return any(key not in graded for key in self.calls)
+
+    def judge_calls(self, run_dir: Path, trains: bool) -> dict[str, int]:
+        """Harness jobs: each trajectory (of a trained episode, with a training learner) against the calls
+        its own attempt recorded on gateway-calls. A sampled span of the trajectory (what the learner
+        trains) names its call (`TurnRecord.call_attempt` and `call_index`) and must hold that call's output
+        ids and logprobs. `calls_lost`: a recorded call of the attempt (not superseded by a retry) no span
+        holds; `calls_duplicated`: a call held by a second span; `calls_foreign`: a span that is no
+        recorded call of the trajectory's own attempt (another attempt's, or other tokens);
+        `calls_out_of_order`: trajectories whose calls are out of call order. `dead_attempts`: attempts
+        that recorded calls and were never graded (their worker was killed mid-episode)."""
+        from rollway.learning.checkpoint import read_manifests
+
+        trained = {e for s in read_manifests(run_dir) for e in s["episode_ids"]} if trains else None
+        graded = {(e, a) for e, a, _ in self.graded}
+        dead = [calls for key, calls in self.calls.items() if key not in graded]
+        lost = duplicated = foreign = out_of_order = checked = 0
+        for episode_id, attempt, spans in self.graded:
+            if trained is not None and episode_id not in trained:
+                continue
+            recorded = self.calls.get((episode_id, attempt), {})
+            held = Counter(ref[1] for ref, ids, lps in spans if ref is not None and ref[0] == attempt
+                           and ref[1] in recorded and recorded[ref[1]][1:] == (ids, lps))
+            foreign += len(spans) - sum(held.values())
+            duplicated += sum(n - 1 for n in held.values())
+            lost += sum(1 for i in _kept_calls(recorded) if i not in held)
+            order = [ref[1] for ref, _, _ in spans if ref is not None]
+            out_of_order += int(order != sorted(order))
+            checked += len(spans)
+        return {"calls_recorded": sum(len(c) for c in self.calls.values()), "calls_in_trajectories": checked,
+                "calls_lost": lost, "calls_duplicated": duplicated, "calls_foreign": foreign,
+                "calls_out_of_order": out_of_order, "dead_attempts": len(dead),
+                "dead_attempt_calls": sum(len(c) for c in dead)}
+
+
+def _sampled_spans(traj: Any) -> list[tuple[tuple[int, int] | None, tuple[int, ...], tuple[float, ...]]]:
+    """(the call it names, sampled ids, logprobs) of each turn span of a trajectory: what the learner
+    trains (loss mask 1). A harness episode without calls has one empty turn, which is no call."""
+    return [((turn.call_attempt, turn.call_index) if turn.call_index is not None else None, tuple(traj.token_ids[s:e]), tuple(traj.logprobs[s:e]))
+            for turn, (s, e) in zip(traj.turns, traj.turn_spans, strict=False) if e > s]
+
+
+def _kept_calls(calls: dict[int, tuple[int | None, tuple[int, ...], tuple[float, ...]]]) -> list[int]:
+    """Indices of an attempt's calls in call order, less those a later retry superseded."""
+    superseded = {retry_of for retry_of, _, _ in calls.values() if retry_of is not None}
+    return [i for i in sorted(calls) if i not in superseded]
+
 
 def sink_check(run_dir: Path, ledger: Ledger) -> dict[str, int]:
     """The sink's file against the log: episodes graded but not written, and lines written twice."""
@@ -197,3 +288,45 @@ def sink_check(run_dir: Path, ledger: Ledger) -> dict[str, int]:
 
     written = [t["episode"]["episode_id"] for t in read_trajectories(run_dir)]
     return {"sink_missing": len(set(ledger.completed) - set(written)), "sink_written_twice": len(written) - len(set(written))}
+
+
+def descendants(root: int) -> list[tuple[int, int, int]]:
+    """(pid, start time, parent pid) of every live process below `root`, read from /proc."""
+    stats = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (stat := _stat(int(entry.name))) is not None:
+            stats[int(entry.name)] = stat
+    children: dict[int, list[int]] = {}
+    for pid, (_, _, parent, _) in stats.items():
+        children.setdefault(parent, []).append(pid)
+    found, todo = [], list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        _, state, parent, started = stats[pid]
+        if state != "Z":
+            found.append((pid, started, parent))
+        todo += children.get(pid, [])
+    return found
+
+
+def jails_of(pid: int) -> int:
+    """Local jails (`bwrap`, each in a session of its own) that the process `pid` started and that run:
+    for an agent worker of a harness job, the agent programs it runs."""
+    return sum(1 for child, _, parent in descendants(pid) if parent == pid and (_stat(child) or ("",))[0] == "bwrap")
+
+
+def _stat(pid: int) -> tuple[str, str, int, int] | None:
+    """(command name, state, parent pid, start time in clock ticks) of `pid`; None when it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    name, rest = text[text.find("(") + 1:].rsplit(")", 1)
+    fields = rest.split()
+    return name, fields[0], int(fields[1]), int(fields[19])
+
+
+def _running(pid: int, started: int) -> bool:
+    """The process `pid` that started at `started` still runs (not a zombie; not a reused pid)."""
+    stat = _stat(pid)
+    return stat is not None and stat[3] == started and stat[1] != "Z"

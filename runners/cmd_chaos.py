@@ -58,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     ledger = Ledger(cfg, broker.bootstrap)
     monkey = ChaosMonkey(args.seed, args.min_gap, args.max_gap, broker, args.broker_restarts, args.max_kills, ledger,
-                         kinds=tuple(args.kinds.split(",")) if args.kinds else None)
+                         kinds=tuple(args.kinds.split(",")) if args.kinds else None,
+                         harness=cfg.agent.harness is not None)
     faults = FAULT_POINTS if args.faults is None else ("" if args.faults == "none" else args.faults)
     env = {"ROLLWAY_FAULTS": faults, "ROLLWAY_FAULTS_SEED": str(args.seed),
            "ROLLWAY_FAULTS_STATE": str(RunDir(run_dir).faults_state)}  # `NAME=once` points: one kill per run
@@ -72,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
         ledger.poll()
         broker.stop()
     outcome = ledger.judge(run_dir, cfg.learner.trains)
+    if monkey.harness:
+        outcome |= {**ledger.judge_calls(run_dir, cfg.learner.trains), **_harness_kills(monkey)}
     result = {"seed": args.seed, **outcome, **sink_check(run_dir, ledger), "kills": monkey.kills,
               "killed_kinds": sorted({e["kill"].rsplit("-", 1)[0] for e in monkey.events if "kill" in e}),
               "fault_kills": _fault_kills(run_dir), "broker_restarts": sum("restart" in e for e in monkey.events),
@@ -81,10 +84,24 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(" ".join(f"{k}={result[k]}" for k in ("scheduled", "completed", "failed", "lost", "duplicated",
-                                                     "trained", "kills", "broker_restarts", "wall_seconds")))
+        keys = ["scheduled", "completed", "failed", "lost", "duplicated", "trained", "kills", "broker_restarts",
+                "wall_seconds"]
+        if monkey.harness:
+            keys += ["calls_recorded", "calls_lost", "calls_duplicated", "dead_attempt_calls",
+                     "agent_kills_with_programs", "programs_lingering"]
+        print(" ".join(f"{k}={result[k]}" for k in keys))
     exact = not cfg.learner.trains or (result["completed_not_trained"] == 0 and result["trained_not_completed"] == 0)
-    return 0 if error is None and result["lost"] == 0 and result["duplicated"] == 0 and exact else 1
+    calls_exact = not monkey.harness or not any(result[k] for k in (
+        "calls_lost", "calls_duplicated", "calls_foreign", "calls_out_of_order", "programs_lingering"))
+    return 0 if error is None and result["lost"] == 0 and result["duplicated"] == 0 and exact and calls_exact else 1
+
+
+def _harness_kills(monkey) -> dict[str, int]:
+    """Agent workers killed while running agent programs, the programs they ran, and how many of the
+    processes below them still ran after the kill (their programs must die with them)."""
+    agent = [e for e in monkey.events if e.get("kill", "").startswith("agent-")]
+    return {"agent_kills_with_programs": sum(1 for e in agent if e.get("programs")),
+            "programs_killed": sum(e.get("programs", 0) for e in agent), "programs_lingering": monkey.lingering()}
 
 
 def _fault_kills(run_dir) -> dict[str, int]:

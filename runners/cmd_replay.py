@@ -112,7 +112,13 @@ def rerun_config(args: argparse.Namespace):
 
 def run_rerun(args: argparse.Namespace) -> int:
     from rollway.runners.episodes import EpisodeNotFound, find_episode, load_run_dir, load_topic
-    from rollway.runners.rerun import format_result, normalizer, rerun_episode
+    from rollway.runners.rerun import (
+        NotRerunnable,
+        check_rerunnable,
+        format_result,
+        normalizer,
+        rerun_episode,
+    )
     from rollway.schemas.codec import DecodeError
 
     cfg = rerun_config(args)
@@ -123,7 +129,8 @@ def run_rerun(args: argparse.Namespace) -> int:
         else:
             source, trajs = str(args.run_dir), load_run_dir(Path(args.run_dir))
         traj = find_episode(trajs, args.rerun, source)
-    except (FileNotFoundError, EpisodeNotFound, DecodeError) as err:
+        check_rerunnable(traj)
+    except (FileNotFoundError, EpisodeNotFound, DecodeError, NotRerunnable) as err:
         print(f"rollway replay: {err}", file=sys.stderr)
         return 2
     result = asyncio.run(rerun_episode(traj, cfg, normalizer(args.exact, args.ignore)))

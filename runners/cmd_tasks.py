@@ -19,13 +19,20 @@ HELP = ("build SWE-style task instances from a package's sdist (build); check a 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="tasks_command", required=True, metavar="{build,verify,build-images}")
     build = sub.add_parser("build", help="inject bugs into a library and keep those its tests catch")
-    build.add_argument("kind", choices=["swe"], help="task family to build")
-    build.add_argument("--sdist", required=True, help="source archive on the package index, NAME==VERSION")
+    build.add_argument("kind", choices=["swe", "buglocal"],
+                       help="task family to build: swe (one library, --sdist) or buglocal (bug localisation from "
+                            "several libraries, --train/--heldout, into the folder --out)")
+    build.add_argument("--sdist", default=None, help="swe: source archive on the package index, NAME==VERSION")
+    build.add_argument("--train", default="", help="buglocal: training libraries, comma-separated (NAME or NAME==VERSION)")
+    build.add_argument("--heldout", default="", help="buglocal: held-out libraries (never in --train), comma-separated")
+    build.add_argument("--per-library", type=int, default=30, help="buglocal: instances per library (default 30)")
+    build.add_argument("--max-per-function", type=int, default=2,
+                       help="buglocal: bugs kept in one function at most (default 2)")
     build.add_argument("--max-tasks", type=int, default=5, help="stop after this many instances (default 5)")
     build.add_argument("--seed", type=int, default=0, help="order of the mutations tried (default 0)")
     build.add_argument("--out", required=True, help="instances file to write (JSONL)")
-    build.add_argument("--max-failing", type=int, default=5,
-                       help="keep a bug only when 1..K tests fail with it (default 5)")
+    build.add_argument("--max-failing", type=int, default=None,
+                       help="keep a bug only when 1..K tests fail with it (default 5; buglocal 50)")
     build.add_argument("--max-candidates", type=int, default=400,
                        help="give up after trying this many mutations (default 400)")
     build.add_argument("--cache", default=None, help="cache folder for sdists and snapshots (default ~/.cache/rollway)")
@@ -98,6 +105,12 @@ def _build(args: argparse.Namespace) -> int:
     from rollway.envs.sdist import SdistError
     from rollway.envs.swe_build import BuildError, BuildOptions, build_instances
 
+    if args.kind == "buglocal":
+        return _build_buglocal(args)
+    if not args.sdist:
+        print("error: tasks build swe needs --sdist NAME==VERSION", file=sys.stderr)
+        return 2
+    args.max_failing = 5 if args.max_failing is None else args.max_failing
     if args.max_tasks < 1 or args.max_failing < 1:
         print("error: --max-tasks and --max-failing must be at least 1", file=sys.stderr)
         return 2
@@ -118,6 +131,34 @@ def _build(args: argparse.Namespace) -> int:
     out.write_text("".join(json.dumps(row) + "\n" for row in instances))
     print(f"wrote {len(instances)} instances to {out} in {time.monotonic() - started:.1f}s"
           + ("" if len(instances) == args.max_tasks else f" (asked for {args.max_tasks})"))
+    return 0
+
+
+def _build_buglocal(args: argparse.Namespace) -> int:
+    from rollway.envs.buglocal_build import FamilyOptions, build_family
+    from rollway.envs.sdist import SdistError
+    from rollway.envs.swe_build import BuildError
+
+    train = [x.strip() for x in args.train.split(",") if x.strip()]
+    heldout = [x.strip() for x in args.heldout.split(",") if x.strip()]
+    if not train and not heldout:
+        print("error: tasks build buglocal needs --train and/or --heldout libraries", file=sys.stderr)
+        return 2
+    # A task lists its first failing tests only (envs/buglocal.py), so a bug many tests catch is kept:
+    # --max-failing defaults to 50 here (5 for swe, where every failing test is in the statement).
+    max_failing = 50 if args.max_failing is None else args.max_failing
+    opts = FamilyOptions(out=Path(args.out), train=train, heldout=heldout, per_library=args.per_library,
+                         seed=args.seed, max_failing=max_failing,
+                         max_candidates=max(args.max_candidates, 4 * args.per_library),
+                         max_per_function=args.max_per_function, cache_dir=args.cache)
+    try:
+        summary = build_family(opts)
+    except (BuildError, SdistError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary, indent=1))
+    print(f"train: {summary['train']} tasks in {args.out}/train.jsonl, held-out: {summary['heldout']} tasks in "
+          f"{args.out}/heldout.jsonl ({summary['wall_seconds']:.0f}s; re-running resumes from {args.out}/libs)")
     return 0
 
 

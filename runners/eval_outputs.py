@@ -68,16 +68,21 @@ def write_predictions(run_dir: Path, cfg: Any, task_ids: list[str], trajs: list[
 
 def to_atif(traj: dict[str, Any], model: str) -> dict[str, Any]:
     """One trajectory as an ATIF document: the initial messages, then one agent step per turn with its
-    tool calls, their observations and the turn's token ids and logprobs."""
+    tool calls, their observations and the turn's token ids and logprobs. A harness episode's steps are
+    its program's kept calls; each says in `extra` its call index and segment, and a call that opened a
+    segment why and the messages it sent; the document's `extra.segments` counts them."""
     steps: list[dict[str, Any]] = []
     for msg in traj.get("messages") or []:
         source = {"system": "system", "user": "user"}.get(msg.get("role"), "user")
         steps.append({"step_id": len(steps) + 1, "source": source, "message": _text(msg.get("content"))})
-    completion_tokens = 0
+    completion_tokens, segment = 0, 0
     for turn in traj.get("turns") or []:
         calls, results = [], []
+        segment += turn.get("segment_reason") is not None
         for i, obs in enumerate(turn.get("observations") or []):
-            call_id = f"call_{turn['turn']}_{i}"
+            # a harness call's results answer the gateway's tool-call ids (unique per episode)
+            harness_id = obs.get("call_id") if turn.get("call_index") is not None else None
+            call_id = harness_id or f"call_{turn['turn']}_{i}"
             calls.append({"tool_call_id": call_id, "function_name": obs["tool"], "arguments": obs.get("arguments") or {}})
             results.append({"source_call_id": call_id, "content": obs.get("content", "")})
         completion_tokens += len(turn.get("completion_ids") or [])
@@ -91,6 +96,8 @@ def to_atif(traj: dict[str, Any], model: str) -> dict[str, Any]:
         }
         if calls:
             step["tool_calls"], step["observation"] = calls, {"results": results}
+        if turn.get("call_index") is not None:  # a harness episode: one step per kept program call
+            step["extra"] = _call_extra(turn, segment)
         steps.append(step)
     return {
         "schema_version": ATIF_VERSION, "session_id": traj["episode"]["episode_id"],
@@ -99,8 +106,21 @@ def to_atif(traj: dict[str, Any], model: str) -> dict[str, Any]:
         "final_metrics": {"total_prompt_tokens": traj.get("prompt_length", 0),
                           "total_completion_tokens": completion_tokens, "total_steps": len(steps)},
         "extra": {"task_id": traj["episode"]["task_id"], "reward": traj.get("reward"), "resolved": traj.get("resolved"),
-                  "stop_reason": traj.get("stop_reason"), "outcome": outcome_of(traj)},
+                  "stop_reason": traj.get("stop_reason"), "outcome": outcome_of(traj),
+                  "segments": len(traj.get("segment_starts") or []) + 1},
     }
+
+
+def _call_extra(turn: dict[str, Any], segment: int) -> dict[str, Any]:
+    """A program call's place: its gateway call index, its segment (token stream) and, on a call that
+    opened a segment, why and the rewritten history the program sent (the step's prompt)."""
+    extra: dict[str, Any] = {"call_index": turn["call_index"], "segment": segment}
+    if turn.get("segment_reason") is not None:
+        extra["segment_reason"] = turn["segment_reason"]
+        extra["segment_messages"] = list(turn.get("segment_messages") or [])
+    if turn.get("user_message") is not None:  # a user message the program sent after this call's reply
+        extra["user_message"] = turn["user_message"]
+    return extra
 
 
 def write_atif(run_dir: Path, cfg: Any, trajs: list[dict[str, Any]]) -> int:

@@ -331,9 +331,38 @@ def _episodes_html(trajs: list[dict[str, Any]], stages: Stages) -> str:
         st = stages_of(t, stages)
         return f"{st.reward_end - st.issued:.2f}s" if st.issued and st.reward_end else "-"
 
-    rows = [[t["episode"]["episode_id"], t["episode"]["task_id"], t["reward"], t["num_turns"], t["stop_reason"],
-             lifetime(t)] for t in trajs]
-    return _table(rows, ["episode", "task", "reward", "turns", "stop reason", "issued to graded"])
+    rows = [[t["episode"]["episode_id"], t["episode"]["task_id"], t["reward"], t["num_turns"],
+             len(t.get("segment_starts") or []) + 1, t["stop_reason"], lifetime(t)] for t in trajs]
+    return _table(rows, ["episode", "task", "reward", "turns", "segments", "stop reason", "issued to graded"])
+
+
+HARNESS_EPISODES_SHOWN = 20
+"""Harness episodes whose calls the report lists (the rest: `rollway show RUN_DIR --episode ID`)."""
+
+
+def _calls_html(trajs: list[dict[str, Any]]) -> str:
+    """Harness episodes call by call: each kept program call, its segment, and which call opened a
+    segment and why. Empty when the run has no harness episode."""
+    from rollway.runners.show import is_harness, turn_segments
+
+    harness = [t for t in trajs if is_harness(t)]
+    if not harness:
+        return ""
+    rows = []
+    for t in harness[:HARNESS_EPISODES_SHOWN]:
+        for turn, seg in zip(t["turns"], turn_segments(t), strict=True):
+            opened = turn.get("segment_reason") or ""
+            rows.append([t["episode"]["episode_id"], turn["call_index"], seg, opened, turn["finish_reason"],
+                         len(turn.get("completion_ids") or []),
+                         ", ".join(o.get("tool") or "?" for o in turn.get("observations") or []) or "-"])
+    more = len(harness) - HARNESS_EPISODES_SHOWN
+    note = f"<p class='muted'>{more} more harness episodes: <code>rollway show RUN_DIR --episode ID</code></p>" \
+        if more > 0 else ""
+    return ("<section id='calls'><h2>Agent-program calls</h2><p class='muted'>Harness episodes call by call. A "
+            "call that opened a segment (the program rewrote its history) names why; each segment trains as "
+            "its own sequence with the episode's advantage.</p>"
+            + _table(rows, ["episode", "call", "segment", "opened segment because", "finish", "output tokens",
+                            "tool results sent back"]) + note + "</section>")
 
 
 def render_html(data: ReportData, pngs: dict[str, bytes]) -> str:
@@ -349,7 +378,7 @@ def render_html(data: ReportData, pngs: dict[str, bytes]) -> str:
                      f"<img alt='{name}' src='data:image/png;base64,{b64}'></section>")
     parts += ["<section id='episodes'><h2>Episodes</h2>", _episodes_html(data.trajs, data.stages),
               "<p class='muted'>View one turn by turn: <code>rollway show RUN_DIR --episode ID</code></p>",
-              "</section></body></html>"]
+              "</section>", _calls_html(data.trajs), "</body></html>"]
     return "".join(parts)
 
 

@@ -91,8 +91,28 @@ def compare_turn(turn: dict[str, Any], replayed: list[Any], normalize: Any) -> l
     return out
 
 
+class NotRerunnable(ValueError):
+    """An episode whose tool calls did not run through rollway's tools (an agent program ran them)."""
+
+
+def check_rerunnable(traj: dict[str, Any]) -> None:
+    """Refuse a harness episode: its program ran its own tools inside the sandbox, so replaying the
+    model's outputs through rollway's tools would compare against something that never ran."""
+    from rollway.runners.show import is_harness
+
+    if is_harness(traj):
+        eid = traj["episode"]["episode_id"]
+        raise NotRerunnable(
+            f"episode {eid} was played by an agent program through the gateway: its tool calls ran inside "
+            f"the program, not through rollway's tools, so --rerun cannot replay them. See it call by call, "
+            f"with its segments: `rollway show RUN_DIR --episode {eid}`, or its recorded calls: "
+            f"`rollway replay gateway-calls --bootstrap HOST:PORT --topic-prefix PREFIX --episode {eid}`")
+
+
 async def rerun_episode(traj: dict[str, Any], cfg: RunConfig, normalize: Any, grade: bool = True) -> RerunResult:
-    """Run each recorded turn's `assistant_text` through the tools, in order, in a new sandbox."""
+    """Run each recorded turn's `assistant_text` through the tools, in order, in a new sandbox (not for a
+    harness episode: `check_rerunnable`)."""
+    check_rerunnable(traj)
     from rollway.actors.services import Services
     from rollway.tools.registry import run_tool_calls
 

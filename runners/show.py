@@ -1,5 +1,7 @@
 """Render recorded episodes turn by turn with rich: model output, tool calls, observations, hints,
-reward, and the seconds each stage spent on it (from the run folder's telemetry). The same renderables
+reward, and the seconds each stage spent on it (from the run folder's telemetry). A harness episode
+(an external agent program) shows call by call, with the segment each call belongs to and, where the
+program rewrote its history, the call that opened a segment, why, and the messages it sent. The same renderables
 print to a terminal or export as HTML."""
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ def episode_list(trajs: list[dict[str, Any]]) -> Table:
     for col in ("episode", "task", "reward", "turns", "stop reason"):
         table.add_column(col)
     for t in trajs:
-        table.add_row(t["episode"]["episode_id"], t["episode"]["task_id"], f"{t['reward']:g}", str(t["num_turns"]), t["stop_reason"])
+        segments = len(t.get("segment_starts") or [])
+        turns = str(t["num_turns"]) + (f" ({segments + 1} segments)" if segments else "")
+        table.add_row(t["episode"]["episode_id"], t["episode"]["task_id"], f"{t['reward']:g}", turns, t["stop_reason"])
     return table
 
 
@@ -48,6 +52,9 @@ def episode_header(t: dict[str, Any], stage_seconds: dict[str, float] | None = N
             ("tokens", f"{len(t.get('token_ids', []))} ({t.get('prompt_length', 0)} prompt, "
              f"{sum(t.get('loss_mask', []))} model)"),
             ("grade", json.dumps(t.get("grade", {})))]
+    if is_harness(t):
+        rows.append(("program calls", f"{len(t['turns'])} kept (calls {', '.join(str(x['call_index']) for x in t['turns'])})"))
+        rows.append(("segments", segments_line(t)))
     if stage_seconds is not None:
         rows.append(("stages", ", ".join(f"{k} {_ms(v)}" for k, v in stage_seconds.items()) or "(no telemetry)"))
     for key, value in rows:
@@ -55,9 +62,58 @@ def episode_header(t: dict[str, Any], stage_seconds: dict[str, float] | None = N
     return grid
 
 
-def turn_panel(turn: dict[str, Any], max_chars: int) -> Panel:
-    parts: list[RenderableType] = [Text("model output", style="bold magenta"),
-                                   Text(_clip(turn["assistant_text"], max_chars))]
+SEGMENT_REASONS = {
+    "start": "the program's first call",
+    "history_rewritten": "the program rewrote its history (compaction, truncation or an edit)",
+    "system_changed": "the program changed its system prompt",
+    "tools_changed": "the program changed the tools it offers",
+    "prompt_changed": "the program sent a prompt that does not extend the previous one",
+}
+"""What each `segment_reason` (gateway/capture.py) means, for readers."""
+
+
+def is_harness(t: dict[str, Any]) -> bool:
+    """An episode played by an external agent program through the gateway (its turns are calls)."""
+    return any(turn.get("call_index") is not None for turn in t.get("turns", []))
+
+
+def turn_segments(t: dict[str, Any]) -> list[int]:
+    """The 0-based segment (token stream) of each turn: a turn with a `segment_reason` opens the next."""
+    out, seg = [], 0
+    for turn in t.get("turns", []):
+        seg += turn.get("segment_reason") is not None
+        out.append(seg)
+    return out
+
+
+def segments_line(t: dict[str, Any]) -> str:
+    opened = [f"segment {k + 1} at call {turn.get('call_index')}: {turn['segment_reason']}"
+              for k, turn in enumerate(x for x in t.get("turns", []) if x.get("segment_reason") is not None)]
+    return f"{len(opened) + 1} (" + "; ".join(["segment 0 at the first call", *opened]) + ")" + \
+        (", each trained as its own sequence" if opened else "")
+
+
+def _messages(messages: list[dict[str, Any]], max_chars: int) -> list[RenderableType]:
+    parts: list[RenderableType] = []
+    for m in messages:
+        text = str(m.get("content") or "")
+        for call in m.get("tool_calls") or []:
+            text += f"\n[tool call {call.get('name')} {json.dumps(call.get('arguments'), ensure_ascii=False)}]"
+        parts += [Text(m.get("role", "?"), style="bold blue"), Text(_clip(text, max_chars))]
+    return parts
+
+
+def turn_panel(turn: dict[str, Any], max_chars: int, segment: int | None = None) -> Panel:
+    """One turn; for a harness episode one program call (`segment`: its token stream), headed by the
+    messages that opened its segment when it opened one."""
+    parts: list[RenderableType] = []
+    if turn.get("segment_reason") is not None:
+        reason = turn["segment_reason"]
+        parts += [Text(f"new segment {segment if segment is not None else ''}: {SEGMENT_REASONS.get(reason, reason)} "
+                       f"({reason}); its prompt is the messages below, trained without the earlier segments",
+                       style="bold yellow"),
+                  *_messages(turn.get("segment_messages") or [], max_chars), Text("")]
+    parts += [Text("model output", style="bold magenta"), Text(_clip(turn["assistant_text"], max_chars))]
     for obs in turn.get("observations", []):
         label = f"tool call: {obs['tool']}" if obs.get("tool") else "no valid tool call"
         head = Text(label, style="bold red" if obs.get("is_error") else "bold green")
@@ -69,6 +125,11 @@ def turn_panel(turn: dict[str, Any], max_chars: int) -> Panel:
         parts += [Text(""), Text(f"hint: {hint}", style="yellow")]
     if turn.get("user_message") is not None:  # the task set's simulated user (next_user_message)
         parts += [Text(""), Text("user", style="bold blue"), Text(_clip(turn["user_message"], max_chars))]
+    if turn.get("call_index") is not None:
+        title = (f"call {turn['call_index']} · segment {segment if segment is not None else '?'} · turn {turn['turn']} · "
+                 f"policy v{turn['policy_version']} · finish {turn['finish_reason']} · "
+                 f"{len(turn.get('completion_ids', []))} tokens")
+        return Panel(Group(*parts), title=title, title_align="left")
     title = (f"turn {turn['turn']} · policy v{turn['policy_version']} · finish {turn['finish_reason']} · "
              f"gen {_ms(turn.get('gen_seconds', 0.0))} · tools {_ms(turn.get('tool_seconds', 0.0))}"
              f" · {len(turn.get('completion_ids', []))} tokens")
@@ -79,12 +140,14 @@ def prompt_panel(t: dict[str, Any], max_chars: int) -> Panel:
     parts = []
     for m in t.get("messages", []):
         parts += [Text(m["role"], style="bold blue"), Text(_clip(str(m["content"]), max_chars))]
-    return Panel(Group(*parts), title="prompt", title_align="left")
+    title = "prompt (segment 0: the program's first call)" if is_harness(t) else "prompt"
+    return Panel(Group(*parts), title=title, title_align="left")
 
 
 def episode_view(t: dict[str, Any], max_chars: int = 2000, stage_seconds: dict[str, float] | None = None) -> Group:
+    segments = turn_segments(t) if is_harness(t) else [None] * len(t.get("turns", []))
     return Group(episode_header(t, stage_seconds), prompt_panel(t, max_chars),
-                 *(turn_panel(turn, max_chars) for turn in t.get("turns", [])),
+                 *(turn_panel(turn, max_chars, seg) for turn, seg in zip(t.get("turns", []), segments, strict=True)),
                  Text(f"end: {t['stop_reason']}, reward {t['reward']:g}", style="bold"))
 
 

@@ -131,6 +131,18 @@ class TurnRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     turn's `observation_ids` are then empty. None: the turn continues the current stream."""
     segment_reason: str | None = None
     """Why the segment opened (history_rewritten, system_changed, tools_changed, prompt_changed)."""
+    call_index: int | None = None
+    """Harness episodes: the gateway call this turn is (`CapturedCall.call_index`; a retried call's turn
+    is its retry's, so indices may skip). `observations` and `user_message` then hold what the program
+    sent back after this call's reply (the next call's tool results and user messages). None: a turn of
+    the built-in loop."""
+    segment_messages: list[dict[str, Any]] | None = None
+    """Harness episodes, on the turn that opens a later segment: the chat messages the program sent for
+    it (its rewritten history, canonical form: role, content, tool_calls, tool_call_id, name); the first
+    segment's are the trajectory's `messages`. None elsewhere."""
+    call_attempt: int | None = None
+    """Harness episodes: the attempt whose `gateway-calls` record this turn is (with `call_index`, the log
+    tells which attempt's acknowledged call a trained turn came from). None: a built-in turn."""
 
 
 class AgentStep(EpisodeMessage, kw_only=True):

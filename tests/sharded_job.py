@@ -3,7 +3,8 @@ learner's trainer (which starts the other ranks as copies of this command), feed
 and writes what happened to SPEC["out"]; ranks > 0 follow rank 0.
 
 SPEC: {"run_dir", "out", "cfg": LearnerConfig overrides, "groups": [[group_id, start], ...] (two
-episodes each), "die_after_commands": N (rank 1 SIGKILLs itself when its Nth command arrives)}."""
+episodes each), "segmented": true (harness-style trajectories of several token streams),
+"die_after_commands": N (rank 1 SIGKILLs itself when its Nth command arrives)}."""
 
 from __future__ import annotations
 
@@ -16,11 +17,17 @@ from pathlib import Path
 
 from rollway.learning.config import LearnerConfig
 from rollway.learning.distributed import RankDied, ShardedTrainer, build_trainer, world_from_env
-from rollway.learning.testing import make_trajectory, tiny_model_factory
+from rollway.learning.testing import make_segmented_trajectory, make_trajectory, tiny_model_factory
 
 
-def trajectories(group: str, start: int) -> list:
+def trajectories(group: str, start: int, segmented: bool = False) -> list:
     prompt = [1 + start % 7, 2, 3, 4]
+    if segmented:  # harness episodes whose program rewrote its history: 2, 1 and 3 token streams
+        return [make_segmented_trajectory(f"{group}-a", group, [[prompt, [10 + start % 50, 11, 12], [5], [13]],
+                                                                [[1, 9, 8], [14, 15]]], 1.0, sample_index=0),
+                make_segmented_trajectory(f"{group}-b", group, [[prompt, [20, 21 + start % 30]]], 0.0, sample_index=1),
+                make_segmented_trajectory(f"{group}-c", group, [[prompt, [30]], [[2, 6], [31, 32]], [[3, 7, 7], [33]]],
+                                          0.5, sample_index=2)]
     return [make_trajectory(f"{group}-a", group, prompt, [10 + start % 50, 11, 12, 13, 14], 1.0, sample_index=0),
             make_trajectory(f"{group}-b", group, prompt, [20, 21 + start % 30], 0.0, sample_index=1),
             make_trajectory(f"{group}-c", group, prompt, [30, 31, 32], 0.5, sample_index=2)]
@@ -55,7 +62,7 @@ def main() -> int:
     start = time.monotonic()
     try:
         for group, offset in spec["groups"]:
-            for traj in trajectories(group, offset):
+            for traj in trajectories(group, offset, spec.get("segmented", False)):
                 for r in trainer.add(traj):
                     out["results"].append({"version": r.version, "episodes": r.episode_ids,
                                            "checkpoint": str(r.checkpoint_path), "loss": r.metrics["loss"],

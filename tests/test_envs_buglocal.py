@@ -104,3 +104,102 @@ def test_located_bug_is_rewarded_and_a_wrong_function_is_not_through_the_pipelin
     assert search["tool"] == "search" and not search["is_error"] and right["mutation"]["path"] in search["content"]
     assert bad["reward"] == 0.0 and not bad["resolved"]
     assert bad["grade"]["file_correct"] is True
+
+
+def test_worked_examples_of_the_two_arms_differ_only_in_the_navigation_step():
+    from rollway.envs.buglocal import worked_example
+
+    search, bash = worked_example("search"), worked_example("bash")
+    assert [m["role"] for m in search] == [m["role"] for m in bash]
+    differing = [i for i, (a, b) in enumerate(zip(search, bash, strict=True)) if a != b]
+    assert differing == [1, 2, 6, 7]  # each example's navigation call and what the tool printed
+    assert '"search"' in search[1]["content"] and "grep" in bash[1]["content"]
+    assert judge("shapes/geometry.py", "circle_area", {"file": "./shapes/geometry.py",
+                                                       "function": "circle_area"}).reward == 1.0
+
+
+def test_paired_figures_of_the_search_bench():
+    from rollway.bench.search import gain_difference, paired
+
+    def ev(*rates):
+        return {"per_task": {f"t{i}": {"pass@1": r} for i, r in enumerate(rates)}}
+
+    got = paired(ev(0.0, 0.5, 0.25), ev(0.5, 0.5, 0.75), "pass@1")
+    assert (got["tasks"], got["diff"], got["se"]) == (3, 0.3333, 0.1667) and got["z"] == 2.0
+    before = {"search": ev(0.0, 0.0), "bash": ev(0.0, 0.0)}
+    after = {"search": ev(1.0, 0.5), "bash": ev(0.0, 0.5)}
+    assert gain_difference(before, after, "pass@1")["diff"] == 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # one task's build runs inflection's 455 tests 5 times, then two `rollway up`
+def test_family_builds_by_library_resumes_from_cache_and_plays_both_arms(broker, tmp_path):
+    """`rollway tasks build buglocal` on a small real library (inflection, jailed tests), again from its
+    cache without running a test, then `rollway up` per arm with the scripted policy (the only faked part)
+    on the built task: the search arm's episode finds the function and is rewarded, the bash arm's names
+    a wrong function of the right file."""
+    from rollway.envs.buglocal_build import FamilyOptions, build_family
+    from rollway.envs.swe_build import BuildError
+
+    lines: list[str] = []
+    opts = FamilyOptions(out=tmp_path / "family", train=[], heldout=["inflection==0.5.1"], per_library=1,
+                         max_failing=10, log=lines.append)
+    with pytest.raises(BuildError, match="both --train and --heldout"):
+        build_family(FamilyOptions(out=tmp_path / "x", train=["Inflection==0.5.1"], heldout=["inflection==0.5.1"]))
+    assert build_family(opts)["heldout"] == 1
+    lines.clear()
+    assert build_family(opts)["heldout"] == 1 and not any("baseline" in line for line in lines), lines
+    [right] = load_instances(tmp_path / "family" / "heldout.jsonl")
+    wrong = right
+    name = right["mutation"]["function"]
+    runs = {}
+    for arm, instance, script in (
+            ("search", right, [_call("search", action="definition", name=name.split(".")[-1]),
+                               _call("locate", file=right["mutation"]["path"], function=name)]),
+            ("bash", wrong, [_call("bash", command=f"grep -rn 'def ' {wrong['mutation']['path']}"),
+                             _call("locate", file=wrong["mutation"]["path"], function="not_the_function")])):
+        one = tmp_path / f"{arm}.jsonl"
+        one.write_text(json.dumps(instance) + "\n")
+        cfg = {"run": {"name": f"bl-{arm}", "timeout_s": 200},
+               "tasks": {"type": "buglocal", "path": str(one), "worked_example": arm},
+               "tools": {"enabled": ["bash", "search", "locate"] if arm == "search" else ["bash", "locate"]},
+               "scheduler": {"group_size": 1, "episode_deadline_s": 150},
+               "agent": {"max_turns": 3, "max_tokens_per_turn": 256, "max_total_tokens": 20000},
+               "policy": {"type": "scripted", "script": [{"when": "", "turns": script}]}}
+        config = tmp_path / f"{arm}.yaml"
+        config.write_text(yaml.safe_dump(cfg))
+        out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", str(config), "--run-dir",
+                              str(tmp_path / arm), "--bootstrap", broker.bootstrap,
+                              f"topics.prefix=bl{arm}{tmp_path.name[-6:]}-"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=220)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs[arm] = {json.loads(x)["episode"]["task_id"]: json.loads(x)
+                     for x in (tmp_path / arm / "trajectories.jsonl").read_text().splitlines()}
+    good, bad = runs["search"][right["instance_id"]], runs["bash"][wrong["instance_id"]]
+    assert (good["reward"], good["resolved"]) == (1.0, True)
+    assert right["mutation"]["path"] in good["turns"][0]["observations"][0]["content"]
+    assert bad["reward"] == 0.0 and bad["grade"]["file_correct"] is True
+    assert bad["turns"][0]["observations"][0]["tool"] == "bash"
+
+
+def test_library_cache_files_are_per_version_and_seed(tmp_path):
+    from rollway.envs.buglocal_build import LibraryCache
+
+    files = {LibraryCache(tmp_path, sdist, seed).rows_file.name
+             for sdist, seed in (("inflection==0.5.1", 0), ("inflection==0.5.2", 0), ("inflection==0.5.1", 1))}
+    assert files == {"inflection-0.5.1-s0.jsonl", "inflection-0.5.2-s0.jsonl", "inflection-0.5.1-s1.jsonl"}
+    cache = LibraryCache(tmp_path, "inflection==0.5.1", 0)
+    cache.record(7, None)
+    assert cache.progress() == {"tried": 7} and cache.rows() == []
+
+
+def test_named_difficulty_keeps_bugs_whose_function_names_a_failing_test():
+    from rollway.envs.buglocal import named_in_tests
+
+    def row(function, *tests):
+        return {"mutation": {"function": function}, "FAIL_TO_PASS": list(tests)}
+
+    assert named_in_tests(row("camelize", "t.py::test_camelize[A-a]"))
+    assert named_in_tests(row("Foo.bar", "t.py::TestFoo::test_bar_empty"))
+    assert not named_in_tests(row("_irregular", "t.py::test_singularize_plural[child-children]"))
+    assert not named_in_tests(row("map", "t.py::test_bitmap"))

@@ -318,7 +318,7 @@ def test_in_a_docker_container_a_silent_program_is_stopped_and_the_task_graded(t
 @pytest.mark.parametrize(("harness", "sandbox", "message"), [
     ({"command": []}, {}, "agent.harness.command"),
     ({"command": ["  "]}, {}, r"command\[0\] must name the program"),
-    ({"command": ["x"], "install": {"type": "host_dir"}}, {}, "install.path must be an absolute host folder"),
+    ({"command": ["x"], "install": {"type": "host_dir"}}, {}, "install.path must name a host folder"),
     ({"command": ["x"], "install": {"type": "host_dir", "path": "/no/such/folder"}}, {}, "is not a folder"),
     ({"command": ["x"], "install": {"type": "image", "path": "/usr"}}, {}, "only read with install.type=host_dir"),
     ({"command": ["x"], "install": {"type": "host_dir", "path": "/usr"}}, {"type": "sim"}, "needs sandbox.type=local or docker"),
@@ -333,6 +333,21 @@ def test_bad_harness_config_is_refused_naming_what_to_fix(harness, sandbox, mess
 
     with pytest.raises(ValidationError, match=message):
         RunConfig.model_validate({"agent": {"harness": harness}, "sandbox": sandbox})
+
+
+def test_a_relative_install_path_is_taken_from_the_start_folder_and_fills_install_path(monkeypatch):
+    """examples/chaos-harness.yaml names `examples` relative to the repository: every stage process
+    starts in the same folder, so each resolves it to the same absolute path."""
+    from rollway.core.config import RunConfig
+
+    monkeypatch.chdir(ROOT)
+    cfg = RunConfig.model_validate({"agent": {"harness": {"command": ["python3", "{install_path}/agent_program.py",
+                                                                     "{instruction}"],
+                                                          "install": {"type": "host_dir", "path": "examples"}}}})
+    harness = cfg.agent.harness
+    assert harness.install.path == str(ROOT / "examples") and harness.install.path in cfg.sandbox.ro_binds
+    assert harness.argv("say {install_path}") == ["python3", f"{ROOT}/examples/agent_program.py", "say {install_path}"]
+    assert not harness.stdin_instruction
 
 
 def test_harness_config_binds_its_host_folder_and_gives_containers_a_socket_folder():

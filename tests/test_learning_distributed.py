@@ -44,11 +44,12 @@ def _single(run_dir: Path, groups: list, **cfg) -> tuple[list[float], dict[str, 
     return _single_results(run_dir, groups, **cfg)[0::2]
 
 
-def _single_results(run_dir: Path, groups: list, **cfg) -> tuple[list[float], list, dict[str, torch.Tensor]]:
+def _single_results(run_dir: Path, groups: list, segmented: bool = False,
+                    **cfg) -> tuple[list[float], list, dict[str, torch.Tensor]]:
     """One process, no sharding: losses, the step results and the final weights (the reference)."""
     cfg = LearnerConfig(**{"type": "grpo", "group_size": 3, "lr": 1e-2, "tensorboard": False, **cfg})
     trainer = Trainer(cfg, run_dir, model_factory=tiny_model_factory())
-    results = [r for g, o in groups for t in trajectories(g, o) for r in trainer.add(t)]
+    results = [r for g, o in groups for t in trajectories(g, o, segmented) for r in trainer.add(t)]
     return [r.metrics["loss"] for r in results], results, \
         {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
@@ -83,6 +84,20 @@ def test_two_ranks_match_one_rank(tmp_path: Path) -> None:
     assert [r["loss"] for r in job["results"]] == pytest.approx(losses, rel=TOL, abs=TOL)
     _assert_same(_weights(job["results"][-1]["checkpoint"]), reference)
     assert (Path(job["results"][-1]["checkpoint"]) / "dcp" / ".metadata").is_file()  # sharded checkpoint
+
+
+def test_two_ranks_train_multi_segment_episodes_like_one_rank(tmp_path: Path) -> None:
+    """Harness episodes of several token streams: the sharded learner splits them per segment and
+    normalises per episode exactly as one process does (tests/test_learning_segments.py checks that
+    one process against plain torch), here over two mini-batches and packed rows."""
+    groups = [["g0", 0], ["g1", 1]]
+    cfg = {"mini_batches": 2, "loss_agg": "seq-mean-token-mean", "pack_sequences": True, "micro_batch_tokens": 16}
+    losses, reference = _single(tmp_path / "single", groups, segmented=True, **cfg)
+    job = _job(tmp_path, "two", tmp_path / "two", {"dist": {"ranks": 2}, **cfg}, groups, segmented=True)
+    assert job["error"] is None
+    assert [r["version"] for r in job["results"]] == [1, 2]
+    assert [r["loss"] for r in job["results"]] == pytest.approx(losses, rel=TOL, abs=TOL)
+    _assert_same(_weights(job["results"][-1]["checkpoint"]), reference, tol=PACKED_TOL)
 
 
 def test_rank_killed_mid_step_then_resume_with_one_rank(tmp_path: Path) -> None:

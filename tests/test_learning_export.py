@@ -51,3 +51,18 @@ def test_appending_writer(tmp_path: Path) -> None:
     writer.close()
     assert pq.ParquetFile(path).metadata.num_row_groups == 2
     assert [r["episode_id"] for r in read_rows(path)] == ["e0", "e1"]
+
+
+def test_a_multi_segment_trajectory_keeps_its_segment_starts(tmp_path: Path) -> None:
+    """Another trainer must split a harness episode where its program rewrote its history, as rollway's
+    learner does: the segment starts travel with the rows (relative to response_ids) and come back."""
+    from rollway.learning.testing import make_segmented_trajectory
+    from rollway.schemas.tokens import segment_bounds
+
+    traj = make_segmented_trajectory("s", "g", [[[1, 2, 3], [10, 11], [5], [12]], [[1, 7], [13, 14]]], 1.0)
+    path = tmp_path / "t.parquet"
+    write_trajectories(path, [traj])
+    [row] = read_rows(path)
+    assert row["response_segment_starts"] == [s - traj.prompt_length for s in traj.segment_starts] == [4]
+    [back] = read_trajectories(path)
+    assert back.segment_starts == traj.segment_starts and segment_bounds(back) == segment_bounds(traj)

@@ -120,3 +120,27 @@ def test_term_leader_only_lets_the_leader_end_its_children_itself(tmp_path: Path
 def test_not_started_is_a_clear_error() -> None:
     with pytest.raises(RuntimeError, match="was not started"):
         Child(["true"], name="x").poll()
+
+
+def test_a_supervisor_killed_from_outside_leaves_no_child_running(tmp_path: Path) -> None:
+    """A supervisor (as `rollway up`, a benchmark or a test worker) starts a child with the launcher's
+    defaults and is then SIGKILLed, so none of its cleanup runs: the child must still end (once, stage
+    workers and engines of killed benchmark runs were left polling a dead broker for minutes)."""
+    import os
+    import signal
+    import subprocess
+
+    pid_file = tmp_path / "child.pid"
+    code = ("import sys, time; from pathlib import Path; from rollway.base.process import Child; "
+            "c = Child([sys.executable, '-c', 'import time; time.sleep(600)'], None).start(); "
+            f"Path({str(pid_file)!r}).write_text(str(c.pid)); time.sleep(600)")
+    supervisor = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        assert _wait_until(lambda: pid_file.exists() and pid_file.read_text().strip() != "", 60)
+        child = int(pid_file.read_text())
+        assert not _gone(child)
+        os.kill(supervisor.pid, signal.SIGKILL)
+        supervisor.wait()
+        assert _wait_until(lambda: _gone(child)), "the child outlived its killed supervisor"
+    finally:
+        supervisor.kill()
