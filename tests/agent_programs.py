@@ -30,6 +30,36 @@ def mini_swe_agent() -> Path:
     return _ensure(CACHE / f"mini-swe-agent-{MINI_VERSION}", MINI_VERSION)
 
 
+MINI_ENV = {
+    # Set up already: no first-run questions, no cost look-up that fails for a local model, quiet start.
+    "MSWEA_CONFIGURED": "true", "MSWEA_COST_TRACKING": "ignore_errors", "MSWEA_SILENT_STARTUP": "1",
+    # litellm's model cost map from the package instead of GitHub (three tries, with back-off, offline).
+    "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+    # mini-swe-agent loads a global `.env` at import (API keys, MSWEA_* settings) from its config folder,
+    # by default under HOME: kept in the sandbox's own /tmp, so no user configuration is ever read.
+    "MSWEA_GLOBAL_CONFIG_DIR": "/tmp/mini-swe-agent",
+}
+# mini-swe-agent's entry point run by the sandbox's own python3 (a docker image's): the virtualenv's
+# bin/mini names the host interpreter it was made from, which a container does not have. Its packages
+# are built for that interpreter's minor version (3.11), which the image's python3 must share.
+MINI_MAIN = "import sys; sys.path.insert(0, {site!r}); from minisweagent.run.mini import app; sys.exit(app())"
+
+
+def mini_harness(venv: Path, own_python: bool = False, config: str = "mini_textbased.yaml") -> dict:
+    """`agent.harness` running mini-swe-agent from `venv` (bound read-only) in its text format: actions
+    are fenced `mswea_bash_command` blocks in the reply's text (litellm_textbased reads them).
+    `own_python`: start it with the sandbox's python3 instead of the virtualenv's (docker images)."""
+    site = next(venv.glob("lib/python3.*/site-packages"))
+    program = ["python3", "-c", MINI_MAIN.format(site=str(site))] if own_python else [str(venv / "bin" / "mini")]
+    return {
+        "command": [*program, "-c", str(site / "minisweagent" / "config" / config), "-m", "openai/rollway-policy",
+                    "--model-class", "litellm_textbased", "-t", "{instruction}", "-y", "--exit-immediately",
+                    "-l", "0", "-o", "/tmp/mini.traj.json"],
+        "env": dict(MINI_ENV),
+        "install": {"type": "host_dir", "path": str(venv)},
+    }
+
+
 def qwen_code() -> Path:
     """The Qwen Code folder: bin/node, node_modules/@qwen-code/qwen-code/cli.js, settings.json."""
     return _ensure(CACHE / f"qwen-code-{QWEN_VERSION}", QWEN_VERSION)
