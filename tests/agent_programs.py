@@ -45,14 +45,16 @@ MINI_ENV = {
 MINI_MAIN = "import sys; sys.path.insert(0, {site!r}); from minisweagent.run.mini import app; sys.exit(app())"
 
 
-def mini_harness(venv: Path, own_python: bool = False, config: str = "mini_textbased.yaml") -> dict:
+def mini_harness(venv: Path, own_python: bool = False, configs: tuple[str, ...] | list[str] = ("mini_textbased.yaml",)) -> dict:
     """`agent.harness` running mini-swe-agent from `venv` (bound read-only) in its text format: actions
     are fenced `mswea_bash_command` blocks in the reply's text (litellm_textbased reads them).
-    `own_python`: start it with the sandbox's python3 instead of the virtualenv's (docker images)."""
+    `own_python`: start it with the sandbox's python3 instead of the virtualenv's (docker images).
+    `configs`: its `-c` specs, merged in order: files under minisweagent/config, or KEY=VALUE."""
     site = next(venv.glob("lib/python3.*/site-packages"))
+    specs = [c if "=" in c else str(site / "minisweagent" / "config" / c) for c in configs]
     program = ["python3", "-c", MINI_MAIN.format(site=str(site))] if own_python else [str(venv / "bin" / "mini")]
     return {
-        "command": [*program, "-c", str(site / "minisweagent" / "config" / config), "-m", "openai/rollway-policy",
+        "command": [*program, *(a for spec in specs for a in ("-c", spec)), "-m", "openai/rollway-policy",
                     "--model-class", "litellm_textbased", "-t", "{instruction}", "-y", "--exit-immediately",
                     "-l", "0", "-o", "/tmp/mini.traj.json"],
         "env": dict(MINI_ENV),
@@ -82,3 +84,25 @@ QWEN_ENV = {
     # reserve far less address space, which the local jail limits per process (sandbox.memory_mb).
     "NODE_OPTIONS": "--disable-wasm-trap-handler --max-old-space-size=1024",
 }
+
+
+def assert_captured_tokens(t: dict, texts: list[str], prompt_has: list[str]) -> None:
+    """Issue 27 item 3's checks on a trajectory a real program made through the gateway, with the
+    scripted policy (bytes-chatml) as the model: each captured call's output ids and logprobs equal
+    what the scripted engine returned for `texts` (encode(text) + the stop token, each with
+    SCRIPTED_LOGPROB), the loss mask covers exactly those, the gateway's re-render of every continued
+    call matched the prompt the engine saw (one segment, no drift), and the prompt holds `prompt_has`
+    (the program's own system prompt and the task's instruction reached the engine)."""
+    from rollway.policies.config import ScriptedPolicyConfig
+    from rollway.policies.factory import build_chat_format
+    from rollway.policies.scripted import SCRIPTED_LOGPROB
+
+    chat = build_chat_format(ScriptedPolicyConfig(script=[{"when": "", "turns": ["x"]}], chat_format="bytes-chatml"))
+    returned = [chat.encode(text) + list(chat.stop_token_ids[:1]) for text in texts]
+    assert [t["token_ids"][s:e] for s, e in t["turn_spans"]] == returned
+    assert [t["logprobs"][s:e] for s, e in t["turn_spans"]] == [[SCRIPTED_LOGPROB] * len(r) for r in returned]
+    assert [turn["completion_ids"] for turn in t["turns"]] == returned
+    assert sum(t["loss_mask"]) == sum(e - s for s, e in t["turn_spans"])
+    assert t["segment_starts"] == [] and not any(turn["template_drift"] for turn in t["turns"])
+    prompt = chat.decode(t["token_ids"][: t["turn_spans"][0][0]])
+    assert all(part in prompt for part in prompt_has), prompt[-2000:]

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import yaml
-from agent_programs import qwen_code, qwen_harness
+from agent_programs import assert_captured_tokens, qwen_code, qwen_harness
 from conftest import ROOT
 
 pytestmark = pytest.mark.e2e
@@ -77,23 +77,8 @@ def run(tmp_path, verb: str, command: str) -> tuple[subprocess.CompletedProcess,
 
 
 def assert_tokens_are_what_the_engine_sampled(t: dict, texts: list[str]) -> None:
-    """Item 3's checks: each captured call's output ids and logprobs equal what the scripted engine
-    returned (encode(text) + the stop token, each with SCRIPTED_LOGPROB), the loss mask covers exactly
-    those, and the gateway's re-render of every continued call matched the prompt the engine saw."""
-    from rollway.policies.config import ScriptedPolicyConfig
-    from rollway.policies.factory import build_chat_format
-    from rollway.policies.scripted import SCRIPTED_LOGPROB
-
-    chat = build_chat_format(ScriptedPolicyConfig(script=[{"when": "", "turns": ["x"]}], chat_format="bytes-chatml"))
-    returned = [chat.encode(text) + list(chat.stop_token_ids[:1]) for text in texts]
-    assert [t["token_ids"][s:e] for s, e in t["turn_spans"]] == returned
-    assert [t["logprobs"][s:e] for s, e in t["turn_spans"]] == [[SCRIPTED_LOGPROB] * len(r) for r in returned]
-    assert [turn["completion_ids"] for turn in t["turns"]] == returned
-    assert sum(t["loss_mask"]) == sum(e - s for s, e in t["turn_spans"])
-    assert t["segment_starts"] == [] and not any(turn["template_drift"] for turn in t["turns"])
     # The program's own prompt reached the engine: Qwen Code's system prompt and the task's instruction.
-    prompt = chat.decode(t["token_ids"][: t["turn_spans"][0][0]])
-    assert "Qwen Code" in prompt and "top404.txt" in prompt
+    assert_captured_tokens(t, texts, prompt_has=["Qwen Code", "top404.txt"])
 
 
 def test_qwen_code_fixes_a_harbor_task_in_docker_with_rollway_up(tmp_path):
