@@ -64,7 +64,9 @@ def job(folder, script: list[dict]) -> dict:
                   "test_timeout_s": 300},
         "sandbox": {"type": "docker", "gateway_root": str(folder / "gateway")},
         "scheduler": {"group_size": 1, "max_inflight_episodes": 1, "episode_deadline_s": 840, "max_attempts": 1},
-        "agent": {"concurrency": 1, "harness": harness},
+        # mini-swe-agent sends no max_tokens: the gateway's default per call must hold the whole patch
+        # (bytes-chatml: a token per byte), or the reply ends with finish_reason=length.
+        "agent": {"concurrency": 1, "max_tokens_per_turn": 4096, "harness": harness},
         "eval": {"attempts": 1, "ks": [1]},
         "policy": {"type": "scripted", "chat_format": "bytes-chatml", "script": script},
     }
