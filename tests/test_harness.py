@@ -218,12 +218,17 @@ def mini_harness() -> dict:
 
 @pytest.mark.parametrize(("script", "resolved"), [(MINI_FIX, True), (MINI_NON_FIX, False)], ids=["fix", "non_fix"])
 def test_mini_swe_agent_plays_toy_tasks_in_its_text_format(tmp_path, script, resolved):
+    from agent_programs import assert_captured_tokens
+
     out, summary, trajs = up(tmp_path, script, mini_harness())
     assert out.returncode == 0, out.stderr[-3000:]
     failures = tmp_path / "run" / "failures.jsonl"
     assert len(trajs) == 2, failures.read_text()[-3000:] if failures.exists() else out.stderr[-3000:]
     assert [(t["resolved"], t["stop_reason"], t["num_turns"]) for t in trajs] == [
         (resolved, "harness_exit", 2 if resolved else 1)] * 2
+    texts = [MINI_FIX[1]["turns"][0], MINI_FIX[0]["turns"][0]] if resolved else [MINI_NON_FIX[0]["turns"][0]]
+    for t in trajs:
+        assert_captured_tokens(t, texts, prompt_has=["mswea_bash_command", "numbers.txt"])
 
 
 def test_calls_with_retries_and_a_rewrite_become_turns_that_reassemble_each_segment_exactly():
