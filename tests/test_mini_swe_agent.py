@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -27,7 +28,7 @@ SUBMIT = ACTION.format("The fix is in place.", "echo COMPLETE_TASK_AND_SUBMIT_FI
 
 
 @pytest.fixture(scope="module")
-def row(tmp_path_factory) -> tuple[dict, object]:
+def row(tmp_path_factory) -> tuple[dict, Path]:
     """One toolz SWE-bench row and its mirror folder (the build runs the archive's tests per candidate bug)."""
     from docker_engine import ensure_engine
 
@@ -46,10 +47,7 @@ def fix_action(patch: str) -> str:
     return ACTION.format("Apply the fix.", f"cat > /tmp/fix.patch <<'EOF' && patch -p1 < /tmp/fix.patch\n{patch}EOF")
 
 
-def job(folder, script: list[dict]) -> dict:
-    from docker_engine import ensure_engine
-
-    ensure_engine()
+def job(folder: Path, script: list[dict]) -> dict:
     venv = mini_swe_agent()  # installed by scripts/setup-agents.sh (run here when missing: a failure, never a skip)
     harness = mini_harness(venv, own_python=True, configs=["benchmarks/swebench_backticks.yaml",
                                                            "environment.cwd=/workspace"])
@@ -72,7 +70,7 @@ def job(folder, script: list[dict]) -> dict:
     }
 
 
-def run(tmp_path, folder, verb: str, script: list[dict]) -> dict:
+def run(tmp_path: Path, folder: Path, verb: str, script: list[dict]) -> dict:
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job(folder, script)))
     run_dir = tmp_path / "run"
     out = subprocess.run([*ROLLWAY, verb, str(tmp_path / "job.yaml"), "--run-dir", str(run_dir)],
