@@ -209,10 +209,11 @@ def mini_harness() -> dict:
     from agent_programs import mini_harness, mini_swe_agent
 
     # Installed by scripts/setup-agents.sh (run here when missing: a failure, never a skip). Its start-up,
-    # before the first call, counts as silence: importing litellm alone takes about 6 s of CPU, and
-    # 11-64 s of wall time was measured in the jail on this 2-core machine at load 10-16 (at load 33 the
-    # default 120 s silence limit was crossed). So the limits here are ones a slow machine does not
-    # cross; the silence and time limits themselves are tested above with programs that never call.
+    # before the first call, counts as silence: importing litellm alone takes about 6 s of CPU, and 11-64 s
+    # of wall time was measured in the jail on this 2-core machine at load 10-16 (a run at load 33 was
+    # reported to end harness_silence under the default 120 s limit). So the limits here are ones a slow
+    # machine does not cross; the silence and time limits themselves are tested above with programs
+    # that never call.
     return {**mini_harness(mini_swe_agent()), "time_limit_s": 420, "silence_limit_s": 420}
 
 
