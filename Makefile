@@ -5,7 +5,7 @@ ROLLWAY := $(VENV)/bin/rollway
 
 .PHONY: setup run smoke test lint format demo bench docs clean
 
-$(VENV)/.ready: pyproject.toml scripts/setup.sh scripts/setup-vllm.sh
+$(VENV)/.ready: pyproject.toml scripts/setup.sh scripts/setup-vllm.sh scripts/setup-agents.sh
 	bash scripts/setup.sh
 
 setup: $(VENV)/.ready

@@ -223,8 +223,8 @@ class RunConfig(StrictModel):
 
     @model_validator(mode="after")
     def _harness_install_reachable(self) -> RunConfig:
-        """A harness installed in a host folder is bound read-only into every local jail; docker
-        containers get a host folder for the gateway's socket."""
+        """A harness installed in a host folder is bound read-only into every local jail or docker
+        container; docker containers get a host folder for the gateway's socket."""
         harness = self.agent.harness
         if harness is not None and harness.time_limit_s >= self.scheduler.episode_deadline_s:
             raise ValueError(f"agent.harness.time_limit_s={harness.time_limit_s:g} must be under "
@@ -234,9 +234,9 @@ class RunConfig(StrictModel):
             self.sandbox.gateway_root = "/tmp/rollway-gateway"
         if harness is None or harness.install.type != "host_dir":
             return self
-        if not isinstance(self.sandbox, LocalSandboxConfig):
-            raise ValueError(f"agent.harness.install.type=host_dir needs sandbox.type=local (got {self.sandbox.type}); "
-                             "with docker, bake the program into the task image and use install.type=image")
+        if not isinstance(self.sandbox, LocalSandboxConfig | DockerSandboxConfig):
+            raise ValueError(f"agent.harness.install.type=host_dir needs sandbox.type=local or docker (got "
+                             f"{self.sandbox.type}); bake the program into the sandbox and use install.type=image")
         if harness.install.path not in self.sandbox.ro_binds:
             self.sandbox.ro_binds = [*self.sandbox.ro_binds, harness.install.path]
         return self

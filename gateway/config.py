@@ -20,7 +20,8 @@ class HarnessInstall(StrictModel):
 
     type: Literal["image", "host_dir"] = "image"
     """`image`: already in the task image (or on the jail's PATH: /usr, the configured python).
-    `host_dir`: the host folder `path`, bound read-only into the local jail at the same path."""
+    `host_dir`: the host folder `path`, bound read-only at the same path into the local jail or the
+    docker container."""
     path: str | None = None
     """The host folder of `host_dir` (the program's files and, say, its virtualenv); a relative path is
     taken from the folder rollway is started in (every stage process shares it). `{install_path}` in

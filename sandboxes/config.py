@@ -106,6 +106,9 @@ class DockerSandboxConfig(SandboxConfig):
     """Started containers each provider (the init stage's) keeps ready per image, so
     an episode's sandbox skips the container start; 0 = none. Idle ones are removed when the stage
     stops (`rollway-pool-*` containers left by a killed worker can be removed by hand)."""
+    ro_binds: list[str] = Field(default_factory=list)
+    """Host folders bound read-only into every container at the same path (a harness program's
+    `install.type: host_dir` folder is added here)."""
     gateway_root: str | None = None
     """Host folder under which each container gets its own subfolder, bound read-only at
     /rollway-gateway: harness episodes (agent.harness) reach the gateway's unix socket there, the

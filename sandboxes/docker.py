@@ -386,7 +386,8 @@ class DockerSandboxProvider(SandboxProvider):
                 {"Name": "core", "Soft": 0, "Hard": 0},
             ],  # fmt: skip
             "volumes": {f"rollway-{name}": {"bind": WORKSPACE, "mode": "rw"},
-                        **({self.gateway_folder(name): {"bind": GATEWAY_DIR, "mode": "ro"}} if cfg.gateway_root else {})},
+                        **({self.gateway_folder(name): {"bind": GATEWAY_DIR, "mode": "ro"}} if cfg.gateway_root else {}),
+                        **{path: {"bind": path, "mode": "ro"} for path in cfg.ro_binds}},
             "tmpfs": {
                 "/tmp": f"rw,exec,size={cfg.tmp_mb}m,mode=1777",
                 STATE: f"rw,size=256m,mode=0700,uid={keeper_uid},gid={keeper_uid}",

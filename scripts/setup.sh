@@ -34,5 +34,8 @@ bash scripts/setup-docker.sh
 # vLLM (CPU build) in its own environment, .venv-vllm: the default engine where it is installed
 # (about 3 minutes the first time; ROLLWAY_SKIP_VLLM=1 skips it).
 bash scripts/setup-vllm.sh
+# The agent programs harness episodes are tested with (mini-swe-agent, Qwen Code), cached in ~/.cache/rollway
+# (ROLLWAY_SKIP_AGENTS=1 skips them; tests/agent_programs.py runs this script when they are missing).
+bash scripts/setup-agents.sh
 touch .venv/.ready
 echo "setup: ready (.venv)"
