@@ -18,7 +18,7 @@ smoke: $(VENV)/.ready          ## the smoke job: 8 scripted episodes through the
 
 TEST_WORKERS ?= 4
 test: $(VENV)/.ready           ## the whole test suite, TEST_WORKERS tests side by side (most of its time is waiting)
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup --durations=25 tests
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --durations=25 tests
 
 bench: $(VENV)/.ready          ## pipelined vs bounded-batch rollout on the simulated workload (about 6 minutes)
 	$(ROLLWAY) bench pipeline

@@ -32,12 +32,33 @@ LONGEST_FIRST = (
 )
 
 
+SAME_WORKER = {"test_vllm_server.py", "test_policies_engine.py", "test_harness_views.py"}
+"""Modules whose tests share one expensive module fixture (a vLLM server, an engine, a whole run): with
+`pytest -n N` all of a module's tests go to one worker, so the fixture is made once."""
+
+
 def pytest_collection_modifyitems(config, items):
     def rank(item) -> int:
         nodeid = item.nodeid.split("/")[-1]
         return next((i for i, name in enumerate(LONGEST_FIRST) if nodeid.startswith(name)), len(LONGEST_FIRST))
 
     items.sort(key=rank)  # stable: the order within a rank is the collection order
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's scheduler for this suite: each test is its own unit of work, except the tests of a
+    `SAME_WORKER` module, which are one unit; units go out in collection order (longest first). (xdist's
+    own `xdist_group` marks do nothing under pytest 9: the worker renames `item._nodeid`, which pytest 9
+    no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if Path(module).name in SAME_WORKER else nodeid
+
+    config.option.loadscopereorder = False  # keep the longest-first order, not the largest unit first
+    return Scheduling(config, log)
 
 
 def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:

@@ -15,8 +15,7 @@ import pytest
 from conftest import ROOT
 from test_harness import AGENT_PROGRAM, FIX, ROLLWAY, harness_job
 
-# One worker runs this module with `pytest -n N --dist loadgroup`: its tests share a module fixture.
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("harness-views")]
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,7 @@ import pytest
 from rollway.policies.base import SamplingParams
 from rollway.policies.openai_client import InferenceRequestError, OpenAICompletionsClient
 
-# One worker runs this module with `pytest -n N --dist loadgroup`: its tests share a module fixture.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("policies-engine")]
+pytestmark = pytest.mark.slow
 
 QUESTIONS = ["What is 2+2?", "Name three colors.", "Write a haiku about the sea, please, with many words.", "hi"]
 

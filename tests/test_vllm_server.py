@@ -24,9 +24,6 @@ from rollway.policies.launch import vllm_server
 from rollway.policies.model_loading import resolve_model_folder
 from rollway.policies.vllm import INSTALL_HINT, VLLMClient, vllm_python
 
-# One worker runs this module with `pytest -n N --dist loadgroup`: its tests share a module fixture.
-pytestmark = pytest.mark.xdist_group("vllm-server")
-
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 11173, 30, 2, 198, 1, 4093, 198, 1780, 314, 216, 34, 1232, 216,
           34, 47, 2, 198, 1, 520, 9531, 198]
 """A fixed ChatML prompt in SmolLM2's ids (system, user "what is 2 + 2?", assistant header)."""
