@@ -5,6 +5,8 @@ model's own `locate` call, never from a file in the workspace."""
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Sequence
 from typing import Any
 
 from rollway.envs.base import Episode, Grade, Task, TaskSet
@@ -131,6 +133,43 @@ EXAMPLES = [
 tool calls); the tools' outputs are as the real tools print them."""
 
 
+_SEARCH_LIST = re.compile(r"^(?P<file>\S+\.py):(?P<line>\d+)  (?:async )?(?:function|method) (?P<name>[\w.]+): ", re.M)
+_SEARCH_SOURCE = re.compile(r"^(?:async )?(?:function|method) (?P<name>[\w.]+) at (?P<file>\S+\.py):(?P<line>\d+) ", re.M)
+_GREP = re.compile(r"^(?P<file>[^:\s]+\.py):(?P<line>\d+):\s*(?:async\s+)?def\s+(?P<name>\w+)", re.M)
+"""A definition as the tools print it: search's list (`FILE:N  function NAME: def ...`), search's source
+view (`method Foo.bar at FILE:N (lines ...)`), a grep line (`./FILE:N:    def NAME(`)."""
+
+
+def _is_test_file(path: str) -> bool:
+    parts = path.split("/")
+    name = parts[-1]
+    return name.startswith("test_") or name.endswith("_test.py") or name == "conftest.py" or any(
+        p in ("test", "tests", "testing") for p in parts[:-1])
+
+
+def definition_hints(observations: Sequence[Any]) -> list[str]:
+    """The hint after a turn whose tools printed a definition (the same in both arms): where the first
+    library definition is and the locate call that names it; a test's definition only: that the bug is in
+    the library. Nothing when no definition was printed."""
+    found = []
+    for obs in observations:
+        if obs.tool in (None, "locate"):
+            continue
+        text = str(obs.content)
+        for pattern in (_SEARCH_LIST, _SEARCH_SOURCE, _GREP):
+            found += [(m.start(), normalise_file(m["file"]), int(m["line"]), m["name"]) for m in pattern.finditer(text)]
+    found.sort()
+    library = [f for f in found if not _is_test_file(f[1])]
+    if library:
+        _, file, line, name = library[0]
+        return [f"The definition of {name} is in {file} at line {line}; if this is the changed function, call "
+                f'locate(file="{file}", function="{name}").']
+    if found:
+        return [f"{found[0][1]} is a test file: the changed function is in the library. Look up the function "
+                "the failing test calls."]
+    return []
+
+
 def _navigation(tool: str, name: str, search_out: str, grep_out: str) -> tuple[str, str]:
     """The one navigation step, per arm: the AST search, or grep through bash."""
     if tool == "search":
@@ -139,17 +178,29 @@ def _navigation(tool: str, name: str, search_out: str, grep_out: str) -> tuple[s
     return _call("bash", command=f'grep -rn "def {name}" --include=*.py .'), f"Exit code: 0\n{grep_out}"
 
 
-def worked_example(tool: str) -> list[dict[str, str]]:
-    """Solved episodes shown as earlier turns: read the failing test, find the definition, answer."""
+def worked_example(tool: str, hints: bool = False) -> list[dict[str, str]]:
+    """Solved episodes shown as earlier turns: read the failing test, find the definition, answer. With
+    `hints`, the tool's output ends with the hint the environment adds (as the agent loop appends it)."""
     messages = []
     for task, (name, search_out, grep_out), file, function in EXAMPLES:
         call, output = _navigation(tool, name, search_out, grep_out)
+        if hints:
+            output = "\n\n".join([output, *definition_hints([_Printed(output)])])
         messages += [{"role": "user", "content": task},
                      {"role": "assistant", "content": call},
                      {"role": "tool", "content": output},
                      {"role": "assistant", "content": _call("locate", file=file, function=function)},
                      {"role": "tool", "content": "Answer recorded."}]
     return messages
+
+
+class _Printed:
+    """A tool's printed output, as `definition_hints` reads an observation."""
+
+    tool = "example"
+
+    def __init__(self, content: str) -> None:
+        self.content = content
 
 
 class BugLocTaskSet(TaskSet):
@@ -184,9 +235,13 @@ class BugLocTaskSet(TaskSet):
         return list(self._tasks)
 
     def initial_messages(self, task: Task, system_prompt: str | None = None) -> list[dict[str, Any]]:
-        example = worked_example(self.cfg.worked_example) if self.cfg.worked_example else []
+        example = (worked_example(self.cfg.worked_example, self.cfg.definition_hints)
+                   if self.cfg.worked_example else [])
         return [{"role": "system", "content": system_prompt or self.system_prompt}, *example,
                 {"role": "user", "content": task.prompt}]
+
+    def observation_hints(self, task: Task, observations: Sequence[Any]) -> list[str]:
+        return definition_hints(observations) if self.cfg.definition_hints else []
 
     def sandbox_spec(self, task: Task) -> SandboxSpec:
         return SandboxSpec(source_dir=str(prepare_buggy_copy(self.instances[task.task_id], self.cfg.cache_dir)))

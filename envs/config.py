@@ -107,6 +107,11 @@ class BugLocTasksConfig(FileTasksConfig):
     None: no example."""
     describe_tools: bool = True
     """Render the tools' JSON specs into the prompt (false: only the worked example shows the calls)."""
+    definition_hints: bool = False
+    """After a turn whose tool output printed a definition (search's list or source view, a grep line
+    `FILE:N:def NAME`), the observation ends with a hint naming where it is and the locate call that would
+    answer with it (a test file's definition: that the bug is in the library); the worked examples show the
+    same hint. Identical in both arms of `rollway bench search`."""
     difficulty: Literal["all", "named"] = "all"
     """`named`: only bugs in a function whose name appears in a failing test's name (`test_camelize[...]` for
     `camelize`), the easier half a small model can start from; `all`: every instance."""

@@ -203,3 +203,47 @@ def test_named_difficulty_keeps_bugs_whose_function_names_a_failing_test():
     assert named_in_tests(row("Foo.bar", "t.py::TestFoo::test_bar_empty"))
     assert not named_in_tests(row("_irregular", "t.py::test_singularize_plural[child-children]"))
     assert not named_in_tests(row("map", "t.py::test_bitmap"))
+
+
+CAMELIZE_HINT = ('The definition of camelize is in inflection/__init__.py at line 135; if this is the changed '
+                 'function, call locate(file="inflection/__init__.py", function="camelize").')
+
+
+def test_a_printed_library_definition_gets_the_same_locate_hint_in_both_arms():
+    """search's definition list, search's source view and a grep line `FILE:N:def NAME` give one hint naming
+    the first library definition; a test's definition gets a hint that the bug is in the library."""
+    from rollway.envs.buglocal import definition_hints
+
+    search = Observation(tool="search", arguments={"action": "definition", "name": "camelize"}, content=(
+        "2 definitions of `camelize` (best match first):\n"
+        "inflection/__init__.py:135  function camelize: def camelize(string, uppercase_first_letter=True):\n"
+        "test_inflection.py:300  function test_camelize: def test_camelize(camel, underscore):"))
+    grep = Observation(tool="bash", arguments={"command": 'grep -rn "def camelize" .'}, content=(
+        "Exit code: 0\n./test_inflection.py:300:def test_camelize(camel, underscore):\n"
+        "./inflection/__init__.py:135:def camelize(string, uppercase_first_letter=True):"))
+    assert definition_hints([search]) == [CAMELIZE_HINT] == definition_hints([grep])
+    method = Observation(tool="search", arguments={}, content=(
+        "method Foo.bar at pkg/a.py:7 (lines 7-9):\n     7\tdef bar(self):\n     8\t    return 1"))
+    assert definition_hints([method]) == ['The definition of Foo.bar is in pkg/a.py at line 7; if this is the '
+                                          'changed function, call locate(file="pkg/a.py", function="Foo.bar").']
+    test_only = Observation(tool="bash", arguments={}, content="Exit code: 0\n./tests/test_a.py:3:def test_bar():")
+    assert definition_hints([test_only]) == [
+        "tests/test_a.py is a test file: the changed function is in the library. Look up the function the "
+        "failing test calls."]
+    nothing = Observation(tool="search", arguments={}, content="No definition of `camel_to_snake` found.")
+    answer = Observation(tool="locate", arguments={}, content="Answer recorded.", ends_episode=True)
+    assert definition_hints([nothing]) == [] and definition_hints([answer]) == []
+
+
+def test_worked_examples_show_the_hint_identically_in_both_arms():
+    from rollway.envs.buglocal import definition_hints, worked_example
+
+    search, bash = worked_example("search", hints=True), worked_example("bash", hints=True)
+    differing = [i for i, (a, b) in enumerate(zip(search, bash, strict=True)) if a != b]
+    assert differing == [1, 2, 6, 7]
+    for messages in (search, bash):
+        output = messages[2]["content"]
+        [hint] = definition_hints([Observation(tool="x", arguments={}, content=output.split("\n\n")[0])])
+        assert output.endswith("\n\n" + hint) and 'locate(file="shapes/text.py", function="shout")' in hint
+    assert worked_example("search") == [m if i not in (2, 7) else {**m, "content": m["content"].split("\n\n")[0]}
+                                        for i, m in enumerate(search)]
