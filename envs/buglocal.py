@@ -9,7 +9,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from rollway.envs.base import Episode, Grade, Task, TaskSet
+from rollway.envs.base import Episode, Grade, Task, TaskSet, UserTurn
 from rollway.envs.config import BugLocTasksConfig
 from rollway.envs.swe import load_instances, prepare_buggy_copy
 from rollway.sandboxes.base import Sandbox, SandboxProvider, SandboxSpec
@@ -65,21 +65,42 @@ def normalise_file(path: str) -> str:
     return "/".join(parts)
 
 
-def normalise_function(name: str) -> str:
-    """`Foo.bar()`, ` Foo.bar ` and `def Foo.bar` name `Foo.bar`."""
+def module_of(path: str) -> str:
+    """`pkg/a.py` is the module `pkg.a`; `pkg/__init__.py` is `pkg`."""
+    return normalise_file(path).removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+
+
+def normalise_function(name: str, file: str | None = None) -> str:
+    """`Foo.bar()`, ` Foo.bar `, `def Foo.bar` and `FILE::Foo.bar` name `Foo.bar`; with the answer's `file`,
+    so does the module-qualified `pkg.a.Foo.bar` (a bare `bar` stays `bar`: not the method `Foo.bar`)."""
     text = str(name).strip()
     text = text.removeprefix("def ").removeprefix("async def ").strip()
-    return text.removesuffix("()").strip()
+    text = text.rsplit("::", 1)[-1].removesuffix("()").strip()
+    module = module_of(file) if file else ""
+    return text.removeprefix(f"{module}.") if module else text
 
 
-def answer_of(episode: Episode | None) -> dict[str, str] | None:
-    """The arguments of the episode's accepted `locate` call (the last one that ran), or None."""
+TEXT_ANSWER = re.compile(r"(?P<file>[\w./-]+\.py)::(?P<function>\w+(?:\.\w+)*)")
+"""A plain-text answer, `FILE::FUNCTION` (`tasks.text_answer`)."""
+
+
+def text_answer_of(text: str) -> dict[str, str] | None:
+    """The first `FILE::FUNCTION` in a message's text, or None."""
+    found = TEXT_ANSWER.search(text)
+    return {"file": found["file"][:MAX_ANSWER_CHARS], "function": found["function"][:MAX_ANSWER_CHARS]} if found else None
+
+
+def answer_of(episode: Episode | None, text_answer: bool = False) -> dict[str, str] | None:
+    """The arguments of the episode's accepted `locate` call (the last one that ran); else, with
+    `text_answer`, a `FILE::FUNCTION` in the last message's text; else None."""
     if episode is None:
         return None
     for turn in reversed(episode.turns):
         for obs in reversed(turn.observations):
             if obs.tool == "locate" and not obs.is_error:
                 return {k: str(obs.arguments.get(k, ""))[:MAX_ANSWER_CHARS] for k in ("file", "function")}
+    if text_answer and episode.turns:
+        return text_answer_of(episode.turns[-1].assistant_text)
     return None
 
 
@@ -89,7 +110,7 @@ def judge(truth_file: str, truth_function: str, answer: dict[str, str] | None) -
         return Grade(0.0, False, details={"outcome": "no_answer", "file_correct": False,
                                           "function_correct": False})
     file_ok = normalise_file(answer["file"]) == normalise_file(truth_file)
-    function_ok = file_ok and normalise_function(answer["function"]) == truth_function
+    function_ok = file_ok and normalise_function(answer["function"], answer["file"]) == truth_function
     details = {"outcome": "resolved" if function_ok else "wrong_location", "file_correct": file_ok,
                "function_correct": function_ok, "answer": answer}
     return Grade(1.0 if function_ok else 0.0, function_ok, details=details)
@@ -251,7 +272,15 @@ class BugLocTaskSet(TaskSet):
 
     async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider,
                     episode: Episode | None = None) -> Grade:
-        return judge(task.metadata["file"], task.metadata["function"], answer_of(episode))
+        return judge(task.metadata["file"], task.metadata["function"], answer_of(episode, self.cfg.text_answer))
+
+    async def next_user_message(self, task: Task, episode: Episode) -> UserTurn | None:
+        """With `text_answer`, a message without a tool call that writes `FILE::FUNCTION` is the answer: the
+        episode ends there (as locate ends it)."""
+        last = episode.turns[-1] if episode.turns else None
+        if not self.cfg.text_answer or last is None or any(o.tool for o in last.observations):
+            return None
+        return UserTurn(None, ends_episode=True) if text_answer_of(last.assistant_text) else None
 
 
 def named_in_tests(instance: dict[str, Any]) -> bool:

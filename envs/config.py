@@ -112,6 +112,10 @@ class BugLocTasksConfig(FileTasksConfig):
     `FILE:N:def NAME`), the observation ends with a hint naming where it is and the locate call that would
     answer with it (a test file's definition: that the bug is in the library); the worked examples show the
     same hint. Identical in both arms of `rollway bench search`."""
+    text_answer: bool = False
+    """Also accept the answer as plain text: a message without a tool call that writes `FILE::FUNCTION`
+    ends the episode, and the last message's `FILE::FUNCTION` is graded when no locate call ran (as
+    strictly: normalised path, qualified name). False: only locate answers."""
     difficulty: Literal["all", "named"] = "all"
     """`named`: only bugs in a function whose name appears in a failing test's name (`test_camelize[...]` for
     `camelize`), the easier half a small model can start from; `all`: every instance."""

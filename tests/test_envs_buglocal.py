@@ -4,6 +4,7 @@ faked part)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import subprocess
@@ -247,3 +248,46 @@ def test_worked_examples_show_the_hint_identically_in_both_arms():
         assert output.endswith("\n\n" + hint) and 'locate(file="shapes/text.py", function="shout")' in hint
     assert worked_example("search") == [m if i not in (2, 7) else {**m, "content": m["content"].split("\n\n")[0]}
                                         for i, m in enumerate(search)]
+
+
+def _said(text: str, *observations: Observation) -> TurnRecord:
+    return TurnRecord(turn=0, completion_ids=[], logprobs=[], policy_version=0, finish_reason="stop",
+                      assistant_text=text, observations=list(observations))
+
+
+def test_a_plain_text_answer_in_the_last_message_counts_when_text_answers_are_on():
+    """`FILE::FUNCTION` as the last message's text is the answer (tasks.text_answer), graded as strictly as
+    a locate call; a locate call wins over text; a pytest id of the test file is a wrong answer."""
+    last = _said("The bug is in ./inflection/__init__.py::camelize.")
+    assert answer_of(_episode(last)) is None  # off: only locate answers
+    answer = answer_of(_episode(_turn(), last), text_answer=True)
+    assert answer == {"file": "./inflection/__init__.py", "function": "camelize"}
+    assert judge("inflection/__init__.py", "camelize", answer).reward == 1.0
+    test_id = answer_of(_episode(_said("test_inflection.py::test_camelize[a-b]")), text_answer=True)
+    assert judge("inflection/__init__.py", "camelize", test_id).reward == 0.0
+    earlier = _episode(_said("inflection/__init__.py::camelize"), _said("I do not know."))
+    assert answer_of(earlier, text_answer=True) is None  # only the last message
+    locate = Observation(tool="locate", arguments={"file": "a.py", "function": "f"}, content="Answer recorded.")
+    assert answer_of(_episode(_said("b.py::g", locate)), text_answer=True) == {"file": "a.py", "function": "f"}
+
+
+def test_loose_locate_arguments_are_graded_on_their_normalised_values():
+    """A module-qualified name (`inflection.camelize`, `pkg.a.Foo.bar`) or `FILE::NAME` in `function` names
+    the same function; a bare method name or another module's prefix does not."""
+    assert judge("inflection/__init__.py", "camelize", {"file": "inflection/__init__.py",
+                                                        "function": "inflection.camelize"}).reward == 1.0
+    assert judge("pkg/a.py", "Foo.bar", {"file": "./pkg/a.py", "function": "pkg.a.Foo.bar"}).reward == 1.0
+    assert judge("pkg/a.py", "Foo.bar", {"file": "pkg/a.py", "function": "pkg/a.py::Foo.bar"}).reward == 1.0
+    assert judge("pkg/a.py", "Foo.bar", {"file": "pkg/a.py", "function": "bar"}).reward == 0.0
+    assert judge("pkg/a.py", "Foo.bar", {"file": "pkg/a.py", "function": "pkg.b.Foo.bar"}).reward == 0.0
+
+
+@pytest.mark.slow
+def test_a_text_answer_ends_the_episode(toolz_instances):
+    from rollway.envs.base import UserTurn
+
+    taskset = build_taskset(TasksConfig(type="buglocal", path=str(toolz_instances), text_answer=True))
+    task = taskset.tasks()[0]
+    reply = asyncio.run(taskset.next_user_message(task, _episode(_said("toolz/itertoolz.py::groupby"))))
+    assert isinstance(reply, UserTurn) and reply.ends_episode
+    assert asyncio.run(taskset.next_user_message(task, _episode(_said("let me look")))) is None
