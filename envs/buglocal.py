@@ -170,8 +170,9 @@ def _is_test_file(path: str) -> bool:
 
 def definition_hints(observations: Sequence[Any]) -> list[str]:
     """The hint after a turn whose tools printed a definition (the same in both arms): where the first
-    library definition is and the locate call that names it; a test's definition only: that the bug is in
-    the library. Nothing when no definition was printed."""
+    library definition is and the locate call that names it, written as the call itself (the small model
+    copies text; a described call it repeated its search instead); a test's definition only: that the
+    bug is in the library. Nothing when no definition was printed."""
     found = []
     for obs in observations:
         if obs.tool in (None, "locate"):
@@ -183,8 +184,8 @@ def definition_hints(observations: Sequence[Any]) -> list[str]:
     library = [f for f in found if not _is_test_file(f[1])]
     if library:
         _, file, line, name = library[0]
-        return [f"The definition of {name} is in {file} at line {line}; if this is the changed function, call "
-                f'locate(file="{file}", function="{name}").']
+        return [f"The definition of {name} is in {file} at line {line}. If {name} is the changed function, "
+                f"answer with:\n{_call('locate', file=file, function=name)}"]
     if found:
         return [f"{found[0][1]} is a test file: the changed function is in the library. Look up the function "
                 "the failing test calls."]

@@ -206,8 +206,9 @@ def test_named_difficulty_keeps_bugs_whose_function_names_a_failing_test():
     assert not named_in_tests(row("map", "t.py::test_bitmap"))
 
 
-CAMELIZE_HINT = ('The definition of camelize is in inflection/__init__.py at line 135; if this is the changed '
-                 'function, call locate(file="inflection/__init__.py", function="camelize").')
+CAMELIZE_HINT = ('The definition of camelize is in inflection/__init__.py at line 135. If camelize is the changed '
+                 'function, answer with:\n<tool_call>{"name": "locate", "arguments": {"file": "inflection/__init__.py", '
+                 '"function": "camelize"}}</tool_call>')
 
 
 def test_a_printed_library_definition_gets_the_same_locate_hint_in_both_arms():
@@ -225,8 +226,9 @@ def test_a_printed_library_definition_gets_the_same_locate_hint_in_both_arms():
     assert definition_hints([search]) == [CAMELIZE_HINT] == definition_hints([grep])
     method = Observation(tool="search", arguments={}, content=(
         "method Foo.bar at pkg/a.py:7 (lines 7-9):\n     7\tdef bar(self):\n     8\t    return 1"))
-    assert definition_hints([method]) == ['The definition of Foo.bar is in pkg/a.py at line 7; if this is the '
-                                          'changed function, call locate(file="pkg/a.py", function="Foo.bar").']
+    assert definition_hints([method]) == ['The definition of Foo.bar is in pkg/a.py at line 7. If Foo.bar is the '
+                                          'changed function, answer with:\n<tool_call>{"name": "locate", "arguments": '
+                                          '{"file": "pkg/a.py", "function": "Foo.bar"}}</tool_call>']
     test_only = Observation(tool="bash", arguments={}, content="Exit code: 0\n./tests/test_a.py:3:def test_bar():")
     assert definition_hints([test_only]) == [
         "tests/test_a.py is a test file: the changed function is in the library. Look up the function the "
@@ -245,7 +247,7 @@ def test_worked_examples_show_the_hint_identically_in_both_arms():
     for messages in (search, bash):
         output = messages[2]["content"]
         [hint] = definition_hints([Observation(tool="x", arguments={}, content=output.split("\n\n")[0])])
-        assert output.endswith("\n\n" + hint) and 'locate(file="shapes/text.py", function="shout")' in hint
+        assert output.endswith("\n\n" + hint) and '{"file": "shapes/text.py", "function": "shout"}' in hint
     assert worked_example("search") == [m if i not in (2, 7) else {**m, "content": m["content"].split("\n\n")[0]}
                                         for i, m in enumerate(search)]
 
