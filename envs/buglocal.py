@@ -200,17 +200,20 @@ def _navigation(tool: str, name: str, search_out: str, grep_out: str) -> tuple[s
     return _call("bash", command=f'grep -rn "def {name}" --include=*.py .'), f"Exit code: 0\n{grep_out}"
 
 
-def worked_example(tool: str, hints: bool = False) -> list[dict[str, str]]:
+def worked_example(tool: str, hints: str = "none") -> list[dict[str, str]]:
     """Solved episodes shown as earlier turns: read the failing test, find the definition, answer. With
-    `hints`, the tool's output ends with the hint the environment adds (as the agent loop appends it)."""
+    `hints`, the hint the environment adds is shown where it adds it: `observation` at the end of the
+    tool's output (as the agent loop appends hints), `user` as a user message after it."""
     messages = []
     for task, (name, search_out, grep_out), file, function in EXAMPLES:
         call, output = _navigation(tool, name, search_out, grep_out)
-        if hints:
-            output = "\n\n".join([output, *definition_hints([_Printed(output)])])
+        hint = definition_hints([_Printed(output)]) if hints != "none" else []
+        if hints == "observation":
+            output, hint = "\n\n".join([output, *hint]), []
         messages += [{"role": "user", "content": task},
                      {"role": "assistant", "content": call},
                      {"role": "tool", "content": output},
+                     *({"role": "user", "content": h} for h in hint),
                      {"role": "assistant", "content": _call("locate", file=file, function=function)},
                      {"role": "tool", "content": "Answer recorded."}]
     return messages
@@ -263,7 +266,7 @@ class BugLocTaskSet(TaskSet):
                 {"role": "user", "content": task.prompt}]
 
     def observation_hints(self, task: Task, observations: Sequence[Any]) -> list[str]:
-        return definition_hints(observations) if self.cfg.definition_hints else []
+        return definition_hints(observations) if self.cfg.definition_hints == "observation" else []
 
     def sandbox_spec(self, task: Task) -> SandboxSpec:
         return SandboxSpec(source_dir=str(prepare_buggy_copy(self.instances[task.task_id], self.cfg.cache_dir)))
@@ -275,13 +278,18 @@ class BugLocTaskSet(TaskSet):
                     episode: Episode | None = None) -> Grade:
         return judge(task.metadata["file"], task.metadata["function"], answer_of(episode, self.cfg.text_answer))
 
-    async def next_user_message(self, task: Task, episode: Episode) -> UserTurn | None:
+    async def next_user_message(self, task: Task, episode: Episode) -> str | UserTurn | None:
         """With `text_answer`, a message without a tool call that writes `FILE::FUNCTION` is the answer: the
-        episode ends there (as locate ends it)."""
+        episode ends there (as locate ends it). With `definition_hints: user`, the hint after a printed
+        definition is the next user message."""
         last = episode.turns[-1] if episode.turns else None
-        if not self.cfg.text_answer or last is None or any(o.tool for o in last.observations):
+        if last is None:
             return None
-        return UserTurn(None, ends_episode=True) if text_answer_of(last.assistant_text) else None
+        if self.cfg.text_answer and not any(o.tool for o in last.observations) and text_answer_of(last.assistant_text):
+            return UserTurn(None, ends_episode=True)
+        if self.cfg.definition_hints == "user":
+            return "\n".join(definition_hints(last.observations)) or None
+        return None
 
 
 def named_in_tests(instance: dict[str, Any]) -> bool:

@@ -107,11 +107,12 @@ class BugLocTasksConfig(FileTasksConfig):
     None: no example."""
     describe_tools: bool = True
     """Render the tools' JSON specs into the prompt (false: only the worked example shows the calls)."""
-    definition_hints: bool = False
+    definition_hints: Literal["none", "observation", "user"] = "none"
     """After a turn whose tool output printed a definition (search's list or source view, a grep line
-    `FILE:N:def NAME`), the observation ends with a hint naming where it is and the locate call that would
-    answer with it (a test file's definition: that the bug is in the library); the worked examples show the
-    same hint. Identical in both arms of `rollway bench search`."""
+    `FILE:N:def NAME`), a hint naming where it is and the locate call that would answer with it (a test
+    file's definition: that the bug is in the library). `observation`: appended to the tool's output (the
+    turn's hints); `user`: the next user message; the worked examples show it the same way. Identical in
+    both arms of `rollway bench search`. `none`: no hint."""
     text_answer: bool = False
     """Also accept the answer as plain text: a message without a tool call that writes `FILE::FUNCTION`
     ends the episode, and the last message's `FILE::FUNCTION` is graded when no locate call ran (as

@@ -238,10 +238,23 @@ def test_a_printed_library_definition_gets_the_same_locate_hint_in_both_arms():
     assert definition_hints([nothing]) == [] and definition_hints([answer]) == []
 
 
+def test_worked_examples_show_the_user_hint_identically_in_both_arms():
+    """hints="user": the hint is a user message after the tool's output (the 135M model answered after it far
+    more often than after the same hint inside the tool message)."""
+    from rollway.envs.buglocal import definition_hints, worked_example
+
+    search, bash = worked_example("search", hints="user"), worked_example("bash", hints="user")
+    assert [m["role"] for m in search][:6] == ["user", "assistant", "tool", "user", "assistant", "tool"]
+    differing = [i for i, (a, b) in enumerate(zip(search, bash, strict=True)) if a != b]
+    assert differing == [1, 2, 7, 8]
+    [hint] = definition_hints([Observation(tool="x", arguments={}, content=search[2]["content"])])
+    assert search[3]["content"] == bash[3]["content"] == hint
+
+
 def test_worked_examples_show_the_hint_identically_in_both_arms():
     from rollway.envs.buglocal import definition_hints, worked_example
 
-    search, bash = worked_example("search", hints=True), worked_example("bash", hints=True)
+    search, bash = worked_example("search", hints="observation"), worked_example("bash", hints="observation")
     differing = [i for i, (a, b) in enumerate(zip(search, bash, strict=True)) if a != b]
     assert differing == [1, 2, 6, 7]
     for messages in (search, bash):
@@ -285,11 +298,19 @@ def test_loose_locate_arguments_are_graded_on_their_normalised_values():
 
 
 @pytest.mark.slow
-def test_a_text_answer_ends_the_episode(toolz_instances):
+def test_a_text_answer_ends_the_episode_and_user_hints_come_as_the_next_user_message(toolz_instances):
     from rollway.envs.base import UserTurn
+    from rollway.envs.buglocal import definition_hints
 
     taskset = build_taskset(TasksConfig(type="buglocal", path=str(toolz_instances), text_answer=True))
     task = taskset.tasks()[0]
     reply = asyncio.run(taskset.next_user_message(task, _episode(_said("toolz/itertoolz.py::groupby"))))
     assert isinstance(reply, UserTurn) and reply.ends_episode
     assert asyncio.run(taskset.next_user_message(task, _episode(_said("let me look")))) is None
+    printed = Observation(tool="search", arguments={}, content="toolz/itertoolz.py:60  function groupby: def groupby(")
+    hinted = build_taskset(TasksConfig(type="buglocal", path=str(toolz_instances), definition_hints="user"))
+    assert [asyncio.run(hinted.next_user_message(task, _episode(_said("", printed))))] == definition_hints([printed])
+    assert hinted.observation_hints(task, [printed]) == []
+    observed = build_taskset(TasksConfig(type="buglocal", path=str(toolz_instances), definition_hints="observation"))
+    assert asyncio.run(observed.next_user_message(task, _episode(_said("", printed)))) is None
+    assert observed.observation_hints(task, [printed]) == definition_hints([printed])
