@@ -111,7 +111,8 @@ class TurnRunner:
             stop_reason = "user_done" if user_done else None
         record.tool_seconds = tool_s = time.perf_counter() - t1
         record.tool_ended_at = gen_started_at + (t1 - t0) + tool_s
-        record.hints = [] if stop_reason else self._hints(state, outcome, turn, used)
+        record.hints = [] if stop_reason else [*self._hints(state, outcome, turn, used),
+                                                     *self.taskset.observation_hints(task, outcome.observations)]
         record.state = dict(context.state) if context.state != state.store else None
         if stop_reason is None:
             record.observation_ids = self._observation_ids(state, record, gen.token_ids)

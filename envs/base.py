@@ -111,6 +111,13 @@ class TaskSet(ABC):
         (multi-turn user simulation); None adds nothing. Default: None."""
         return None
 
+    def observation_hints(self, task: Task, observations: Sequence[Any]) -> list[str]:
+        """Called by the agent loop after every turn that does not end the episode, with that turn's
+        observations (`schemas.Observation`: tool, arguments, content): hints to append to what the model
+        reads next, recorded with the turn's other hints (the reference recipe's task-aware hints, e.g.
+        "the definition is in FILE; answer with ..."). Default: none."""
+        return []
+
     def reference_solution(self, task: Task) -> list[str] | ReferenceAgent | None:
         """A known-good agent for this task: the assistant outputs (tool calls in the chat format's
         syntax) of each turn, or a small agent that reads what earlier calls printed: a callable given

@@ -5,9 +5,11 @@ model's own `locate` call, never from a file in the workspace."""
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Sequence
 from typing import Any
 
-from rollway.envs.base import Episode, Grade, Task, TaskSet
+from rollway.envs.base import Episode, Grade, Task, TaskSet, UserTurn
 from rollway.envs.config import BugLocTasksConfig
 from rollway.envs.swe import load_instances, prepare_buggy_copy
 from rollway.sandboxes.base import Sandbox, SandboxProvider, SandboxSpec
@@ -63,21 +65,42 @@ def normalise_file(path: str) -> str:
     return "/".join(parts)
 
 
-def normalise_function(name: str) -> str:
-    """`Foo.bar()`, ` Foo.bar ` and `def Foo.bar` name `Foo.bar`."""
+def module_of(path: str) -> str:
+    """`pkg/a.py` is the module `pkg.a`; `pkg/__init__.py` is `pkg`."""
+    return normalise_file(path).removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+
+
+def normalise_function(name: str, file: str | None = None) -> str:
+    """`Foo.bar()`, ` Foo.bar `, `def Foo.bar` and `FILE::Foo.bar` name `Foo.bar`; with the answer's `file`,
+    so does the module-qualified `pkg.a.Foo.bar` (a bare `bar` stays `bar`: not the method `Foo.bar`)."""
     text = str(name).strip()
     text = text.removeprefix("def ").removeprefix("async def ").strip()
-    return text.removesuffix("()").strip()
+    text = text.rsplit("::", 1)[-1].removesuffix("()").strip()
+    module = module_of(file) if file else ""
+    return text.removeprefix(f"{module}.") if module else text
 
 
-def answer_of(episode: Episode | None) -> dict[str, str] | None:
-    """The arguments of the episode's accepted `locate` call (the last one that ran), or None."""
+TEXT_ANSWER = re.compile(r"(?P<file>[\w./-]+\.py)::(?P<function>\w+(?:\.\w+)*)")
+"""A plain-text answer, `FILE::FUNCTION` (`tasks.text_answer`)."""
+
+
+def text_answer_of(text: str) -> dict[str, str] | None:
+    """The first `FILE::FUNCTION` in a message's text, or None."""
+    found = TEXT_ANSWER.search(text)
+    return {"file": found["file"][:MAX_ANSWER_CHARS], "function": found["function"][:MAX_ANSWER_CHARS]} if found else None
+
+
+def answer_of(episode: Episode | None, text_answer: bool = False) -> dict[str, str] | None:
+    """The arguments of the episode's accepted `locate` call (the last one that ran); else, with
+    `text_answer`, a `FILE::FUNCTION` in the last message's text; else None."""
     if episode is None:
         return None
     for turn in reversed(episode.turns):
         for obs in reversed(turn.observations):
             if obs.tool == "locate" and not obs.is_error:
                 return {k: str(obs.arguments.get(k, ""))[:MAX_ANSWER_CHARS] for k in ("file", "function")}
+    if text_answer and episode.turns:
+        return text_answer_of(episode.turns[-1].assistant_text)
     return None
 
 
@@ -87,7 +110,7 @@ def judge(truth_file: str, truth_function: str, answer: dict[str, str] | None) -
         return Grade(0.0, False, details={"outcome": "no_answer", "file_correct": False,
                                           "function_correct": False})
     file_ok = normalise_file(answer["file"]) == normalise_file(truth_file)
-    function_ok = file_ok and normalise_function(answer["function"]) == truth_function
+    function_ok = file_ok and normalise_function(answer["function"], answer["file"]) == truth_function
     details = {"outcome": "resolved" if function_ok else "wrong_location", "file_correct": file_ok,
                "function_correct": function_ok, "answer": answer}
     return Grade(1.0 if function_ok else 0.0, function_ok, details=details)
@@ -131,6 +154,44 @@ EXAMPLES = [
 tool calls); the tools' outputs are as the real tools print them."""
 
 
+_SEARCH_LIST = re.compile(r"^(?P<file>\S+\.py):(?P<line>\d+)  (?:async )?(?:function|method) (?P<name>[\w.]+): ", re.M)
+_SEARCH_SOURCE = re.compile(r"^(?:async )?(?:function|method) (?P<name>[\w.]+) at (?P<file>\S+\.py):(?P<line>\d+) ", re.M)
+_GREP = re.compile(r"^(?P<file>[^:\s]+\.py):(?P<line>\d+):\s*(?:async\s+)?def\s+(?P<name>\w+)", re.M)
+"""A definition as the tools print it: search's list (`FILE:N  function NAME: def ...`), search's source
+view (`method Foo.bar at FILE:N (lines ...)`), a grep line (`./FILE:N:    def NAME(`)."""
+
+
+def _is_test_file(path: str) -> bool:
+    parts = path.split("/")
+    name = parts[-1]
+    return name.startswith("test_") or name.endswith("_test.py") or name == "conftest.py" or any(
+        p in ("test", "tests", "testing") for p in parts[:-1])
+
+
+def definition_hints(observations: Sequence[Any]) -> list[str]:
+    """The hint after a turn whose tools printed a definition (the same in both arms): where the first
+    library definition is and the locate call that names it, written as the call itself (the small model
+    copies text; a described call it repeated its search instead); a test's definition only: that the
+    bug is in the library. Nothing when no definition was printed."""
+    found = []
+    for obs in observations:
+        if obs.tool in (None, "locate"):
+            continue
+        text = str(obs.content)
+        for pattern in (_SEARCH_LIST, _SEARCH_SOURCE, _GREP):
+            found += [(m.start(), normalise_file(m["file"]), int(m["line"]), m["name"]) for m in pattern.finditer(text)]
+    found.sort()
+    library = [f for f in found if not _is_test_file(f[1])]
+    if library:
+        _, file, line, name = library[0]
+        return [f"The definition of {name} is in {file} at line {line}. If {name} is the changed function, "
+                f"answer with:\n{_call('locate', file=file, function=name)}"]
+    if found:
+        return [f"{found[0][1]} is a test file: the changed function is in the library. Look up the function "
+                "the failing test calls."]
+    return []
+
+
 def _navigation(tool: str, name: str, search_out: str, grep_out: str) -> tuple[str, str]:
     """The one navigation step, per arm: the AST search, or grep through bash."""
     if tool == "search":
@@ -139,17 +200,32 @@ def _navigation(tool: str, name: str, search_out: str, grep_out: str) -> tuple[s
     return _call("bash", command=f'grep -rn "def {name}" --include=*.py .'), f"Exit code: 0\n{grep_out}"
 
 
-def worked_example(tool: str) -> list[dict[str, str]]:
-    """Solved episodes shown as earlier turns: read the failing test, find the definition, answer."""
+def worked_example(tool: str, hints: str = "none") -> list[dict[str, str]]:
+    """Solved episodes shown as earlier turns: read the failing test, find the definition, answer. With
+    `hints`, the hint the environment adds is shown where it adds it: `observation` at the end of the
+    tool's output (as the agent loop appends hints), `user` as a user message after it."""
     messages = []
     for task, (name, search_out, grep_out), file, function in EXAMPLES:
         call, output = _navigation(tool, name, search_out, grep_out)
+        hint = definition_hints([_Printed(output)]) if hints != "none" else []
+        if hints == "observation":
+            output, hint = "\n\n".join([output, *hint]), []
         messages += [{"role": "user", "content": task},
                      {"role": "assistant", "content": call},
                      {"role": "tool", "content": output},
+                     *({"role": "user", "content": h} for h in hint),
                      {"role": "assistant", "content": _call("locate", file=file, function=function)},
                      {"role": "tool", "content": "Answer recorded."}]
     return messages
+
+
+class _Printed:
+    """A tool's printed output, as `definition_hints` reads an observation."""
+
+    tool = "example"
+
+    def __init__(self, content: str) -> None:
+        self.content = content
 
 
 class BugLocTaskSet(TaskSet):
@@ -184,9 +260,13 @@ class BugLocTaskSet(TaskSet):
         return list(self._tasks)
 
     def initial_messages(self, task: Task, system_prompt: str | None = None) -> list[dict[str, Any]]:
-        example = worked_example(self.cfg.worked_example) if self.cfg.worked_example else []
+        example = (worked_example(self.cfg.worked_example, self.cfg.definition_hints)
+                   if self.cfg.worked_example else [])
         return [{"role": "system", "content": system_prompt or self.system_prompt}, *example,
                 {"role": "user", "content": task.prompt}]
+
+    def observation_hints(self, task: Task, observations: Sequence[Any]) -> list[str]:
+        return definition_hints(observations) if self.cfg.definition_hints == "observation" else []
 
     def sandbox_spec(self, task: Task) -> SandboxSpec:
         return SandboxSpec(source_dir=str(prepare_buggy_copy(self.instances[task.task_id], self.cfg.cache_dir)))
@@ -195,7 +275,20 @@ class BugLocTaskSet(TaskSet):
         return [_call("locate", file=task.metadata["file"], function=task.metadata["function"])]
 
     async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider, episode: Episode) -> Grade:
-        return judge(task.metadata["file"], task.metadata["function"], answer_of(episode))
+        return judge(task.metadata["file"], task.metadata["function"], answer_of(episode, self.cfg.text_answer))
+
+    async def next_user_message(self, task: Task, episode: Episode) -> str | UserTurn | None:
+        """With `text_answer`, a message without a tool call that writes `FILE::FUNCTION` is the answer: the
+        episode ends there (as locate ends it). With `definition_hints: user`, the hint after a printed
+        definition is the next user message."""
+        last = episode.turns[-1] if episode.turns else None
+        if last is None:
+            return None
+        if self.cfg.text_answer and not any(o.tool for o in last.observations) and text_answer_of(last.assistant_text):
+            return UserTurn(None, ends_episode=True)
+        if self.cfg.definition_hints == "user":
+            return "\n".join(definition_hints(last.observations)) or None
+        return None
 
 
 def named_in_tests(instance: dict[str, Any]) -> bool:

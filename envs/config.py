@@ -101,6 +101,16 @@ class BugLocTasksConfig(FileTasksConfig):
     None: no example."""
     describe_tools: bool = True
     """Render the tools' JSON specs into the prompt (false: only the worked example shows the calls)."""
+    definition_hints: Literal["none", "observation", "user"] = "none"
+    """After a turn whose tool output printed a definition (search's list or source view, a grep line
+    `FILE:N:def NAME`), a hint naming where it is and the locate call that would answer with it (a test
+    file's definition: that the bug is in the library). `observation`: appended to the tool's output (the
+    turn's hints); `user`: the next user message; the worked examples show it the same way. Identical in
+    both arms of `rollway bench search`. `none`: no hint."""
+    text_answer: bool = False
+    """Also accept the answer as plain text: a message without a tool call that writes `FILE::FUNCTION`
+    ends the episode, and the last message's `FILE::FUNCTION` is graded when no locate call ran (as
+    strictly: normalised path, qualified name). False: only locate answers."""
     difficulty: Literal["all", "named"] = "all"
     """`named`: only bugs in a function whose name appears in a failing test's name (`test_camelize[...]` for
     `camelize`), the easier half a small model can start from; `all`: every instance."""

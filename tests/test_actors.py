@@ -328,6 +328,24 @@ def test_next_user_message_sees_the_turn_that_just_ran(tmp_path):
     assert [tools for *_, tools in seen] == [[o.tool for o in u.observations] for u in traj.turns[:-1]]
 
 
+def test_task_set_hints_end_the_observation_the_model_reads_next(tmp_path):
+    """The task set's `observation_hints` hook sees each turn's observations; what it returns is recorded as
+    the turn's hints and ends the observation the next turn's prompt carries (scripted policy: the fake model)."""
+    s = services(tmp_path, "hints.budget_reminders=false")
+    seen = []
+
+    def hint_tools(task, observations):
+        seen.append([o.tool for o in observations])
+        return [f"hint after {observations[0].tool}"] if observations and observations[0].tool else []
+
+    s.taskset.observation_hints = hint_tools
+    traj = run(play_episode(s))
+    assert seen == [[o.tool for o in u.observations] for u in traj.turns[:-1]]
+    first = traj.turns[0]
+    assert first.hints == [f"hint after {first.observations[0].tool}"]
+    assert f"hint after {first.observations[0].tool}" in s.chat.decode(traj.token_ids)
+
+
 def test_a_turn_runs_without_any_transport(tmp_path):
     """The built-in loop (actors/turn.py) plays a whole episode from the turn-0 message alone: no broker,
     no actor, no log; the scripted policy solves the toy task and the reward stage grades it 1."""

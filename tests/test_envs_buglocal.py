@@ -4,6 +4,7 @@ faked part)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import subprocess
@@ -203,3 +204,113 @@ def test_named_difficulty_keeps_bugs_whose_function_names_a_failing_test():
     assert named_in_tests(row("Foo.bar", "t.py::TestFoo::test_bar_empty"))
     assert not named_in_tests(row("_irregular", "t.py::test_singularize_plural[child-children]"))
     assert not named_in_tests(row("map", "t.py::test_bitmap"))
+
+
+CAMELIZE_HINT = ('The definition of camelize is in inflection/__init__.py at line 135. If camelize is the changed '
+                 'function, answer with:\n<tool_call>{"name": "locate", "arguments": {"file": "inflection/__init__.py", '
+                 '"function": "camelize"}}</tool_call>')
+
+
+def test_a_printed_library_definition_gets_the_same_locate_hint_in_both_arms():
+    """search's definition list, search's source view and a grep line `FILE:N:def NAME` give one hint naming
+    the first library definition; a test's definition gets a hint that the bug is in the library."""
+    from rollway.envs.buglocal import definition_hints
+
+    search = Observation(tool="search", arguments={"action": "definition", "name": "camelize"}, content=(
+        "2 definitions of `camelize` (best match first):\n"
+        "inflection/__init__.py:135  function camelize: def camelize(string, uppercase_first_letter=True):\n"
+        "test_inflection.py:300  function test_camelize: def test_camelize(camel, underscore):"))
+    grep = Observation(tool="bash", arguments={"command": 'grep -rn "def camelize" .'}, content=(
+        "Exit code: 0\n./test_inflection.py:300:def test_camelize(camel, underscore):\n"
+        "./inflection/__init__.py:135:def camelize(string, uppercase_first_letter=True):"))
+    assert definition_hints([search]) == [CAMELIZE_HINT] == definition_hints([grep])
+    method = Observation(tool="search", arguments={}, content=(
+        "method Foo.bar at pkg/a.py:7 (lines 7-9):\n     7\tdef bar(self):\n     8\t    return 1"))
+    assert definition_hints([method]) == ['The definition of Foo.bar is in pkg/a.py at line 7. If Foo.bar is the '
+                                          'changed function, answer with:\n<tool_call>{"name": "locate", "arguments": '
+                                          '{"file": "pkg/a.py", "function": "Foo.bar"}}</tool_call>']
+    test_only = Observation(tool="bash", arguments={}, content="Exit code: 0\n./tests/test_a.py:3:def test_bar():")
+    assert definition_hints([test_only]) == [
+        "tests/test_a.py is a test file: the changed function is in the library. Look up the function the "
+        "failing test calls."]
+    nothing = Observation(tool="search", arguments={}, content="No definition of `camel_to_snake` found.")
+    answer = Observation(tool="locate", arguments={}, content="Answer recorded.", ends_episode=True)
+    assert definition_hints([nothing]) == [] and definition_hints([answer]) == []
+
+
+def test_worked_examples_show_the_user_hint_identically_in_both_arms():
+    """hints="user": the hint is a user message after the tool's output (the 135M model answered after it far
+    more often than after the same hint inside the tool message)."""
+    from rollway.envs.buglocal import definition_hints, worked_example
+
+    search, bash = worked_example("search", hints="user"), worked_example("bash", hints="user")
+    assert [m["role"] for m in search][:6] == ["user", "assistant", "tool", "user", "assistant", "tool"]
+    differing = [i for i, (a, b) in enumerate(zip(search, bash, strict=True)) if a != b]
+    assert differing == [1, 2, 7, 8]
+    [hint] = definition_hints([Observation(tool="x", arguments={}, content=search[2]["content"])])
+    assert search[3]["content"] == bash[3]["content"] == hint
+
+
+def test_worked_examples_show_the_hint_identically_in_both_arms():
+    from rollway.envs.buglocal import definition_hints, worked_example
+
+    search, bash = worked_example("search", hints="observation"), worked_example("bash", hints="observation")
+    differing = [i for i, (a, b) in enumerate(zip(search, bash, strict=True)) if a != b]
+    assert differing == [1, 2, 6, 7]
+    for messages in (search, bash):
+        output = messages[2]["content"]
+        [hint] = definition_hints([Observation(tool="x", arguments={}, content=output.split("\n\n")[0])])
+        assert output.endswith("\n\n" + hint) and '{"file": "shapes/text.py", "function": "shout"}' in hint
+    assert worked_example("search") == [m if i not in (2, 7) else {**m, "content": m["content"].split("\n\n")[0]}
+                                        for i, m in enumerate(search)]
+
+
+def _said(text: str, *observations: Observation) -> TurnRecord:
+    return TurnRecord(turn=0, completion_ids=[], logprobs=[], policy_version=0, finish_reason="stop",
+                      assistant_text=text, observations=list(observations))
+
+
+def test_a_plain_text_answer_in_the_last_message_counts_when_text_answers_are_on():
+    """`FILE::FUNCTION` as the last message's text is the answer (tasks.text_answer), graded as strictly as
+    a locate call; a locate call wins over text; a pytest id of the test file is a wrong answer."""
+    last = _said("The bug is in ./inflection/__init__.py::camelize.")
+    assert answer_of(_episode(last)) is None  # off: only locate answers
+    answer = answer_of(_episode(_turn(), last), text_answer=True)
+    assert answer == {"file": "./inflection/__init__.py", "function": "camelize"}
+    assert judge("inflection/__init__.py", "camelize", answer).reward == 1.0
+    test_id = answer_of(_episode(_said("test_inflection.py::test_camelize[a-b]")), text_answer=True)
+    assert judge("inflection/__init__.py", "camelize", test_id).reward == 0.0
+    earlier = _episode(_said("inflection/__init__.py::camelize"), _said("I do not know."))
+    assert answer_of(earlier, text_answer=True) is None  # only the last message
+    locate = Observation(tool="locate", arguments={"file": "a.py", "function": "f"}, content="Answer recorded.")
+    assert answer_of(_episode(_said("b.py::g", locate)), text_answer=True) == {"file": "a.py", "function": "f"}
+
+
+def test_loose_locate_arguments_are_graded_on_their_normalised_values():
+    """A module-qualified name (`inflection.camelize`, `pkg.a.Foo.bar`) or `FILE::NAME` in `function` names
+    the same function; a bare method name or another module's prefix does not."""
+    assert judge("inflection/__init__.py", "camelize", {"file": "inflection/__init__.py",
+                                                        "function": "inflection.camelize"}).reward == 1.0
+    assert judge("pkg/a.py", "Foo.bar", {"file": "./pkg/a.py", "function": "pkg.a.Foo.bar"}).reward == 1.0
+    assert judge("pkg/a.py", "Foo.bar", {"file": "pkg/a.py", "function": "pkg/a.py::Foo.bar"}).reward == 1.0
+    assert judge("pkg/a.py", "Foo.bar", {"file": "pkg/a.py", "function": "bar"}).reward == 0.0
+    assert judge("pkg/a.py", "Foo.bar", {"file": "pkg/a.py", "function": "pkg.b.Foo.bar"}).reward == 0.0
+
+
+@pytest.mark.slow
+def test_a_text_answer_ends_the_episode_and_user_hints_come_as_the_next_user_message(toolz_instances):
+    from rollway.envs.base import UserTurn
+    from rollway.envs.buglocal import definition_hints
+
+    taskset = build_taskset(TasksConfig(type="buglocal", path=str(toolz_instances), text_answer=True))
+    task = taskset.tasks()[0]
+    reply = asyncio.run(taskset.next_user_message(task, _episode(_said("toolz/itertoolz.py::groupby"))))
+    assert isinstance(reply, UserTurn) and reply.ends_episode
+    assert asyncio.run(taskset.next_user_message(task, _episode(_said("let me look")))) is None
+    printed = Observation(tool="search", arguments={}, content="toolz/itertoolz.py:60  function groupby: def groupby(")
+    hinted = build_taskset(TasksConfig(type="buglocal", path=str(toolz_instances), definition_hints="user"))
+    assert [asyncio.run(hinted.next_user_message(task, _episode(_said("", printed))))] == definition_hints([printed])
+    assert hinted.observation_hints(task, [printed]) == []
+    observed = build_taskset(TasksConfig(type="buglocal", path=str(toolz_instances), definition_hints="observation"))
+    assert asyncio.run(observed.next_user_message(task, _episode(_said("", printed)))) is None
+    assert observed.observation_hints(task, [printed]) == definition_hints([printed])
