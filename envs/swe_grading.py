@@ -278,10 +278,12 @@ def _typed(outcome: str, details: dict[str, Any], settings: GradeSettings, why: 
 
 
 async def grade_instance(inst: SWEInstance, patch: str, provider: SandboxProvider, spec: SandboxSpec,
-                         settings: GradeSettings) -> Grade:
+                         settings: GradeSettings, owner: str = "") -> Grade:
     """Grade `patch` in a fresh sandbox built from `spec` (the instance's image); the sandbox is always
-    destroyed. A sandbox that cannot be made or dies is `env_error`."""
-    name = f"grade-{re.sub(r'[^A-Za-z0-9_.-]', '_', inst.instance_id)[:50]}-{uuid.uuid4().hex[:8]}"
+    destroyed. A sandbox that cannot be made or dies is `env_error`. `owner` (an episode's id and attempt)
+    starts the sandbox's name, so the run's reaper finds it when a killed worker leaves it behind."""
+    lead = f"{re.sub(r'[^A-Za-z0-9_.-]', '_', owner)[:80]}-" if owner else ""
+    name = f"{lead}grade-{re.sub(r'[^A-Za-z0-9_.-]', '_', inst.instance_id)[:50]}-{uuid.uuid4().hex[:8]}"
     try:
         sandbox = await provider.create(spec, name)
     except SandboxError as exc:

@@ -105,17 +105,19 @@ class SWEBenchTaskSet(TaskSet):
         spec = self.spec_for(inst)
         return spec.image or str(spec.source_dir)
 
-    async def grade_patch(self, inst: SWEInstance, patch: str, provider: SandboxProvider) -> Grade:
-        """Grade `patch` on a fresh copy of the instance's starting workspace (`grade_instance`)."""
+    async def grade_patch(self, inst: SWEInstance, patch: str, provider: SandboxProvider, owner: str = "") -> Grade:
+        """Grade `patch` on a fresh copy of the instance's starting workspace (`grade_instance`; `owner`
+        starts the grading sandbox's name)."""
         try:
             spec = await asyncio.to_thread(self.spec_for, inst, provider)
         except SandboxError as exc:
             raise GradingEnvError(f"env_error: no workspace for {inst.instance_id}: {exc}") from exc
-        return await grade_instance(inst, patch, provider, spec, self.settings)
+        return await grade_instance(inst, patch, provider, spec, self.settings, owner=owner)
 
     async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider, episode: Episode) -> Grade:
         patch = await sandbox.diff()
-        grade = await self.grade_patch(self.instances[task.task_id], patch, provider)
+        owner = f"{episode.episode_id}-a{episode.attempt}" if episode.episode_id else ""
+        grade = await self.grade_patch(self.instances[task.task_id], patch, provider, owner=owner)
         # The predictions file of `rollway eval` reads it. Kept whole up to a cap (a grade rides in one
         # broker message, at most 1 MB), with the whole diff's length and sha256.
         kept = bounded_patch(patch, MODEL_PATCH_CHARS)

@@ -308,7 +308,9 @@ def test_swe_tasks_in_containers_end_to_end(client: docker.DockerClient, broker,
     assert out.returncode == 0, out.stderr[-3000:]
     traj = json.loads((run_dir / "trajectories.jsonl").read_text().splitlines()[0])
     assert traj["resolved"] and traj["reward"] == 1.0
-    assert count_containers("grade-") == count_containers(run_id) == 0
+    # The episode's grading sandbox is named after the episode, so this counts it too (a global "grade-"
+    # count would see other tests' gradings running beside this one).
+    assert count_containers(run_id) == 0
 
 
 def test_warm_pool_hands_out_started_containers_and_close_removes_the_idle_ones(
