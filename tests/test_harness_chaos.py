@@ -18,9 +18,9 @@ from conftest import ROOT
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")
 
 # A program that makes `calls` chat calls through the gateway (stdlib only), opening with `word`, then
-# exits with `code`.
+# exits with `code` (or, given a fifth argument, waits to be stopped).
 CALLER = r"""
-import json, os, sys, urllib.request
+import json, os, sys, time, urllib.request
 calls, code, word = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 messages = [{"role": "user", "content": word}]
 for _ in range(calls):
@@ -29,15 +29,17 @@ for _ in range(calls):
         headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "Content-Type": "application/json"})
     reply = json.load(urllib.request.urlopen(req, timeout=60))["choices"][0]["message"]
     messages += [{"role": "assistant", "content": reply["content"]}, {"role": "user", "content": "again"}]
+if len(sys.argv) > 4:
+    time.sleep(600)
 sys.exit(code)
 """
 
 
-def _harness(calls: int, code: int, word: str):
+def _harness(calls: int, code: int, word: str, wait: bool = False):
     from rollway.gateway.config import HarnessConfig
 
-    return HarnessConfig(command=["python3", "-c", CALLER, str(calls), str(code), word], time_limit_s=60,
-                         silence_limit_s=60)
+    return HarnessConfig(command=["python3", "-c", CALLER, str(calls), str(code), word, *(["wait"] if wait else [])],
+                         time_limit_s=60, silence_limit_s=60)
 
 
 @pytest.mark.broker
@@ -81,7 +83,7 @@ def test_a_later_attempt_on_the_same_worker_gets_only_its_own_calls(tmp_path, br
                 with pytest.raises(HarnessCrashed, match="exited with code 3"):
                     await first.play(key, "count", box0, [])
             else:
-                play = asyncio.create_task(HarnessRunner(_harness(3, 0, "first"), gateway, recorder).play(
+                play = asyncio.create_task(HarnessRunner(_harness(3, 0, "first", wait=True), gateway, recorder).play(
                     key, "count", box0, []))
                 while len(recorder.kept.get(key.episode_id, recorder.kept.get((key.episode_id, 0), []))) < 3:
                     await asyncio.wait({play}, timeout=0.05)
