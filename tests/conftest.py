@@ -45,6 +45,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)  # stable: the order within a rank is the collection order
 
 
+@pytest.hookimpl(optionalhook=True)  # a pytest without xdist loads this file too
 def pytest_xdist_make_scheduler(config, log):
     """pytest-xdist's scheduler for this suite: each test is its own unit of work, except the tests of a
     `SAME_WORKER` module, which are one unit; units go out in collection order (longest first). (xdist's
