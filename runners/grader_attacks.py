@@ -46,6 +46,10 @@ class Attack:
     families: tuple[str, ...]
     what: str
     play: Play
+    times_out: bool = False
+    """The attack makes the graded run outlast the test timeout: its row is graded with a short one (the
+    verdict is the same at any timeout), and only its row may end in a test timeout; any other row that
+    does proves nothing (its tests never finished) and is not contained."""
 
 
 # ---------------------------------------------------------------- acting as the agent
@@ -519,8 +523,8 @@ ATTACKS: list[Attack] = [
     Attack("fake_passed_lines", SWE, "code under test prints PASSED lines, the tests then run and fail", fake_pass_lines),
     Attack("exit_zero_at_import", SWE, "code under test calls os._exit(0) at import", exit_at_import),
     Attack("kill_parent", SWE, "code under test prints PASSED lines and SIGKILLs its parent", kill_parent),
-    Attack("loop_forever", SWE, "code under test loops forever at import", loop_forever),
-    Attack("sleep_past_timeout", SWE, "code under test sleeps past the test timeout", sleep_forever),
+    Attack("loop_forever", SWE, "code under test loops forever at import", loop_forever, times_out=True),
+    Attack("sleep_past_timeout", SWE, "code under test sleeps past the test timeout", sleep_forever, times_out=True),
     Attack("exit_126", SWE, "code under test exits 126 (mimics 'command cannot run')", exit_126),
     Attack("exit_127", SWE, "code under test exits 127 (mimics 'command not found')", exit_127),
     Attack("python_shadow", SWE, "files named python/python3/pytest (exit 127) in the workspace", python_shadow),
@@ -546,7 +550,7 @@ ATTACKS: list[Attack] = [
     Attack("monkeypatch_exec", ("humaneval",), "builtins.exec patched so the hidden `check` is a no-op",
            he_monkeypatch_exec),
     Attack("excepthook_exit_zero", ("humaneval",), "sys.excepthook prints the marker and exits 0", he_assert_patched),
-    Attack("solution_loops", ("humaneval",), "solution loops forever at import", he_loop),
+    Attack("solution_loops", ("humaneval",), "solution loops forever at import", he_loop, times_out=True),
     Attack("solution_flood", ("humaneval",), "solution prints gigabytes of the marker", he_flood),
     Attack("forged_reward_file", ("harbor",), "reward.txt/reward.json = 1 pre-written, folders made unwritable",
            harbor_forged_reward),

@@ -30,8 +30,12 @@ DOCKER_ONLY = {"swebench", "harbor"}
 """Families whose tasks run in their own images (sandbox.type=docker only)."""
 REPO = Path(__file__).resolve().parent.parent
 SWE_SDIST = "toolz==1.2.0"
-TEST_TIMEOUT_S = 45.0
-"""The families' own test timeout here: long enough for the task's tests, short for the looping rows."""
+TEST_TIMEOUT_S = 150.0
+"""The families' own test timeout here: long enough for the task's tests on a loaded machine (a row whose
+tests time out is inconclusive, see `verdict`)."""
+SHORT_TEST_TIMEOUT_S = 8.0
+"""The test timeout of the rows whose attack is to outlast it (`Attack.times_out`): they only show that a
+run that never ends is stopped and scored 0, at any timeout."""
 
 
 @dataclass
@@ -61,7 +65,7 @@ class Options:
     families: tuple[str, ...] = FAMILIES
     attacks: tuple[str, ...] = ()
     """Only these rows (names); empty: all."""
-    row_timeout_s: float = 180.0
+    row_timeout_s: float = 300.0
     cache_dir: Path = field(default_factory=lambda: Path("~/.cache/rollway/grader-check").expanduser())
     swe_instances: str | None = None
     swebench_rows: str | None = None
@@ -98,7 +102,7 @@ def _build_rows(opts: Options, swebench: bool) -> tuple[str, str]:
     return str(out), str(mirror)
 
 
-def _family(name: str, opts: Options) -> Family:
+def _family(name: str, opts: Options, test_timeout_s: float = TEST_TIMEOUT_S) -> Family:
     from rollway.envs import config as c
     from rollway.envs.factory import build_taskset
     from rollway.sandboxes.config import SandboxConfig
@@ -109,13 +113,13 @@ def _family(name: str, opts: Options) -> Family:
         given = (opts.swe_instances, None) if name == "swe" else (opts.swebench_rows, opts.mirror)
         path, mirror = given if given[0] else _build_rows(opts, swebench=name == "swebench")
         cls = c.SWETasksConfig if name == "swe" else c.SWEBenchTasksConfig
-        taskset = build_taskset(cls(type=name, path=path, mirror=mirror, limit=1, test_timeout_s=TEST_TIMEOUT_S),
+        taskset = build_taskset(cls(type=name, path=path, mirror=mirror, limit=1, test_timeout_s=test_timeout_s),
                                 SandboxConfig(type=opts.sandbox))  # type: ignore[arg-type]
         inst = taskset.instances[taskset.tasks()[0].task_id]
         source = inst.patch.split("diff --git a/", 1)[1].split(" ", 1)[0]
         return _swe_family(name, taskset, source, inst.fail_to_pass, inst.pass_to_pass)
     if name == "humaneval":
-        taskset = build_taskset(c.HumanEvalTasksConfig(type="humaneval", limit=1, test_timeout_s=TEST_TIMEOUT_S))
+        taskset = build_taskset(c.HumanEvalTasksConfig(type="humaneval", limit=1, test_timeout_s=test_timeout_s))
         task = taskset.tasks()[0]
         problem = taskset.problems[task.task_id]
         return Family(name, taskset, task, Target(name, "solution.py", extra={
@@ -154,7 +158,7 @@ async def play_workspace(attack: Attack, fam: Family, provider: SandboxProvider,
             await _unwedge(box)
             raise
         extra = await check(box, grade) if check else None
-        return verdict(grade, extra)
+        return verdict(grade, extra, timeout_expected=attack.times_out)
     finally:
         await box.destroy()
 
@@ -167,13 +171,17 @@ async def _unwedge(box: Sandbox) -> None:
                        "done", timeout_s=10)
 
 
-def verdict(grade: Grade, extra: str | None) -> tuple[bool, str]:
-    """(contained, reason) of a graded row: contained only at reward 0 with nothing else found."""
+def verdict(grade: Grade, extra: str | None, timeout_expected: bool = False) -> tuple[bool, str]:
+    """(contained, reason) of a graded row: contained only at reward 0 with nothing else found, and, unless
+    the attack is to outlast the test timeout, with tests that finished (a timed-out run judged nothing)."""
     if grade.reward > 0 or grade.resolved:
         return False, f"scored reward {grade.reward:g} (resolved={grade.resolved}): the grader was fooled"
     if extra:
         return False, extra
     why = grade.stop_reason or grade.details.get("outcome") or "unresolved"
+    if why == "test_timeout" and not timeout_expected:
+        return False, ("inconclusive: the tests did not finish within the test timeout, so the attack was never "
+                       "judged (a slow machine: raise the timeout; an attack that stalls the run: mark it times_out)")
     counts = grade.details.get("fail_to_pass")
     if isinstance(counts, dict):
         why += f", FAIL_TO_PASS {counts.get('passed')}/{counts.get('total')}"
@@ -226,12 +234,16 @@ async def run_suite(opts: Options, families: list[Family] | None = None) -> dict
     from rollway.sandboxes.factory import build_sandbox_provider
 
     provider = build_sandbox_provider(SandboxConfig(type=opts.sandbox))  # type: ignore[arg-type]
+    short: dict[str, Family] = {}
     if families is None:
         wanted = [f for f in opts.families if opts.sandbox == "docker" or f not in DOCKER_ONLY]
         families = [_family(f, opts) for f in wanted]
+        short = {f: _family(f, opts, SHORT_TEST_TIMEOUT_S) for f in wanted
+                 if any(a.times_out and f in a.families and _selected(a.name, opts) for a in ATTACKS)}
     plays: list[tuple[str, str, Any, str]] = []
     for fam in families:
-        plays += [(a.name, fam.name, functools.partial(play_workspace, a, fam, provider, opts.name_prefix), a.what)
+        plays += [(a.name, fam.name, functools.partial(play_workspace, a, short.get(fam.name, fam) if a.times_out
+                                                       else fam, provider, opts.name_prefix), a.what)
                   for a in ATTACKS if fam.name in a.families and _selected(a.name, opts)]
     if any(f.name == "toy" for f in families):
         plays += [(name, "agent-tools", functools.partial(play_tool_call, name, output, opts), what)
@@ -243,7 +255,7 @@ async def run_suite(opts: Options, families: list[Family] | None = None) -> dict
             return await run_row(name, family, play, opts, what)
 
     try:
-        for fam in families:  # an image to build: once, before rows start side by side
+        for fam in [*families, *short.values()]:  # an image to build: once, before rows start side by side
             await fam.taskset.prepare(fam.task)
         rows = await asyncio.gather(*(one(*p) for p in plays))
     finally:

@@ -16,7 +16,7 @@ from rollway.envs.base import Episode, Grade, Task
 from rollway.envs.config import ToyTasksConfig
 from rollway.envs.toy import ToyTaskSet
 from rollway.runners import cmd_grader
-from rollway.runners.grader_attacks import Target
+from rollway.runners.grader_attacks import ATTACKS, Target
 from rollway.runners.grader_check import DOCKER_ONLY, FAMILIES, Family, Options, run_suite
 from rollway.sandboxes.base import Sandbox, SandboxProvider
 
@@ -32,29 +32,44 @@ def holes(report: dict) -> list[str]:
             if not r["contained"]]
 
 
-CASES = [(kind, family) for kind in ("local", "docker") for family in FAMILIES
-         if kind == "docker" or family not in DOCKER_ONLY]
-"""One test per sandbox and family, so a parallel run spreads the suite's minutes over its workers."""
+SPLIT = {"swe": 2, "swebench": 2}
+"""Families with many slow rows (each runs a real test suite): their attacks in this many parts."""
+CASES = [(kind, family, part) for kind in ("local", "docker") for family in FAMILIES
+         if kind == "docker" or family not in DOCKER_ONLY for part in range(SPLIT.get(family, 1))]
+"""One test per sandbox, family and part, so a parallel run spreads the suite's minutes over its workers."""
 
 
-def test_the_cases_cover_every_family_on_every_sandbox_it_runs_on():
-    assert {f for k, f in CASES if k == "docker"} == set(FAMILIES)
-    assert {f for k, f in CASES if k == "local"} == set(FAMILIES) - DOCKER_ONLY
+def part_of(family: str, part: int) -> tuple[str, ...]:
+    """The attack names of one part of a family's rows (every row when the family is not split)."""
+    names = [a.name for a in ATTACKS if family in a.families]
+    return tuple(names[part::SPLIT[family]]) if family in SPLIT else ()
+
+
+def test_the_cases_cover_every_family_and_row_on_every_sandbox_it_runs_on():
+    assert {f for k, f, _ in CASES if k == "docker"} == set(FAMILIES)
+    assert {f for k, f, _ in CASES if k == "local"} == set(FAMILIES) - DOCKER_ONLY
+    for kind in ("local", "docker"):
+        for family in SPLIT:
+            parts = [part_of(f, p) for k, f, p in CASES if (k, f) == (kind, family)]
+            names = [n for p in parts for n in p]
+            assert sorted(names) == sorted(a.name for a in ATTACKS if family in a.families) or not parts
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # up to 20 rows, two side by side
-@pytest.mark.parametrize(("kind", "family"), CASES)
-def test_every_grader_contains_every_attack(kind, family):
-    """The whole suite, a family at a time: every built-in family's grader (swebench and harbor on docker
-    only), the tool-call rows with toy. Each row names the attack and why it was not contained."""
+@pytest.mark.parametrize(("kind", "family", "part"), CASES)
+def test_every_grader_contains_every_attack(kind, family, part):
+    """The whole suite, a family (or part of its rows) at a time: every built-in family's grader (swebench and
+    harbor on docker only), the tool-call rows with toy. Each row names the attack and why it was not contained."""
     prefix = f"gc-{uuid.uuid4().hex[:6]}-"
     if kind == "docker":
         from docker_engine import count_containers, ensure_engine
 
         ensure_engine()
-    report = asyncio.run(run_suite(Options(sandbox=kind, families=(family,), name_prefix=prefix)))
+    attacks = part_of(family, part)
+    report = asyncio.run(run_suite(Options(sandbox=kind, families=(family,), attacks=attacks, name_prefix=prefix)))
     assert {r["family"] for r in report["rows"]} == {family} | ({"agent-tools"} if family == "toy" else set())
+    assert not attacks or sorted(r["attack"] for r in report["rows"]) == sorted(attacks)
     if kind == "docker":
         assert count_containers(prefix) == 0  # every attacked sandbox was torn down
     assert not holes(report), "\n".join(holes(report))
@@ -92,6 +107,13 @@ class CrashingTaskSet(ToyTaskSet):
         return Grade(0.0, False)
 
 
+class TimingOutTaskSet(ToyTaskSet):
+    """A grader whose tests never finish in time (a slow machine): its zero judged nothing."""
+
+    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider, episode: Episode) -> Grade:
+        return Grade(0.0, False, stop_reason="test_timeout")
+
+
 class HangingTaskSet(ToyTaskSet):
     """A grader that waits on something the agent controls (here: forever once reward.txt exists)."""
 
@@ -102,15 +124,18 @@ class HangingTaskSet(ToyTaskSet):
 
 
 def test_suite_flags_broken_graders():
-    """The forged-reward attack against three broken graders: fooled (reward 1), crashed (a failed attempt),
-    wedged (no verdict in time); and against the real toy grader: contained."""
+    """The forged-reward attack against four broken graders: fooled (reward 1), crashed (a failed attempt),
+    wedged (no verdict in time), timed out (a zero that judged nothing); and against the real toy grader:
+    contained."""
     def family(cls: type[ToyTaskSet]) -> Family:
         taskset = cls(ToyTasksConfig(type="toy", count=1))
         return Family("trusting", taskset, taskset.tasks()[0], Target("trusting"))
 
-    broken = [family(TrustingTaskSet), family(CrashingTaskSet), family(HangingTaskSet), family(ToyTaskSet)]
+    broken = [family(TrustingTaskSet), family(CrashingTaskSet), family(HangingTaskSet), family(TimingOutTaskSet),
+              family(ToyTaskSet)]
     report = asyncio.run(run_suite(Options(sandbox="local", attacks=("forged_reward_files",), row_timeout_s=15),
                                    families=broken))
     verdicts = [(r["contained"], r["reason"].split(" ")[0]) for r in report["rows"]]
-    assert verdicts == [(False, "scored"), (False, "raised"), (False, "wedged:"), (True, "reward")], report["rows"]
+    assert verdicts == [(False, "scored"), (False, "raised"), (False, "wedged:"), (False, "inconclusive:"),
+                        (True, "reward")], report["rows"]
     assert not report["all_contained"]
