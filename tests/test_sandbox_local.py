@@ -17,9 +17,9 @@ import msgpack
 import pytest
 
 from rollway.runners import cmd_sandbox
+from rollway.sandboxes import cgroups
 from rollway.sandboxes.base import SandboxError, SandboxSpec
 from rollway.sandboxes.config import SandboxConfig
-from rollway.sandboxes import cgroups
 from rollway.sandboxes.containment import ATTACKS, fork_bomb, memory_bomb
 from rollway.sandboxes.jail import OutputCapture
 from rollway.sandboxes.local import LocalSandbox, LocalSandboxProvider
