@@ -73,11 +73,11 @@ class LocalSandboxConfig(SandboxConfig):
     would let a fork bomb through."""
     address_space_mb: int | None = Field(None, ge=16)
     """Address space (RLIMIT_AS, `ulimit -v`) of each process in the jail. None: no such limit where the
-    sandbox's memory cgroup holds its real memory (root with writable cgroups; `rollway sandbox check`
-    reports `cgroups`), and the sandbox's `memory_mb` where no cgroup can (then the only memory bound).
-    node/V8, the JVM and Go reserve far more address space than they use (Qwen Code: about 18 GB
-    reserved, 700 MB resident), so they fail under an address-space limit near `memory_mb`. A number:
-    this limit for every process, cgroup or not."""
+    sandbox's memory cgroup holds its real memory (root with writable cgroups), and the sandbox's
+    `memory_mb` where no cgroup can (then the only memory bound); `rollway sandbox check` reports which
+    (`cgroups`, `address_space`). node/V8, the JVM and Go reserve far more address space than they use
+    (Qwen Code's node: 15.9 GB for 0.2 GB resident), so they fail under a limit near `memory_mb`. A
+    number: this limit for every process, cgroup or not."""
     bwrap: str = "bwrap"
     """bubblewrap executable (name on PATH or absolute path)."""
     ro_binds: list[str] = Field(default_factory=list)

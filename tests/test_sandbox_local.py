@@ -305,6 +305,8 @@ def test_cli_check_reports_every_protection(capsys: pytest.CaptureFixture, tmp_p
     for key in ATTACKS:
         assert report[key] is True, key
     assert report["bwrap_version"].startswith("bubblewrap")
+    assert report["address_space"] == ("256 MB per process" if report["cgroups"].startswith("none")
+                                       else "unlimited (the memory cgroup holds real memory)")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a jail as host root")
