@@ -74,7 +74,8 @@ class LocalSandboxConfig(SandboxConfig):
     address_space_mb: int | None = Field(None, ge=16)
     """Address space (RLIMIT_AS, `ulimit -v`) of each process in the jail. None: no such limit where the
     sandbox's memory cgroup holds its real memory (root with writable cgroups), and the sandbox's
-    `memory_mb` where no cgroup can (then the only memory bound); `rollway sandbox check` reports which
+    `memory_mb` where no cgroup can, or where it cannot hold swap (a host with swap but no swap
+    accounting): then the per-process limit is the only bound; `rollway sandbox check` reports which
     (`cgroups`, `address_space`). node/V8, the JVM and Go reserve far more address space than they use
     (Qwen Code's node: 15.9 GB for 0.2 GB resident), so they fail under a limit near `memory_mb`. A
     number: this limit for every process, cgroup or not."""

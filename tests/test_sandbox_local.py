@@ -366,7 +366,7 @@ def test_the_address_space_limit_each_jailed_process_gets(
     cfg = type(config).model_validate({**config.model_dump(), "address_space_mb": address_space_mb})
     provider = LocalSandboxProvider(cfg)
     if not cgroup:
-        provider.cgroup_kind = None
+        provider.cgroup_kind, provider.memory_held = None, False
     box = run(provider.create(SandboxSpec(memory_mb=spec_memory_mb), f"ul-{uuid.uuid4().hex[:8]}"))
     try:
         assert sh(box, "ulimit -v").output.strip() == expected
