@@ -37,6 +37,18 @@ def mechanism() -> str | None:
     return None  # e.g. root in a container: cgroupfs is mounted read-only
 
 
+def swap_held(kind: str) -> bool:
+    """Whether a sandbox's cgroup holds swap too (`ensure` sets swap to none), or the host has none:
+    only then does the memory limit bound everything a sandbox's processes can make the host keep."""
+    try:
+        no_swap = any(line.split()[:2] == ["SwapTotal:", "0"] for line in open("/proc/meminfo"))
+    except OSError:
+        no_swap = False
+    if kind == "v1":
+        return no_swap or (ROOT / "memory" / "memory.memsw.limit_in_bytes").exists()
+    return no_swap or any(ROOT.glob("*/memory.swap.max"))
+
+
 class SandboxCgroup:
     """The cgroup(s) of one sandbox; any worker on the machine finds them again by sandbox name."""
 

@@ -27,8 +27,8 @@ class SandboxConfig(SectionConfig):
     """Default wall-time limit for one command in the sandbox."""
     memory_mb: int = Field(1024, ge=16)
     """Memory of one sandbox as a whole (all its processes, and its tmpfs pages): the container's
-    memory limit for `docker`, a memory cgroup for `local` (where cgroups are writable; each process
-    is also held to this address space)."""
+    memory limit for `docker`, a memory cgroup for `local` (where cgroups are writable; where they are
+    not, each process of the jail is held to this much address space instead: `address_space_mb`)."""
     max_processes: int = Field(256, ge=1)
     """Processes/threads of one sandbox (stops fork bombs): pids limit of the container or cgroup,
     and RLIMIT_NPROC inside a local jail."""
@@ -71,6 +71,14 @@ class LocalSandboxConfig(SandboxConfig):
     """Host user bwrap runs as when rollway runs as root (default 65534, nobody). The kernel never
     enforces RLIMIT_NPROC for host root, even inside a user namespace, so a jail mapped to root
     would let a fork bomb through."""
+    address_space_mb: int | None = Field(None, ge=16)
+    """Address space (RLIMIT_AS, `ulimit -v`) of each process in the jail. None: no such limit where the
+    sandbox's memory cgroup holds its real memory (root with writable cgroups), and the sandbox's
+    `memory_mb` where no cgroup can, or where it cannot hold swap (a host with swap but no swap
+    accounting): then the per-process limit is the only bound; `rollway sandbox check` reports which
+    (`cgroups`, `address_space`). node/V8, the JVM and Go reserve far more address space than they use
+    (Qwen Code's node: 15.9 GB for 0.2 GB resident), so they fail under a limit near `memory_mb`. A
+    number: this limit for every process, cgroup or not."""
     bwrap: str = "bwrap"
     """bubblewrap executable (name on PATH or absolute path)."""
     ro_binds: list[str] = Field(default_factory=list)

@@ -67,7 +67,8 @@ class JailLimits:
     """Per-command limits; every field comes from LocalSandboxConfig unless a caller narrows it."""
 
     timeout_s: float
-    memory_mb: int
+    address_space_mb: int | None
+    """RLIMIT_AS of each process (`ulimit -v`); None: unlimited (a memory cgroup holds the sandbox)."""
     max_processes: int
     max_file_mb: int
     max_output_bytes: int
@@ -75,9 +76,11 @@ class JailLimits:
 
     @classmethod
     def from_config(cls, cfg: LocalSandboxConfig, timeout_s: float | None = None) -> JailLimits:
+        """The configured limits; address space: `address_space_mb`, else `memory_mb` (a jail with no
+        cgroup; LocalSandbox.exec lifts it where the sandbox's memory cgroup holds real memory)."""
         return cls(
             timeout_s=timeout_s or cfg.exec_timeout_s,
-            memory_mb=cfg.memory_mb,
+            address_space_mb=getattr(cfg, "address_space_mb", None) or cfg.memory_mb,
             max_processes=cfg.max_processes,
             max_file_mb=cfg.max_file_mb,
             max_output_bytes=cfg.max_output_bytes,
@@ -197,8 +200,9 @@ class JailRunner:
             *self._env_args(home is not None),
             *(["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else []),
         ]
+        as_kb = "unlimited" if limits.address_space_mb is None else limits.address_space_mb * 1024
         limits_script = _LIMITS_SCRIPT.format(
-            as_kb=limits.memory_mb * 1024, nproc=limits.max_processes, fsize_kb=limits.max_file_mb * 1024
+            as_kb=as_kb, nproc=limits.max_processes, fsize_kb=limits.max_file_mb * 1024
         )
         jail += ["bash", "-c", limits_script, "rollway-jail", command]
         if self.host_uid is None:

@@ -72,9 +72,8 @@ class LocalSandbox(Sandbox):
             raise SandboxError(f"sandbox {self.box_dir.name} was destroyed; create a new one")
         limits = JailLimits.from_config(self._provider.config, timeout_s)
         memory_mb = self._provider.box_limits(self.box_dir)[0]
-        if memory_mb != limits.memory_mb:  # the sandbox's own limit (its task's), per process too
-            limits = dataclasses.replace(limits, memory_mb=memory_mb)
         cgroup = self._provider.cgroup(self.box_dir.name)
+        limits = dataclasses.replace(limits, address_space_mb=self._provider.address_space_mb(memory_mb))
         procs = cgroup.procs_files if cgroup is not None else None
         home = self.box_dir / "home"
         if self._provider.config.home == "persistent" and not home.is_dir():
@@ -151,6 +150,8 @@ class LocalSandboxProvider(SandboxProvider):
         """Whether workspaces are size-capped tmpfs mounts (root with mount rights)."""
         self.cgroup_kind = cgroups.mechanism()
         """"v2"/"v1" when whole-sandbox cgroups work here (root), else None (per-process limits only)."""
+        self.memory_held = self.cgroup_kind is not None and cgroups.swap_held(self.cgroup_kind)
+        """Whether the sandbox's cgroup bounds all the memory its processes can use (swap too)."""
         self._limits: dict[str, tuple[int, float, int]] = {}
 
     def cgroup(self, name: str, create: bool = True) -> cgroups.SandboxCgroup | None:
@@ -162,6 +163,16 @@ class LocalSandboxProvider(SandboxProvider):
             memory_mb, cpus, _ = self.box_limits(self._box_dir(name))
             group.ensure(memory_mb, self.config.max_processes, cpus)
         return group
+
+    def address_space_mb(self, memory_mb: int) -> int | None:
+        """RLIMIT_AS of each process of a sandbox whose memory is `memory_mb`: `sandbox.address_space_mb`
+        where set; else none where its memory cgroup holds real memory (every page a process writes,
+        tmpfs pages too, is charged there, so reserving address space gains a hostile program
+        nothing), and `memory_mb` where no cgroup can, or where it cannot hold swap (the per-process
+        bound is then the only one)."""
+        if self.config.address_space_mb is not None:
+            return self.config.address_space_mb
+        return None if self.cgroup_kind is not None and self.memory_held else memory_mb
 
     def box_limits(self, box_dir: Path) -> tuple[int, float, int]:
         """(memory_mb, cpus, workspace_mb) of one sandbox: those its spec set (kept in `limits.json`

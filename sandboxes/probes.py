@@ -32,8 +32,17 @@ async def probe_local(provider: LocalSandboxProvider) -> dict[str, Any]:
         "bwrap_version": bwrap_version(provider.config.bwrap),
         "host_uid": provider.runner.host_uid,
         "cgroups": provider.cgroup_kind or "none (not root, or no writable memory/pids/cpu controllers)",
+        "address_space": _address_space(provider),
         "seccomp": "bpf filter" if provider.runner.seccomp is not None else "none (not x86_64)",
         "workspace_cap": "tmpfs" if provider.workspace_cap else "none (needs root with mount rights)",
     }
     report.update(await run_suite(provider))
     return report
+
+
+def _address_space(provider: LocalSandboxProvider) -> str:
+    """Each jailed process's RLIMIT_AS (sandbox.address_space_mb) in words."""
+    limit = provider.address_space_mb(provider.config.memory_mb)
+    if limit is None:
+        return "unlimited (the memory cgroup holds real memory)"
+    return f"{limit} MB per process"

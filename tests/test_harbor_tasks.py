@@ -193,8 +193,9 @@ def test_task_memory_and_cpu_limits_apply_to_its_container(tmp_path):
 
 
 def test_spec_memory_limit_applies_in_the_local_jail(tmp_path):
-    """The same per-sandbox limit in a bubblewrap jail (cgroup and per-process address space): 300 MB
-    fit under the configured 1024 MB and not under the spec's 128 MB."""
+    """The same per-sandbox limit in a bubblewrap jail: 300 MB fit under the configured 1024 MB and not
+    under the spec's 128 MB (the memory cgroup kills the process as root; without a cgroup the
+    per-process address space, then also the spec's, refuses it: MemoryError)."""
     from rollway.sandboxes import cgroups
     from rollway.sandboxes.base import SandboxSpec
     from rollway.sandboxes.local import LocalSandboxProvider
@@ -205,7 +206,8 @@ def test_spec_memory_limit_applies_in_the_local_jail(tmp_path):
     async def go(memory_mb: int | None) -> tuple[str, str | None]:
         box = await provider.create(SandboxSpec(memory_mb=memory_mb, cpus=0.5), f"jail-mem-{memory_mb}")
         try:
-            out = (await box.exec(alloc)).output
+            result = await box.exec(alloc)
+            out = f"{result.output}exit {result.exit_code}"
             group = provider.cgroup(box.box_dir.name, create=False)
             limit = Path(group.dirs[0], "memory.limit_in_bytes" if group.kind == "v1" else "memory.max")
             return out, limit.read_text().strip() if group is not None else None
@@ -214,9 +216,12 @@ def test_spec_memory_limit_applies_in_the_local_jail(tmp_path):
 
     roomy_out, roomy_limit = asyncio.run(go(None))
     tight_out, tight_limit = asyncio.run(go(128))
-    assert "fits" in roomy_out and "fits" not in tight_out and "MemoryError" in tight_out
-    if cgroups.mechanism() is not None:  # root here: the whole-sandbox cgroup carries the spec's limit too
+    assert "fits" in roomy_out and "fits" not in tight_out, tight_out
+    if cgroups.mechanism() is not None:  # root here: the whole-sandbox cgroup carries the spec's limit
         assert (roomy_limit, tight_limit) == (str(1024 * 2**20), str(128 * 2**20))
+        assert tight_out.endswith("exit 137"), tight_out  # killed by the cgroup (SIGKILL)
+    else:
+        assert "MemoryError" in tight_out
 
 
 def test_short_agent_timeout_ends_the_episode_with_its_reason(broker, tmp_path):

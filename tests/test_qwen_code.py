@@ -1,8 +1,9 @@
 """Qwen Code (the npm package @qwen-code/qwen-code, a real Node program we did not write) plays a Harbor
-task in a docker container through the gateway, run by `rollway up` and `rollway eval`.
+task in a docker container, and a toy task in the local bubblewrap jail, through the gateway, run by
+`rollway up` and `rollway eval`.
 
-Real broker, real docker sandbox, real gateway, the real program (installed by scripts/setup-agents.sh,
-bound read-only into the container); the scripted policy is the only fake: it is the model, and it
+Real broker, real docker sandbox and real jail, real gateway, the real program (installed by
+scripts/setup-agents.sh, bound read-only into the sandbox); the scripted policy is the only fake: it is the model, and it
 answers in Qwen Code's own format (an OpenAI tool call of its `run_shell_command` tool, decoded by the
 gateway from the sampled text, then a plain answer that ends the program's turn)."""
 
@@ -62,8 +63,8 @@ def job(tmp_path, command: str) -> dict:
     }
 
 
-def run(tmp_path, verb: str, command: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
-    cfg = job(tmp_path, command)
+def run(tmp_path, verb: str, command: str, cfg: dict | None = None) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    cfg = cfg or job(tmp_path, command)
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(cfg))
     run_dir = tmp_path / "run"
     out = subprocess.run([*ROLLWAY, verb, str(tmp_path / "job.yaml"), "--run-dir", str(run_dir)],
@@ -96,5 +97,44 @@ def test_qwen_code_that_does_not_fix_scores_zero_in_rollway_eval(tmp_path):
     t = trajs[0]
     assert not t["resolved"] and t["reward"] == 0.0 and t["stop_reason"] == "harness_exit"
     assert_tokens_are_what_the_engine_sampled(t, [shell_call(NOT_SOLVE), "Done."])
+    result = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert result["completed"] == 1 and result["failed"] == 0 and result["pass@1"] == 0.0
+
+
+# --- in the local jail -------------------------------------------------------------------------------
+
+JAIL_SOLVE = "awk '{print $1 + $2}' numbers.txt > answer.txt"
+JAIL_NOT_SOLVE = "cat numbers.txt"
+
+
+def jail_job(tmp_path, command: str) -> dict:
+    """One toy task in the local jail (bubblewrap), Qwen Code bound read-only from its install folder.
+    node reserves about 18 GB of address space while using about 700 MB: the sandbox's 2 GB hold its
+    real memory (the jail's memory cgroup), not its address space."""
+    harness = {**qwen_harness(qwen_code()), "time_limit_s": 400, "silence_limit_s": 300}
+    return {
+        "run": {"name": "qwen-jail", "timeout_s": 560},
+        "tasks": {"type": "toy", "count": 1},
+        "sandbox": {"type": "local", "memory_mb": 2048, "root": str(tmp_path / "boxes")},
+        "scheduler": {"group_size": 1, "max_inflight_episodes": 1, "episode_deadline_s": 500, "max_attempts": 1},
+        "agent": {"concurrency": 1, "harness": harness},
+        "eval": {"attempts": 1, "ks": [1]},
+        "policy": {"type": "scripted", "chat_format": "bytes-chatml", "script": script(command)},
+    }
+
+
+def test_qwen_code_fixes_a_toy_task_in_the_local_jail_with_rollway_up(tmp_path):
+    out, trajs = run(tmp_path, "up", JAIL_SOLVE, jail_job(tmp_path, JAIL_SOLVE))
+    t = trajs[0]
+    assert t["resolved"] and t["reward"] == 1.0, t["grade"]
+    assert t["stop_reason"] == "harness_exit" and t["num_turns"] == 2
+    assert_captured_tokens(t, [shell_call(JAIL_SOLVE), "Done."], prompt_has=["Qwen Code", "numbers.txt"])
+
+
+def test_qwen_code_that_does_not_fix_scores_zero_in_the_local_jail_in_rollway_eval(tmp_path):
+    out, trajs = run(tmp_path, "eval", JAIL_NOT_SOLVE, jail_job(tmp_path, JAIL_NOT_SOLVE))
+    t = trajs[0]
+    assert not t["resolved"] and t["reward"] == 0.0 and t["stop_reason"] == "harness_exit"
+    assert_captured_tokens(t, [shell_call(JAIL_NOT_SOLVE), "Done."], prompt_has=["Qwen Code", "numbers.txt"])
     result = json.loads((tmp_path / "run" / "eval.json").read_text())
     assert result["completed"] == 1 and result["failed"] == 0 and result["pass@1"] == 0.0

@@ -17,9 +17,10 @@ import msgpack
 import pytest
 
 from rollway.runners import cmd_sandbox
+from rollway.sandboxes import cgroups
 from rollway.sandboxes.base import SandboxError, SandboxSpec
 from rollway.sandboxes.config import SandboxConfig
-from rollway.sandboxes.containment import ATTACKS, fork_bomb
+from rollway.sandboxes.containment import ATTACKS, fork_bomb, memory_bomb
 from rollway.sandboxes.jail import OutputCapture
 from rollway.sandboxes.local import LocalSandbox, LocalSandboxProvider
 
@@ -275,8 +276,11 @@ def test_fork_bomb_is_stopped_and_host_unharmed(box: LocalSandbox) -> None:
 
 
 def test_memory_and_file_size_are_limited(box: LocalSandbox) -> None:
-    mem = sh(box, "python -c 'b = bytearray(900 * 2**20)'")  # fixture allows 512 MB of address space
-    assert mem.exit_code != 0 and "MemoryError" in mem.output
+    # 900 MB written, not only reserved, against the fixture's 512 MB: refused (MemoryError under the
+    # address-space limit of a jail without a memory cgroup) or killed (by the memory cgroup).
+    mem = sh(box, "python -c 'b = b\"x\" * (900 << 20); print(\"allocated\")'")
+    assert mem.exit_code != 0 and "allocated" not in mem.output, mem.output
+    assert sh(box, "echo alive").output == "alive\n"
     cfg_file_mb = box._provider.config.max_file_mb
     # Count only the files written: the venv may be bound read-only below /tmp (a checkout under /tmp).
     tmp_fill = sh(box, "for i in $(seq 100); do head -c 7M /dev/zero > /tmp/fill-$i || break; done; "
@@ -301,6 +305,8 @@ def test_cli_check_reports_every_protection(capsys: pytest.CaptureFixture, tmp_p
     for key in ATTACKS:
         assert report[key] is True, key
     assert report["bwrap_version"].startswith("bubblewrap")
+    assert report["address_space"] == ("256 MB per process" if report["cgroups"].startswith("none")
+                                       else "unlimited (the memory cgroup holds real memory)")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a jail as host root")
@@ -313,5 +319,58 @@ def test_pids_cgroup_stops_a_fork_bomb_even_as_host_root(tmp_path: Path) -> None
     box = run(provider.create(SandboxSpec(), "root-bomb"))
     try:
         assert run(fork_bomb(box, cfg)) is True
+    finally:
+        run(box.destroy())
+
+
+# --- memory: the cgroup holds real memory, the address-space limit is separate -------------------
+
+# Six untouched 4 GB mappings (24 GB of address space, more than this machine's memory, each one
+# under the kernel's overcommit guess): what node/V8 does at start-up (about 18 GB reserved, 700 MB used).
+RESERVE = "python -c 'import mmap; maps = [mmap.mmap(-1, 4 << 30) for _ in range(6)]; print(\"reserved\")'"
+
+
+@pytest.mark.skipif(cgroups.mechanism() is None, reason="needs root with writable memory cgroups")
+def test_with_a_memory_cgroup_address_space_is_free_and_written_memory_is_held(config: SandboxConfig) -> None:
+    """Where the sandbox's memory cgroup holds its real memory, a process may reserve far more address
+    space than `memory_mb` (node does), and what processes write is still held to `memory_mb`: one
+    process writing more is killed, four processes writing half each hold at most the limit together,
+    and the sandbox and the host survive."""
+    provider = LocalSandboxProvider(config)
+    box = run(provider.create(SandboxSpec(), f"as-{uuid.uuid4().hex[:8]}"))
+    try:
+        reserved = sh(box, RESERVE)
+        assert "reserved" in reserved.output, reserved.output
+        single = sh(box, f"python -c 'b = b\"x\" * ({config.memory_mb + 64} << 20); print(\"allocated\")'")
+        assert single.exit_code != 0 and "allocated" not in single.output, single.output
+        assert run(memory_bomb(box, config)) is True
+        assert sh(box, "echo alive").output == "alive\n"
+    finally:
+        run(box.destroy())
+
+
+@pytest.mark.parametrize(("cgroup", "address_space_mb", "spec_memory_mb", "expected"), [
+    (True, None, None, "unlimited"),  # the cgroup holds memory: no per-process limit
+    (True, 4096, None, str(4096 * 1024)),  # an explicit limit is kept, cgroup or not
+    (False, None, None, str(512 * 1024)),  # no cgroup: each process is held to memory_mb (the only bound)
+    (False, None, 128, str(128 * 1024)),  # ... the sandbox's own memory_mb (a task's) where it sets one
+    (False, 4096, None, str(4096 * 1024)),
+], ids=["cgroup", "cgroup-explicit", "no-cgroup", "no-cgroup-task-limit", "no-cgroup-explicit"])  # fmt: skip
+def test_the_address_space_limit_each_jailed_process_gets(
+    config: SandboxConfig, cgroup: bool, address_space_mb: int | None, spec_memory_mb: int | None, expected: str
+) -> None:
+    """`ulimit -v` as a command in the jail sees it. Without a cgroup (a host where rollway is not root,
+    or cgroupfs is read-only) the provider is the real one with its cgroup mechanism switched off."""
+    if cgroup and cgroups.mechanism() is None:
+        pytest.skip("needs root with writable memory cgroups")
+    cfg = type(config).model_validate({**config.model_dump(), "address_space_mb": address_space_mb})
+    provider = LocalSandboxProvider(cfg)
+    if not cgroup:
+        provider.cgroup_kind, provider.memory_held = None, False
+    box = run(provider.create(SandboxSpec(memory_mb=spec_memory_mb), f"ul-{uuid.uuid4().hex[:8]}"))
+    try:
+        assert sh(box, "ulimit -v").output.strip() == expected
+        if not cgroup and address_space_mb is None:  # and a reservation beyond it is refused
+            assert "reserved" not in sh(box, RESERVE).output
     finally:
         run(box.destroy())
