@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from rollway.base.files import publish_dir
+
 DEFAULT_CACHE = Path("~/.cache/rollway").expanduser()
 
 
@@ -111,24 +113,19 @@ def sha256_file(path: Path) -> str:
 
 def unpack(archive: Path, dest: Path) -> Path:
     """Unpack into `dest` (atomically: a half-written folder is never visible) and return it."""
-    if dest.is_dir():
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".unpack-") as tmp:
+
+    def fill(scratch: Path) -> Path:
+        out = scratch / "unpacked"
         if archive.name.endswith(".zip"):
             with zipfile.ZipFile(archive) as zf:
-                zf.extractall(tmp)
+                zf.extractall(out)
         else:
             with tarfile.open(archive) as tf:
-                tf.extractall(tmp, filter="data")
-        tops = [p for p in Path(tmp).iterdir()]
-        root = tops[0] if len(tops) == 1 and tops[0].is_dir() else Path(tmp)
-        try:
-            os.rename(root, dest)
-        except OSError:
-            if not dest.is_dir():  # another process won the race; anything else is a real failure
-                raise
-    return dest
+                tf.extractall(out, filter="data")
+        tops = list(out.iterdir())
+        return tops[0] if len(tops) == 1 and tops[0].is_dir() else out
+
+    return publish_dir(dest, fill)
 
 
 def prepare_snapshot(sdist: str, cache_dir: str | os.PathLike[str] | None = None) -> Snapshot:

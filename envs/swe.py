@@ -9,10 +9,10 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from rollway.base.files import publish_dir
 from rollway.envs.mutations import Mutation, apply_mutation
 from rollway.envs.sdist import SdistError, cache_root, ensure_snapshot, parse_requirement, snapshot_dir
 from rollway.envs.task_data import (
@@ -121,19 +121,13 @@ def prepare_buggy_copy(instance: dict[str, Any], cache_dir: str | os.PathLike[st
     if dest.is_dir():
         return dest
     snapshot = ensure_snapshot(instance["snapshot"], cache_dir)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".prepare-"))
-    try:
-        shutil.copytree(snapshot, tmp / "tree", symlinks=True)
+
+    def fill(scratch: Path) -> Path:
+        shutil.copytree(snapshot, scratch / "tree", symlinks=True)
         # The file to mutate must be a real file of the tree: a symlink in the snapshot would carry the
         # write to wherever it points.
-        target = resolve_in_tree(task, "mutation.path", tmp / "tree", mutation.path)
+        target = resolve_in_tree(task, "mutation.path", scratch / "tree", mutation.path)
         target.write_bytes(apply_mutation(target.read_bytes(), mutation))
-        try:
-            os.rename(tmp / "tree", dest)  # atomic: workers racing here all see a complete copy
-        except OSError:
-            if not dest.is_dir():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest
+        return scratch / "tree"
+
+    return publish_dir(dest, fill)

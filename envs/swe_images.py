@@ -23,6 +23,7 @@ from typing import Any
 
 import structlog
 
+from rollway.base.files import publish_dir
 from rollway.envs.image_builds import KeyedLocks
 from rollway.envs.swe_rows import SWEInstance
 from rollway.envs.task_data import CONTAINER_DIR
@@ -111,20 +112,12 @@ def prepared_tree(inst: SWEInstance, mirror: str | None, cache_dir: str | None =
     key = hashlib.sha256("\0".join([str(repo_path.resolve()), inst.repo, inst.base_commit,
                                      inst.pre_patch]).encode()).hexdigest()[:12]
     dest = cache_root(cache_dir) / "swe-trees" / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', inst.instance_id)[:80]}-{key}"
-    if dest.is_dir():
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".export-"))
-    try:
-        export_tree(repo_path, inst.base_commit, tmp / "tree", inst.pre_patch)
-        try:
-            os.rename(tmp / "tree", dest)  # atomic: workers racing here all see a complete tree
-        except OSError:
-            if not dest.is_dir():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest
+
+    def fill(scratch: Path) -> Path:
+        export_tree(repo_path, inst.base_commit, scratch / "tree", inst.pre_patch)
+        return scratch / "tree"
+
+    return publish_dir(dest, fill)
 
 
 # ---------------------------------------------------------------- images
