@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="task family to attack (repeatable): swe, swebench, humaneval, harbor, toy; default all "
                             "(swebench and harbor need --type docker)")
     check.add_argument("--attack", action="append", default=[], metavar="ROW", help="only this row (repeatable)")
-    check.add_argument("--row-timeout", type=float, default=180.0, help="seconds one row may take (default 180)")
+    check.add_argument("--row-timeout", type=float, default=300.0, help="seconds one row may take (default 300)")
     check.add_argument("--jobs", type=int, default=2, help="rows played side by side (default 2)")
     check.add_argument("--swe-instances", default=None, help="swe rows file (or an older instances file; default: toolz, built once)")
     check.add_argument("--swebench-rows", default=None, help="swebench rows file (with --mirror; default: toolz)")
