@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, SerializeAsAny, field_validator
+from pydantic import BaseModel, Field, SerializeAsAny, field_validator, model_validator
 
 from rollway.base.config import StrictModel
 from rollway.base.plugins import PluginRef
@@ -174,7 +174,8 @@ class LearnerConfig(StrictModel):
     """Learner ranks and FSDP2 sharding."""
     pack_sequences: bool = False
     """Pack episodes into rows of `micro_batch_tokens` tokens (no padding; attention and positions
-    restart at each episode) instead of right-padding one episode per row."""
+    restart at each episode) instead of right-padding one episode per row. Not with `loss: gspo` (its
+    ratio is one per sequence, and a packed row holds several)."""
     lora: LoraConfig = Field(default_factory=LoraConfig)
     """LoRA adapters (adapter-only training, checkpoints and engine sync)."""
 
@@ -187,6 +188,13 @@ class LearnerConfig(StrictModel):
     @classmethod
     def _advantage_by_type(cls, data: Any) -> Any:
         return _by_type(data, AdvantageConfig, ADVANTAGES)
+
+    @model_validator(mode="after")
+    def _packing_fits_the_loss(self) -> LearnerConfig:
+        if self.pack_sequences and self.loss.type == "gspo":
+            raise ValueError("learner.loss gspo takes one importance ratio per sequence, and learner.pack_sequences "
+                             "puts several sequences in a row: turn pack_sequences off or use ppo or cispo")
+        return self
 
     @property
     def trains(self) -> bool:

@@ -175,9 +175,7 @@ def ppo_token_loss(logprobs_B_T: torch.Tensor, old_logprobs_B_T: torch.Tensor, a
                    behaviour_logprobs_B_T: torch.Tensor, behaviour_valid_B_T: torch.Tensor,
                    mask_B_T: torch.Tensor, params: ClipParams, stats: TokenStats | None = None) -> torch.Tensor:
     """Per-token PPO loss (unaggregated, zero outside `mask_B_T`); optionally records stats."""
-    # one advantage per row, or per token (packed rows hold several episodes: learning/packing.py)
-    adv_B_T = advantages_B.to(logprobs_B_T.dtype)
-    adv_B_T = adv_B_T if adv_B_T.dim() == 2 else adv_B_T.unsqueeze(-1).expand_as(logprobs_B_T)
+    adv_B_T = per_token(advantages_B, logprobs_B_T)
     log_ratio_B_T = (logprobs_B_T - old_logprobs_B_T).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio_B_T = torch.exp(log_ratio_B_T)
     clipped_B_T = ratio_B_T.clamp(1.0 - params.eps_low, 1.0 + params.eps_high)
@@ -190,6 +188,13 @@ def ppo_token_loss(logprobs_B_T: torch.Tensor, old_logprobs_B_T: torch.Tensor, a
         _record(stats, ratio_B_T, log_ratio_B_T, adv_B_T, old_logprobs_B_T, behaviour_logprobs_B_T,
                 behaviour_valid_B_T & mask_B_T, tis_B_T, mask_B_T, params)
     return loss_B_T
+
+
+def per_token(advantages_B: torch.Tensor, like_B_T: torch.Tensor) -> torch.Tensor:
+    """The advantages as one value per token: given one per row (B), or already per token (B x T: a packed
+    row holds several episodes, learning/packing.py). Every objective, a plugin's too, reads them so."""
+    adv = advantages_B.to(like_B_T.dtype)
+    return adv if adv.dim() == 2 else adv.unsqueeze(-1).expand_as(like_B_T)
 
 
 def _tis_weights(old_B_T: torch.Tensor, behaviour_B_T: torch.Tensor, valid_B_T: torch.Tensor,
@@ -241,7 +246,9 @@ class Loss(ABC):
                    behaviour_logprobs_B_T: torch.Tensor, behaviour_valid_B_T: torch.Tensor, mask_B_T: torch.Tensor,
                    stats: TokenStats | None = None) -> torch.Tensor:
         """Per-token loss, zero outside `mask_B_T`. `old_logprobs_B_T`: the proximal policy (detached);
-        `behaviour_*`: the engine's logprobs and where they exist (for importance weights)."""
+        `behaviour_*`: the engine's logprobs and where they exist (for importance weights). `advantages_B`
+        is one per row, or one per token in packed rows (`learner.pack_sequences`): read it through
+        `per_token(advantages_B, logprobs_B_T)`."""
 
     @property
     def tis_cap(self) -> float | None:
@@ -268,7 +275,7 @@ class CISPOLoss(Loss):
 
     def token_loss(self, logprobs_B_T, old_logprobs_B_T, advantages_B, behaviour_logprobs_B_T, behaviour_valid_B_T,
                    mask_B_T, stats=None):
-        adv_B_T = advantages_B.to(logprobs_B_T.dtype).unsqueeze(-1).expand_as(logprobs_B_T)
+        adv_B_T = per_token(advantages_B, logprobs_B_T)
         log_ratio_B_T = (logprobs_B_T - old_logprobs_B_T).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
         ratio_B_T = torch.exp(log_ratio_B_T)
         weight_B_T = ratio_B_T.clamp(1.0 - self.cfg.clip_eps_low, 1.0 + self.cfg.clip_eps_high).detach()
@@ -289,7 +296,7 @@ class GSPOLoss(Loss):
 
     def token_loss(self, logprobs_B_T, old_logprobs_B_T, advantages_B, behaviour_logprobs_B_T, behaviour_valid_B_T,
                    mask_B_T, stats=None):
-        adv_B_T = advantages_B.to(logprobs_B_T.dtype).unsqueeze(-1).expand_as(logprobs_B_T)
+        adv_B_T = per_token(advantages_B, logprobs_B_T)
         log_ratio_B_T = (logprobs_B_T - old_logprobs_B_T).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
         m_B_T = mask_B_T.to(logprobs_B_T.dtype)
         seq_log_ratio_B = (log_ratio_B_T * m_B_T).sum(-1) / m_B_T.sum(-1).clamp(min=1.0)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
+from pydantic import ValidationError
 
 from rollway.learning.batching import Sample, collate
 from rollway.learning.config import LearnerConfig
@@ -63,9 +65,11 @@ def _trained(tmp_path: Path, **kw):
     return result, trainer.model.state_dict()
 
 
-def test_a_packed_update_equals_the_padded_update(tmp_path: Path) -> None:
-    padded, padded_w = _trained(tmp_path / "padded")
-    packed, packed_w = _trained(tmp_path / "packed", pack_sequences=True)
+@pytest.mark.parametrize("loss", ["ppo", "cispo"])
+def test_a_packed_update_equals_the_padded_update(tmp_path: Path, loss: str) -> None:
+    """Every per-token objective takes the packed rows' per-token advantages (cispo used to crash on them)."""
+    padded, padded_w = _trained(tmp_path / "padded", loss=loss)
+    packed, packed_w = _trained(tmp_path / "packed", pack_sequences=True, loss=loss)
     assert abs(packed.metrics["loss"] - padded.metrics["loss"]) < 1e-6
     assert packed.metrics["train_tokens"] == padded.metrics["train_tokens"] == 24
     for k, v in padded_w.items():
@@ -79,3 +83,13 @@ def test_packing_with_several_minibatches_uses_packed_old_logprobs(tmp_path: Pat
     # four AdamW steps at lr 1e-2 amplify float32 rounding (Adam divides by tiny second moments)
     for k, v in padded_w.items():
         torch.testing.assert_close(packed_w[k], v, atol=1e-4, rtol=1e-4, msg=k)
+
+
+def test_gspo_with_packing_is_refused_at_load_naming_both() -> None:
+    """gspo's ratio is one per sequence, and a packed row holds several: refused when the config loads,
+    not by a crash at the first update."""
+    with pytest.raises(ValidationError, match="gspo") as err:
+        LearnerConfig(type="grpo", loss="gspo", pack_sequences=True)
+    assert "pack_sequences" in str(err.value)
+    LearnerConfig(type="grpo", loss="gspo")
+    LearnerConfig(type="grpo", loss="cispo", pack_sequences=True)
