@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +30,33 @@ def claim_in_folder(folder: Path, key: str) -> bool:
     except FileExistsError:
         return False
     return True
+
+
+def claim_in_workspace(workspace: Path, key: str) -> bool:
+    """`mkdir .rollway/turns/<key>` in a workspace the agent writes to, as `claim_in_folder`, but never
+    through a link: each folder is opened relative to its parent with O_NOFOLLOW, so a `.rollway` or
+    `turns` the agent made a symlink (to a host folder) is refused, not followed, race-free."""
+    if not key or "/" in key or key in (".", ".."):
+        raise ValueError(f"turn key {key!r} must be one plain name")
+    fd = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in (".rollway", "turns"):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, 0o755, dir_fd=fd)
+            try:
+                inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError as err:
+                raise SandboxError(f"the workspace's {part} is not a plain folder ({err.strerror}): "
+                                   "turn marks are never written through a link") from err
+            os.close(fd)
+            fd = inner
+        try:
+            os.mkdir(key, 0o755, dir_fd=fd)
+        except FileExistsError:
+            return False
+        return True
+    finally:
+        os.close(fd)
 
 
 class SandboxError(RuntimeError):
@@ -106,7 +135,7 @@ class Sandbox(ABC):
         the host folder when there is one, else by a command; sandboxes with private storage beside
         the workspace keep the marks there instead."""
         if self.workspace_path is not None:
-            return claim_in_folder(Path(self.workspace_path) / ".rollway" / "turns", key)
+            return claim_in_workspace(Path(self.workspace_path), key)
         result = await self.exec(f"mkdir -p .rollway/turns && mkdir .rollway/turns/{key} 2>/dev/null")
         return result.exit_code == 0
 
