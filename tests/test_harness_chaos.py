@@ -233,3 +233,42 @@ def test_chaos_run_of_harness_episodes_loses_and_duplicates_no_episode_and_no_ca
     # agent_program.py makes 3 calls unless a starved host hits the silence limit first (a timing matter,
     # not asserted); every recorded call is in a trajectory of its own attempt or of a dead attempt.
     assert 0 < result["calls_in_trajectories"] and result["dead_attempt_calls"] <= result["calls_recorded"]
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_chaos_run_of_harness_episodes_in_docker_containers_loses_nothing_and_leaves_no_container(tmp_path):
+    """`rollway chaos examples/chaos-harness-docker.yaml` on 3 tasks x 2 samples, each episode's sandbox a
+    real Docker container: agent workers are killed only while they serve a running agent program (its
+    container's gateway socket listening, calls of a running attempt on the log), reward and learner
+    workers at random. A killed worker's program is no child of it: it runs on in its container until
+    the redelivered episode removes the container. Judged as the jail run (episodes and calls from the
+    topics), plus: no container hit by a kill still runs after the run, and no container or volume of
+    the run is left (counted here from the engine by the run's label prefix). The scripted policy is the
+    model (the only fake); broker, engine, gateway and containers are real."""
+    from agent_programs import mini_swe_agent
+    from docker_engine import count_containers, ensure_engine, remove_labelled
+
+    ensure_engine()
+    site = next(mini_swe_agent().glob("lib/python3.*/site-packages"))  # the `openai` package, for the image's python3
+    run_id = f"dchaos{uuid.uuid4().hex[:8]}"
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "rollway.runners", "chaos", "examples/chaos-harness-docker.yaml", "--seed", "2",
+             "--json", "--run-dir", str(tmp_path / "run"), "--kinds", "agent,reward,learner", "--min-gap", "1.0",
+             "--max-gap", "2.0", "--max-kills", "4", "tasks.count=3", f"run.id={run_id}",
+             f"sandbox.ro_binds=[{site}]", f"agent.harness.env.PYTHONPATH={site}",
+             f"sandbox.gateway_root={tmp_path / 'gateway'}"],
+            capture_output=True, text=True, timeout=600, cwd=ROOT)
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        left = count_containers(f"{run_id}-")
+    finally:
+        remove_labelled(f"{run_id}-")
+    assert out.returncode == 0, (result, out.stderr[-2000:])
+    assert result["scheduled"] == 6 and result["completed"] + result["failed"] == 6
+    assert result["lost"] == 0 and result["duplicated"] == 0 and result["trained"] == result["completed"]
+    assert {"agent", "reward", "learner"} <= set(result["killed_kinds"]), result["events"]
+    assert result["agent_kills_with_programs"] >= 1, result["events"]
+    assert result["programs_lingering"] == 0 and result["containers_left"] == 0 and left == 0, result
+    assert result["calls_lost"] == result["calls_duplicated"] == result["calls_foreign"] == 0
+    assert 0 < result["calls_in_trajectories"] and result["dead_attempt_calls"] <= result["calls_recorded"]
