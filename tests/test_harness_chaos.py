@@ -260,6 +260,7 @@ def test_chaos_run_of_harness_episodes_in_docker_containers_loses_nothing_and_le
              f"sandbox.ro_binds=[{site}]", f"agent.harness.env.PYTHONPATH={site}",
              f"sandbox.gateway_root={tmp_path / 'gateway'}"],
             capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert out.stdout.strip(), out.stderr[-3000:]
         result = json.loads(out.stdout.strip().splitlines()[-1])
         left = count_containers(f"{run_id}-")
     finally:
@@ -269,6 +270,34 @@ def test_chaos_run_of_harness_episodes_in_docker_containers_loses_nothing_and_le
     assert result["lost"] == 0 and result["duplicated"] == 0 and result["trained"] == result["completed"]
     assert {"agent", "reward", "learner"} <= set(result["killed_kinds"]), result["events"]
     assert result["agent_kills_with_programs"] >= 1, result["events"]
-    assert result["programs_lingering"] == 0 and result["containers_left"] == 0 and left == 0, result
+    assert result["programs_lingering"] == 0 and result["sandboxes_left"] == 0 and left == 0, result
     assert result["calls_lost"] == result["calls_duplicated"] == result["calls_foreign"] == 0
     assert 0 < result["calls_in_trajectories"] and result["dead_attempt_calls"] <= result["calls_recorded"]
+
+
+def test_the_monkey_sees_a_workers_gateway_sockets_and_which_it_left_dead(tmp_path):
+    """How a chaos run sees the programs an agent worker serves in docker containers (they are no children
+    of it): its listening `gateway.sock` sockets, bound the gateway's way (through /proc/self/fd, so a
+    folder path of any length); after its death, the socket files that refuse connections name the
+    containers whose programs it served."""
+    import os
+
+    from rollway.gateway.server import _bound_unix_socket
+    from rollway.runners.chaos import dead_sockets, served_sockets
+
+    root = tmp_path / ("g" * 80)  # socket paths past the 107 bytes a socket address holds
+    for name in ("run-g0-s0-a0-x", "run-g0-s1-a0-y"):
+        (root / name).mkdir(parents=True)
+    live = _bound_unix_socket(str(root / "run-g0-s0-a0-x" / "gateway.sock"))
+    gone = _bound_unix_socket(str(root / "run-g0-s1-a0-y" / "gateway.sock"))
+    before = served_sockets(os.getpid())
+    live.listen()
+    gone.listen()
+    assert served_sockets(os.getpid()) == before + 2
+    gone.close()  # its process died: the file stays, nothing listens
+    try:
+        assert dead_sockets(str(root)) == {"run-g0-s1-a0-y"}
+        assert served_sockets(os.getpid()) == before + 1
+    finally:
+        live.close()
+    assert dead_sockets(None) == set()
