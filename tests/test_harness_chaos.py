@@ -243,8 +243,8 @@ def test_chaos_run_of_harness_episodes_in_docker_containers_loses_nothing_and_le
     container's gateway socket listening, calls of a running attempt on the log), reward and learner
     workers at random. A killed worker's program is no child of it: it runs on in its container until
     the redelivered episode removes the container. Judged as the jail run (episodes and calls from the
-    topics), plus: no container hit by a kill still runs after the run, and no container or volume of
-    the run is left (counted here from the engine by the run's label prefix). The scripted policy is the
+    topics), plus: every container hit by a kill is removed during the run, none runs after it, and no
+    container or volume of the run is left (counted here from the engine by the run's label prefix). The scripted policy is the
     model (the only fake); broker, engine, gateway and containers are real."""
     from agent_programs import mini_swe_agent
     from docker_engine import count_containers, ensure_engine, remove_labelled
@@ -271,6 +271,10 @@ def test_chaos_run_of_harness_episodes_in_docker_containers_loses_nothing_and_le
     assert {"agent", "reward", "learner"} <= set(result["killed_kinds"]), result["events"]
     assert result["agent_kills_with_programs"] >= 1, result["events"]
     assert result["programs_lingering"] == 0 and result["sandboxes_left"] == 0 and left == 0, result
+    # Each container a kill orphaned was removed while the run went on (by the redelivered episode that
+    # found its turn claimed, before the attempt failed and was re-run), not left to the end's reaper.
+    orphaned = result["orphan_container_s"]
+    assert orphaned and None not in orphaned.values(), orphaned
     assert result["calls_lost"] == result["calls_duplicated"] == result["calls_foreign"] == 0
     assert 0 < result["calls_in_trajectories"] and result["dead_attempt_calls"] <= result["calls_recorded"]
 
