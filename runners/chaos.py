@@ -6,6 +6,7 @@ an independent consumer, and the manifests of the optimiser steps inside the lea
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from collections import Counter
@@ -40,11 +41,18 @@ class ChaosMonkey:
     """Kinds to kill (None: every kind present)."""
     harness: bool = False
     """Harness episodes: an agent worker is killed only while it runs at least one agent program (a
-    jail it started), and the processes it started are remembered so `lingering` can say whether any
-    outlived it."""
+    jail it started, or a docker container whose gateway socket it serves), and the processes and
+    containers it ran them in are remembered so `lingering` can say whether any outlived it."""
+    gateway_root: str | None = None
+    """Docker sandboxes: the host folder of the containers' gateway sockets (`sandbox.gateway_root`)."""
     events: list[dict] = field(default_factory=list)
     orphans: list[tuple[int, int]] = field(default_factory=list)
     """(pid, start time) of every process that descended from a killed agent worker at its kill."""
+    orphan_boxes: dict[str, float] = field(default_factory=dict)
+    """Docker: sandbox name -> when (monotonic) the agent worker serving its program was killed. The
+    program is no child of the worker: it runs on in its container until the container is removed."""
+    orphan_box_seconds: dict[str, float] = field(default_factory=dict)
+    """Docker: sandbox name -> seconds from its worker's kill until its container was gone (as polled)."""
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
@@ -52,11 +60,13 @@ class ChaosMonkey:
         self.next_at = self.started + self.rng.uniform(self.min_gap_s, self.max_gap_s)
         self.broker_plan = sorted(self.rng.uniform(3.0, 12.0) for _ in range(self.broker_restarts))
         self._round: list[str] = []
+        self._boxes_polled = 0.0
 
     def __call__(self, job: Job) -> None:
         now = time.monotonic()
         if self.ledger is not None:
             self.ledger.maybe_poll()
+        self._watch_orphan_boxes(now)
         if self.broker_plan and now - self.started >= self.broker_plan[0]:
             self.broker_plan.pop(0)
             self._restart_broker(now)
@@ -77,8 +87,13 @@ class ChaosMonkey:
         if self.harness and kind == "agent":
             tree = descendants(victim.proc.pid)
             self.orphans += [(pid, started) for pid, started, _ in tree]
-            event["programs"] = jails_of(victim.proc.pid)
-        victim.proc.kill()  # SIGKILL to its whole process group (its jails have sessions of their own)
+            served, before = served_sockets(victim.proc.pid), dead_sockets(self.gateway_root)
+            event["programs"] = jails_of(victim.proc.pid) + (served if self.gateway_root else 0)
+        victim.proc.kill()  # SIGKILL to its whole process group (its jails have sessions of their own); waits
+        if self.harness and kind == "agent" and self.gateway_root:
+            boxes = sorted(dead_sockets(self.gateway_root) - before)  # sockets it served, now refusing
+            self.orphan_boxes |= dict.fromkeys(boxes, now)
+            event["containers"] = boxes
         self.events.append(event)
 
     @property
@@ -92,15 +107,34 @@ class ChaosMonkey:
             return False
         if not (self.harness and p.stage == "agent"):
             return True
-        return jails_of(p.proc.pid) > 0 and (self.ledger is None or self.ledger.calls_in_flight())
+        programs = jails_of(p.proc.pid) + (served_sockets(p.proc.pid) if self.gateway_root else 0)
+        return programs > 0 and (self.ledger is None or self.ledger.calls_in_flight())
 
     def lingering(self, timeout_s: float = 10.0) -> int:
-        """Processes that descended from a killed agent worker (its programs' jails) and still run:
-        polled until none is left or `timeout_s` passes (the kernel's parent-death signal is prompt)."""
+        """Processes that descended from a killed agent worker (its programs' jails) and still run, plus
+        (docker) containers whose program it served that still run: polled until none is left or
+        `timeout_s` passes (the kernel's parent-death signal is prompt; the run's reaper has run)."""
         deadline = time.monotonic() + timeout_s
-        while (alive := [o for o in self.orphans if _running(*o)]) and time.monotonic() < deadline:
+        while True:
+            alive = [o for o in self.orphans if _running(*o)]
+            boxes = _running_boxes(self.orphan_boxes) if self.orphan_boxes else set()
+            if not (alive or boxes) or time.monotonic() >= deadline:
+                return len(alive) + len(boxes)
             time.sleep(0.1)
-        return len(alive)
+
+    def _watch_orphan_boxes(self, now: float) -> None:
+        """Note when each orphaned container is gone (polled about once a second while any is left)."""
+        pending = [n for n in self.orphan_boxes if n not in self.orphan_box_seconds]
+        if not pending or now - self._boxes_polled < 1.0:
+            return
+        self._boxes_polled = now
+        try:
+            present = _present_boxes()
+        except Exception:  # noqa: BLE001 - engine busy or away: the next tick asks again
+            return
+        for name in pending:
+            if name not in present:
+                self.orphan_box_seconds[name] = round(now - self.orphan_boxes[name], 1)
 
     def _next_kind(self, job: Job) -> str | None:
         """Kinds in a shuffled round, so every kind is hit before any is hit twice; a kind with no
@@ -313,6 +347,89 @@ def jails_of(pid: int) -> int:
     """Local jails (`bwrap`, each in a session of its own) that the process `pid` started and that run:
     for an agent worker of a harness job, the agent programs it runs."""
     return sum(1 for child, _, parent in descendants(pid) if parent == pid and (_stat(child) or ("",))[0] == "bwrap")
+
+
+def served_sockets(pid: int) -> int:
+    """Gateway sockets (`.../gateway.sock`) on which the process `pid` (an agent worker) listens now:
+    one per harness episode it runs. In a docker sandbox the program runs in the container, not under
+    the worker, so this is how a worker is seen to run programs there."""
+    mine = set()
+    try:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                mine.add(target[8:-1])
+        lines = Path(f"/proc/{pid}/net/unix").read_text().splitlines()[1:]
+    except OSError:
+        return 0
+    # Num RefCount Protocol Flags Type St Inode Path; flag __SO_ACCEPTCON: listening. The path is the
+    # one bound (the gateway binds through /proc/self/fd/N/ of the folder: socket paths are short).
+    return sum(1 for f in map(str.split, lines)
+               if len(f) >= 8 and f[6] in mine and int(f[3], 16) & 0x10000 and f[7].endswith("/gateway.sock"))
+
+
+def dead_sockets(gateway_root: str | None) -> set[str]:
+    """Docker sandboxes (the socket folders under `gateway_root`) whose gateway socket file is there
+    but refuses connections: its listener's process died (an ended episode's socket is removed)."""
+    import socket
+
+    dead = set()
+    for sock_path in Path(gateway_root).glob("*/gateway.sock") if gateway_root else ():
+        try:
+            folder = os.open(sock_path.parent, os.O_PATH | os.O_DIRECTORY)
+        except OSError:
+            continue
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(2.0)
+        try:
+            probe.connect(f"/proc/self/fd/{folder}/gateway.sock")  # any length of path (see gateway/server.py)
+        except ConnectionRefusedError:
+            dead.add(sock_path.parent.name)
+        except OSError:
+            pass
+        finally:
+            probe.close()
+            os.close(folder)
+    return dead
+
+
+def _present_boxes() -> dict[str, bool]:
+    """Docker sandbox name -> running, for every container the docker sandbox labelled."""
+    import docker
+
+    from rollway.sandboxes.docker import LABEL
+
+    client = docker.from_env()
+    try:
+        return {c.attrs["Names"][0].lstrip("/").removeprefix("rollway-"): c.attrs.get("State") == "running"
+                for c in client.containers.list(all=True, filters={"label": LABEL}, sparse=True)}
+    finally:
+        client.close()
+
+
+def _running_boxes(names: dict[str, float]) -> set[str]:
+    """Those of the docker sandboxes `names` whose container still runs."""
+    try:
+        present = _present_boxes()
+    except Exception:  # noqa: BLE001 - engine away: count them all as lingering rather than none
+        return set(names)
+    return {n for n in names if present.get(n)}
+
+
+def sandboxes_left(cfg: RunConfig) -> int:
+    """Sandboxes of the run still there after it (local jail folders; docker containers and volumes),
+    found as the run's reaper finds them: by the run id their names start with."""
+    from rollway.sandboxes.factory import build_sandbox_provider
+    from rollway.sandboxes.reaper import leftover_names, run_prefix
+
+    provider = build_sandbox_provider(cfg.sandbox)
+    try:
+        return len(leftover_names(provider, run_prefix(cfg.run.id)))
+    finally:
+        asyncio.run(provider.close())
 
 
 def _stat(pid: int) -> tuple[str, str, int, int] | None:

@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from rollway.actors.scheduler import new_run_id
     from rollway.runners.broker import BrokerError, EmbeddedBroker
-    from rollway.runners.chaos import FAULT_POINTS, ChaosMonkey, Ledger, sink_check
+    from rollway.runners.chaos import FAULT_POINTS, ChaosMonkey, Ledger, sandboxes_left, sink_check
     from rollway.runners.cmd_up import prepare_run_dir
     from rollway.runners.up import JobFailed, parse_workers, run_job, write_run_files
 
@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     ledger = Ledger(cfg, broker.bootstrap)
     monkey = ChaosMonkey(args.seed, args.min_gap, args.max_gap, broker, args.broker_restarts, args.max_kills, ledger,
                          kinds=tuple(args.kinds.split(",")) if args.kinds else None,
-                         harness=cfg.agent.harness is not None)
+                         harness=cfg.agent.harness is not None,
+                         gateway_root=getattr(cfg.sandbox, "gateway_root", None))
     faults = FAULT_POINTS if args.faults is None else ("" if args.faults == "none" else args.faults)
     env = {"ROLLWAY_FAULTS": faults, "ROLLWAY_FAULTS_SEED": str(args.seed),
            "ROLLWAY_FAULTS_STATE": str(RunDir(run_dir).faults_state)}  # `NAME=once` points: one kill per run
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         ledger.poll()
         broker.stop()
-    outcome = ledger.judge(run_dir, cfg.learner.trains)
+    outcome = ledger.judge(run_dir, cfg.learner.trains) | {"sandboxes_left": sandboxes_left(cfg)}
     if monkey.harness:
         outcome |= {**ledger.judge_calls(run_dir, cfg.learner.trains), **_harness_kills(monkey)}
     result = {"seed": args.seed, **outcome, **sink_check(run_dir, ledger), "kills": monkey.kills,
@@ -88,20 +89,25 @@ def run(args: argparse.Namespace) -> int:
                 "wall_seconds"]
         if monkey.harness:
             keys += ["calls_recorded", "calls_lost", "calls_duplicated", "dead_attempt_calls",
-                     "agent_kills_with_programs", "programs_lingering"]
+                     "agent_kills_with_programs", "programs_lingering", "sandboxes_left"]
         print(" ".join(f"{k}={result[k]}" for k in keys))
     exact = not cfg.learner.trains or (result["completed_not_trained"] == 0 and result["trained_not_completed"] == 0)
     calls_exact = not monkey.harness or not any(result[k] for k in (
-        "calls_lost", "calls_duplicated", "calls_foreign", "calls_out_of_order", "programs_lingering"))
+        "calls_lost", "calls_duplicated", "calls_foreign", "calls_out_of_order", "programs_lingering", "sandboxes_left"))
     return 0 if error is None and result["lost"] == 0 and result["duplicated"] == 0 and exact and calls_exact else 1
 
 
 def _harness_kills(monkey) -> dict[str, int]:
     """Agent workers killed while running agent programs, the programs they ran, and how many of the
-    processes below them still ran after the kill (their programs must die with them)."""
+    processes below them (docker: of the containers their programs ran in) still ran after the run
+    (their programs must die with them, or with their containers). Docker: `orphan_container_s`, the
+    seconds each such container ran on after the kill (None: it was still there at the run's end,
+    removed by the run's reaper if `programs_lingering` is 0)."""
     agent = [e for e in monkey.events if e.get("kill", "").startswith("agent-")]
+    lingering = monkey.lingering()
     return {"agent_kills_with_programs": sum(1 for e in agent if e.get("programs")),
-            "programs_killed": sum(e.get("programs", 0) for e in agent), "programs_lingering": monkey.lingering()}
+            "programs_killed": sum(e.get("programs", 0) for e in agent), "programs_lingering": lingering,
+            "orphan_container_s": {n: monkey.orphan_box_seconds.get(n) for n in monkey.orphan_boxes}}
 
 
 def _fault_kills(run_dir) -> dict[str, int]:

@@ -233,3 +233,75 @@ def test_chaos_run_of_harness_episodes_loses_and_duplicates_no_episode_and_no_ca
     # agent_program.py makes 3 calls unless a starved host hits the silence limit first (a timing matter,
     # not asserted); every recorded call is in a trajectory of its own attempt or of a dead attempt.
     assert 0 < result["calls_in_trajectories"] and result["dead_attempt_calls"] <= result["calls_recorded"]
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_chaos_run_of_harness_episodes_in_docker_containers_loses_nothing_and_leaves_no_container(tmp_path):
+    """`rollway chaos examples/chaos-harness-docker.yaml` on 3 tasks x 2 samples, each episode's sandbox a
+    real Docker container: agent workers are killed only while they serve a running agent program (its
+    container's gateway socket listening, calls of a running attempt on the log), reward and learner
+    workers at random. A killed worker's program is no child of it: it runs on in its container until
+    the redelivered episode removes the container. Judged as the jail run (episodes and calls from the
+    topics), plus: every container hit by a kill is removed during the run, none runs after it, and no
+    container or volume of the run is left (counted here from the engine by the run's label prefix). The scripted policy is the
+    model (the only fake); broker, engine, gateway and containers are real."""
+    from agent_programs import mini_swe_agent
+    from docker_engine import count_containers, ensure_engine, remove_labelled
+
+    ensure_engine()
+    site = next(mini_swe_agent().glob("lib/python3.*/site-packages"))  # the `openai` package, for the image's python3
+    run_id = f"dchaos{uuid.uuid4().hex[:8]}"
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "rollway.runners", "chaos", "examples/chaos-harness-docker.yaml", "--seed", "2",
+             "--json", "--run-dir", str(tmp_path / "run"), "--kinds", "agent,reward,learner", "--min-gap", "1.0",
+             "--max-gap", "2.0", "--max-kills", "4", "tasks.count=3", f"run.id={run_id}",
+             f"sandbox.ro_binds=[{site}]", f"agent.harness.env.PYTHONPATH={site}",
+             f"sandbox.gateway_root={tmp_path / 'gateway'}"],
+            capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert out.stdout.strip(), out.stderr[-3000:]
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        left = count_containers(f"{run_id}-")
+    finally:
+        remove_labelled(f"{run_id}-")
+    assert out.returncode == 0, (result, out.stderr[-2000:])
+    assert result["scheduled"] == 6 and result["completed"] + result["failed"] == 6
+    assert result["lost"] == 0 and result["duplicated"] == 0 and result["trained"] == result["completed"]
+    assert {"agent", "reward", "learner"} <= set(result["killed_kinds"]), result["events"]
+    assert result["agent_kills_with_programs"] >= 1, result["events"]
+    assert result["programs_lingering"] == 0 and result["sandboxes_left"] == 0 and left == 0, result
+    # Each container a kill orphaned was removed while the run went on (by the redelivered episode that
+    # found its turn claimed, before the attempt failed and was re-run), not left to the end's reaper.
+    orphaned = result["orphan_container_s"]
+    assert orphaned and None not in orphaned.values(), orphaned
+    assert result["calls_lost"] == result["calls_duplicated"] == result["calls_foreign"] == 0
+    assert 0 < result["calls_in_trajectories"] and result["dead_attempt_calls"] <= result["calls_recorded"]
+
+
+def test_the_monkey_sees_a_workers_gateway_sockets_and_which_it_left_dead(tmp_path):
+    """How a chaos run sees the programs an agent worker serves in docker containers (they are no children
+    of it): its listening `gateway.sock` sockets, bound the gateway's way (through /proc/self/fd, so a
+    folder path of any length); after its death, the socket files that refuse connections name the
+    containers whose programs it served."""
+    import os
+
+    from rollway.gateway.server import _bound_unix_socket
+    from rollway.runners.chaos import dead_sockets, served_sockets
+
+    root = tmp_path / ("g" * 80)  # socket paths past the 107 bytes a socket address holds
+    for name in ("run-g0-s0-a0-x", "run-g0-s1-a0-y"):
+        (root / name).mkdir(parents=True)
+    live = _bound_unix_socket(str(root / "run-g0-s0-a0-x" / "gateway.sock"))
+    gone = _bound_unix_socket(str(root / "run-g0-s1-a0-y" / "gateway.sock"))
+    before = served_sockets(os.getpid())
+    live.listen()
+    gone.listen()
+    assert served_sockets(os.getpid()) == before + 2
+    gone.close()  # its process died: the file stays, nothing listens
+    try:
+        assert dead_sockets(str(root)) == {"run-g0-s1-a0-y"}
+        assert served_sockets(os.getpid()) == before + 1
+    finally:
+        live.close()
+    assert dead_sockets(None) == set()
