@@ -192,6 +192,9 @@ def test_dedup_table_is_bounded_by_tombstones_and_stays_so_after_restart(broker,
         task = asyncio.create_task(stage.run(stop))
         await produce(cfg, broker.bootstrap, INIT_REQUESTS, [(m.episode_id.encode(), encode(m)) for m in items])
         await wait_for(lambda: len(actor.seen) + stage.stats["skipped_duplicates"] >= len(items))
+        # The key is written to the table after its handler returned: wait for the last one (and the
+        # eviction it causes) before reading the table, not for the handler alone.
+        await wait_for(lambda: dedup_key(items[-1]) in next(iter(stage.tables.values())).keys())
         snapshot = (set(next(iter(stage.tables.values())).keys()), list(actor.seen))
         stop.set()
         await task
