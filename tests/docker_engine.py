@@ -54,3 +54,16 @@ def remove_labelled(prefix: str) -> None:
             with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
                 v.remove(force=True)
 
+
+
+def pooled_containers_of(pids: set[int]) -> list[str]:
+    """Names of the pooled containers (idle or handed out) that processes `pids` of this host started, by
+    the pool-owner label: another test's pool running on the same engine is not counted."""
+    import socket
+
+    from rollway.sandboxes.docker import POOL_OWNER_LABEL
+
+    owners = {f"{socket.gethostname()}:{pid}" for pid in pids}
+    found = docker.from_env().containers.list(all=True, filters={"label": POOL_OWNER_LABEL}, sparse=True)
+    return [(c.attrs.get("Labels") or {}).get(LABEL, "") for c in found
+            if (c.attrs.get("Labels") or {}).get(POOL_OWNER_LABEL) in owners]

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import docker
 import pytest
-from docker_engine import count_containers, ensure_engine
+from docker_engine import count_containers, ensure_engine, pooled_containers_of
 
 from rollway.runners import cmd_sandbox
 from rollway.sandboxes.base import SandboxError, SandboxSpec
 from rollway.sandboxes.config import DockerSandboxConfig, SandboxConfig
-from rollway.sandboxes.docker import LABEL, POOL_OWNER_LABEL, DockerSandbox, DockerSandboxProvider
+from rollway.sandboxes.docker import LABEL, DockerSandbox, DockerSandboxProvider
 
 
 def run(coro):
@@ -335,10 +335,7 @@ def test_warm_pool_hands_out_started_containers_and_close_removes_the_idle_ones(
         await provider.close()  # removes the idle pooled containers (the refill's included)
 
     run(go())
-    # Pooled containers this process started (other tests' pools may run on the same engine meanwhile).
-    mine = f"{socket.gethostname()}:{os.getpid()}"
-    left = client.containers.list(all=True, filters={"label": POOL_OWNER_LABEL}, sparse=True)
-    assert [c for c in left if (c.attrs.get("Labels") or {}).get(POOL_OWNER_LABEL) == mine] == []
+    assert pooled_containers_of({os.getpid()}) == []  # other tests' pools may run on the engine meanwhile
 
 
 def test_smoke_job_in_containers_with_a_warm_pool_leaves_nothing(
@@ -355,13 +352,9 @@ def test_smoke_job_in_containers_with_a_warm_pool_leaves_nothing(
                           capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent)  # fmt: skip
     summary = json.loads((run_dir / "summary.json").read_text())
     assert proc.returncode == 0 and summary["episodes_completed"] == 8, proc.stderr[-3000:]
-    # This run's pooled containers, by the init worker that started them (other tests' pools may be
-    # running on the same engine meanwhile, so not every "pool-" container).
-    owners = {f"{socket.gethostname()}:{p.stem.rpartition('-')[2]}" for p in (run_dir / "status").glob("init-*.json")}
-    assert owners
-    left = client.containers.list(all=True, filters={"label": POOL_OWNER_LABEL}, sparse=True)
-    assert [c.attrs.get("Labels", {}).get(LABEL) for c in left
-            if (c.attrs.get("Labels") or {}).get(POOL_OWNER_LABEL) in owners] == []
+    # This run's pooled containers, by the init worker that started them (not every "pool-" container).
+    init_pids = {int(p.stem.rpartition("-")[2]) for p in (run_dir / "status").glob("init-*.json")}
+    assert init_pids and pooled_containers_of(init_pids) == []
 
 
 def test_idle_pool_of_a_killed_worker_is_reaped_and_handed_out_containers_are_not(
