@@ -9,6 +9,11 @@ from pydantic import Field, SecretStr, model_validator
 
 from rollway.base.config import StrictModel
 
+ONE_PROCESS_FETCH_MAX_WAIT_MS = 100
+"""`fetch_max_wait_ms` of a one-process job left at its default: its six consumers share one event loop,
+so their idle fetches are cheap, and a hop then waits at most 0.1 s instead of 0.5 s on the embedded
+broker (docs/benchmarks.md, "rollway up's own cost")."""
+
 
 class BrokerConfig(StrictModel):
     bootstrap: str | None = None
@@ -43,7 +48,8 @@ class BrokerConfig(StrictModel):
     fetch_max_wait_ms: int = Field(500, ge=1)
     """Longest a consumer's fetch waits at the broker for new data. The embedded broker (Tansu) does
     not answer a waiting fetch when data arrives, so this is added to every hop there: set it to
-    about 10 for low hop latency (at the cost of more idle fetch requests)."""
+    about 10 for low hop latency (at the cost of more idle fetch requests). A one-process job
+    (`runtime.processes`) uses ONE_PROCESS_FETCH_MAX_WAIT_MS unless this is set."""
 
     @model_validator(mode="after")
     def _sasl_needs_mechanism(self) -> BrokerConfig:

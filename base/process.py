@@ -80,8 +80,10 @@ class Child:
 
     def __init__(self, argv: list[str], log_path: Path | None = None, env: Mapping[str, str] | None = None,
                  *, name: str | None = None, own_group: bool = True, die_with_parent: bool = True,
-                 term_leader_only: bool = False) -> None:
+                 term_leader_only: bool = False, stdin_pipe: bool = False) -> None:
         self.argv, self.log_path, self.env = list(argv), log_path, dict(env or {})
+        self.stdin_pipe = stdin_pipe
+        """Give it a pipe as stdin (`send` writes to it; closed when this process ends)."""
         self.name = name or Path(argv[0]).name
         self.own_group, self.die_with_parent, self.term_leader_only = own_group, die_with_parent, term_leader_only
         self.popen: subprocess.Popen | None = None
@@ -91,6 +93,8 @@ class Child:
                                   "env": {**os.environ, **self.env}}
         if self.die_with_parent:
             kwargs["preexec_fn"] = _die_with_parent
+        if self.stdin_pipe:
+            kwargs["stdin"] = subprocess.PIPE
         if self.log_path is None:
             self.popen = subprocess.Popen(self.argv, **kwargs)
         elif str(self.log_path) == os.devnull:
@@ -143,6 +147,15 @@ class Child:
         from rollway.base.http import http_ok
 
         self.wait_ready(lambda: http_ok(url, timeout_s=2.0), timeout_s, what=f"answering {url}", poll_s=0.1)
+
+    def send(self, line: str) -> None:
+        """Write a line to its stdin pipe (`stdin_pipe`); nothing once it has exited."""
+        stdin = self._started().stdin
+        if stdin is None:
+            raise RuntimeError(f"{self.name} has no stdin pipe (start it with stdin_pipe=True)")
+        with contextlib.suppress(BrokenPipeError, ValueError):
+            stdin.write(f"{line}\n".encode())
+            stdin.flush()
 
     # -- ending
     def signal(self, sig: int, group: bool = True) -> None:

@@ -300,6 +300,11 @@ class RunDir:
         """The embedded broker's output, when a command started one for this run."""
         return self.logs / "broker.out"
 
+    @property
+    def report_log(self) -> Path:
+        """The output of the process that draws `rollway up`'s report (runners/report_worker.py)."""
+        return self.logs / "report.out"
+
     def json_log(self, stage: str) -> Path:
         """structlog's JSON lines of one process (core/logging.py)."""
         return self.logs / f"{stage}.jsonl"

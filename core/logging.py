@@ -41,8 +41,31 @@ def _console_prefix(_, __, event_dict: dict) -> dict:
     return event_dict
 
 
-def configure_logging(stage: str, run_dir: Path | None = None, level: str = "INFO") -> None:
-    """Console lines to stderr; with a run folder also `logs/<stage>.jsonl` there."""
+def _line_stage(record: logging.LogRecord) -> str | None:
+    """The stage a log record belongs to: the `stage` bound in the context that wrote it (a one-process
+    job's stage tasks each bind theirs), else one the line itself names."""
+    stage = structlog.contextvars.get_contextvars().get("stage")
+    if stage is None and isinstance(record.msg, dict):
+        stage = record.msg.get("stage")
+    return stage
+
+
+class _StageFilter(logging.Filter):
+    """Passes the records of `stages` (include) or of every other stage (exclude)."""
+
+    def __init__(self, stages: set[str], include: bool):
+        super().__init__()
+        self.stages, self.include = stages, include
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return (_line_stage(record) in self.stages) == self.include
+
+
+def configure_logging(stage: str, run_dir: Path | None = None, level: str = "INFO", *, console: bool = True,
+                      local_stages: tuple[str, ...] = ()) -> None:
+    """Console lines to stderr; with a run folder also `logs/<stage>.jsonl` there. `local_stages`: stages
+    running as tasks of this process (a one-process job): their lines go to their own `logs/STAGE.jsonl`
+    and `logs/STAGE-0.out`, as a stage process's would, not to this process's console and log."""
     shared = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
@@ -50,20 +73,37 @@ def configure_logging(stage: str, run_dir: Path | None = None, level: str = "INF
         _redact_processor,
     ]
     structlog.contextvars.bind_contextvars(stage=stage)
-    handlers: list[logging.Handler] = []
-    console = logging.StreamHandler(sys.stderr)
-    console.setFormatter(RedactingFormatter(
-        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, _console_prefix,
-                    structlog.dev.ConsoleRenderer(colors=False)], foreign_pre_chain=shared))
-    handlers.append(console)
-    if run_dir is not None:
-        RunDir(run_dir).logs.mkdir(parents=True, exist_ok=True)
-        fh = logging.FileHandler(RunDir(run_dir).json_log(stage))
+
+    def console_format() -> logging.Formatter:
+        return RedactingFormatter(processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                                              _console_prefix, structlog.dev.ConsoleRenderer(colors=False)],
+                                  foreign_pre_chain=shared)
+
+    def json_file(path: Path) -> logging.Handler:
+        fh = logging.FileHandler(path)
         fh.setFormatter(RedactingFormatter(  # format_exc_info: stdlib records keep their traceback too
             processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
                         structlog.processors.format_exc_info, structlog.processors.JSONRenderer()],
             foreign_pre_chain=shared))
-        handlers.append(fh)
+        return fh
+
+    handlers: list[logging.Handler] = []
+    if console:
+        stream = logging.StreamHandler(sys.stderr)
+        stream.setFormatter(console_format())
+        handlers.append(stream)
+    if run_dir is not None:
+        RunDir(run_dir).logs.mkdir(parents=True, exist_ok=True)
+        handlers.append(json_file(RunDir(run_dir).json_log(stage)))
+    if local_stages:
+        for handler in handlers:
+            handler.addFilter(_StageFilter(set(local_stages), include=False))
+        for name in local_stages if run_dir is not None else ():
+            out = logging.FileHandler(RunDir(run_dir).stage_log(name, 0))
+            out.setFormatter(console_format())
+            for handler in (json_file(RunDir(run_dir).json_log(name)), out):
+                handler.addFilter(_StageFilter({name}, include=True))
+                handlers.append(handler)
     root = logging.getLogger()
     root.handlers = handlers
     root.setLevel(level)

@@ -36,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from rollway.actors.scheduler import new_run_id
     from rollway.core.logging import configure_logging
     from rollway.runners.broker import BrokerError, EmbeddedBroker
+    from rollway.runners.report_worker import ReportWorker
     from rollway.runners.up import JobFailed, parse_workers, run_job, write_run_files
     from rollway.runtime.kafka import BrokerUnavailable
 
@@ -49,46 +50,21 @@ def run(args: argparse.Namespace) -> int:
         return 2
     write_run_files(run_dir, cfg)
     configure_logging("up", run_dir)
-    warm_up_report()
+    reporter = ReportWorker(run_dir).start()  # loads the plotting library on the other core meanwhile
     broker = None
     try:
         if args.bootstrap is None and cfg.broker.bootstrap is None:
             broker = EmbeddedBroker(cfg.broker.port, log_path=RunDir(run_dir).broker_log).start()
         bootstrap = args.bootstrap or cfg.broker.bootstrap or broker.bootstrap
         summary = run_job(cfg, args.config, list(args.overrides), bootstrap, run_dir, workers)
+        reporter.draw()  # while the broker stops
     except (BrokerError, BrokerUnavailable, JobFailed) as err:
         print(f"rollway up: {err}", file=sys.stderr)
         return 1
     finally:
         if broker is not None:
             broker.stop()
-    write_report_or_warn(run_dir)
+        reporter.finish()
     print(json.dumps({k: summary[k] for k in ("episodes_scheduled", "episodes_completed", "episodes_failed",
                                               "reward_mean", "wall_seconds")}))
     return 0
-
-
-def warm_up_report() -> None:
-    """Load the plotting library and its fonts in a background thread while the stages start (they
-    spend seconds joining their consumer groups): the first figure of a process costs most of the
-    report's time."""
-    import threading
-
-    from rollway.runners.report import warm_up
-
-    threading.Thread(target=warm_up, name="report-warm-up", daemon=True).start()
-
-
-def write_report_or_warn(run_dir: Path) -> None:
-    """The run's results are already on disk; a report that cannot be drawn must not fail the run."""
-    import structlog
-
-    from rollway.runners.report import write_report
-
-    try:
-        path = write_report(run_dir)
-    except Exception as err:  # noqa: BLE001 - deliberate: the report is retried by `rollway report DIR`
-        structlog.get_logger().warning("report not written; retry with `rollway report DIR`",
-                                       run_dir=str(run_dir), error=f"{type(err).__name__}: {err}")
-        return
-    structlog.get_logger().info("report written", path=str(path))

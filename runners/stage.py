@@ -62,14 +62,19 @@ def group_id(name: str, cfg: RunConfig) -> str:
     return stage_group_id(name, cfg.topics, cfg.run.id)
 
 
-async def run_stage(name: str, cfg: RunConfig, bootstrap: str, run_dir: Path, stop: asyncio.Event | None = None) -> None:
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
-            pass
+async def run_stage(name: str, cfg: RunConfig, bootstrap: str, run_dir: Path, stop: asyncio.Event | None = None,
+                    *, sole_worker: bool = False) -> None:
+    """One worker of stage `name` until `stop` is set (or, for the scheduler, the job is done). With no
+    `stop` given it is the process's only stage and stops on SIGINT/SIGTERM. `sole_worker`: the stage's
+    only worker (a one-process job): it takes every partition instead of joining the group."""
+    if stop is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+            except (NotImplementedError, RuntimeError):
+                pass
     await ensure_topics(cfg.broker, cfg.topics, bootstrap)
     log_reader = LogReader(cfg, bootstrap) if get_stage(name).reads_log else None
     services = Services(cfg, run_dir)
@@ -85,7 +90,8 @@ async def run_stage(name: str, cfg: RunConfig, bootstrap: str, run_dir: Path, st
                                    telemetry_path=telemetry)
             return
         await StageWorker(actor, cfg, bootstrap, stage_concurrency(name, cfg), group_id(name, cfg),
-                          prefetch=stage_prefetch(name, cfg), telemetry_path=telemetry, status_path=status).run(stop)
+                          prefetch=stage_prefetch(name, cfg), telemetry_path=telemetry, status_path=status,
+                          sole_worker=sole_worker).run(stop)
     finally:
         if log_reader is not None:
             await log_reader.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ from rollway.topics.topology import start_order
 
 if TYPE_CHECKING:
     from rollway.policies.launch import LaunchedEngine
+    from rollway.runners.local_stages import StageLoop
 
 log = structlog.get_logger()
 
@@ -75,6 +77,9 @@ class Job:
     """Extra environment of the stage processes (chaos runs arm fault points with it)."""
     secrets_env: dict[str, str] = field(default_factory=dict)
     """The config's secrets for the stage processes (`SECRETS_ENV`), set by `start`: never in argv or a file."""
+    one_process: bool = False
+    """Every stage as a task of this process (runners/local_stages.py) instead of a process per worker."""
+    stage_loop: StageLoop | None = None
 
     @property
     def stage_config_path(self) -> Path:
@@ -93,6 +98,17 @@ class Job:
         meanwhile, but issues nothing until `open_start_gate` sees every other worker own partitions."""
         RunDir(self.run_dir).logs.mkdir(parents=True, exist_ok=True)
         self.secrets_env = write_resolved_config(self.cfg, self.stage_config_path)
+        self._started_at = time.monotonic()
+        if self.one_process:  # sole workers own their partitions at once: no start gate to wait for
+            from rollway.runners.local_stages import LocalStage, StageLoop
+
+            self.stage_loop = StageLoop()
+            for stage in START_ORDER:
+                p = LocalStage(stage, self.cfg, self.bootstrap, self.run_dir, self.stage_loop,
+                               RunDir(self.run_dir).stage_log(stage, 0))
+                p.start()
+                self.procs.append(p)  # type: ignore[arg-type]
+            return
         gate = RunDir(self.run_dir).start_gate
         gate.unlink(missing_ok=True)
         self._started_at = time.monotonic()
@@ -109,7 +125,7 @@ class Job:
         the first episodes neither wait for nor get moved by consumer-group joins; after timeout_s it
         opens anyway (the job still runs, only its start is slower). True once open."""
         gate = RunDir(self.run_dir).start_gate
-        if gate.exists():
+        if self.one_process or gate.exists():
             return True
         status = [RunDir(self.run_dir).worker_status(p.stage, p.proc.pid) for p in self.procs if p.stage != "scheduler"]
         if all(s.get("partitions", 0) > 0 for s in status) or time.monotonic() - self._started_at > timeout_s:
@@ -127,6 +143,18 @@ class Job:
             return None
         code = sched[0].proc.poll()
         return code if code == 0 or (code is not None and sched[0].restarts >= self.max_restarts) else None
+
+    def wait_for_scheduler(self, timeout_s: float) -> None:
+        """Sleep up to `timeout_s`, returning early when a one-process job's scheduler ends (a process's
+        end is seen at the next poll)."""
+        sched = [p for p in self.procs if p.stage == "scheduler" and p.alive]
+        if self.one_process and sched:
+            try:
+                sched[0].wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+            return
+        time.sleep(timeout_s)
 
     def restart_dead_workers(self) -> list[str]:
         """Restart crashed workers (the log keeps their work), up to max_restarts each. The scheduler
@@ -170,6 +198,8 @@ class Job:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
+        if self.stage_loop is not None:
+            self.stage_loop.close()
 
 
 def log_tail(path: Path, lines: int = 12) -> str:
@@ -265,15 +295,18 @@ def latest_weights(run_dir: Path) -> str | None:
 def run_job(cfg: RunConfig, config_path: str, overrides: list[str], bootstrap: str, run_dir: Path,
             workers: dict[str, int], on_tick: Callable[[Job], None] | None = None, quiet: bool = False,
             max_restarts: int = 3, env: dict[str, str] | None = None) -> dict:
-    """Start every stage process, wait for the scheduler to finish and the sink/learner to catch up,
-    stop the processes, write and return `summary.json`. Crashed workers are restarted."""
+    """Start every stage (a process per worker, or all as tasks of this process: `one_process`), wait for
+    the scheduler to finish and the sink/learner to catch up, stop the stages, write and return
+    `summary.json`. Crashed workers are restarted."""
     from rollway.runtime.kafka import ensure_topics
 
     register_secrets(secret_values(cfg))
-    if not quiet and not structlog.is_configured():
+    one = one_process(cfg, workers, env)
+    if one or (not quiet and not structlog.is_configured()):
         from rollway.core.logging import configure_logging
 
-        configure_logging("up", run_dir)  # callers other than `rollway up` (chaos) get the same lines
+        # callers other than `rollway up` (chaos) get the same lines; a one-process job's stages their own files
+        configure_logging("up", run_dir, console=not quiet, local_stages=STAGES if one else ())
     asyncio.run(ensure_topics(cfg.broker, cfg.topics, bootstrap))
     from rollway.runners.tasks_formats import prebuild_at_start
 
@@ -290,12 +323,33 @@ def run_job(cfg: RunConfig, config_path: str, overrides: list[str], bootstrap: s
         register_secrets(secret_values(cfg))  # the engine's key, when the launch made one
     try:
         reap_sandboxes(cfg, "start")  # a resumed run folder: sandboxes of its killed workers
+        if one and "fetch_max_wait_ms" not in cfg.broker.model_fields_set:
+            from rollway.base.broker import ONE_PROCESS_FETCH_MAX_WAIT_MS
+
+            broker = cfg.broker.model_copy(update={"fetch_max_wait_ms": ONE_PROCESS_FETCH_MAX_WAIT_MS})
+            cfg = cfg.model_copy(update={"broker": broker})
         job = Job(cfg, config_path, overrides, bootstrap, run_dir, workers, max_restarts=max_restarts,
-                  engine=engine, env=env)
+                  engine=engine, env=env, one_process=one)
         return _run_stages(job, on_tick, quiet)
     finally:
         if engine is not None:
             engine.stop()
+
+
+def one_process(cfg: RunConfig, workers: dict[str, int], env: dict[str, str] | None) -> bool:
+    """Whether a job runs its stages in this process (`runtime.processes`, see core/config.py)."""
+    several = sorted(stage for stage, n in workers.items() if n > 1)
+    faust = any(cfg.runtime.engine_for(stage) == "faust" for stage in STAGES)
+    if cfg.runtime.processes == "one":
+        if several:
+            raise JobFailed(f"runtime.processes=one runs one worker per stage; --workers asks for more of "
+                            f"{', '.join(several)} (use runtime.processes=per-stage or auto)")
+        if env:
+            raise JobFailed("runtime.processes=one cannot give stages their own environment (fault points); "
+                            "use runtime.processes=per-stage")
+        return True
+    armed = bool(os.environ.get("ROLLWAY_FAULTS"))  # a fault point must kill a worker, not the whole job
+    return cfg.runtime.processes == "auto" and not several and not faust and not env and not armed
 
 
 def _run_stages(job: Job, on_tick, quiet: bool) -> dict:
@@ -320,7 +374,7 @@ def _run_stages(job: Job, on_tick, quiet: bool) -> dict:
             if on_tick is not None:
                 on_tick(job)
             progress.update(RunDir(run_dir).scheduler(), RunDir(run_dir).sink())
-            time.sleep(0.25 if gate_open else 0.05)
+            job.wait_for_scheduler(0.25 if gate_open else 0.05)
         sched = RunDir(run_dir).scheduler()
         if code != 0 or not sched.get("done"):
             raise JobFailed(f"the scheduler exited with code {code}; see {RunDir(run_dir).stage_log('scheduler', 0)}")
@@ -373,6 +427,7 @@ def wait_for_consumers(run_dir: Path, completed: int, job: Job, timeout_s: float
     deadline = time.monotonic() + timeout_s
     hard_deadline = time.monotonic() + training_timeout_s
     while time.monotonic() < deadline:
+        # The sink's status file first (a file read); the committed offsets (a broker round trip) once it has all.
         sink = RunDir(run_dir).sink().get("episodes_written", 0)
         if sink >= completed and asyncio.run(consumer_lag(job.cfg, job.bootstrap, ("sink", "learner"))) == 0:
             return
@@ -380,7 +435,7 @@ def wait_for_consumers(run_dir: Path, completed: int, job: Job, timeout_s: float
         if learner_alive and RunDir(run_dir).learner().get("training"):
             deadline = min(hard_deadline, max(deadline, time.monotonic() + timeout_s))
         job.restart_dead_workers()
-        time.sleep(0.5)
+        time.sleep(0.1 if sink < completed else 0.25)
     log.warning(f"sink/learner did not catch up within {timeout_s:.0f}s; the summary may be incomplete")
 
 

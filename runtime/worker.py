@@ -219,8 +219,13 @@ class StageWorker:
     """One worker process of one stage (a member of the stage's consumer group)."""
 
     def __init__(self, actor: Actor, cfg: StreamConfig, bootstrap: str, concurrency: int, group_id: str,
-                 prefetch: int = 0, telemetry_path: Path | None = None, status_path: Path | None = None):
+                 prefetch: int = 0, telemetry_path: Path | None = None, status_path: Path | None = None,
+                 sole_worker: bool = False):
         self.actor, self.cfg, self.bootstrap = actor, cfg, bootstrap
+        self.sole_worker = sole_worker
+        """The only worker its stage will ever have (a one-process job, runners/local_stages.py): it takes
+        every partition of its inputs itself instead of joining the group (no join wait), committing
+        under the same group id, so a restart, `consumer_lag` and a resumed run read the same offsets."""
         self.concurrency = concurrency
         self.prefetch = prefetch
         """Messages fetched beyond `concurrency` into `backlog`, started by `actor.priority`."""
@@ -259,7 +264,10 @@ class StageWorker:
         try:
             self.consumer = await make_consumer(self.cfg.broker, self.bootstrap, group_id=self.group_id,
                                                 max_poll_interval_ms=self.cfg.broker.max_poll_interval_ms)
-            self.consumer.subscribe(list(self.specs), listener=_Rebalance(self))
+            if self.sole_worker:
+                await self._assign_all()
+            else:
+                self.consumer.subscribe(list(self.specs), listener=_Rebalance(self))
             await self.actor.setup()
             log.info("stage worker started", stage=self.actor.name, group=self.group_id,
                      topics=list(self.specs), concurrency=self.concurrency)
@@ -301,10 +309,24 @@ class StageWorker:
             if now - last_tick >= TICK_INTERVAL_S:
                 await self.sender.send_each(await self.actor.tick(), "tick")
                 last_tick = now
-            if now - last_commit >= COMMIT_INTERVAL_S:
+            # Every COMMIT_INTERVAL_S while busy; at once when idle, so a finished job's last offsets are
+            # committed in one poll, not half a second later (commit() sends nothing when nothing moved).
+            if now - last_commit >= COMMIT_INTERVAL_S or not self.tasks:
                 await self.commit()
                 last_commit = now
             self.write_status()
+
+    async def _assign_all(self) -> None:
+        """Own every partition of the inputs (the topics exist: `ensure_topics` ran before)."""
+        await self.consumer.topics()  # a metadata fetch: partitions_for_topic needs it
+        tps = {TopicPartition(name, p) for name in self.specs for p in self.consumer.partitions_for_topic(name) or ()}
+        missing = [name for name in self.specs if not any(tp.topic == name for tp in tps)]
+        if missing:
+            raise RuntimeError(f"input topics without partitions on the broker: {', '.join(missing)}")
+        self.consumer.assign(sorted(tps))
+        log.info("partitions assigned", stage=self.actor.name, sole_worker=True,
+                 partitions=sorted(f"{tp.topic}:{tp.partition}" for tp in tps))
+        self.write_status(force=True)
 
     def _pause(self, paused: bool) -> None:
         assigned = self.consumer.assignment()

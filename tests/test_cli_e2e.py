@@ -45,10 +45,16 @@ def test_up_runs_the_smoke_job_to_completion(tmp_path):
     for t in trajs:
         assert len(t["token_ids"]) == len(t["loss_mask"]) == len(t["logprobs"]) > 0
     assert wall < 60, f"smoke job took {wall:.1f}s"
-    assert (run_dir / "logs" / "agent.jsonl").exists()
-    # Every stage's log lines carry the stage name.
-    line = json.loads((run_dir / "logs" / "agent.jsonl").read_text().splitlines()[0])
-    assert line["stage"] == "agent"
+    # A small job runs every stage in the command's own process (runtime.processes=auto), each stage the
+    # sole owner of its partitions (no group join), and still logs each stage to its own files.
+    pids = {json.loads(p.read_text())["stage"]: json.loads(p.read_text())["pid"] for p in (run_dir / "status").glob("*.json")}
+    assert set(pids) == {"scheduler", "init", "agent", "reward", "learner", "sink"} and len(set(pids.values())) == 1, pids
+    for stage in pids:
+        lines = [json.loads(x) for x in (run_dir / "logs" / f"{stage}.jsonl").read_text().splitlines()]
+        assert lines and {x["stage"] for x in lines} == {stage}, (stage, lines[:3])
+        assert any(x["event"] == "partitions assigned" and x.get("sole_worker") for x in lines), stage
+        assert "stage worker stopped" in (run_dir / "logs" / f"{stage}-0.out").read_text()
+    assert {json.loads(x)["stage"] for x in (run_dir / "logs" / "up.jsonl").read_text().splitlines()} == {"up"}
 
 
 def alive(pid: int) -> bool:
@@ -73,25 +79,54 @@ def pids_with(fragment: str) -> set[int]:
     return found
 
 
-def test_sigterm_stops_up_and_everything_it_started(tmp_path):
-    """Stage processes and the broker run in their own sessions; a SIGTERM to `rollway up` (kill, a
-    job manager) must stop them too, not leave them running."""
+def descendants(pid: int) -> set[int]:
+    """Every process below `pid` now (children, their children, ...)."""
+    found: set[int] = set()
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    todo = [pid]
+    while todo:
+        for kid in children.get(todo.pop(), []):
+            found.add(kid)
+            todo.append(kid)
+    return found
+
+
+@pytest.mark.parametrize("processes", ["per-stage", "one"])
+def test_sigterm_stops_up_and_everything_it_started(tmp_path, processes):
+    """Stage processes, their sandboxes and the broker run in their own sessions; a SIGTERM to `rollway up`
+    (kill, a job manager) must stop them too, not leave them running. In one process the stages are
+    tasks of `rollway up`: their sandboxes (bubblewrap children) and the broker must end with it."""
     from rollway.runners.broker import free_port
 
     run_dir, port = tmp_path / "run", free_port()
     up = subprocess.Popen([*ROLLWAY, "up", "examples/smoke.yaml", "tasks.count=400", f"broker.port={port}",
-                           "--run-dir", str(run_dir)], cwd=ROOT, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL, start_new_session=True)
+                           f"runtime.processes={processes}", "--run-dir", str(run_dir)], cwd=ROOT,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         wait_until(lambda: len(list((run_dir / "status").glob("*.json"))) >= 6, timeout_s=60,
-                   what="every stage process writing its status")
+                   what="every stage writing its status")
         stages = pids_with(f"--run-dir {run_dir}") - {up.pid}
         broker = pids_with(f"tcp://127.0.0.1:{port}")
-        assert len(stages) >= 6 and broker and all(alive(p) for p in stages | broker)
+        assert broker and all(alive(p) for p in stages | broker)
+        if processes == "per-stage":
+            assert len(stages) >= 6
+        else:
+            assert not stages, "a one-process job started stage processes"
+            wait_until(lambda: any("bwrap" in open(f"/proc/{p}/cmdline", "rb").read().decode(errors="replace")
+                                   for p in descendants(up.pid) if os.path.exists(f"/proc/{p}/cmdline")),
+                       timeout_s=60, what="a sandbox of the job running")
+        started = (stages | broker | descendants(up.pid)) - {up.pid}
         up.send_signal(signal.SIGTERM)
         assert up.wait(60) == 143
-        wait_until(lambda: not any(alive(p) for p in stages | broker), timeout_s=30,
-                   what="the stage processes and the broker to exit")
+        wait_until(lambda: not any(alive(p) for p in started), timeout_s=30,
+                   what="the stages, their sandboxes and the broker to exit")
     finally:
         if up.poll() is None:
             os.killpg(up.pid, signal.SIGKILL)
@@ -99,7 +134,7 @@ def test_sigterm_stops_up_and_everything_it_started(tmp_path):
 
 def test_sigterm_stops_bench_learn_and_the_phase_it_runs(tmp_path):
     """`rollway bench learn` runs each phase as a child `rollway`; a SIGTERM must reach that child so it
-    stops its own stage processes (before: the child was SIGKILLed and its workers kept running)."""
+    stops its own stages and their sandboxes (before: the child was SIGKILLed and its workers kept running)."""
     from rollway.runners.broker import free_port
 
     run_dir, port = tmp_path / "lb", free_port()
@@ -109,12 +144,13 @@ def test_sigterm_stops_bench_learn_and_the_phase_it_runs(tmp_path):
     try:
         wait_until(lambda: len(list((run_dir / "before" / "status").glob("*.json"))) >= 6, timeout_s=90,
                    what="the evaluation's stage processes writing their status")
-        started = pids_with(f"--run-dir {run_dir}/before") | pids_with(f"tcp://127.0.0.1:{port}")
-        assert len(started) >= 7 and all(alive(p) for p in started)
+        phase, broker = pids_with(f"--run-dir {run_dir}/before"), pids_with(f"tcp://127.0.0.1:{port}")
+        started = phase | broker | {kid for p in phase for kid in descendants(p)}
+        assert phase and broker and all(alive(p) for p in started)
         bench.send_signal(signal.SIGTERM)
         assert bench.wait(90) == 143
         wait_until(lambda: not any(alive(p) for p in started), timeout_s=30,
-                   what="the phase's stage processes and broker to exit")
+                   what="the phase, its stages' sandboxes and the broker to exit")
     finally:
         if bench.poll() is None:
             os.killpg(bench.pid, signal.SIGKILL)

@@ -169,6 +169,7 @@ def test_killing_the_gateways_process_mid_episode_reruns_it_and_trains_each_call
     path.write_text(yaml.safe_dump(job))
     cfg = load_config(path)
     cfg.run.id = new_run_id()
+    cfg.runtime.processes = "per-stage"  # the kill below takes the agent worker's process
     run_dir = tmp_path / "run"
     write_run_files(run_dir, cfg)
     ledger = Ledger(cfg, broker.bootstrap, poll_every_s=0.5)
