@@ -1,7 +1,7 @@
 """`rollway bench`: benchmarks. `pipeline` (pipelined vs batched rollout), `training` (sync vs async RL
 training), `ceiling` (one agent worker against a zero-latency engine), `serve`, `learner`, `learn`,
 `weight-sync` (learner-to-replicas weight broadcast), `gateway` (the time the OpenAI-compatible gateway adds
-to a model call)."""
+to a model call), `up` (what `rollway up` adds to a job's own work, one process against one per stage)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from rollway.base.run_dir import RunDir, fresh_run_folder
 NAME = "bench"
 HELP = ("Benchmarks: pipeline (pipelined vs bounded-batch rollout), serve (inference engine), learner "
         "(training tokens/s), learn (held-out pass rate before and after a training run), search (bug localisation with and "
-        "without the AST search tool, before and after training).")
+        "without the AST search tool, before and after training), up (what rollway up adds to a job's own work).")
 
 DELEGATES = {"serve": "rollway.policies.bench_serve", "learner": "rollway.learning.bench",
              "learn": "rollway.bench.learn", "weight-sync": "rollway.bench.weight_sync",
-             "gateway": "rollway.bench.gateway", "search": "rollway.bench.search"}
+             "gateway": "rollway.bench.gateway", "search": "rollway.bench.search", "up": "rollway.bench.up_cost"}
 """Subcommands owned by other packages: each module has add_arguments(parser) and run(args)."""
 
 

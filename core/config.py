@@ -168,8 +168,9 @@ class RuntimeConfig(StrictModel):
     stage worker (a crash or a kill takes one worker; what `rollway chaos` needs); `one`, every stage
     as a task in the command's own process, each the sole worker of its stage, taking its partitions
     without a consumer-group join (seconds less per run; a stage that crashes is restarted in place);
-    `auto`, `one` when every stage has one worker on the aiokafka engine and no fault points are armed,
-    else `per-stage`. `rollway stage` processes always join their group."""
+    `auto`, `one` when the command started its own broker (with `--bootstrap` another machine's `rollway
+    stage` could join a stage's group) and every stage has one worker on the aiokafka engine and no fault
+    points are armed, else `per-stage`. `rollway stage` processes always join their group."""
 
     def engine_for(self, stage: StageName) -> Engine:
         """The engine that runs `stage`: its override, else `engine`."""

@@ -103,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
         if args.bootstrap is None and cfg.broker.bootstrap is None:
             broker = EmbeddedBroker(cfg.broker.port, log_path=RunDir(run_dir).broker_log).start()
         bootstrap = args.bootstrap or cfg.broker.bootstrap or broker.bootstrap
-        run_job(cfg, args.config, overrides, bootstrap, run_dir, parse_workers(args.workers))
+        run_job(cfg, args.config, overrides, bootstrap, run_dir, parse_workers(args.workers),
+                own_broker=broker is not None)
     except (BrokerError, BrokerUnavailable, JobFailed, ValueError) as err:
         print(f"rollway eval: {err}", file=sys.stderr)
         return 1

@@ -56,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
         if args.bootstrap is None and cfg.broker.bootstrap is None:
             broker = EmbeddedBroker(cfg.broker.port, log_path=RunDir(run_dir).broker_log).start()
         bootstrap = args.bootstrap or cfg.broker.bootstrap or broker.bootstrap
-        summary = run_job(cfg, args.config, list(args.overrides), bootstrap, run_dir, workers)
+        summary = run_job(cfg, args.config, list(args.overrides), bootstrap, run_dir, workers,
+                          own_broker=broker is not None)
         reporter.draw()  # while the broker stops
     except (BrokerError, BrokerUnavailable, JobFailed) as err:
         print(f"rollway up: {err}", file=sys.stderr)

@@ -294,14 +294,15 @@ def latest_weights(run_dir: Path) -> str | None:
 
 def run_job(cfg: RunConfig, config_path: str, overrides: list[str], bootstrap: str, run_dir: Path,
             workers: dict[str, int], on_tick: Callable[[Job], None] | None = None, quiet: bool = False,
-            max_restarts: int = 3, env: dict[str, str] | None = None) -> dict:
+            max_restarts: int = 3, env: dict[str, str] | None = None, own_broker: bool = False) -> dict:
     """Start every stage (a process per worker, or all as tasks of this process: `one_process`), wait for
     the scheduler to finish and the sink/learner to catch up, stop the stages, write and return
-    `summary.json`. Crashed workers are restarted."""
+    `summary.json`. Crashed workers are restarted. `own_broker`: the caller started the broker for this
+    job alone (no worker elsewhere can join its groups), which `runtime.processes: auto` needs for one process."""
     from rollway.runtime.kafka import ensure_topics
 
     register_secrets(secret_values(cfg))
-    one = one_process(cfg, workers, env)
+    one = one_process(cfg, workers, env, own_broker)
     if one or (not quiet and not structlog.is_configured()):
         from rollway.core.logging import configure_logging
 
@@ -336,8 +337,10 @@ def run_job(cfg: RunConfig, config_path: str, overrides: list[str], bootstrap: s
             engine.stop()
 
 
-def one_process(cfg: RunConfig, workers: dict[str, int], env: dict[str, str] | None) -> bool:
-    """Whether a job runs its stages in this process (`runtime.processes`, see core/config.py)."""
+def one_process(cfg: RunConfig, workers: dict[str, int], env: dict[str, str] | None, own_broker: bool) -> bool:
+    """Whether a job runs its stages in this process (`runtime.processes`, see core/config.py). `auto` needs
+    the job's own broker: on a shared one a `rollway stage` process started elsewhere could join a stage's
+    group while its sole worker here reads every partition."""
     several = sorted(stage for stage, n in workers.items() if n > 1)
     faust = any(cfg.runtime.engine_for(stage) == "faust" for stage in STAGES)
     if cfg.runtime.processes == "one":
@@ -349,7 +352,8 @@ def one_process(cfg: RunConfig, workers: dict[str, int], env: dict[str, str] | N
                             "use runtime.processes=per-stage")
         return True
     armed = bool(os.environ.get("ROLLWAY_FAULTS"))  # a fault point must kill a worker, not the whole job
-    return cfg.runtime.processes == "auto" and not several and not faust and not env and not armed
+    return (cfg.runtime.processes == "auto" and own_broker and not several and not faust and not env
+            and not armed)
 
 
 def _run_stages(job: Job, on_tick, quiet: bool) -> dict:
