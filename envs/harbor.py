@@ -38,6 +38,7 @@ import re
 import shutil
 import tempfile
 import tomllib
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -400,8 +401,10 @@ class HarborTaskSet(TaskSet):
 async def check_task(task: HarborTask, provider: SandboxProvider, spec: SandboxSpec, oracle: bool) -> Grade:
     """One verification run in a fresh sandbox: the solution first when `oracle`, else nothing (the
     empty run); the sandbox is always destroyed."""
+    # A fresh name each run: two verifications of one task at once (two `tasks verify`, two tests) must not
+    # share a container (a fixed name made the second remove the first's mid-run).
     sandbox = await provider.create(spec, f"verify-{re.sub(r'[^A-Za-z0-9_.-]', '_', task.name)[:40]}-"
-                                          f"{hashlib.sha256(str((task.name, oracle)).encode()).hexdigest()[:6]}")
+                                          f"{'o' if oracle else 'e'}{uuid.uuid4().hex[:8]}")
     try:
         if oracle:
             await run_solution(task, sandbox)

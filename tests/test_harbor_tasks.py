@@ -271,3 +271,21 @@ def test_build_images_command_builds_each_task_image_once(tmp_path, capsys):
         assert second["images"] == first["images"] and second["built"] == [] and not second["failed"]
     finally:
         client.images.remove(first["images"]["fresh-image"], force=True)  # unique to this run: leave none behind
+
+
+def test_two_verifications_of_one_task_at_once_do_not_share_a_container():
+    """Two `tasks verify` (or two tests) checking one task at the same moment: each must get its own
+    container. With a name fixed per task, the second create met the first's container and removed it
+    mid-run ("removal already in progress", an env_error; seen in a CI run of the suite)."""
+    ensure_engine()
+    taskset = HarborTaskSet(TasksConfig(type="harbor", path=str(TASKS / "file-permissions")))
+    task = next(iter(taskset.by_name.values()))
+    provider = DockerSandboxProvider(SandboxConfig(type="docker"))
+    spec = taskset.spec_for(task)
+
+    async def both():
+        return await asyncio.gather(check_task(task, provider, spec, oracle=True),
+                                    check_task(task, provider, spec, oracle=True))
+
+    grades = asyncio.run(both())
+    assert [g.reward for g in grades] == [1.0, 1.0], [g.outcome for g in grades]

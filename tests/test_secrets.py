@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 
+import pytest
 from conftest import wait_until
 
 from rollway.core.config import RunConfig, dump_config
@@ -213,12 +214,14 @@ class _ScriptedServer:
         self.httpd.server_close()
 
 
-def test_no_planted_secret_reaches_the_run_folder_logs_ps_or_sandboxes(broker, tmp_path):
+@pytest.mark.parametrize("processes", ["per-stage", "one"])
+def test_no_planted_secret_reaches_the_run_folder_logs_ps_or_sandboxes(broker, tmp_path, processes):
     """Attack surface of a real `rollway up examples/smoke.yaml`: an API key, a SASL password and a password
     inside policy.base_url are configured. The episodes' first turn runs `env` in the sandbox (its output is
     kept in trajectories.jsonl). While the stage processes live, `ps` is sampled. Afterwards no planted
     value may be found in any file of the run folder (config, stage-config.json, summary, trajectories,
-    failures, logs, .out files), in the console output or in any `ps` line."""
+    failures, logs, .out files), in the console output or in any `ps` line. Both ways of running the
+    stages: processes that get the secrets in their environment, and tasks of `rollway up` itself."""
     import contextlib
     import subprocess
     import sys
@@ -239,7 +242,7 @@ def test_no_planted_secret_reaches_the_run_folder_logs_ps_or_sandboxes(broker, t
     run_dir, console_path = tmp_path / "run", tmp_path / "console.txt"
     console_file = console_path.open("wb")
     proc = subprocess.Popen([sys.executable, "-m", "rollway.runners", "up", str(config), "--bootstrap",
-                             broker.bootstrap, "--run-dir", str(run_dir),
+                             broker.bootstrap, "--run-dir", str(run_dir), f"runtime.processes={processes}",
                              f"topics.prefix=secrets{uuid.uuid4().hex[:6]}-"],
                             cwd=ROOT, stdout=console_file, stderr=subprocess.STDOUT)
     ps_lines: set[str] = set()
@@ -259,7 +262,8 @@ def test_no_planted_secret_reaches_the_run_folder_logs_ps_or_sandboxes(broker, t
     assert proc.returncode == 0, console[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["episodes_completed"] == 8 and server.unauthorized == 0, summary
-    assert any("rollway.runners stage agent" in line for line in ps_lines)  # the sampling saw the stages
+    stage_processes = any("rollway.runners stage agent" in line for line in ps_lines)  # the sampling saw them
+    assert stage_processes == (processes == "per-stage")
     trajectories = (run_dir / "trajectories.jsonl").read_text()
     assert "PATH=" in trajectories  # `env` ran in the sandboxes, and its output is there to search
     found = []
