@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -99,6 +100,12 @@ def build_library(opts: FamilyOptions, sdist: str) -> list[dict[str, Any]]:
     return rows[: opts.per_library]
 
 
+def interleave(groups: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row of each library in turn: a prefix of the file (`tasks.limit`, `--eval-tasks`, the first
+    `scheduler.num_tasks`) then spans the libraries instead of holding the first one only."""
+    return [row for turn in itertools.zip_longest(*groups) for row in turn if row is not None]
+
+
 def build_family(opts: FamilyOptions) -> dict[str, Any]:
     """Build every library, write `train.jsonl` and `heldout.jsonl` and `manifest.json`; the summary."""
     started = time.monotonic()
@@ -111,15 +118,16 @@ def build_family(opts: FamilyOptions) -> dict[str, Any]:
     summary: dict[str, Any] = {"seed": opts.seed, "per_library": opts.per_library, "libraries": {}}
     # Held-out first: the before-training measurement needs only these.
     for split, libraries in (("heldout", heldout), ("train", train)):
-        rows: list[dict[str, Any]] = []
+        by_library: list[list[dict[str, Any]]] = []
         for i, sdist in enumerate(libraries, start=1):
             t0 = time.monotonic()
             got = build_library(opts, sdist)
-            rows += got
+            by_library.append(got)
             summary["libraries"][sdist] = {"split": split, "instances": len(got),
                                            "seconds": round(time.monotonic() - t0, 1)}
             opts.log(f"[{split} {i}/{len(libraries)}] {sdist}: {len(got)} instances "
                      f"({time.monotonic() - t0:.0f}s; {time.monotonic() - started:.0f}s in all)")
+        rows = interleave(by_library)
         (opts.out / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         summary[split] = len(rows)
     summary["wall_seconds"] = round(time.monotonic() - started, 1)

@@ -314,3 +314,13 @@ def test_a_text_answer_ends_the_episode_and_user_hints_come_as_the_next_user_mes
     observed = build_taskset(TasksConfig(type="buglocal", path=str(toolz_instances), definition_hints="observation"))
     assert asyncio.run(observed.next_user_message(task, _episode(_said("", printed)))) is None
     assert observed.observation_hints(task, [printed]) == definition_hints([printed])
+
+
+def test_family_files_take_the_libraries_in_turn():
+    """A prefix of train.jsonl or heldout.jsonl (`--eval-tasks`, `tasks.limit`, the first `num_tasks`
+    groups) must span the libraries, not hold the first library's rows only."""
+    from rollway.envs.buglocal_build import interleave
+
+    a, b, c = [{"id": f"a{i}"} for i in range(3)], [{"id": "b0"}], [{"id": f"c{i}"} for i in range(2)]
+    assert [r["id"] for r in interleave([a, b, c])] == ["a0", "b0", "c0", "a1", "c1", "a2"]
+    assert interleave([]) == [] and interleave([[], a]) == a
