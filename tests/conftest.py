@@ -173,7 +173,7 @@ def smoke_run(broker, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("smoke") / "run"
     prefix = f"smoke{uuid.uuid4().hex[:6]}-"
     out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", "examples/smoke.yaml", "--bootstrap",
-                          broker.bootstrap, "--run-dir", str(run_dir), f"topics.prefix={prefix}"],
+                          broker.bootstrap, "runtime.processes=one", "--run-dir", str(run_dir), f"topics.prefix={prefix}"],
                          cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     return SimpleNamespace(run_dir=run_dir, prefix=prefix, bootstrap=broker.bootstrap, stderr=out.stderr)

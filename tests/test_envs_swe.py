@@ -294,7 +294,7 @@ def test_scripted_editor_fix_is_resolved_through_the_pipeline_and_doing_nothing_
     assert not set(fix["FAIL_TO_PASS"]) & set(idle["FAIL_TO_PASS"])
     run_dir = tmp_path / "run"
     out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", str(config), "--run-dir", str(run_dir),
-                          "--bootstrap", broker.bootstrap, f"topics.prefix=swe{tmp_path.name[-6:]}-"],
+                          "--bootstrap", broker.bootstrap, "runtime.processes=one", f"topics.prefix=swe{tmp_path.name[-6:]}-"],
                          capture_output=True, text=True, timeout=420)
     assert out.returncode == 0, out.stderr[-3000:]
     trajs = {json.loads(x)["episode"]["task_id"]: json.loads(x) for x in (run_dir / "trajectories.jsonl").read_text().splitlines()}

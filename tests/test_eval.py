@@ -32,7 +32,7 @@ def test_eval_reports_pass_at_k_over_every_scheduled_attempt(tmp_path, broker):
     config.write_text(yaml.safe_dump(cfg))
     run_dir = tmp_path / "run"
     out = subprocess.run([sys.executable, "-m", "rollway.runners", "eval", str(config), "--run-dir", str(run_dir),
-                          "--bootstrap", broker.bootstrap, f"topics.prefix=ev{tmp_path.name[-6:]}-"],
+                          "--bootstrap", broker.bootstrap, "runtime.processes=one", f"topics.prefix=ev{tmp_path.name[-6:]}-"],
                          capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads((run_dir / "eval.json").read_text())

@@ -100,7 +100,7 @@ def test_eval_with_a_scripted_policy_solves_one_task(broker, tmp_path):
     (tmp_path / "eval.yaml").write_text(yaml.safe_dump(cfg))
     run_dir = tmp_path / "run"
     out = subprocess.run([sys.executable, "-m", "rollway.runners", "eval", str(tmp_path / "eval.yaml"), "--run-dir",
-                          str(run_dir), "--bootstrap", broker.bootstrap, f"topics.prefix=hb{uuid.uuid4().hex[:6]}-"],
+                          str(run_dir), "--bootstrap", broker.bootstrap, "runtime.processes=one", f"topics.prefix=hb{uuid.uuid4().hex[:6]}-"],
                          capture_output=True, text=True, timeout=1000, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads((run_dir / "swebench_report.json").read_text())
@@ -241,7 +241,7 @@ def test_short_agent_timeout_ends_the_episode_with_its_reason(broker, tmp_path):
     (tmp_path / "eval.yaml").write_text(yaml.safe_dump(cfg))
     run_dir = tmp_path / "run"
     out = subprocess.run([sys.executable, "-m", "rollway.runners", "eval", str(tmp_path / "eval.yaml"), "--run-dir",
-                          str(run_dir), "--bootstrap", broker.bootstrap, f"topics.prefix=hbt{uuid.uuid4().hex[:6]}-"],
+                          str(run_dir), "--bootstrap", broker.bootstrap, "runtime.processes=one", f"topics.prefix=hbt{uuid.uuid4().hex[:6]}-"],
                          capture_output=True, text=True, timeout=700, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     trajs = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines()]

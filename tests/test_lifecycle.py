@@ -600,7 +600,7 @@ def test_rollway_up_removes_sandboxes_a_killed_run_left(broker, topic_prefix, tm
     make_boxes(s, ["rE-g0-s0-a0-old1", "rE-g1-s1-a1-old2"])
     assert len(mounts_under(root)) == 2
     out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", "examples/smoke.yaml", "--bootstrap",
-                          broker.bootstrap, "--run-dir", str(tmp_path / "run"), f"topics.prefix={topic_prefix}",
+                          broker.bootstrap, "runtime.processes=one", "--run-dir", str(tmp_path / "run"), f"topics.prefix={topic_prefix}",
                           "run.id=rE", f"sandbox.root={root}"], cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["trajectories_written"] == 8

@@ -303,7 +303,7 @@ def test_swe_tasks_in_containers_end_to_end(client: docker.DockerClient, broker,
     (tmp_path / "swe.yaml").write_text(yaml.safe_dump(cfg))
     run_dir, run_id = tmp_path / "run", f"swed{uuid.uuid4().hex[:6]}"
     out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", str(tmp_path / "swe.yaml"), "--run-dir",
-                          str(run_dir), "--bootstrap", broker.bootstrap, f"topics.prefix={run_id}-", f"run.id={run_id}"],
+                          str(run_dir), "--bootstrap", broker.bootstrap, "runtime.processes=one", f"topics.prefix={run_id}-", f"run.id={run_id}"],
                          capture_output=True, text=True, timeout=420)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     traj = json.loads((run_dir / "trajectories.jsonl").read_text().splitlines()[0])

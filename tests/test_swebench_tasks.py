@@ -430,7 +430,7 @@ def test_eval_with_a_scripted_policy_reproduces_its_resolved_ids(built, broker, 
     (tmp_path / "eval.yaml").write_text(yaml.safe_dump(cfg))
     run_dir = tmp_path / "run"
     out = subprocess.run([sys.executable, "-m", "rollway.runners", "eval", str(tmp_path / "eval.yaml"), "--run-dir",
-                          str(run_dir), "--bootstrap", broker.bootstrap, f"topics.prefix=sb{uuid.uuid4().hex[:6]}-"],
+                          str(run_dir), "--bootstrap", broker.bootstrap, "runtime.processes=one", f"topics.prefix=sb{uuid.uuid4().hex[:6]}-"],
                          capture_output=True, text=True, timeout=1300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads((run_dir / "swebench_report.json").read_text())
