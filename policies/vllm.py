@@ -115,7 +115,8 @@ def vllm_serve_env(kv_cache_gib: float | None = None, api_key: str | None = None
         env["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_cache_gib:g}"
     if api_key:
         env["VLLM_API_KEY"] = api_key
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(GUARD_PATH), os.environ.get("PYTHONPATH")) if p)
+    # The guard module (with a key) and sitecustomize's mend of a vLLM-cpu bug (vllm_plugins/sitecustomize.py)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(GUARD_PATH), os.environ.get("PYTHONPATH")) if p)
     return env
 
 

@@ -45,12 +45,25 @@ class StageLoop:
         self.loop.call_soon_threadsafe(fn, *args)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Stop the loop once the stages have ended (their tasks are done or cancelled)."""
-        if not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(timeout_s)
-            if not self.thread.is_alive():
-                self.loop.close()
+        """Once the stages have ended: cancel what is left on the loop (a killed stage's clients, their
+        background reads) and let it unwind, then stop the loop."""
+        if self.loop.is_closed():
+            return
+
+        async def cancel_the_rest() -> None:
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in rest:
+                task.cancel()
+            await asyncio.wait(rest, timeout=timeout_s) if rest else None
+
+        try:
+            asyncio.run_coroutine_threadsafe(cancel_the_rest(), self.loop).result(timeout_s + 1)
+        except (concurrent.futures.TimeoutError, RuntimeError):
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout_s)
+        if not self.thread.is_alive():
+            self.loop.close()
 
 
 class LocalStage:

