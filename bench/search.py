@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -30,6 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-tasks", type=int, default=None, help="held-out tasks evaluated (default all)")
     parser.add_argument("--attempts", type=int, default=8, help="attempts per held-out task (pass@1 and pass@K)")
     parser.add_argument("--before-only", action="store_true", help="measure both arms before training and stop")
+    parser.add_argument("--train-filter", type=int, default=0, metavar="N",
+                        help="first play each training task N times with the arm's base policy and train only on "
+                             "the tasks it solved at least once (a task nobody solves gives no signal); the "
+                             "config's training groups are then taken from those tasks in turn (default 0: no filter)")
     parser.add_argument("--arms", default="search,bash", help="arms to run, comma-separated (default both)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
@@ -38,23 +43,53 @@ def arm_overrides(arm: str) -> list[str]:
     return [f"tools.enabled={json.dumps(ARMS[arm])}", f"tasks.worked_example={arm}"]
 
 
-def _eval(args: argparse.Namespace, root: RunDir, arm: str, phase: str, model: str | None = None) -> dict:
+def _eval(args: argparse.Namespace, root: RunDir, arm: str, phase: str, model: str | None = None,
+          tasks: Path | None = None, attempts: int | None = None) -> dict:
     folder = root.sub(arm).sub(phase)
+    attempts = attempts or args.attempts
     if not folder.eval_result.is_file():  # a re-run resumes: finished phases are kept
-        held_out = [f"tasks.path={Path(args.family) / 'heldout.jsonl'}", f"eval.attempts={args.attempts}",
-                    f"eval.ks=[1,{args.attempts}]", "tasks.split=all"]
-        held_out += [f"tasks.limit={args.eval_tasks}"] if args.eval_tasks else []
+        held_out = [f"tasks.path={tasks or Path(args.family) / 'heldout.jsonl'}", f"eval.attempts={attempts}",
+                    f"eval.ks=[1,{attempts}]", "tasks.split=all"]
+        held_out += [f"tasks.limit={args.eval_tasks}"] if args.eval_tasks and tasks is None else []
         held_out += [f"policy.model={model}"] if model else []
         _rollway("eval", args.config, *args.overrides, *arm_overrides(arm), f"run.seed={args.seed}", *held_out,
                  "--run-dir", str(folder.path))
     return json.loads(folder.eval_result.read_text())
 
 
+def training_tasks(args: argparse.Namespace, root: RunDir, arm: str) -> tuple[Path, list[str]] | None:
+    """The training file of `arm`: the family's, or with --train-filter the rows its base policy solved at
+    least once in N attempts (written to ARM/train-tasks.jsonl); None when it solved none."""
+    train = Path(args.family) / "train.jsonl"
+    if not args.train_filter:
+        return train, []
+    result = _eval(args, root, arm, "filter", tasks=train, attempts=args.train_filter)
+    kept = sorted(task for task, row in result["per_task"].items() if row["correct"] > 0)
+    if not kept:
+        return None
+    out = root.sub(arm).path / "train-tasks.jsonl"
+    rows = [line for line in train.read_text().splitlines() if line.strip() and json.loads(line)["instance_id"] in kept]
+    out.write_text("".join(line + "\n" for line in rows))
+    return out, kept
+
+
 def _train(args: argparse.Namespace, root: RunDir, arm: str) -> str | None:
     folder = root.sub(arm).sub("train")
     if not folder.summary.is_file():
+        picked = training_tasks(args, root, arm)
+        if picked is None:
+            print(f"rollway bench search: the {arm} arm's base policy solved no training task in "
+                  f"{args.train_filter} attempts each; nothing to train on", file=sys.stderr)
+            return None
+        path, kept = picked
+        cycle = []
+        if kept:  # the config's groups, taken from the kept tasks in turn
+            from rollway.core.config import load_config
+
+            groups = load_config(args.config, list(args.overrides)).scheduler.num_tasks or len(kept)
+            cycle = [f"scheduler.num_tasks={len(kept)}", f"scheduler.epochs={-(-groups // len(kept))}"]
         _rollway("up", args.config, *args.overrides, *arm_overrides(arm), f"run.seed={args.seed}",
-                 f"tasks.path={Path(args.family) / 'train.jsonl'}", "--run-dir", str(folder.path))
+                 f"tasks.path={path}", *cycle, "--run-dir", str(folder.path))
     checkpoints = sorted(folder.checkpoints.glob("step_*"), key=lambda p: int(p.name.split("_")[-1]))
     return str(checkpoints[-1]) if checkpoints else None
 
@@ -121,6 +156,13 @@ def gain_difference(before: dict[str, dict], after: dict[str, dict], key: str) -
     return {"tasks": n, "diff": round(mean, 4), "se": round(se, 4), "z": round(mean / se, 2) if se else None}
 
 
+def filter_summary(folder: RunDir) -> dict:
+    """Training tasks the arm's base policy played before training, and how many it solved at least once."""
+    ev = json.loads(folder.eval_result.read_text()) if folder.eval_result.is_file() else {"per_task": {}}
+    return {"tasks": len(ev["per_task"]), "attempts_per_task": ev.get("attempts_per_task"),
+            "kept": sum(row["correct"] > 0 for row in ev["per_task"].values()), "pass@1": ev.get("pass@1")}
+
+
 def _summary(ev: dict, folder: RunDir, k: int) -> dict:
     return {"tasks": ev["tasks"], "attempts": ev["attempts"], "failed": ev.get("failed"),
             "pass@1": ev.get("pass@1"), f"pass@{k}": ev.get(f"pass@{k}"), "file_accuracy": file_accuracy(folder),
@@ -152,6 +194,8 @@ def run(args: argparse.Namespace) -> int:
         result["after"] = {arm: _summary(after[arm], root.sub(arm).sub("after"), k) for arm in arms}
         result["gain"] = {arm: paired(before[arm], after[arm], "pass@1") for arm in arms}
         result["training"] = {arm: training_curves(root.sub(arm).sub("train")) for arm in arms}
+        if args.train_filter:
+            result["train_filter"] = {arm: filter_summary(root.sub(arm).sub("filter")) for arm in arms}
         if len(arms) == 2:
             result["after_search_minus_bash"] = {f"pass@{x}": paired(after["bash"], after["search"], f"pass@{x}")
                                                  for x in (1, k)}

@@ -324,3 +324,30 @@ def test_family_files_take_the_libraries_in_turn():
     a, b, c = [{"id": f"a{i}"} for i in range(3)], [{"id": "b0"}], [{"id": f"c{i}"} for i in range(2)]
     assert [r["id"] for r in interleave([a, b, c])] == ["a0", "b0", "c0", "a1", "c1", "a2"]
     assert interleave([]) == [] and interleave([[], a]) == a
+
+
+def test_the_training_filter_keeps_the_tasks_the_base_policy_solved(tmp_path):
+    """`rollway bench search --train-filter N`: train only on tasks the arm's base policy solved at least
+    once. The filter's evaluation result is written here by hand (a fake of the `rollway eval` phase, whose
+    output format tests/test_eval.py checks); the selection and the file it writes are the real code."""
+    import argparse
+
+    from rollway.base.run_dir import RunDir
+    from rollway.bench.search import filter_summary, training_tasks
+
+    family = tmp_path / "family"
+    family.mkdir()
+    rows = [{"instance_id": f"lib__1__f{i}__0", "patch": "x"} for i in range(3)]
+    (family / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    root = RunDir(tmp_path / "bench")
+    folder = root.sub("search").sub("filter")
+    folder.path.mkdir(parents=True)
+    per_task = {r["instance_id"]: {"n": 4, "correct": c, "pass@1": c / 4} for r, c in zip(rows, (0, 2, 1), strict=True)}
+    folder.eval_result.write_text(json.dumps({"per_task": per_task, "attempts_per_task": 4, "pass@1": 0.25}))
+    args = argparse.Namespace(family=str(family), train_filter=4, attempts=8, eval_tasks=None)
+    path, kept = training_tasks(args, root, "search")
+    assert kept == ["lib__1__f1__0", "lib__1__f2__0"]
+    assert [json.loads(x)["instance_id"] for x in path.read_text().splitlines()] == kept
+    assert filter_summary(folder) == {"tasks": 3, "attempts_per_task": 4, "kept": 2, "pass@1": 0.25}
+    folder.eval_result.write_text(json.dumps({"per_task": {k: {**v, "correct": 0} for k, v in per_task.items()}}))
+    assert training_tasks(args, root, "search") is None  # nothing solved: nothing to train on
