@@ -352,8 +352,10 @@ def one_process(cfg: RunConfig, workers: dict[str, int], env: dict[str, str] | N
                             "use runtime.processes=per-stage")
         return True
     armed = bool(os.environ.get("ROLLWAY_FAULTS"))  # a fault point must kill a worker, not the whole job
+    # A training learner holds a model, its gradients and its batches (GBs): in its own process running out
+    # of memory ends the learner, which is restarted, not the whole job (a buglocal run was OOM-killed so).
     return (cfg.runtime.processes == "auto" and own_broker and not several and not faust and not env
-            and not armed)
+            and not armed and not cfg.learner.trains)
 
 
 def _run_stages(job: Job, on_tick, quiet: bool) -> dict:
