@@ -248,7 +248,7 @@ def test_no_planted_secret_reaches_the_run_folder_logs_ps_or_sandboxes(broker, t
     ps_lines: set[str] = set()
     try:
         while proc.poll() is None:  # sample the live processes' command lines until the job ends
-            ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
+            ps = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True, check=True).stdout
             ps_lines |= {line for line in ps.splitlines() if "rollway" in line}
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(0.2)
@@ -262,7 +262,8 @@ def test_no_planted_secret_reaches_the_run_folder_logs_ps_or_sandboxes(broker, t
     assert proc.returncode == 0, console[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["episodes_completed"] == 8 and server.unauthorized == 0, summary
-    stage_processes = any("rollway.runners stage agent" in line for line in ps_lines)  # the sampling saw them
+    # The sampling saw this run's stage processes (other tests' may run beside it: only lines with its folder)
+    stage_processes = any("rollway.runners stage agent" in line and str(run_dir) in line for line in ps_lines)
     assert stage_processes == (processes == "per-stage")
     trajectories = (run_dir / "trajectories.jsonl").read_text()
     assert "PATH=" in trajectories  # `env` ran in the sandboxes, and its output is there to search
