@@ -204,10 +204,9 @@ class Ledger:
             pass
 
     async def _read(self) -> None:
-        from aiokafka import TopicPartition
 
         from rollway.actors.scheduler import GIVE_UP_STAGE
-        from rollway.runtime.kafka import make_consumer, read_to_end, topic_name
+        from rollway.runtime.kafka import make_consumer, read_to_end, topic_name, topic_partitions
         from rollway.schemas.codec import DecodeError, decode
         from rollway.topics import EPISODE_FAILURES, GATEWAY_CALLS, INIT_REQUESTS, TRAJECTORIES
 
@@ -215,8 +214,7 @@ class Ledger:
         specs = {topic_name(s, self.cfg.topics): s for s in read}
         consumer = await make_consumer(self.cfg.broker, self.bootstrap, group_id=None)
         try:
-            await consumer.topics()  # fetches the metadata partitions_for_topic reads
-            tps = [TopicPartition(n, p) for n in specs for p in sorted(consumer.partitions_for_topic(n) or ())]
+            tps = await topic_partitions(consumer, specs)
             ends = await consumer.end_offsets(tps)
             starts = {tp: self.positions.get((tp.topic, tp.partition), 0) for tp in tps}
             async for tp, r in read_to_end(consumer, starts, ends, timeout_s=30.0):

@@ -111,7 +111,6 @@ class Job:
             return
         gate = RunDir(self.run_dir).start_gate
         gate.unlink(missing_ok=True)
-        self._started_at = time.monotonic()
         for stage in START_ORDER:
             gate_env = {"ROLLWAY_START_GATE": str(gate)} if stage == "scheduler" else {}
             env = {**(self.env or {}), **self.secrets_env, **gate_env} or None
@@ -448,7 +447,6 @@ def wait_for_consumers(run_dir: Path, completed: int, job: Job, timeout_s: float
 async def consumer_lag(cfg: RunConfig, bootstrap: str, stages: tuple[str, ...]) -> int:
     """Messages on the stages' input topics their consumer groups have not committed yet: one scan of
     the log ends for every input, the groups' committed offsets from one admin client."""
-    from aiokafka import TopicPartition
     from aiokafka.admin import AIOKafkaAdminClient
 
     from rollway.runners.stage import group_id, stage_inputs
@@ -458,6 +456,7 @@ async def consumer_lag(cfg: RunConfig, bootstrap: str, stages: tuple[str, ...]) 
         make_consumer,
         start_with_retry,
         topic_name,
+        topic_partitions,
     )
 
     # Its fetches only probe the high watermark at each end: a broker answers them after fetch_max_wait.
@@ -466,10 +465,10 @@ async def consumer_lag(cfg: RunConfig, bootstrap: str, stages: tuple[str, ...]) 
     admin = AIOKafkaAdminClient(**client_kwargs(cfg.broker, bootstrap))
     try:
         await start_with_retry(admin, cfg.broker, "admin")
-        await consumer.topics()
-        inputs = {stage: [TopicPartition(name, p) for name in (topic_name(t, cfg.topics) for t in stage_inputs(stage))
-                          for p in sorted(consumer.partitions_for_topic(name) or ())] for stage in stages}
-        ends = await log_end_offsets(consumer, sorted({tp for tps in inputs.values() for tp in tps}))
+        names = {stage: {topic_name(t, cfg.topics) for t in stage_inputs(stage)} for stage in stages}
+        every = await topic_partitions(consumer, sorted(set().union(*names.values())))
+        inputs = {stage: [tp for tp in every if tp.topic in names[stage]] for stage in stages}
+        ends = await log_end_offsets(consumer, every)
         total = 0
         for stage, tps in inputs.items():
             committed = await admin.list_consumer_group_offsets(group_id(stage, cfg), partitions=tps)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import structlog
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import (
     ClusterAuthorizationFailedError,
@@ -196,6 +197,14 @@ async def create_topics(admin: AIOKafkaAdminClient, new: list[NewTopic], timeout
         if time.monotonic() > deadline:
             raise BrokerUnavailable(f"topics {sorted(names)} were not created within {timeout_s}s")
         await asyncio.sleep(0.1)
+
+
+async def topic_partitions(consumer: AIOKafkaConsumer, names: Iterable[str]) -> list[TopicPartition]:
+    """Every partition of the topics `names`, by topic in the given order and then by partition (one
+    metadata fetch first: `partitions_for_topic` reads the consumer's cached metadata). A topic the broker
+    does not have contributes none."""
+    await consumer.topics()
+    return [TopicPartition(name, p) for name in names for p in sorted(consumer.partitions_for_topic(name) or ())]
 
 
 async def log_end_offsets(consumer: AIOKafkaConsumer, tps: list[Any], probe_ms: int = 1000) -> dict[Any, int]:

@@ -9,9 +9,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from aiokafka import TopicPartition
-
-from rollway.runtime.kafka import make_consumer, read_to_end, topic_name
+from rollway.runtime.kafka import make_consumer, read_to_end, topic_name, topic_partitions
 from rollway.runtime.settings import StreamConfig
 from rollway.schemas.codec import DecodeError, decode
 from rollway.topics import TopicSpec
@@ -33,8 +31,7 @@ class StreamingTopicScanner:
         name = topic_name(spec, self.cfg.topics)
         consumer = await make_consumer(self.cfg.broker, self.bootstrap, group_id=None)
         try:
-            await consumer.topics()  # fetches the metadata partitions_for_topic reads
-            tps = [TopicPartition(name, p) for p in sorted(consumer.partitions_for_topic(name) or ())]
+            tps = await topic_partitions(consumer, [name])
             if not tps:
                 return
             ends = await consumer.end_offsets(tps)

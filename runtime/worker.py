@@ -26,7 +26,14 @@ from rollway.base.faults import fault_point
 from rollway.base.files import write_json_atomic
 from rollway.base.redaction import redact
 from rollway.runtime.actor import Actor, FatalActorError, MessageMeta, Output, OutputRefused, StaleMessage
-from rollway.runtime.kafka import ensure_topics, make_consumer, make_producer, read_to_end, topic_name
+from rollway.runtime.kafka import (
+    ensure_topics,
+    make_consumer,
+    make_producer,
+    read_to_end,
+    topic_name,
+    topic_partitions,
+)
 from rollway.runtime.queue import Backlog, KeyLocks
 from rollway.runtime.settings import StreamConfig
 from rollway.runtime.telemetry import TelemetryLog
@@ -318,12 +325,11 @@ class StageWorker:
 
     async def _assign_all(self) -> None:
         """Own every partition of the inputs (the topics exist: `ensure_topics` ran before)."""
-        await self.consumer.topics()  # a metadata fetch: partitions_for_topic needs it
-        tps = {TopicPartition(name, p) for name in self.specs for p in self.consumer.partitions_for_topic(name) or ()}
+        tps = await topic_partitions(self.consumer, self.specs)
         missing = [name for name in self.specs if not any(tp.topic == name for tp in tps)]
         if missing:
             raise RuntimeError(f"input topics without partitions on the broker: {', '.join(missing)}")
-        self.consumer.assign(sorted(tps))
+        self.consumer.assign(tps)
         log.info("partitions assigned", stage=self.actor.name, sole_worker=True,
                  partitions=sorted(f"{tp.topic}:{tp.partition}" for tp in tps))
         self.write_status(force=True)
