@@ -495,14 +495,19 @@ class DockerSandboxProvider(SandboxProvider):
         handed to an episode were renamed and are never touched. Returns the removed names."""
         host = socket.gethostname()
         removed = []
-        for container in self.client.containers.list(all=True, filters={"label": POOL_OWNER_LABEL}):
-            owner_host, _, pid = container.labels.get(POOL_OWNER_LABEL, "").rpartition(":")
-            name = container.labels.get(LABEL, "")
-            if owner_host != host or not pid.isdigit() or container.name != f"rollway-{name}":
+        # The engine's listing alone (names and labels in one answer): the high-level list inspects each
+        # container after, and one removed meanwhile by its own process's close raised NotFound.
+        with engine_errors("list pooled containers", POOL_OWNER_LABEL):
+            found = self.client.api.containers(all=True, filters={"label": POOL_OWNER_LABEL})
+        for container in found:
+            labels = container.get("Labels") or {}
+            owner_host, _, pid = labels.get(POOL_OWNER_LABEL, "").rpartition(":")
+            name = labels.get(LABEL, "")
+            if owner_host != host or not pid.isdigit() or f"/rollway-{name}" not in (container.get("Names") or []):
                 continue
             if _alive(int(pid)):
                 continue
-            self.remove(str(container.id), name)
+            self.remove(str(container["Id"]), name)  # already gone is fine
             removed.append(name)
         return removed
 

@@ -14,6 +14,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import docker
 import pytest
@@ -408,3 +409,40 @@ asyncio.run(main())
         if container.name.startswith(f"rollway-{prefix}"):
             provider = DockerSandboxProvider(config)
             provider.remove(str(container.id), container.labels[LABEL])
+
+
+def test_reaping_survives_a_pooled_container_removed_while_it_lists(
+    client: docker.DockerClient, config: SandboxConfig, prefix: str
+) -> None:
+    """Another process closing its pool removes its containers while this provider's reaper lists the
+    pooled ones (seen in a parallel test run: the refill died of NotFound and the pool never filled).
+    The real engine removes a real labelled container between the listing and anything read of it
+    after; the only thing staged is the order, through a wrapper on the client's listing call."""
+    from rollway.sandboxes.docker import POOL_OWNER_LABEL
+
+    other = client.containers.run(config.image, ["sleep", "60"], detach=True, name=f"rollway-{prefix}-other",
+                                  labels={LABEL: f"{prefix}-other", POOL_OWNER_LABEL: f"{socket.gethostname()}:1"})
+    provider = DockerSandboxProvider(config.model_copy(update={"warm_pool": 1}))
+    api = provider.client.api
+    listing = api.containers
+
+    def list_then_lose_one(*args: Any, **kwargs: Any) -> Any:
+        found = listing(*args, **kwargs)
+        other.remove(force=True)  # gone before the reaper reads or removes it
+        return found
+
+    api.containers = list_then_lose_one  # type: ignore[method-assign]
+
+    async def go() -> None:
+        first = await provider.create(SandboxSpec(), prefix)  # cold: the refill reaps, then fills the pool
+        for _ in range(200):
+            if len(provider._pool.get(config.image, [])) == 1 or provider._refills[config.image].done():
+                break
+            await asyncio.sleep(0.1)
+        refill = provider._refills[config.image]
+        assert not (refill.done() and refill.exception()), refill.exception()
+        assert len(provider._pool[config.image]) == 1
+        await first.destroy()
+        await provider.close()
+
+    run(go())
