@@ -141,6 +141,8 @@ class Trainer:
     def tick(self, now: float | None = None) -> list[StepResult]:
         """Train incomplete groups past `group_timeout_s` (call periodically, e.g. once a second).
         Groups of fewer than two episodes carry no signal and are consumed without training."""
+        if self.broken is not None:
+            raise RuntimeError("an earlier update failed; restart the learner from its checkpoint") from self.broken
         with self._book:
             expired = self._take(self._buffer.pop_expired(now))
         return self._train_all(expired) if expired else []
@@ -376,8 +378,11 @@ class Trainer:
             model.eval()
 
     def _take(self, groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
-        """Mark popped groups as in training (still pending for the held offsets). Under _book."""
-        self._training = {t.episode_id for g in groups for t in g} | set(self._buffer.released_abandoned)
+        """Mark popped groups as in training (still pending for the held offsets). Under _book.
+        Nothing popped changes nothing: the episodes of an update that failed stay held (a tick that
+        found no expired group after a failed update emptied this set, and their offsets were committed)."""
+        if groups or self._buffer.released_abandoned:
+            self._training = {t.episode_id for g in groups for t in g} | set(self._buffer.released_abandoned)
         return groups
 
     def _consumed(self, episode_ids: list[str], abandoned: list[str], updated: bool) -> None:

@@ -238,3 +238,36 @@ def test_a_tick_running_beside_a_handle_never_drops_its_held_offset(tmp_path):
         return held
 
     assert run(scenario()) == {("trajectories", 2, 40)}
+
+
+def test_a_tick_after_a_failed_update_keeps_its_episodes_held(tmp_path):
+    """An update fails (a rank died: FatalActorError) and the runtime ticks the learner once more
+    before it stops. That tick cleared the failed update's episodes from the held set, the idle
+    worker committed past them, and the restarted learner never saw them (a chaos run with two
+    learner ranks lost a whole group this way). The failure is staged by making the optimizer step
+    raise; the trainer, the actor and its held-offset bookkeeping are the real ones."""
+    from rollway.runtime.actor import FatalActorError
+
+    s = learner_services(tmp_path, "learner.tensorboard=false")
+
+    async def scenario():
+        actor = LearnerActor(s, trainer_factory=tiny_model_factory())
+        await actor.setup()
+
+        def dying_optimise(samples):
+            raise RuntimeError("rank 1 went away mid-step")
+
+        actor.trainer._optimise = dying_optimise
+        await actor.handle(traj(0, 1.0), MessageMeta("trajectories", 0, 7))
+        await actor.handle(traj(0, 1.0, group="rL-g1"), MessageMeta("trajectories", 1, 3))  # another group, buffered
+        with pytest.raises(FatalActorError):
+            await actor.handle(traj(1, 0.0), MessageMeta("trajectories", 0, 8))
+        try:
+            await actor.tick()  # the worker's loop may tick before it sees the fatal error
+        except FatalActorError:
+            pass
+        held = actor.held_offsets()
+        await actor.close()
+        return held
+
+    assert run(scenario()) == {("trajectories", 0, 7), ("trajectories", 0, 8), ("trajectories", 1, 3)}
