@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -15,7 +16,8 @@ from rollway.learning.config import LearnerConfig
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF folder, .gguf file or 'smollm2' (default)")
-    parser.add_argument("--batch", type=int, default=4, help="episodes per update (one group)")
+    parser.add_argument("--batch", type=int, default=4, help="episodes per update (one group; at least 2: "
+                        "a group of one has no advantage and trains nothing)")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per episode")
     parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens (no loss) per episode")
     parser.add_argument("--steps", type=int, default=3, help="timed updates after one warm-up update")
@@ -120,6 +122,10 @@ def _peak_rss_gb() -> float:
 def run(args: argparse.Namespace) -> int:
     import os
 
+    if args.batch < 2:
+        print("rollway bench learner: --batch must be at least 2 (a group of one episode has no advantage, so "
+              "no update would run to time)", file=sys.stderr)
+        return 2
     if int(os.environ.get("RANK", "0")) > 0:  # a rank the bench's rank 0 started: follow it
         from rollway.learning.distributed import run_follower
 

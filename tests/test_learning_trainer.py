@@ -163,3 +163,15 @@ def test_buffer_gives_groups_that_started_under_the_oldest_policy_first() -> Non
 def test_record_config_is_not_a_trainer(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="record"):
         Trainer(LearnerConfig(), tmp_path)
+
+
+def test_bench_learner_refuses_a_group_of_one_with_a_reason(capsys) -> None:
+    """A one-episode group has no advantage, so no update runs: the bench said IndexError."""
+    import argparse
+
+    from rollway.learning import bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert bench.run(parser.parse_args(["--batch", "1", "--json"])) == 2
+    assert "--batch must be at least 2" in capsys.readouterr().err
