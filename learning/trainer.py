@@ -118,8 +118,7 @@ class Trainer:
         """Buffer one trajectory; run the updates its arrival makes possible (usually 0 or 1).
         An episode already trained (or buffered) is ignored and counted in `duplicates`."""
         check_token_arrays(traj)  # the contract TokenStream built (schemas/tokens.py)
-        if self.broken is not None:
-            raise RuntimeError("an earlier update failed; restart the learner from its checkpoint") from self.broken
+        self._refuse_if_broken()
         with self._book:
             fresh = traj.episode_id not in self._recent and self._buffer.add(traj)
         if not fresh:
@@ -130,8 +129,7 @@ class Trainer:
     def abandon(self, group_id: str, episode_id: str) -> list[StepResult]:
         """The scheduler gave up on `episode_id`: its group completes without it (it is consumed,
         with no trajectory, in the update that takes the group)."""
-        if self.broken is not None:
-            raise RuntimeError("an earlier update failed; restart the learner from its checkpoint") from self.broken
+        self._refuse_if_broken()
         with self._book:
             fresh = episode_id not in self._recent and self._buffer.abandon(group_id, episode_id)
         if not fresh:
@@ -141,8 +139,7 @@ class Trainer:
     def tick(self, now: float | None = None) -> list[StepResult]:
         """Train incomplete groups past `group_timeout_s` (call periodically, e.g. once a second).
         Groups of fewer than two episodes carry no signal and are consumed without training."""
-        if self.broken is not None:
-            raise RuntimeError("an earlier update failed; restart the learner from its checkpoint") from self.broken
+        self._refuse_if_broken()
         with self._book:
             expired = self._take(self._buffer.pop_expired(now))
         return self._train_all(expired) if expired else []
@@ -172,6 +169,11 @@ class Trainer:
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+
+    def _refuse_if_broken(self) -> None:
+        """After a failed update the trainer's state is undefined: only a restart from the checkpoint goes on."""
+        if self.broken is not None:
+            raise RuntimeError("an earlier update failed; restart the learner from its checkpoint") from self.broken
 
     # ---- update -----------------------------------------------------------------------------
 
