@@ -155,6 +155,24 @@ def toolz_two_tasks(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def toolz_swebench_row(tmp_path_factory) -> Path:
+    """The folder of one toolz SWE-bench row over git, built by the default command (`rollway tasks build swe
+    --sdist toolz==1.2.0 --max-tasks 1 --seed 0 --out DIR/rows.jsonl`: the repository in `DIR/mirror`), once
+    per test run for every test that needs an SWE-bench row (the build runs the archive's suite per
+    candidate bug; it is deterministic, so every such test would build this same row)."""
+    import subprocess
+    import sys
+
+    def build(folder: Path) -> None:
+        out = subprocess.run([sys.executable, "-m", "rollway.runners", "tasks", "build", "swe", "--sdist", "toolz==1.2.0",
+                              "--max-tasks", "1", "--seed", "0", "--out", str(folder / "rows.jsonl")],
+                             capture_output=True, text=True, timeout=900, cwd=ROOT)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+
+    return built_once(tmp_path_factory, "toolz-swebench", build)
+
+
+@pytest.fixture(scope="session")
 def toolz_one_task(toolz_two_tasks, tmp_path_factory) -> Path:
     """The first of `toolz_two_tasks` alone, as a one-task instances file."""
     out = tmp_path_factory.mktemp("toolz1") / "toolz.jsonl"

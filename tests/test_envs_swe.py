@@ -149,18 +149,16 @@ def test_build_writes_swe_bench_style_instances(toolz_instances):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # a build (the archive's suite per candidate bug) and a check of its row, jailed
-def test_build_writes_swe_bench_rows_over_git_by_default(toolz_instances, tmp_path):
-    """The default build: SWE-bench rows whose repository (a real git mirror next to the rows file) holds
-    the clean sdist and the bug as one commit on it; the build is deterministic for a seed, so its row
-    is the one the older instances file of the same seed converts to (same commits)."""
+def test_build_writes_swe_bench_rows_over_git_by_default(toolz_instances, toolz_swebench_row):
+    """The default build (the session's `toolz_swebench_row`, conftest.py): SWE-bench rows whose repository
+    (a real git mirror next to the rows file) holds the clean sdist and the bug as one commit on it; the
+    build is deterministic for a seed, so its row is the one the older instances file of the same seed
+    converts to (same commits)."""
     import subprocess
 
-    out = tmp_path / "again.jsonl"
-    assert cli(["build", "swe", "--sdist", SDIST, "--max-tasks", "1", "--seed", "0", "--out", str(out)]) == 0
-    [row] = [json.loads(line) for line in out.read_text().splitlines()]
+    [row] = [json.loads(line) for line in (toolz_swebench_row / "rows.jsonl").read_text().splitlines()]
     assert row["repo"] == "pypi/toolz" and json.loads(row["FAIL_TO_PASS"]) and "mutation" not in row
-    git = ["git", "-C", str(tmp_path / "mirror" / "pypi__toolz.git")]
+    git = ["git", "-C", str(toolz_swebench_row / "mirror" / "pypi__toolz.git")]
     parent = subprocess.run([*git, "rev-parse", f"{row['base_commit']}^"], capture_output=True, text=True, check=True)
     assert parent.stdout.strip() == row["environment_setup_commit"]
     converted, mirror = rows_from_instances(toolz_instances)
@@ -169,15 +167,11 @@ def test_build_writes_swe_bench_rows_over_git_by_default(toolz_instances, tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sandbox", ["local", "docker"])
-def test_verify_gold_resolves_and_empty_does_not(toolz_instances, capsys, sandbox):
-    """An instances file, converted on load, in the bubblewrap jail (the tree exported from the mirror)
-    and in containers of each instance's image built here (real Docker engine)."""
-    if sandbox == "docker":
-        from docker_engine import ensure_engine
-
-        ensure_engine()
-    assert cli(["verify", str(toolz_instances), "--json", "--sandbox", sandbox]) == 0
+def test_verify_gold_resolves_and_empty_does_not(toolz_instances, capsys):
+    """An instances file, converted on load, in the bubblewrap jail (the tree exported from the mirror).
+    The converted rows are SWE-bench rows of the one SWE task set: their check in containers of each
+    instance's image is tests/test_swebench_tasks.py's (the same loader, images and grader)."""
+    assert cli(["verify", str(toolz_instances), "--json", "--sandbox", "local"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert (summary["total"], summary["gold_resolved"], summary["empty_resolved"]) == (2, 2, 0)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import uuid
 
@@ -17,7 +18,7 @@ from rollway.envs.config import ToyTasksConfig
 from rollway.envs.toy import ToyTaskSet
 from rollway.runners import cmd_grader
 from rollway.runners.grader_attacks import ATTACKS, Target
-from rollway.runners.grader_check import DOCKER_ONLY, FAMILIES, Family, Options, run_suite
+from rollway.runners.grader_check import DOCKER_ONLY, FAMILIES, TWINS_ON_DOCKER, Family, Options, _family, run_suite
 from rollway.sandboxes.base import Sandbox, SandboxProvider
 
 
@@ -35,8 +36,11 @@ def holes(report: dict) -> list[str]:
 SPLIT = {"swe": 2, "swebench": 2}
 """Families with many slow rows (each runs a real test suite): their attacks in this many parts."""
 CASES = [(kind, family, part) for kind in ("local", "docker") for family in FAMILIES
-         if kind == "docker" or family not in DOCKER_ONLY for part in range(SPLIT.get(family, 1))]
-"""One test per sandbox, family and part, so a parallel run spreads the suite's minutes over its workers."""
+         if (kind == "docker" and family not in TWINS_ON_DOCKER) or (kind == "local" and family not in DOCKER_ONLY)
+         for part in range(SPLIT.get(family, 1))]
+"""One test per sandbox, family and part, so a parallel run spreads the suite's minutes over its workers. A
+family that is another on docker (`TWINS_ON_DOCKER`: `swe` is `swebench` there) is played there as that one;
+`test_swe_on_docker_is_swebench` fails when the two stop being one."""
 
 
 def part_of(family: str, part: int) -> tuple[str, ...]:
@@ -46,13 +50,38 @@ def part_of(family: str, part: int) -> tuple[str, ...]:
 
 
 def test_the_cases_cover_every_family_and_row_on_every_sandbox_it_runs_on():
-    assert {f for k, f, _ in CASES if k == "docker"} == set(FAMILIES)
+    assert {f for k, f, _ in CASES if k == "docker"} == set(FAMILIES) - set(TWINS_ON_DOCKER)
+    assert set(TWINS_ON_DOCKER.values()) <= {f for k, f, _ in CASES if k == "docker"}
     assert {f for k, f, _ in CASES if k == "local"} == set(FAMILIES) - DOCKER_ONLY
     for kind in ("local", "docker"):
         for family in SPLIT:
             parts = [part_of(f, p) for k, f, p in CASES if (k, f) == (kind, family)]
             names = [n for p in parts for n in p]
             assert sorted(names) == sorted(a.name for a in ATTACKS if family in a.families) or not parts
+
+
+def test_swe_on_docker_is_swebench():
+    """Why the docker cases leave `swe` out: on docker its task set, task, row, grading settings and image
+    source are `swebench`'s, so every row would be played twice on identical code. The whole check (`rollway
+    grader check --type docker`) skips it the same way, and says so."""
+    from rollway.sandboxes.config import SandboxConfig
+    from rollway.sandboxes.factory import build_sandbox_provider
+
+    opts = Options(sandbox="docker")
+    provider = build_sandbox_provider(SandboxConfig(type="docker"))
+    try:
+        for name, twin in TWINS_ON_DOCKER.items():
+            a, b = _family(name, opts), _family(twin, opts)
+            assert type(a.taskset) is type(b.taskset) and a.task == b.task
+            assert dataclasses.replace(a.target, family=twin) == b.target  # what the attacks know: the same
+            assert a.taskset.instances == b.taskset.instances and a.taskset.settings == b.taskset.settings
+            assert a.taskset.uses_images(provider) and b.taskset.uses_images(provider)
+            images = [(t.mirror, t.images.template, t.images.base_image, t.images.network) for t in (a.taskset, b.taskset)]
+            assert images[0] == images[1]
+    finally:
+        asyncio.run(provider.close())
+    report = asyncio.run(run_suite(Options(sandbox="docker", families=("swe", "swebench"), attacks=("no-such-row",))))
+    assert report["total"] == 0 and set(report["families_skipped"]) == set(TWINS_ON_DOCKER)
 
 
 @pytest.mark.slow

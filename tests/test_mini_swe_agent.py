@@ -2,8 +2,8 @@
 instance's docker container through the gateway, run by `rollway up` (a scripted fix: resolved) and
 `rollway eval` (a scripted non-fix: not resolved, pass@1 0).
 
-The row is built here from toolz 1.2.0's source archive (`rollway tasks build swe --format swebench`,
-over a real git mirror); the instance image comes from the row (cached on the engine). Real broker, real
+The row is the session's build from toolz 1.2.0's source archive (`rollway tasks build swe`, over a real
+git mirror; conftest.py); the instance image comes from the row (cached on the engine). Real broker, real
 docker sandbox, real gateway, the real program (installed by scripts/setup-agents.sh, bound read-only
 into the container and started with the image's own python3); the scripted policy is the only fake: it
 is the model, and it answers in mini-swe-agent's text format (a THOUGHT and one fenced
@@ -28,17 +28,12 @@ SUBMIT = ACTION.format("The fix is in place.", "echo COMPLETE_TASK_AND_SUBMIT_FI
 
 
 @pytest.fixture(scope="module")
-def row(tmp_path_factory) -> tuple[dict, Path]:
-    """One toolz SWE-bench row and its mirror folder (the build runs the archive's tests per candidate bug)."""
+def row(toolz_swebench_row) -> tuple[dict, Path]:
+    """One toolz SWE-bench row and its mirror folder (the session's build, conftest.py)."""
     from docker_engine import ensure_engine
 
     ensure_engine()
-    folder = tmp_path_factory.mktemp("mini-swebench")
-    out = subprocess.run([*ROLLWAY, "tasks", "build", "swe", "--sdist", "toolz==1.2.0", "--max-tasks", "1",
-                          "--format", "swebench", "--mirror", str(folder / "mirror"), "--out", str(folder / "rows.jsonl")],
-                         capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    return json.loads((folder / "rows.jsonl").read_text().splitlines()[0]), folder
+    return json.loads((toolz_swebench_row / "rows.jsonl").read_text().splitlines()[0]), toolz_swebench_row
 
 
 def fix_action(patch: str) -> str:
@@ -47,7 +42,7 @@ def fix_action(patch: str) -> str:
     return ACTION.format("Apply the fix.", f"cat > /tmp/fix.patch <<'EOF' && patch -p1 < /tmp/fix.patch\n{patch}EOF")
 
 
-def job(folder: Path, script: list[dict]) -> dict:
+def job(folder: Path, script: list[dict], gateway: Path) -> dict:
     venv = mini_swe_agent()  # installed by scripts/setup-agents.sh (run here when missing: a failure, never a skip)
     harness = mini_harness(venv, own_python=True, configs=["benchmarks/swebench_backticks.yaml",
                                                            "environment.cwd=/workspace"])
@@ -60,7 +55,7 @@ def job(folder: Path, script: list[dict]) -> dict:
         "run": {"name": "mini-swebench", "timeout_s": 900},
         "tasks": {"type": "swebench", "path": str(folder / "rows.jsonl"), "mirror": str(folder / "mirror"),
                   "test_timeout_s": 300},
-        "sandbox": {"type": "docker", "gateway_root": str(folder / "gateway")},
+        "sandbox": {"type": "docker", "gateway_root": str(gateway)},
         "scheduler": {"group_size": 1, "max_inflight_episodes": 1, "episode_deadline_s": 840, "max_attempts": 1},
         # mini-swe-agent sends no max_tokens: the gateway's default per call must hold the whole patch
         # (bytes-chatml: a token per byte), or the reply ends with finish_reason=length.
@@ -71,7 +66,8 @@ def job(folder: Path, script: list[dict]) -> dict:
 
 
 def run(tmp_path: Path, folder: Path, verb: str, script: list[dict]) -> dict:
-    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job(folder, script)))
+    # A gateway folder per command, beside the row (a short path for its sockets; the folder is shared).
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job(folder, script, folder / f"gateway-{verb}")))
     run_dir = tmp_path / "run"
     out = subprocess.run([*ROLLWAY, verb, str(tmp_path / "job.yaml"), "--run-dir", str(run_dir)],
                          capture_output=True, text=True, timeout=1000, cwd=ROOT)

@@ -210,21 +210,28 @@ def cli(argv: list[str]) -> int:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
+def built(tmp_path_factory, toolz_swebench_row):
     """One instance from each of three libraries' source archives, as SWE-bench rows over a git mirror
     (built once per test run, `built_once`; sdists cached under ~/.cache/rollway, images cached on the
-    engine)."""
+    engine). inflection and six are built here with the gold patch checked in their images (`--sandbox
+    docker`); the toolz row is the session's (`toolz_swebench_row`, the same command's local check), its
+    repository copied into this mirror."""
+    import shutil
+
     ensure_engine()
 
     def build(folder: Path) -> None:
-        mirror, rows = folder / "mirror", []
-        # The three builds run side by side (each its own process; they share only the mirror folder, one
+        mirror = folder / "mirror"
+        # The two builds run side by side (each its own process; they share only the mirror folder, one
         # repository each).
         procs = [(out, subprocess.Popen([sys.executable, "-m", "rollway.runners", "tasks", "build", "swe", "--sdist",
                                          sdist, "--max-tasks", "1", "--sandbox", "docker", "--mirror", str(mirror),
                                          "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True, cwd=ROOT))
-                 for sdist in LIBRARIES for out in [folder / f"{sdist.split('==')[0]}.jsonl"]]
+                 for sdist in LIBRARIES[1:] for out in [folder / f"{sdist.split('==')[0]}.jsonl"]]
+        rows = [json.loads(line) for line in (toolz_swebench_row / "rows.jsonl").read_text().splitlines()]
+        mirror.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(toolz_swebench_row / "mirror" / "pypi__toolz.git", mirror / "pypi__toolz.git")
         for out, proc in procs:
             log, _ = proc.communicate(timeout=600)
             assert proc.returncode == 0, log[-3000:]
