@@ -18,7 +18,15 @@ from rollway.envs.config import ToyTasksConfig
 from rollway.envs.toy import ToyTaskSet
 from rollway.runners import cmd_grader
 from rollway.runners.grader_attacks import ATTACKS, Target
-from rollway.runners.grader_check import DOCKER_ONLY, FAMILIES, TWINS_ON_DOCKER, Family, Options, _family, run_suite
+from rollway.runners.grader_check import (
+    DOCKER_ONLY,
+    FAMILIES,
+    TWINS_ON_DOCKER,
+    Family,
+    Options,
+    _family,
+    run_suite,
+)
 from rollway.sandboxes.base import Sandbox, SandboxProvider
 
 
