@@ -45,7 +45,9 @@ def test_vllm_command_has_the_rl_flags():
     assert vllm_serve_env(1.5)["VLLM_CPU_KVCACHE_SPACE"] == "1.5"
     shell = vllm_serve_shell("m")
     assert shell.startswith("VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 PYTHONPATH=")
-    assert "/policies/vllm_plugins python -m vllm.entrypoints.openai.api_server " in shell
+    path = shell.split(" PYTHONPATH=", 1)[1].split(" ", 1)[0]  # the plugins first, then whatever the caller had
+    assert path.split(":")[0].endswith("/policies/vllm_plugins")
+    assert f"PYTHONPATH={path} python -m vllm.entrypoints.openai.api_server " in shell
 
 
 def test_builtin_weight_update_calls():
