@@ -79,14 +79,6 @@ def pids_with(fragment: str) -> set[int]:
     return found
 
 
-def stage_command(pid: int) -> bool:
-    try:
-        argv = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\0")
-    except OSError:
-        return False
-    return any(a == "rollway.runners" and argv[i + 1:i + 2] == ["stage"] for i, a in enumerate(argv))
-
-
 def descendants(pid: int) -> set[int]:
     """Every process below `pid` now (children, their children, ...)."""
     found: set[int] = set()
@@ -122,7 +114,7 @@ def test_sigterm_stops_up_and_everything_it_started(tmp_path, processes):
                    what="every stage writing its status")
         # A stage process's command is `rollway.runners stage NAME ...`; matching the run folder alone would
         # also catch a child `rollway up` has forked and not yet exec'd (it still shows its parent's command).
-        stages = {p for p in pids_with(f"--run-dir {run_dir}") if p != up.pid and stage_command(p)}
+        stages = pids_with(f"--run-dir {run_dir}") & pids_with("-m rollway.runners stage ")
         broker = pids_with(f"tcp://127.0.0.1:{port}")
         assert broker and all(alive(p) for p in stages | broker)
         if processes == "per-stage":
