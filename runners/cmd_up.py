@@ -20,6 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", default=None, help="run folder (default: run.dir or runs/<name>-<time>)")
     parser.add_argument("--workers", action="append", default=[], metavar="STAGE=N",
                         help="processes for a stage, e.g. --workers agent=2 (repeatable; default 1 each)")
+    parser.add_argument("--no-report", action="store_true",
+                        help="skip drawing report.html and plots/ at the end (`rollway report DIR` draws them later)")
 
 
 def prepare_run_dir(args: argparse.Namespace, cfg, prog: str) -> Path:
@@ -50,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     write_run_files(run_dir, cfg)
     configure_logging("up", run_dir)
-    reporter = ReportWorker(run_dir).start()  # loads the plotting library on the other core meanwhile
+    # Loads the plotting library on the other core while the stages run.
+    reporter = None if args.no_report else ReportWorker(run_dir).start()
     broker = None
     try:
         if args.bootstrap is None and cfg.broker.bootstrap is None:
@@ -58,14 +61,16 @@ def run(args: argparse.Namespace) -> int:
         bootstrap = args.bootstrap or cfg.broker.bootstrap or broker.bootstrap
         summary = run_job(cfg, args.config, list(args.overrides), bootstrap, run_dir, workers,
                           own_broker=broker is not None)
-        reporter.draw()  # while the broker stops
+        if reporter is not None:
+            reporter.draw()  # while the broker stops
     except (BrokerError, BrokerUnavailable, JobFailed) as err:
         print(f"rollway up: {err}", file=sys.stderr)
         return 1
     finally:
         if broker is not None:
             broker.stop()
-        reporter.finish()
+        if reporter is not None:
+            reporter.finish()
     print(json.dumps({k: summary[k] for k in ("episodes_scheduled", "episodes_completed", "episodes_failed",
                                               "reward_mean", "wall_seconds")}))
     return 0

@@ -55,6 +55,7 @@ def test_up_runs_the_smoke_job_to_completion(tmp_path):
         assert any(x["event"] == "partitions assigned" and x.get("sole_worker") for x in lines), stage
         assert "stage worker stopped" in (run_dir / "logs" / f"{stage}-0.out").read_text()
     assert {json.loads(x)["stage"] for x in (run_dir / "logs" / "up.jsonl").read_text().splitlines()} == {"up"}
+    assert (run_dir / "report.html").stat().st_size > 0 and list((run_dir / "plots").glob("*.png"))  # drawn by default
 
 
 def alive(pid: int) -> bool:

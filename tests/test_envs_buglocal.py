@@ -93,7 +93,7 @@ def test_located_bug_is_rewarded_and_a_wrong_function_is_not_through_the_pipelin
     config = tmp_path / "buglocal.yaml"
     config.write_text(yaml.safe_dump(cfg))
     run_dir = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", str(config), "--run-dir", str(run_dir),
+    out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", "--no-report", str(config), "--run-dir", str(run_dir),
                           "--bootstrap", broker.bootstrap, "runtime.processes=one", f"topics.prefix=bl{tmp_path.name[-6:]}-"],
                          cwd=ROOT, capture_output=True, text=True, timeout=320)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -169,7 +169,7 @@ def test_family_builds_by_library_resumes_from_cache_and_plays_both_arms(broker,
                "policy": {"type": "scripted", "script": [{"when": "", "turns": script}]}}
         config = tmp_path / f"{arm}.yaml"
         config.write_text(yaml.safe_dump(cfg))
-        out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", str(config), "--run-dir",
+        out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", "--no-report", str(config), "--run-dir",
                               str(tmp_path / arm), "--bootstrap", broker.bootstrap, "runtime.processes=one",
                               f"topics.prefix=bl{arm}{tmp_path.name[-6:]}-"],
                              cwd=ROOT, capture_output=True, text=True, timeout=220)

@@ -287,7 +287,7 @@ def test_scripted_editor_fix_is_resolved_through_the_pipeline_and_doing_nothing_
     config.write_text(yaml.safe_dump(cfg))
     assert not set(fix["FAIL_TO_PASS"]) & set(idle["FAIL_TO_PASS"])
     run_dir = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", str(config), "--run-dir", str(run_dir),
+    out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", "--no-report", str(config), "--run-dir", str(run_dir),
                           "--bootstrap", broker.bootstrap, "runtime.processes=one", f"topics.prefix=swe{tmp_path.name[-6:]}-"],
                          capture_output=True, text=True, timeout=420)
     assert out.returncode == 0, out.stderr[-3000:]

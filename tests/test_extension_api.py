@@ -362,7 +362,7 @@ def test_verify_says_why_a_cut_reference_solution_failed_and_keeps_its_trajector
 
 
 def _up(config: Path, run_dir: Path, *overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rollway.runners", "up", str(config), "--run-dir", str(run_dir),
+    return subprocess.run([sys.executable, "-m", "rollway.runners", "up", "--no-report", str(config), "--run-dir", str(run_dir),
                            "run.timeout_s=240", *overrides], capture_output=True, text=True, cwd=ROOT,
                           env=cli_env(), timeout=timeout)
 

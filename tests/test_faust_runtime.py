@@ -160,7 +160,7 @@ def test_dedup_keys_and_credentials():
 def test_smoke_job_with_reward_learner_and_sink_on_faust(tmp_path):
     run_dir = tmp_path / "run"
     out = subprocess.run(
-        [sys.executable, "-m", "rollway.runners", "up", "examples/smoke.yaml", "runtime.engines.reward=faust",
+        [sys.executable, "-m", "rollway.runners", "up", "--no-report", "examples/smoke.yaml", "runtime.engines.reward=faust",
          "runtime.engines.learner=faust", "runtime.engines.sink=faust", "--run-dir", str(run_dir)],
         capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]

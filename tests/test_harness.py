@@ -42,7 +42,7 @@ def harness_job(tmp_path, script: list[dict], harness: dict, count: int = 2, **a
 def up(tmp_path, script: list[dict], harness: dict, count: int = 2) -> tuple[subprocess.CompletedProcess, dict, list[dict]]:
     job = harness_job(tmp_path, script, harness, count)
     run_dir = tmp_path / "run"
-    out = subprocess.run([*ROLLWAY, "up", str(tmp_path / "job.yaml"), "--run-dir", str(run_dir)],
+    out = subprocess.run([*ROLLWAY, "up", "--no-report", str(tmp_path / "job.yaml"), "--run-dir", str(run_dir)],
                          capture_output=True, text=True, timeout=job["run"]["timeout_s"] + 60, cwd=ROOT)
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     trajs_file = run_dir / "trajectories.jsonl"
@@ -284,7 +284,7 @@ def docker_up(tmp_path, harness: dict) -> tuple[subprocess.CompletedProcess, dic
                       "gateway_root": str(tmp_path / "gateway")}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     run_dir = tmp_path / "run"
-    out = subprocess.run([*ROLLWAY, "up", str(tmp_path / "job.yaml"), "--run-dir", str(run_dir)],
+    out = subprocess.run([*ROLLWAY, "up", "--no-report", str(tmp_path / "job.yaml"), "--run-dir", str(run_dir)],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     trajs_file = run_dir / "trajectories.jsonl"
     trajs = [json.loads(line) for line in trajs_file.read_text().splitlines()] if trajs_file.exists() else []

@@ -25,7 +25,7 @@ def harness_run(broker, tmp_path_factory):
     harness_job(tmp, FIX, AGENT_PROGRAM)
     prefix = f"hv{uuid.uuid4().hex[:6]}-"
     run_dir = tmp / "run"
-    out = subprocess.run([*ROLLWAY, "up", str(tmp / "job.yaml"), "--run-dir", str(run_dir), "--bootstrap",
+    out = subprocess.run([*ROLLWAY, "up", "--no-report", str(tmp / "job.yaml"), "--run-dir", str(run_dir), "--bootstrap",
                           broker.bootstrap, "runtime.processes=one", f"topics.prefix={prefix}"], capture_output=True, text=True, timeout=300,
                          cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -79,7 +79,7 @@ def test_up_with_a_training_learner_publishes_policy_versions(tmp_path, broker):
     config.write_text(yaml.safe_dump(cfg))
     run_dir = tmp_path / "run"
     out = subprocess.run(
-        [sys.executable, "-m", "rollway.runners", "up", str(config), "--bootstrap", broker.bootstrap, "runtime.processes=one",
+        [sys.executable, "-m", "rollway.runners", "up", "--no-report", str(config), "--bootstrap", broker.bootstrap, "runtime.processes=one",
          "--run-dir", str(run_dir), "learner.type=ppo", f"learner.model_path={model_dir}", "learner.dtype=float32",
          "learner.groups_per_step=1", f"topics.prefix=tl{tmp_path.name[-6:]}-"],
         capture_output=True, text=True, timeout=240, cwd=ROOT)

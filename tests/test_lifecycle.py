@@ -599,9 +599,11 @@ def test_rollway_up_removes_sandboxes_a_killed_run_left(broker, topic_prefix, tm
     s = services(tmp_path, "run.id=rE", f"sandbox.root={root}")
     make_boxes(s, ["rE-g0-s0-a0-old1", "rE-g1-s1-a1-old2"])
     assert len(mounts_under(root)) == 2
-    out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", "examples/smoke.yaml", "--bootstrap",
+    out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", "--no-report", "examples/smoke.yaml", "--bootstrap",
                           broker.bootstrap, "runtime.processes=one", "--run-dir", str(tmp_path / "run"), f"topics.prefix={topic_prefix}",
                           "run.id=rE", f"sandbox.root={root}"], cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["trajectories_written"] == 8
     assert left_behind(root) == ([], [])
+    # --no-report: no drawer started, nothing drawn.
+    assert not [p.name for p in (tmp_path / "run").rglob("*") if p.name in ("report.html", "plots", "report.out")]

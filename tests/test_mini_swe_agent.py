@@ -69,7 +69,8 @@ def run(tmp_path: Path, folder: Path, verb: str, script: list[dict]) -> dict:
     # A gateway folder per command, beside the row (a short path for its sockets; the folder is shared).
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job(folder, script, folder / f"gateway-{verb}")))
     run_dir = tmp_path / "run"
-    out = subprocess.run([*ROLLWAY, verb, str(tmp_path / "job.yaml"), "--run-dir", str(run_dir)],
+    out = subprocess.run([*ROLLWAY, verb, *(["--no-report"] if verb == "up" else []), str(tmp_path / "job.yaml"),
+                          "--run-dir", str(run_dir)],
                          capture_output=True, text=True, timeout=1000, cwd=ROOT)
     failures = run_dir / "failures.jsonl"
     assert out.returncode == 0, out.stderr[-3000:]

@@ -67,7 +67,8 @@ def run(tmp_path, verb: str, command: str, cfg: dict | None = None) -> tuple[sub
     cfg = cfg or job(tmp_path, command)
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(cfg))
     run_dir = tmp_path / "run"
-    out = subprocess.run([*ROLLWAY, verb, str(tmp_path / "job.yaml"), "--run-dir", str(run_dir)],
+    out = subprocess.run([*ROLLWAY, verb, *(["--no-report"] if verb == "up" else []), str(tmp_path / "job.yaml"),
+                          "--run-dir", str(run_dir)],
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     trajs_file = run_dir / "trajectories.jsonl"
     trajs = [json.loads(line) for line in trajs_file.read_text().splitlines()] if trajs_file.exists() else []

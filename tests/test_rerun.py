@@ -61,7 +61,7 @@ def test_rerun_reports_the_turns_that_see_a_changed_repository(broker, replay, t
             "files": {"numbers.txt": "3 4\n"}, "answer": "7"}
     tasks.write_text(json.dumps(task) + "\n")
     run_dir = tmp_path / "run"
-    out = rollway("up", "examples/smoke.yaml", "--bootstrap", broker.bootstrap, "runtime.processes=one", "--run-dir", str(run_dir),
+    out = rollway("up", "--no-report", "examples/smoke.yaml", "--bootstrap", broker.bootstrap, "runtime.processes=one", "--run-dir", str(run_dir),
                   "tasks=" + json.dumps({"type": FILE_TASKSET, "path": str(tasks)}), "scheduler.group_size=1",
                   f"topics.prefix=rerun{tmp_path.name[-6:]}-")
     assert out.returncode == 0, out.stderr[-3000:]

@@ -303,7 +303,7 @@ def test_swe_tasks_in_containers_end_to_end(client: docker.DockerClient, broker,
            "sandbox": {"type": "docker"}, "policy": {"type": "scripted", "script": script}}  # fmt: skip
     (tmp_path / "swe.yaml").write_text(yaml.safe_dump(cfg))
     run_dir, run_id = tmp_path / "run", f"swed{uuid.uuid4().hex[:6]}"
-    out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", str(tmp_path / "swe.yaml"), "--run-dir",
+    out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", "--no-report", str(tmp_path / "swe.yaml"), "--run-dir",
                           str(run_dir), "--bootstrap", broker.bootstrap, "runtime.processes=one", f"topics.prefix={run_id}-", f"run.id={run_id}"],
                          capture_output=True, text=True, timeout=420)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
@@ -348,7 +348,7 @@ def test_smoke_job_in_containers_with_a_warm_pool_leaves_nothing(
     import sys
 
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "rollway.runners", "up", "examples/smoke.yaml", "--run-dir", str(run_dir),
+    proc = subprocess.run([sys.executable, "-m", "rollway.runners", "up", "--no-report", "examples/smoke.yaml", "--run-dir", str(run_dir),
                            "sandbox.type=docker", "sandbox.warm_pool=2", f"run.id=wp{uuid.uuid4().hex[:6]}"],
                           capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent)  # fmt: skip
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -64,7 +64,7 @@ def test_two_agent_processes_record_the_version_vllm_served_each_turn(tmp_path):
     }
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
     run_dir = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", str(tmp_path / "run.yaml"),
+    out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", "--no-report", str(tmp_path / "run.yaml"),
                           "--run-dir", str(run_dir), "--workers", "agent=2"],
                          capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
