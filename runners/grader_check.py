@@ -96,9 +96,10 @@ def _build_rows(opts: Options) -> tuple[str, str]:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not out.is_file():
             partial = folder / "rows.partial.jsonl"
+            # The default command (its git mirror goes next to --out): the test suite's SWE row is this build.
             proc = subprocess.run([sys.executable, "-m", "rollway.runners", "tasks", "build", "swe", "--sdist",
-                                   SWE_SDIST, "--max-tasks", "1", "--seed", "0", "--mirror", str(mirror),
-                                   "--out", str(partial)], capture_output=True, text=True)
+                                   SWE_SDIST, "--max-tasks", "1", "--seed", "0", "--out", str(partial)],
+                                  capture_output=True, text=True)
             if proc.returncode != 0:
                 raise RuntimeError(f"building the {SWE_SDIST} task failed: {proc.stdout[-1500:]}{proc.stderr[-1500:]}")
             partial.replace(out)

@@ -156,20 +156,15 @@ def toolz_two_tasks(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def toolz_swebench_row(tmp_path_factory) -> Path:
-    """The folder of one toolz SWE-bench row over git, built by the default command (`rollway tasks build swe
-    --sdist toolz==1.2.0 --max-tasks 1 --seed 0 --out DIR/rows.jsonl`: the repository in `DIR/mirror`), once
-    per test run for every test that needs an SWE-bench row (the build runs the archive's suite per
-    candidate bug; it is deterministic, so every such test would build this same row)."""
-    import subprocess
-    import sys
+    """The folder of one toolz SWE-bench row over git (`rows.jsonl`, the repository in `mirror/`), built by
+    the default command (`rollway tasks build swe --sdist toolz==1.2.0 --max-tasks 1 --seed 0`) the way
+    `rollway grader check` builds its SWE row when given none, once per test run for every test that needs
+    an SWE-bench row (the build runs the archive's suite per candidate bug; it is deterministic, so every such
+    test would build this same row). Its parent is a grader check cache folder holding it (`cache_dir`)."""
+    from rollway.runners.grader_check import Options, _build_rows
 
-    def build(folder: Path) -> None:
-        out = subprocess.run([sys.executable, "-m", "rollway.runners", "tasks", "build", "swe", "--sdist", "toolz==1.2.0",
-                              "--max-tasks", "1", "--seed", "0", "--out", str(folder / "rows.jsonl")],
-                             capture_output=True, text=True, timeout=900, cwd=ROOT)
-        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-
-    return built_once(tmp_path_factory, "toolz-swebench", build)
+    folder = built_once(tmp_path_factory, "toolz-swebench", lambda folder: _build_rows(Options(cache_dir=folder)))
+    return folder / "swe-rows"
 
 
 @pytest.fixture(scope="session")

@@ -68,14 +68,14 @@ def test_the_cases_cover_every_family_and_row_on_every_sandbox_it_runs_on():
             assert sorted(names) == sorted(a.name for a in ATTACKS if family in a.families) or not parts
 
 
-def test_swe_on_docker_is_swebench():
+def test_swe_on_docker_is_swebench(toolz_swebench_row):
     """Why the docker cases leave `swe` out: on docker its task set, task, row, grading settings and image
     source are `swebench`'s, so every row would be played twice on identical code. The whole check (`rollway
     grader check --type docker`) skips it the same way, and says so."""
     from rollway.sandboxes.config import SandboxConfig
     from rollway.sandboxes.factory import build_sandbox_provider
 
-    opts = Options(sandbox="docker")
+    opts = Options(sandbox="docker", cache_dir=toolz_swebench_row.parent)
     provider = build_sandbox_provider(SandboxConfig(type="docker"))
     try:
         for name, twin in TWINS_ON_DOCKER.items():
@@ -95,7 +95,7 @@ def test_swe_on_docker_is_swebench():
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # up to 20 rows, two side by side
 @pytest.mark.parametrize(("kind", "family", "part"), CASES)
-def test_every_grader_contains_every_attack(kind, family, part):
+def test_every_grader_contains_every_attack(kind, family, part, request):
     """The whole suite, a family (or part of its rows) at a time: every built-in family's grader (swebench and
     harbor on docker only), the tool-call rows with toy. Each row names the attack and why it was not contained."""
     prefix = f"gc-{uuid.uuid4().hex[:6]}-"
@@ -104,7 +104,9 @@ def test_every_grader_contains_every_attack(kind, family, part):
 
         ensure_engine()
     attacks = part_of(family, part)
-    report = asyncio.run(run_suite(Options(sandbox=kind, families=(family,), attacks=attacks, name_prefix=prefix)))
+    # The SWE families' row: the session's build, the one `rollway grader check` makes when given none.
+    cache = {"cache_dir": request.getfixturevalue("toolz_swebench_row").parent} if family in ("swe", "swebench") else {}
+    report = asyncio.run(run_suite(Options(sandbox=kind, families=(family,), attacks=attacks, name_prefix=prefix, **cache)))
     assert {r["family"] for r in report["rows"]} == {family} | ({"agent-tools"} if family == "toy" else set())
     assert not attacks or sorted(r["attack"] for r in report["rows"]) == sorted(attacks)
     if kind == "docker":
