@@ -66,7 +66,10 @@ class LocalSandboxConfig(SandboxConfig):
     implementation = "local"
 
     python: str | None = None
-    """Python interpreter made visible inside the jail (default: the one running rollway)."""
+    """Python interpreter made visible inside the jail (default: the one running rollway). With the default,
+    pytest in the jail loads no plugin by entry point (PYTEST_DISABLE_PLUGIN_AUTOLOAD): the plugins installed
+    beside rollway (its own test tools) are not the project's. A project whose tests need plugins names an
+    interpreter that has them here; its plugins then load as usual."""
     host_uid: int | None = None
     """Host user bwrap runs as when rollway runs as root (default 65534, nobody). The kernel never
     enforces RLIMIT_NPROC for host root, even inside a user namespace, so a jail mapped to root

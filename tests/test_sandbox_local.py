@@ -103,6 +103,32 @@ def test_exec_runs_venv_python_and_pytest_in_workspace(box: LocalSandbox) -> Non
     assert sh(box, "pytest -q test_core.py").exit_code == 0
 
 
+def test_pytest_in_the_jail_loads_rollways_plugins_only_from_an_interpreter_named_for_it(
+        config: SandboxConfig, source: Path) -> None:
+    """With rollway's own interpreter (the default), the pytest plugins installed beside rollway (its test
+    tools: xdist, timeout, anyio) are not the project's: tests graded or run in the jail load none of them.
+    An interpreter named in `sandbox.python` is the project's: its plugins load as usual."""
+    from importlib.metadata import entry_points
+
+    host_plugins = {e.name for e in entry_points(group="pytest11")}
+    assert host_plugins, "rollway's environment has no pytest plugin to leave out"
+    (source / "conftest.py").write_text(
+        "def pytest_configure(config):\n"
+        "    names = {name for name, _ in config.pluginmanager.list_name_plugin()}\n"
+        "    open('plugins.txt', 'w').write('\\n'.join(sorted(names)))\n")
+
+    def loaded(cfg: SandboxConfig) -> set[str]:
+        sandbox = run(LocalSandboxProvider(cfg).create(SandboxSpec(source_dir=str(source)), f"p-{uuid.uuid4().hex[:8]}"))
+        try:
+            assert sh(sandbox, "python -m pytest -q -p no:cacheprovider --co test_core.py").exit_code == 0
+            return set(run(sandbox.read_file("plugins.txt")).split())
+        finally:
+            run(sandbox.destroy())
+
+    assert not loaded(config) & host_plugins
+    assert loaded(config.model_copy(update={"python": sys.executable})) >= host_plugins
+
+
 def test_write_file_is_editable_inside_and_read_back(box: LocalSandbox) -> None:
     run(box.write_file("new/dir/f.txt", "one\n"))
     assert sh(box, "echo two >> new/dir/f.txt && mkdir new/dir/sub").exit_code == 0
