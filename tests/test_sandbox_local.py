@@ -35,7 +35,7 @@ def run(coro):
 def config(tmp_path: Path) -> SandboxConfig:
     return SandboxConfig(
         root=str(tmp_path / "boxes"),
-        exec_timeout_s=10,
+        exec_timeout_s=60,  # generous: under a loaded CI machine a walk of the venv alone took over 10 s
         max_processes=64,
         memory_mb=512,
         max_file_mb=8,
