@@ -291,10 +291,10 @@ class _Workspace:
             self._loop.close()
             raise
 
-    def run(self, files: list[str], timeout_s: float) -> Run:
+    def run(self, files: list[str], timeout_s: float, rewrite_asserts: bool = False) -> Run:
         """pytest on `files` in the jail; on timeout the jail's whole process tree dies (a mutated loop may
         never end, and it may have spawned workers)."""
-        cmd = pytest_command(files, python_path=python_path(self.root))
+        cmd = pytest_command(files, python_path=python_path(self.root), rewrite_asserts=rewrite_asserts)
         start = time.monotonic()
         done = self._loop.run(self._box.exec(f"mkdir -p {posixpath.dirname(_LOG)} && {cmd} > {_LOG} 2>&1",
                                              timeout_s=timeout_s))
@@ -304,11 +304,12 @@ class _Workspace:
             text = done.output
         return Run(parse_pytest_output(text), text, time.monotonic() - start, done.timed_out)
 
-    def run_mutated(self, mutation: Mutation, files: list[str], timeout_s: float) -> Run:
+    def run_mutated(self, mutation: Mutation, files: list[str], timeout_s: float,
+                    rewrite_asserts: bool = False) -> Run:
         clean = (self.root / mutation.path).read_bytes()
         self._loop.run(self._box.write_bytes(mutation.path, apply_mutation(clean, mutation)))
         try:
-            return self.run(files, timeout_s)
+            return self.run(files, timeout_s, rewrite_asserts)
         finally:
             self._loop.run(self._box.write_bytes(mutation.path, clean))
 
@@ -404,4 +405,9 @@ def _try(opts: BuildOptions, snapshot: Snapshot, work: _Workspace, baseline: Bas
         failing, verdict = judge(run, baseline.passing, opts.max_failing)
         if failing is None:
             return None, f"whole suite: {verdict}"
-    return make_instance(snapshot, baseline, work.root, mutation, k, failing, run.report, opts.seed), verdict
+    # The statuses came from the row's own command (plain asserts); the statement shows how each test fails
+    # as a user would see it, with pytest's assert detail: one more run of the failing tests' files.
+    told = work.run_mutated(mutation, sorted({node_file(t) for t in failing}), timeout_s, rewrite_asserts=True)
+    report = PytestReport(run.report.outcomes, {**run.report.messages, **told.report.messages},
+                          run.report.collection_errors)
+    return make_instance(snapshot, baseline, work.root, mutation, k, failing, report, opts.seed), verdict

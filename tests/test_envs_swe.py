@@ -7,6 +7,7 @@ import argparse
 import ast
 import asyncio
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,24 @@ def test_parse_pytest_summary():
     assert report.collection_errors == {"t/test_b.py": "ImportError: no module"}
 
 
+def test_built_rows_run_their_tests_with_plain_asserts(tmp_path):
+    """The command of rollway's own rows (and of the build's test runs) leaves the test modules' asserts
+    as written: rewriting each module anew in a fresh tree was half a toolz run's CPU, and a status does
+    not depend on it (a false assert still fails; only its message is shorter)."""
+    import os
+    import subprocess
+    import sys
+
+    from rollway.envs.pytest_report import pytest_command
+
+    (tmp_path / "test_a.py").write_text("def test_not_rewritten():\n    assert '@pytest_ar' not in globals()\n\n"
+                                        "def test_false():\n    assert 1 + 1 == 3\n")
+    ran = subprocess.run(["bash", "-c", pytest_command(["test_a.py"], python=sys.executable)], cwd=tmp_path,
+                         capture_output=True, text=True, env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    report = parse_pytest_output(ran.stdout)
+    assert report.outcomes == {"test_a.py::test_not_rewritten": "passed", "test_a.py::test_false": "failed"}, ran.stdout
+
+
 def test_answer_patch_drops_tool_state_and_test_edits():
     patch = (make_patch("pkg/m.py", b"a = 1\n", b"a = 2\n") + make_patch(".rollway/x", b"", b"y\n")
              + make_patch("pkg/tests/test_m.py", b"x\n", b"y\n"))
@@ -144,6 +163,10 @@ def test_build_writes_swe_bench_style_instances(toolz_instances):
         assert row["patch"].startswith("diff --git a/") and row["test_patch"] == ""
         # The statement names the failing tests but never shows the mutated source line.
         assert row["FAIL_TO_PASS"][0] in row["problem_statement"]
+        assert "--assert=plain" in row["test_command"]  # statuses without assert rewriting (half the CPU) ...
+    # ... while the statements show pytest's assert detail, as a user running the tests would see it.
+    assert any(re.search(r"`: assert \S", row["problem_statement"]) for row in rows), [r["problem_statement"] for r in rows]
+    for row in rows:
         changed = [ln[1:].strip() for ln in row["patch"].splitlines() if ln[:1] in "+-" and ln[:3] not in ("+++", "---")]
         assert not any(line and line in row["problem_statement"] for line in changed)
 
