@@ -44,7 +44,7 @@ def test_up_runs_the_smoke_job_to_completion(tmp_path):
     assert {t["episode"]["group_id"] for t in trajs}.__len__() == 4
     for t in trajs:
         assert len(t["token_ids"]) == len(t["loss_mask"]) == len(t["logprobs"]) > 0
-    assert wall < 60, f"smoke job took {wall:.1f}s"
+    assert wall < 120, f"smoke job took {wall:.1f}s"  # about 15 s here; a hang, not a loaded machine, crosses 120
     # A small job runs every stage in the command's own process (runtime.processes=auto), each stage the
     # sole owner of its partitions (no group join), and still logs each stage to its own files.
     pids = {json.loads(p.read_text())["stage"]: json.loads(p.read_text())["pid"] for p in (run_dir / "status").glob("*.json")}

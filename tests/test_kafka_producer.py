@@ -32,7 +32,7 @@ def test_embedded_broker_refuses_idempotence_and_the_producer_falls_back(broker,
         caplog.clear()  # what aiokafka logged for the raw producer above
         with structlog.testing.capture_logs() as logs, caplog.at_level(logging.INFO, logger="aiokafka"):
             t0 = time.monotonic()
-            producer = await make_producer(BrokerConfig(connect_timeout_s=20), broker.bootstrap)
+            producer = await make_producer(BrokerConfig(connect_timeout_s=120), broker.bootstrap)
             took = time.monotonic() - t0
         try:
             sent = await producer.send_and_wait(f"{topic_prefix}idem", b"v", key=b"k")
@@ -45,7 +45,7 @@ def test_embedded_broker_refuses_idempotence_and_the_producer_falls_back(broker,
     assert any("refuses idempotent producers" in e["event"] for e in logs)
     # aiokafka's own error line for the expected refusal is not repeated at error level by every stage
     assert not [r for r in caplog.records if "InitProducerIdRequest" in r.getMessage()]
-    assert took < 10, "the refusal must not wait out connect_timeout_s"
+    assert took < 60, "the refusal must not wait out connect_timeout_s"  # 120 s; a loaded machine stalls for 10
     assert sent.offset == 0
 
 

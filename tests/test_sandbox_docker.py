@@ -47,7 +47,7 @@ def prefix(client: docker.DockerClient) -> Iterator[str]:
 @pytest.fixture
 def config() -> SandboxConfig:
     return SandboxConfig(type="docker", memory_mb=256, max_processes=64, max_file_mb=8, max_output_bytes=1000,
-                         cpus=0.5, exec_timeout_s=10, output_kill_mb=2)  # fmt: skip
+                         cpus=0.5, exec_timeout_s=60, output_kill_mb=2)  # fmt: skip
 
 
 @pytest.fixture
@@ -113,7 +113,7 @@ def test_symlinks_are_followed_inside_the_workspace_only(box: DockerSandbox) -> 
 
 def test_timeout_and_what_outlives_it(box: DockerSandbox) -> None:
     result = run(box.exec("setsid sleep 1000 >/dev/null 2>&1 & sleep 1000", timeout_s=1))
-    assert result.timed_out and "timed out after 1s" in result.output and result.duration_s < 5
+    assert result.timed_out and "timed out after 1s" in result.output and result.duration_s < 30  # not the sleeps' 1000 s
     assert "sleep" not in run(box.exec("ps -eo user,comm | grep nobody")).output  # no process outlived it
 
 
@@ -123,7 +123,7 @@ def test_output_flood_stops_the_exec_and_frees_its_socket(box: DockerSandbox, co
     for _ in range(8):
         result = run(box.exec("yes"))
         assert result.truncated and "[output truncated:" in result.output and len(result.output) < 1300
-        assert "[command killed: more than" in result.output and result.duration_s < 5
+        assert "[command killed: more than" in result.output and result.duration_s < 30  # not the 60-s limit
     assert run(box.exec("pgrep -c yes || true")).output.strip() == "0"  # the exec was stopped
     gc.collect()
     assert len(os.listdir("/proc/self/fd")) <= fds + 3  # no socket per flood left open (3: pool noise)
