@@ -107,11 +107,11 @@ def test_rank_killed_mid_step_then_resume_with_one_rank(tmp_path: Path) -> None:
     # Rank 1 dies (SIGKILL) when the second update's command arrives: rank 0 is in its collectives.
     # Packed rows and activation checkpointing on both runs: the same numbers as the padded single process.
     tools = {"pack_sequences": True, "gradient_checkpointing": True, "micro_batch_tokens": 16}
-    crashed = _job(tmp_path, "crash", run, {"dist": {"ranks": 2, "collective_timeout_s": 60}, **tools}, groups,
+    crashed = _job(tmp_path, "crash", run, {"dist": {"ranks": 2, "collective_timeout_s": 300}, **tools}, groups,
                    die_after_commands=4)
     assert [r["version"] for r in crashed["results"]] == [1]
     assert crashed["broken"] and "RankDied" in crashed["error"] and "restart the learner" in crashed["error"]
-    assert crashed["seconds"] < 60
+    assert crashed["seconds"] < 150  # the death was seen, not the 300-s collective limit waited out
     # The restarted learner (one rank now) gets every uncommitted group again: g1 and g2.
     resumed = _job(tmp_path, "resume", run, {"dist": {"ranks": 1, "fsdp": True}, **tools}, groups)
     assert resumed["error"] is None
