@@ -489,17 +489,20 @@ class DockerSandboxProvider(SandboxProvider):
             name = f"pool-{uuid.uuid4().hex[:12]}"
             pool.append((await asyncio.to_thread(self._start, image, name, True), name))
 
+    def listed(self, label: str) -> list[dict[str, Any]]:
+        """The engine's listing of every container carrying `label` (running or not): id, names and
+        labels in one answer. Not the SDK's `containers.list()`: it inspects each listed container after,
+        and dies of NotFound when another process removes its own container in between."""
+        with engine_errors("list containers", label):
+            return self.client.api.containers(all=True, filters={"label": label})
+
     def reap_orphaned_pool(self) -> list[str]:
         """Remove idle pooled containers (and their volumes) whose starting process on this host is
         gone: a SIGKILLed init worker cannot remove its pool at close. Pooled containers already
         handed to an episode were renamed and are never touched. Returns the removed names."""
         host = socket.gethostname()
         removed = []
-        # The engine's listing alone (names and labels in one answer): the high-level list inspects each
-        # container after, and one removed meanwhile by its own process's close raised NotFound.
-        with engine_errors("list pooled containers", POOL_OWNER_LABEL):
-            found = self.client.api.containers(all=True, filters={"label": POOL_OWNER_LABEL})
-        for container in found:
+        for container in self.listed(POOL_OWNER_LABEL):
             labels = container.get("Labels") or {}
             owner_host, _, pid = labels.get(POOL_OWNER_LABEL, "").rpartition(":")
             name = labels.get(LABEL, "")

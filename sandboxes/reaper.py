@@ -102,10 +102,10 @@ def _docker_names(provider, prefix: str) -> list[str]:
     volumes left without their container."""
     from rollway.sandboxes.docker import LABEL
 
-    client, want = provider.client, f"rollway-{prefix}"
-    names = {c.name.removeprefix("rollway-") for c in client.containers.list(all=True, filters={"label": LABEL})
-             if c.name.startswith(want) and not c.name.startswith("rollway-pool-")}
-    names |= {v.name.removeprefix("rollway-") for v in client.volumes.list(filters={"label": LABEL})
+    want = f"rollway-{prefix}"
+    listed = [n.lstrip("/") for c in provider.listed(LABEL) for n in (c.get("Names") or [])]
+    names = {n.removeprefix("rollway-") for n in listed if n.startswith(want) and not n.startswith("rollway-pool-")}
+    names |= {v.name.removeprefix("rollway-") for v in provider.client.volumes.list(filters={"label": LABEL})
               if v.name.startswith(want) and not v.name.startswith("rollway-pool-")}
     return sorted(names)
 
@@ -115,7 +115,7 @@ def _remove_docker(provider, name: str) -> None:
     renamed after it; its label still names its volume), then a volume `rollway-<name>` left alone."""
     from rollway.sandboxes.docker import LABEL
 
-    for container in provider.client.containers.list(all=True, filters={"label": LABEL}):
-        if container.name == f"rollway-{name}":
-            provider.remove(str(container.id), container.labels.get(LABEL, name))
+    for container in provider.listed(LABEL):
+        if f"/rollway-{name}" in (container.get("Names") or []):
+            provider.remove(str(container["Id"]), (container.get("Labels") or {}).get(LABEL, name))
     provider.remove(f"rollway-{name}", name)

@@ -6,6 +6,7 @@ files and the embedded broker; only the model (and, where a docstring says so, o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -269,6 +270,48 @@ def test_reaper_removes_a_runs_docker_containers(tmp_path):
         assert len(report.removed) == 2 and not report.failed
 
     run(scenario())
+    assert count_containers(f"{run_id}-") == 0
+
+
+
+def test_reaper_survives_another_runs_container_removed_while_it_lists(tmp_path):
+    """Another run's worker removes its own container between the reaper's listing and anything it
+    reads of it after (seen in CI: a full `containers.list` inspects each listed container and died of
+    NotFound). The engine, the containers and the removal are real; only the order is staged, through
+    a wrapper on the client's listing call."""
+    import docker
+    from docker_engine import count_containers, ensure_engine
+
+    from rollway.sandboxes.config import SandboxConfig
+    from rollway.sandboxes.docker import LABEL, DockerSandboxProvider
+    from rollway.sandboxes.reaper import reap_run
+
+    ensure_engine()
+    run_id = f"rR{time.time_ns() % 10**8}"
+    provider = DockerSandboxProvider(SandboxConfig(type="docker", memory_mb=256, cpus=0.5))
+    client = docker.from_env()
+    other = client.containers.run(provider.config.image, ["sleep", "60"], detach=True,
+                                  name=f"rollway-o{run_id}-g0-s0-a0-q", labels={LABEL: f"o{run_id}-g0-s0-a0-q"})
+    listing = provider.client.api.containers
+
+    def list_then_lose_one(*args, **kwargs):
+        found = listing(*args, **kwargs)
+        with contextlib.suppress(docker.errors.NotFound):
+            other.remove(force=True)  # its own worker removed it: gone before the reaper reads it
+        return found
+
+    provider.client.api.containers = list_then_lose_one
+
+    async def scenario():
+        await provider.create(SandboxSpec(files={"a.txt": "1"}), f"{run_id}-g0-s0-a0-z0")
+        report = await reap_run(provider, run_id)
+        assert report.removed == [f"{run_id}-g0-s0-a0-z0"] and not report.failed
+
+    try:
+        run(scenario())
+    finally:
+        with contextlib.suppress(docker.errors.NotFound):
+            other.remove(force=True)
     assert count_containers(f"{run_id}-") == 0
 
 

@@ -405,10 +405,10 @@ asyncio.run(main())
             client.containers.get(container_id)
     assert client.containers.get(taken_id).status == "running"  # an episode's container is never reaped
     # The episodes' own containers are the test's to remove (their reward stage would).
-    for container in client.containers.list(all=True, filters={"label": LABEL}):
-        if container.name.startswith(f"rollway-{prefix}"):
-            provider = DockerSandboxProvider(config)
-            provider.remove(str(container.id), container.labels[LABEL])
+    provider = DockerSandboxProvider(config)
+    for container in provider.listed(LABEL):  # other tests remove theirs meanwhile: the listing alone
+        if f"/rollway-{prefix}-taken" in container["Names"] or f"/rollway-{prefix}-cold" in container["Names"]:
+            provider.remove(str(container["Id"]), container["Labels"][LABEL])
 
 
 def test_reaping_survives_a_pooled_container_removed_while_it_lists(
