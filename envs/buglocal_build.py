@@ -89,6 +89,8 @@ def build_library(opts: FamilyOptions, sdist: str) -> list[dict[str, Any]]:
                          on_tried=cache.record)
     try:
         rows = build_instances(build)
+    except SdistError:
+        raise  # not fetched: nothing known about the library, so nothing recorded (the next build tries again)
     except BuildError as exc:
         if cache.rows():
             raise
@@ -115,13 +117,19 @@ def build_family(opts: FamilyOptions) -> dict[str, Any]:
         raise BuildError(f"libraries in both --train and --heldout: {sorted(overlap)}; held-out libraries must "
                          "never appear in training")
     opts.out.mkdir(parents=True, exist_ok=True)
-    summary: dict[str, Any] = {"seed": opts.seed, "per_library": opts.per_library, "libraries": {}}
+    summary: dict[str, Any] = {"seed": opts.seed, "per_library": opts.per_library, "libraries": {}, "left_out": {}}
     # Held-out first: the before-training measurement needs only these.
     for split, libraries in (("heldout", heldout), ("train", train)):
         by_library: list[list[dict[str, Any]]] = []
         for i, sdist in enumerate(libraries, start=1):
             t0 = time.monotonic()
-            got = build_library(opts, sdist)
+            try:
+                got = build_library(opts, sdist)
+            except SdistError as exc:  # one library the index cannot serve must not lose the others' build
+                summary["left_out"][sdist] = str(exc)
+                opts.log(f"[{split} {i}/{len(libraries)}] {sdist}: left out, not fetched ({exc}); the next "
+                         "build tries it again")
+                continue
             by_library.append(got)
             summary["libraries"][sdist] = {"split": split, "instances": len(got),
                                            "seconds": round(time.monotonic() - t0, 1)}

@@ -72,7 +72,9 @@ def download_sdist(sdist: str, cache: Path) -> Path:
     # Into a private folder, then renamed: a process sharing the cache (a parallel test worker, a second
     # build) never sees a half-written archive.
     with tempfile.TemporaryDirectory(dir=folder, prefix=".download-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+        # No binary of the project itself; its build backend may come as a wheel (`:all:` also refused
+        # those, and a backend with no pure source form, uv_build's maturin, could never be built here).
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", name,
                "--disable-pip-version-check", "-q", "-d", tmp, f"{name}=={version}"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         got = _find_archive(Path(tmp), name, version)
@@ -80,7 +82,8 @@ def download_sdist(sdist: str, cache: Path) -> Path:
             os.replace(got, folder / got.name)
     found = _find_archive(folder, name, version)
     if done.returncode != 0 or not found:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        said = [line for line in (done.stderr or done.stdout).strip().splitlines() if not line.startswith("WARNING:")]
+        tail = said[-3:]
         raise SdistError(
             f"could not download the source archive of {sdist} ({' | '.join(tail)}); check the name and "
             f"version on the package index, or put the archive into {folder} by hand"

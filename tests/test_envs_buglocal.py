@@ -149,7 +149,14 @@ def test_family_builds_by_library_resumes_from_cache_and_plays_both_arms(broker,
         build_family(FamilyOptions(out=tmp_path / "x", train=["Inflection==0.5.1"], heldout=["inflection==0.5.1"]))
     assert build_family(opts)["heldout"] == 1
     lines.clear()
-    assert build_family(opts)["heldout"] == 1 and not any("baseline" in line for line in lines), lines
+    # A library the index cannot serve is left out with its reason, the rest is built (from the cache here),
+    # and it is tried again next time (not recorded as finished).
+    opts.train = ["rollway-no-such-project==1.0"]
+    summary = build_family(opts)
+    assert summary["heldout"] == 1 and summary["train"] == 0 and not any("baseline" in line for line in lines), lines
+    assert "could not download" in summary["left_out"]["rollway-no-such-project==1.0"]
+    assert not (tmp_path / "family" / "libs" / "rollway-no-such-project-1.0-s0.progress.json").exists()
+    assert json.loads((tmp_path / "family" / "manifest.json").read_text())["left_out"] == summary["left_out"]
     [right] = load_instances(tmp_path / "family" / "heldout.jsonl")
     wrong = right
     name = right["mutation"]["function"]
@@ -351,3 +358,13 @@ def test_the_training_filter_keeps_the_tasks_the_base_policy_solved(tmp_path):
     assert filter_summary(folder) == {"tasks": 3, "attempts_per_task": 4, "kept": 2, "pass@1": 0.25}
     folder.eval_result.write_text(json.dumps({"per_task": {k: {**v, "correct": 0} for k, v in per_task.items()}}))
     assert training_tasks(args, root, "search") is None  # nothing solved: nothing to train on
+
+
+def test_source_archive_of_a_project_whose_build_backend_is_compiled_downloads(tmp_path):
+    """bidict 0.24.1 builds with uv_build, which has no pure source form (its sdist needs maturin and
+    cargo, with no crates index here): asking pip for no binaries at all made every such project
+    unbuildable. Only the project itself must come as a source archive. Real index, real pip."""
+    from rollway.envs.sdist import download_sdist
+
+    archive = download_sdist("bidict==0.24.1", tmp_path)
+    assert archive.name == "bidict-0.24.1.tar.gz" and archive.stat().st_size > 10_000
