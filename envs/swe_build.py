@@ -172,18 +172,29 @@ class Baseline:
     duration_s: float
 
 
-def run_baseline(work: _Workspace, log: Callable[[str], None]) -> Baseline:
+def run_baseline(work: _Workspace, log: Callable[[str], None], timeout_s: float = 900) -> Baseline:
     """Tests that pass on the clean tree, twice in a row (flaky tests would make bad tasks).
-    Files that fail to import here (a missing optional dependency) are dropped, not fatal."""
+    Files that fail to import here (a missing optional dependency) are dropped, not fatal; a clean run
+    that does not finish ends the build at once (every candidate would wait as long)."""
     root = work.root
+
+    def clean_run(files: list[str]) -> Run:
+        done = work.run(files, timeout_s=timeout_s)
+        if done.timed_out:
+            tail = "\n".join(done.output.strip().splitlines()[-5:])
+            raise BuildError(f"the clean test suite in {root} did not finish in {timeout_s:.0f} s (a test that waits "
+                             f"for a terminal or the network, or a suite too slow to grade); pytest said last:\n"
+                             f"{tail}\npick another library or version")
+        return done
+
     files = find_test_files(root)
-    first = work.run(files, timeout_s=900)
+    first = clean_run(files)
     if first.report.collection_errors:
         broken = set(first.report.collection_errors)
         log(f"baseline: dropping {len(broken)} test file(s) that do not import here: {sorted(broken)[:5]}")
         files = [f for f in files if f not in broken and not any(f.startswith(b.rstrip("/") + "/") for b in broken)]
-        first = work.run(files, timeout_s=900)
-    second = work.run(files, timeout_s=900)
+        first = clean_run(files)
+    second = clean_run(files)
     passing = first.report.passed() & second.report.passed()
     failing = len(first.report.outcomes) - len(first.report.passed())
     log(f"baseline: {len(passing)} passing tests in {len(files)} files ({failing} failing, dropped), "

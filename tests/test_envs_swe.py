@@ -250,6 +250,29 @@ def test_taskset_grades_the_episode_sandbox(toolz_instances, provider):
     assert asyncio.run(episode(fix=False, edit_tests=True)) == 0.0
 
 
+def test_a_clean_suite_that_never_ends_is_named_as_such_after_one_run(tmp_path):
+    """click 8.5.1's suite hung in the jail: the baseline waited out 900 s twice, then said "no test
+    passes ... install the test dependencies". One timed-out clean run is enough to know, and the
+    reason is the timeout. A real jail runs real pytest on a made-up library whose test sleeps."""
+    from rollway.envs.swe_build import BuildError, _Workspace, run_baseline
+
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "mod.py").write_text("def f():\n    return 1\n")
+    (tmp_path / "lib" / "test_mod.py").write_text("import time\nfrom mod import f\n\n"
+                                                  "def test_f():\n    assert f() == 1\n\n"
+                                                  "def test_waits():\n    time.sleep(3600)\n")
+    work = _Workspace(tmp_path / "lib", sandbox_root=str(tmp_path / "jail"))
+    runs, run = [], work.run
+    work.run = lambda *args, **kwargs: runs.append(args) or run(*args, **kwargs)  # counts the runs only
+    try:
+        with pytest.raises(BuildError, match="did not finish in 4 s") as raised:
+            run_baseline(work, lambda line: None, timeout_s=4)
+    finally:
+        work.close()
+    assert len(runs) == 1  # one run waited out, not the three (first, second, again without broken files)
+    assert "install the test dependencies" not in str(raised.value)
+
+
 def test_build_reports_a_missing_sdist(tmp_path, capsys):
     code = cli(["build", "swe", "--sdist", "toolz", "--out", str(tmp_path / "x.jsonl")])
     assert code == 1 and "pin one version" in capsys.readouterr().err
