@@ -252,8 +252,11 @@ def problem_statement(sdist: str, failing: list[str], report: PytestReport) -> s
 
 def _instance_id(sdist: str, mutation: Mutation, k: int) -> str:
     name, version = parse_requirement(sdist)
-    func = re.sub(r"[^A-Za-z0-9_]", "_", mutation.function)
-    return f"{name.lower().replace('-', '_')}__{version}__{func}__{k}"
+    return f"{name.lower().replace('-', '_')}__{version}__{_id_function(mutation.function)}__{k}"
+
+
+def _id_function(function: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", function)
 
 
 def make_instance(snapshot: Snapshot, baseline: Baseline, root: Path, mutation: Mutation, k: int,
@@ -392,11 +395,13 @@ def _search(opts: BuildOptions, snapshot: Snapshot, work: _Workspace) -> list[di
 
 
 def _per_function_index(candidates: list[Mutation]) -> dict[Mutation, int]:
-    """k in an instance id: the mutation's rank within its function, in source order (seed-free)."""
+    """k in an instance id: the mutation's rank among those whose function has the same name in the id,
+    in source order (seed-free). Counted over every file: two files may define one function name (python-
+    slugify's `_decode_entities`), and `A.b` and `A_b` read the same in an id."""
     index: dict[Mutation, int] = {}
-    counts: dict[tuple[str, str], int] = {}
+    counts: dict[str, int] = {}
     for m in sorted(candidates, key=lambda m: (m.path, m.start, m.end, m.replacement)):
-        key = (m.path, m.function)
+        key = _id_function(m.function)
         index[m] = counts.get(key, 0)
         counts[key] = index[m] + 1
     return index

@@ -95,6 +95,21 @@ def test_candidate_order_is_deterministic_for_a_seed():
     assert ordered_candidates(files, 3) != ordered_candidates(files, 4)
 
 
+def test_instance_ids_are_unique_when_two_files_define_the_same_function():
+    """python-slugify 9.2.0 defines `_decode_entities` in slugify.py and _legacy.py: both files' first
+    bug in it were named `..._decode_entities__5` and the family's file could not be loaded."""
+    from rollway.envs.swe_build import _instance_id, _per_function_index
+
+    source = b"def _decode(a):\n    return a[1:] + 1\n"
+    candidates = ordered_candidates({"pkg/new.py": source, "pkg/_legacy.py": source}, 0)
+    index = _per_function_index(candidates)
+    ids = [_instance_id("python-slugify==9.2.0", m, index[m]) for m in candidates]
+    assert len(set(ids)) == len(ids) == 2 * len(find_mutations("pkg/new.py", source))
+    single = ordered_candidates({"pkg/new.py": source}, 0)  # one file: the ids stay what they were
+    assert sorted(_instance_id("x==1", m, k) for m, k in _per_function_index(single).items()) == \
+        sorted(f"x__1___decode__{k}" for k in range(len(single)))
+
+
 def test_parse_pytest_summary():
     text = (".F\n=========================== short test summary info ============================\n"
             "PASSED t/test_a.py::test_ok\nFAILED t/test_a.py::test_bad[1 - 2] - AssertionError: assert 1 == 2\n"
