@@ -264,7 +264,7 @@ def test_example_tasks_pass_harbor_lint():
     virtual environment is cached under ~/.cache/rollway; skipped only when it cannot be installed."""
     harbor = HARBOR_VENV / "bin" / "harbor"
     if not harbor.exists():
-        python = shutil.which("python3.12") or _pyenv_312()
+        python = _python_312()
         if python is None:
             pytest.skip("no Python 3.12 to install harbor into (harbor needs >= 3.12)")
         made = subprocess.run([python, "-m", "venv", str(HARBOR_VENV)], capture_output=True, text=True)
@@ -278,7 +278,12 @@ def test_example_tasks_pass_harbor_lint():
         assert out.returncode == 0 and "[" not in out.stdout, f"{task.name}: {out.stdout}{out.stderr}"
 
 
-def _pyenv_312() -> str | None:
+def _python_312() -> str | None:
+    """A Python 3.12 that runs: pyenv's own build first (its `python3.12` shim on PATH fails unless 3.12 is
+    a selected version, and a shim that fails made the lint test skip where 3.12 was installed)."""
     root = Path.home() / ".pyenv" / "versions"
-    found = sorted(root.glob("3.12*/bin/python3.12")) if root.is_dir() else []
-    return str(found[-1]) if found else None
+    found = [str(p) for p in sorted(root.glob("3.12*/bin/python3.12"), reverse=True)] if root.is_dir() else []
+    for python in [*found, shutil.which("python3.12")]:
+        if python and subprocess.run([python, "--version"], capture_output=True).returncode == 0:
+            return python
+    return None
