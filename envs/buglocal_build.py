@@ -89,8 +89,6 @@ def build_library(opts: FamilyOptions, sdist: str) -> list[dict[str, Any]]:
                          on_tried=cache.record)
     try:
         rows = build_instances(build)
-    except SdistError:
-        raise  # not fetched: nothing known about the library, so nothing recorded (the next build tries again)
     except BuildError as exc:
         if cache.rows():
             raise
@@ -123,9 +121,11 @@ def build_family(opts: FamilyOptions) -> dict[str, Any]:
         by_library: list[list[dict[str, Any]]] = []
         for i, sdist in enumerate(libraries, start=1):
             t0 = time.monotonic()
+            # Not fetched (SdistError is no BuildError, so build_library recorded nothing and the next build
+            # tries again): one library the index cannot serve must not lose the others' build.
             try:
                 got = build_library(opts, sdist)
-            except SdistError as exc:  # one library the index cannot serve must not lose the others' build
+            except SdistError as exc:
                 summary["left_out"][sdist] = str(exc)
                 opts.log(f"[{split} {i}/{len(libraries)}] {sdist}: left out, not fetched ({exc}); the next "
                          "build tries it again")

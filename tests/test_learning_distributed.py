@@ -61,10 +61,11 @@ def _weights(checkpoint: str) -> dict[str, torch.Tensor]:
     return load_file(str(Path(checkpoint) / "model.safetensors"))
 
 
-def _assert_same(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], tol: float = WEIGHT_TOL) -> None:
+def _assert_same(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
     assert set(weights) == set(reference)
     for k, v in weights.items():
-        torch.testing.assert_close(v, reference[k], atol=tol, rtol=tol, msg=lambda detail, k=k: f"{k}: {detail}")
+        torch.testing.assert_close(v, reference[k], atol=WEIGHT_TOL, rtol=WEIGHT_TOL,
+                                   msg=lambda detail, k=k: f"{k}: {detail}")
 
 
 def test_rank_plans_split_by_tokens_and_keep_every_sample() -> None:

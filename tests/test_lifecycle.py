@@ -273,7 +273,6 @@ def test_reaper_removes_a_runs_docker_containers(tmp_path):
     assert count_containers(f"{run_id}-") == 0
 
 
-
 def test_reaper_survives_another_runs_container_removed_while_it_lists(tmp_path):
     """Another run's worker removes its own container between the reaper's listing and anything it
     reads of it after (seen in CI: a full `containers.list` inspects each listed container and died of

@@ -407,7 +407,7 @@ asyncio.run(main())
     # The episodes' own containers are the test's to remove (their reward stage would).
     provider = DockerSandboxProvider(config)
     for container in provider.listed(LABEL):  # other tests remove theirs meanwhile: the listing alone
-        if f"/rollway-{prefix}-taken" in container["Names"] or f"/rollway-{prefix}-cold" in container["Names"]:
+        if any(name.startswith(f"/rollway-{prefix}") for name in container["Names"]):
             provider.remove(str(container["Id"]), container["Labels"][LABEL])
 
 
