@@ -68,13 +68,16 @@ class TrainerState:
     """Distinct episodes consumed by updates (trained, masked, dropped or without signal)."""
     recent_episode_ids: list[str] = field(default_factory=list)
     """The dedup window (newest last), at most `learner.dedup_window` ids."""
+    recent_group_ids: list[str] = field(default_factory=list)
+    """Groups updates took (newest last, the same bound): a member arriving after is late, not trained."""
     watermarks: dict[str, int] = field(default_factory=dict)
     """"topic:partition" -> every offset below it has its effect in this checkpoint (the learner's
     committed position when the checkpoint was written)."""
     manifest: list[dict[str, Any]] = field(default_factory=list)
     """The consumptions this folder adds over the previous checkpoint, in order: one entry per
     update `{"step", "version", "episode_ids", "updated"}` (`updated` False: the groups had no signal
-    and the weights did not change)."""
+    and the weights did not change), and one per late member of a group already taken (`"late": True`,
+    not updated)."""
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)

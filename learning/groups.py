@@ -4,6 +4,7 @@ under the oldest policy first."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rollway.schemas.messages import Trajectory
@@ -34,9 +35,11 @@ class GroupBuffer:
     finished) are ignored: the first arrival wins. A member the scheduler gave up on is `abandon`ed:
     it completes its group without a trajectory, so the group's other members still get trained."""
 
-    def __init__(self, group_size: int, timeout_s: float | None = None) -> None:
+    def __init__(self, group_size: int, timeout_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.group_size = group_size
         self.timeout_s = timeout_s
+        self.clock = clock
         self._groups: dict[str, _Group] = {}
         self._complete: list[str] = []
         self.released_abandoned: list[str] = []
@@ -60,8 +63,14 @@ class GroupBuffer:
         self._check_complete(group_id, group)
         return True
 
+    def pause(self, seconds: float) -> None:
+        """The reader was busy `seconds` (an update) and read nothing: members that came meanwhile wait
+        in its inbox, so that time does not count towards any buffered group's timeout."""
+        for group in self._groups.values():
+            group.first_seen += seconds
+
     def _group(self, group_id: str, now: float | None) -> _Group:
-        return self._groups.setdefault(group_id, _Group(time.monotonic() if now is None else now))
+        return self._groups.setdefault(group_id, _Group(self.clock() if now is None else now))
 
     def _check_complete(self, group_id: str, group: _Group) -> None:
         if group.size == self.group_size:
@@ -89,7 +98,7 @@ class GroupBuffer:
         """Incomplete groups older than the timeout, removed from the buffer."""
         if self.timeout_s is None:
             return []
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         old = [g for g, v in self._groups.items() if g not in self._complete and now - v.first_seen > self.timeout_s]
         return [self._take(g) for g in old]
 

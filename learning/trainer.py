@@ -77,7 +77,8 @@ class Trainer:
     `model_factory(path_or_none) -> (model, tokenizer|None)` overrides the policy loader (tests)."""
 
     def __init__(self, cfg: LearnerConfig, run_dir: Path, *, group_size: int | None = None,
-                 model_factory: ModelFactory | None = None) -> None:
+                 model_factory: ModelFactory | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock`: what the group timeout is measured on (a test's fake clock; monotonic otherwise)."""
         if not cfg.trains:
             raise ValueError("learner.type=record does not train; build a Trainer only for ppo/grpo")
         size = cfg.group_size or group_size
@@ -88,7 +89,7 @@ class Trainer:
         self.device = pick_device(cfg.device)
         self.dtype = torch_dtype(cfg.dtype)
         self._factory = model_factory or default_factory(cfg.model_path, self.device, self.dtype)
-        self._buffer = GroupBuffer(size, cfg.group_timeout_s)
+        self._buffer = GroupBuffer(size, cfg.group_timeout_s, clock)
         self._estimator = build_advantage_estimator(cfg)
         self._loss = build_loss(cfg)
         ckpt = latest_checkpoint(self.run_dir)
@@ -96,6 +97,9 @@ class Trainer:
         self.latest_checkpoint: Path | None = ckpt
         self.state.manifest = []  # entries of the loaded folder are already durable
         self._recent = RecentIds(cfg.dedup_window, self.state.recent_episode_ids)
+        self._trained_groups = RecentIds(cfg.dedup_window, self.state.recent_group_ids)
+        """Groups consumed already: a member arriving after its group was taken (at its timeout) is late."""
+        self._clock = clock
         self._uncheckpointed: set[str] = set()
         self._training: set[str] = set()
         """Episodes of the update running now: out of the buffer, not yet consumed."""
@@ -120,7 +124,12 @@ class Trainer:
         check_token_arrays(traj)  # the contract TokenStream built (schemas/tokens.py)
         self._refuse_if_broken()
         with self._book:
-            fresh = traj.episode_id not in self._recent and self._buffer.add(traj)
+            fresh = traj.episode_id not in self._recent
+            late = fresh and traj.group_id in self._trained_groups
+            fresh = fresh and not late and self._buffer.add(traj)
+        if late:
+            self._consume_late(traj.group_id, traj.episode_id, abandoned=False)
+            return []
         if not fresh:
             self.duplicates += 1
             return []
@@ -131,7 +140,12 @@ class Trainer:
         with no trajectory, in the update that takes the group)."""
         self._refuse_if_broken()
         with self._book:
-            fresh = episode_id not in self._recent and self._buffer.abandon(group_id, episode_id)
+            fresh = episode_id not in self._recent
+            late = fresh and group_id in self._trained_groups
+            fresh = fresh and not late and self._buffer.abandon(group_id, episode_id)
+        if late:
+            self._consume_late(group_id, episode_id, abandoned=True)
+            return []
         if not fresh:
             return []
         return self._run_ready() + self.tick()
@@ -188,11 +202,15 @@ class Trainer:
         return results
 
     def _train_all(self, groups: list[list[Trajectory]]) -> list[StepResult]:
+        start = self._clock()
         try:
             result = self._update(groups)
         except BaseException as err:
             self.broken = err
             raise
+        finally:
+            with self._book:  # nothing was read meanwhile: the buffered groups' wait stops for the update
+                self._buffer.pause(self._clock() - start)
         return [result] if result is not None else []
 
     def _update(self, groups: list[list[Trajectory]]) -> StepResult | None:
@@ -210,7 +228,7 @@ class Trainer:
             self.state.step += 1
         else:
             log.info("update skipped: no episode of these groups has loss and signal", groups=len(groups))
-        self._consumed(prepared.episode_ids, abandoned, updated)
+        self._consumed(prepared.episode_ids, abandoned, updated, {g[0].group_id for g in groups if g})
         if not updated:
             return None
         ckpt = self._maybe_checkpoint()
@@ -387,16 +405,30 @@ class Trainer:
             self._training = {t.episode_id for g in groups for t in g} | set(self._buffer.released_abandoned)
         return groups
 
-    def _consumed(self, episode_ids: list[str], abandoned: list[str], updated: bool) -> None:
+    def _consumed(self, episode_ids: list[str], abandoned: list[str], updated: bool, group_ids: set[str]) -> None:
         with self._book:
             self.state.episodes_trained += len(episode_ids)
             for e in (*episode_ids, *abandoned):
                 self._recent.add(e)
+            for g in sorted(group_ids):
+                self._trained_groups.add(g)
             self._uncheckpointed.update(episode_ids, abandoned)
             self._training = set()
         self.state.manifest.append({"step": self.state.step, "version": self.state.version,
                                     "episode_ids": list(episode_ids), "abandoned_ids": list(abandoned),
                                     "updated": updated})
+
+    def _consume_late(self, group_id: str, episode_id: str, abandoned: bool) -> None:
+        """A member of a group an update already took: consumed without training (its group's advantages
+        are computed; on its own it would be a group of one task's late episodes against themselves)."""
+        log.info("late member of a trained group consumed without training", group=group_id, episode=episode_id)
+        with self._book:
+            self.state.episodes_trained += not abandoned
+            self._recent.add(episode_id)
+            self._uncheckpointed.add(episode_id)
+        self.state.manifest.append({"step": self.state.step, "version": self.state.version, "late": True,
+                                    "episode_ids": [] if abandoned else [episode_id],
+                                    "abandoned_ids": [episode_id] if abandoned else [], "updated": False})
 
     def _maybe_checkpoint(self) -> Path | None:
         if self.state.step % self.cfg.checkpoint_every:
@@ -410,6 +442,7 @@ class Trainer:
         self._ensure_model()
         opt = self.optimizer if self.cfg.save_optimizer else None
         self.state.recent_episode_ids = self._recent.to_list()
+        self.state.recent_group_ids = self._trained_groups.to_list()
         if self.watermarks is not None:
             self.state.watermarks = self.watermarks()
         with self._book:

@@ -134,6 +134,92 @@ def test_group_timeout_trains_partial_group(tmp_path: Path) -> None:
     assert trainer.tick(now=1e12)[0].episodes_trained == 2
 
 
+class _Clock:
+    """A fake monotonic clock (the group timeout is measured on it), moved by hand or by the model's forward."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _slow_model_factory(clock: _Clock, seconds: float):
+    """The tiny model, whose every forward pass moves the fake clock by `seconds`: an update that takes
+    longer than the group timeout, as a 135M model's update on a busy CPU does (16 minutes), without waiting."""
+    inner = tiny_model_factory()
+
+    def factory(path):
+        model, tok = inner(path)
+        model.register_forward_pre_hook(lambda *_: setattr(clock, "now", clock.now + seconds))
+        return model, tok
+
+    return factory
+
+
+def test_a_groups_wait_does_not_count_the_learners_own_update(tmp_path: Path) -> None:
+    """Attack (found in a training run: an update of 7 episodes from 2 groups of 8): while an update runs, the
+    learner reads nothing, so members of a buffered group wait in its inbox. The group timeout counted that
+    time, and the tick after a long update trained the group with the members read before it: a partial
+    group, its baseline wrong, and the rest of it arriving after as a fragment."""
+    clock = _Clock()
+    cfg = _cfg(group_size=2, group_timeout_s=5.0)
+    trainer = Trainer(cfg, tmp_path, model_factory=_slow_model_factory(clock, 10.0), clock=clock)
+    b_good, b_bad = _pair("b")
+    assert trainer.add(b_good) == []  # group b waits for its second member
+    a_good, a_bad = _pair("a")
+    assert trainer.add(a_good) == []
+    [first] = trainer.add(a_bad)  # group a's update: 10 s or more on the clock, past b's 5 s timeout
+    assert clock.now > 5.0 and first.episodes_trained == 2
+    assert trainer.pending_episode_ids() == {"b-good"}, "group b was taken before its second member was read"
+    [second] = trainer.add(b_bad)
+    assert second.metrics["episodes"] == 2 and second.episodes_trained == 4
+
+
+def test_a_group_waits_its_timeout_only_while_the_learner_listens(tmp_path: Path) -> None:
+    """The timeout still fires for a member that never comes: time the learner spends reading counts."""
+    clock = _Clock()
+    trainer = Trainer(_cfg(group_size=3, group_timeout_s=5.0), tmp_path, model_factory=tiny_model_factory(),
+                      clock=clock)
+    for t in _pair("g"):
+        assert trainer.add(t) == []
+    clock.now = 4.0
+    assert trainer.tick() == []
+    clock.now = 6.0
+    [result] = trainer.tick()
+    assert result.metrics["episodes"] == 2
+
+
+def test_a_late_member_of_a_trained_group_is_consumed_not_trained_as_a_group_of_its_own(tmp_path: Path) -> None:
+    """Attack: a group trained at its timeout with half its members; the other half arrives after. Buffered
+    anew under the same group id, it made a second group that its own timeout trained: the same task's
+    episodes twice, the late ones against a baseline of themselves. A late member is consumed without
+    training (the scheduler still sees it consumed), and a restart remembers which groups were trained."""
+    clock = _Clock()
+    cfg = _cfg(group_size=4, group_timeout_s=5.0)
+    trainer = Trainer(cfg, tmp_path, model_factory=tiny_model_factory(), clock=clock)
+    early = _pair("g")
+    late = [make_trajectory("g-late-good", "g", PROMPT, GOOD, 1.0, sample_index=2),
+            make_trajectory("g-late-bad", "g", PROMPT, BAD, 0.0, sample_index=3)]
+    for t in early:
+        assert trainer.add(t) == []
+    clock.now = 10.0
+    [partial] = trainer.tick()
+    assert partial.episodes_trained == 2 and trainer.state.step == 1
+    assert trainer.add(late[0]) == []
+    assert trainer.pending_episode_ids() == set() and trainer.state.episodes_trained == 3
+    clock.now = 100.0
+    assert trainer.tick() == [] and trainer.state.step == 1
+    trainer.save()
+    restarted = Trainer(cfg, tmp_path, model_factory=tiny_model_factory(), clock=clock)
+    assert restarted.add(late[1]) == [] and restarted.pending_episode_ids() == set()
+    clock.now = 200.0
+    assert restarted.tick() == [] and restarted.state.step == 1 and restarted.state.episodes_trained == 4
+    restarted.save()
+    entries = [e for e in load_state(tmp_path / "checkpoints" / "step_000001").manifest if e.get("late")]
+    assert [e["episode_ids"] for e in entries] == [["g-late-good"], ["g-late-bad"]]
+
+
 def test_staleness_rules() -> None:
     assert policy_lag(5, [3, 4]) == 2 and policy_lag(5, []) == 0
     drop = LearnerConfig(max_policy_lag=2)
