@@ -91,7 +91,11 @@ def _train(args: argparse.Namespace, root: RunDir, arm: str) -> str | None:
         _rollway("up", args.config, *args.overrides, *arm_overrides(arm), f"run.seed={args.seed}",
                  f"tasks.path={path}", *cycle, "--run-dir", str(folder.path))
     checkpoints = sorted(folder.checkpoints.glob("step_*"), key=lambda p: int(p.name.split("_")[-1]))
-    return str(checkpoints[-1]) if checkpoints else None
+    if not checkpoints or checkpoints[-1].name == "step_000000":  # the base weights, saved for the engine
+        print(f"rollway bench search: the {arm} arm's training ran no update (no group had a reward signal); "
+              f"its after-training figures are its before-training ones", file=sys.stderr)
+        return None
+    return str(checkpoints[-1])
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -131,7 +135,7 @@ def training_curves(folder: RunDir) -> dict[str, Any]:
             by_version[t["turns"][0]["policy_version"]].append(t)
     tools = [{"policy_version": v, "episodes": len(ts), **tool_calls_per_episode(ts)}
              for v, ts in sorted(by_version.items())]
-    return {"reward_per_update": steps, "tool_calls_by_version": tools}
+    return {"updates": len(steps), "reward_per_update": steps, "tool_calls_by_version": tools}
 
 
 def paired(a: dict, b: dict, key: str) -> dict:
@@ -184,14 +188,16 @@ def run(args: argparse.Namespace) -> int:
                                               for x in (1, k)}
     if not args.before_only:
         after: dict[str, dict] = {}
+        phases: dict[str, str] = {}
         for arm in arms:
             t0 = time.monotonic()
             checkpoint = _train(args, root, arm)
             walls[f"{arm}_train"] = round(time.monotonic() - t0)
             t0 = time.monotonic()
             after[arm] = _eval(args, root, arm, "after", checkpoint) if checkpoint else before[arm]
+            phases[arm] = "after" if checkpoint else "before"  # no update: the policy is the one measured before
             walls[f"{arm}_after"] = round(time.monotonic() - t0)
-        result["after"] = {arm: _summary(after[arm], root.sub(arm).sub("after"), k) for arm in arms}
+        result["after"] = {arm: _summary(after[arm], root.sub(arm).sub(phases[arm]), k) for arm in arms}
         result["gain"] = {arm: paired(before[arm], after[arm], "pass@1") for arm in arms}
         result["training"] = {arm: training_curves(root.sub(arm).sub("train")) for arm in arms}
         if args.train_filter:

@@ -360,6 +360,29 @@ def test_the_training_filter_keeps_the_tasks_the_base_policy_solved(tmp_path):
     assert training_tasks(args, root, "search") is None  # nothing solved: nothing to train on
 
 
+def test_an_arm_whose_training_never_updated_is_not_evaluated_again_as_if_trained(tmp_path):
+    """Seen on seed 4: the bash arm's 128 training episodes all scored 0, so no update ran, and the bench
+    evaluated checkpoint step_000000 (the base weights, saved for the engine) as "after", 20 minutes for the
+    base policy again under another name. A finished training folder is written here by hand (a fake of
+    the `rollway up` phase); the choice of what "after" is, is the real code."""
+    import argparse
+
+    from rollway.base.run_dir import RunDir
+    from rollway.bench.search import _train, training_curves
+
+    root = RunDir(tmp_path / "bench")
+    folder = root.sub("bash").sub("train")
+    (folder.checkpoints / "step_000000").mkdir(parents=True)
+    folder.summary.write_text("{}")
+    args = argparse.Namespace(family=str(tmp_path), train_filter=0, overrides=[], config="unused.yaml")
+    assert _train(args, root, "bash") is None
+    assert training_curves(folder)["updates"] == 0
+    (folder.checkpoints / "step_000002").mkdir()
+    folder.metrics.write_text("".join(json.dumps({"step": s, "reward_mean": 0.5}) + "\n" for s in (1, 2)))
+    assert _train(args, root, "bash") == str(folder.checkpoints / "step_000002")
+    assert training_curves(folder)["updates"] == 2
+
+
 def test_source_archive_of_a_project_whose_build_backend_is_compiled_downloads(tmp_path):
     """bidict 0.24.1 builds with uv_build, which has no pure source form (its sdist needs maturin and
     cargo, with no crates index here): asking pip for no binaries at all made every such project
