@@ -220,6 +220,8 @@ class LearnerActor(Actor):
 
             await check_served_version(self.s.inference, version)
             self._engine_version = version
+            if self.trainer is not None:  # no input was read while the engine loaded
+                self.trainer.pause(time.perf_counter() - t0)
             log.info("inference engine loaded policy", version=version, checkpoint=str(checkpoint),
                      sync_s=round(time.perf_counter() - t0, 3))
 

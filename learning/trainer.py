@@ -164,6 +164,12 @@ class Trainer:
             groups = self._take(self._buffer.pop_complete(self._buffer.complete_groups))
         return self._train_all(groups) if groups else []
 
+    def pause(self, seconds: float) -> None:
+        """The caller read nothing for `seconds` (it was loading weights into the engine, say): that time
+        does not count towards a buffered group's timeout, as an update's own time does not."""
+        with self._book:
+            self._buffer.pause(seconds)
+
     def pending_episode_ids(self) -> set[str]:
         """Episodes buffered but not yet trained (lost on a crash: do not commit their offsets)."""
         with self._book:
@@ -209,8 +215,7 @@ class Trainer:
             self.broken = err
             raise
         finally:
-            with self._book:  # nothing was read meanwhile: the buffered groups' wait stops for the update
-                self._buffer.pause(self._clock() - start)
+            self.pause(self._clock() - start)  # nothing was read meanwhile
         return [result] if result is not None else []
 
     def _update(self, groups: list[list[Trajectory]]) -> StepResult | None:
