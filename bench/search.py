@@ -9,7 +9,6 @@ import argparse
 import json
 import math
 import sys
-import time
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
@@ -167,6 +166,18 @@ def filter_summary(folder: RunDir) -> dict:
             "kept": sum(row["correct"] > 0 for row in ev["per_task"].values()), "pass@1": ev.get("pass@1")}
 
 
+def phase_walls(root: RunDir, arms: list[str]) -> dict[str, int]:
+    """Each finished phase's own run time (its summary.json), so a resumed bench still reports the phases
+    an earlier invocation ran."""
+    walls = {}
+    for arm in arms:
+        for phase in ("filter", "before", "train", "after"):
+            summary = root.sub(arm).sub(phase).summary
+            if summary.is_file() and "wall_seconds" in (data := json.loads(summary.read_text())):
+                walls[f"{arm}_{phase}"] = round(data["wall_seconds"])
+    return walls
+
+
 def _summary(ev: dict, folder: RunDir, k: int) -> dict:
     return {"tasks": ev["tasks"], "attempts": ev["attempts"], "failed": ev.get("failed"),
             "pass@1": ev.get("pass@1"), f"pass@{k}": ev.get(f"pass@{k}"), "file_accuracy": file_accuracy(folder),
@@ -176,12 +187,10 @@ def _summary(ev: dict, folder: RunDir, k: int) -> dict:
 def run(args: argparse.Namespace) -> int:
     root = RunDir(Path(args.run_dir or fresh_run_folder("search-bench")))
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    k, result, walls = args.attempts, {"seed": args.seed, "run_dir": str(root.path)}, {}
+    k, result = args.attempts, {"seed": args.seed, "run_dir": str(root.path)}
     before: dict[str, dict] = {}
     for arm in arms:
-        t0 = time.monotonic()
         before[arm] = _eval(args, root, arm, "before")
-        walls[f"{arm}_before"] = round(time.monotonic() - t0)
     result["before"] = {arm: _summary(before[arm], root.sub(arm).sub("before"), k) for arm in arms}
     if len(before) == 2:
         result["before_search_minus_bash"] = {f"pass@{x}": paired(before["bash"], before["search"], f"pass@{x}")
@@ -190,13 +199,9 @@ def run(args: argparse.Namespace) -> int:
         after: dict[str, dict] = {}
         phases: dict[str, str] = {}
         for arm in arms:
-            t0 = time.monotonic()
             checkpoint = _train(args, root, arm)
-            walls[f"{arm}_train"] = round(time.monotonic() - t0)
-            t0 = time.monotonic()
             after[arm] = _eval(args, root, arm, "after", checkpoint) if checkpoint else before[arm]
             phases[arm] = "after" if checkpoint else "before"  # no update: the policy is the one measured before
-            walls[f"{arm}_after"] = round(time.monotonic() - t0)
         result["after"] = {arm: _summary(after[arm], root.sub(arm).sub(phases[arm]), k) for arm in arms}
         result["gain"] = {arm: paired(before[arm], after[arm], "pass@1") for arm in arms}
         result["training"] = {arm: training_curves(root.sub(arm).sub("train")) for arm in arms}
@@ -206,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
             result["after_search_minus_bash"] = {f"pass@{x}": paired(after["bash"], after["search"], f"pass@{x}")
                                                  for x in (1, k)}
             result["gain_search_minus_bash"] = gain_difference(before, after, "pass@1")
-    result["wall_seconds"] = walls
+    result["wall_seconds"] = phase_walls(root, arms)
     out = root.path / "search-bench.json"
     out.write_text(json.dumps(result, indent=1))
     plot(result, root.path / "search-bench.png", k)

@@ -368,12 +368,13 @@ def test_an_arm_whose_training_never_updated_is_not_evaluated_again_as_if_traine
     import argparse
 
     from rollway.base.run_dir import RunDir
-    from rollway.bench.search import _train, training_curves
+    from rollway.bench.search import _train, phase_walls, training_curves
 
     root = RunDir(tmp_path / "bench")
     folder = root.sub("bash").sub("train")
     (folder.checkpoints / "step_000000").mkdir(parents=True)
-    folder.summary.write_text("{}")
+    folder.summary.write_text(json.dumps({"wall_seconds": 993.4}))
+    assert phase_walls(root, ["search", "bash"]) == {"bash_train": 993}  # a resumed bench keeps earlier phases' times
     args = argparse.Namespace(family=str(tmp_path), train_filter=0, overrides=[], config="unused.yaml")
     assert _train(args, root, "bash") is None
     assert training_curves(folder)["updates"] == 0
