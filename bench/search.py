@@ -240,7 +240,8 @@ def plot(result: dict, path: Path, k: int) -> None:
         axes[1].plot([s["step"] for s in steps], [s["reward_mean"] for s in steps], marker="o", label=arm)
         rows = curves["tool_calls_by_version"]
         for tool in sorted({key for r in rows for key in r} - {"policy_version", "episodes"}):
-            axes[2].plot([r["policy_version"] for r in rows], [r.get(tool, 0) for r in rows], label=f"{arm}: {tool}")
+            axes[2].plot([r["policy_version"] for r in rows], [r.get(tool, 0) for r in rows], marker=".",
+                         label=f"{arm}: {tool}")  # a marker: an arm with no update has one version, one point
     axes[1].set(title="training reward per update", xlabel="update")
     axes[2].set(title="tool calls per episode", xlabel="policy version")
     for ax in axes[1:]:
