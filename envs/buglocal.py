@@ -240,11 +240,15 @@ class BugLocTaskSet(TaskSet):
                              "`rollway tasks build swe ... --out FILE`")
         self.cfg = cfg
         self.describe_tools = cfg.describe_tools
-        rows = [row for row in load_instances(cfg.path, cfg.cache_dir)
-                if self._library_selected(row) and (cfg.difficulty == "all" or named_in_tests(row))]
-        if not rows:
+        selected = [row for row in load_instances(cfg.path, cfg.cache_dir) if self._library_selected(row)]
+        rows = [row for row in selected if cfg.difficulty == "all" or named_in_tests(row)]
+        if not selected:
             raise ValueError(f"tasks.path {cfg.path} holds no instance of the selected libraries "
                              f"(repos={cfg.repos}, exclude_repos={cfg.exclude_repos})")
+        if not rows:
+            raise ValueError(f"tasks.path {cfg.path}: none of its {len(selected)} instances of the selected libraries "
+                             "is `named` (a bug in a function a failing test is named after), which "
+                             "tasks.difficulty=named keeps; use tasks.difficulty=all or other libraries")
         self.instances = {row["instance_id"]: row for row in rows}
         self._tasks = [Task(iid, task_prompt(row), {"repo": row["repo"], "file": row["mutation"]["path"],
                                                    "function": row["mutation"]["function"]})

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rollway.envs.buglocal import named_in_tests
 from rollway.envs.sdist import SdistError, parse_requirement
 from rollway.envs.swe import load_instances
 from rollway.envs.swe_build import BuildError, BuildOptions, build_instances
@@ -131,13 +132,18 @@ def build_family(opts: FamilyOptions) -> dict[str, Any]:
                          "build tries it again")
                 continue
             by_library.append(got)
-            summary["libraries"][sdist] = {"split": split, "instances": len(got),
+            named = sum(named_in_tests(r) for r in got)
+            summary["libraries"][sdist] = {"split": split, "instances": len(got), "named": named,
                                            "seconds": round(time.monotonic() - t0, 1)}
-            opts.log(f"[{split} {i}/{len(libraries)}] {sdist}: {len(got)} instances "
+            opts.log(f"[{split} {i}/{len(libraries)}] {sdist}: {len(got)} instances, {named} named "
                      f"({time.monotonic() - t0:.0f}s; {time.monotonic() - started:.0f}s in all)")
+            if got and not named:
+                opts.log(f"{sdist}: no bug of it is in a function a failing test is named after, so a config with "
+                         "tasks.difficulty=named (examples/buglocal.yaml) plays none of its tasks")
         rows = interleave(by_library)
         (opts.out / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         summary[split] = len(rows)
+        summary[f"{split}_named"] = sum(named_in_tests(r) for r in rows)
     summary["wall_seconds"] = round(time.monotonic() - started, 1)
     (opts.out / "manifest.json").write_text(json.dumps(summary, indent=1))
     return summary

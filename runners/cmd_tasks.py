@@ -157,8 +157,9 @@ def _build_buglocal(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(summary, indent=1))
-    print(f"train: {summary['train']} tasks in {args.out}/train.jsonl, held-out: {summary['heldout']} tasks in "
-          f"{args.out}/heldout.jsonl ({summary['wall_seconds']:.0f}s; re-running resumes from {args.out}/libs)")
+    print(f"train: {summary['train']} tasks ({summary['train_named']} named) in {args.out}/train.jsonl, held-out: "
+          f"{summary['heldout']} tasks ({summary['heldout_named']} named) in {args.out}/heldout.jsonl "
+          f"({summary['wall_seconds']:.0f}s; re-running resumes from {args.out}/libs)")
     if summary["left_out"]:  # written without them; exit 1 so a script does not take the family for whole
         print(f"error: not fetched, left out: {', '.join(summary['left_out'])}; run the same command again to "
               "try them (the rest is cached)", file=sys.stderr)

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from rollway.envs.base import Episode, Task
-from rollway.envs.buglocal import answer_of, judge, normalise_file, normalise_function
+from rollway.envs.buglocal import answer_of, judge, named_in_tests, normalise_file, normalise_function
 from rollway.envs.config import TasksConfig
 from rollway.envs.factory import build_taskset
 from rollway.envs.swe import load_instances
@@ -67,6 +67,18 @@ def test_taskset_splits_by_library_and_asks_where_not_how(toolz_instances):
     with pytest.raises(ValueError, match="no instance of the selected libraries"):
         build_taskset(TasksConfig(type="buglocal", path=str(toolz_instances), exclude_repos=["toolz"]))
     assert len(build_taskset(TasksConfig(type="buglocal", path=str(toolz_instances), repos=["toolz"])).tasks()) == 2
+
+
+def test_a_family_with_no_named_bug_says_so_under_the_named_difficulty(toolz_instances, tmp_path):
+    """Held-out libraries whose bugs no failing test is named after (jmespath's) gave "no instance of the
+    selected libraries (repos=None, ...)", which names the wrong cause."""
+    rows = [{**json.loads(x), "FAIL_TO_PASS": ["tests/test_x.py::test_unrelated"]}
+            for x in Path(toolz_instances).read_text().splitlines() if x.strip()]
+    unnamed = tmp_path / "unnamed.jsonl"
+    unnamed.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert len(build_taskset(TasksConfig(type="buglocal", path=str(unnamed), difficulty="all")).tasks()) == len(rows)
+    with pytest.raises(ValueError, match=f"none of its {len(rows)} instances .* is `named`"):
+        build_taskset(TasksConfig(type="buglocal", path=str(unnamed), difficulty="named"))
 
 
 def _call(tool: str, **arguments: str) -> str:
@@ -147,7 +159,10 @@ def test_family_builds_by_library_resumes_from_cache_and_plays_both_arms(broker,
                          max_failing=10, log=lines.append)
     with pytest.raises(BuildError, match="both --train and --heldout"):
         build_family(FamilyOptions(out=tmp_path / "x", train=["Inflection==0.5.1"], heldout=["inflection==0.5.1"]))
-    assert build_family(opts)["heldout"] == 1
+    built = build_family(opts)
+    [row] = load_instances(tmp_path / "family" / "heldout.jsonl")
+    assert built["heldout"] == 1 and built["heldout_named"] == built["libraries"]["inflection==0.5.1"]["named"] \
+        == int(named_in_tests(row))
     lines.clear()
     # A library the index cannot serve is left out with its reason, the rest is built (from the cache here),
     # and it is tried again next time (not recorded as finished).
