@@ -110,10 +110,18 @@ def test_sim_server_step_time_grows_with_concurrent_sequences():
     prompts = [chat.initial([{"role": "user", "content": plans[i].prompt}], []) for i in range(8)]
     tokens = max(len(plans[i].turns[0].text) + 1 for i in range(8))
     alone = SimEngine(plans, a=0.002, b=0.002, p=0.0, cap=8)
-    t1 = generate_all(alone, prompts[:1])
+    wall1 = generate_all(alone, prompts[:1])
     crowded = SimEngine(plans, a=0.002, b=0.002, p=0.0, cap=8)
-    t8 = generate_all(crowded, prompts)
-    assert t1 == pytest.approx(len(alone.steps) * 0.004, rel=0.3)
+    generate_all(crowded, prompts)
+
+    def served(engine: SimEngine) -> float:
+        """First admission to last finish on the engine's simulated clock, which a loaded CPU cannot
+        stretch (the wall clock can: a test run beside a benchmark once measured 2.17 s for 0.39)."""
+        return max(r[2] for r in engine.request_log) - min(r[1] for r in engine.request_log)
+
+    t1, t8 = served(alone), served(crowded)
+    assert t1 == pytest.approx(len(alone.steps) * 0.004, rel=1e-4), "one sequence: a + b per step"  # epoch-sized floats
+    assert wall1 >= t1 * 0.99, "answers are paced in real time, never ahead of the simulated engine"
     assert t8 > 2.5 * t1, "8 sequences at once must decode each token much slower than one"
     assert max(n for _, _, n in crowded.steps) == 8
     assert len(crowded.steps) <= tokens + 1
