@@ -542,7 +542,8 @@ class DockerSandboxProvider(SandboxProvider):
         return DockerSandbox(self, str(container.id), name)
 
     def remove(self, container_id: str, name: str) -> None:
-        """Remove container and workspace volume; already-gone is fine (destroy is idempotent)."""
+        """Remove container and workspace volume; already-gone is fine (destroy is idempotent), and so is
+        a container another process is removing (two reapers of one orphaned pool): wait for it to go."""
         for collection, key in (
             (self.client.containers, container_id),
             (self.client.volumes, f"rollway-{name}"),
@@ -551,10 +552,35 @@ class DockerSandboxProvider(SandboxProvider):
                 with engine_errors("destroy", name):
                     collection.get(key).remove(force=True)
             except SandboxError as exc:
-                if not _is_not_found(exc.__cause__ or exc):
-                    raise
+                cause = exc.__cause__ or exc
+                if _is_not_found(cause):
+                    continue
+                if key == container_id and "already in progress" in str(cause):
+                    self._wait_removed(key, name)
+                    continue
+                raise
         if self.config.gateway_root:
             shutil.rmtree(os.path.join(self.config.gateway_root, name), ignore_errors=True)
+
+    def _wait_removed(self, container_id: str, name: str, timeout_s: float = 120.0) -> None:
+        """Until the engine no longer knows the container (another caller's removal finishes): its
+        `destroy` event, subscribed to before looking, so an end between the look and the wait is not missed."""
+        until = int(time.time() + timeout_s)
+        with engine_errors("destroy", name):
+            events = self.client.events(decode=True, until=until,
+                                        filters={"container": container_id, "event": "destroy"})
+        try:
+            try:
+                with engine_errors("destroy", name):
+                    self.client.api.inspect_container(container_id)
+            except SandboxGone:
+                return
+            for _ in events:  # the stream ends at `until`
+                return
+        finally:
+            events.close()
+        raise SandboxError(f"destroy: container rollway-{name} is still being removed by another caller after "
+                           f"{timeout_s:.0f}s; its engine may be stuck (see the engine's log)")
 
     async def check(self) -> dict[str, Any]:
         """Engine reachable, then the containment suite run against a throwaway container."""

@@ -411,6 +411,59 @@ asyncio.run(main())
             provider.remove(str(container["Id"]), container["Labels"][LABEL])
 
 
+def test_removing_a_container_another_process_is_removing_waits_for_it_instead_of_failing(
+    client: docker.DockerClient, config: SandboxConfig, prefix: str
+) -> None:
+    """Two processes reaping one orphaned pool (two init workers starting after a crash; in a parallel test
+    run, a refill's reaper beside the killed-worker test's): the second removal got the engine's 409
+    "removal ... already in progress", read as "not running", and the refill died of it. The removals here
+    are the real engine's: one is started on a container whose writable layer holds many files (so its
+    removal takes a while) and the provider's is sent while the engine reports it "removing"; the call is
+    recorded to show that the engine did answer 409 (tried on a few containers if the first goes too fast)."""
+    provider = DockerSandboxProvider(config)
+    api = provider.client.api
+    conflicts: list[str] = []
+    remove_container = api.remove_container
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return remove_container(*args, **kwargs)
+        except docker.errors.APIError as exc:
+            if exc.status_code == 409:
+                conflicts.append(str(exc))
+            raise
+
+    api.remove_container = recorded  # type: ignore[method-assign]
+    for attempt in range(5):
+        name = f"{prefix}-busy{attempt}"
+        client.volumes.create(name=f"rollway-{name}", labels={LABEL: name})
+        busy = client.containers.run(config.image, ["sh", "-c", "mkdir -p /var/tmp/m && cd /var/tmp/m && "
+                                                    "seq 1 10000 | xargs touch && touch /var/tmp/done && sleep 600"],
+                                     detach=True, name=f"rollway-{name}", labels={LABEL: name},
+                                     volumes={f"rollway-{name}": {"bind": "/workspace", "mode": "rw"}})
+        for _ in range(600):  # the files written (an exec of `test -e`, the engine's own answer)
+            if busy.exec_run(["test", "-e", "/var/tmp/done"]).exit_code == 0:
+                break
+        other = threading.Thread(target=client.api.remove_container, args=(busy.id,), kwargs={"force": True})
+        other.start()
+        status = ""
+        for _ in range(2000):
+            try:
+                status = client.api.inspect_container(busy.id)["State"]["Status"]
+            except docker.errors.NotFound:
+                break
+            if status == "removing":
+                break
+        if status == "removing":
+            provider.remove(busy.id, name)  # raised SandboxError("destroy: ... is not running") before the fix
+        other.join()
+        provider.remove(busy.id, name)  # the volume, if the first removal came too late for it
+        if conflicts:
+            break
+    assert conflicts and "in progress" in conflicts[0], "the engine never answered 409: the race was not staged"
+    assert count_containers(prefix) == 0
+
+
 def test_reaping_survives_a_pooled_container_removed_while_it_lists(
     client: docker.DockerClient, config: SandboxConfig, prefix: str
 ) -> None:
