@@ -166,6 +166,22 @@ def filter_summary(folder: RunDir) -> dict:
             "kept": sum(row["correct"] > 0 for row in ev["per_task"].values()), "pass@1": ev.get("pass@1")}
 
 
+BAND = (0.1, 0.7)
+"""The base policy's held-out pass@K worth training from: a task nobody solves teaches nothing, one everybody
+solves leaves nothing to gain (the reference recipe filters its training set the same way)."""
+
+
+def band_warning(arm: str, ev: dict, k: int) -> str | None:
+    """A line when the arm's pass@K before training is outside BAND: the comparison is then weak."""
+    rate = ev.get(f"pass@{k}")
+    if rate is None or BAND[0] <= rate <= BAND[1]:
+        return None
+    side = "below" if rate < BAND[0] else "above"
+    return (f"the {arm} arm's held-out pass@{k} before training is {rate:.3f}, {side} {BAND[0]}-{BAND[1]}: "
+            f"{'few held-out tasks are ever solved' if side == 'below' else 'little is left to gain'}, so a "
+            "gain will be hard to tell from noise (other held-out libraries, or tasks.difficulty, agent.max_turns)")
+
+
 def phase_walls(root: RunDir, arms: list[str]) -> dict[str, int]:
     """Each finished phase's own run time (its summary.json), so a resumed bench still reports the phases
     an earlier invocation ran."""
@@ -192,6 +208,9 @@ def run(args: argparse.Namespace) -> int:
     for arm in arms:
         before[arm] = _eval(args, root, arm, "before")
     result["before"] = {arm: _summary(before[arm], root.sub(arm).sub("before"), k) for arm in arms}
+    for arm in arms:
+        if (warning := band_warning(arm, before[arm], k)) is not None:
+            print(f"rollway bench search: {warning}", file=sys.stderr)
     if len(before) == 2:
         result["before_search_minus_bash"] = {f"pass@{x}": paired(before["bash"], before["search"], f"pass@{x}")
                                               for x in (1, k)}

@@ -132,11 +132,14 @@ def test_worked_examples_of_the_two_arms_differ_only_in_the_navigation_step():
 
 
 def test_paired_figures_of_the_search_bench():
-    from rollway.bench.search import gain_difference, paired
+    from rollway.bench.search import band_warning, gain_difference, paired
 
     def ev(*rates):
         return {"per_task": {f"t{i}": {"pass@1": r} for i, r in enumerate(rates)}}
 
+    assert band_warning("search", {"pass@8": 0.3}, 8) is None
+    assert "0.042, below 0.1-0.7" in band_warning("search", {"pass@8": 0.0417}, 8)
+    assert "above" in band_warning("bash", {"pass@8": 0.9}, 8)
     got = paired(ev(0.0, 0.5, 0.25), ev(0.5, 0.5, 0.75), "pass@1")
     assert (got["tasks"], got["diff"], got["se"]) == (3, 0.3333, 0.1667) and got["z"] == 2.0
     before = {"search": ev(0.0, 0.0), "bash": ev(0.0, 0.0)}
