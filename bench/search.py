@@ -42,11 +42,25 @@ def arm_overrides(arm: str) -> list[str]:
     return [f"tools.enabled={json.dumps(ARMS[arm])}", f"tasks.worked_example={arm}"]
 
 
+def set_aside_unfinished(folder: RunDir) -> None:
+    """A phase cut short (the machine or the session stopped) left its folder without a result: renamed to
+    PHASE.interrupted-N, kept for a look, so the phase runs again from the start in a clean folder."""
+    if not folder.path.exists():
+        return
+    n = 1
+    while (aside := folder.path.with_name(f"{folder.path.name}.interrupted-{n}")).exists():
+        n += 1
+    folder.path.rename(aside)
+    print(f"rollway bench search: {folder.path} was not finished; moved to {aside.name}, running it again",
+          file=sys.stderr)
+
+
 def _eval(args: argparse.Namespace, root: RunDir, arm: str, phase: str, model: str | None = None,
           tasks: Path | None = None, attempts: int | None = None) -> dict:
     folder = root.sub(arm).sub(phase)
     attempts = attempts or args.attempts
     if not folder.eval_result.is_file():  # a re-run resumes: finished phases are kept
+        set_aside_unfinished(folder)
         held_out = [f"tasks.path={tasks or Path(args.family) / 'heldout.jsonl'}", f"eval.attempts={attempts}",
                     f"eval.ks=[1,{attempts}]", "tasks.split=all"]
         held_out += [f"tasks.limit={args.eval_tasks}"] if args.eval_tasks and tasks is None else []
@@ -75,6 +89,7 @@ def training_tasks(args: argparse.Namespace, root: RunDir, arm: str) -> tuple[Pa
 def _train(args: argparse.Namespace, root: RunDir, arm: str) -> str | None:
     folder = root.sub(arm).sub("train")
     if not folder.summary.is_file():
+        set_aside_unfinished(folder)
         picked = training_tasks(args, root, arm)
         if picked is None:
             print(f"rollway bench search: the {arm} arm's base policy solved no training task in "

@@ -386,7 +386,7 @@ def test_an_arm_whose_training_never_updated_is_not_evaluated_again_as_if_traine
     import argparse
 
     from rollway.base.run_dir import RunDir
-    from rollway.bench.search import _train, phase_walls, training_curves
+    from rollway.bench.search import _train, phase_walls, set_aside_unfinished, training_curves
 
     root = RunDir(tmp_path / "bench")
     folder = root.sub("bash").sub("train")
@@ -400,6 +400,13 @@ def test_an_arm_whose_training_never_updated_is_not_evaluated_again_as_if_traine
     folder.metrics.write_text("".join(json.dumps({"step": s, "reward_mean": 0.5}) + "\n" for s in (1, 2)))
     assert _train(args, root, "bash") == str(folder.checkpoints / "step_000002")
     assert training_curves(folder)["updates"] == 2
+    # A phase cut short (no result in its folder) is set aside, twice over, and its finished sibling kept.
+    for n in (1, 2):
+        cut = root.sub("search").sub("train")
+        (cut.path / "logs").mkdir(parents=True)
+        set_aside_unfinished(cut)
+        assert not cut.path.exists() and (cut.path.parent / f"train.interrupted-{n}" / "logs").is_dir()
+    assert folder.summary.is_file()
 
 
 def test_source_archive_of_a_project_whose_build_backend_is_compiled_downloads(tmp_path):
