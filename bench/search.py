@@ -104,12 +104,14 @@ def _train(args: argparse.Namespace, root: RunDir, arm: str) -> str | None:
             cycle = [f"scheduler.num_tasks={len(kept)}", f"scheduler.epochs={-(-groups // len(kept))}"]
         _rollway("up", args.config, *args.overrides, *arm_overrides(arm), f"run.seed={args.seed}",
                  f"tasks.path={path}", *cycle, "--run-dir", str(folder.path))
-    checkpoints = sorted(folder.checkpoints.glob("step_*"), key=lambda p: int(p.name.split("_")[-1]))
-    if not checkpoints or checkpoints[-1].name == "step_000000":  # the base weights, saved for the engine
+    from rollway.learning.checkpoint import latest_checkpoint, load_state
+
+    checkpoint = latest_checkpoint(folder.path)
+    if checkpoint is None or load_state(checkpoint).step == 0:  # the base weights, saved for the engine
         print(f"rollway bench search: the {arm} arm's training ran no update (no group had a reward signal); "
               f"its after-training figures are its before-training ones", file=sys.stderr)
         return None
-    return str(checkpoints[-1])
+    return str(checkpoint)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -387,16 +387,21 @@ def test_an_arm_whose_training_never_updated_is_not_evaluated_again_as_if_traine
 
     from rollway.base.run_dir import RunDir
     from rollway.bench.search import _train, phase_walls, set_aside_unfinished, training_curves
+    from rollway.learning.checkpoint import STATE_FILE, TrainerState
 
     root = RunDir(tmp_path / "bench")
     folder = root.sub("bash").sub("train")
-    (folder.checkpoints / "step_000000").mkdir(parents=True)
+    def checkpoint(step: int) -> None:  # a complete checkpoint folder as the learner leaves it: its state file
+        (folder.checkpoints / f"step_{step:06d}").mkdir(parents=True)
+        (folder.checkpoints / f"step_{step:06d}" / STATE_FILE).write_text(TrainerState(version=step, step=step).to_json())
+
+    checkpoint(0)
     folder.summary.write_text(json.dumps({"wall_seconds": 993.4}))
     assert phase_walls(root, ["search", "bash"]) == {"bash_train": 993}  # a resumed bench keeps earlier phases' times
     args = argparse.Namespace(family=str(tmp_path), train_filter=0, overrides=[], config="unused.yaml")
     assert _train(args, root, "bash") is None
     assert training_curves(folder)["updates"] == 0
-    (folder.checkpoints / "step_000002").mkdir()
+    checkpoint(2)
     folder.metrics.write_text("".join(json.dumps({"step": s, "reward_mean": 0.5}) + "\n" for s in (1, 2)))
     assert _train(args, root, "bash") == str(folder.checkpoints / "step_000002")
     assert training_curves(folder)["updates"] == 2
