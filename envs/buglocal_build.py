@@ -120,6 +120,7 @@ def build_family(opts: FamilyOptions) -> dict[str, Any]:
     # Held-out first: the before-training measurement needs only these.
     for split, libraries in (("heldout", heldout), ("train", train)):
         by_library: list[list[dict[str, Any]]] = []
+        named_in_split = 0
         for i, sdist in enumerate(libraries, start=1):
             t0 = time.monotonic()
             # Not fetched (SdistError is no BuildError, so build_library recorded nothing and the next build
@@ -133,6 +134,7 @@ def build_family(opts: FamilyOptions) -> dict[str, Any]:
                 continue
             by_library.append(got)
             named = sum(named_in_tests(r) for r in got)
+            named_in_split += named
             summary["libraries"][sdist] = {"split": split, "instances": len(got), "named": named,
                                            "seconds": round(time.monotonic() - t0, 1)}
             opts.log(f"[{split} {i}/{len(libraries)}] {sdist}: {len(got)} instances, {named} named "
@@ -143,7 +145,7 @@ def build_family(opts: FamilyOptions) -> dict[str, Any]:
         rows = interleave(by_library)
         (opts.out / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         summary[split] = len(rows)
-        summary[f"{split}_named"] = sum(named_in_tests(r) for r in rows)
+        summary[f"{split}_named"] = named_in_split
     summary["wall_seconds"] = round(time.monotonic() - started, 1)
     (opts.out / "manifest.json").write_text(json.dumps(summary, indent=1))
     return summary
