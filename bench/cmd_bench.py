@@ -15,12 +15,14 @@ from rollway.base.run_dir import RunDir, fresh_run_folder
 
 NAME = "bench"
 HELP = ("Benchmarks: pipeline (pipelined vs bounded-batch rollout), serve (inference engine), learner "
-        "(training tokens/s), learn (held-out pass rate before and after a training run), search (bug localisation with and "
-        "without the AST search tool, before and after training), up (what rollway up adds to a job's own work).")
+        "(training tokens/s), learn (held-out pass rate before and after a training run), search (bug localisation "
+        "with and without the AST search tool, before and after training), search-seeds (search's figures pooled "
+        "over seeds), up (what rollway up adds to a job's own work).")
 
 DELEGATES = {"serve": "rollway.policies.bench_serve", "learner": "rollway.learning.bench",
              "learn": "rollway.bench.learn", "weight-sync": "rollway.bench.weight_sync",
-             "gateway": "rollway.bench.gateway", "search": "rollway.bench.search", "up": "rollway.bench.up_cost"}
+             "gateway": "rollway.bench.gateway", "search": "rollway.bench.search",
+             "search-seeds": "rollway.bench.search_seeds", "up": "rollway.bench.up_cost"}
 """Subcommands owned by other packages: each module has add_arguments(parser) and run(args)."""
 
 

@@ -211,6 +211,16 @@ def phase_walls(root: RunDir, arms: list[str]) -> dict[str, int]:
     return walls
 
 
+def heldout_libraries(family: str) -> list[str] | None:
+    """The family's held-out libraries (NAME==VERSION) from its manifest, so a result says which split it
+    measured (`rollway bench search-seeds` lists them per seed)."""
+    manifest = Path(family) / "manifest.json"
+    if not manifest.is_file():
+        return None
+    libraries = json.loads(manifest.read_text()).get("libraries", {})
+    return sorted(name for name, lib in libraries.items() if lib.get("split") == "heldout")
+
+
 def _summary(ev: dict, folder: RunDir, k: int) -> dict:
     return {"tasks": ev["tasks"], "attempts": ev["attempts"], "failed": ev.get("failed"),
             "pass@1": ev.get("pass@1"), f"pass@{k}": ev.get(f"pass@{k}"), "file_accuracy": file_accuracy(folder),
@@ -220,7 +230,7 @@ def _summary(ev: dict, folder: RunDir, k: int) -> dict:
 def run(args: argparse.Namespace) -> int:
     root = RunDir(Path(args.run_dir or fresh_run_folder("search-bench")))
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    k, result = args.attempts, {"seed": args.seed, "run_dir": str(root.path)}
+    k, result = args.attempts, {"seed": args.seed, "run_dir": str(root.path), "heldout": heldout_libraries(args.family)}
     before: dict[str, dict] = {}
     for arm in arms:
         before[arm] = _eval(args, root, arm, "before")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import subprocess
 import sys
@@ -422,3 +423,47 @@ def test_source_archive_of_a_project_whose_build_backend_is_compiled_downloads(t
 
     archive = download_sdist("bidict==0.24.1", tmp_path)
     assert archive.name == "bidict-0.24.1.tar.gz" and archive.stat().st_size > 10_000
+
+
+def test_seeds_that_disagree_beyond_noise_pool_to_no_effect_with_the_spread_named(tmp_path, capsys):
+    """Two runs beyond z 3 in opposite directions (the search bench's seeds 3 and 4 did this) must not pool
+    to a confident answer: the random-effects mean is 0 with a wide SE, I^2 says the spread is not noise, and
+    an arm's gain that is 0 by construction (no update, SE 0) is left out of its pool, not weighted
+    infinitely. Result files written by hand (no training run in the suite)."""
+    import argparse
+
+    from rollway.bench.search_seeds import add_arguments, pool, run
+
+    got = pool([(0.3, 0.1), (-0.3, 0.1)])
+    assert got["fixed"] == {"diff": 0.0, "se": 0.0707, "z": 0.0}
+    assert got["random"]["diff"] == 0.0 and got["random"]["se"] == 0.3  # tau^2 0.17 added to each 0.01
+    assert (got["q"], got["i2"], got["above_z3"], got["below_minus_z3"]) == (18.0, 0.944, 1, 1)
+    agree = pool([(0.2, 0.1), (0.2, 0.1)])
+    assert agree["tau"] == 0.0 and agree["random"]["z"] == round(0.2 / math.sqrt(0.005), 2)
+
+    def fig(d, se):
+        return {"tasks": 24, "diff": d, "se": se, "z": round(d / se, 2) if se else None}
+
+    def result(seed, search, bash, after):
+        return {"seed": seed, "before": {}, "heldout": ["six==1.16.0"], "gain": {"search": fig(*search),
+                "bash": fig(*bash)}, "after_search_minus_bash": {"pass@1": fig(*after)}}
+
+    (tmp_path / "s3").mkdir()
+    (tmp_path / "s3" / "search-bench.json").write_text(json.dumps(result(3, (0.2, 0.05), (0.4, 0.07), (-0.17, 0.07))))
+    (tmp_path / "s4.json").write_text(json.dumps(result(4, (0.23, 0.07), (0.0, 0.0), (0.26, 0.07))))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert run(parser.parse_args([str(tmp_path / "s3"), str(tmp_path / "s4.json"), "--json"])) == 0
+    pooled = json.loads(capsys.readouterr().out)["pooled"]
+    assert pooled["bash_gain"]["runs"] == 1 and pooled["bash_gain"]["not_measured"] == 1
+    assert pooled["search_gain"]["runs"] == 2 and pooled["search_gain"]["random"]["z"] > 3
+    assert pooled["after_search_minus_bash"]["i2"] > 0.5 and abs(pooled["after_search_minus_bash"]["random"]["z"]) < 1
+    assert run(parser.parse_args([str(tmp_path / "nothing")])) == 2
+    assert "no search-bench.json" in capsys.readouterr().err
+    # Each bench result names its held-out split, read from the family's manifest.
+    from rollway.bench.search import heldout_libraries
+
+    (tmp_path / "family").mkdir()
+    (tmp_path / "family" / "manifest.json").write_text(json.dumps({"libraries": {
+        "six==1.16.0": {"split": "heldout"}, "toolz==1.2.0": {"split": "train"}}}))
+    assert heldout_libraries(str(tmp_path / "family")) == ["six==1.16.0"]
