@@ -212,13 +212,10 @@ def phase_walls(root: RunDir, arms: list[str]) -> dict[str, int]:
 
 
 def heldout_libraries(family: str) -> list[str] | None:
-    """The family's held-out libraries (NAME==VERSION) from its manifest, so a result says which split it
-    measured (`rollway bench search-seeds` lists them per seed)."""
-    manifest = Path(family) / "manifest.json"
-    if not manifest.is_file():
-        return None
-    libraries = json.loads(manifest.read_text()).get("libraries", {})
-    return sorted(name for name, lib in libraries.items() if lib.get("split") == "heldout")
+    """The libraries (NAME==VERSION) of the family's held-out rows, so a result says which split it measured
+    (`rollway bench search-seeds` lists them per seed)."""
+    rows = read_jsonl(Path(family) / "heldout.jsonl")
+    return sorted({str(row["repo"]) for row in rows if row.get("repo")}) or None
 
 
 def _summary(ev: dict, folder: RunDir, k: int) -> dict:

@@ -460,10 +460,10 @@ def test_seeds_that_disagree_beyond_noise_pool_to_no_effect_with_the_spread_name
     assert pooled["after_search_minus_bash"]["i2"] > 0.5 and abs(pooled["after_search_minus_bash"]["random"]["z"]) < 1
     assert run(parser.parse_args([str(tmp_path / "nothing")])) == 2
     assert "no search-bench.json" in capsys.readouterr().err
-    # Each bench result names its held-out split, read from the family's manifest.
+    # Each bench result names its held-out split, read from the family's held-out rows.
     from rollway.bench.search import heldout_libraries
 
     (tmp_path / "family").mkdir()
-    (tmp_path / "family" / "manifest.json").write_text(json.dumps({"libraries": {
-        "six==1.16.0": {"split": "heldout"}, "toolz==1.2.0": {"split": "train"}}}))
+    (tmp_path / "family" / "heldout.jsonl").write_text("".join(
+        json.dumps({"instance_id": f"six__{i}", "repo": "six==1.16.0"}) + "\n" for i in range(3)))
     assert heldout_libraries(str(tmp_path / "family")) == ["six==1.16.0"]
