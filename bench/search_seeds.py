@@ -104,7 +104,7 @@ def format_text(out: dict[str, Any]) -> str:
     lines = ["held-out pass@1, paired per task; pooled over runs (random effects, DerSimonian-Laird)",
              f"{'seed':>6}  {'held-out':<34}" + "".join(f"{n:>26}" for n in FIGURES)]
     for row in out["per_run"]:
-        held = ",".join(row["heldout"] or []) or "?"
+        held = ",".join(lib.split("==")[0] for lib in row["heldout"] or []) or "?"  # versions: --json
         lines.append(f"{row['seed']!s:>6}  {held[:34]:<34}" + "".join(f"{cell(row[n]):>26}" for n in FIGURES))
     for effect in ("fixed", "random"):
         lines.append(f"{effect:>6}  {'':<34}" + "".join(
