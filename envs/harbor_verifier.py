@@ -214,7 +214,8 @@ async def run_tests(task: HarborTask, box: Sandbox, tests: list[tuple[str, Path]
         return Grade(0.0, False, details=details)
     if not exits:
         raise HarborEnvError(f"env_error: tests/test.sh of {task.name} could not be started as [verifier] user "
-                             f"{settings.user or 'the sandbox user'}: {ran.output[-500:]}")
+                             f"{settings.user or 'the sandbox user'} (exit code {ran.exit_code}, "
+                             f"{len(ran.output)} bytes of output): {ran.output[-500:]}")
     if settings.user is not None:  # the sandbox user's leftovers die with its command (the exec wrapper)
         await box.exec_as(settings.user, "kill -9 -1 2>/dev/null; true")  # type: ignore[attr-defined]
     listed = await box.exec(LIST_REWARDS)

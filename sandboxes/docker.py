@@ -56,6 +56,9 @@ _GRACE_S = 3.0
 # in the local jail, where each command has its own pid namespace).
 _WRAP = 'timeout -s KILL "$1" bash -c "$2"; rc=$?; kill -9 -1 2>/dev/null; exit $rc'
 _WRAP_KEEPER = 'timeout -s KILL "$1" bash -c "$2"'  # the keeper's own commands must not kill the keeper
+_EXIT_WAIT_S = 10.0
+"""How long an exec whose output stream has ended may still show as running before its exit code is given
+up on (-1): a heavily loaded engine can take more than the second this used to allow to record an end."""
 _GIT = (f"git -c safe.directory='*' -c core.autocrlf=false -c core.fsmonitor=false -c core.hooksPath=/dev/null "
         f"--git-dir={STATE}/base.git --work-tree={WORKSPACE}")
 _KEEPER_ENV = {
@@ -189,15 +192,19 @@ class DockerSandbox(Sandbox):
             api.exec_start(exec_id)
 
     def _exit_code(self, exec_id: str) -> int | None:
-        """The exec's exit code; a just-killed exec may need a moment to be reaped."""
+        """The exec's exit code; a just-killed exec may need a moment to be reaped, and a loaded engine
+        several seconds to record its end (polled up to _EXIT_WAIT_S, more slowly as it waits)."""
         api = self._provider.client.api
+        deadline, pause = time.monotonic() + _EXIT_WAIT_S, 0.02
         with engine_errors("exec", self.name):
-            for _ in range(50):
+            while True:
                 info = api.exec_inspect(exec_id)
                 if not info.get("Running"):
                     return info.get("ExitCode")
-                time.sleep(0.02)
-        return None
+                if time.monotonic() >= deadline:
+                    return None
+                time.sleep(pause)
+                pause = min(pause * 2, 0.5)
 
     async def read_file(self, path: str) -> str:
         target = _container_path(path)

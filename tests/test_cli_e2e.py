@@ -148,8 +148,10 @@ def test_sigterm_stops_bench_learn_and_the_phase_it_runs(tmp_path):
         wait_until(lambda: len(list((run_dir / "before" / "status").glob("*.json"))) >= 6, timeout_s=90,
                    what="the evaluation's stage processes writing their status")
         phase, broker = pids_with(f"--run-dir {run_dir}/before"), pids_with(f"tcp://127.0.0.1:{port}")
+        # Descendants include sandbox commands that end on their own (a tool call's bubblewrap); only the
+        # long-lived ones must be running now (a CI run under load saw one exit between the two looks).
         started = phase | broker | {kid for p in phase for kid in descendants(p)}
-        assert phase and broker and all(alive(p) for p in started)
+        assert phase and broker and all(alive(p) for p in phase | broker)
         bench.send_signal(signal.SIGTERM)
         assert bench.wait(90) == 143
         wait_until(lambda: not any(alive(p) for p in started), timeout_s=30,
