@@ -117,6 +117,48 @@ def test_timeout_and_what_outlives_it(box: DockerSandbox) -> None:
     assert "sleep" not in run(box.exec("ps -eo user,comm | grep nobody")).output  # no process outlived it
 
 
+def test_a_lost_exec_stream_is_told_from_an_empty_output_by_its_end_marker() -> None:
+    """The engine now and then drops an exec's whole output (moby#27289; reproduced here once in 400
+    `echo` commands beside a benchmark: exit code 0, no bytes), which graders read as "no marker" or "no
+    test passed". The wrapper prints a fresh marker last; this checks the marker's removal on captures fed
+    by hand (the engine's loss cannot be provoked on demand), whatever the head/tail split."""
+    from rollway.sandboxes.docker import marked_capture, take_trailer
+    from rollway.sandboxes.jail import OutputCapture
+
+    trailer = b"\n[rollway-end 0123abcd]"
+
+    def captured(data: bytes, limit: int = 64, marked: bool = True) -> OutputCapture:
+        capture = marked_capture(limit, trailer) if marked else OutputCapture(limit)
+        for i in range(0, len(data), 7):  # in frames, as the stream comes
+            capture.feed(data[i:i + 7])
+        return capture
+
+    for body in (b"", b"x", b"hi\n", b"a" * 20, b"a" * 40, b"a" * 500):  # in the head, straddling, in the tail
+        capture = captured(body + trailer)
+        assert take_trailer(capture, trailer), body
+        whole = captured(body, marked=False)  # the output alone, as the agent would have seen it before
+        assert (capture.text(), capture.total, capture.omitted) == (whole.text(), whole.total, whole.omitted)
+    assert not take_trailer(captured(b""), trailer)  # the loss: nothing came
+    assert not take_trailer(captured(b"hi\n"), trailer)
+    flood = captured(b"b" * 500)  # killed before its marker: cut to the limit all the same
+    assert not take_trailer(flood, trailer) and flood.text() == captured(b"b" * 500, marked=False).text()
+    forged = captured(b"hi" + b"\n[rollway-end ffffffff]")  # another command's marker is output, not an end
+    assert not take_trailer(forged, trailer) and forged.text().endswith("[rollway-end ffffffff]")
+
+
+def test_outputs_keep_their_exact_bytes_and_a_command_that_kills_its_wrapper_is_not_an_engine_loss(
+        box: DockerSandbox) -> None:
+    """The end marker never shows in an output, and a command that kills every process of its user (the
+    wrapper, which prints the marker, among them) gets its exit status back as before: an agent must not
+    be able to turn its own tool call into an engine failure (an episode dropped instead of graded)."""
+    assert run(box.exec("printf x")).output == "x"
+    assert run(box.exec("printf 'a\\n\\n'")).output == "a\n\n"
+    assert run(box.exec("true")).output == ""
+    killed = run(box.exec("kill -9 -1; sleep 5"))
+    assert killed.exit_code == 137 and "rollway-end" not in killed.output
+    assert run(box.exec("echo after")).output == "after\n"
+
+
 def test_output_flood_stops_the_exec_and_frees_its_socket(box: DockerSandbox, config: SandboxConfig) -> None:
     run(box.exec("yes"))  # warm the client's connection pool
     fds = len(os.listdir("/proc/self/fd"))
