@@ -156,6 +156,12 @@ def test_outputs_keep_their_exact_bytes_and_a_command_that_kills_its_wrapper_is_
     assert run(box.exec("true")).output == ""
     killed = run(box.exec("kill -9 -1; sleep 5"))
     assert killed.exit_code == 137 and "rollway-end" not in killed.output
+    # The marker is in the wrapper's argv, which the command can read: printed early it is only output (the
+    # real one still comes last and is the one taken off).
+    steal = ("w=$(cut -d' ' -f4 /proc/$PPID/stat); m=$(tr '\\0' '\\n' < /proc/$w/cmdline | tail -n1); "
+             "printf '%s\\n' \"$m\"; echo after")
+    stolen = run(box.exec(steal))
+    assert stolen.exit_code == 0 and stolen.output.startswith("[rollway-end ") and stolen.output.endswith("]\nafter\n")
     assert run(box.exec("echo after")).output == "after\n"
 
 
