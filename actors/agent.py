@@ -30,8 +30,6 @@ MAX_CACHED_EPISODES = 4096
 
 
 class AgentActor(Actor):
-    name = "agent"
-    inputs = (AGENT_STEPS,)
 
     def __init__(self, services: Services, read_log: LogReader | None = None):
         self.s = services

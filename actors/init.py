@@ -12,7 +12,7 @@ from rollway.actors.services import Services
 from rollway.actors.sink import belongs_to_run
 from rollway.runtime.actor import Actor, MessageMeta, Output, failure_output
 from rollway.schemas.messages import AgentStep, InitRequest
-from rollway.topics import AGENT_STEPS, INIT_REQUESTS
+from rollway.topics import AGENT_STEPS
 
 log = structlog.get_logger()
 
@@ -24,8 +24,6 @@ def sandbox_name(episode_id: str, attempt: int) -> str:
 
 
 class InitActor(Actor):
-    name = "init"
-    inputs = (INIT_REQUESTS,)
 
     def __init__(self, services: Services):
         self.s = services

@@ -23,7 +23,7 @@ from rollway.base.faults import fault_point
 from rollway.base.run_dir import RunDir
 from rollway.runtime.actor import Actor, FatalActorError, MessageMeta, Output
 from rollway.schemas.messages import EpisodeFailure, PolicyVersion, Trajectory
-from rollway.topics import EPISODE_FAILURES, POLICY_VERSIONS, TRAJECTORIES
+from rollway.topics import POLICY_VERSIONS
 
 log = structlog.get_logger()
 
@@ -35,8 +35,6 @@ Where = tuple[str, int, int]
 
 
 class LearnerActor(Actor):
-    name = "learner"
-    inputs = (TRAJECTORIES, EPISODE_FAILURES)
 
     def __init__(self, services: Services, trainer_factory=None):
         self.s = services

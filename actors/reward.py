@@ -17,7 +17,7 @@ from rollway.sandboxes.base import SandboxError
 from rollway.schemas.codec import decode, encode
 from rollway.schemas.messages import RewardRequest, Trajectory
 from rollway.schemas.tokens import TokenStream, final_state, transcript
-from rollway.topics import REWARD_REQUESTS, TRAJECTORIES
+from rollway.topics import TRAJECTORIES
 
 log = structlog.get_logger()
 
@@ -40,8 +40,6 @@ class RewardActor(Actor):
     redelivered or duplicated request finds it there and the same trajectory is emitted again (the
     first copy may never have reached the broker), instead of grading a sandbox that is gone."""
 
-    name = "reward"
-    inputs = (REWARD_REQUESTS,)
 
     def __init__(self, services: Services):
         self.s = services

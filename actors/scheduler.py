@@ -29,7 +29,7 @@ from rollway.schemas.messages import (
     RewardRequest,
     Trajectory,
 )
-from rollway.topics import EPISODE_FAILURES, INIT_REQUESTS, POLICY_VERSIONS, REWARD_REQUESTS, TRAJECTORIES
+from rollway.topics import EPISODE_FAILURES, INIT_REQUESTS, POLICY_VERSIONS, TRAJECTORIES
 
 log = structlog.get_logger()
 __all__ = ["GIVE_UP_STAGE", "SchedulerActor", "Ticket", "ends_order", "johnson_order", "new_run_id"]
@@ -69,8 +69,6 @@ def new_run_id() -> str:
 
 
 class SchedulerActor(Actor):
-    name = "scheduler"
-    inputs = (TRAJECTORIES, EPISODE_FAILURES, POLICY_VERSIONS)
 
     def __init__(self, services: Services, scan_log=None):
         self.s = services
@@ -88,8 +86,6 @@ class SchedulerActor(Actor):
         self.strategy = IssueStrategy(services.cfg)
         """Issue order, look-ahead and drain (actors/scheduling.py)."""
         self.pre_reward_bound = self.strategy.pre_reward_bound
-        if self.strategy.reads_reward_requests:  # to see episodes leave the agent stage
-            self.inputs = (*SchedulerActor.inputs, REWARD_REQUESTS)
         self._dirty = True
         self._repair = False
         self._gate = os.environ.get("ROLLWAY_START_GATE") or None

@@ -24,6 +24,12 @@ def agent_slots(cfg: RunConfig) -> int:
     return cfg.scheduler.agent_slots or agent_worker_slots(cfg)
 
 
+def reads_reward_requests(cfg: RunConfig) -> bool:
+    """The scheduler consumes reward-requests too (topics/topology.py): with an init look-ahead bound it
+    must see episodes leave the agent stage."""
+    return IssueStrategy(cfg).reads_reward_requests
+
+
 class InflightEpisode(Protocol):
     at_reward: bool
     """This attempt has left the agent stage."""

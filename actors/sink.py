@@ -14,7 +14,6 @@ from rollway.base.run_dir import FAILURES_FILE, TRAJECTORIES_FILE, RunDir, iter_
 from rollway.runtime.actor import Actor, FatalActorError, MessageMeta, Output
 from rollway.schemas.codec import check_version, to_builtins
 from rollway.schemas.messages import EpisodeFailure, Trajectory
-from rollway.topics import EPISODE_FAILURES, TRAJECTORIES
 
 STATUS_FILE = RunDir.SINK_STATUS
 
@@ -33,8 +32,6 @@ class SinkActor(Actor):
     in a bounded, durable ledger in the run folder, so a restarted sink never writes a redelivered
     trajectory twice and memory does not grow with the run."""
 
-    name = "sink"
-    inputs = (TRAJECTORIES, EPISODE_FAILURES)
 
     def __init__(self, services: Services):
         self.s = services

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from rollway.runners.common import add_config_arguments, load_or_exit
 from rollway.topics.topology import STAGE_NAMES as STAGES
+from rollway.topics.topology import get_stage
 
 NAME = "stage"
 HELP = "Run one worker of one pipeline stage against a Kafka broker."
@@ -32,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir or cfg.run.dir or f"runs/{cfg.run.name}")
     run_dir.mkdir(parents=True, exist_ok=True)
     configure_logging(args.name, run_dir)
-    if args.name == "learner" and int(os.environ.get("RANK", "0")) > 0:
+    if get_stage(args.name).ranks_setting and int(os.environ.get("RANK", "0")) > 0:
         from rollway.learning.distributed import run_follower  # a sharded learner's rank > 0: no broker
 
         return run_follower(cfg.learner, run_dir, cfg.scheduler.group_size)

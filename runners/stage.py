@@ -22,16 +22,11 @@ def build_actor(name: str, services: Services, log_reader: LogReader | None) -> 
     reader, for stages that read the log back)."""
     stage = get_stage(name)
     actor_class = import_target(stage.actor)
-    if name == "scheduler":  # its log reader streams its own inputs back (runtime/scan.py)
+    if stage.reads_log == "stream":  # its inputs streamed back on restart (runtime/scan.py)
         from rollway.runtime.scan import StreamingTopicScanner
 
         return actor_class(services, StreamingTopicScanner(services.cfg, log_reader.bootstrap) if log_reader else None)
-    return actor_class(services, log_reader) if stage.reads_log else actor_class(services)
-
-
-def stage_inputs(name: str) -> tuple:
-    """The topics a stage consumes (optional ones left out), as declared."""
-    return get_stage(name).consumes
+    return actor_class(services, log_reader) if stage.reads_log == "history" else actor_class(services)
 
 
 def _setting(cfg: RunConfig, dotted: str) -> object:
@@ -76,7 +71,7 @@ async def run_stage(name: str, cfg: RunConfig, bootstrap: str, run_dir: Path, st
             except (NotImplementedError, RuntimeError):
                 pass
     await ensure_topics(cfg.broker, cfg.topics, bootstrap)
-    log_reader = LogReader(cfg, bootstrap) if get_stage(name).reads_log else None
+    log_reader = LogReader(cfg, bootstrap) if get_stage(name).reads_log != "no" else None
     services = Services(cfg, run_dir)
     actor = build_actor(name, services, log_reader)
     try:

@@ -20,7 +20,7 @@ from rollway.base.run_dir import RunDir, read_trajectories
 from rollway.core.config import RunConfig, dump_config, secret_values, write_resolved_config
 from rollway.core.logging import redact_data, register_secrets
 from rollway.topics.topology import STAGE_NAMES as STAGES
-from rollway.topics.topology import start_order
+from rollway.topics.topology import drain_stages, get_stage, issuing_stage, start_order
 
 if TYPE_CHECKING:
     from rollway.policies.launch import LaunchedEngine
@@ -30,6 +30,10 @@ log = structlog.get_logger()
 
 # Start order: consumers of the later topics first, the scheduler (which issues work) last.
 START_ORDER = start_order()
+ISSUER = issuing_stage().name
+"""The stage that issues the work: it waits for the start gate, and its clean exit ends the run."""
+DRAINS = tuple(s.name for s in drain_stages())
+"""The stages the run waits for after its last outcome (the learner, the sink)."""
 STAGE_TIME_KEYS = ("init_queue", "init", "agent_queue", "agent", "agent_gen", "agent_tool", "reward_queue", "reward")
 """`stage_seconds_total` in summary.json: STAGE (handling) and STAGE_queue (production to handling) from the
 runtimes' telemetry, agent_gen and agent_tool (inside the agent's handling) from the turns."""
@@ -88,8 +92,8 @@ class Job:
 
     def stage_argv(self, stage: str) -> list[str]:
         # learner=N: one learner process, rank 0 of N sharded ranks (it starts the others, learning/distributed.py)
-        ranks = [f"learner.dist.ranks={self.workers['learner']}"] if stage == "learner" and \
-            self.workers.get("learner", 1) > 1 else []
+        setting = get_stage(stage).ranks_setting
+        ranks = [f"{setting}={self.workers[stage]}"] if setting and self.workers.get(stage, 1) > 1 else []
         return [sys.executable, "-m", "rollway.runners", "stage", stage, str(self.stage_config_path), *ranks,
                 "--bootstrap", self.bootstrap, "--run-dir", str(self.run_dir)]
 
@@ -112,9 +116,9 @@ class Job:
         gate = RunDir(self.run_dir).start_gate
         gate.unlink(missing_ok=True)
         for stage in START_ORDER:
-            gate_env = {"ROLLWAY_START_GATE": str(gate)} if stage == "scheduler" else {}
+            gate_env = {"ROLLWAY_START_GATE": str(gate)} if stage == ISSUER else {}
             env = {**(self.env or {}), **self.secrets_env, **gate_env} or None
-            for i in range(1 if stage == "learner" else self.workers.get(stage, 1)):
+            for i in range(1 if get_stage(stage).ranks_setting else self.workers.get(stage, 1)):
                 p = StageProcess(stage, i, self.stage_argv(stage), RunDir(self.run_dir).stage_log(stage, i), env=env)
                 p.start()
                 self.procs.append(p)
@@ -126,7 +130,7 @@ class Job:
         gate = RunDir(self.run_dir).start_gate
         if self.one_process or gate.exists():
             return True
-        status = [RunDir(self.run_dir).worker_status(p.stage, p.proc.pid) for p in self.procs if p.stage != "scheduler"]
+        status = [RunDir(self.run_dir).worker_status(p.stage, p.proc.pid) for p in self.procs if p.stage != ISSUER]
         if all(s.get("partitions", 0) > 0 for s in status) or time.monotonic() - self._started_at > timeout_s:
             gate.parent.mkdir(parents=True, exist_ok=True)
             gate.touch()
@@ -137,7 +141,7 @@ class Job:
 
     def scheduler_exit_code(self) -> int | None:
         """The scheduler's exit code once it ended for good: 0, or an error with no restart left."""
-        sched = [p for p in self.procs if p.stage == "scheduler"]
+        sched = [p for p in self.procs if p.stage == ISSUER]
         if not sched:
             return None
         code = sched[0].proc.poll()
@@ -146,7 +150,7 @@ class Job:
     def wait_for_scheduler(self, timeout_s: float) -> None:
         """Sleep up to `timeout_s`, returning early when a one-process job's scheduler ends (a process's
         end is seen at the next poll)."""
-        sched = [p for p in self.procs if p.stage == "scheduler" and p.alive]
+        sched = [p for p in self.procs if p.stage == ISSUER and p.alive]
         if self.one_process and sched:
             try:
                 sched[0].wait(timeout_s)
@@ -160,7 +164,7 @@ class Job:
         counts as crashed only when it exited with an error: it exits 0 when the job is done."""
         notes = []
         for p in self.procs:
-            crashed = not p.alive and (p.stage != "scheduler" or p.proc.returncode != 0)
+            crashed = not p.alive and (p.stage != ISSUER or p.proc.returncode != 0)
             if crashed and p.restarts < self.max_restarts:
                 code = p.proc.returncode if p.proc else None
                 p.restarts += 1
@@ -176,7 +180,7 @@ class Job:
         the job can never finish, so it fails now instead of waiting for run.timeout_s."""
         for stage in {p.stage for p in self.procs}:
             procs = [p for p in self.procs if p.stage == stage]
-            if any(p.alive or p.restarts < self.max_restarts or (p.stage == "scheduler" and p.proc.returncode == 0)
+            if any(p.alive or p.restarts < self.max_restarts or (p.stage == ISSUER and p.proc.returncode == 0)
                    for p in procs):
                 continue
             last = procs[-1]
@@ -221,8 +225,8 @@ def parse_workers(specs: list[str]) -> dict[str, int]:
         name, _, count = spec.partition("=")
         if name not in STAGES or not count.isdigit() or int(count) < 1:
             raise ValueError(f"--workers {spec!r}: expected STAGE=N with STAGE in {', '.join(STAGES)} and N >= 1")
-        if name == "scheduler" and int(count) != 1:
-            raise ValueError("--workers: the scheduler runs as exactly one process")
+        if get_stage(name).single and not get_stage(name).ranks_setting and int(count) != 1:
+            raise ValueError(f"--workers: the {name} runs as exactly one process")
         workers[name] = int(count)
     return workers
 
@@ -434,10 +438,9 @@ def wait_for_consumers(run_dir: Path, completed: int, job: Job, timeout_s: float
     while time.monotonic() < deadline:
         # The sink's status file first (a file read); the committed offsets (a broker round trip) once it has all.
         sink = RunDir(run_dir).sink().get("episodes_written", 0)
-        if sink >= completed and asyncio.run(consumer_lag(job.cfg, job.bootstrap, ("sink", "learner"))) == 0:
+        if sink >= completed and asyncio.run(consumer_lag(job.cfg, job.bootstrap, DRAINS)) == 0:
             return
-        learner_alive = any(p.alive for p in job.procs if p.stage == "learner")
-        if learner_alive and RunDir(run_dir).learner().get("training"):
+        if RunDir(run_dir).learner().get("training") and any(p.alive for p in job.procs if p.stage in DRAINS):
             deadline = min(hard_deadline, max(deadline, time.monotonic() + timeout_s))
         job.restart_dead_workers()
         time.sleep(0.1 if sink < completed else 0.25)

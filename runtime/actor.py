@@ -31,12 +31,32 @@ class MessageMeta:
     timestamp_ms: int = 0
 
 
+class _FromStage:
+    """`name` and `inputs` of a pipeline actor, read from its stage in topics/topology.py (an actor
+    never declares them again); an actor outside the pipeline (a test's) sets both as class attributes."""
+
+    def __set_name__(self, owner: type, attr: str) -> None:
+        self.attr = attr
+
+    def __get__(self, obj: Any, owner: type) -> Any:
+        from rollway.topics.topology import stage_inputs, stage_of_actor
+
+        stage = stage_of_actor(owner)
+        if stage is None:
+            raise AttributeError(f"{owner.__name__} is not a stage in topics/topology.py: give it `name` and `inputs`")
+        if self.attr == "name":
+            return stage.name
+        services = getattr(obj, "s", None)  # a pipeline actor's Services; None on the class itself
+        return stage_inputs(stage, getattr(services, "cfg", None))
+
+
 class Actor(ABC):
     """One pipeline stage. The runner consumes `inputs`, calls `handle` once per message (up to the
-    stage's concurrency at a time, one at a time per key), produces the outputs, then commits."""
+    stage's concurrency at a time, one at a time per key), produces the outputs, then commits.
+    A pipeline actor's `name` and `inputs` come from its stage (topics/topology.py)."""
 
-    name: str = "actor"
-    inputs: tuple[TopicSpec, ...] = ()
+    name: str = _FromStage()  # type: ignore[assignment]
+    inputs: tuple[TopicSpec, ...] = _FromStage()  # type: ignore[assignment]
 
     async def setup(self) -> None:
         """Called once before the first message."""

@@ -40,6 +40,7 @@ from rollway.runtime.telemetry import TelemetryLog
 from rollway.schemas.codec import DecodeError, EncodeError, decode, encode
 from rollway.schemas.messages import AgentStep, DeadLetter
 from rollway.topics import DEAD_LETTERS, TopicSpec
+from rollway.topics.topology import UndeclaredOutput, check_output
 
 log = structlog.get_logger()
 
@@ -103,6 +104,11 @@ class OutputSender:
     def encode(self, out: Output) -> tuple[str, bytes | None, bytes]:
         """(topic, key, value) of `out`, or OutputRefused when it cannot be a message on this broker."""
         what = f"{type(out.value).__name__} for {out.topic.name}"
+        if out.topic is not DEAD_LETTERS:  # the runtime's own; every other output is the actor's
+            try:
+                check_output(self.stage, out.topic)
+            except UndeclaredOutput as err:
+                raise OutputRefused(str(err)) from None
         try:
             value = encode(out.value)
         except EncodeError as err:

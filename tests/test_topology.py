@@ -93,3 +93,39 @@ def test_readme_and_concepts_carry_the_declared_topology():
     for name in ("README.md", "docs/concepts.md"):
         text = (ROOT / name).read_text()
         assert text_diagram() in text and with_diagram(text) == text, f"run `rollway docs topology` ({name})"
+
+
+def test_the_runtime_refuses_an_output_the_stage_does_not_declare():
+    """`check_output` is the runtime's, on every output it produces: an actor's output to a topic its
+    stage does not declare is refused (its input dead-lettered), a dead letter is the runtime's own."""
+    from rollway.core.config import RunConfig
+    from rollway.runtime.actor import Output, OutputRefused
+    from rollway.runtime.worker import OutputSender
+    from rollway.schemas.messages import DeadLetter
+    from rollway.topics import AGENT_STEPS
+
+    sender = OutputSender("sink", RunConfig(), None, {})  # type: ignore[arg-type]
+    letter = DeadLetter(source_topic="t", partition=0, offset=0, key=None, value=b"", reason="r", stage="sink", at=0.0)
+    assert sender.encode(Output(DEAD_LETTERS, None, letter))[0].endswith("dead-letters")
+    with pytest.raises(OutputRefused, match="stage 'sink' produced to 'agent-steps'"):
+        sender.encode(Output(AGENT_STEPS, "ep", letter))
+
+
+def test_an_actor_takes_its_name_and_inputs_from_its_stage_and_declares_neither():
+    """Name and inputs come from topics/topology.py (optional inputs through the stage's declared
+    `optional_when`), never from a second declaration in the actor's module."""
+    for stage in STAGES:
+        source = (ROOT / "actors" / (stage.actor.split(":")[0].rsplit(".", 1)[1] + ".py")).read_text()
+        assert not re.search(r"^    (name|inputs)\s*=", source, re.M), stage.name  # class level
+        assert "self.inputs" not in source, stage.name
+    scheduler = get_stage("scheduler")
+    assert scheduler.optional_consumes and import_target(scheduler.optional_when)
+
+
+def test_rollway_up_branches_on_no_stage_name():
+    """Per-stage facts (one process, ranks, who issues the work, who drains last) come from the
+    declaration: no string literal naming a stage in runners/up.py's code."""
+    tree = ast.parse((ROOT / "runners" / "up.py").read_text())
+    compared = {c.value for node in ast.walk(tree) if isinstance(node, ast.Compare)
+                for c in ast.walk(node) if isinstance(c, ast.Constant) and c.value in STAGE_NAMES}
+    assert compared == set()

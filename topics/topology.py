@@ -44,26 +44,37 @@ class Stage:
     concurrency: str | None
     """Dotted config field holding messages handled at once per worker (None: one at a time)."""
     optional_consumes: tuple[TopicSpec, ...] = ()
-    """Inputs the actor subscribes to only when a setting asks (it lists them in its `inputs` then)."""
-    reads_log: bool = False
-    """Gets a log reader (reads back its own or other topics' history: rebuilds, restart scans)."""
+    """Inputs consumed only when `optional_when` says so for the run's config."""
+    optional_when: str | None = None
+    """`module:function` of the run config: True when the stage consumes `optional_consumes` too."""
+    reads_log: Literal["no", "history", "stream"] = "no"
+    """How it reads the log back: `history` gets a log reader (rebuilds from an offset), `stream` a
+    scanner that streams its own inputs back on restart (runtime/scan.py); `no`: neither."""
     single: bool = False
     """Runs as exactly one process (its state is not partitioned)."""
+    issues_work: bool = False
+    """The stage that issues the run's work: it waits for the start gate (every other worker owns
+    partitions) before its first issue, and its clean exit (code 0) is the end of the run, not a crash."""
+    ranks_setting: str | None = None
+    """Dotted config field that takes its worker count: N workers are one process leading N ranks
+    (the sharded learner), not N consumers; rank processes after the first read no topic."""
 
 
 STAGES: tuple[Stage, ...] = (
     Stage("scheduler", "rollway.actors.scheduler:SchedulerActor",
           consumes=(TRAJECTORIES, EPISODE_FAILURES, POLICY_VERSIONS), produces=(INIT_REQUESTS, EPISODE_FAILURES),
-          optional_consumes=(REWARD_REQUESTS,), dedup="tickets", concurrency=None, reads_log=True, single=True),
+          optional_consumes=(REWARD_REQUESTS,), optional_when="rollway.actors.scheduling:reads_reward_requests",
+          dedup="tickets", concurrency=None, reads_log="stream", single=True, issues_work=True),
     Stage("init", "rollway.actors.init:InitActor", consumes=(INIT_REQUESTS,),
           produces=(AGENT_STEPS, EPISODE_FAILURES), dedup="sandbox", concurrency="init.concurrency"),
     Stage("agent", "rollway.actors.agent:AgentActor", consumes=(AGENT_STEPS,),
           produces=(AGENT_STEPS, REWARD_REQUESTS, EPISODE_FAILURES), dedup="rebuild",
-          concurrency="agent.concurrency", reads_log=True),
+          concurrency="agent.concurrency", reads_log="history"),
     Stage("reward", "rollway.actors.reward:RewardActor", consumes=(REWARD_REQUESTS,),
           produces=(TRAJECTORIES, EPISODE_FAILURES), dedup="ledger", concurrency="reward.concurrency"),
     Stage("learner", "rollway.actors.learner:LearnerActor", consumes=(TRAJECTORIES, EPISODE_FAILURES),
-          produces=(POLICY_VERSIONS,), dedup="trained-set", concurrency=None, single=True),
+          produces=(POLICY_VERSIONS,), dedup="trained-set", concurrency=None, single=True,
+          ranks_setting="learner.dist.ranks"),
     Stage("sink", "rollway.actors.sink:SinkActor", consumes=(TRAJECTORIES, EPISODE_FAILURES), produces=(),
           dedup="ledger", concurrency=None),
 )
@@ -71,6 +82,33 @@ STAGES: tuple[Stage, ...] = (
 
 STAGE_NAMES: tuple[str, ...] = tuple(s.name for s in STAGES)
 BY_NAME = {s.name: s for s in STAGES}
+
+
+def stage_of_actor(actor_class: type) -> Stage | None:
+    """The stage whose `actor` is this class or one of its bases (None: not a pipeline actor)."""
+    paths = {f"{c.__module__}:{c.__qualname__}": c for c in actor_class.__mro__}
+    return next((s for s in STAGES if s.actor in paths), None)
+
+
+def stage_inputs(stage: Stage, cfg: object | None) -> tuple[TopicSpec, ...]:
+    """What `stage` consumes in a run with config `cfg`: its inputs, and its optional ones where its
+    `optional_when` says so (None: no config, the declared inputs only)."""
+    if cfg is None or stage.optional_when is None:
+        return stage.consumes
+    from rollway.base.registry import import_target
+
+    return stage.consumes + stage.optional_consumes if import_target(stage.optional_when)(cfg) else stage.consumes
+
+
+def issuing_stage() -> Stage:
+    """The one stage that issues the run's work (`issues_work`)."""
+    return next(s for s in STAGES if s.issues_work)
+
+
+def drain_stages() -> tuple[Stage, ...]:
+    """The stages a run waits for after its last outcome: those whose outputs only the issuing stage
+    reads, or nobody (the learner, the sink)."""
+    return tuple(s for s in STAGES if not s.issues_work and all(r.issues_work for r in readers_of(s.produces)))
 
 
 def get_stage(name: str) -> Stage:
@@ -105,7 +143,9 @@ def readers_of(topics: tuple[TopicSpec, ...]) -> list[Stage]:
 
 
 def check_output(stage: str, topic: TopicSpec) -> None:
-    """Refuse an output to a topic `stage` does not declare (a bug in the actor, not in the input)."""
+    """Refuse an output to a topic `stage` does not declare (a bug in the actor, not in the input).
+    The runtime calls it for every output it produces (dead letters are its own); a stage that is not
+    in the pipeline (a test's actor) declares nothing and is not checked."""
     declared = BY_NAME[stage].produces if stage in BY_NAME else None
     if declared is not None and topic not in declared:
         raise UndeclaredOutput(f"stage {stage!r} produced to {topic.name!r}, which topics/topology.py does "
