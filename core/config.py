@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any, Literal
 
@@ -158,7 +159,8 @@ StageName = Literal[STAGE_NAMES]  # type: ignore[valid-type]  # the stages topic
 class RuntimeConfig(StrictModel):
     engine: Engine = "aiokafka"
     """Stream engine of every stage worker: `aiokafka` (the built-in StageWorker) or `faust` (a
-    faust-streaming agent with a changelog-backed dedup table; runtime/faust.py)."""
+    faust-streaming agent with a changelog-backed dedup table; runtime/faust.py; an optional extra:
+    `pip install 'rollway[faust]'`)."""
     engines: dict[StageName, Engine] = Field(default_factory=dict)
     """Per-stage overrides of `engine`, e.g. {sink: faust, learner: faust}
     (command line: runtime.engines.sink=faust)."""
@@ -178,6 +180,9 @@ class RuntimeConfig(StrictModel):
 
     @model_validator(mode="after")
     def _one_process_engines(self) -> RuntimeConfig:
+        if "faust" in {self.engine, *self.engines.values()} and importlib.util.find_spec("faust") is None:
+            raise ValueError("the faust engine needs faust-streaming, an optional extra: pip install 'rollway[faust]' "
+                             "(or use runtime.engine=aiokafka, the default)")
         if self.processes == "one" and "faust" in {self.engine, *self.engines.values()}:
             raise ValueError("runtime.processes=one runs the built-in aiokafka engine only; the faust engine "
                              "needs runtime.processes=per-stage (or auto)")

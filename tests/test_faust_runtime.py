@@ -14,6 +14,8 @@ import msgspec
 import pytest
 from aiokafka import AIOKafkaProducer
 from conftest import ROOT, run
+
+pytest.importorskip("faust", reason="the faust engine is an optional extra: pip install 'rollway[faust]' (dev has it)")
 from test_stage_runtime import Forward, config, init_request, produce, read_all
 
 from rollway.base.broker import BrokerConfig

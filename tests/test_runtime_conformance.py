@@ -9,6 +9,7 @@ reaches the actor on both engines and the tests can count them.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import time
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,8 @@ pytestmark = pytest.mark.broker
 OUT = TopicSpec("conformance-out", AgentStep, keyed_by_episode=True)
 """Where the probe writes one message per input it handled (and per tick, when asked)."""
 
-ENGINES = ("aiokafka", "faust")
+ENGINES = ("aiokafka", pytest.param("faust", marks=pytest.mark.skipif(
+    importlib.util.find_spec("faust") is None, reason="the faust engine is an optional extra: pip install 'rollway[faust]'")))
 
 
 def step(episode: str, turn: int, **flags: Any) -> AgentStep:
