@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rollway.base.run_dir import RunDir
+from rollway.bench.bench_dir import BenchDir
 from rollway.bench.workload import WorkloadConfig, plan_workload, write_plans
 
 ZERO_TIME = {"tool_s_median": 0.0, "init_s_median": 0.0, "grade_s_median": 0.0}
@@ -139,7 +140,7 @@ def measure(wl: WorkloadConfig, out: Path, bootstrap: str, server_url: str, name
     from rollway.bench.pipeline import load_run_config, run_config
 
     run_dir = RunDir(out).sub(name).path
-    data = run_config(wl, RunDir(out).plans, RunDir(run_dir).sandboxes, server_url, name)
+    data = run_config(wl, BenchDir(out).plans, RunDir(run_dir).sandboxes, server_url, name)
     data["run"]["trace"] = False
     cfg = load_run_config(data, RunDir(run_dir).run_config_yaml)
     turns = sum(p.num_turns for p in plan_workload(wl))
@@ -180,20 +181,20 @@ def run_ceiling_bench(wl: WorkloadConfig, out: Path, profile: bool = False, say=
 
     out.mkdir(parents=True, exist_ok=True)
     wl = wl.model_copy(update=ZERO_TIME)
-    write_plans(plan_workload(wl), RunDir(out).plans)
+    write_plans(plan_workload(wl), BenchDir(out).plans)
     serial = wl.model_copy(update={"slots": 1, "tool_overlap": 0, "model_call_slack": 0, "agent_prefetch": 4,
                                    "episodes": min(wl.episodes, 64)})
     results = {}
-    with SimServer(RunDir(out).plans, wl, RunDir(out).sim_server_log, instant=True) as server, \
-            EmbeddedBroker(log_path=RunDir(out).bench_broker_log) as broker:
+    with SimServer(BenchDir(out).plans, wl, BenchDir(out).sim_server_log, instant=True) as server, \
+            EmbeddedBroker(log_path=BenchDir(out).bench_broker_log) as broker:
         say(f"bench ceiling: one turn at a time, {serial.episodes} episodes")
         results["serial"] = measure(serial, out, broker.bootstrap, server.url, "serial")
         say(f"bench ceiling: {wl.slots + wl.model_call_slack + wl.tool_overlap} turns at once, {wl.episodes} episodes")
         results["concurrent"] = measure(wl, out, broker.bootstrap, server.url, "concurrent")
         if profile:
             say("bench ceiling: the concurrent run again under cProfile (CPU by category)")
-            profiled = measure(wl, out, broker.bootstrap, server.url, "profiled", RunDir(out).profile)
-            results["cpu"] = cpu_breakdown(RunDir(out).profile, profiled["turns"],
+            profiled = measure(wl, out, broker.bootstrap, server.url, "profiled", BenchDir(out).profile)
+            results["cpu"] = cpu_breakdown(BenchDir(out).profile, profiled["turns"],
                                            results["concurrent"]["cpu_ms_per_turn"])
     return {"workload": wl.model_dump(), **results, "out_dir": str(out)}
 

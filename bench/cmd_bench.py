@@ -11,7 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-from rollway.base.run_dir import RunDir, fresh_run_folder
+from rollway.base.run_dir import fresh_run_folder
+from rollway.bench.bench_dir import BenchDir
 
 NAME = "bench"
 HELP = ("Benchmarks: pipeline (pipelined vs bounded-batch rollout), serve (inference engine), learner "
@@ -206,7 +207,7 @@ def run_ceiling_bench(args: argparse.Namespace) -> int:
 
 def _emit(result: dict, out: Path, as_json: bool, format_text) -> int:
     """Write result.json to the run folder and print the result (JSON without the time series, or text)."""
-    RunDir(out).result.write_text(json.dumps(result, indent=1))
+    BenchDir(out).result.write_text(json.dumps(result, indent=1))
     if as_json:
         print(json.dumps({k: v for k, v in result.items() if k != "utilisation_series"}))
     else:

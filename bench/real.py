@@ -22,6 +22,7 @@ from pydantic import Field, field_validator, model_validator
 from rollway.base.config import StrictModel
 from rollway.base.http import http_get, http_post
 from rollway.base.run_dir import RunDir
+from rollway.bench.bench_dir import BenchDir
 from rollway.policies.launch import ServerProcess
 
 ENGINE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
@@ -313,7 +314,7 @@ class Engine:
                            vllm_args=["--max-num-seqs", str(self.rc.slots),
                                       "--disable-uvicorn-access-log"])  # the sampler polls /metrics 4x a second
         t0 = time.monotonic()
-        base = vllm_server(cfg, free_port(), RunDir(self.out).engine_log)  # the argv and environment rollway uses
+        base = vllm_server(cfg, free_port(), BenchDir(self.out).engine_log)  # the argv and environment rollway uses
         self.server = ServerProcess(base.argv, base.env, base.port, base.log_path).start()
         try:
             self.server.wait_ready(self.rc.engine_start_timeout_s)
@@ -407,7 +408,7 @@ def run_real_bench(rc: RealBenchConfig, out: Path, say=print) -> dict[str, Any]:
     tokenizer = str(resolve_model_folder(rc.model))
     modes: dict[str, dict[str, Any]] = {}
     note("bench real: starting the engine" if not rc.engine_url else f"bench real: engine at {rc.engine_url}")
-    with Engine(rc, out) as engine, EmbeddedBroker(log_path=RunDir(out).bench_broker_log) as broker:
+    with Engine(rc, out) as engine, EmbeddedBroker(log_path=BenchDir(out).bench_broker_log) as broker:
         sampler = Sampler(f"{engine.root}/metrics", engine.pid, rc.sample_interval_s)
         sampler.start()
         try:
@@ -426,7 +427,7 @@ def run_real_bench(rc: RealBenchConfig, out: Path, say=print) -> dict[str, Any]:
                 modes[mode] = {"makespan_s": t1 - t0, **episode_figures(trajectories, run_dir), **sampler.window(t0, t1),
                                **{k.removeprefix("vllm:"): after[k] - before[k] for k in ENGINE_COUNTERS}}
                 modes[mode]["generated_tokens_per_s"] = modes[mode]["generated_tokens"] / modes[mode]["makespan_s"]
-                RunDir(out).mode_result(mode).write_text(json.dumps(modes[mode], indent=1))  # kept if a later mode fails
+                BenchDir(out).mode_result(mode).write_text(json.dumps(modes[mode], indent=1))  # kept if a later mode fails
         finally:
             sampler.stop()
     from rollway.bench.real_tasks import per_archive, read_rows

@@ -16,6 +16,7 @@ from rollway.base.process import Child, free_port
 from rollway.base.run_dir import RunDir
 from rollway.bench import report
 from rollway.bench.baseline import BaselineResult, run_baseline
+from rollway.bench.bench_dir import BenchDir
 from rollway.bench.pipeline import PipelineRun, load_run_config, run_config, run_pipeline
 from rollway.bench.sim_server import busy_stats
 from rollway.bench.workload import (
@@ -114,7 +115,7 @@ def mode_figures(label: str, started: float, ended: float, trajectories: list[di
 def baseline_mode(wl: WorkloadConfig, out: Path, server: SimServer) -> tuple[dict, list, BaselineResult]:
     run_dir = RunDir(out).sub("baseline").path
     server.reset()
-    data = run_config(wl, RunDir(out).plans, RunDir(run_dir).sandboxes, server.url, "baseline")
+    data = run_config(wl, BenchDir(out).plans, RunDir(run_dir).sandboxes, server.url, "baseline")
     cfg = load_run_config(data, RunDir(run_dir).run_config_yaml)
     result = asyncio.run(run_baseline(cfg, run_dir, wl.slots))
     batch = sorted(result.trajectories, key=lambda t: t.created_at)[:wl.episodes]
@@ -135,7 +136,7 @@ def pipeline_mode(wl: WorkloadConfig, out: Path, server: SimServer, bootstrap: s
     name = f"pipeline-a{workers}"
     run_dir = RunDir(out).sub(name).path
     server.reset()
-    data = run_config(wl, RunDir(out).plans, RunDir(run_dir).sandboxes, server.url, name, workers)
+    data = run_config(wl, BenchDir(out).plans, RunDir(run_dir).sandboxes, server.url, name, workers)
     run = run_pipeline(data, run_dir, bootstrap, workers)
     from rollway.base.run_dir import read_trajectories
 
@@ -176,11 +177,11 @@ def run_bench(wl: WorkloadConfig, out: Path, scaling: list[int], say=print, with
         print_progress(f"[{time.monotonic() - t0:5.0f}s] {message}")
 
     plans = plan_workload(wl.model_copy(update={"episodes": wl.episodes + wl.carried}))
-    write_plans(plans, RunDir(out).plans)
+    write_plans(plans, BenchDir(out).plans)
     runs: dict[int, dict] = {}
     series: dict[str, list] = {}
-    with SimServer(RunDir(out).plans, wl, RunDir(out).sim_server_log) as server, \
-            EmbeddedBroker(log_path=RunDir(out).bench_broker_log) as broker:
+    with SimServer(BenchDir(out).plans, wl, BenchDir(out).sim_server_log) as server, \
+            EmbeddedBroker(log_path=BenchDir(out).bench_broker_log) as broker:
         baseline = None
         if with_baseline:
             say(f"bench: baseline, {wl.episodes} episodes, {wl.slots} slots")
@@ -200,7 +201,7 @@ def run_bench(wl: WorkloadConfig, out: Path, scaling: list[int], say=print, with
         baseline["ideal_makespan"] = ideal_makespan([plans[i] for i in baseline.pop("batch")], wl,
                                                     partial(plans, baseline.pop("carried")))["ideal_makespan"]
     ideal = headline["ideal"]
-    plot = RunDir(out).utilisation_plot
+    plot = BenchDir(out).utilisation_plot
     report.plot_utilisation({**({baseline["label"]: series["baseline"]} if baseline else {}),
                              headline["label"]: series["pipeline"]}, wl.slots, plot)
     return {"workload": wl.model_dump(), "workload_summary": workload_summary(plans[:wl.episodes]), "ideal": ideal,

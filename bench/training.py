@@ -39,6 +39,7 @@ from rollway.actors.reward import RewardActor
 from rollway.actors.services import Services
 from rollway.base.config import StrictModel
 from rollway.base.run_dir import RunDir
+from rollway.bench.bench_dir import BenchDir
 from rollway.bench.workload import WorkloadConfig
 from rollway.core.config import RunConfig
 from rollway.runtime.actor import MessageMeta
@@ -369,7 +370,7 @@ def run_mode(wl: WorkloadConfig, tc: TrainingConfig, lag: int, out: Path, server
     name = "sync" if lag == 0 else f"async-lag{lag}"
     run_dir = RunDir(out).sub(name).path
     server.reset()
-    data = run_config(wl, RunDir(out).plans, RunDir(run_dir).sandboxes, server.url, name)
+    data = run_config(wl, BenchDir(out).plans, RunDir(run_dir).sandboxes, server.url, name)
     cfg = load_run_config(data, RunDir(run_dir).run_config_yaml)
     pause_url = server.url.removesuffix("/v1") + "/sim/pause"
     result = asyncio.run(TrainingLoop(cfg, run_dir, wl, tc, lag, pause_url).run())
@@ -391,11 +392,11 @@ def run_training_bench(wl: WorkloadConfig, tc: TrainingConfig, out: Path, say=pr
     out.mkdir(parents=True, exist_ok=True)
     wl = training_workload(wl, tc)
     plans = plan_workload(wl)
-    write_plans(plans, RunDir(out).plans)
+    write_plans(plans, BenchDir(out).plans)
     modes: list[dict] = []
     series: dict[str, list] = {}
     t0 = time.monotonic()
-    with SimServer(RunDir(out).plans, wl, RunDir(out).sim_server_log) as server:
+    with SimServer(BenchDir(out).plans, wl, BenchDir(out).sim_server_log) as server:
         for lag in tc.lags:
             say(f"[{time.monotonic() - t0:5.0f}s] bench training: max policy lag {lag}"
                 f"{' (sync)' if lag == 0 else ''}, {tc.steps} steps x {tc.batch_episodes} episodes")
@@ -406,7 +407,7 @@ def run_training_bench(wl: WorkloadConfig, tc: TrainingConfig, out: Path, say=pr
         m["ratio_to_sync"] = m["trained_episodes_per_s"] / sync["trained_episodes_per_s"] if sync else None
         m["steady_ratio_to_sync"] = (m["steady_episodes_per_s"] / sync["steady_episodes_per_s"]
                                      if sync and m["steady_episodes_per_s"] and sync["steady_episodes_per_s"] else None)
-    plot = RunDir(out).training_plot
+    plot = BenchDir(out).training_plot
     plot_training(modes, series, plot, wl.slots)
     return {"workload": wl.model_dump(), "training": tc.model_dump(), "workload_summary": workload_summary(plans),
             "modes": modes, "ratios": {m["mode"]: m["ratio_to_sync"] for m in modes},

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rollway.base.run_dir import RunDir
+from rollway.bench.bench_dir import BenchDir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         if launched is not None:
             launched.stop()
     result["load_average_end"] = round(os.getloadavg()[0], 2)
-    RunDir(out).result.write_text(json.dumps(result, indent=1))
+    BenchDir(out).result.write_text(json.dumps(result, indent=1))
     print(json.dumps(result) if args.json else report(result))
     return 0
 
