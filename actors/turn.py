@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -111,7 +111,7 @@ class TurnRunner:
             stop_reason = "user_done" if user_done else None
         record.tool_seconds = tool_s = time.perf_counter() - t1
         record.tool_ended_at = gen_started_at + (t1 - t0) + tool_s
-        record.hints = [] if stop_reason else [*self._hints(state, outcome, turn, used),
+        record.hints = [] if stop_reason else [*self._hints(state, outcome, turn, used, self.tools_for(task)),
                                                      *self.taskset.observation_hints(task, outcome.observations)]
         record.state = dict(context.state) if context.state != state.store else None
         if stop_reason is None:
@@ -192,11 +192,11 @@ class TurnRunner:
 
         return await run_tool_calls(text, self.tools_for(task), sandbox, self.tools_cfg, context)
 
-    def _hints(self, state: EpisodeState, outcome: ToolTurn, turn: int, used: int) -> list[str]:
+    def _hints(self, state: EpisodeState, outcome: ToolTurn, turn: int, used: int, tools: Mapping[str, Any]) -> list[str]:
         from rollway.tools.hints import HintEngine
 
         previous = state.turns[-1] if state.turns else None
         prev_calls = [(o.tool, o.arguments) for o in previous.observations if o.tool] if previous else []
         return HintEngine(self.hints_cfg).hints(
             turn=turn, max_turns=self.agent.max_turns, tokens_used=used, max_tokens=self.agent.max_total_tokens,
-            calls=outcome.call_pairs, previous_calls=prev_calls, errors=outcome.errors)
+            calls=outcome.call_pairs, previous_calls=prev_calls, errors=outcome.errors, tools=list(tools))

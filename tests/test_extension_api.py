@@ -152,6 +152,28 @@ def test_a_plugin_tool_brings_its_own_options():
         load_config(None, ["tools.settings={bash: {x: 1}}"])
 
 
+class LaxOptions(BaseModel):  # pydantic's default: extra keys ignored
+    rows: int = 3
+    """Rows shown."""
+
+
+class Lax(_Named):
+    name = "ext_lax"
+    config_class = LaxOptions
+
+    def __init__(self, cfg: ToolsConfig, options: LaxOptions) -> None:
+        self.options = options
+
+
+def test_a_misspelt_tool_option_fails_even_where_the_tool_s_class_would_drop_it():
+    ref = "python:tests.test_extension_api:Lax"
+    with pytest.raises(ConfigError, match=r"tools\.settings\.ext_lax\.row: Extra inputs are not permitted.*rows"):
+        load_config(None, [f"tools.enabled=['{ref}']", "tools.settings={ext_lax: {row: 5}}"])
+    with pytest.raises(ValueError, match=r"tools\.settings\.ext_lax\.row"):
+        build_tools([ref], ToolsConfig(settings={"ext_lax": {"row": 5}}))
+    assert build_tools([ref], ToolsConfig(settings={"ext_lax": {"rows": 5}}))["ext_lax"].options.rows == 5
+
+
 def test_tool_names_collide_with_an_error_never_an_overwrite():
     class Other(_Named):
         name = "ext_test_tool"

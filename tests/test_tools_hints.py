@@ -47,3 +47,11 @@ def test_error_hint_and_switches() -> None:
     off = HintsConfig(budget_reminders=False, repeat_action=False, after_tool_error=False)
     assert hints(off, turn=28, errors=2, calls=[LS], previous_calls=[LS], tokens_used=9_999) == []
     assert render_hints(["a", "b"]) == "[hint] a\n[hint] b"
+
+
+def test_the_turn_budget_reminder_names_finish_only_where_the_family_has_it() -> None:
+    """A family without a `finish` tool (a simulated customer, a SQL family graded from its state) is not
+    told to call a tool it does not have."""
+    assert "call `finish`" in hints(turn=28, tools=["bash", "finish"])[0]
+    [hint] = hints(turn=28, tools=["sql_query"])
+    assert "This is your last turn" in hint and "finish" not in hint

@@ -29,11 +29,14 @@ class HintEngine:
         calls: Sequence[CallLike],
         previous_calls: Sequence[CallLike],
         errors: int,
+        tools: Sequence[str] = ("finish",),
     ) -> list[str]:
         """Hints for the observation of turn `turn` (0-based), read by the model in turn `turn + 1`.
 
         `tokens_used` / `max_tokens` is the episode's token budget (None: no budget); `errors` is
         how many of this turn's calls failed. Calls are `ToolCall`s or (name, arguments) pairs.
+        `tools`: the names of the episode's tools (the last-turns reminder names `finish` only if
+        there is one).
         """
         hints = []
         if self.cfg.after_tool_error and errors:
@@ -44,19 +47,20 @@ class HintEngine:
                 "else changed, so the result is the same. Try something different."
             )
         if self.cfg.budget_reminders:
-            hints.extend(self._budget_hints(turn, max_turns, tokens_used, max_tokens))
+            hints.extend(self._budget_hints(turn, max_turns, tokens_used, max_tokens, "finish" in tools))
         return hints
 
     def _error_hint(self, errors: int) -> str:
         which = "call" if errors == 1 else f"{errors} calls"
         return f"Your last tool {which} failed: read the error above and fix the call before going on."
 
-    def _budget_hints(self, turn: int, max_turns: int, tokens_used: int, max_tokens: int | None) -> list[str]:
+    def _budget_hints(self, turn: int, max_turns: int, tokens_used: int, max_tokens: int | None,
+                      can_finish: bool) -> list[str]:
         hints = []
         turns_left = max_turns - turn - 1
         if 0 < turns_left <= self.cfg.remind_when_turns_left:
             last = "This is your last turn" if turns_left == 1 else f"{turns_left} turns left"
-            hints.append(f"{last}: make sure your change is in place and call `finish`.")
+            hints.append(f"{last}: make sure your change is in place" + (" and call `finish`." if can_finish else "."))
         if max_tokens and tokens_used < max_tokens:
             left = max_tokens - tokens_used
             if left < self.cfg.remind_when_tokens_left_fraction * max_tokens:

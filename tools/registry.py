@@ -73,7 +73,23 @@ def build_tool(ref: str, cfg: ToolsConfig) -> Tool:
     if config_class is None:
         return factory(cfg)
     name = getattr(factory, "name", ref)
-    return factory(cfg, config_class.model_validate(cfg.settings.get(name, {})))
+    return factory(cfg, validate_options(config_class, cfg.settings.get(name, {}), f"tools.settings.{name}"))
+
+
+def validate_options(config_class: type, options: Any, where: str) -> Any:
+    """A tool's options validated by its config class, unknown keys refused whatever the class's own
+    `extra` setting (a plain pydantic model would drop a misspelt key silently)."""
+    if isinstance(options, dict):
+        known = {k for name, f in config_class.model_fields.items() for k in (name, f.alias) if k}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"{where}.{unknown[0]}: Extra inputs are not permitted (the options of this tool are: "
+                             f"{', '.join(sorted(config_class.model_fields)) or 'none'})")
+    try:
+        return config_class.model_validate(options)
+    except ValidationError as err:
+        raise ValueError("; ".join(f"{where}.{'.'.join(map(str, e['loc']))}: {e['msg']}"
+                                   for e in err.errors())) from None
 
 
 def check_tool_settings(cfg: ToolsConfig) -> None:
@@ -85,11 +101,7 @@ def check_tool_settings(cfg: ToolsConfig) -> None:
         if config_class is None:
             raise ValueError(f"tools.settings.{name}: no tool {name!r} with its own config class is known here "
                              "(name it in tools.enabled as python:MODULE:CLASS, or register it before the config loads)")
-        try:
-            config_class.model_validate(options)
-        except ValidationError as err:
-            raise ValueError("; ".join(f"tools.settings.{name}.{'.'.join(map(str, e['loc']))}: {e['msg']}"
-                                       for e in err.errors())) from None
+        validate_options(config_class, options, f"tools.settings.{name}")
 
 
 def build_tools(names: Sequence[str | Tool], cfg: ToolsConfig) -> dict[str, Tool]:
