@@ -86,7 +86,7 @@ class TurnRunner:
         async with self._model_slot(rank):
             t0, gen_started_at = time.perf_counter(), time.time()
             gen = await self.inference.generate(state.token_ids, params)
-            gen_s = time.perf_counter() - t0
+            gen_s, gen_ended_at = time.perf_counter() - t0, time.time()
         # What the record carries must encode: ids that decode to lone surrogates (invalid UTF-8 from a
         # byte-level model) become U+FFFD in the text; the token ids stay exactly as sampled.
         text = chat.decode(gen.token_ids).encode("utf-8", "replace").decode("utf-8")
@@ -105,12 +105,15 @@ class TurnRunner:
             turn=turn, completion_ids=list(gen.token_ids), logprobs=list(gen.logprobs),
             policy_version=gen.policy_version, finish_reason=gen.finish_reason, assistant_text=text,
             observations=outcome.observations, gen_seconds=gen_s, gen_started_at=gen_started_at,
-            gen_ended_at=gen_started_at + gen_s)
+            gen_ended_at=gen_ended_at)
         if stop_reason is None:
             record.user_message, user_done = await self._next_user_message(state, context, record)
             stop_reason = "user_done" if user_done else None
-        record.tool_seconds = tool_s = time.perf_counter() - t1
-        record.tool_ended_at = gen_started_at + (t1 - t0) + tool_s
+        record.tool_seconds = time.perf_counter() - t1
+        # Timestamps are read from the wall clock, never a wall start plus perf_counter durations: the two
+        # clocks drift apart while the system clock is being slewed, and a computed end fell after the
+        # stage's own record of the turn's end (8 ms in a suite run on a machine minutes after boot).
+        record.tool_ended_at = time.time()
         record.hints = [] if stop_reason else [*self._hints(state, outcome, turn, used, self.tools_for(task)),
                                                      *self.taskset.observation_hints(task, outcome.observations)]
         record.state = dict(context.state) if context.state != state.store else None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.metadata
 from pathlib import Path
 from typing import Any, Literal
 
@@ -156,6 +156,16 @@ Engine = Literal["aiokafka", "faust"]
 StageName = Literal[STAGE_NAMES]  # type: ignore[valid-type]  # the stages topics/topology.py declares
 
 
+def faust_installed() -> bool:
+    """faust-streaming (the optional `rollway[faust]` extra) is installed. Its metadata, not an import
+    look-up: an imported faust has no module spec."""
+    try:
+        importlib.metadata.version("faust-streaming")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 class RuntimeConfig(StrictModel):
     engine: Engine = "aiokafka"
     """Stream engine of every stage worker: `aiokafka` (the built-in StageWorker) or `faust` (a
@@ -180,7 +190,7 @@ class RuntimeConfig(StrictModel):
 
     @model_validator(mode="after")
     def _one_process_engines(self) -> RuntimeConfig:
-        if "faust" in {self.engine, *self.engines.values()} and importlib.util.find_spec("faust") is None:
+        if "faust" in {self.engine, *self.engines.values()} and not faust_installed():
             raise ValueError("the faust engine needs faust-streaming, an optional extra: pip install 'rollway[faust]' "
                              "(or use runtime.engine=aiokafka, the default)")
         if self.processes == "one" and "faust" in {self.engine, *self.engines.values()}:

@@ -13,8 +13,10 @@ SCRIPTED_LOGPROB = -0.01
 
 
 class ScriptedPolicy(InferenceClient):
-    """Plays `turns[k]` of the first rule matching the prompt, where k is the number of assistant
-    turns already in the prompt. Same prompt, same output: episodes are reproducible."""
+    """Plays `turns[k]` of the first rule matching the prompt, where k is the episode's turn (the
+    agent's `SamplingParams.turn`, so a simulated user's message does not restart the script; for a
+    program's calls through the gateway, which carry no turn, the assistant turns since the last user
+    message). Same prompt and turn, same output: episodes are reproducible."""
 
     @classmethod
     def from_config(cls, cfg: Any, chat: ChatFormat, taskset: Any = None) -> ScriptedPolicy:
@@ -35,7 +37,7 @@ class ScriptedPolicy(InferenceClient):
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         scripts = self._scripts_for(self.chat.decode(prompt_ids))
-        k = self.chat.turns_since_user(prompt_ids)
+        k = params.turn or self.chat.turns_since_user(prompt_ids)
         turns = scripts[0]
         if len(scripts) > 1 and params.temperature > 0 and params.seed is not None:
             turns = scripts[(params.seed - k) % len(scripts)]  # the episode's seed, same on every turn

@@ -314,7 +314,8 @@ class StageWorker:
                 # (max_poll_interval_ms) however long the handlers take, and fetch nothing.
                 self._pause(True)
                 await self.consumer.getmany(timeout_ms=0)
-                await asyncio.wait(list(self.tasks), timeout=0.1, return_when=asyncio.FIRST_COMPLETED)
+                if self.tasks:  # a rebalance inside that poll may have released every handler
+                    await asyncio.wait(list(self.tasks), timeout=0.1, return_when=asyncio.FIRST_COMPLETED)
             now = time.monotonic()
             if now - last_topic_check >= TOPIC_CHECK_INTERVAL_S and not self.consumer.assignment():
                 await self._recreate_topics()  # a restarted in-memory broker comes back empty
@@ -445,13 +446,17 @@ class StageWorker:
         except KafkaError as err:
             log.warning("commit failed; will retry", stage=self.actor.name, error=str(err))
 
-    async def release(self, tps: set[TopicPartition], timeout_s: float) -> None:
-        """Before `tps` move to another worker: cancel their handlers still running (the new owner
-        runs those messages again, so these must not produce afterwards) and let the ones already
-        producing finish (bounded by `timeout_s`)."""
+    async def release(self, tps: set[TopicPartition], timeout_s: float, grace_s: float = 0.0) -> None:
+        """Before `tps` move to another worker: give their running handlers `grace_s` to finish (a turn
+        cancelled after its tool calls started is one the new owner must refuse to run again, and its
+        attempt is lost), then cancel those still running (the new owner runs those messages again, so
+        these must not produce afterwards) and let the ones already producing finish (bounded by
+        `timeout_s`)."""
         tasks = [t for t, tp in self.tasks.items() if tp in tps]
+        if tasks and grace_s > 0:
+            await asyncio.wait(tasks, timeout=grace_s)
         for task in tasks:
-            if task not in self.sending:
+            if task not in self.sending and not task.done():
                 task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=timeout_s)
@@ -465,6 +470,10 @@ class StageWorker:
         await self.commit()
 
 
+REVOKE_GRACE_S = 4.0
+"""How long a worker giving partitions away lets their running handlers finish before cancelling them."""
+
+
 class _Rebalance(ConsumerRebalanceListener):
     """Before giving partitions away, cancel their running handlers, let their produces finish and
     commit what finished, so the next owner neither skips work nor races a handler of this worker."""
@@ -474,7 +483,9 @@ class _Rebalance(ConsumerRebalanceListener):
 
     async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
         self.worker.backlog.drop(set(revoked))
-        await self.worker.release(set(revoked), timeout_s=10.0)
+        # The grace stays under the group's rebalance timeout (aiokafka's default: the session timeout).
+        grace = min(REVOKE_GRACE_S, self.worker.cfg.broker.session_timeout_ms / 1000 * 0.6)
+        await self.worker.release(set(revoked), timeout_s=10.0, grace_s=grace)
         fault_point("rebalance.revoked")
         await self.worker.commit(set(revoked))
         self.worker.offsets.forget(set(revoked))

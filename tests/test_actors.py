@@ -328,6 +328,21 @@ def test_next_user_message_sees_the_turn_that_just_ran(tmp_path):
     assert [tools for *_, tools in seen] == [[o.tool for o in u.observations] for u in traj.turns[:-1]]
 
 
+def test_the_scripted_policy_goes_on_with_its_script_after_a_simulated_user_message(tmp_path):
+    """`turns[k]` is the episode's turn k: a simulated user's message between turns does not restart
+    the script (it did: the policy counted assistant turns since the last user message)."""
+    s = services(tmp_path)
+
+    async def user_after_each_turn(task, episode):
+        return "Please go on."
+
+    s.taskset.next_user_message = user_after_each_turn
+    traj = run(play_episode(s))
+    script = s.cfg.policy.script[0].turns
+    assert [t.assistant_text for t in traj.turns] == script[:len(traj.turns)]
+    assert traj.reward == 1.0 and traj.num_turns == len(script)
+
+
 def test_task_set_hints_end_the_observation_the_model_reads_next(tmp_path):
     """The task set's `observation_hints` hook sees each turn's observations; what it returns is recorded as
     the turn's hints and ends the observation the next turn's prompt carries (scripted policy: the fake model)."""

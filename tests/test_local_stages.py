@@ -3,11 +3,12 @@ process, each the sole owner of its partitions. Real broker, real sandboxes, the
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 from conftest import ROOT
+
+from rollway.core.config import faust_installed
 
 
 def _smoke(overrides: list[str] = ()):
@@ -52,7 +53,7 @@ def test_a_stage_that_crashes_is_restarted_in_place_and_loses_nothing(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["workers", pytest.param("faust", marks=pytest.mark.skipif(
-    importlib.util.find_spec("faust") is None, reason="the faust engine is an optional extra"))])
+    not faust_installed(), reason="the faust engine is an optional extra"))])
 def test_one_process_refuses_what_it_cannot_run(tmp_path, case):
     from rollway.runners.up import JobFailed, one_process
 
@@ -85,10 +86,18 @@ def test_auto_picks_one_process_only_where_nothing_else_can_join(monkeypatch):
 def test_the_faust_engine_without_its_extra_is_refused_at_start_up(monkeypatch):
     """Faust is an optional extra: a config choosing it where faust-streaming is not installed fails
     validation naming the extra. (faust is installed in the test environment: its absence is simulated
-    by hiding it from `importlib.util.find_spec`, which is all the check reads.)"""
+    by hiding its distribution from `importlib.metadata.version`, which is all the check reads.)"""
+    import importlib.metadata
+
     from rollway.base.config import ConfigError
 
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "faust" else real(name, *a))
+    real = importlib.metadata.version
+
+    def version(name):
+        if name == "faust-streaming":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
     with pytest.raises(ConfigError, match=r"rollway\[faust\]"):
         _smoke(["runtime.engines.sink=faust"])

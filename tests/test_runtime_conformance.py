@@ -9,7 +9,6 @@ reaches the actor on both engines and the tests can count them.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from conftest import run
 from test_stage_runtime import produce, read_all
 
 from rollway.base.run_dir import RunDir
-from rollway.core.config import RunConfig, load_config
+from rollway.core.config import RunConfig, faust_installed, load_config
 from rollway.runtime.actor import Actor, MessageMeta, Output, StaleMessage, failure_output
 from rollway.runtime.faust import FaustStage, ensure_changelog_topics
 from rollway.runtime.kafka import ensure_topics, topic_name
@@ -35,7 +34,7 @@ OUT = TopicSpec("conformance-out", AgentStep, keyed_by_episode=True)
 """Where the probe writes one message per input it handled (and per tick, when asked)."""
 
 ENGINES = ("aiokafka", pytest.param("faust", marks=pytest.mark.skipif(
-    importlib.util.find_spec("faust") is None, reason="the faust engine is an optional extra: pip install 'rollway[faust]'")))
+    not faust_installed(), reason="the faust engine is an optional extra: pip install 'rollway[faust]'")))
 
 
 def step(episode: str, turn: int, **flags: Any) -> AgentStep:
