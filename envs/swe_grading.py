@@ -9,8 +9,7 @@ test patch did not apply, the test command could not start on the unpatched tree
 `env_error` is never a reward: grading raises GradingEnvError, the reward actor reports the attempt as
 failed with that reason, and the scheduler re-issues it (scheduler.max_attempts). Any other failure once the
 patch is applied (the container killed, a lost output) is the patch's: graded 0 (base/blame.py). `patch_failed` and
-`test_timeout` are the model's doing and score 0 with that stop reason, unless listed in
-`tasks.failure_outcomes`, which turns them into failures too.
+`test_timeout` are the model's doing and score 0 with that stop reason (never a failure: base/blame.py).
 """
 
 from __future__ import annotations
@@ -40,14 +39,6 @@ class GradingEnvError(SandboxError):
 
     outcome = "env_error"
     found_before_agent_code = True
-
-
-class GradingOutcomeError(SandboxError):
-    """A model outcome (`patch_failed`, `test_timeout`) configured as a failure rather than reward 0."""
-
-    def __init__(self, outcome: str, message: str) -> None:
-        super().__init__(f"{outcome}: {message}")
-        self.outcome = outcome
 
 
 # ---------------------------------------------------------------- log parsers
@@ -159,7 +150,6 @@ def answer_patch(patch: str, protected: set[str], runner_files: frozenset[str] =
 @dataclass
 class GradeSettings:
     timeout_s: float = 120.0
-    failure_outcomes: tuple[str, ...] = ("env_error",)
     all_failed: bool = False
     """List every failed expected test in the details (default: the first 20)."""
 
@@ -281,8 +271,6 @@ def _count(expected: list[str], status: dict[str, str], keep: int | None) -> dic
 
 
 def _typed(outcome: str, details: dict[str, Any], settings: GradeSettings, why: str) -> Grade:
-    if outcome in settings.failure_outcomes:
-        raise GradingOutcomeError(outcome, why)
     details["outcome"] = outcome
     return Grade(0.0, False, stop_reason=outcome, details=details)
 
