@@ -91,8 +91,9 @@ class HarnessOutcome:
 class KeepingRecorder(CallRecorder):
     """Writes each call through `inner` (the log) and, once acknowledged, keeps it in memory by
     episode attempt, so the driver rebuilds the attempt from exactly what the log acknowledged.
-    Keyed by attempt, and taken however the attempt ends: calls of an attempt that crashed or was
-    cancelled stay in the log only, never in a later attempt's trajectory."""
+    Keyed by attempt, and taken however the attempt ends: calls of an attempt that failed for the
+    infrastructure or was cancelled stay in the log only, never in a later attempt's trajectory (a
+    program that crashed is graded with its own calls)."""
 
     def __init__(self, inner: CallRecorder) -> None:
         self.inner = inner
