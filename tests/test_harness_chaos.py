@@ -103,7 +103,7 @@ def test_a_later_attempt_on_the_same_worker_gets_only_its_own_calls(tmp_path, br
         return outcome
 
     outcome = asyncio.run(main())
-    assert outcome.stop_reason == "harness_exit"
+    assert outcome.stop_reason == "harness_exit", outcome.failure
     live = chat.encode("live") + list(chat.stop_token_ids[:1])
     assert [t.completion_ids for t in outcome.turns] == [live, live]
     assert [(t.call_attempt, t.call_index) for t in outcome.turns] == [(1, 0), (1, 1)]  # (attempt, call index) on gateway-calls
