@@ -8,12 +8,14 @@ import asyncio
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
+import msgspec
 import structlog
 
 from rollway.actors.episode import EpisodeState
 from rollway.actors.services import Services
 from rollway.actors.sink import belongs_to_run
 from rollway.actors.turn import TurnRunner
+from rollway.base.blame import AGENT_FAILURE, InfrastructureFailure, blame, failure_details, failure_reason
 from rollway.runtime.actor import Actor, MessageMeta, Output, StaleMessage, failure_output
 from rollway.sandboxes.base import SandboxGone
 from rollway.schemas.messages import AgentStep, RewardRequest
@@ -60,13 +62,13 @@ class AgentActor(Actor):
             return []  # duplicate delivery of a turn that was already run
         if self.cfg.harness is not None:
             return await self._harness_episode(state)
-        record, stop_reason = await self.turns.run(state, lambda turn: self._sandbox_for_turn(state, turn),
-                                                   lambda: self._rank(msg.turn))
+        record, stop_reason, failure = await self.turns.run(state, lambda turn: self._sandbox_for_turn(state, turn),
+                                                            lambda: self._rank(msg.turn))
         state.apply(record, observation_messages(record))
         if stop_reason is None:
             return [Output(AGENT_STEPS, msg.episode_id, self._next_step(state))]
         self.cache.pop((msg.episode_id, msg.attempt), None)
-        return [Output(REWARD_REQUESTS, msg.episode_id, self._reward_request(state, stop_reason))]
+        return [Output(REWARD_REQUESTS, msg.episode_id, self._reward_request(state, stop_reason, failure))]
 
     def priority(self, msg: AgentStep) -> float:
         """With a backlog, later turns first: finish running episodes (and free their sandboxes)
@@ -99,12 +101,30 @@ class AgentActor(Actor):
             # turn, graded and torn down before its offset was committed). Nothing needs a person.
             self.cache.pop((msg.episode_id, msg.attempt), None)
             raise StaleMessage(f"turn {msg.turn} of attempt {msg.attempt}: {err}") from None
-        except Exception:
+        except Exception as err:
+            graded = self._graded_failure(msg, err)
+            if graded is not None:
+                return graded  # the agent's failure: graded 0 (the reward stage tears the sandbox down)
             # The attempt fails (on_error reports it; the scheduler re-issues it in a fresh sandbox):
             # nothing will use this sandbox again. A cancelled turn keeps it: its message is
             # redelivered and the episode goes on there.
             await self._destroy_sandbox(msg)
             raise
+
+    def _graded_failure(self, msg: AgentStep, err: Exception) -> list[Output] | None:
+        """A turn > 0 of a built-in episode failed before its tool calls (say, its sandbox found dead):
+        earlier turns ran the agent's tool calls there, so unless `blame` finds the infrastructure, the
+        episode ends with the turns so far, graded 0 (None: not the agent's, the attempt fails)."""
+        state = self.cache.get((msg.episode_id, msg.attempt))
+        if state is None or not state.turns or blame(err, agent_ran=msg.turn > 0) == "infrastructure":
+            return None
+        self.cache.pop((msg.episode_id, msg.attempt), None)
+        log.warning("episode failed after the agent's tool calls ran; graded 0", episode_id=msg.episode_id,
+                    turn=msg.turn, error=failure_reason(err)[:300])
+        request = self._reward_request(state, AGENT_FAILURE, failure_details(err, self.name))
+        # The last turn was not the final one: the observation tokens after it were never generated on.
+        request.turns[-1] = msgspec.structs.replace(request.turns[-1], observation_ids=[])
+        return [Output(REWARD_REQUESTS, msg.episode_id, request)]
 
     async def _destroy_sandbox(self, msg: AgentStep) -> None:
         """Destroy the attempt's sandbox; one already gone (or unreachable) is logged, never raised
@@ -200,7 +220,7 @@ class AgentActor(Actor):
         self.cache.pop((f.episode_id, f.attempt), None)
         request = RewardRequest(episode=f.episode, sandbox=f.sandbox, prompt_ids=outcome.prompt_ids,
                                 messages=outcome.messages or list(f.messages or []), turns=outcome.turns,
-                                stop_reason=outcome.stop_reason, deadline=f.deadline)
+                                stop_reason=outcome.stop_reason, deadline=f.deadline, failure=outcome.failure)
         return [Output(REWARD_REQUESTS, f.episode_id, request)]
 
     async def _harness_runner(self):
@@ -225,13 +245,15 @@ class AgentActor(Actor):
                          start_offset=state.start_offset, last=state.turns[-1], deadline=f.deadline,
                          final_wave=f.final_wave)
 
-    def _reward_request(self, state: EpisodeState, stop_reason: str) -> RewardRequest:
+    def _reward_request(self, state: EpisodeState, stop_reason: str,
+                        failure: dict[str, str] | None = None) -> RewardRequest:
         f = state.first
         return RewardRequest(episode=f.episode, sandbox=f.sandbox, prompt_ids=list(f.prompt_ids or []),
-                             messages=list(f.messages or []), turns=state.turns, stop_reason=stop_reason,
-                             deadline=f.deadline)
+                             messages=list(f.messages or []), turns=list(state.turns), stop_reason=stop_reason,
+                             deadline=f.deadline, failure=failure)
 
 
-class TurnReplayed(RuntimeError):
+class TurnReplayed(InfrastructureFailure):
     """A turn's tool calls already started once in this sandbox: running them again could apply them
-    twice (a non-idempotent edit, a second `git commit`)."""
+    twice (a non-idempotent edit, a second `git commit`). Infrastructure (base/blame.py): the first run
+    was cut by a worker crash or a rebalance, and the marks live where the agent cannot make them."""

@@ -14,6 +14,7 @@ from typing import Any
 
 import structlog
 
+from rollway.base.blame import AGENT_FAILURE, InfrastructureFailure, blame, failure_details, failure_reason
 from rollway.gateway.config import INSTRUCTION_FILE, HarnessConfig
 from rollway.gateway.recorder import CallRecorder
 from rollway.gateway.server import EpisodeHandle, Gateway
@@ -71,7 +72,8 @@ os._exit(code if code >= 0 else 128 - code)
 
 
 class HarnessCrashed(RuntimeError):
-    """The program exited non-zero on its own: the attempt fails (and is retried by the pipeline's rules)."""
+    """The program exited non-zero on its own (a crash, a kill, `kill -9 -1`): the agent's failure
+    (base/blame.py), graded 0 with its exit code and output, never retried."""
 
 
 @dataclass
@@ -82,13 +84,16 @@ class HarnessOutcome:
     messages: list[dict[str, Any]]
     turns: list[TurnRecord]
     stop_reason: str
+    failure: dict[str, str] | None = None
+    """The program's run failed after it started (base/blame.py: the agent's): grade details of the failure."""
 
 
 class KeepingRecorder(CallRecorder):
     """Writes each call through `inner` (the log) and, once acknowledged, keeps it in memory by
     episode attempt, so the driver rebuilds the attempt from exactly what the log acknowledged.
-    Keyed by attempt, and taken however the attempt ends: calls of an attempt that crashed or was
-    cancelled stay in the log only, never in a later attempt's trajectory."""
+    Keyed by attempt, and taken however the attempt ends: calls of an attempt that failed for the
+    infrastructure or was cancelled stay in the log only, never in a later attempt's trajectory (a
+    program that crashed is graded with its own calls)."""
 
     def __init__(self, inner: CallRecorder) -> None:
         self.inner = inner
@@ -123,15 +128,28 @@ class HarnessRunner:
         handle = self.gateway.open_episode(episode, self.cfg.max_calls)
         host_socket.unlink(missing_ok=True)
         site = await self.gateway.listen_unix(str(host_socket))
+        failure = None
         try:
             stop_reason = await self._run(handle, instruction, sandbox, sandbox_socket, deadline)
+        except Exception as err:
+            # The program has started (its launch is the first thing `_run` does): its failure is the
+            # agent's unless the gateway saw the inference engine or the broker fail under it.
+            if handle.infrastructure_failure is not None:
+                raise InfrastructureFailure(f"{failure_reason(err)[:500]} (after {handle.infrastructure_failure})") from err
+            if blame(err, agent_ran=True) == "infrastructure":
+                raise
+            stop_reason, failure = AGENT_FAILURE, failure_details(err, "agent")
         finally:
             await self.gateway.close_episode(handle)  # no call of this attempt is recorded after this
             await site.stop()
             host_socket.unlink(missing_ok=True)
-            calls = self.recorder.take(episode)  # a crashed or cancelled attempt's calls stay in the log only
-        log.info("harness episode ended", episode_id=episode.episode_id, stop_reason=stop_reason, calls=len(calls))
-        return outcome_of(calls, stop_reason, fallback_prompt)
+            # Calls of an attempt that fails (retried) stay in the log only; a graded one keeps them.
+            calls = self.recorder.take(episode)
+        log.info("harness episode ended", episode_id=episode.episode_id, stop_reason=stop_reason, calls=len(calls),
+                 failure=(failure or {}).get("failure", "")[:300])
+        outcome = outcome_of(calls, stop_reason, fallback_prompt)
+        outcome.failure = failure
+        return outcome
 
     async def _run(self, handle: EpisodeHandle, instruction: str, sandbox: Sandbox, socket: str,
                    deadline: float | None) -> str:

@@ -11,6 +11,7 @@ import structlog
 from rollway.actors.ledger import Ledger
 from rollway.actors.services import Services
 from rollway.actors.sink import belongs_to_run
+from rollway.base.blame import AGENT_FAILURE
 from rollway.base.faults import fault_point
 from rollway.runtime.actor import Actor, MessageMeta, Output, failure_output
 from rollway.sandboxes.base import SandboxError
@@ -86,6 +87,10 @@ class RewardActor(Actor):
 
     async def _graded(self, msg: RewardRequest, sandbox) -> Trajectory:
         grade = await self._grade(msg, sandbox)
+        if grade.details.get("outcome") == AGENT_FAILURE:
+            log.warning("episode graded 0: it failed after the agent's code ran", episode_id=msg.episode_id,
+                        stage=grade.details.get("failure_stage"), kind=grade.details.get("failure_kind"),
+                        failure=str(grade.details.get("failure", ""))[:300])
         return Trajectory(
             episode=msg.episode, **assemble(msg),
             turn_policy_versions=[t.policy_version for t in msg.turns], reward=grade.reward,
@@ -95,13 +100,15 @@ class RewardActor(Actor):
             created_at=time.time())
 
     async def _grade(self, msg: RewardRequest, sandbox):
-        from rollway.envs.base import Episode, grade_episode
+        from rollway.envs.base import Episode, Grade, grade_after_agent
 
+        if msg.failure is not None:  # the agent stage's failure after the agent ran: 0, no grader run
+            return Grade(0.0, False, stop_reason=AGENT_FAILURE, details=dict(msg.failure))
         task = self.s.taskset.get(msg.task_id)
         episode = Episode(episode_id=msg.episode_id, attempt=msg.attempt, task=task,
                           messages=transcript(msg.messages, msg.turns), turns=list(msg.turns),
                           state=final_state(msg.turns), stop_reason=msg.stop_reason)
-        return await grade_episode(self.s.taskset, task, sandbox, self.s.sandboxes, episode)
+        return await grade_after_agent(self.s.taskset, task, sandbox, self.s.sandboxes, episode)
 
     async def _replay(self, msg: RewardRequest, result: bytes | None) -> list[Output]:
         """A second copy of a graded attempt: tear its sandbox down (idempotent; a duplicate made by

@@ -16,6 +16,7 @@ import structlog
 from rollway.actors.agent_time import AGENT_TIMEOUT, DeadlineSandbox, agent_deadline
 from rollway.actors.episode import EpisodeState
 from rollway.actors.gate import RankedGate
+from rollway.base.blame import AGENT_FAILURE, InferenceUnreachable, blame, failure_details, failure_reason
 from rollway.base.faults import fault_point
 from rollway.policies.base import ChatFormat, InferenceClient, SamplingParams, episode_seed
 from rollway.sandboxes.base import Sandbox
@@ -41,6 +42,9 @@ class Turn(NamedTuple):
     record: TurnRecord
     stop_reason: str | None
     """Why the episode ends after this turn; None: it goes on."""
+    failure: dict[str, str] | None = None
+    """The turn failed after its tool calls started (base/blame.py: the agent's): grade details of the
+    failure; the episode ends here (stop reason agent_failure) and is graded 0."""
 
 
 @dataclass
@@ -85,13 +89,34 @@ class TurnRunner:
                                 seed=episode_seed(f.episode_id, f.attempt) + turn, task_id=f.task_id, turn=turn)
         async with self._model_slot(rank):
             t0, gen_started_at = time.perf_counter(), time.time()
-            gen = await self.inference.generate(state.token_ids, params)
+            try:
+                gen = await self.inference.generate(state.token_ids, params)
+            except OSError as err:  # no connection, a timeout: the engine, never the agent
+                raise InferenceUnreachable(f"the inference engine did not answer: {err}") from err
             gen_s, gen_ended_at = time.perf_counter() - t0, time.time()
         # What the record carries must encode: ids that decode to lone surrogates (invalid UTF-8 from a
         # byte-level model) become U+FFFD in the text; the token ids stay exactly as sampled.
         text = chat.decode(gen.token_ids).encode("utf-8", "replace").decode("utf-8")
         t1 = time.perf_counter()
         sandbox = await sandbox_for_turn(turn)
+        try:
+            return await self._after_claim(state, task, turn, text, gen, sandbox, deadline,
+                                           (t1, gen_s, gen_started_at, gen_ended_at))
+        except Exception as err:
+            if blame(err, agent_ran=True) == "infrastructure":
+                raise
+            log.warning("turn failed after its tool calls started; the episode is graded 0", episode_id=f.episode_id,
+                        turn=turn, error=failure_reason(err)[:300])
+            record = TurnRecord(turn=turn, completion_ids=list(gen.token_ids), logprobs=list(gen.logprobs),
+                                policy_version=gen.policy_version, finish_reason=gen.finish_reason,
+                                assistant_text=text, gen_seconds=gen_s, gen_started_at=gen_started_at,
+                                gen_ended_at=gen_ended_at)
+            return Turn(record, AGENT_FAILURE, failure_details(err, "agent"))
+
+    async def _after_claim(self, state: EpisodeState, task: Any, turn: int, text: str, gen: Any, sandbox: Sandbox,
+                           deadline: float | None, times: tuple[float, float, float, float]) -> Turn:
+        """The turn once its tool calls may start: act, stop rules, user message, hints, observation ids."""
+        t1, gen_s, gen_started_at, gen_ended_at = times
         if deadline is not None:
             sandbox = DeadlineSandbox(sandbox, deadline, self.exec_timeout_s)
         context = self._tool_context(state, task, turn)

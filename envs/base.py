@@ -186,3 +186,19 @@ async def grade_episode(taskset: TaskSet, task: Task, sandbox: Sandbox, provider
                         episode: Episode | None) -> Grade:
     """`taskset.grade`; a grading outside a run gets an empty episode (`Episode.outside_run`)."""
     return await taskset.grade(task, sandbox, provider, episode if episode is not None else Episode.outside_run(task))
+
+
+async def grade_after_agent(taskset: TaskSet, task: Task, sandbox: Sandbox, provider: SandboxProvider,
+                            episode: Episode | None) -> Grade:
+    """How the reward stage grades an episode (and `rollway grader check` plays it): `grade_episode`, where a
+    grading that fails is judged by `blame` (base/blame.py). The agent's code has run (the grader runs it
+    on the agent's changes), so a failure is the agent's, graded 0 with its reason, unless it was found
+    before that code ran or outside the sandbox: those raise (the attempt is retried)."""
+    from rollway.base.blame import AGENT_FAILURE, blame, failure_details
+
+    try:
+        return await grade_episode(taskset, task, sandbox, provider, episode)
+    except Exception as err:
+        if blame(err, agent_ran=True) == "infrastructure":
+            raise
+        return Grade(0.0, False, stop_reason=AGENT_FAILURE, details=failure_details(err, "reward"))

@@ -162,10 +162,10 @@ class SWEBenchTasksConfig(GradedTasksConfig, ImageTasksConfig):
     image_template: str = "sweb.eval.x86_64.{id_docker}:latest"
     """Name of an instance's ready-made image, used when the engine has it (SWE-bench's naming; fields
     {instance_id} {id_lower} {id_docker} {repo} {repo_docker} {commit}); else rollway builds one."""
-    failure_outcomes: list[Literal["env_error", "patch_failed", "test_timeout"]] = Field(
-        default_factory=lambda: ["env_error"])
-    """Grading outcomes reported as failed attempts (retried, never a reward) instead of reward 0.
-    `env_error` (the environment failed) is always one; add `patch_failed`/`test_timeout` to treat those so."""
+    failure_outcomes: list[Literal["env_error"]] = Field(default_factory=lambda: ["env_error"])
+    """Grading outcomes reported as failed attempts (retried, never a reward) instead of reward 0: only
+    `env_error` (the environment failed before the agent's patch was applied). `patch_failed` and
+    `test_timeout` happen after the agent's code ran: they are its 0, never a retry (docs/security/grading.md)."""
 
 
 class SWETasksConfig(SWEBenchTasksConfig):

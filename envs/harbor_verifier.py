@@ -9,8 +9,9 @@ shared (when a task asks for it): test.sh runs in the agent's container, but /lo
 afresh by the verifier, which refuses to run (graded 0) unless /logs/verifier was new and empty.
 
 No opt-out: a test.sh that wrote no reward, wrote a non-number, or exited non-zero is a graded 0 with the
-reason in the details. Only the infrastructure (the verifier's container could not start, the engine
-failed) raises HarborEnvError, which the pipeline retries instead of grading.
+reason in the details; so is a test.sh that could not run to its end (a program it ran killed it), by
+base/blame.py. Only the infrastructure (the verifier's container could not start, the engine failed)
+is retried instead of graded.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import IO, TYPE_CHECKING, Any, Literal
 
+from rollway.base.blame import found_before_agent_code
 from rollway.envs.base import Grade
 from rollway.sandboxes.base import Sandbox, SandboxError, SandboxProvider, SandboxSpec
 from rollway.sandboxes.docker import WORKSPACE, DockerSandbox, engine_errors
@@ -45,7 +47,9 @@ SANDBOX_UID = 65534
 
 
 class HarborEnvError(SandboxError):
-    """The verifier's infrastructure failed (env_error); retried by the pipeline, never a reward."""
+    """The verifier could not do its work (env_error). Retried only where it was found before the agent's
+    files reached a sandbox (its container did not start); a test.sh that could not be run to its end
+    after that is the agent's failure, graded 0 (base/blame.py)."""
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,8 @@ async def verify(task: HarborTask, sandbox: Sandbox, provider: SandboxProvider, 
     if settings.mode == "shared":
         return await run_tests(task, sandbox, tests, details)
     if not isinstance(sandbox, DockerSandbox):
-        raise SandboxError("tasks.type=harbor needs sandbox.type=docker (the verifier runs in the task's image)")
+        raise found_before_agent_code(SandboxError("tasks.type=harbor needs sandbox.type=docker (the verifier runs "
+                                                   "in the task's image)"))
     limit_mb = provider.limits(spec)[2]  # type: ignore[attr-defined]  # the agent's volume held no more
     carried = await asyncio.to_thread(export_workspace, provider, sandbox, limit_mb << 20)
     if carried is None:
@@ -102,7 +107,8 @@ async def start_verifier(task: HarborTask, provider: SandboxProvider, spec: Sand
     try:
         return await provider.create(verifier_spec, name)
     except SandboxError as exc:
-        raise HarborEnvError(f"env_error: the verifier sandbox of Harbor task {task.name} could not start: {exc}") from exc
+        raise found_before_agent_code(HarborEnvError(f"env_error: the verifier sandbox of Harbor task {task.name} "
+                                                     f"could not start: {exc}")) from exc
 
 
 def export_workspace(provider: Any, sandbox: DockerSandbox, limit_bytes: int) -> bytes | None:

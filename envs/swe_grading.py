@@ -7,9 +7,9 @@ unpatched tree first), `patch_failed` (the model's patch does not apply), `test_
 ran past the limit), `env_error` (the environment, not the model: the image or container failed, the
 test patch did not apply, the test command could not start on the unpatched tree). An
 `env_error` is never a reward: grading raises GradingEnvError, the reward actor reports the attempt as
-failed with that reason, and the scheduler re-issues it (scheduler.max_attempts). `patch_failed` and
-`test_timeout` are the model's doing and score 0 with that stop reason, unless listed in
-`tasks.failure_outcomes`, which turns them into failures too.
+failed with that reason, and the scheduler re-issues it (scheduler.max_attempts). Any other failure once the
+patch is applied (the container killed, a lost output) is the patch's: graded 0 (base/blame.py). `patch_failed` and
+`test_timeout` are the model's doing and score 0 with that stop reason (never a failure: base/blame.py).
 """
 
 from __future__ import annotations
@@ -33,17 +33,12 @@ IMPORT_ROOTS = (".", "src")
 
 
 class GradingEnvError(SandboxError):
-    """Grading failed for a reason that is not the model's (outcome `env_error`); retried by the pipeline."""
+    """Grading failed before the model's patch was applied (outcome `env_error`: the grading sandbox did
+    not start, the runner fails on the unpatched tree, the test patch does not apply); retried by the
+    pipeline. A failure after the patch is applied is the patch's (base/blame.py)."""
 
     outcome = "env_error"
-
-
-class GradingOutcomeError(SandboxError):
-    """A model outcome (`patch_failed`, `test_timeout`) configured as a failure rather than reward 0."""
-
-    def __init__(self, outcome: str, message: str) -> None:
-        super().__init__(f"{outcome}: {message}")
-        self.outcome = outcome
+    found_before_agent_code = True
 
 
 # ---------------------------------------------------------------- log parsers
@@ -155,7 +150,6 @@ def answer_patch(patch: str, protected: set[str], runner_files: frozenset[str] =
 @dataclass
 class GradeSettings:
     timeout_s: float = 120.0
-    failure_outcomes: tuple[str, ...] = ("env_error",)
     all_failed: bool = False
     """List every failed expected test in the details (default: the first 20)."""
 
@@ -171,7 +165,13 @@ async def grade_in_sandbox(sandbox: Sandbox, inst: SWEInstance, patch: str, sett
     checked on the unpatched tree first, so that a failure after the patch is the patch's (a 0), never
     an infrastructure failure the agent could choose to cause."""
     command = test_command(inst)
-    runner_files = await check_runner(sandbox, inst, command, settings.timeout_s)
+    try:
+        runner_files = await check_runner(sandbox, inst, command, settings.timeout_s)
+    except GradingEnvError:
+        raise
+    except SandboxError as exc:  # before the patch: the environment's
+        raise GradingEnvError(f"env_error: the test runner of {inst.instance_id} could not be checked on the "
+                              f"unpatched tree: {exc}") from exc
     diff = graded_diff(patch, set(test_files_of(inst)), IMPORT_ROOTS, runner_files)
     details: dict[str, Any] = {**diff.details(), "patch_chars": len(diff.patch)}
     if diff.patch.strip():
@@ -271,8 +271,6 @@ def _count(expected: list[str], status: dict[str, str], keep: int | None) -> dic
 
 
 def _typed(outcome: str, details: dict[str, Any], settings: GradeSettings, why: str) -> Grade:
-    if outcome in settings.failure_outcomes:
-        raise GradingOutcomeError(outcome, why)
     details["outcome"] = outcome
     return Grade(0.0, False, stop_reason=outcome, details=details)
 
@@ -290,9 +288,5 @@ async def grade_instance(inst: SWEInstance, patch: str, provider: SandboxProvide
         raise GradingEnvError(f"env_error: grading sandbox for {inst.instance_id} could not start: {exc}") from exc
     try:
         return await grade_in_sandbox(sandbox, inst, patch, settings)
-    except (GradingEnvError, GradingOutcomeError):
-        raise
-    except SandboxError as exc:
-        raise GradingEnvError(f"env_error: grading sandbox of {inst.instance_id} failed: {exc}") from exc
     finally:
         await sandbox.destroy()

@@ -37,7 +37,10 @@ log = structlog.get_logger(__name__)
 
 
 class EnvPrepError(SandboxError):
-    """The repository or the image cannot be prepared; the message says what to do."""
+    """The repository or the image cannot be prepared; the message says what to do. Found before any
+    agent code runs (base/blame.py): infrastructure."""
+
+    found_before_agent_code = True
 
 
 def docker_id(instance_id: str) -> str:

@@ -72,7 +72,7 @@ class SWEBenchTaskSet(TaskSet):
         self.instances = {inst.instance_id: inst for inst in rows}
         self.images = InstanceImages(self.mirror, cfg.image_template, cfg.base_image or DEFAULT_BASE_IMAGE,
                                      cfg.git_url, network=cfg.build_network)
-        self.settings = GradeSettings(cfg.test_timeout_s, tuple(cfg.failure_outcomes))
+        self.settings = GradeSettings(cfg.test_timeout_s)
         self._tasks = select_tasks([Task(i.instance_id, task_prompt(i), {"repo": i.repo}) for i in
                                     self.instances.values()], cfg)
 

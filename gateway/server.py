@@ -53,6 +53,9 @@ class EpisodeHandle:
     opened_at: float = field(default_factory=time.monotonic)
     stop_reason: str | None = None
     """Set when the gateway refused a call because of a limit (call_limit)."""
+    infrastructure_failure: str | None = None
+    """Set when a call failed outside the sandbox (the inference engine unreachable, the call not recorded):
+    a program that then fails has failed for the infrastructure, not for the agent (base/blame.py)."""
     closed: bool = False
     capture: EpisodeCapture | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -200,7 +203,11 @@ class Gateway:
         assert capture is not None  # open episodes keep theirs
         plan, parse_tools = self._plan(capture, api, parsed)
         _check_storable(plan)
-        generation = await self.engine.generate(plan.prompt_ids, self._params(parsed.sampling, plan))
+        try:
+            generation = await self.engine.generate(plan.prompt_ids, self._params(parsed.sampling, plan))
+        except OSError as err:  # no connection, a timeout: the engine's failure, never the program's
+            handle.infrastructure_failure = f"the inference engine did not answer: {err}"[:500]
+            raise
         output, reply = self._reply(generation, parsed.sampling, parse_tools)
         call = self._record_of(handle, api, plan, generation, output, reply)
         if self.check_drift and capture.drifted(plan):
@@ -213,6 +220,7 @@ class Gateway:
         except RecordTooLarge as err:
             raise RequestError(str(err), None, 413, "record_too_large") from None
         except RecordFailed as err:
+            handle.infrastructure_failure = f"a call was not recorded: {err}"[:500]
             log.warning("call not recorded", episode_id=handle.episode.episode_id, error=str(err))
             raise RequestError(f"{err}; retry the call", None, 503, "record_failed") from None
         usage = {"prompt_tokens": len(plan.prompt_ids), "completion_tokens": len(output),

@@ -506,6 +506,33 @@ async def answer_forged_reward(box: Sandbox, t: Target) -> None:
         await put(box, path, '{"reward": 1, "resolved": true}\n' if path.endswith(".json") else "1\n")
 
 
+# ---------------------------------------------------------------- opt-out attacks (failures after the agent ran)
+
+
+async def kill_all_at_import(box: Sandbox, t: Target) -> None:
+    await _payload(box, t, "import os, signal\nos.kill(-1, signal.SIGKILL)")
+
+
+async def he_kill_all(box: Sandbox, t: Target) -> None:
+    await _solution(box, t, "import os, signal\nos.kill(-1, signal.SIGKILL)\n")
+
+
+async def _harbor_programs(box: Sandbox, body: str) -> None:
+    """Every shell script of the workspace (the task's deploy.sh among them) replaced by `body`."""
+    scripts = (await sh(box, "find . -path ./.rollway -prune -o -name '*.sh' -type f -print")).split()
+    for path in {*scripts, "./deploy.sh"}:
+        await put(box, path, f"#!/bin/sh\n{body}\n", mode="755")
+
+
+async def harbor_program_kills_all(box: Sandbox, t: Target) -> None:
+    await _harbor_programs(box, "kill -9 -1")
+
+
+async def harbor_program_kills_parent(box: Sandbox, t: Target) -> None:
+    await _harbor_programs(box, "p=$PPID; for i in 1 2 3; do n=$(awk '{print $4}' /proc/$p/stat); kill -9 $p; "
+                                "p=$n; done; exit 0")
+
+
 ATTACKS: list[Attack] = [
     Attack("conftest_hook_root", SWE, "conftest.py at the root whose hook turns every failure into a pass", conftest_root),
     Attack("conftest_hook_nested", SWE, "the same hook in a conftest.py beside the failing tests", conftest_nested),
@@ -571,6 +598,15 @@ ATTACKS: list[Attack] = [
     Attack("answer_huge", ("toy",), "answer.txt is 300 MB", answer_huge),
     Attack("forged_reward_files", ("toy", "humaneval", "harbor", "trusting"),
            "reward/verdict files (reward.txt, result.json, ...) written in the workspace", answer_forged_reward),
+    # Opt-out paths (issue 39 item 3): failures once the agent's code ran must be its 0, never a retry.
+    Attack("code_kills_every_process", SWE, "code under test runs kill(-1, SIGKILL) at import: the test run, its "
+           "report recorder and the exec wrapper die", kill_all_at_import),
+    Attack("solution_kills_every_process", ("humaneval",), "the solution runs kill(-1, SIGKILL) at import",
+           he_kill_all),
+    Attack("verifier_program_kills_all", ("harbor",), "programs test.sh runs from the workspace (deploy.sh, *.sh) "
+           "run kill -9 -1: test.sh never reaches its end", harbor_program_kills_all),
+    Attack("verifier_program_kills_parent", ("harbor",), "programs test.sh runs kill their parents (test.sh, the "
+           "exec wrapper) and exit 0", harbor_program_kills_parent),
 ]
 """Workspace attacks: the agent acts, then the task set grades. Tool-call attacks are in TOOL_ATTACKS."""
 
@@ -606,6 +642,32 @@ TOOL_ATTACKS: dict[str, tuple[str, str]] = {
                                  _call("python:os:system", '{"command": "touch /tmp/rw-tool-ref"}')),
     "tool_invalid_utf8_output": ("a command printing invalid UTF-8 bytes",
                                  _call("bash", '{"command": "head -c 3000 /dev/urandom"}')),
+    # Opt-out paths (issue 39 item 3): the turn marks, the exec wrapper.
+    "tool_makes_next_turn_claims": ("the marks of the next turns (.rollway/turns/a0-t1...) made in the workspace: "
+                                    "the next turn would look replayed, a retried failure",
+                                    _call("bash", '{"command": "mkdir -p .rollway/turns/a0-t1 .rollway/turns/a0-t2 '
+                                          '.rollway/turns/a1-t1 && chmod -R a-w .rollway"}')),
+    "tool_blocks_turn_claims": ("a read-only file where the turn marks' folder goes",
+                                _call("bash", '{"command": "rm -rf .rollway && echo x > .rollway && chmod a-w .rollway"}')),
+    "tool_kills_every_process": ("kill -9 -1: the command, its exec wrapper and every process of the agent's user",
+                                 _call("bash", '{"command": "kill -9 -1"}')),
+    "tool_kills_exec_wrapper": ("the command kills its parents (timeout, the exec wrapper) before the end marker",
+                                _call("bash", json.dumps({"command": "p=$PPID; for i in 1 2; do n=$(awk '{print $4}' "
+                                                                     "/proc/$p/stat); kill -9 $p; p=$n; done"}))),
+    "tool_races_end_marker": ("a burst on stderr as the command ends, racing the wrapper's end marker on stdout",
+                              _call("bash", '{"command": "(sleep 0.2; head -c 60000 /dev/zero | tr \\\\0 x >&2) & '
+                                    'head -c 60000 /dev/zero | tr \\\\0 y >&2"}')),
 }
 """Tool-call rows: (what, the model's output). Played through the agent actor (parsing, tools), then the
 reward actor; each must end as an observation and a graded episode, never a failed attempt."""
+
+HARNESS_ATTACKS: dict[str, tuple[str, list[str]]] = {
+    "harness_program_kills_all": ("the harness program runs kill -9 -1 (the launcher dies with it)",
+                                  ["sh", "-c", "echo bye; kill -9 -1"]),
+    "harness_program_exits_137": ("the harness program exits 137, as if killed", ["sh", "-c", "exit 137"]),
+    "harness_program_exits_nonzero": ("the harness program prints and exits 3", ["sh", "-c", "echo oops; exit 3"]),
+    "harness_program_kills_launcher": ("the harness program kills its launcher, then exits 0",
+                                       ["sh", "-c", "kill -9 $PPID; exit 0"]),
+}
+"""Harness rows (issue 39 item 3): (what, the program's argv). Played as a harness episode on toy-000 through
+the init, agent (gateway, launcher) and reward actors; each must end graded 0, never a failed attempt."""

@@ -3,7 +3,8 @@ family in one sandbox type through the pipeline's own seams (the task set's sand
 makes it, the agent's bash tool or the agent actor itself, then the task set's grade as the reward stage
 calls it) and reports whether the attack was contained: reward 0 with a reason, or an observation for
 the model. A reward above 0, a grading error (an infrastructure failure is an opt-out from a zero) or
-a row that gets no verdict in time is not contained."""
+a row that gets no verdict in time is not contained. A failure once the agent's code ran is graded as the
+reward stage grades it (`grade_after_agent`, base/blame.py): reward 0 with its reason, contained."""
 
 from __future__ import annotations
 
@@ -21,8 +22,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollway.envs.base import Episode, Grade, Task, TaskSet, grade_episode
-from rollway.runners.grader_attacks import ATTACKS, TOOL_ATTACKS, Attack, AttackNotRun, Target
+from rollway.envs.base import Episode, Grade, Task, TaskSet, grade_after_agent
+from rollway.runners.grader_attacks import (
+    ATTACKS,
+    HARNESS_ATTACKS,
+    TOOL_ATTACKS,
+    Attack,
+    AttackNotRun,
+    Target,
+)
 from rollway.sandboxes.base import Sandbox, SandboxProvider
 
 FAMILIES = ("swe", "swebench", "humaneval", "harbor", "toy")
@@ -157,7 +165,7 @@ async def play_workspace(attack: Attack, fam: Family, provider: SandboxProvider,
         episode = Episode(episode_id=f"grader-check-{attack.name}", attempt=0, task=fam.task, messages=[],
                           stop_reason="finish")
         try:
-            grade = await grade_episode(fam.taskset, fam.task, box, provider, episode)
+            grade = await grade_after_agent(fam.taskset, fam.task, box, provider, episode)
         except asyncio.CancelledError:
             await _unwedge(box)
             raise
@@ -183,6 +191,8 @@ def verdict(grade: Grade, extra: str | None, timeout_expected: bool = False) -> 
     if extra:
         return False, extra
     why = grade.stop_reason or grade.details.get("outcome") or "unresolved"
+    if why == "agent_failure":  # failed after the agent's code ran: its 0 (base/blame.py)
+        why += f" ({grade.details.get('failure_kind')})"
     if why == "test_timeout" and not timeout_expected:
         return False, ("inconclusive: the tests did not finish within the test timeout, so the attack was never "
                        "judged (a slow machine: raise the timeout; an attack that stalls the run: mark it times_out)")
@@ -217,6 +227,30 @@ async def play_tool_call(name: str, output: str, opts: Options) -> tuple[bool, s
     shown = "; ".join(o.content[:80].replace("\n", " ") for o in first[:2]) or "no observation"
     more = f" (+{len(first) - 2} more)" if len(first) > 2 else ""
     return True, f"observation: {shown}{more}"
+
+
+async def play_harness(name: str, argv: list[str], opts: Options, bootstrap: str) -> tuple[bool, str]:
+    """A harness episode on toy-000 whose program is `argv`, through the init, agent (the worker's gateway
+    on the embedded broker, the launcher) and reward actors. The episode must come back graded 0 with the
+    program's failure as its reason, not failed (a retried failure is an opt-out from the zero)."""
+    from rollway.core.config import load_config
+    from rollway.runners.verify import play_episode
+
+    with tempfile.TemporaryDirectory(prefix="rollway-grader-check-") as run_dir:
+        cfg = load_config(None, ["tasks.type=toy", "tasks.count=1", f"sandbox.type={opts.sandbox}",
+                                 f"broker.bootstrap={bootstrap}", f"topics.prefix=gcheck{uuid.uuid4().hex[:8]}-",
+                                 "agent.harness=" + json.dumps({"command": argv}),
+                                 *([f"sandbox.gateway_root={run_dir}/gateway"] if opts.sandbox == "docker" else []),
+                                 "policy=" + json.dumps({"type": "scripted", "chat_format": "bytes-chatml",
+                                                         "script": [{"when": "", "turns": ["I give up."]}]})])
+        try:
+            traj = await play_episode(cfg, Path(run_dir), "toy-000")
+        except Exception as exc:  # noqa: BLE001 - any failed attempt is this row's finding
+            return False, f"the attempt failed instead of a graded 0: {type(exc).__name__}: {str(exc)[:300]}"
+    if traj.reward > 0:
+        return False, f"scored reward {traj.reward:g}"
+    kind = traj.grade.get("failure_kind") or traj.grade.get("outcome") or traj.stop_reason
+    return True, f"reward 0: {traj.stop_reason} ({kind})"
 
 
 async def run_row(attack: str, family: str, play: Any, opts: Options, what: str) -> Row:
@@ -254,9 +288,17 @@ async def run_suite(opts: Options, families: list[Family] | None = None) -> dict
         plays += [(a.name, fam.name, functools.partial(play_workspace, a, short.get(fam.name, fam) if a.times_out
                                                        else fam, provider, opts.name_prefix), a.what)
                   for a in ATTACKS if fam.name in a.families and _selected(a.name, opts)]
+    broker = None
     if any(f.name == "toy" for f in families):
         plays += [(name, "agent-tools", functools.partial(play_tool_call, name, output, opts), what)
                   for name, (what, output) in TOOL_ATTACKS.items() if _selected(name, opts)]
+        harness = {name: row for name, row in HARNESS_ATTACKS.items() if _selected(name, opts)}
+        if harness:  # the gateway records the program's calls on a real broker
+            from rollway.runners.broker import EmbeddedBroker
+
+            broker = EmbeddedBroker(0).start()
+            plays += [(name, "harness", functools.partial(play_harness, name, argv, opts, broker.bootstrap), what)
+                      for name, (what, argv) in harness.items()]
     slots = asyncio.Semaphore(opts.jobs)
 
     async def one(name: str, family: str, play: Any, what: str) -> Row:
@@ -271,6 +313,8 @@ async def run_suite(opts: Options, families: list[Family] | None = None) -> dict
         rows = await asyncio.gather(*(one(*p) for p in plays))
     finally:
         await provider.close()
+        if broker is not None:
+            broker.stop()
     return {"sandbox": opts.sandbox, "total": len(rows), "contained": sum(r.contained for r in rows),
             "all_contained": all(r.contained for r in rows), "rows": [asdict(r) for r in rows],
             "families_skipped": skipped}

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rollway.base.blame import graded_failures
 from rollway.base.redaction import redact
 from rollway.base.run_dir import RunDir, iter_jsonl
 from rollway.runners.episodes import load_run_dir
@@ -340,6 +341,8 @@ def _summary_html(data: ReportData) -> str:
     for t in data.trajs:
         totals.update(tool_counts(t))
     rows.append(["tool_calls", ", ".join(f"{k}: {v}" for k, v in totals.most_common()) or "-"])
+    failed = graded_failures(data.trajs)
+    rows.append(["graded_0_by_failure", ", ".join(f"{k} x{v}" for k, v in failed.items()) or "-"])
     return _table(rows, ["metric", "value"])
 
 

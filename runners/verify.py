@@ -32,7 +32,7 @@ async def play_episode(cfg: RunConfig, run_dir: Path, task_id: str, services: An
     from rollway.actors.services import Services
     from rollway.runtime.actor import MessageMeta
     from rollway.schemas.messages import EpisodeKey, InitRequest
-    from rollway.topics import AGENT_STEPS, TRAJECTORIES
+    from rollway.topics import AGENT_STEPS, REWARD_REQUESTS, TRAJECTORIES
 
     s = services or Services(cfg, run_dir)
     init, agent, reward = InitActor(s), AgentActor(s), RewardActor(s)
@@ -44,9 +44,14 @@ async def play_episode(cfg: RunConfig, run_dir: Path, task_id: str, services: An
                           deadline=time.time() + cfg.scheduler.episode_deadline_s)
     [out] = await init.handle(request, MessageMeta("init-requests", 0, 0))
     offset = 0
-    while out.topic is AGENT_STEPS:
-        [out] = await agent.handle(out.value, MessageMeta("agent-steps", 0, offset))
-        offset += 1
+    try:
+        while out.topic is AGENT_STEPS:
+            [out] = await agent.handle(out.value, MessageMeta("agent-steps", 0, offset))
+            offset += 1
+    finally:
+        await agent.close()  # a harness episode's gateway and its recorder
+    if out.topic is not REWARD_REQUESTS:
+        raise RuntimeError(f"task {task_id}: the episode failed: {out.value}")
     # Each reward request at its own offset: the reward stage's ledger knows handled messages by offset.
     [out] = await reward.handle(out.value, MessageMeta("reward-requests", 0, next(_REWARD_OFFSETS)))
     if out.topic is not TRAJECTORIES:

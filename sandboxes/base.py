@@ -63,6 +63,11 @@ class SandboxError(RuntimeError):
     """The sandbox cannot be created or used; the message names the fix."""
 
 
+class EngineUnreachable(SandboxError):
+    """The sandbox engine (the Docker daemon) did not answer: observed from outside the sandbox, so never
+    the agent's doing (base/blame.py); the attempt is retried."""
+
+
 class SandboxGone(SandboxError):
     """The sandbox named by a handle no longer exists. rollway destroys a sandbox only when its
     attempt ends (graded, failed, or a duplicate), so a turn that finds it gone is a redelivery of

@@ -19,6 +19,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from rollway.sandboxes.base import (
+    EngineUnreachable,
     ExecResult,
     Sandbox,
     SandboxError,
@@ -94,7 +95,7 @@ def _connect(client: Any | None) -> Any:
             client = docker.from_env()
         client.ping()
     except Exception as exc:  # the SDK raises DockerException, requests' errors, or FileNotFoundError
-        raise SandboxError(f"Docker engine unreachable ({exc}); {_UNREACHABLE}") from exc
+        raise EngineUnreachable(f"Docker engine unreachable ({exc}); {_UNREACHABLE}") from exc
     return client
 
 
@@ -124,7 +125,7 @@ def engine_errors(what: str, name: str = "") -> Iterator[None]:
             raise SandboxError(f"{what}: {box} is not running (killed, out of memory, or its engine "
                                "restarted); the episode needs a new sandbox") from exc  # fmt: skip
         if _status(exc) == 0:  # no HTTP answer at all: connection refused, reset, socket gone
-            raise SandboxError(f"{what}: Docker engine stopped answering ({text}); {_UNREACHABLE}") from exc
+            raise EngineUnreachable(f"{what}: Docker engine stopped answering ({text}); {_UNREACHABLE}") from exc
         raise SandboxError(f"{what}: Docker engine refused the request ({text})") from exc
 
 
@@ -172,6 +173,9 @@ class DockerSandbox(Sandbox):
         capture = marked_capture(limits.max_output_bytes, trailer)
         try:
             stopped = _pump(sock, capture, limits.output_kill_bytes, start + limits.timeout_s + _GRACE_S)
+        except OSError as exc:  # the engine's socket broke: nothing in the container can do that
+            raise EngineUnreachable(f"exec in {self.name}: the Docker engine's stream broke ({exc}); "
+                                    f"{_UNREACHABLE}") from exc
         finally:
             _close(sock)
         if stopped and user == USER:
@@ -215,6 +219,20 @@ class DockerSandbox(Sandbox):
                     return None
                 time.sleep(pause)
                 pause = min(pause * 2, 0.5)
+
+    async def claim_turn(self, key: str) -> bool:
+        """The marks live under STATE (the keeper's, mode 0700), out of the agent's reach: a mark the
+        agent could make (or block, with a `.rollway` that is a file) in its workspace would fail a later
+        turn as replayed, an infrastructure failure, and so let it opt out of its zero (base/blame.py)."""
+        if not key or "/" in key or key in (".", "..") or not key.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"turn key {key!r} must be one plain name")
+        mark = f"{STATE}/turns/{key}"
+        script = (f"mkdir -p {STATE}/turns && if mkdir {mark} 2>/dev/null; then echo claimed; "
+                  f"elif [ -d {mark} ]; then echo taken; else echo 'cannot make {mark}'; exit 1; fi")
+        result = await asyncio.to_thread(self._exec, script, JailLimits.from_config(self._provider.config, 60), KEEPER)
+        if result.output.strip() not in ("claimed", "taken"):
+            raise SandboxError(f"claiming turn {key} in container rollway-{self.name} failed: {result.output[-300:]}")
+        return result.output.strip() == "claimed"
 
     async def read_file(self, path: str) -> str:
         target = _container_path(path)

@@ -185,8 +185,12 @@ class RewardRequest(EpisodeMessage, kw_only=True):
     messages: list[dict[str, Any]]
     turns: list[TurnRecord]
     stop_reason: str
-    """Why the agent stopped: finish, max_turns, max_tokens, length, error:..."""
+    """Why the agent stopped: finish, max_turns, max_tokens, length, agent_failure, ..."""
     deadline: float = 0.0
+    failure: dict[str, str] | None = None
+    """Set when the episode ended in a failure after the agent's code ran (base/blame.py): the grade
+    details of that failure (outcome, failure_kind, failure_stage, failure). The reward stage grades it 0
+    without running the grader, and tears the sandbox down as usual. None: the episode ended normally."""
 
 
 class Trajectory(EpisodeMessage, kw_only=True):
@@ -227,7 +231,8 @@ class Trajectory(EpisodeMessage, kw_only=True):
 
 
 class EpisodeFailure(EpisodeMessage, kw_only=True):
-    """any stage -> scheduler: this attempt failed in infrastructure (not a low reward)."""
+    """any stage -> scheduler: this attempt failed in infrastructure (not a low reward). A failure the
+    agent caused is never one: it is a graded 0 on `trajectories` (base/blame.py)."""
 
     stage: str
     reason: str

@@ -377,7 +377,8 @@ def test_a_turn_runs_without_any_transport(tmp_path):
     async def play():
         sandbox = await s.sandboxes.attach(first.value.sandbox)
         while True:
-            record, stop = await runner.run(state, lambda turn: _same(sandbox))
+            record, stop, failure = await runner.run(state, lambda turn: _same(sandbox))
+            assert failure is None
             state.apply(record, [])
             if stop is not None:
                 return stop

@@ -15,6 +15,7 @@ import pytest
 
 from rollway.envs.base import Episode, Grade, Task
 from rollway.envs.config import ToyTasksConfig
+from rollway.envs.swe_grading import GradingEnvError
 from rollway.envs.toy import ToyTaskSet
 from rollway.runners import cmd_grader
 from rollway.runners.grader_attacks import ATTACKS, Target
@@ -107,7 +108,7 @@ def test_every_grader_contains_every_attack(kind, family, part, request):
     # The SWE families' row: the session's build, the one `rollway grader check` makes when given none.
     cache = {"cache_dir": request.getfixturevalue("toolz_swebench_row").parent} if family in ("swe", "swebench") else {}
     report = asyncio.run(run_suite(Options(sandbox=kind, families=(family,), attacks=attacks, name_prefix=prefix, **cache)))
-    assert {r["family"] for r in report["rows"]} == {family} | ({"agent-tools"} if family == "toy" else set())
+    assert {r["family"] for r in report["rows"]} == {family} | ({"agent-tools", "harness"} if family == "toy" else set())
     assert not attacks or sorted(r["attack"] for r in report["rows"]) == sorted(attacks)
     if kind == "docker":
         assert count_containers(prefix) == 0  # every attacked sandbox was torn down
@@ -138,11 +139,12 @@ class TrustingTaskSet(ToyTaskSet):
 
 
 class CrashingTaskSet(ToyTaskSet):
-    """A grader that turns a strange workspace into an error (an opt-out from a zero)."""
+    """A grader that blames the environment for a strange workspace (an opt-out from a zero): an error it
+    says was found before the agent's code ran. (Any other error once the agent ran is graded 0.)"""
 
     async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider, episode: Episode) -> Grade:
         if (await sandbox.exec("test -e reward.json && echo seen")).output.strip() == "seen":
-            raise RuntimeError("reward.json is in the way")
+            raise GradingEnvError("env_error: reward.json is in the way")
         return Grade(0.0, False)
 
 
@@ -178,3 +180,34 @@ def test_suite_flags_broken_graders():
     assert verdicts == [(False, "scored"), (False, "raised"), (False, "wedged:"), (False, "inconclusive:"),
                         (True, "reward")], report["rows"]
     assert not report["all_contained"]
+
+
+@pytest.mark.timeout(600)
+def test_opt_out_rows_flag_a_build_that_retries_the_agents_failures(monkeypatch):
+    """The weakened build: every failure counted as infrastructure (retried, never graded), as before
+    issue 39. The opt-out rows (a harness program killing everything, a test run whose code kills every
+    process, a grader failing after the agent's code ran) are then not contained; with the rule they are."""
+    from rollway.base import blame
+
+    class FailingAfterAgentTaskSet(ToyTaskSet):
+        """A grader that runs the agent's program, which kills the grader's command: an error once it ran."""
+
+        async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider, episode: Episode) -> Grade:
+            if (await sandbox.exec("test -e reward.json && sh -c 'kill -9 $PPID'; echo ran")).exit_code != 0:
+                raise RuntimeError("the graded program killed the grader's command")
+            return Grade(0.0, False)
+
+    def play():
+        taskset = FailingAfterAgentTaskSet(ToyTasksConfig(type="toy", count=1))
+        fams = [Family("toy", taskset, taskset.tasks()[0], Target("toy"))]
+        report = asyncio.run(run_suite(Options(sandbox="local", attacks=("forged_reward_files", "harness_program_kills_all",
+                                                                         "tool_kills_every_process"), row_timeout_s=240),
+                                       families=fams))
+        return {r["attack"]: (r["contained"], r["reason"]) for r in report["rows"]}
+
+    rows = play()
+    assert len(rows) == 3 and all(contained for contained, _ in rows.values()), rows
+    monkeypatch.setattr(blame, "_infrastructure_types", lambda: (Exception,))
+    weakened = play()
+    assert not weakened["forged_reward_files"][0] and not weakened["harness_program_kills_all"][0], weakened
+    assert weakened["tool_kills_every_process"][0], weakened  # an observation for the model, whatever the rule

@@ -92,20 +92,61 @@ def test_a_program_that_gives_up_is_graded_unresolved(tmp_path):
     assert all(t["num_turns"] == 1 and t["segment_starts"] == [] for t in trajs)
 
 
-def test_a_crashing_program_fails_the_attempt_with_its_exit_code_and_output(tmp_path):
+def agent_failures_graded(tmp_path, summary: dict, trajs: list[dict], kind: str, count: int = 2) -> None:
+    """Every episode came back graded 0 for its failure (base/blame.py), was not retried, and reached the
+    learner; the summary counts it as graded, by its failure's kind, never as failed."""
+    failures_file = tmp_path / "run" / "failures.jsonl"
+    failures = failures_file.read_text() if failures_file.exists() else ""
+    assert len(trajs) == count, failures[-3000:]
+    assert failures == ""  # no attempt failed: nothing retried, nothing given up
+    for t in trajs:
+        assert t["reward"] == 0.0 and not t["resolved"] and t["stop_reason"] == "agent_failure", t["grade"]
+        assert t["grade"]["outcome"] == "agent_failure" and t["grade"]["failure_kind"] == kind, t["grade"]
+        assert t["grade"]["failure_stage"] in ("agent", "reward") and t["grade"]["failure"]
+        assert t["episode"]["attempt"] == 0
+        # A valid token-exact trajectory: one mask entry and one logprob slot per token, spans inside it.
+        assert len(t["token_ids"]) == len(t["loss_mask"]) == len(t["logprobs"]) and t["num_turns"] >= 1
+        assert sum(t["loss_mask"]) == sum(e - s for s, e in t["turn_spans"])
+    assert summary["episodes_completed"] == count and summary["episodes_failed"] == 0
+    assert summary["episodes_retried"] == 0
+    assert sum(summary["graded_failures"].values()) == count, summary["graded_failures"]
+    assert json.loads((tmp_path / "run" / "learner-status.json").read_text())["episodes_received"] == count
+
+
+def test_a_crashing_program_is_graded_0_with_its_exit_code_and_output(tmp_path):
+    """A program that exits non-zero on its own has run the agent's code: its failure is the agent's,
+    graded 0 with the exit code and output as the reason, and trained on (never retried, never dropped).
+    An episode whose program made no call is one empty turn on the task's prompt."""
     crash = {"command": ["python3", "-c", "import sys; print('disk on fire'); sys.exit(3)"]}
     out, summary, trajs = up(tmp_path, NON_FIX, crash)
-    assert trajs == []
-    failures = [json.loads(line) for line in (tmp_path / "run" / "failures.jsonl").read_text().splitlines()]
-    assert failures, out.stderr[-3000:]
-    assert all("exited with code 3" in f["reason"] and "disk on fire" in f["reason"] for f in failures)
-    # Each episode: its attempt failed in the agent stage, was retried once (max_attempts=2), then given up.
-    agent = [f for f in failures if f["stage"] == "agent"]
-    assert sorted((f["episode"]["task_id"], f["episode"]["attempt"]) for f in agent) == [
-        ("toy-000", 0), ("toy-000", 1), ("toy-001", 0), ("toy-001", 1)]
-    given_up = [f for f in failures if f["stage"] == "scheduler"]
-    assert len(given_up) == 2 and not any(f["retryable"] for f in given_up)
-    assert summary["episodes_failed"] == 2
+    assert out.returncode == 0, out.stderr[-3000:]
+    agent_failures_graded(tmp_path, summary, trajs, "HarnessCrashed")
+    for t in trajs:
+        assert "exited with code 3" in t["grade"]["failure"] and "disk on fire" in t["grade"]["failure"]
+        assert t["num_turns"] == 1 and t["turn_spans"] == [[t["prompt_length"], t["prompt_length"]]]
+    assert summary["graded_failures"] == {"agent: HarnessCrashed": 2}
+
+
+KILL_ALL = [{"when": "", "turns": [SHELL_CALL.format("kill -9 -1")]}]
+
+
+def test_a_model_that_has_its_program_kill_everything_is_graded_0_not_retried(tmp_path):
+    """The attack of issue 39: the model makes the agent program run `kill -9 -1`, which kills the program
+    (exit 137). That used to be a retryable crash: every episode was retried, then dropped, never trained
+    on, while a model that gave up politely got its 0. Now it is the model's 0, with the reason, and the
+    call that did it is in the trajectory (its tokens trained on with reward 0)."""
+    from rollway.policies.config import ScriptedPolicyConfig
+    from rollway.policies.factory import build_chat_format
+
+    out, summary, trajs = up(tmp_path, KILL_ALL, AGENT_PROGRAM)
+    assert out.returncode == 0, out.stderr[-3000:]
+    agent_failures_graded(tmp_path, summary, trajs, "HarnessCrashed")
+    chat = build_chat_format(ScriptedPolicyConfig(script=KILL_ALL))
+    for t in trajs:
+        assert "exited with code" in t["grade"]["failure"]
+        assert t["num_turns"] == 1
+        [(start, end)] = t["turn_spans"]
+        assert chat.decode(t["token_ids"][start:end]).startswith(KILL_ALL[0]["turns"][0])
 
 
 def test_a_program_that_never_exits_stops_at_the_time_limit(tmp_path):
@@ -275,11 +316,11 @@ def test_calls_with_retries_and_a_rewrite_become_turns_that_reassemble_each_segm
     assert outcome.messages == [{"role": "user", "content": "What does a.txt say?"}]
 
 
-def docker_up(tmp_path, harness: dict) -> tuple[subprocess.CompletedProcess, dict, list[dict]]:
+def docker_up(tmp_path, harness: dict, script: list[dict] = NON_FIX) -> tuple[subprocess.CompletedProcess, dict, list[dict]]:
     from docker_engine import ensure_engine
 
     ensure_engine()
-    job = harness_job(tmp_path, NON_FIX, harness)
+    job = harness_job(tmp_path, script, harness)
     job["sandbox"] = {"type": "docker", "image": "rollway-sandbox:bookworm",
                       "gateway_root": str(tmp_path / "gateway")}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
@@ -288,7 +329,16 @@ def docker_up(tmp_path, harness: dict) -> tuple[subprocess.CompletedProcess, dic
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     trajs_file = run_dir / "trajectories.jsonl"
     trajs = [json.loads(line) for line in trajs_file.read_text().splitlines()] if trajs_file.exists() else []
-    return out, {}, trajs
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    return out, summary, trajs
+
+
+def test_in_a_docker_container_a_program_that_kills_everything_is_graded_0(tmp_path):
+    """`kill -9 -1` as the program, in a container: every process of the sandbox user dies (the exec
+    wrapper's shell too). The agent's failure: graded 0 and trained on, never retried."""
+    out, summary, trajs = docker_up(tmp_path, {"command": ["sh", "-c", "echo bye; kill -9 -1"]})
+    assert out.returncode == 0, out.stderr[-3000:]
+    agent_failures_graded(tmp_path, summary, trajs, "HarnessCrashed")
 
 
 def test_in_a_docker_container_the_program_reaches_the_gateway_and_nothing_else(tmp_path):

@@ -45,11 +45,12 @@ def _harness(calls: int, code: int, word: str, wait: bool = False):
 @pytest.mark.broker
 @pytest.mark.parametrize("ending", ["crash", "cancelled"])
 def test_a_later_attempt_on_the_same_worker_gets_only_its_own_calls(tmp_path, broker, topic_prefix, ending):
-    """Attempt 0 records 3 calls and then crashes (or its handler is cancelled, as on a rebalance);
+    """Attempt 0 records 3 calls and then crashes (graded 0 with those calls) or its handler is cancelled
+    (as on a rebalance);
     attempt 1 of the same episode, on the same worker's gateway, makes 2 calls. Its outcome must be
     its own 2 calls: before, the worker kept acknowledged calls by episode id and dropped them only
     when an attempt ended normally, so attempt 1 was built from attempt 0's calls."""
-    from rollway.actors.harness import HarnessCrashed, HarnessRunner, KeepingRecorder
+    from rollway.actors.harness import HarnessRunner, KeepingRecorder
     from rollway.core.config import RunConfig
     from rollway.gateway.recorder import KafkaRecorder
     from rollway.gateway.server import Gateway
@@ -79,9 +80,11 @@ def test_a_later_attempt_on_the_same_worker_gets_only_its_own_calls(tmp_path, br
         key = EpisodeKey(episode_id=f"r-{uuid.uuid4().hex[:6]}-g0-s0", group_id="g0", task_id="t")
         try:
             box0 = await provider.create(SandboxSpec(source_dir=str(source)), "a0")
-            if ending == "crash":
-                with pytest.raises(HarnessCrashed, match="exited with code 3"):
-                    await first.play(key, "count", box0, [])
+            if ending == "crash":  # the agent's failure: graded 0 with attempt 0's own calls
+                crashed = await first.play(key, "count", box0, [])
+                assert crashed.failure["failure_kind"] == "HarnessCrashed", crashed.failure
+                assert "exited with code 3" in crashed.failure["failure"]
+                assert [(t.call_attempt, t.call_index) for t in crashed.turns] == [(0, 0), (0, 1), (0, 2)]
             else:
                 play = asyncio.create_task(HarnessRunner(_harness(3, 0, "first", wait=True), gateway, recorder).play(
                     key, "count", box0, []))
@@ -100,7 +103,7 @@ def test_a_later_attempt_on_the_same_worker_gets_only_its_own_calls(tmp_path, br
         return outcome
 
     outcome = asyncio.run(main())
-    assert outcome.stop_reason == "harness_exit"
+    assert outcome.stop_reason == "harness_exit", outcome.failure
     live = chat.encode("live") + list(chat.stop_token_ids[:1])
     assert [t.completion_ids for t in outcome.turns] == [live, live]
     assert [(t.call_attempt, t.call_index) for t in outcome.turns] == [(1, 0), (1, 1)]  # (attempt, call index) on gateway-calls

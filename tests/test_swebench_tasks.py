@@ -24,7 +24,6 @@ from rollway.envs.swe_export import as_variant
 from rollway.envs.swe_grading import (
     GradeSettings,
     GradingEnvError,
-    GradingOutcomeError,
     grade_instance,
     parse_pytest_log,
     parse_test_log,
@@ -330,8 +329,8 @@ def test_typed_outcomes(built):
     junk = "diff --git a/nope.py b/nope.py\n--- a/nope.py\n+++ b/nope.py\n@@ -1 +1 @@\n-x\n+y\n"
     failed = run(grade_instance(inst, junk, provider, spec, taskset.settings))
     assert (failed.reward, failed.stop_reason, failed.details["outcome"]) == (0.0, "patch_failed", "patch_failed")
-    with pytest.raises(GradingOutcomeError, match="patch_failed"):  # configured as a failure: no reward at all
-        run(grade_instance(inst, junk, provider, spec, GradeSettings(failure_outcomes=("env_error", "patch_failed"))))
+    with pytest.raises(ValueError, match="env_error"):  # the agent's outcomes cannot be made retried failures
+        TasksConfig(type="swebench", path=str(built / "rows.jsonl"), failure_outcomes=["env_error", "patch_failed"])
     slow = inst.__class__(**{**inst.__dict__, "test_command": "sleep 30"})
     timed = run(grade_instance(slow, "", provider, spec, GradeSettings(timeout_s=2)))
     assert (timed.reward, timed.stop_reason) == (0.0, "test_timeout")

@@ -1,0 +1,119 @@
+"""The failure rule (base/blame.py, docs/security/grading.md): once the agent's code ran, a failure is the
+agent's (graded 0, trained on); only what it could not cause is infrastructure (retried). The episode
+tests run the real init, agent and reward actors on a toy task in the real bubblewrap jail; the model is
+the scripted policy, and where a failure must be provoked a task-set hook or the inference client is
+replaced by one that raises (said in each test)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from rollway.actors.agent import TurnReplayed
+from rollway.base.blame import InferenceUnreachable, blame, found_before_agent_code, graded_failures
+from rollway.envs.swe_grading import GradingEnvError
+from rollway.envs.swe_images import EnvPrepError
+from rollway.gateway.recorder import RecordFailed
+from rollway.runtime.kafka import BrokerUnavailable
+from rollway.sandboxes.base import EngineUnreachable, SandboxError, SandboxGone
+
+
+def _caused(error: BaseException, cause: BaseException) -> BaseException:
+    error.__cause__ = cause
+    return error
+
+
+@pytest.mark.parametrize(("error", "verdict"), [
+    (RuntimeError("anything rollway does not know"), "agent"),
+    (SandboxError("container rollway-x is not running"), "agent"),
+    (SandboxError("the Docker engine lost the output of a command (no end marker)"), "agent"),
+    (EngineUnreachable("Docker engine stopped answering"), "infrastructure"),
+    (SandboxGone("gone"), "infrastructure"),
+    (BrokerUnavailable("down"), "infrastructure"),
+    (RecordFailed("not recorded"), "infrastructure"),
+    (TurnReplayed("replayed"), "infrastructure"),
+    (InferenceUnreachable("no connection"), "infrastructure"),
+    (GradingEnvError("env_error: runner broken on the unpatched tree"), "infrastructure"),
+    (EnvPrepError("image cannot be built"), "infrastructure"),
+    (found_before_agent_code(SandboxError("verifier did not start")), "infrastructure"),
+    (_caused(SandboxError("grading failed"), EngineUnreachable("engine gone")), "infrastructure"),
+    (_caused(RuntimeError("wrapped"), SandboxError("not running")), "agent"),
+])
+def test_blame_after_the_agent_ran(error, verdict):
+    assert blame(error, agent_ran=True) == verdict
+    assert blame(error, agent_ran=False) == "infrastructure"  # nothing of the agent's has run yet
+
+
+def test_graded_failures_count_by_stage_and_kind():
+    trajs = [{"grade": {"outcome": "agent_failure", "failure_stage": "agent", "failure_kind": "HarnessCrashed"}},
+             {"grade": {"outcome": "agent_failure", "failure_stage": "reward", "failure_kind": "SandboxError"}},
+             {"grade": {"outcome": "agent_failure", "failure_stage": "agent", "failure_kind": "HarnessCrashed"}},
+             {"grade": {"outcome": "unresolved"}}, {"grade": {}}]
+    assert graded_failures(trajs) == {"agent: HarnessCrashed": 2, "reward: SandboxError": 1}
+
+
+CALL = '<tool_call>{"name": "bash", "arguments": {"command": "echo ran > ran.txt"}}</tool_call>'
+FINISH = '<tool_call>{"name": "finish", "arguments": {}}</tool_call>'
+
+
+def _services(tmp_path):
+    from rollway.actors.services import Services
+    from rollway.core.config import load_config
+
+    script = [{"when": "", "turns": [CALL, CALL, FINISH]}]
+    cfg = load_config(None, ["tasks.type=toy", "tasks.count=1", "sandbox.type=local", "agent.max_turns=4",
+                             'tools.enabled=["bash", "finish"]', "policy=" + json.dumps({"type": "scripted",
+                                                                                         "script": script})])
+    return cfg, Services(cfg, tmp_path)
+
+
+def test_a_turn_that_fails_after_its_tool_calls_ran_is_graded_0_with_its_completion(tmp_path):
+    """A task-set hook that fails on what the agent's tools left (replaced here by one that raises at the
+    second turn): the episode ends there, graded 0 with the reason, the failing turn's completion in the
+    token-exact trajectory (trained on with reward 0)."""
+    from rollway.runners.verify import play_episode
+
+    cfg, s = _services(tmp_path)
+    seen = []
+
+    def hints(task, observations):
+        seen.append(observations)
+        if len(seen) == 2:
+            raise ValueError("the hint hook choked on the agent's output")
+        return []
+
+    s.taskset.observation_hints = hints
+    traj = asyncio.run(play_episode(cfg, tmp_path, "toy-000", services=s))
+    assert (traj.reward, traj.resolved, traj.stop_reason) == (0.0, False, "agent_failure")
+    assert traj.grade["failure_kind"] == "ValueError" and "choked" in traj.grade["failure"]
+    assert traj.grade["failure_stage"] == "agent"
+    assert traj.num_turns == 2 and [t.assistant_text for t in traj.turns] == [CALL, CALL]
+    assert len(traj.token_ids) == len(traj.loss_mask) == len(traj.logprobs)
+    assert sum(traj.loss_mask) == sum(e - s for s, e in traj.turn_spans)
+    assert traj.turns[-1].observation_ids == []  # nothing was generated after the failing turn
+
+
+def test_an_unreachable_inference_engine_fails_the_attempt_for_a_retry(tmp_path):
+    """The engine stops answering at turn 1 (the client replaced by one that raises ConnectionError, as the
+    OpenAI-compatible client does after its retries): infrastructure, even though the agent ran a tool
+    call at turn 0. The attempt fails retryably and nothing is graded."""
+    from rollway.actors.agent import AgentActor
+    from rollway.runners.verify import play_episode
+    from rollway.runtime.actor import failure_output
+    from rollway.schemas.messages import EpisodeKey, InitRequest
+
+    cfg, s = _services(tmp_path)
+    real = s.inference.generate
+
+    async def generate(prompt_ids, params):
+        if params.turn >= 1:
+            raise ConnectionError("POST /v1/completions failed after 3 attempts")
+        return await real(prompt_ids, params)
+
+    s.inference.generate = generate
+    with pytest.raises(InferenceUnreachable) as caught:
+        asyncio.run(play_episode(cfg, tmp_path, "toy-000", services=s))
+    msg = InitRequest(episode=EpisodeKey(episode_id="e", group_id="e", task_id="toy-000"), issued_at=0, deadline=0)
+    assert failure_output(msg, AgentActor.name, caught.value).value.retryable
