@@ -47,7 +47,7 @@ import structlog
 
 from rollway.envs.base import Episode, Grade, Task, TaskSet
 from rollway.envs.config import HarborTasksConfig
-from rollway.envs.harbor_verifier import LINKS, VerifierSettings, copy_folder, verify
+from rollway.envs.harbor_verifier import HARBOR_DIR, LINKS, VerifierSettings, copy_folder, verify
 from rollway.envs.harbor_verifier import HarborEnvError as HarborEnvError  # re-exported: raised by grade
 from rollway.envs.image_builds import KeyedLocks, build_all
 from rollway.envs.split import select_tasks
@@ -269,7 +269,7 @@ def map_from_lines(dockerfile: str, has_image: Any, base_image: str) -> tuple[st
 def rollway_layer(workdir: str) -> str:
     """Appended to the task's Dockerfile: the working directory stashed and linked to /workspace, and
     /tests, /logs, /solution linked into the workspace's .rollway folder."""
-    links = " && ".join(f"rm -rf {path} && ln -s /workspace/{target} {path}" for path, target in LINKS.items())
+    links = " && ".join(f"rm -rf {path} && ln -s {target} {path}" for path, target in LINKS.items())
     return (f"\nUSER root\nRUN mkdir -p {workdir} && rm -rf {STASH} && cp -a {workdir} {STASH} && rm -rf {workdir} "
             f"&& ln -s /workspace {workdir} && {links} && chmod -R a+rX {STASH}\nWORKDIR /workspace\n")
 
@@ -347,7 +347,7 @@ class HarborImages:
 
 async def run_solution(task: HarborTask, sandbox: Sandbox) -> str:
     """The oracle: solution/solve.sh run in the task's working directory, as the agent; returns its output."""
-    await copy_folder(sandbox, task.files("solution"), LINKS["/solution"])
+    await copy_folder(sandbox, task.files("solution"), f"{HARBOR_DIR}/solution")
     result = await sandbox.exec("bash /solution/solve.sh 2>&1", timeout_s=task.timeout("agent", 600.0))
     return result.output
 
