@@ -113,4 +113,4 @@ def test_the_sandbox_user_cannot_trace_or_write_any_process_above_it():
     seen = ast.literal_eval(asyncio.run(go()).strip().splitlines()[-1])
     assert seen.pop("ptrace_own_child") == errno.EPERM
     assert seen.pop("process_vm_readv") == errno.EPERM
-    assert len(seen) >= 6 and set(seen.values()) == {errno.EACCES}, seen
+    assert len(seen) >= 4 and set(seen.values()) == {errno.EACCES}, seen  # `timeout` and the wrapper at least
