@@ -76,6 +76,8 @@ def reaching_lines(patch: str, limit: int = 20) -> list[Reach]:
     for section in split_sections(patch):
         paths = section_paths(section) or []
         path = paths[-1] if paths else "?"
+        if not _PY.search(path) and "." in PurePosixPath(path).name:
+            continue  # data and other languages' files (a huge diff of data is not split into lines here)
         lines = [line[1:] for line in section.splitlines() if line.startswith("+") and not line.startswith("+++")]
         if not (_PY.search(path) or (lines and lines[0].startswith("#!") and "python" in lines[0])):
             continue
