@@ -30,7 +30,7 @@ CAUGHT = {
                         "fd = os.open('/proc/' + str(os.getpid()) + '/mem', 2)"],
     "dynamic_code": ["exec(base64.b64decode(blob))", "eval(src)", "code = compile(src, 'x', 'exec')",
                      "import builtins", "f = __builtins__['ex' + 'ec']", "obj = pickle.loads(data)",
-                     "m = getattr(sys, 'mod' + 'ules')", "d = vars(sys)", "s = '#'; exec(t)"],
+                     "m = getattr(sys, 'mod' + 'ules')", "runpy.run_path('data/x.txt')", "d = vars(sys)", "s = '#'; exec(t)"],
     "test_runner": ["import _pytest.reports", "@pytest.hookimpl(trylast=True)", "config.pluginmanager.register(p)",
                     "def pytest_runtest_makereport(item, call):", "item.ihook.pytest_runtest_logreport(report=r)",
                     "import pluggy", "os.environ['ROLLWAY_GRADE_DIR']"],
@@ -69,6 +69,11 @@ def test_only_added_lines_of_python_files_are_read():
     assert reaching_lines(diff("README.md", "Use gc.get_objects() to debug")) == []
     assert [r.rule for r in reaching_lines(diff("bin/tool", "#!/usr/bin/env python3", "import ctypes"))] == [
         "native_and_proc"]
+
+
+def test_a_compiled_module_in_the_diff_is_caught():
+    binary = "diff --git a/toolz/_speed.so b/toolz/_speed.so\nnew file mode 100644\nGIT binary patch\nliteral 3\nKcmZ?wdh\n"
+    assert [r.rule for r in reaching_lines(binary)] == ["native_and_proc"]
 
 
 def test_pytest_itself_may_name_its_own_api_but_nothing_else():
