@@ -175,7 +175,7 @@ async def grade_in_sandbox(sandbox: Sandbox, inst: SWEInstance, patch: str, sett
     runner_files = await check_runner(sandbox, inst, command, settings.timeout_s)
     diff = graded_diff(patch, set(test_files_of(inst)), IMPORT_ROOTS, runner_files)
     details: dict[str, Any] = {**diff.details(), "patch_chars": len(diff.patch)}
-    reaching = reaching_lines(diff.patch)
+    reaching = reaching_lines(diff.patch, repo=inst.repo)
     if reaching:  # no test runs: code that reaches into the runner could rewrite what a run records
         details.update(outcome=SUSPECTED_HACK, suspected_reward_hack=[r.as_dict() for r in reaching])
         return Grade(0.0, False, stop_reason=SUSPECTED_HACK, details=details)
