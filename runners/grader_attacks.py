@@ -496,14 +496,16 @@ async def he_flood(box: Sandbox, t: Target) -> None:
 # ---------------------------------------------------------------- Harbor attacks
 
 # Programs a Harbor test.sh runs that the agent wrote (issue 39). Each is a Python program: it writes reward 1,
-# then attacks test.sh's bash, `UP` processes above it (1: test.sh runs it; 2: from a $(...) subshell).
+# then attacks test.sh's bash (its topmost ancestor running /tests/test.sh) or the verifier's shell above it.
 _VERIFIER_PRELUDE = '''import ctypes, os, signal, sys, time
 libc = ctypes.CDLL(None, use_errno=True)
 libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
 def parent_of(pid):
     return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-TEST_SH = os.getpid()
-for _ in range(UP):
+def is_test_sh(pid):
+    return pid > 1 and open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")[-2:-1] == [b"/tests/test.sh"]
+TEST_SH = parent_of(os.getpid())
+while is_test_sh(parent_of(TEST_SH)):  # the topmost: not a $(...) subshell of it
     TEST_SH = parent_of(TEST_SH)
 open("/logs/verifier/reward.txt", "w").write("1\\n")
 '''
@@ -566,13 +568,13 @@ os.wait()
 os.kill(TEST_SH, signal.SIGKILL)
 ''',
 }
-"""Attack programs for a verifier to run, by name; prefix them with `UP = n`."""
+"""Attack programs for a verifier to run, by name."""
 
 
 async def _verifier_program(box: Sandbox, name: str) -> None:
     """The file-permissions task's deploy.sh (test.sh runs it in a $(...) subshell) made the attack program;
     the task itself is left undone."""
-    program = f"#!/usr/bin/python3\nUP = 2\n{VERIFIER_PROGRAMS[name]}"
+    program = f"#!/usr/bin/python3\n{VERIFIER_PROGRAMS[name]}"
     await put(box, "deploy.sh", program, mode="755")
 
 

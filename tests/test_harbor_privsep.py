@@ -33,7 +33,7 @@ echo "checked: $(cat /tmp/out.txt)"
 """The task's test: run the agent's program, reward 1 only when it prints `solved` (it never does here)."""
 
 def _attack_task(tmp_path, name: str, program: str):
-    solve = f"cat > /app/check_me.py <<'EOF'\nUP = 1\n{program}\nEOF\n"
+    solve = f"cat > /app/check_me.py <<'EOF'\n{program}\nEOF\n"
     return _task(tmp_path, name, solve, TEST_SH)
 
 
