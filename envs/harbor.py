@@ -10,9 +10,10 @@ read-only container whose only writable tree is /workspace):
 - FROM lines name images rollway never pulls: an image the engine has is kept; any other is replaced by
   `tasks.base_image` (default `rollway-sandbox:bookworm`, Debian bookworm with python3, git, procps).
 - The Dockerfile's last WORKDIR (default /app) is moved aside at build time and becomes a link to
-  /workspace; the episode's workspace starts as a copy of it. /tests, /logs and /solution are links
-  into /workspace/.rollway/ (outside the graded diff), filled by the verifier, so test scripts read
-  and write their usual absolute paths.
+  /workspace; the episode's workspace starts as a copy of it. /tests and /logs are links into rollway's
+  own folder in the container (/rollway-judge/harbor, the keeper's, made afresh by the verifier), and
+  /solution into /workspace/.rollway/ (outside the graded diff), so test scripts read and write their
+  usual absolute paths.
 - The verifier runs apart from the agent (envs/harbor_verifier.py, docs/security/harbor.md): by default
   (`[verifier] environment_mode = "separate"`) in a fresh container of the task's image holding a copy of
   the agent's working directory, as `[verifier] user` (default: the sandbox user) with `[verifier] env`.
@@ -268,7 +269,7 @@ def map_from_lines(dockerfile: str, has_image: Any, base_image: str) -> tuple[st
 
 def rollway_layer(workdir: str) -> str:
     """Appended to the task's Dockerfile: the working directory stashed and linked to /workspace, and
-    /tests, /logs, /solution linked into the workspace's .rollway folder."""
+    /tests, /logs, /solution linked where LINKS says."""
     links = " && ".join(f"rm -rf {path} && ln -s {target} {path}" for path, target in LINKS.items())
     return (f"\nUSER root\nRUN mkdir -p {workdir} && rm -rf {STASH} && cp -a {workdir} {STASH} && rm -rf {workdir} "
             f"&& ln -s /workspace {workdir} && {links} && chmod -R a+rX {STASH}\nWORKDIR /workspace\n")
