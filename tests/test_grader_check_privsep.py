@@ -1,8 +1,8 @@
 """The grader check's rows of issue 39 (programs a Harbor verifier runs that the agent wrote; in-process
 forgery in SWE test runs) flag a deliberately weakened build: with the defences that contain them turned
 off in this process, every row is reported as not contained. (The real build containing them is
-tests/test_grader_check.py::test_every_grader_contains_every_attack.) Real engine, real jail, real toolz
-task; the weakening is the only thing changed, by monkeypatching the named defences."""
+tests/test_grader_check.py::test_every_grader_contains_every_attack.) Real engine, real toolz
+row and Harbor task; the weakening is the only thing changed, by monkeypatching the named defences."""
 
 from __future__ import annotations
 
@@ -58,10 +58,14 @@ def test_verifier_program_rows_flag_a_weakened_verifier(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_in_process_forgery_rows_flag_a_build_without_the_reach_check(monkeypatch, toolz_swebench_row):
+    """Played as the swebench family on the real engine (the row's image has its own pytest)."""
+    from docker_engine import ensure_engine
+
     import rollway.envs.swe_grading as swe_grading
 
-    monkeypatch.setattr(swe_grading, "reaching_lines", lambda patch, limit=20: [])
-    report = asyncio.run(run_suite(Options(sandbox="local", families=("swe",), attacks=SWE_ROWS,
-                                           cache_dir=toolz_swebench_row.parent)))
+    ensure_engine()
+    monkeypatch.setattr(swe_grading, "reaching_lines", lambda patch, limit=20, repo="": [])
+    report = asyncio.run(run_suite(Options(sandbox="docker", families=("swebench",), attacks=SWE_ROWS,
+                                           cache_dir=toolz_swebench_row.parent, name_prefix=f"gcw-{uuid.uuid4().hex[:6]}-")))
     assert sorted(r["attack"] for r in report["rows"]) == sorted(SWE_ROWS)
     assert [r["attack"] for r in report["rows"] if r["contained"]] == [], report["rows"]
