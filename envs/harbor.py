@@ -10,9 +10,10 @@ read-only container whose only writable tree is /workspace):
 - FROM lines name images rollway never pulls: an image the engine has is kept; any other is replaced by
   `tasks.base_image` (default `rollway-sandbox:bookworm`, Debian bookworm with python3, git, procps).
 - The Dockerfile's last WORKDIR (default /app) is moved aside at build time and becomes a link to
-  /workspace; the episode's workspace starts as a copy of it. /tests, /logs and /solution are links
-  into /workspace/.rollway/ (outside the graded diff), filled by the verifier, so test scripts read
-  and write their usual absolute paths.
+  /workspace; the episode's workspace starts as a copy of it. /tests and /logs are links into rollway's
+  own folder in the container (/rollway-judge/harbor, the keeper's, made afresh by the verifier), and
+  /solution into /workspace/.rollway/ (outside the graded diff), so test scripts read and write their
+  usual absolute paths.
 - The verifier runs apart from the agent (envs/harbor_verifier.py, docs/security/harbor.md): by default
   (`[verifier] environment_mode = "separate"`) in a fresh container of the task's image holding a copy of
   the agent's working directory, as `[verifier] user` (default: the sandbox user) with `[verifier] env`.
@@ -47,7 +48,7 @@ import structlog
 
 from rollway.envs.base import Episode, Grade, Task, TaskSet
 from rollway.envs.config import HarborTasksConfig
-from rollway.envs.harbor_verifier import LINKS, VerifierSettings, copy_folder, verify
+from rollway.envs.harbor_verifier import HARBOR_DIR, LINKS, VerifierSettings, copy_folder, verify
 from rollway.envs.harbor_verifier import HarborEnvError as HarborEnvError  # re-exported: raised by grade
 from rollway.envs.image_builds import KeyedLocks, build_all
 from rollway.envs.split import select_tasks
@@ -268,8 +269,8 @@ def map_from_lines(dockerfile: str, has_image: Any, base_image: str) -> tuple[st
 
 def rollway_layer(workdir: str) -> str:
     """Appended to the task's Dockerfile: the working directory stashed and linked to /workspace, and
-    /tests, /logs, /solution linked into the workspace's .rollway folder."""
-    links = " && ".join(f"rm -rf {path} && ln -s /workspace/{target} {path}" for path, target in LINKS.items())
+    /tests, /logs, /solution linked where LINKS says."""
+    links = " && ".join(f"rm -rf {path} && ln -s {target} {path}" for path, target in LINKS.items())
     return (f"\nUSER root\nRUN mkdir -p {workdir} && rm -rf {STASH} && cp -a {workdir} {STASH} && rm -rf {workdir} "
             f"&& ln -s /workspace {workdir} && {links} && chmod -R a+rX {STASH}\nWORKDIR /workspace\n")
 
@@ -347,7 +348,7 @@ class HarborImages:
 
 async def run_solution(task: HarborTask, sandbox: Sandbox) -> str:
     """The oracle: solution/solve.sh run in the task's working directory, as the agent; returns its output."""
-    await copy_folder(sandbox, task.files("solution"), LINKS["/solution"])
+    await copy_folder(sandbox, task.files("solution"), f"{HARBOR_DIR}/solution")
     result = await sandbox.exec("bash /solution/solve.sh 2>&1", timeout_s=task.timeout("agent", 600.0))
     return result.output
 

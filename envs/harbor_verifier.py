@@ -4,9 +4,14 @@ separate (rollway's default): the agent's workspace (the task's working director
 container by the engine, as data (regular files, folders and links, ownership and special bits dropped,
 nothing under .rollway/, bounded by the workspace's size), into a fresh container of the task's image that
 the agent never ran in. Only then are tests/ copied in and test.sh run, as `[verifier] user` with
-`[verifier] env`; the reward is read from /logs/verifier, a folder the verifier made itself just before.
-shared (when a task asks for it): test.sh runs in the agent's container, but /logs is removed and made
-afresh by the verifier, which refuses to run (graded 0) unless /logs/verifier was new and empty.
+`[verifier] env`. shared (when a task asks for it): test.sh runs in the agent's container.
+
+In both, /tests and /logs are rollway's (KEEPER's folder JUDGE, out of the workspace), made afresh just
+before test.sh: tests read-only, reward files made in advance in a sticky folder (test.sh and what it runs
+may write them, not remove, replace or lock them). test.sh runs under the execute-only bash (not dumpable)
+in a container whose seccomp profile refuses ptrace, so a program it runs can neither trace it nor write
+its memory; the reward is read only when test.sh ended with status 0 (as the engine saw it) and no other
+process of its user outlived it (docs/security/harbor.md).
 
 No opt-out: a test.sh that wrote no reward, wrote a non-number, or exited non-zero is a graded 0 with the
 reason in the details; so is a test.sh that could not run to its end (a program it ran killed it), by
@@ -31,17 +36,19 @@ from typing import IO, TYPE_CHECKING, Any, Literal
 from rollway.base.blame import found_before_agent_code
 from rollway.envs.base import Grade
 from rollway.sandboxes.base import Sandbox, SandboxError, SandboxProvider, SandboxSpec
-from rollway.sandboxes.docker import WORKSPACE, DockerSandbox, engine_errors
+from rollway.sandboxes.docker import JUDGE, JUDGE_BIN, WORKSPACE, DockerSandbox, engine_errors
 
 if TYPE_CHECKING:
     from rollway.envs.harbor import HarborTask
 
 HARBOR_DIR = ".rollway/harbor"
-"""Workspace folder behind the image's /tests, /logs and /solution links (outside the graded diff)."""
-LINKS = {"/tests": f"{HARBOR_DIR}/tests", "/logs": f"{HARBOR_DIR}/logs", "/solution": f"{HARBOR_DIR}/solution"}
+"""Workspace folder behind the image's /solution link, and where tests are staged (outside the graded diff)."""
+VERDICT = f"{JUDGE}/harbor"
+"""Behind the image's /tests and /logs links: in rollway's own folder (KEEPER's), out of the workspace,
+where no process of the judged user can rename, replace or lock what the verifier made (see _prepare_script)."""
+LINKS = {"/tests": f"{VERDICT}/tests", "/logs": f"{VERDICT}/logs", "/solution": f"/workspace/{HARBOR_DIR}/solution"}
+"""Absolute targets of the links rollway's image layer makes."""
 CARRY = ".rollway/carry.tar"
-NOT_FRESH = 97
-"""Exit status of the test command when /logs/verifier existed before the verifier made it."""
 SANDBOX_UID = 65534
 """Owner of every carried file (the docker sandbox's user)."""
 
@@ -177,58 +184,92 @@ async def import_workspace(verifier: Sandbox, carried: bytes) -> str | None:
     return None if out.exit_code == 0 else out.output[-1000:]
 
 
-def _prepare_script() -> str:
-    """Run as the sandbox user: /tests and /logs made afresh (links planted in their place removed); logs/
-    open to a [verifier] user of another uid, who makes logs/verifier itself."""
-    unlink = " ".join(f"[ -L {d} ] && rm -f {d};" for d in (".rollway", HARBOR_DIR, LINKS["/logs"], LINKS["/tests"]))
-    return (f"{unlink} mkdir -p {HARBOR_DIR} && chmod -R u+rwX {LINKS['/logs']} 2>/dev/null; "
-            f"rm -rf {LINKS['/tests']} {LINKS['/logs']} && mkdir -p {LINKS['/logs']}/agent && chmod 777 {LINKS['/logs']}")
+def _prepare_script(stage: str) -> str:
+    """Run as KEEPER: /tests and /logs made afresh in JUDGE (whatever was there moved aside: in shared mode
+    the agent could leave files in a folder open to it), the staged tests copied in read-only, and the files
+    test.sh writes made in advance, owned by KEEPER and open to every user for writing only: in a sticky
+    folder, so that no process of the judged user can remove, replace, chmod or lock them."""
+    old = "old-$(date +%s%N)"
+    return (f"set -e; mkdir -p -m 0755 {VERDICT}; cd {VERDICT}; for d in tests logs; do [ ! -e $d ] || mv $d $d-{old}; "
+            f"done; mkdir -m 0755 tests logs; mkdir -m 1777 logs/verifier logs/agent; "
+            f"cp -R {WORKSPACE}/{stage}/. tests/; chmod -R u+rwX,go+rX,go-w tests; "
+            f"cd logs/verifier; touch {' '.join(_WRITTEN)}; chmod 0666 {' '.join(_WRITTEN)}")
+
+
+_WRITTEN = ("reward.txt", "reward.json", "test-stdout.txt")
+"""Made by the keeper before test.sh runs; a reward file counts as written when it is not empty."""
+LEFT = "rollway-left"
+STARTED = "rollway-test-started"
+"""Printed by the verifier's shell just before test.sh: what follows ran the task's and the agent's code."""
 
 
 def test_command(settings: VerifierSettings) -> str:
-    """Make /logs/verifier (failing if anything is there), then test.sh with [verifier] env."""
+    """test.sh with [verifier] env, run by the execute-only bash (not dumpable: no program it runs may
+    rewrite it through /proc/PID/mem); then the number of other live processes of this user (a program of
+    the agent's that outlived test.sh could rewrite the reward after test.sh wrote it) and the status."""
     env = " ".join(f"{key}={shlex.quote(value)}" for key, value in settings.env.items())
-    return (f"mkdir /logs/verifier && [ -z \"$(ls -A /logs/verifier)\" ] || exit {NOT_FRESH}; "
-            f"env {env} bash /tests/test.sh > /logs/verifier/test-stdout.txt 2>&1; echo rollway-exit=$?")
-
-
-LIST_REWARDS = ("for f in reward.txt reward.json; do [ -f /logs/verifier/$f ] && [ ! -L /logs/verifier/$f ] "
-                "&& echo rollway-wrote=$f; done; true")
-"""Which reward files test.sh left as regular files (run once no process of the verifier is left)."""
+    # Only bash builtins after test.sh (no fork): pids of this shell, `timeout` above it and the wrapper above
+    # that are skipped; every other process of this uid that is not a zombie counts.
+    scan = ("read -r _ _ _ w _ < /proc/$PPID/stat; n=0; for s in /proc/[0-9]*/status; do p=${s#/proc/}; p=${p%/status}; "
+            "case \" $$ $PPID $w \" in *\" $p \"*) continue;; esac; u=; st=; "
+            "while read -r k v _; do case $k in Uid:) u=$v;; State:) st=$v;; esac; done < $s 2>/dev/null; "
+            f"[ \"$u\" = \"$UID\" ] && [ \"$st\" != Z ] && n=$((n+1)); done; echo {LEFT}=$n")
+    return (f"echo {STARTED}; env {env} {JUDGE_BIN}/bash /tests/test.sh > /logs/verifier/test-stdout.txt 2>&1; rc=$?; "
+            f"{scan}; echo rollway-exit=$rc; exit $rc")
 
 
 async def run_tests(task: HarborTask, box: Sandbox, tests: list[tuple[str, Path]], details: dict[str, Any]) -> Grade:
     """tests/test.sh run in `box` and graded (see the module docstring)."""
-    prepared = await box.exec(_prepare_script())
-    if prepared.exit_code != 0:
-        details.update(outcome="verifier_folder_not_fresh", error=prepared.output[-500:])
-        return Grade(0.0, False, details=details)
-    await copy_folder(box, tests, LINKS["/tests"])
+    if not isinstance(box, DockerSandbox):
+        raise SandboxError("tasks.type=harbor needs sandbox.type=docker (the verifier runs in the task's image)")
+    stage = f".rollway-tests-{uuid.uuid4().hex}"  # a new name: nothing the agent left can be in its way
+    await copy_folder(box, tests, stage)
+    await box.keeper_exec(_prepare_script(stage), "the Harbor verifier's folders")
+    await box.exec(f"rm -rf {stage}")
     settings: VerifierSettings = task.verifier
     timeout_s = task.timeout("verifier", 600.0)
     command = test_command(settings)
     if settings.user is None:
         ran = await box.exec(command, timeout_s=timeout_s)
     else:
-        ran = await box.exec_as(settings.user, command, timeout_s=timeout_s)  # type: ignore[attr-defined]
+        ran = await box.exec_as(settings.user, command, timeout_s=timeout_s)
     if ran.timed_out:
         details.update(outcome="test_timeout", timeout_s=timeout_s)
         return Grade(0.0, False, stop_reason="test_timeout", details=details)
+    if settings.user is not None:  # the sandbox user's leftovers die with its command (the exec wrapper)
+        await box.exec_as(settings.user, "kill -9 -1 2>/dev/null; true")
     exits = re.findall(r"rollway-exit=(\d+)", ran.output)
-    if not exits and ran.exit_code == NOT_FRESH:
-        details.update(outcome="verifier_folder_not_fresh")
+    left = re.findall(rf"{LEFT}=(\d+)", ran.output)
+    if not exits and STARTED in ran.output:  # test.sh started: its shell was killed by what it ran
+        details.update(outcome="test_failed", exit_code=ran.exit_code, error="the verifier's shell ended before "
+                       "test.sh's status was written (killed by a program test.sh ran)")
         return Grade(0.0, False, details=details)
     if not exits:
         raise HarborEnvError(f"env_error: tests/test.sh of {task.name} could not be started as [verifier] user "
                              f"{settings.user or 'the sandbox user'} (exit code {ran.exit_code}, "
                              f"{len(ran.output)} bytes of output): {ran.output[-500:]}")
-    if settings.user is not None:  # the sandbox user's leftovers die with its command (the exec wrapper)
-        await box.exec_as(settings.user, "kill -9 -1 2>/dev/null; true")  # type: ignore[attr-defined]
-    listed = await box.exec(LIST_REWARDS)
+    if not ended_as_reported(ran.exit_code, int(exits[-1])):
+        details.update(outcome="test_failed", exit_code=ran.exit_code, reported=int(exits[-1]))
+        return Grade(0.0, False, details=details)
+    if left and int(left[-1]) > 0:
+        details.update(outcome="processes_outlived_test", left=int(left[-1]), test_output=await _output_tail(box))
+        return Grade(0.0, False, details=details)
+    listed = await box.keeper_exec(LIST_REWARDS, "list the reward files")
     return await _graded(box, int(exits[-1]), re.findall(r"rollway-wrote=(\S+)", listed.output), details)
 
 
-async def _graded(box: Sandbox, exit_code: int, written: list[str], details: dict[str, Any]) -> Grade:
+def ended_as_reported(engine_status: int, reported: int) -> bool:
+    """The status the engine saw for the verifier's command is the one its last line reports: a process that
+    killed the verifier's shell after writing such a line into its output (were it able to) would differ."""
+    return engine_status == reported
+
+
+LIST_REWARDS = (f"for f in reward.txt reward.json; do [ -s {VERDICT}/logs/verifier/$f ] && echo rollway-wrote=$f; "
+                "done; true")
+"""Which reward files test.sh wrote (not empty; run once no process of the verifier is left)."""
+
+
+async def _graded(box: DockerSandbox, exit_code: int, written: list[str], details: dict[str, Any]) -> Grade:
     """The reward test.sh wrote (files in `written`), or 0 with the reason (no reward, not a number, a
     non-zero exit)."""
     try:
@@ -244,13 +285,13 @@ async def _graded(box: Sandbox, exit_code: int, written: list[str], details: dic
     return Grade(reward, reward >= 1.0, details=details)
 
 
-async def _read_reward(box: Sandbox, written: list[str]) -> float | None:
+async def _read_reward(box: DockerSandbox, written: list[str]) -> float | None:
     """reward.txt (a number) or reward.json ({"reward": number}), the first that test.sh wrote as a
     regular file; None when it wrote neither. A failed read is the engine's failure and propagates."""
     for name in ("reward.txt", "reward.json"):
         if name not in written:
             continue
-        text = (await box.read_file(f"{LINKS['/logs']}/verifier/{name}")).strip()
+        text = (await box.keeper_exec(f"head -c 4096 {VERDICT}/logs/verifier/{name}", f"read {name}")).output.strip()
         try:
             return float(json.loads(text)["reward"]) if name.endswith(".json") else float(text)
         except (ValueError, KeyError, TypeError) as exc:
@@ -258,8 +299,8 @@ async def _read_reward(box: Sandbox, written: list[str]) -> float | None:
     return None
 
 
-async def _output_tail(box: Sandbox) -> str:
+async def _output_tail(box: DockerSandbox) -> str:
     try:
-        return (await box.read_file(f"{LINKS['/logs']}/verifier/test-stdout.txt"))[-1500:]
+        return (await box.keeper_exec(f"tail -c 1500 {VERDICT}/logs/verifier/test-stdout.txt", "read the test output")).output
     except SandboxError:
         return ""

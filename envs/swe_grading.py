@@ -24,6 +24,7 @@ from rollway.envs.base import Grade
 from rollway.envs.graded_diff import graded_diff
 from rollway.envs.pytest_guard import GRADE_DIR, probe_command, run_guarded, tail, uses_pytest
 from rollway.envs.pytest_report import node_file
+from rollway.envs.reach_check import SUSPECTED_HACK, reaching_lines
 from rollway.envs.swe_rows import SWEInstance
 from rollway.sandboxes.base import Sandbox, SandboxError, SandboxProvider, SandboxSpec
 
@@ -174,6 +175,10 @@ async def grade_in_sandbox(sandbox: Sandbox, inst: SWEInstance, patch: str, sett
                               f"unpatched tree: {exc}") from exc
     diff = graded_diff(patch, set(test_files_of(inst)), IMPORT_ROOTS, runner_files)
     details: dict[str, Any] = {**diff.details(), "patch_chars": len(diff.patch)}
+    reaching = reaching_lines(diff.patch, repo=inst.repo)
+    if reaching:  # no test runs: code that reaches into the runner could rewrite what a run records
+        details.update(outcome=SUSPECTED_HACK, suspected_reward_hack=[r.as_dict() for r in reaching])
+        return Grade(0.0, False, stop_reason=SUSPECTED_HACK, details=details)
     if diff.patch.strip():
         await sandbox.write_file(f"{GRADE_DIR}/model.patch", diff.patch)
         applied = await sandbox.exec(_apply(f"{GRADE_DIR}/model.patch"), timeout_s=60)

@@ -16,6 +16,7 @@ from typing import Any
 from rollway.base.blame import graded_failures
 from rollway.base.redaction import redact
 from rollway.base.run_dir import RunDir, iter_jsonl
+from rollway.envs.reach_check import suspected_hacks
 from rollway.runners.episodes import load_run_dir
 from rollway.runtime.telemetry import EpisodeStages, episode_stages, read_telemetry
 
@@ -334,6 +335,7 @@ def _summary_html(data: ReportData) -> str:
     keys = ("run_id", "episodes_completed", "episodes_failed", "reward_mean", "pass_rate", "turns_mean",
             "wall_seconds", "episodes_per_second")
     rows = [[k, s[k]] for k in keys if k in s]
+    rows.append(["suspected_reward_hacks", suspected_hacks(data.trajs)])
     util = inference_utilisation(data.trajs, data.stages)
     if util is not None:
         rows.append(["inference_utilisation", f"{util:.1%}"])

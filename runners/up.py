@@ -20,6 +20,7 @@ from rollway.base.process import Child
 from rollway.base.run_dir import RunDir, read_trajectories
 from rollway.core.config import RunConfig, dump_config, secret_values, write_resolved_config
 from rollway.core.logging import redact_data, register_secrets
+from rollway.envs.reach_check import suspected_hacks
 from rollway.topics.topology import STAGE_NAMES as STAGES
 from rollway.topics.topology import drain_stages, get_stage, issuing_stage, start_order
 
@@ -253,6 +254,7 @@ def summarize(run_dir: Path, cfg: RunConfig, wall_s: float, job: Job) -> dict:
         "turns_mean": round(sum(t["num_turns"] for t in trajs) / len(trajs), 3) if trajs else None,
         "stop_reasons": stop_reasons,
         "graded_failures": graded_failures(trajs),
+        "suspected_reward_hacks": suspected_hacks(trajs),
         "stage_seconds_total": stage_totals,
         "wall_seconds": round(wall_s, 3),
         "episodes_per_second": round(len(trajs) / wall_s, 4) if wall_s > 0 else None,

@@ -98,6 +98,16 @@ probe("mount", 165, b"none", b"/tmp", b"tmpfs", 0, None)
 probe("keyctl", 250, 0, 0, 0, 0, 0)
 probe("add_key", 248, b"user", b"rollway", b"x", 1, -2)
 probe("bpf", 321, 0, 0, 0)
+child = os.fork()
+if child == 0:
+    import time
+    time.sleep(30)
+    os._exit(0)
+buf = ctypes.create_string_buffer(8)
+iov = (ctypes.c_void_p * 2)(ctypes.addressof(buf), 8)
+probe("ptrace_attach", 101, 16, child, 0, 0)
+probe("process_vm_readv", 310, child, iov, 1, iov, 1, 0)
+os.kill(child, 9)
 """
 
 
@@ -256,11 +266,12 @@ def _written(result: ExecResult) -> int:
 
 
 async def syscalls_refused(box: Sandbox, cfg: SandboxConfig) -> bool:
-    """Nested user namespaces, mount namespaces, mount, the kernel keyring and bpf are refused."""
+    """Nested user namespaces, mount namespaces, mount, the kernel keyring, bpf, and ptrace and
+    process_vm_readv (even of the command's own child) are refused."""
     result = await box.exec(f"python3 -c '{_SYSCALLS}'")
     rows = dict(line.split() for line in result.output.splitlines() if len(line.split()) == 2)
     nested = await box.exec("unshare -U -r true 2>/dev/null && echo NESTED; true")
-    return len(rows) == 6 and all(v != "0" for v in rows.values()) and "NESTED" not in nested.output
+    return len(rows) == 8 and all(v != "0" for v in rows.values()) and "NESTED" not in nested.output
 
 
 ATTACKS: dict[str, Callable[[Sandbox, SandboxConfig], Awaitable[bool]]] = {

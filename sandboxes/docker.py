@@ -29,6 +29,7 @@ from rollway.sandboxes.base import (
 )
 from rollway.sandboxes.config import DockerSandboxConfig
 from rollway.sandboxes.jail import JailLimits, OutputCapture
+from rollway.sandboxes.seccomp import docker_profile
 
 WORKSPACE = "/workspace"
 STATE = "/rollway"
@@ -39,6 +40,14 @@ USER = "65534:65534"
 KEEPER = "65533:65533"
 """The container's own process (`sleep infinity`) and the snapshot's git run as this second
 unprivileged user: an agent command that kills every process it may signal cannot stop the container."""
+JUDGE = "/rollway-judge"
+"""rollway's own folder in every container, a tmpfs owned by KEEPER (mode 0755): `bin/` holds execute-only
+copies of bash and timeout (mode 0111, made at create), which every command of the sandbox user and a
+Harbor verifier's test.sh run under. A process started from a file its user may not read is not dumpable:
+no process of the same user may open its /proc/PID/mem, /proc/PID/fd or trace it (with ptrace refused
+by the seccomp profile anyway), so an agent's program cannot rewrite the wrapper that reports a command's
+end, or the test.sh that ran it. Harbor's /tests and /logs live here too (envs/harbor_verifier.py)."""
+JUDGE_BIN = f"{JUDGE}/bin"
 GATEWAY_DIR = "/rollway-gateway"
 """Where a container sees its host folder under `sandbox.gateway_root` (read-only)."""
 LABEL = "rollway.sandbox"
@@ -55,8 +64,11 @@ _GRACE_S = 3.0
 # Inside the container: `timeout` ends the command's process group; then every process left of the
 # sandbox user (setsid'd or double-forked ones) is killed, so no process outlives its command (as
 # in the local jail, where each command has its own pid namespace).
-_WRAP = 'timeout -s KILL "$1" bash -c "$2"; rc=$?; kill -9 -1 2>/dev/null; printf %s "$3"; exit $rc'
+_WRAP = (f'{JUDGE_BIN}/timeout -s KILL "$1" {JUDGE_BIN}/bash -c "$2"; rc=$?; kill -9 -1 2>/dev/null; '
+         'printf %s "$3"; exit $rc')
 _WRAP_KEEPER = 'timeout -s KILL "$1" bash -c "$2"; rc=$?; printf %s "$3"; exit $rc'  # must not kill the keeper
+_WRAP_AS = f'{JUDGE_BIN}/timeout -s KILL "$1" {JUDGE_BIN}/bash -c "$2"; rc=$?; printf %s "$3"; exit $rc'
+"""`exec_as` another user (a Harbor [verifier] user): not dumpable either; its leftovers are the caller's to kill."""
 # "$3" is a trailer made afresh for each command and printed last: the Docker engine now and then drops an
 # exec's output (moby#27289; seen here as an empty stream with exit code 0, once in 400 commands on a
 # loaded machine), and a stream without its trailer from a wrapper that exited normally is that loss, not
@@ -73,6 +85,9 @@ _KEEPER_ENV = {
     "HOME": STATE, "XDG_CONFIG_HOME": STATE, "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null",
     "GIT_ATTR_NOSYSTEM": "1", "GIT_TERMINAL_PROMPT": "0",
 }  # fmt: skip
+_TOOLS = (f"set -e; mkdir -p -m 0711 {JUDGE_BIN}; for t in bash timeout; do p=$(command -v $t); "
+          f"rm -f {JUDGE_BIN}/$t; cp \"$p\" {JUDGE_BIN}/$t; chmod 0111 {JUDGE_BIN}/$t; done")
+"""Run by KEEPER first thing at create: the execute-only tools of JUDGE_BIN."""
 _EXCLUDES = r"__pycache__/\n*.py[cod]\n.pytest_cache/\n/.rollway/\n"  # as in local.py
 _SNAPSHOT = (
     f"set -e; command -v git >/dev/null || {{ echo 'rollway: this image has no git'; exit 127; }}; "
@@ -163,9 +178,11 @@ class DockerSandbox(Sandbox):
         the socket (nothing keeps running, nothing leaks)."""
         start = time.monotonic()
         api = self._provider.client.api
-        wrap = _WRAP if user == USER else _WRAP_KEEPER
+        wrap = _WRAP if user == USER else _WRAP_KEEPER if user == KEEPER else _WRAP_AS
         trailer = f"\n[rollway-end {uuid.uuid4().hex}]".encode()
-        argv = ["bash", "-c", wrap, "rollway", f"{limits.timeout_s:g}", command, trailer.decode()]
+        # Every user but the keeper starts from the execute-only bash: not dumpable (see JUDGE).
+        shell = "bash" if user == KEEPER else f"{JUDGE_BIN}/bash"
+        argv = [shell, "-c", wrap, "rollway", f"{limits.timeout_s:g}", command, trailer.decode()]
         with engine_errors("exec", self.name):
             env = {"HOME": "/tmp", **self._provider.config.env} if user == USER else _KEEPER_ENV
             exec_id = api.exec_create(self.container_id, argv, user=user, workdir=WORKSPACE, environment=env)["Id"]
@@ -291,6 +308,11 @@ class DockerSandbox(Sandbox):
     async def diff(self) -> str:
         result = await self._run_checked(_DIFF, "diff")
         return result.output
+
+    async def keeper_exec(self, script: str, what: str) -> ExecResult:
+        """`script` run as KEEPER (rollway's user in the container, out of the agent's reach); SandboxError
+        naming `what` when it fails."""
+        return await self._run_checked(script, what)
 
     async def _run_checked(self, script: str, what: str) -> ExecResult:
         cfg = self._provider.config  # a diff must never be truncated
@@ -433,7 +455,7 @@ class DockerSandboxProvider(SandboxProvider):
             "network_disabled": True,
             "network_mode": "none",
             "cap_drop": ["ALL"],
-            "security_opt": ["no-new-privileges"],
+            "security_opt": ["no-new-privileges", f"seccomp={docker_profile()}"],  # no ptrace, no process_vm_*
             "read_only": True,
             "mem_limit": f"{memory_mb}m",
             "memswap_limit": f"{memory_mb}m",
@@ -450,6 +472,7 @@ class DockerSandboxProvider(SandboxProvider):
             "tmpfs": {
                 "/tmp": f"rw,exec,size={cfg.tmp_mb}m,mode=1777",
                 STATE: f"rw,size=256m,mode=0700,uid={keeper_uid},gid={keeper_uid}",
+                JUDGE: f"rw,exec,size=256m,mode=0755,uid={keeper_uid},gid={keeper_uid}",
             },  # fmt: skip
             "environment": {"HOME": "/tmp", **cfg.env},
             "labels": labels,
@@ -499,6 +522,7 @@ class DockerSandboxProvider(SandboxProvider):
         container_id, name = await self._container_for(spec.image or self.config.image, name, spec)
         sandbox = DockerSandbox(self, container_id, name)
         try:
+            await sandbox._run_checked(_TOOLS, "rollway's execute-only tools (the image needs bash and timeout)")
             files = _source_files(spec.source_dir) if spec.source_dir else {}
             files.update(
                 {str(_container_path(p))[len(WORKSPACE) + 1 :]: c.encode() for p, c in spec.files.items()}

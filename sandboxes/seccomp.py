@@ -10,6 +10,7 @@ elsewhere `filter_program()` returns None and the jail runs without a filter."""
 from __future__ import annotations
 
 import errno
+import json
 import platform
 import struct
 
@@ -77,3 +78,22 @@ def _assemble(prog: list) -> bytes:
             raise ValueError(f"jump out of range at instruction {i}")
         out += struct.pack("<HBBI", code, jt_off, jf_off, k)
     return bytes(out)
+
+
+def docker_profile() -> str:
+    """The same refusals as a Docker seccomp profile (JSON, for `security_opt=["seccomp=..."]`): everything
+    else allowed, the syscalls above refused with EPERM by name (the engine resolves names for its own
+    architecture), clone with a CLONE_NEW* flag refused, clone3 answered ENOSYS. It replaces Docker's
+    default profile, which allows ptrace, process_vm_readv and process_vm_writev: with it, no process of
+    a container can trace or read another's memory through those calls (/proc/PID/mem is closed apart,
+    by making rollway's processes non-dumpable: sandboxes/docker.py)."""
+    eperm = {"action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM}
+    rules = [
+        {"names": sorted(_REFUSED_X86_64), **eperm},
+        {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.ENOSYS},
+        # One rule per CLONE_NEW* bit (MASKED_EQ compares one masked value): any of them set is refused.
+        *({"names": ["clone"], **eperm, "args": [{"index": 0, "value": bit, "valueTwo": bit, "op": "SCMP_CMP_MASKED_EQ"}]}
+          for bit in (1 << i for i in range(32) if _CLONE_NEW_FLAGS >> i & 1)),
+    ]
+    return json.dumps({"defaultAction": "SCMP_ACT_ALLOW", "syscalls": rules}, separators=(",", ":"))
+

@@ -37,6 +37,7 @@ def test_up_runs_the_smoke_job_to_completion(tmp_path):
     assert summary["episodes_scheduled"] == summary["episodes_completed"] == 8
     assert summary["episodes_failed"] == 0
     assert summary["reward_mean"] == 1.0 and summary["turns_mean"] == 4
+    assert summary["suspected_reward_hacks"] == 0  # counted per run (envs/reach_check.py)
     assert set(summary["stage_seconds_total"]) >= {"init", "agent_gen", "agent_tool", "reward"}
     assert summary["stage_seconds_total"]["init"] > 0
     trajs = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines()]
