@@ -48,9 +48,10 @@ class GatewayLimits(StrictModel):
     max_connections: int = Field(16, ge=1)
     """Open connections of one episode on its socket. One more is accepted and closed at once (the
     program sees a closed connection) and counts as a refused request; OpenAI clients keep a small pool."""
-    max_request_bytes: int = Field(16 * 2**20, ge=1024)
+    max_request_bytes: int = Field(4 * 2**20, ge=1024)
     """Size of one request body. A larger `Content-Length` is refused (413) before anything is read; a
-    body without one is cut off when it passes this size."""
+    body without one is cut off when it passes this size. A 32k-token conversation with its tools is
+    a few hundred KiB; parsing a body holds the interpreter for up to about 0.1 s per MiB."""
     header_timeout_s: float = Field(30.0, gt=0)
     """Time a connection may take to send a complete request head, from when it opens or its last
     answer ended; an idle or trickling connection is closed then."""

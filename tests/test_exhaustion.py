@@ -7,15 +7,17 @@ policy (the model) is the only fake."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import resource
-import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
-import pytest
+import yaml
 
-from rollway.actors.harness import KeepingRecorder, HarnessRunner
+from rollway.actors.harness import HarnessRunner, KeepingRecorder
 from rollway.gateway import Gateway, MemoryRecorder
 from rollway.gateway.config import GatewayLimits, HarnessConfig
 from rollway.policies.chat import BytesChatML
@@ -279,3 +281,199 @@ def test_a_body_that_trickles_in_is_refused_at_the_body_limit():
     answer, refused = asyncio.run(scenario())
     assert answer.startswith(b"HTTP/1.1 408") and b"body_timeout_s" in answer
     assert refused == 1
+
+
+# -- special files in the workspace ------------------------------------------------------------------
+
+
+def _fifo_sandbox(tmp_path: Path, name: str):
+    """A real local sandbox whose agent (in the jail) made FIFOs and links where source files belong."""
+    from rollway.sandboxes.local import LocalSandboxProvider
+
+    source = tmp_path / f"src-{name}"
+    (source / "pkg").mkdir(parents=True)
+    (source / "pkg" / "core.py").write_text("def parse(text):\n    return text\n")
+    (source / "answer.txt").write_text("3\n")
+    sandbox = asyncio.run(LocalSandboxProvider(LocalSandboxConfig(root=str(tmp_path / "boxes"))).create(
+        SandboxSpec(source_dir=str(source)), name))
+    made = asyncio.run(sandbox.exec("mkfifo helpers.py pkg/zz_fifo.py answer2.txt && ln -s /etc/passwd pkg/leak.py "
+                                    "&& ln -s /etc outside && ln -s pkg inside"))
+    assert made.exit_code == 0, made.output
+    return sandbox
+
+
+def _release_fifos(workspace: str) -> None:
+    """Open each FIFO for writing and close it: a reader blocked on one (before the fix) gets EOF."""
+    for path in Path(workspace).rglob("*"):
+        if path.is_fifo():
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+
+
+def test_search_skips_fifos_and_links_named_like_source_files(tmp_path):
+    """`mkfifo helpers.py` then `search`: the host thread parsing the workspace must not block on the
+    FIFO (it blocked forever and wedged the agent stage), and links are not followed out."""
+    from rollway.tools.base import outside_episode
+    from rollway.tools.search import SearchTool
+
+    sandbox = _fifo_sandbox(tmp_path, "fifo-search")
+    try:
+        async def search(arguments: dict) -> str:
+            return (await asyncio.wait_for(SearchTool().call(arguments, sandbox, outside_episode()), 120)).content
+
+        found = asyncio.run(search({"action": "definition", "name": "parse"}))
+        outline = asyncio.run(search({"action": "outline", "path": "pkg"}))
+        through_link = asyncio.run(search({"action": "outline", "path": "inside"}))
+    finally:
+        _release_fifos(sandbox.workspace_path)
+        asyncio.run(sandbox.destroy())
+    assert "pkg/core.py:1" in found
+    assert "root:" not in outline and "leak" not in outline
+    assert "core.py" in through_link  # a link that stays inside the workspace is still followed
+
+
+def test_reading_or_writing_a_fifo_or_a_link_out_fails_at_once_with_what_it_is(tmp_path):
+    """Sandbox.read_file / write_file from the host (the editor, graders): a FIFO is refused, not
+    opened (a grader reading `answer2.txt` would block forever); a link out of the workspace too."""
+    from rollway.sandboxes.base import SandboxError
+
+    sandbox = _fifo_sandbox(tmp_path, "fifo-read")
+
+    async def attempts() -> list[str]:
+        errors = []
+        for call in (sandbox.read_file("answer2.txt"), sandbox.write_file("helpers.py", "x = 1\n"),
+                     sandbox.read_file("pkg/leak.py"), sandbox.write_file("outside/hosts", "pwned\n")):
+            try:
+                await asyncio.wait_for(call, 60)
+                errors.append("no error")
+            except SandboxError as err:
+                errors.append(str(err))
+        return errors
+
+    try:
+        errors = asyncio.run(attempts())
+        read_back = asyncio.run(sandbox.read_file("answer.txt"))
+        asyncio.run(sandbox.write_file("pkg/new/made.py", "y = 2\n"))
+        made = asyncio.run(sandbox.exec("cat pkg/new/made.py && echo more >> pkg/new/made.py"))
+    finally:
+        _release_fifos(sandbox.workspace_path)
+        asyncio.run(sandbox.destroy())
+    assert "FIFO" in errors[0] and "FIFO" in errors[1], errors
+    assert "no error" not in errors, errors
+    assert read_back == "3\n"
+    assert made.exit_code == 0 and "y = 2" in made.output  # written files stay the jail user's to edit
+
+
+# -- time limits: tool calls and the whole run -------------------------------------------------------
+
+WEDGE_TOOL = '''
+import asyncio, threading, time
+from rollway.tools.base import Tool, ToolResult
+
+
+class Wedge(Tool):
+    """A tool stuck for good: in a thread of the loop's shared pool, or in the event loop itself."""
+
+    name = "wedge"
+    description = "Get stuck."
+    parameters = {"type": "object", "properties": {"how": {"type": "string"}}, "required": ["how"]}
+
+    async def call(self, arguments, sandbox, context):
+        if arguments["how"] == "thread":
+            await asyncio.to_thread(threading.Event().wait)
+        else:
+            time.sleep(3600)
+        return ToolResult("done")
+'''
+
+
+def _wedged_run(tmp_path: Path, how: str, timeout_s: float) -> tuple[subprocess.CompletedProcess, float, Path]:
+    (tmp_path / "wedge.py").write_text(WEDGE_TOOL)
+    call = f'<tool_call>{{"name": "wedge", "arguments": {{"how": "{how}"}}}}</tool_call>'
+    job = {"run": {"name": "wedged", "timeout_s": timeout_s},
+           "tasks": {"type": "toy", "count": 1},
+           "scheduler": {"group_size": 1, "max_attempts": 1},
+           "agent": {"max_turns": 2},
+           "tools": {"enabled": [f"python:{tmp_path / 'wedge.py'}:Wedge", "finish"], "call_timeout_s": 5,
+                     "bash_timeout_s": 2},
+           "policy": {"type": "scripted", "chat_format": "bytes-chatml",
+                      "script": [{"when": "", "turns": [call, '<tool_call>{"name": "finish", "arguments": {}}</tool_call>']}]}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", "--no-report", str(tmp_path / "job.yaml"),
+                          "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=timeout_s + 300)
+    return out, time.monotonic() - started, run_dir
+
+
+def test_a_tool_stuck_in_a_thread_times_out_and_the_run_still_ends(tmp_path):
+    """A tool call stuck in a blocking call gets an error observation at tools.call_timeout_s and the
+    episode goes on; the stuck thread does not keep `rollway up` from exiting once the job is done."""
+
+    out, wall_s, run_dir = _wedged_run(tmp_path, "thread", 600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    trajs = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines()]
+    assert len(trajs) == 1
+    observation = json.dumps(trajs[0]["turns"][0])
+    assert "did not finish within its time limit" in observation
+    assert wall_s < 400  # the job took seconds; the process ended within its exit grace after it
+
+
+def test_run_timeout_ends_a_run_whose_stage_is_wedged_and_the_run_folder_says_why(tmp_path):
+    """A stage stuck in a blocking call on its event loop (no await ever returns): run.timeout_s still
+    ends `rollway up`, with a non-zero exit and job-failed.json naming the limit."""
+
+    out, wall_s, run_dir = _wedged_run(tmp_path, "loop", 40)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "run.timeout_s" in json.loads((run_dir / "job-failed.json").read_text())["reason"]
+    assert wall_s < 40 + 200
+
+
+# -- descriptor limits inside sandboxes --------------------------------------------------------------
+
+
+def test_each_process_in_a_local_jail_has_a_descriptor_limit_it_cannot_raise(tmp_path):
+    from rollway.sandboxes.local import LocalSandboxProvider
+
+    source = tmp_path / "src"
+    source.mkdir()
+    provider = LocalSandboxProvider(LocalSandboxConfig(root=str(tmp_path / "boxes"), max_open_files=256))
+    sandbox = asyncio.run(provider.create(SandboxSpec(source_dir=str(source)), "nofile-1"))
+    try:
+        out = asyncio.run(sandbox.exec("ulimit -n; ulimit -Hn; ulimit -n 100000 2>&1 || echo refused")).output
+    finally:
+        asyncio.run(sandbox.destroy())
+    assert out.split()[:2] == ["256", "256"] and "refused" in out, out
+
+
+def test_each_process_in_a_docker_sandbox_has_a_descriptor_limit_and_fifos_are_not_read(tmp_path):
+    """The container's nofile ulimit, and read_file of a FIFO the agent made (through the engine's
+    archive API) fails at once instead of blocking."""
+    from docker_engine import ensure_engine
+
+    from rollway.sandboxes.base import SandboxError
+    from rollway.sandboxes.config import SandboxConfig
+    from rollway.sandboxes.docker import DockerSandboxProvider
+
+    ensure_engine()
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "a.txt").write_text("a\n")
+    provider = DockerSandboxProvider(SandboxConfig(type="docker", max_open_files=256, exec_timeout_s=60))
+    sandbox = asyncio.run(provider.create(SandboxSpec(source_dir=str(source)), f"nofile-{os.getpid()}"))
+    try:
+        out = asyncio.run(sandbox.exec("ulimit -n; ulimit -Hn; mkfifo pipe.txt && echo made")).output
+
+        async def read_fifo() -> str:
+            try:
+                return await asyncio.wait_for(sandbox.read_file("pipe.txt"), 120)
+            except SandboxError as err:
+                return f"refused: {err}"
+
+        fifo = asyncio.run(read_fifo())
+    finally:
+        asyncio.run(sandbox.destroy())
+    assert out.split()[:3] == ["256", "256", "made"], out
+    assert fifo.startswith("refused") or fifo == "", fifo

@@ -11,9 +11,9 @@ from typing import Any
 import structlog
 from pydantic import ValidationError
 
-from rollway.base.threads import BlockingTimeout
 from rollway.base.plugins import is_plugin, load_plugin
 from rollway.base.registry import Registry
+from rollway.base.threads import BlockingTimeout
 from rollway.sandboxes.base import Sandbox
 from rollway.schemas.messages import Observation
 from rollway.tools.base import Tool, ToolCall, ToolContext, call_tool, check_tool

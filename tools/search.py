@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import difflib
 import os
 import re
@@ -12,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollway.base.threads import run_blocking
+from rollway.sandboxes import hostfs
 from rollway.sandboxes.base import Sandbox
 from rollway.tools.base import Tool, ToolContext, ToolResult
 from rollway.tools.code_index import (
@@ -24,7 +24,6 @@ from rollway.tools.code_index import (
     language_of,
 )
 from rollway.tools.config import ToolsConfig
-from rollway.sandboxes import hostfs
 from rollway.tools.paths import PRIVATE_DIR, PathError, resolve_workspace_path
 
 SKIPPED_DIRS = {"node_modules", "__pycache__", "site-packages", PRIVATE_DIR}
