@@ -606,6 +606,16 @@ TOOL_ATTACKS: dict[str, tuple[str, str]] = {
                                  _call("python:os:system", '{"command": "touch /tmp/rw-tool-ref"}')),
     "tool_invalid_utf8_output": ("a command printing invalid UTF-8 bytes",
                                  _call("bash", '{"command": "head -c 3000 /dev/urandom"}')),
+    # Special files where host-side tools read and write (exhaustion: a host thread blocked for good).
+    "tool_search_fifo": ("`mkfifo helpers.py`, then a search that parses every source file",
+                         _call("bash", '{"command": "mkfifo helpers.py lib.py"}')
+                         + _call("search", '{"action": "definition", "name": "main"}')),
+    "tool_editor_view_fifo": ("`mkfifo notes.txt`, then the editor views it",
+                              _call("bash", '{"command": "mkfifo notes.txt"}')
+                              + _call("editor", '{"command": "view", "path": "notes.txt"}')),
+    "tool_editor_create_on_fifo": ("`mkfifo out.py`, then the editor creates out.py (a write that would block)",
+                                   _call("bash", '{"command": "mkfifo out.py"}')
+                                   + _call("editor", '{"command": "create", "path": "out.py", "file_text": "x = 1"}')),
 }
 """Tool-call rows: (what, the model's output). Played through the agent actor (parsing, tools), then the
 reward actor; each must end as an observation and a graded episode, never a failed attempt."""
