@@ -380,6 +380,9 @@ class Wedge(Tool):
     description = "Get stuck."
     parameters = {"type": "object", "properties": {"how": {"type": "string"}}, "required": ["how"]}
 
+    def __init__(self, cfg=None):
+        self.cfg = cfg
+
     async def call(self, arguments, sandbox, context):
         if arguments["how"] == "thread":
             await asyncio.to_thread(threading.Event().wait)
