@@ -44,15 +44,20 @@ def _parts(rel: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def _parent_fd(root: str, parts: list[str], create: bool = False) -> Iterator[int]:
+def _parent_fd(root: str, parts: list[str], create: bool = False, owner: int | None = None) -> Iterator[int]:
     """A descriptor of the folder holding `parts[-1]`, each step opened without following links;
-    `create`: make missing folders on the way (mode 0755)."""
+    `create`: make missing folders on the way (mode 0755), given to `owner` (uid = gid) through
+    their descriptors."""
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         for part in parts[:-1]:
+            made = False
             if create:
-                with contextlib.suppress(FileExistsError):
+                try:
                     os.mkdir(part, 0o755, dir_fd=fd)
+                    made = True
+                except FileExistsError:
+                    pass
             try:
                 inner = os.open(part, _DIR_FLAGS, dir_fd=fd)
             except OSError as err:
@@ -62,6 +67,8 @@ def _parent_fd(root: str, parts: list[str], create: bool = False) -> Iterator[in
                 raise
             os.close(fd)
             fd = inner
+            if made and owner is not None:
+                os.fchown(fd, owner, owner)
         yield fd
     finally:
         os.close(fd)
@@ -105,20 +112,17 @@ def read_regular(root: str, rel: str, max_bytes: int) -> bytes:
         return handle.read(max_bytes + 1)
 
 
-def write_regular(root: str, rel: str, data: bytes, mode: int | None = None) -> list[str]:
+def write_regular(root: str, rel: str, data: bytes, mode: int | None = None, owner: int | None = None) -> None:
     """Write `data` to `rel` inside `root`, creating it (and missing folders) or truncating a regular
     file; never through a link, never onto a FIFO or device. `mode`: set on the file (None: a new
-    file gets 0644, an existing one keeps its own). Returns the workspace-relative paths it
-    created (folders first), for the caller to hand to the sandbox's user."""
+    file gets 0644, an existing one keeps its own). `owner`: the uid (and gid) that gets what this
+    creates, through descriptors (the sandbox's user must be able to edit what rollway wrote)."""
     parts = _parts(rel)
-    created = [("/".join(parts[: i + 1])) for i in range(len(parts) - 1)
-               if not os.path.lexists(os.path.join(root, *parts[: i + 1]))]
-    with _parent_fd(root, parts, create=True) as folder:
+    with _parent_fd(root, parts, create=True, owner=owner) as folder:
         try:
             before = os.stat(parts[-1], dir_fd=folder, follow_symlinks=False)
         except FileNotFoundError:
             before = None
-            created.append(rel)
         if before is not None and not stat.S_ISREG(before.st_mode):
             raise NotARegularFile(errno.EINVAL, f"{rel} is {kind_of(before.st_mode)}, not a regular file; "
                                                 "rollway writes only regular files in the workspace")
@@ -131,10 +135,11 @@ def write_regular(root: str, rel: str, data: bytes, mode: int | None = None) -> 
     fd = _checked(fd, rel)
     if mode is not None:
         os.fchmod(fd, mode)
+    if before is None and owner is not None:
+        os.fchown(fd, owner, owner)
     with os.fdopen(fd, "wb") as handle:
         handle.truncate(0)
         handle.write(data)
-    return created
 
 
 def inside(root: str, rel: str) -> str:

@@ -107,12 +107,10 @@ class LocalSandbox(Sandbox):
         root = os.path.realpath(self.workspace)
         rel = os.path.relpath(target, root)
         data = content if isinstance(content, bytes) else content.encode("utf-8")
-        try:
-            created = hostfs.write_regular(root, rel, data, 0o755 if executable else None)
+        try:  # the jail user must be able to edit what we wrote
+            hostfs.write_regular(root, rel, data, 0o755 if executable else None, owner=self._provider.runner.host_uid)
         except hostfs.NotARegularFile as err:
             raise SandboxError(f"cannot write {rel!r}: {err.strerror}") from None
-        for path in created:  # the jail user must be able to edit what we wrote
-            self._provider.give_to_jail(Path(root, path))
 
     async def diff(self) -> str:
         return await asyncio.to_thread(self._diff)
