@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import resource
 import shutil
 import signal
 import stat
@@ -84,10 +85,16 @@ class JailLimits:
             address_space_mb=getattr(cfg, "address_space_mb", None) or cfg.memory_mb,
             max_processes=cfg.max_processes,
             max_file_mb=cfg.max_file_mb,
-            max_open_files=cfg.max_open_files,
+            # Never above this process's own hard limit: a jail cannot raise it, and `ulimit -n` would fail.
+            max_open_files=_within_own_limit(cfg.max_open_files),
             max_output_bytes=cfg.max_output_bytes,
             output_kill_bytes=max(cfg.output_kill_mb * 2**20, cfg.max_output_bytes),
         )
+
+
+def _within_own_limit(max_open_files: int) -> int:
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    return max_open_files if hard == resource.RLIM_INFINITY else min(max_open_files, hard)
 
 
 class OutputCapture:
