@@ -127,7 +127,7 @@ class HarnessRunner:
         host_socket, sandbox_socket = await gateway_socket(sandbox)
         handle = self.gateway.open_episode(episode, self.cfg.max_calls)
         host_socket.unlink(missing_ok=True)
-        site = await self.gateway.listen_unix(str(host_socket))
+        site = await self.gateway.listen_unix(str(host_socket), handle)
         failure = None
         try:
             stop_reason = await self._run(handle, instruction, sandbox, sandbox_socket, deadline)
@@ -165,8 +165,8 @@ class HarnessRunner:
         if stop_reason is not None:
             return stop_reason
         result = run.result()
-        if handle.stop_reason == "call_limit":
-            return "harness_call_limit"  # the refused call may have made the program exit non-zero
+        if handle.stop_reason is not None:
+            return f"harness_{handle.stop_reason}"  # the refused call may have made the program exit non-zero
         if result.timed_out:
             return "harness_time_limit"
         if result.exit_code != 0:
@@ -181,9 +181,9 @@ class HarnessRunner:
             silent_for = time.monotonic() - since
             if silent_for >= self.cfg.silence_limit_s:
                 return "harness_silence"
-            if handle.stop_reason == "call_limit":
-                return "harness_call_limit"
-            # The call limit is noticed within this poll; the silence limit exactly when due.
+            if handle.stop_reason is not None:  # call_limit, refused_limit
+                return f"harness_{handle.stop_reason}"
+            # A gateway limit is noticed within this poll; the silence limit exactly when due.
             await asyncio.wait({run}, timeout=min(0.2, self.cfg.silence_limit_s - silent_for))
         return None
 
@@ -277,6 +277,6 @@ async def start_harness_runner(services: Any, bootstrap: str | None) -> HarnessR
                           "stage with a log reader (rollway up / rollway stage) or set broker.bootstrap")
     recorder = KeepingRecorder(await KafkaRecorder.connect(cfg.broker, cfg.topics, bootstrap))
     gateway = Gateway(services.inference, services.chat, recorder, model_name=cfg.agent.harness.model_name,
-                      default_max_tokens=cfg.agent.max_tokens_per_turn)
+                      default_max_tokens=cfg.agent.max_tokens_per_turn, limits=cfg.agent.harness.limits)
     await gateway.start()
     return HarnessRunner(cfg.agent.harness, gateway, recorder)

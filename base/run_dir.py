@@ -186,6 +186,12 @@ class RunDir:
         return self.path / "summary.json"
 
     @property
+    def job_failed(self) -> Path:
+        """Why the job did not run to completion (run.timeout_s, a stage that cannot run): written by
+        `rollway up` when it ends that way, instead of a summary."""
+        return self.path / "job-failed.json"
+
+    @property
     def eval_result(self) -> Path:
         """`rollway eval`'s pass rates; read by bench learn."""
         return self.path / "eval.json"

@@ -41,6 +41,31 @@ class HarnessInstall(StrictModel):
         return self
 
 
+class GatewayLimits(StrictModel):
+    """Per-episode bounds at the gateway (docs/gateway.md, "Limits"). Every episode of a worker shares its
+    gateway, its event loop and its descriptors; these keep one episode's program from exhausting them."""
+
+    max_connections: int = Field(16, ge=1)
+    """Open connections of one episode on its socket. One more is accepted and closed at once (the
+    program sees a closed connection) and counts as a refused request; OpenAI clients keep a small pool."""
+    max_request_bytes: int = Field(4 * 2**20, ge=1024)
+    """Size of one request body. A larger `Content-Length` is refused (413) before anything is read; a
+    body without one is cut off when it passes this size. A 32k-token conversation with its tools is
+    a few hundred KiB; parsing a body holds the interpreter for up to about 0.1 s per MiB."""
+    header_timeout_s: float = Field(30.0, gt=0)
+    """Time a connection may take to send a complete request head, from when it opens or its last
+    answer ended; an idle or trickling connection is closed then."""
+    body_timeout_s: float = Field(60.0, gt=0)
+    """Time to read one request body once its head arrived; past it the request is refused (408)."""
+    max_refused: int = Field(200, ge=1)
+    """Requests and connections of one episode the gateway may refuse for these limits or as malformed
+    (too many connections, too large, too slow, not JSON, not a valid request). At this count the
+    episode ends with `harness_refused_limit` (graded as it stands)."""
+    parse_threads: int = Field(4, ge=1)
+    """Threads that parse request bodies, render prompts and decode outputs for all episodes of the
+    gateway, so that heavy requests do not stall the event loop the episodes share."""
+
+
 class HarnessConfig(StrictModel):
     """An agent program run once per episode in the episode's sandbox (docs/harness.md). Its model
     calls go to the worker's gateway (OPENAI_BASE_URL, OPENAI_API_KEY are set); the episode ends when
@@ -65,6 +90,8 @@ class HarnessConfig(StrictModel):
     ends with `harness_silence`."""
     model_name: str = "rollway-policy"
     """The model name the gateway serves (OPENAI_MODEL)."""
+    limits: GatewayLimits = Field(default_factory=GatewayLimits)
+    """Per-episode bounds at the gateway: connections, request size and read times, refusals."""
 
     @field_validator("command")
     @classmethod

@@ -9,6 +9,7 @@ import os
 import secrets
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +17,9 @@ import msgspec
 import structlog
 from aiohttp import web
 
+from rollway.gateway.bounds import EpisodeListener, bounds_middleware
 from rollway.gateway.capture import EpisodeCapture, Plan
+from rollway.gateway.config import GatewayLimits
 from rollway.gateway.protocol import (
     Reply,
     RequestError,
@@ -52,10 +55,14 @@ class EpisodeHandle:
     """time.monotonic() of the last recorded call (None: none yet), for a silence limit."""
     opened_at: float = field(default_factory=time.monotonic)
     stop_reason: str | None = None
-    """Set when the gateway refused a call because of a limit (call_limit)."""
+    """Set when the gateway refused a call because of a limit (call_limit, refused_limit)."""
     infrastructure_failure: str | None = None
     """Set when a call failed outside the sandbox (the inference engine unreachable, the call not recorded):
     a program that then fails has failed for the infrastructure, not for the agent (base/blame.py)."""
+    refused: int = 0
+    """Requests and connections refused for the gateway's limits or as malformed (gateway/bounds.py)."""
+    connections: int = 0
+    """Connections open on the episode's own socket now."""
     closed: bool = False
     capture: EpisodeCapture | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -74,8 +81,12 @@ class Gateway:
 
     def __init__(self, engine: InferenceClient, chat: ChatFormat, recorder: CallRecorder, *,
                  model_name: str = "rollway-policy", default_max_tokens: int = 1024, max_tokens_cap: int = 32768,
-                 check_drift: bool = True, host: str = "127.0.0.1", port: int = 0, public_host: str | None = None):
+                 check_drift: bool = True, host: str = "127.0.0.1", port: int = 0, public_host: str | None = None,
+                 limits: GatewayLimits | None = None):
         self.engine, self.chat, self.recorder = engine, chat, recorder
+        self.limits = limits or GatewayLimits()
+        # Parsing, rendering and decoding grow with what a program sends: off the loop every episode shares.
+        self._pool = ThreadPoolExecutor(self.limits.parse_threads, thread_name_prefix="rollway-gateway")
         self.model_name, self.default_max_tokens, self.max_tokens_cap = model_name, default_max_tokens, max_tokens_cap
         self.host, self.port = host, port
         self.public_host = public_host or host
@@ -91,12 +102,13 @@ class Gateway:
 
     async def start(self) -> str:
         """Listen; returns the base URL (http://host:port)."""
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=self.limits.max_request_bytes,
+                              middlewares=[bounds_middleware(self.limits, self._known_episode)])
         for prefix in ("", "/e/{token}"):
             app.router.add_post(f"{prefix}/v1/chat/completions", self._chat)
             app.router.add_post(f"{prefix}/v1/completions", self._completions)
             app.router.add_get(f"{prefix}/v1/models", self._models)
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=self.limits.header_timeout_s)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
@@ -107,12 +119,17 @@ class Gateway:
     def url(self) -> str:
         return f"http://{self.public_host}:{self.port}"
 
-    async def listen_unix(self, path: str) -> web.UnixSite:
+    async def listen_unix(self, path: str, handle: EpisodeHandle | None = None) -> web.SockSite | EpisodeListener:
         """Also serve on the unix socket `path` (made writable by anyone who can reach its folder: a
-        sandbox without network reaches the gateway through a socket bound into it). Stop the returned
-        site when the episode that uses it ends."""
-        if self._runner is None:
+        sandbox without network reaches the gateway through a socket bound into it). With `handle`, the
+        socket is that episode's own and its connections are bounded (gateway/bounds.py). Stop the
+        returned listener when the episode that uses it ends."""
+        if self._runner is None or self._runner.server is None:
             raise RuntimeError("start the gateway before adding a unix socket listener")
+        if handle is not None:
+            listener = EpisodeListener(_bound_unix_socket(path), self._runner.server, handle, self.limits)
+            await listener.start()
+            return listener
         site = web.SockSite(self._runner, _bound_unix_socket(path))
         await site.start()
         return site
@@ -121,6 +138,7 @@ class Gateway:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def open_episode(self, episode: EpisodeKey, max_calls: int | None = None, *, token: str | None = None,
                      recorded: list[CapturedCall] | None = None) -> EpisodeHandle:
@@ -164,12 +182,8 @@ class Gateway:
     async def _serve(self, request: web.Request, api: str) -> web.StreamResponse:
         try:
             handle = self._episode(request)
-            try:
-                body = await request.json()
-            except (ValueError, UnicodeDecodeError, RecursionError):
-                raise RequestError("the request body is not valid JSON (or nests deeper than the parser "
-                                   "reads)", None) from None
-            parsed = parse_chat_request(body) if api == "chat" else parse_completion_request(body)
+            body = await self._off_loop(_json_body, await request.read())
+            parsed = await self._off_loop(parse_chat_request if api == "chat" else parse_completion_request, body)
             async with handle.lock:
                 self._check_open(handle)
                 result = await self._call(handle, api, parsed)
@@ -189,6 +203,14 @@ class Gateway:
                                "(or base URL) the episode was given", None, 401, "invalid_api_key")
         return handle
 
+    def _known_episode(self, request: web.Request) -> EpisodeHandle | None:
+        """The episode a request's credential names (None: none), for counting refusals."""
+        bearer = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        return self.episodes.get(request.match_info.get("token") or bearer)
+
+    async def _off_loop(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
     def _check_open(self, handle: EpisodeHandle) -> None:
         if handle.closed:
             raise RequestError(f"episode {handle.episode.episode_id} has ended; no more calls are taken",
@@ -201,16 +223,15 @@ class Gateway:
     async def _call(self, handle: EpisodeHandle, api: str, parsed: Any) -> tuple[str, Reply, dict[str, int]]:
         capture = handle.capture
         assert capture is not None  # open episodes keep theirs
-        plan, parse_tools = self._plan(capture, api, parsed)
-        _check_storable(plan)
+        plan, parse_tools = await self._off_loop(self._storable_plan, capture, api, parsed)
         try:
             generation = await self.engine.generate(plan.prompt_ids, self._params(parsed.sampling, plan))
         except OSError as err:  # no connection, a timeout: the engine's failure, never the program's
             handle.infrastructure_failure = f"the inference engine did not answer: {err}"[:500]
             raise
-        output, reply = self._reply(generation, parsed.sampling, parse_tools)
+        output, reply = await self._off_loop(self._reply, generation, parsed.sampling, parse_tools)
         call = self._record_of(handle, api, plan, generation, output, reply)
-        if self.check_drift and capture.drifted(plan):
+        if self.check_drift and await self._off_loop(capture.drifted, plan):
             call.template_drift = True
             log.info("template drift: the conversation re-renders differently", episode_id=handle.episode.episode_id,
                      call=call.call_index)
@@ -226,6 +247,11 @@ class Gateway:
         usage = {"prompt_tokens": len(plan.prompt_ids), "completion_tokens": len(output),
                  "total_tokens": len(plan.prompt_ids) + len(output)}
         return f"{'chatcmpl' if api == 'chat' else 'cmpl'}-{handle.episode.episode_id}-{call.call_index}", reply, usage
+
+    def _storable_plan(self, capture: EpisodeCapture, api: str, parsed: Any) -> tuple[Plan, bool]:
+        plan, parse_tools = self._plan(capture, api, parsed)
+        _check_storable(plan)
+        return plan, parse_tools
 
     def _plan(self, capture: EpisodeCapture, api: str, parsed: Any) -> tuple[Plan, bool]:
         """Where the call goes in the episode's stream, and whether to parse tool calls from its output."""
@@ -333,6 +359,13 @@ def _bound_unix_socket(path: str) -> socket.socket:
     finally:
         os.close(folder)
     return sock
+
+
+def _json_body(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise RequestError("the request body is not valid JSON (or nests deeper than the parser reads)", None) from None
 
 
 def _check_storable(plan: Plan) -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import threading
 from pathlib import Path
 
 from rollway.base.run_dir import RunDir, fresh_run_folder
@@ -32,6 +34,31 @@ def prepare_run_dir(args: argparse.Namespace, cfg, prog: str) -> Path:
               file=sys.stderr)
         raise SystemExit(2)
     return run_dir
+
+
+EXIT_GRACE_S = 30.0
+"""Time the process may take to exit once the job ended (its run folder is written)."""
+
+
+def exit_soon(code: int, grace_s: float = EXIT_GRACE_S) -> None:
+    """Make sure the process ends once the job has: a thread of a one-process job's stage that is stuck
+    in a blocking call (Python cannot stop it, and the interpreter waits for such threads at exit) must
+    not keep `rollway up` running past `run.timeout_s`. After `grace_s` the process exits with `code`.
+    Only in the `rollway` command's own process (a program that calls `run` keeps its process)."""
+    from rollway.runners.cli import main
+
+    if getattr(sys.modules.get("__main__"), "main", None) is not main:
+        return
+
+    def hard_exit() -> None:
+        stuck = [t.name for t in threading.enumerate() if t.is_alive() and not t.daemon and t is not threading.main_thread()]
+        print(f"rollway up: threads still blocked {grace_s:.0f}s after the job ended ({', '.join(stuck) or 'none'}); "
+              "exiting without them", file=sys.stderr, flush=True)
+        os._exit(code)
+
+    timer = threading.Timer(grace_s, hard_exit)
+    timer.daemon = True
+    timer.start()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,12 +92,14 @@ def run(args: argparse.Namespace) -> int:
             reporter.draw()  # while the broker stops
     except (BrokerError, BrokerUnavailable, JobFailed) as err:
         print(f"rollway up: {err}", file=sys.stderr)
+        exit_soon(1)
         return 1
     finally:
         if broker is not None:
             broker.stop()
         if reporter is not None:
             reporter.finish()
+    exit_soon(0)
     print(json.dumps({k: summary[k] for k in ("episodes_scheduled", "episodes_completed", "episodes_failed",
                                               "reward_mean", "wall_seconds")}))
     return 0

@@ -837,6 +837,16 @@ TOOL_ATTACKS: dict[str, tuple[str, str]] = {
     "tool_races_end_marker": ("a burst on stderr as the command ends, racing the wrapper's end marker on stdout",
                               _call("bash", '{"command": "(sleep 0.2; head -c 60000 /dev/zero | tr \\\\0 x >&2) & '
                                     'head -c 60000 /dev/zero | tr \\\\0 y >&2"}')),
+    # Special files where host-side tools read and write (exhaustion: a host thread blocked for good).
+    "tool_search_fifo": ("`mkfifo helpers.py`, then a search that parses every source file",
+                         _call("bash", '{"command": "mkfifo helpers.py lib.py"}')
+                         + _call("search", '{"action": "definition", "name": "main"}')),
+    "tool_editor_view_fifo": ("`mkfifo notes.txt`, then the editor views it",
+                              _call("bash", '{"command": "mkfifo notes.txt"}')
+                              + _call("editor", '{"command": "view", "path": "notes.txt"}')),
+    "tool_editor_create_on_fifo": ("`mkfifo out.py`, then the editor creates out.py (a write that would block)",
+                                   _call("bash", '{"command": "mkfifo out.py"}')
+                                   + _call("editor", '{"command": "create", "path": "out.py", "file_text": "x = 1"}')),
 }
 """Tool-call rows: (what, the model's output). Played through the agent actor (parsing, tools), then the
 reward actor; each must end as an observation and a graded episode, never a failed attempt."""

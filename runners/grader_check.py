@@ -213,7 +213,7 @@ async def play_tool_call(name: str, output: str, opts: Options) -> tuple[bool, s
 
     script = [{"when": "", "turns": [output, '<tool_call>{"name": "finish", "arguments": {}}</tool_call>']}]
     cfg = load_config(None, ["tasks.type=toy", "tasks.count=1", f"sandbox.type={opts.sandbox}",
-                             'tools.enabled=["bash", "editor", "finish"]', "agent.max_turns=3",
+                             'tools.enabled=["bash", "editor", "search", "finish"]', "agent.max_turns=3",
                              "agent.max_tokens_per_turn=1000000", "agent.max_total_tokens=4000000",
                              "policy=" + json.dumps({"type": "scripted", "script": script})])
     with tempfile.TemporaryDirectory(prefix="rollway-grader-check-") as run_dir:

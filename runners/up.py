@@ -392,6 +392,10 @@ def _run_stages(job: Job, on_tick, quiet: bool) -> dict:
         if code != 0 or not sched.get("done"):
             raise JobFailed(f"the scheduler exited with code {code}; see {RunDir(run_dir).stage_log('scheduler', 0)}")
         wait_for_consumers(run_dir, sched["episodes_completed"], job)
+    except JobFailed as err:
+        RunDir(run_dir).job_failed.write_text(json.dumps({"reason": str(err), "wall_seconds": round(
+            time.monotonic() - t0, 1)}))
+        raise
     finally:
         job.stop()  # workers write their final status files as they stop
         reaped = reap_sandboxes(cfg, "end")  # every episode is finished or unknown now

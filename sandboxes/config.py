@@ -40,6 +40,10 @@ class SandboxConfig(SectionConfig):
     """Output captured per command; the rest is cut with a visible notice."""
     max_file_mb: int = Field(256, ge=1)
     """Largest file a command may write."""
+    max_open_files: int = Field(4096, ge=64)
+    """Open descriptors of each process in the sandbox (RLIMIT_NOFILE, soft and hard: `ulimit -n` in a
+    local jail, the container's nofile ulimit). The gateway bounds an episode's connections itself
+    (agent.harness.limits); this keeps one process from holding more of anything."""
     workspace_mb: int = Field(768, ge=16)
     """Size cap of the workspace: a docker sandbox's workspace volume (a tmpfs owned by the sandbox
     user); for `local`, a size-capped filesystem mounted on the workspace folder when rollway runs as

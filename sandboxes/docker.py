@@ -465,6 +465,7 @@ class DockerSandboxProvider(SandboxProvider):
             "ulimits": [
                 {"Name": "fsize", "Soft": cfg.max_file_mb * 2**20, "Hard": cfg.max_file_mb * 2**20},
                 {"Name": "core", "Soft": 0, "Hard": 0},
+                {"Name": "nofile", "Soft": cfg.max_open_files, "Hard": cfg.max_open_files},
             ],  # fmt: skip
             "volumes": {f"rollway-{name}": {"bind": WORKSPACE, "mode": "rw"},
                         **({self.gateway_folder(name): {"bind": GATEWAY_DIR, "mode": "ro"}} if cfg.gateway_root else {}),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import resource
 import shutil
 import signal
 import stat
@@ -48,7 +49,7 @@ _SYSTEM_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 
 # Applied by a bash inside the jail, after bwrap created the user namespace: RLIMIT_NPROC then
 # counts the processes of this jail only, so one jail's fork bomb cannot starve the others.
-_LIMITS_SCRIPT = 'ulimit -c 0 -v {as_kb} -u {nproc} -f {fsize_kb} || exit 125; exec bash -c "$1"'
+_LIMITS_SCRIPT = 'ulimit -c 0 -v {as_kb} -u {nproc} -f {fsize_kb} -n {nofile} || exit 125; exec bash -c "$1"'
 # As root, bwrap runs as an unprivileged host user who may not reach the host folders it binds
 # (a pyenv under a 0700 /root, a workspace under a private temp folder). In a private mount
 # namespace that only this command sees, root first binds each folder onto STAGE_DIR/<i>.
@@ -71,6 +72,7 @@ class JailLimits:
     """RLIMIT_AS of each process (`ulimit -v`); None: unlimited (a memory cgroup holds the sandbox)."""
     max_processes: int
     max_file_mb: int
+    max_open_files: int
     max_output_bytes: int
     output_kill_bytes: int
 
@@ -83,9 +85,16 @@ class JailLimits:
             address_space_mb=getattr(cfg, "address_space_mb", None) or cfg.memory_mb,
             max_processes=cfg.max_processes,
             max_file_mb=cfg.max_file_mb,
+            # Never above this process's own hard limit: a jail cannot raise it, and `ulimit -n` would fail.
+            max_open_files=_within_own_limit(cfg.max_open_files),
             max_output_bytes=cfg.max_output_bytes,
             output_kill_bytes=max(cfg.output_kill_mb * 2**20, cfg.max_output_bytes),
         )
+
+
+def _within_own_limit(max_open_files: int) -> int:
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    return max_open_files if hard == resource.RLIM_INFINITY else min(max_open_files, hard)
 
 
 class OutputCapture:
@@ -202,7 +211,7 @@ class JailRunner:
         ]
         as_kb = "unlimited" if limits.address_space_mb is None else limits.address_space_mb * 1024
         limits_script = _LIMITS_SCRIPT.format(
-            as_kb=as_kb, nproc=limits.max_processes, fsize_kb=limits.max_file_mb * 1024
+            as_kb=as_kb, nproc=limits.max_processes, fsize_kb=limits.max_file_mb * 1024, nofile=limits.max_open_files
         )
         jail += ["bash", "-c", limits_script, "rollway-jail", command]
         if self.host_uid is None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from rollway.sandboxes import cgroups
+from rollway.sandboxes import cgroups, hostfs
 from rollway.sandboxes.base import (
     ExecResult,
     Sandbox,
@@ -82,10 +82,17 @@ class LocalSandbox(Sandbox):
                                                home=str(home) if self._provider.config.home == "persistent" else None)
 
     async def read_file(self, path: str) -> str:
-        target = resolve_inside(self.workspace, path)
-        if not target.is_file():
-            raise SandboxError(f"{path!r} is not a file in the workspace")
-        return await asyncio.to_thread(target.read_text, encoding="utf-8", errors="replace")
+        resolve_inside(self.workspace, path)  # the messages for absolute paths, `..`, links out
+        return await asyncio.to_thread(self._read, path)
+
+    def _read(self, path: str) -> str:
+        """Only a regular file, never blocking (a FIFO the agent made), bounded by the sandbox's file size."""
+        try:
+            data = hostfs.read_regular(str(self.workspace), hostfs.inside(str(self.workspace), path),
+                                       self._provider.config.max_file_mb * 2**20)
+        except (hostfs.NotARegularFile, FileNotFoundError, NotADirectoryError, IsADirectoryError) as err:
+            raise SandboxError(f"{path!r} is not a file in the workspace ({err.strerror or err})") from None
+        return data.decode("utf-8", errors="replace")
 
     async def write_file(self, path: str, content: str) -> None:
         target = resolve_inside(self.workspace, path)
@@ -96,16 +103,14 @@ class LocalSandbox(Sandbox):
         await asyncio.to_thread(self._write, target, data, executable)
 
     def _write(self, target: Path, content: str | bytes, executable: bool = False) -> None:
-        missing = [p for p in reversed(target.parents) if not p.exists()]
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if isinstance(content, bytes):
-            target.write_bytes(content)
-        else:
-            target.write_text(content, encoding="utf-8")
-        if executable:
-            target.chmod(0o755)
-        for created in [*missing, target]:  # the jail user must be able to edit what we wrote
-            self._provider.give_to_jail(created)
+        """Through descriptors (hostfs): never onto a FIFO or device the agent made, never through a link."""
+        root = os.path.realpath(self.workspace)
+        rel = os.path.relpath(target, root)
+        data = content if isinstance(content, bytes) else content.encode("utf-8")
+        try:  # the jail user must be able to edit what we wrote
+            hostfs.write_regular(root, rel, data, 0o755 if executable else None, owner=self._provider.runner.host_uid)
+        except hostfs.NotARegularFile as err:
+            raise SandboxError(f"cannot write {rel!r}: {err.strerror}") from None
 
     async def diff(self) -> str:
         return await asyncio.to_thread(self._diff)

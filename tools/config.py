@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rollway.base.config import StrictModel
 
@@ -20,6 +20,11 @@ class ToolsConfig(StrictModel):
     {lookup: {max_rows: 5}}; validated by that class when the config loads (unknown keys fail)."""
     bash_timeout_s: float = Field(30.0, gt=0)
     """Wall-time limit of one bash call."""
+    call_timeout_s: float = Field(300.0, gt=0)
+    """Wall-time limit of any one tool call, built-in or your own (a bash call also stops at
+    `bash_timeout_s`, which must be shorter). Host-side work (search parsing the workspace) runs on
+    threads of its own with this deadline; a call past it ends with an error observation the model
+    reads, and the episode goes on."""
     max_observation_chars: int = Field(4000, ge=100)
     """Observation text longer than this is cut with a visible notice."""
     max_calls_per_turn: int = Field(8, ge=1)
@@ -31,6 +36,13 @@ class ToolsConfig(StrictModel):
     """Results `search` shows before its "... N more" notice."""
     search_max_files: int = Field(20_000, ge=1)
     """Source files `search` scans in one workspace; the rest is skipped with a notice."""
+
+    @model_validator(mode="after")
+    def _call_limit_above_bash(self) -> ToolsConfig:
+        if self.call_timeout_s <= self.bash_timeout_s:
+            raise ValueError(f"tools.call_timeout_s ({self.call_timeout_s:g}) must be longer than tools.bash_timeout_s "
+                             f"({self.bash_timeout_s:g}): a bash call would otherwise end at the general limit")
+        return self
 
 
 class HintsConfig(StrictModel):

@@ -91,6 +91,8 @@ class EditorTool(Tool):
         kind = await _path_kind(path, sandbox)
         if kind == "missing":
             return _error(f'{path} does not exist. List a folder with view on it, e.g. path ".".')
+        if kind == "special":
+            return _not_regular(path)
         if kind == "dir":
             return await _list_dir(path, sandbox)
         content = await sandbox.read_file(path)
@@ -116,6 +118,8 @@ class EditorTool(Tool):
         kind = await _path_kind(path, sandbox)
         if kind == "dir":
             return _error(f"{path} is a directory; give a file path.")
+        if kind == "special":
+            return _not_regular(path)
         previous = await sandbox.read_file(path) if kind == "file" else None
         await _push_history(sandbox, path, previous)
         await sandbox.write_file(path, arguments["file_text"])
@@ -179,20 +183,31 @@ def _error(message: str) -> ToolResult:
 
 
 async def _path_kind(path: str, sandbox: Sandbox) -> str:
-    """'file', 'dir' or 'missing'; reads the host folder directly when the sandbox has one."""
+    """'file', 'dir', 'special' (a FIFO, socket, device or broken link) or 'missing'; reads the host
+    folder directly when the sandbox has one (stat only: nothing is opened)."""
     if sandbox.workspace_path:
         full = os.path.join(sandbox.workspace_path, path)
-        return "dir" if os.path.isdir(full) else "file" if os.path.isfile(full) else "missing"
+        if os.path.isdir(full) or os.path.isfile(full):
+            return "dir" if os.path.isdir(full) else "file"
+        return "special" if os.path.lexists(full) else "missing"
     quoted = shlex.quote(path)
     result = await sandbox.exec(
-        f"if [ -d {quoted} ]; then echo dir; elif [ -f {quoted} ]; then echo file; else echo missing; fi",
+        f"if [ -d {quoted} ]; then echo dir; elif [ -f {quoted} ]; then echo file; "
+        f"elif [ -e {quoted} ] || [ -L {quoted} ]; then echo special; else echo missing; fi",
         timeout_s=10,
     )
     return result.output.strip() or "missing"
 
 
+def _not_regular(path: str) -> ToolResult:
+    return _error(f"{path} is not a regular file (a FIFO, socket, device or broken link); the editor reads and "
+                  "writes regular files only: remove it or choose another path.")
+
+
 async def _read_existing(path: str, sandbox: Sandbox) -> str | ToolResult:
     kind = await _path_kind(path, sandbox)
+    if kind == "special":
+        return _not_regular(path)
     if kind != "file":
         what = "is a directory" if kind == "dir" else "does not exist"
         return _error(f"{path} {what}; give the path of an existing file (create makes new files).")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from pydantic import ValidationError
 
 from rollway.base.plugins import is_plugin, load_plugin
 from rollway.base.registry import Registry
+from rollway.base.threads import BlockingTimeout
 from rollway.sandboxes.base import Sandbox
 from rollway.schemas.messages import Observation
 from rollway.tools.base import Tool, ToolCall, ToolContext, call_tool, check_tool
@@ -194,15 +196,24 @@ async def _run_item(
         return Observation(content=f"Not run: at most {cfg.max_calls_per_turn} tool calls run per message. "
                            "Make fewer calls and wait for their results.",
                            tool=item.name, call_id=item.call_id, arguments=item.arguments, is_error=True)
-    return await run_call(item, tools[item.name], sandbox, context)
+    return await run_call(item, tools[item.name], sandbox, context, cfg.call_timeout_s)
 
 
-async def run_call(call: ToolCall, tool: Tool, sandbox: Sandbox, context: ToolContext | None = None) -> Observation:
-    """Run one validated call; an exception from the tool becomes an error observation so a tool
-    bug or a failing sandbox cannot crash the agent worker."""
+async def run_call(call: ToolCall, tool: Tool, sandbox: Sandbox, context: ToolContext | None = None,
+                   timeout_s: float | None = None) -> Observation:
+    """Run one validated call within `timeout_s` (tools.call_timeout_s); an exception from the tool
+    becomes an error observation so a tool bug or a failing sandbox cannot crash the agent worker, and
+    a call past its time limit becomes one too, so no tool holds the episode's worker past it."""
+    limit = asyncio.timeout(timeout_s)
     try:
-        result = await call_tool(tool, call.arguments, sandbox, context)
+        async with limit:
+            result = await call_tool(tool, call.arguments, sandbox, context)
     except Exception as error:  # noqa: BLE001 - deliberate: the worker must survive tool bugs
+        if limit.expired() or isinstance(error, BlockingTimeout):
+            log.warning("tool call timed out", tool=call.name, timeout_s=timeout_s, error=str(error))
+            return Observation(content=f"The tool `{call.name}` did not finish within its time limit and was "
+                               "stopped. Make a smaller call (a narrower path, a shorter command).",
+                               tool=call.name, call_id=call.call_id, arguments=call.arguments, is_error=True)
         log.exception("tool failed", tool=call.name, arguments=repr(call.arguments)[:500])
         return Observation(content=f"The tool `{call.name}` failed internally ({type(error).__name__}: {error}). "
                            "This is not a problem with your call's format; try again or use another tool.",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import difflib
 import os
 import re
@@ -11,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rollway.base.threads import run_blocking
+from rollway.sandboxes import hostfs
 from rollway.sandboxes.base import Sandbox
 from rollway.tools.base import Tool, ToolContext, ToolResult
 from rollway.tools.code_index import (
@@ -88,14 +89,16 @@ class SearchTool(Tool):
         except PathError as error:
             return ToolResult(str(error), is_error=True)
         limit = MAX_OUTLINE_ENTRIES if action == "outline" else self.cfg.search_max_files
+        # Parsing runs on threads of its own with the call's deadline: the workspace is the agent's, and a
+        # search over what it made there must not hold the threads the rest of the worker shares.
+        limit_s = self.cfg.call_timeout_s
         if sandbox.workspace_path:
-            return await asyncio.to_thread(
-                search_folder, sandbox.workspace_path, action, name, under, self.cfg, limit
-            )
+            return await run_blocking(search_folder, sandbox.workspace_path, action, name, under, self.cfg, limit,
+                                      timeout_s=limit_s)
         files, skipped = await _collect_remote(sandbox, under, _file_filter(action, name), limit)
-        result = await asyncio.to_thread(_answer, action, name, under, files, skipped, self.cfg)
+        result = await run_blocking(_answer, action, name, under, files, skipped, self.cfg, timeout_s=limit_s)
         if result.metadata.get("not_found") and action != "references":
-            result.content += await asyncio.to_thread(_suggestions, files, name)
+            result.content += await run_blocking(_suggestions, files, name, timeout_s=limit_s)
         return result
 
 
@@ -167,14 +170,11 @@ def _collect_local(
 ) -> tuple[dict[str, bytes], int]:
     paths = _walk_local(root, under)
     files: dict[str, bytes] = {}
-    real_root = os.path.realpath(root)
     for path in paths[:max_files]:
-        # This runs on the host, maybe as root: a symlink the agent made must not reveal host files.
-        if not os.path.realpath(os.path.join(root, path)).startswith(real_root + os.sep):
-            continue
+        # This runs on the host, maybe as root: a link the agent made must not reveal host files, and a
+        # FIFO or device named like a source file must not block the thread (hostfs reads regular files only).
         try:
-            with open(os.path.join(root, path), "rb") as handle:
-                data = handle.read(MAX_FILE_BYTES + 1)
+            data = hostfs.read_regular(root, hostfs.inside(root, path), MAX_FILE_BYTES)
         except OSError:
             continue
         if len(data) <= MAX_FILE_BYTES and wanted.accepts(data):
