@@ -8,6 +8,7 @@ import json
 import os
 import secrets
 import socket
+import stat
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -318,13 +319,26 @@ def _bound_unix_socket(path: str) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.bind(f"/proc/self/fd/{folder}/{os.path.basename(path)}")
-        os.chmod(path, 0o666)  # the sandbox's user is not the gateway's
+        _chmod_socket(folder, os.path.basename(path))
     except BaseException:
         sock.close()
         raise
     finally:
         os.close(folder)
     return sock
+
+
+def _chmod_socket(folder: int, name: str) -> None:
+    """Mode 0666 on the socket just bound as `name` in `folder` (the sandbox's user is not the gateway's),
+    never on what a link put there in its place points to: the entry is opened without following it and
+    changed only if it is a socket."""
+    entry = os.open(name, os.O_PATH | os.O_NOFOLLOW, dir_fd=folder)
+    try:
+        if not stat.S_ISSOCK(os.fstat(entry).st_mode):
+            raise OSError(f"{name} was replaced before its mode was set; not changing what took its place")
+        os.chmod(f"/proc/self/fd/{entry}", 0o666)
+    finally:
+        os.close(entry)
 
 
 def _check_storable(plan: Plan) -> None:

@@ -24,9 +24,11 @@ from rollway.sandboxes.base import (
     SandboxProvider,
     SandboxSpec,
     claim_in_folder,
+    write_in_workspace,
 )
 from rollway.sandboxes.config import LocalSandboxConfig
 from rollway.sandboxes.jail import JailLimits, JailRunner
+from rollway.sandboxes.task_tree import normalise_tree
 
 DEFAULT_ROOT = "/tmp/rollway-sandboxes"
 """Stable, so every worker process on this machine finds the workspaces the others created."""
@@ -88,24 +90,18 @@ class LocalSandbox(Sandbox):
         return await asyncio.to_thread(target.read_text, encoding="utf-8", errors="replace")
 
     async def write_file(self, path: str, content: str) -> None:
-        target = resolve_inside(self.workspace, path)
-        await asyncio.to_thread(self._write, target, content)
+        await asyncio.to_thread(self._write, path, content.encode("utf-8"))
 
     async def write_bytes(self, path: str, data: bytes, executable: bool = False) -> None:
-        target = resolve_inside(self.workspace, path)
-        await asyncio.to_thread(self._write, target, data, executable)
+        await asyncio.to_thread(self._write, path, data, executable)
 
-    def _write(self, target: Path, content: str | bytes, executable: bool = False) -> None:
-        missing = [p for p in reversed(target.parents) if not p.exists()]
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if isinstance(content, bytes):
-            target.write_bytes(content)
-        else:
-            target.write_text(content, encoding="utf-8")
-        if executable:
-            target.chmod(0o755)
-        for created in [*missing, target]:  # the jail user must be able to edit what we wrote
-            self._provider.give_to_jail(created)
+    def _write(self, path: str, data: bytes, executable: bool = False) -> None:
+        """Through descriptors (`write_in_workspace`): a link the agent swaps in after `resolve_inside`
+        looked is refused, never followed out of the workspace by this root process. What is written is
+        given to the jail user (it must be able to edit it)."""
+        real = resolve_inside(self.workspace, path)
+        rel = os.path.relpath(real, os.path.realpath(self.workspace))
+        write_in_workspace(self.workspace, rel, data, executable=executable, owner=self._provider.runner.host_uid)
 
     async def diff(self) -> str:
         return await asyncio.to_thread(self._diff)
@@ -209,6 +205,8 @@ class LocalSandboxProvider(SandboxProvider):
                         f"setup command {command!r} failed (exit {result.exit_code}, timed out: "
                         f"{result.timed_out}); fix the task's setup_commands. Output:\n{result.output[-2000:]}"
                     )
+            # No agent command has run yet: the tree is the task's, and its times and caches say nothing.
+            await asyncio.to_thread(normalise_tree, box_dir / "workspace")
             await asyncio.to_thread(self._snapshot, box_dir)
         except BaseException:
             await sandbox.destroy()
@@ -243,9 +241,8 @@ class LocalSandboxProvider(SandboxProvider):
             shutil.copytree(spec.source_dir, workspace, symlinks=True, dirs_exist_ok=True)
         workspace.chmod(0o755)
         for rel, content in spec.files.items():
-            target = resolve_inside(workspace, rel)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(content, encoding="utf-8")
+            real = resolve_inside(workspace, rel)
+            write_in_workspace(workspace, os.path.relpath(real, os.path.realpath(workspace)), content.encode())
         if self.runner.host_uid is not None:
             for path in [workspace, *workspace.rglob("*")]:
                 self.give_to_jail(path)
