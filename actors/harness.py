@@ -212,7 +212,9 @@ async def gateway_socket(sandbox: Sandbox) -> tuple[int, str]:
     unlink its socket wherever the link points on the host. The caller closes the descriptor."""
     if sandbox.workspace_path is not None:
         try:
-            fd = open_workspace_folder(sandbox.workspace_path, (".rollway",), create=True)
+            # Made as the workspace's owner (the jail user): the launcher removes its spec file from it.
+            fd = open_workspace_folder(sandbox.workspace_path, (".rollway",), create=True,
+                                       owner=os.stat(sandbox.workspace_path).st_uid)
         except SandboxError as err:
             raise SandboxError(f"{err}; rollway keeps its own files in .rollway/: remove a link or file of that "
                                "name from the task") from err

@@ -32,11 +32,12 @@ for pid in filter(str.isdigit, os.listdir("/proc")):
         seen.append(open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace"))
     except OSError:
         pass
-if any(key in line for line in seen):
+if "key" in sys.argv[2] and any(key in line for line in seen):
     print("KEY ON A COMMAND LINE"); sys.exit(3)
-os.rename(".rollway", ".rollway-moved")
-os.symlink(sys.argv[1], ".rollway")
-print("swapped")
+if "swap" in sys.argv[2]:
+    os.rename(".rollway", ".rollway-moved")
+    os.symlink(sys.argv[1], ".rollway")
+    print("swapped")
 """
 
 
@@ -56,15 +57,16 @@ def _up(tmp_path: Path, harness: dict) -> tuple[subprocess.CompletedProcess, lis
     return out, trajs
 
 
-def test_a_harness_program_finds_no_key_on_argv_and_its_swapped_folder_sends_no_unlink_out(tmp_path):
-    """Before the fix the launcher's argv held a JSON spec with OPENAI_API_KEY (exit 3 here), and after
-    the program ended the worker (root) unlinked `.rollway/gateway.sock` through the link the program
-    put in place of `.rollway`: the host's `outside/gateway.sock` was removed."""
+@pytest.mark.parametrize("attack", ["key", "swap"])
+def test_a_harness_program_finds_no_key_on_argv_and_its_swapped_folder_sends_no_unlink_out(tmp_path, attack):
+    """Before the fix the launcher's argv held a JSON spec with OPENAI_API_KEY (`key`: exit 3 here), and
+    after the program ended the worker (root) unlinked `.rollway/gateway.sock` through the link the program
+    put in place of `.rollway` (`swap`): the host's `outside/gateway.sock` was removed."""
     outside = tmp_path / "outside"
     outside.mkdir()
     outside.chmod(0o755)
     (outside / "gateway.sock").write_text("a host file the worker must not remove\n")
-    out, trajs = _up(tmp_path, {"command": ["python3", "-c", HOSTILE_PROGRAM, str(outside)]})
+    out, trajs = _up(tmp_path, {"command": ["python3", "-c", HOSTILE_PROGRAM, str(outside), attack]})
     failures = (tmp_path / "run" / "failures.jsonl")
     assert out.returncode == 0, out.stderr[-3000:]
     assert len(trajs) == 1, (failures.read_text() if failures.exists() else "") + out.stderr[-2000:]
