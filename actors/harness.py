@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import secrets
 import shlex
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import structlog
@@ -19,23 +20,28 @@ from rollway.gateway.config import INSTRUCTION_FILE, HarnessConfig
 from rollway.gateway.recorder import CallRecorder
 from rollway.gateway.server import EpisodeHandle, Gateway
 from rollway.gateway.trajectory import Segment, program_reply, rebuild_segments
-from rollway.sandboxes.base import Sandbox, SandboxError
+from rollway.sandboxes.base import Sandbox, SandboxError, open_workspace_folder, unlink_in_folder
 from rollway.schemas.messages import CapturedCall, EpisodeKey, TurnRecord
 
 log = structlog.get_logger()
 
-SOCKET = ".rollway/gateway.sock"
+SOCKET_NAME = "gateway.sock"
+SOCKET = f".rollway/{SOCKET_NAME}"
 """The gateway's unix socket, relative to the workspace (the jail's working folder): the only way out
 of a sandbox without network. `.rollway/` is left out of the diff that is graded."""
 
 OUTPUT_TAIL = 2000
 """Characters of the program's output quoted in a crash's reason."""
 
-# Run by the sandbox's own python: listen on the sandbox's loopback, forward each connection to the
-# gateway's socket, run the program with OPENAI_BASE_URL pointing there, exit with its exit code.
+# Run by the sandbox's own python: read the spec (the episode's key among it) from the file the host wrote
+# and remove it at once (never on argv: `ps` shows argv to every user of the host), listen on the sandbox's
+# loopback, forward each connection to the gateway's socket, run the program with OPENAI_BASE_URL pointing
+# there, exit with its exit code.
 LAUNCHER = r"""
 import json, os, socket, subprocess, sys, threading
-c = json.loads(sys.argv[1])
+with open(sys.argv[1]) as f:
+    c = json.load(f)
+os.unlink(sys.argv[1])
 srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(64)
 def pipe(a, b):
     try:
@@ -124,27 +130,33 @@ class HarnessRunner:
                    deadline: float | None = None) -> HarnessOutcome:
         """Run the program to its end or a limit in `sandbox`; the episode's turns from its calls.
         `deadline`: the task's own end of agent time (unix seconds), when it has one."""
-        host_socket, sandbox_socket = await gateway_socket(sandbox)
-        handle = self.gateway.open_episode(episode, self.cfg.max_calls)
-        host_socket.unlink(missing_ok=True)
-        site = await self.gateway.listen_unix(str(host_socket), handle)
+        folder, sandbox_socket = await gateway_socket(sandbox)
         failure = None
         try:
-            stop_reason = await self._run(handle, instruction, sandbox, sandbox_socket, deadline)
-        except Exception as err:
-            # The program has started (its launch is the first thing `_run` does): its failure is the
-            # agent's unless the gateway saw the inference engine or the broker fail under it.
-            if handle.infrastructure_failure is not None:
-                raise InfrastructureFailure(f"{failure_reason(err)[:500]} (after {handle.infrastructure_failure})") from err
-            if blame(err, agent_ran=True) == "infrastructure":
-                raise
-            stop_reason, failure = AGENT_FAILURE, failure_details(err, "agent")
+            handle = self.gateway.open_episode(episode, self.cfg.max_calls)
+            # The socket's folder stays open from here to the end: every operation on the socket goes through
+            # that descriptor, so a `.rollway` the agent swaps for a link sends none of them elsewhere.
+            unlink_in_folder(folder, SOCKET_NAME)
+            site = await self.gateway.listen_unix(f"/proc/self/fd/{folder}/{SOCKET_NAME}", handle)
+            try:
+                stop_reason = await self._run(handle, instruction, sandbox, sandbox_socket, deadline)
+            except Exception as err:
+                # The program has started (its launch is the first thing `_run` does): its failure is the
+                # agent's unless the gateway saw the inference engine or the broker fail under it.
+                if handle.infrastructure_failure is not None:
+                    raise InfrastructureFailure(
+                        f"{failure_reason(err)[:500]} (after {handle.infrastructure_failure})") from err
+                if blame(err, agent_ran=True) == "infrastructure":
+                    raise
+                stop_reason, failure = AGENT_FAILURE, failure_details(err, "agent")
+            finally:
+                await self.gateway.close_episode(handle)  # no call of this attempt is recorded after this
+                await site.stop()
+                unlink_in_folder(folder, SOCKET_NAME)
+                # Calls of an attempt that fails (retried) stay in the log only; a graded one keeps them.
+                calls = self.recorder.take(episode)
         finally:
-            await self.gateway.close_episode(handle)  # no call of this attempt is recorded after this
-            await site.stop()
-            host_socket.unlink(missing_ok=True)
-            # Calls of an attempt that fails (retried) stay in the log only; a graded one keeps them.
-            calls = self.recorder.take(episode)
+            os.close(folder)
         log.info("harness episode ended", episode_id=episode.episode_id, stop_reason=stop_reason, calls=len(calls),
                  failure=(failure or {}).get("failure", "")[:300])
         outcome = outcome_of(calls, stop_reason, fallback_prompt)
@@ -156,7 +168,8 @@ class HarnessRunner:
         limit = self.cfg.time_limit_s
         if deadline is not None:
             limit = max(0.001, min(limit, deadline - time.time()))
-        run = asyncio.create_task(sandbox.exec(self._command(handle, instruction, socket), timeout_s=limit))
+        command = await self._command(handle, instruction, socket, sandbox)
+        run = asyncio.create_task(sandbox.exec(command, timeout_s=limit))
         try:
             stop_reason = await self._watch(handle, run)
         finally:
@@ -187,13 +200,17 @@ class HarnessRunner:
             await asyncio.wait({run}, timeout=min(0.2, self.cfg.silence_limit_s - silent_for))
         return None
 
-    def _command(self, handle: EpisodeHandle, instruction: str, socket: str) -> str:
+    async def _command(self, handle: EpisodeHandle, instruction: str, socket: str, sandbox: Sandbox) -> str:
+        """The launcher's command line; its spec (the episode's key among it) goes into a file of the
+        sandbox that the launcher removes as it starts, never on argv."""
         cfg = self.cfg
         spec = {"socket": socket, "argv": cfg.argv(instruction), "instruction": instruction,
                 "env": {**cfg.env, "OPENAI_API_KEY": handle.api_key, "OPENAI_MODEL": self.gateway.model_name},
                 "stdin": cfg.stdin_instruction,
                 "instruction_file": INSTRUCTION_FILE if any("{instruction_file}" in a for a in cfg.command) else None}
-        return f"python3 -c {shlex.quote(LAUNCHER)} {shlex.quote(json.dumps(spec))}"
+        spec_file = f".rollway/launch-{secrets.token_hex(8)}.json"
+        await sandbox.write_bytes(spec_file, json.dumps(spec).encode())
+        return f"python3 -c {shlex.quote(LAUNCHER)} {spec_file}"
 
 
 async def _stop(run: asyncio.Task, sandbox: Sandbox) -> None:
@@ -206,18 +223,21 @@ async def _stop(run: asyncio.Task, sandbox: Sandbox) -> None:
     await asyncio.gather(run, return_exceptions=True)
 
 
-async def gateway_socket(sandbox: Sandbox) -> tuple[Path, str]:
-    """(host path, path inside the sandbox) of the gateway socket for this sandbox: in the local
-    jail's workspace, or in the folder a docker container has bound at /rollway-gateway."""
+async def gateway_socket(sandbox: Sandbox) -> tuple[int, str]:
+    """(a descriptor of the host folder that holds the socket, the socket's path inside the sandbox): the
+    local jail's workspace `.rollway/`, or the folder a docker container has bound at /rollway-gateway.
+    The folder is opened without following links (`open_workspace_folder`): the workspace holds task data
+    and the agent's work, and a `.rollway` that is a link would have the gateway (root) bind, chmod and
+    unlink its socket wherever the link points on the host. The caller closes the descriptor."""
     if sandbox.workspace_path is not None:
-        host = Path(sandbox.workspace_path) / SOCKET
-        # The workspace holds task data: a `.rollway` that is a link would have the gateway (root)
-        # place its socket wherever the link points on the host.
-        if host.parent.is_symlink() or (host.parent.exists() and not host.parent.is_dir()):
-            raise SandboxError(f"the workspace's {host.parent.name}/ is not a plain folder (a link in the task's "
-                               "files?); rollway keeps its own files there: remove it from the task")
-        host.parent.mkdir(exist_ok=True)
-        return host, SOCKET
+        try:
+            # Made as the workspace's owner (the jail user): the launcher removes its spec file from it.
+            fd = open_workspace_folder(sandbox.workspace_path, (".rollway",), create=True,
+                                       owner=os.stat(sandbox.workspace_path).st_uid)
+        except SandboxError as err:
+            raise SandboxError(f"{err}; rollway keeps its own files in .rollway/: remove a link or file of that "
+                               "name from the task") from err
+        return fd, SOCKET
     folder = await sandbox.gateway_dir() if hasattr(sandbox, "gateway_dir") else None
     if folder is None:
         raise SandboxError("harness episodes need a way out to the gateway: a local jail, or a docker container "
@@ -225,7 +245,8 @@ async def gateway_socket(sandbox: Sandbox) -> tuple[Path, str]:
                            "before that, or another sandbox type, has none)")
     from rollway.sandboxes.docker import GATEWAY_DIR
 
-    return Path(folder) / "gateway.sock", f"{GATEWAY_DIR}/gateway.sock"
+    parent, name = os.path.split(folder)  # made by the provider, root-owned, bound read-only: no link in it
+    return open_workspace_folder(parent, (name,)), f"{GATEWAY_DIR}/{SOCKET_NAME}"
 
 
 def outcome_of(calls: list[CapturedCall], stop_reason: str, fallback_prompt: list[int]) -> HarnessOutcome:

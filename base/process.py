@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from rollway.base.redaction import redact
+from rollway.base.secret_pipe import hand_over
 
 PR_SET_PDEATHSIG = 1
 """prctl option (linux/prctl.h): the signal the kernel sends a process when its parent dies."""
@@ -76,12 +77,16 @@ class Child:
     child from a thread that lives as long as the child should.
     `term_leader_only`: `stop`'s SIGTERM goes to the child alone, which then ends its own children in
     its own order (a stage worker tears its sandboxes down); the SIGKILL after the grace still goes to
-    the whole group."""
+    the whole group.
+    `secrets`: values the child takes with `rollway.base.secret_pipe.take_secret(name)`, handed over a pipe
+    (never in its environment block or argv, where /proc and `ps` would show them for its whole life)."""
 
     def __init__(self, argv: list[str], log_path: Path | None = None, env: Mapping[str, str] | None = None,
                  *, name: str | None = None, own_group: bool = True, die_with_parent: bool = True,
-                 term_leader_only: bool = False, stdin_pipe: bool = False) -> None:
+                 term_leader_only: bool = False, stdin_pipe: bool = False,
+                 secrets: Mapping[str, str] | None = None) -> None:
         self.argv, self.log_path, self.env = list(argv), log_path, dict(env or {})
+        self.secrets = dict(secrets or {})
         self.stdin_pipe = stdin_pipe
         """Give it a pipe as stdin (`send` writes to it; closed when this process ends)."""
         self.name = name or Path(argv[0]).name
@@ -91,6 +96,19 @@ class Child:
     def start(self) -> Child:
         kwargs: dict[str, Any] = {"start_new_session": self.own_group,
                                   "env": {**os.environ, **self.env}}
+        read_end = None
+        if self.secrets:
+            fd_env, read_end = hand_over(self.secrets)
+            kwargs["env"].update(fd_env)
+            kwargs["pass_fds"] = (read_end,)
+        try:
+            self._spawn(kwargs)
+        finally:
+            if read_end is not None:
+                os.close(read_end)  # the child holds its own copy; the pipe ends when it has read
+        return self
+
+    def _spawn(self, kwargs: dict[str, Any]) -> None:
         if self.die_with_parent:
             kwargs["preexec_fn"] = _die_with_parent
         if self.stdin_pipe:
@@ -102,7 +120,6 @@ class Child:
         else:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self.popen = spawn_logged(self.argv, self.log_path, **kwargs)
-        return self
 
     # -- state
     @property

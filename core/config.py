@@ -346,8 +346,9 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
 
 
 SECRETS_ENV = "ROLLWAY_SECRETS"
-"""Environment variable through which a parent hands its children the config's secrets (JSON: dotted key ->
-value); `load_config` reads it and removes it from the environment, so nothing the child starts inherits it."""
+"""The name under which a parent hands its children the config's secrets (JSON: dotted key -> value): over a
+pipe (`rollway.base.secret_pipe`, how `rollway up` starts its stages), or, set by hand, an environment
+variable. `load_config` takes it once and removes it, so nothing the child starts inherits it."""
 def _walk_secrets(value: Any, path: tuple[str | int, ...], found: dict[tuple[str | int, ...], str]) -> Any:
     """`value` (a python-mode dump) without secrets; each secret (a SecretStr, or a string holding a URL
     with user-info) is recorded in `found` under its path. A SecretStr leaves a None, a URL its masked form."""
@@ -398,7 +399,7 @@ def secret_values(cfg: RunConfig) -> list[str]:
 
 def write_resolved_config(cfg: RunConfig, path: Path) -> dict[str, str]:
     """Write `resolved_config(cfg)` as the JSON file `rollway stage` loads (it holds no secret), and
-    return the environment additions that carry the secrets to the children (`SECRETS_ENV`)."""
+    return the secrets to hand the children (`{SECRETS_ENV: JSON}`, for `Child(secrets=...)`; empty: none)."""
     import json
     import os
 
@@ -413,12 +414,13 @@ def write_resolved_config(cfg: RunConfig, path: Path) -> dict[str, str]:
 
 
 def _apply_secrets(data: dict[str, Any]) -> None:
-    """Put the secrets a parent passed in `SECRETS_ENV` back into `data` (exact strings, never parsed as
-    YAML), then drop the variable so sandboxes, tools and engines this process starts never see it."""
+    """Put the secrets a parent passed as `SECRETS_ENV` (its pipe, else the variable) back into `data` (exact
+    strings, never parsed as YAML); taken once, so sandboxes, tools and engines this process starts never see it."""
     import json
-    import os
 
-    raw = os.environ.pop(SECRETS_ENV, None)
+    from rollway.base.secret_pipe import take_secret
+
+    raw = take_secret(SECRETS_ENV)
     if not raw:
         return
     for dotted, value in json.loads(raw).items():

@@ -27,6 +27,7 @@ from rollway.envs.task_data import (
     refuse,
     resolve_in_tree,
 )
+from rollway.sandboxes.task_tree import normalise_tree
 
 SWE_SYSTEM_PROMPT = """You are a software engineer fixing a bug in a Python repository.
 The repository is checked out in your working directory. Tools run there; nothing else persists.
@@ -128,6 +129,7 @@ def prepare_buggy_copy(instance: dict[str, Any], cache_dir: str | os.PathLike[st
         # write to wherever it points.
         target = resolve_in_tree(task, "mutation.path", scratch / "tree", mutation.path)
         target.write_bytes(apply_mutation(target.read_bytes(), mutation))
+        normalise_tree(scratch / "tree")  # the mutated file must not be the newest one (issue 39)
         return scratch / "tree"
 
     return publish_dir(dest, fill)

@@ -28,6 +28,7 @@ from rollway.envs.image_builds import KeyedLocks
 from rollway.envs.swe_rows import SWEInstance
 from rollway.envs.task_data import CONTAINER_DIR
 from rollway.sandboxes.base import SandboxError
+from rollway.sandboxes.task_tree import normalise_tree
 
 _HOST_CA = "/etc/ssl/certs/ca-certificates.crt"
 BUILD_NETWORKS = ("none", "bridge", "host")
@@ -102,6 +103,7 @@ def export_tree(repo_path: Path, commit: str, dest: Path, pre_patch: str = "") -
                               capture_output=True, env=env)
         if done.returncode != 0:
             raise EnvPrepError(f"the row's bug patch does not apply to {commit}: {done.stderr.decode()[-300:]}")
+    normalise_tree(dest)  # `git apply` rewrote the changed files only: their times would name them
 
 
 def prepared_tree(inst: SWEInstance, mirror: str | None, cache_dir: str | None = None,

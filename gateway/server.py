@@ -8,6 +8,7 @@ import json
 import os
 import secrets
 import socket
+import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -352,7 +353,7 @@ def _bound_unix_socket(path: str) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.bind(f"/proc/self/fd/{folder}/{os.path.basename(path)}")
-        os.chmod(path, 0o666)  # the sandbox's user is not the gateway's
+        _chmod_socket(folder, os.path.basename(path))
     except BaseException:
         sock.close()
         raise
@@ -366,6 +367,17 @@ def _json_body(raw: bytes) -> Any:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):
         raise RequestError("the request body is not valid JSON (or nests deeper than the parser reads)", None) from None
+def _chmod_socket(folder: int, name: str) -> None:
+    """Mode 0666 on the socket just bound as `name` in `folder` (the sandbox's user is not the gateway's),
+    never on what a link put there in its place points to: the entry is opened without following it and
+    changed only if it is a socket."""
+    entry = os.open(name, os.O_PATH | os.O_NOFOLLOW, dir_fd=folder)
+    try:
+        if not stat.S_ISSOCK(os.fstat(entry).st_mode):
+            raise OSError(f"{name} was replaced before its mode was set; not changing what took its place")
+        os.chmod(f"/proc/self/fd/{entry}", 0o666)
+    finally:
+        os.close(entry)
 
 
 def _check_storable(plan: Plan) -> None:

@@ -51,6 +51,7 @@ import torch.distributed as dist
 from rollway.base.faults import fault_point
 from rollway.base.process import Child, free_port
 from rollway.base.redaction import register_secrets
+from rollway.base.secret_pipe import peek_secret
 from rollway.learning.batching import Sample
 from rollway.learning.config import LearnerConfig
 from rollway.learning.losses import TokenStats, sequence_loss_weights, token_logprobs
@@ -141,7 +142,7 @@ def decode_command(token: bytes, key: str, raw: bytes) -> Any:
 
 def run_token(world: int) -> bytes:
     """This run's channel token: `DIST_TOKEN_ENV`, required with more than one rank."""
-    token = os.environ.get(DIST_TOKEN_ENV)
+    token = _own_token or peek_secret(DIST_TOKEN_ENV)
     if token:
         register_secrets([token])
         return token.encode()
@@ -570,20 +571,24 @@ def build_trainer(cfg: LearnerConfig, run_dir: Path, *, group_size: int | None =
 
 
 _children: list[Child] = []
+_own_token: str | None = None
+"""Rank 0's channel token when it started the followers itself (`start_followers`)."""
 
 
 def start_followers(world: int, port: int | None, argv: list[str] | None = None) -> list[Child]:
     """Make this process rank 0 of `world` and start ranks 1..world-1 as copies of this command
     (`argv`, default this process's) with RANK/WORLD_SIZE/MASTER_* set; they are ended with it."""
-    token = os.environ.get(DIST_TOKEN_ENV) or secrets.token_hex(32)  # signs rank 0's commands (environment only)
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port or free_port()), "WORLD_SIZE": str(world),
-           DIST_TOKEN_ENV: token}
+    global _own_token
+    # Signs rank 0's commands; handed to the followers over a pipe, never in an environment block.
+    _own_token = peek_secret(DIST_TOKEN_ENV) or secrets.token_hex(32)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port or free_port()), "WORLD_SIZE": str(world)}
     os.environ.update({**env, "RANK": "0", "LOCAL_RANK": "0"})
     command = argv or [sys.executable, *sys.orig_argv[1:]]
     for rank in range(1, world):
         # Sharing this process's output and group: a rank's traceback lands in the learner's own log.
         _children.append(Child(command, None, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                               name=f"learner rank {rank}", own_group=False).start())
+                               name=f"learner rank {rank}", own_group=False,
+                               secrets={DIST_TOKEN_ENV: _own_token}).start())
     atexit.register(stop_followers)
     return list(_children)
 

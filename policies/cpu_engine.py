@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import math
-import os
 import threading
 import time
 import uuid
@@ -40,6 +39,7 @@ from typing import Any
 
 from aiohttp import web
 
+from rollway.base.secret_pipe import peek_secret
 from rollway.policies.base import SamplingParams
 
 VERSION_HEADER = "X-Policy-Version"
@@ -170,7 +170,8 @@ class CompletionRenderer:
 
 
 ENGINE_KEY_ENV = "ROLLWAY_ENGINE_API_KEY"
-"""The API key `rollway serve` wants (environment only: argv is visible in `ps`); `policy.launch` sets it."""
+"""The API key `rollway serve` wants: handed over a pipe by `policy.launch` (base/secret_pipe.py), or set by
+hand as an environment variable (never argv: `ps` shows it)."""
 
 
 # -- the HTTP app ------------------------------------------------------------------------------------
@@ -185,7 +186,7 @@ class EngineServer:
         self.model_path = model_path
         self.renderer = CompletionRenderer(tokenizer, served_model)
         self._staged_checkpoint: str | None = None
-        self.api_key = api_key if api_key is not None else os.environ.get(ENGINE_KEY_ENV) or None
+        self.api_key = api_key if api_key is not None else peek_secret(ENGINE_KEY_ENV) or None
         """With a key every route but /health wants it (`/collective_rpc` loads weights from any path)."""
 
     def app(self) -> web.Application:

@@ -43,8 +43,11 @@ class ServerProcess:
     die_with_parent = True
     """The kernel stops the server when the thread that started it ends (base/process.py `Child`)."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], port: int, log_path: Path):
+    def __init__(self, argv: list[str], env: dict[str, str], port: int, log_path: Path,
+                 secrets: dict[str, str] | None = None):
         self.argv, self.env, self.port, self.log_path = argv, env, port, log_path
+        self.secrets = secrets
+        """Handed over a pipe at each start (`Child.secrets`), not in the server's environment."""
         self.proc: Child | None = None
         self._probed_at = 0.0
         self.failed_probes = 0
@@ -56,7 +59,7 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         self.proc = Child(self.argv, self.log_path, self.env, name="the engine",
-                          die_with_parent=self.die_with_parent).start()
+                          die_with_parent=self.die_with_parent, secrets=self.secrets).start()
         return self
 
     def wait_ready(self, timeout_s: float) -> None:
@@ -170,7 +173,7 @@ def builtin_server(cfg: OpenAIPolicyConfig, port: int, log_path: Path) -> Server
             "--port", str(port), "--max-batch", str(cfg.max_batch), "--max-model-len", str(cfg.max_model_len),
             "--dtype", cfg.dtype, "--threads", str(cfg.threads), *(["--device", cfg.device] if cfg.device else [])]
     key = cfg.api_key_value()
-    return ServerProcess(argv, {ENGINE_KEY_ENV: key} if key else {}, port, log_path)
+    return ServerProcess(argv, {}, port, log_path, secrets={ENGINE_KEY_ENV: key} if key else None)
 
 
 def launch_engine(cfg: OpenAIPolicyConfig, log_dir: Path) -> LaunchedEngine:

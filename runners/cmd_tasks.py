@@ -188,9 +188,12 @@ async def _verify_config(args: argparse.Namespace) -> int:
             print(f"{row['task_id']}: gold {'resolved' if row['gold_resolved'] else 'NOT resolved'} "
                   f"({row['gold_stop_reason']}, {row['gold_turns']} turns), "
                   f"do-nothing {'RESOLVED' if row['nothing_resolved'] else 'not resolved'}"
-                  + (f"\n  why: {row['gold_why']}" if "gold_why" in row else ""))
+                  + (f"\n  why: {row['gold_why']}" if "gold_why" in row else "")
+                  + (f"\n  ANSWER LEAKS: {row['leaks']}" if row.get("leaks") else ""))
         print(f"gold_resolved {summary['gold_resolved']}/{summary['total']}, "
-              f"nothing_resolved {summary['nothing_resolved']}/{summary['total']}")
+              f"nothing_resolved {summary['nothing_resolved']}/{summary['total']}, "
+              f"leaking {summary['leaking']}/{summary['total']}")
         print(f"trajectories: rollway show {Path(summary['trajectories']['gold']).parent} (gold), "
               f"rollway show {Path(summary['trajectories']['nothing']).parent} (do-nothing)")
-    return 0 if summary["gold_resolved"] == summary["total"] and summary["nothing_resolved"] == 0 else 1
+    ok = summary["gold_resolved"] == summary["total"] and summary["nothing_resolved"] == 0 and not summary["leaking"]
+    return 0 if ok else 1

@@ -51,11 +51,13 @@ class StageProcess:
     restarts: int = 0
 
     env: dict[str, str] | None = None
+    secrets: dict[str, str] | None = None
+    """Handed over a pipe at each start (`Child.secrets`), never in the worker's environment."""
 
     def start(self) -> None:
         # Output through the redactor: a traceback or a library's line that quotes a secret is masked.
         self.proc = Child(self.argv, self.log_path, self.env, name=f"stage {self.stage} worker {self.index}",
-                          term_leader_only=True).start()
+                          term_leader_only=True, secrets=self.secrets).start()
 
     @property
     def alive(self) -> bool:
@@ -82,7 +84,8 @@ class Job:
     env: dict[str, str] | None = None
     """Extra environment of the stage processes (chaos runs arm fault points with it)."""
     secrets_env: dict[str, str] = field(default_factory=dict)
-    """The config's secrets for the stage processes (`SECRETS_ENV`), set by `start`: never in argv or a file."""
+    """The config's secrets for the stage processes (`SECRETS_ENV`), set by `start`: handed over a pipe,
+    never in argv, a file or a worker's environment block."""
     one_process: bool = False
     """Every stage as a task of this process (runners/local_stages.py) instead of a process per worker."""
     stage_loop: StageLoop | None = None
@@ -119,9 +122,10 @@ class Job:
         gate.unlink(missing_ok=True)
         for stage in START_ORDER:
             gate_env = {"ROLLWAY_START_GATE": str(gate)} if stage == ISSUER else {}
-            env = {**(self.env or {}), **self.secrets_env, **gate_env} or None
+            env = {**(self.env or {}), **gate_env} or None
             for i in range(1 if get_stage(stage).ranks_setting else self.workers.get(stage, 1)):
-                p = StageProcess(stage, i, self.stage_argv(stage), RunDir(self.run_dir).stage_log(stage, i), env=env)
+                p = StageProcess(stage, i, self.stage_argv(stage), RunDir(self.run_dir).stage_log(stage, i), env=env,
+                                 secrets=self.secrets_env or None)
                 p.start()
                 self.procs.append(p)
 

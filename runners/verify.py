@@ -1,6 +1,7 @@
 """`rollway tasks verify CONFIG`: check any task set with two policies, in this process, in real
 sandboxes: the `gold` policy (the task set's `reference_solution`) must resolve every task, and a policy
-that does nothing must resolve none."""
+that does nothing must resolve none. Tasks built by changing a snapshot (buglocal, SWE rows) are also
+probed for answer leaks (`envs/leak_probe.py`): no channel may single out the changed file."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import yaml
 
 from rollway.base.run_dir import RunDir
 from rollway.core.config import RunConfig, load_config
+from rollway.envs.leak_probe import probe_task
 from rollway.schemas.messages import Trajectory
 
 _REWARD_OFFSETS = itertools.count()
@@ -85,9 +87,13 @@ async def verify_taskset(config: str | None, overrides: list[str], run_dir: Path
                "nothing_resolved": n.resolved, "nothing_reward": n.reward}
         if not g.resolved:
             row["gold_why"] = why_unresolved(g, gold.cfg)
+        probed = await probe_task(gold.taskset, task, gold.sandboxes, f"verify-leak-{uuid.uuid4().hex[:8]}")
+        if probed is not None:
+            row["leaks"] = {c: probed["report"]["channels"][c] for c in probed["leaks"]}
         rows.append(row)
     return {"total": len(rows), "gold_resolved": sum(r["gold_resolved"] for r in rows),
-            "nothing_resolved": sum(r["nothing_resolved"] for r in rows), "tasks": rows,
+            "nothing_resolved": sum(r["nothing_resolved"] for r in rows),
+            "leaking": sum(bool(r.get("leaks")) for r in rows), "tasks": rows,
             "trajectories": {"gold": str(RunDir(gold.run_dir).trajectories),
                              "nothing": str(RunDir(nothing.run_dir).trajectories)}}
 

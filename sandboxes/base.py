@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,24 +33,83 @@ def claim_in_folder(folder: Path, key: str) -> bool:
     return True
 
 
-def claim_in_workspace(workspace: Path, key: str) -> bool:
-    """`mkdir .rollway/turns/<key>` in a workspace the agent writes to, as `claim_in_folder`, but never
-    through a link: each folder is opened relative to its parent with O_NOFOLLOW, so a `.rollway` or
-    `turns` the agent made a symlink (to a host folder) is refused, not followed, race-free."""
-    if not key or "/" in key or key in (".", ".."):
-        raise ValueError(f"turn key {key!r} must be one plain name")
+def open_workspace_folder(workspace: str | os.PathLike[str], parts: tuple[str, ...] | list[str], *,
+                          create: bool = False, owner: int | None = None) -> int:
+    """A descriptor of the folder `workspace/parts...` (the caller closes it), for host-side writes,
+    removals and sockets in a folder the agent can write to: each part is opened relative to the one
+    before with O_NOFOLLOW, so a part the agent made a link (to a host folder) is refused, not followed,
+    race-free (a swap after the open changes nothing: the descriptor stays on the folder it opened).
+    `create`: missing parts are made (mode 0755, given to `owner` when set). The workspace root itself is
+    the host's own path and is opened as given."""
     fd = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        for part in (".rollway", "turns"):
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(part, 0o755, dir_fd=fd)
+        for part in parts:
+            if not part or "/" in part or part in (".", ".."):
+                raise SandboxError(f"{part!r} is not one plain folder name")
+            if create:
+                try:
+                    os.mkdir(part, 0o755, dir_fd=fd)
+                    if owner is not None:
+                        os.chown(part, owner, owner, dir_fd=fd, follow_symlinks=False)
+                except FileExistsError:
+                    pass
             try:
                 inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
             except OSError as err:
-                raise SandboxError(f"the workspace's {part} is not a plain folder ({err.strerror}): "
-                                   "turn marks are never written through a link") from err
+                raise SandboxError(f"the workspace's {'/'.join(parts)} is not a plain folder at {part!r} "
+                                   f"({err.strerror}): rollway never writes through a link there") from err
             os.close(fd)
             fd = inner
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def write_in_workspace(workspace: str | os.PathLike[str], rel: str, data: bytes, *, executable: bool = False,
+                       owner: int | None = None, mode: int = 0o644) -> None:
+    """Create or replace the workspace file `rel` (parents made) through descriptors: no part of the path,
+    the file itself included, is followed if it is a link (O_NOFOLLOW: a link there is an error, never a
+    write elsewhere). New folders and the file are given to `owner` when set."""
+    parts = [p for p in rel.split("/") if p not in ("", ".")]
+    if not parts:
+        raise SandboxError(f"{rel!r} names the workspace itself, not a file in it")
+    *folders, name = parts
+    fd = open_workspace_folder(workspace, folders, create=True, owner=owner)
+    try:
+        try:
+            out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                          0o755 if executable else mode, dir_fd=fd)
+        except OSError as err:
+            raise SandboxError(f"cannot write {rel!r} in the workspace ({err.strerror}): it must be a plain "
+                               "file (rollway never writes through a link)") from err
+        with os.fdopen(out, "wb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise SandboxError(f"{rel!r} in the workspace is not a regular file; remove it first")
+            f.write(data)
+            if executable:
+                os.fchmod(f.fileno(), 0o755)
+            if owner is not None:
+                os.fchown(f.fileno(), owner, owner)
+    finally:
+        os.close(fd)
+
+
+def unlink_in_folder(folder_fd: int, name: str) -> None:
+    """Remove the entry `name` of the folder open at `folder_fd` (a link itself, never its target);
+    silent when it is gone."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name, dir_fd=folder_fd)
+
+
+def claim_in_workspace(workspace: Path, key: str) -> bool:
+    """`mkdir .rollway/turns/<key>` in a workspace the agent writes to, as `claim_in_folder`, but never
+    through a link (`open_workspace_folder`): a `.rollway` or `turns` the agent made a symlink (to a host
+    folder) is refused, not followed, race-free."""
+    if not key or "/" in key or key in (".", ".."):
+        raise ValueError(f"turn key {key!r} must be one plain name")
+    fd = open_workspace_folder(workspace, (".rollway", "turns"), create=True)
+    try:
         try:
             os.mkdir(key, 0o755, dir_fd=fd)
         except FileExistsError:

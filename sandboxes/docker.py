@@ -30,6 +30,7 @@ from rollway.sandboxes.base import (
 from rollway.sandboxes.config import DockerSandboxConfig
 from rollway.sandboxes.jail import JailLimits, OutputCapture
 from rollway.sandboxes.seccomp import docker_profile
+from rollway.sandboxes.task_tree import FIXED_TIME, NORMALISE_COMMAND
 
 WORKSPACE = "/workspace"
 STATE = "/rollway"
@@ -535,6 +536,8 @@ class DockerSandboxProvider(SandboxProvider):
                     raise SandboxError(
                         f"setup command {command!r} failed (exit {result.exit_code}): {result.output[-1000:]}"
                     )
+            if spec.setup_commands:  # what they copied or built keeps its own times and caches
+                await sandbox.exec(NORMALISE_COMMAND)
             await sandbox._run_checked(_SNAPSHOT, "base snapshot (the image needs git and bash)")
         except BaseException:
             await sandbox.destroy()
@@ -718,10 +721,11 @@ def tar_files(files: dict[str, bytes], executable: set[str] | frozenset[str] = f
         )
         for d in dirs:
             info = tarfile.TarInfo(d)
-            info.type, info.mode = tarfile.DIRTYPE, 0o777
+            info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o777, FIXED_TIME
             tar.addfile(info)
         for rel, data in files.items():
             info = tarfile.TarInfo(rel)
             info.size, info.mode = len(data), 0o777 if rel in executable else 0o666
+            info.mtime = FIXED_TIME  # one time for all: none names the file a task's builder changed
             tar.addfile(info, io.BytesIO(data))
     return buf.getvalue()

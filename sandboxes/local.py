@@ -24,9 +24,11 @@ from rollway.sandboxes.base import (
     SandboxProvider,
     SandboxSpec,
     claim_in_folder,
+    write_in_workspace,
 )
 from rollway.sandboxes.config import LocalSandboxConfig
 from rollway.sandboxes.jail import JailLimits, JailRunner
+from rollway.sandboxes.task_tree import normalise_tree
 
 DEFAULT_ROOT = "/tmp/rollway-sandboxes"
 """Stable, so every worker process on this machine finds the workspaces the others created."""
@@ -95,19 +97,18 @@ class LocalSandbox(Sandbox):
         return data.decode("utf-8", errors="replace")
 
     async def write_file(self, path: str, content: str) -> None:
-        target = resolve_inside(self.workspace, path)
-        await asyncio.to_thread(self._write, target, content)
+        await asyncio.to_thread(self._write, path, content.encode("utf-8"))
 
     async def write_bytes(self, path: str, data: bytes, executable: bool = False) -> None:
-        target = resolve_inside(self.workspace, path)
-        await asyncio.to_thread(self._write, target, data, executable)
+        await asyncio.to_thread(self._write, path, data, executable)
 
-    def _write(self, target: Path, content: str | bytes, executable: bool = False) -> None:
-        """Through descriptors (hostfs): never onto a FIFO or device the agent made, never through a link."""
+    def _write(self, path: str, data: bytes, executable: bool = False) -> None:
+        """Through descriptors (hostfs): never onto a FIFO or device the agent made, never through a link
+        (one the agent swaps in after `resolve_inside` looked is refused). What is written is given to the
+        jail user (it must be able to edit it)."""
         root = os.path.realpath(self.workspace)
-        rel = os.path.relpath(target, root)
-        data = content if isinstance(content, bytes) else content.encode("utf-8")
-        try:  # the jail user must be able to edit what we wrote
+        rel = os.path.relpath(resolve_inside(self.workspace, path), root)
+        try:
             hostfs.write_regular(root, rel, data, 0o755 if executable else None, owner=self._provider.runner.host_uid)
         except hostfs.NotARegularFile as err:
             raise SandboxError(f"cannot write {rel!r}: {err.strerror}") from None
@@ -214,6 +215,8 @@ class LocalSandboxProvider(SandboxProvider):
                         f"setup command {command!r} failed (exit {result.exit_code}, timed out: "
                         f"{result.timed_out}); fix the task's setup_commands. Output:\n{result.output[-2000:]}"
                     )
+            # No agent command has run yet: the tree is the task's, and its times and caches say nothing.
+            await asyncio.to_thread(normalise_tree, box_dir / "workspace")
             await asyncio.to_thread(self._snapshot, box_dir)
         except BaseException:
             await sandbox.destroy()
@@ -248,9 +251,8 @@ class LocalSandboxProvider(SandboxProvider):
             shutil.copytree(spec.source_dir, workspace, symlinks=True, dirs_exist_ok=True)
         workspace.chmod(0o755)
         for rel, content in spec.files.items():
-            target = resolve_inside(workspace, rel)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(content, encoding="utf-8")
+            real = resolve_inside(workspace, rel)
+            write_in_workspace(workspace, os.path.relpath(real, os.path.realpath(workspace)), content.encode())
         if self.runner.host_uid is not None:
             for path in [workspace, *workspace.rglob("*")]:
                 self.give_to_jail(path)

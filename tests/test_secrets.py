@@ -220,8 +220,10 @@ def test_no_planted_secret_reaches_the_run_folder_logs_ps_or_sandboxes(broker, t
     inside policy.base_url are configured. The episodes' first turn runs `env` in the sandbox (its output is
     kept in trajectories.jsonl). While the stage processes live, `ps` is sampled. Afterwards no planted
     value may be found in any file of the run folder (config, stage-config.json, summary, trajectories,
-    failures, logs, .out files), in the console output or in any `ps` line. Both ways of running the
-    stages: processes that get the secrets in their environment, and tasks of `rollway up` itself."""
+    failures, logs, .out files), in the console output, in any `ps` line or in the environment block of
+    any live process (`/proc/PID/environ`, which keeps a process's start-up environment for its whole life;
+    before issue 39 every stage process held ROLLWAY_SECRETS there). Both ways of running the stages:
+    processes handed the secrets over a pipe, and tasks of `rollway up` itself."""
     import contextlib
     import subprocess
     import sys
@@ -246,10 +248,12 @@ def test_no_planted_secret_reaches_the_run_folder_logs_ps_or_sandboxes(broker, t
                              f"topics.prefix=secrets{uuid.uuid4().hex[:6]}-"],
                             cwd=ROOT, stdout=console_file, stderr=subprocess.STDOUT)
     ps_lines: set[str] = set()
+    environ_hits: set[str] = set()
     try:
         while proc.poll() is None:  # sample the live processes' command lines until the job ends
             ps = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True, check=True).stdout
             ps_lines |= {line for line in ps.splitlines() if "rollway" in line}
+            environ_hits |= planted_in_environ_blocks()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(0.2)
     finally:
@@ -273,8 +277,53 @@ def test_no_planted_secret_reaches_the_run_folder_logs_ps_or_sandboxes(broker, t
         found += [f"{path.relative_to(run_dir)}: {s}" for s in PLANTED if s.encode() in data]
     found += [f"console: {s}" for s in PLANTED if s in console]
     found += [f"ps: {line}" for line in ps_lines for s in PLANTED if s in line]
+    found += sorted(environ_hits)
     assert not found, found
     assert json.loads((run_dir / "stage-config.json").read_text())["policy"]["api_key"] is None
+
+
+def planted_in_environ_blocks(planted: tuple[str, ...] = PLANTED) -> set[str]:
+    """`/proc/PID/environ: VALUE` for every live process whose environment block holds a planted value."""
+    import os
+
+    hits = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            block = open(f"/proc/{pid}/environ", "rb").read()
+            command = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ")[:120].decode(errors="replace")
+        except OSError:
+            continue
+        hits |= {f"/proc/{pid}/environ ({command}): {s}" for s in planted if s.encode() in block}
+    return hits
+
+
+def test_a_child_takes_its_secrets_from_a_pipe_never_its_environment_block_or_argv(tmp_path):
+    """Child(secrets=...): the value reaches the child (take_secret), but neither its /proc/PID/environ nor
+    its argv holds it while it runs, and nothing it starts inherits it."""
+    import sys
+
+    from rollway.base.process import Child
+
+    secret = "planted-Pipe-Secret-44e1"
+    code = ("import subprocess, sys; from rollway.base.secret_pipe import take_secret; "
+            "v = take_secret('X_SECRET'); print('got', v == sys.argv[1][::-1], flush=True); "
+            "env = subprocess.run(['env'], capture_output=True, text=True).stdout; "
+            "print('grandchild', sys.argv[1][::-1] in env, flush=True); sys.stdin.readline()")
+    log = tmp_path / "child.log"
+    child = Child([sys.executable, "-c", code, secret[::-1]], log, stdin_pipe=True, secrets={"X_SECRET": secret})
+    child.start()
+    try:
+        from conftest import wait_until
+
+        wait_until(lambda: "grandchild" in log.read_text(), timeout_s=120)
+        block = open(f"/proc/{child.pid}/environ", "rb").read()
+        argv = open(f"/proc/{child.pid}/cmdline", "rb").read()
+        assert secret.encode() not in block and secret.encode() not in argv
+        assert b"ROLLWAY_SECRET_FD=" in block  # the descriptor's number is all its environment says
+    finally:
+        child.send("")
+        assert child.wait(120) == 0
+    assert log.read_text().split() == ["got", "True", "grandchild", "False"]
 
 
 def test_errors_of_an_unreachable_engine_do_not_carry_its_url_password(broker, tmp_path):

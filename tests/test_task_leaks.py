@@ -1,0 +1,118 @@
+"""Task data hands out no answer (issue 39 item 5): a built task (buglocal, an SWE row made by mutating a
+snapshot) leaves no trace of which file was changed in a fresh sandbox: modification and access times,
+folder times, stale bytecode, git history, a clean copy of the library on the interpreter's path. The
+probe (`envs/leak_probe.py`) is the hostile policy; real builder, real sandboxes (local jail and Docker)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from rollway.envs.config import TasksConfig
+from rollway.envs.factory import build_taskset
+from rollway.envs.leak_probe import leaking_channels, probe_sandbox, probe_task
+from rollway.sandboxes.base import SandboxSpec
+from rollway.sandboxes.config import SandboxConfig
+from rollway.sandboxes.factory import build_sandbox_provider
+from rollway.sandboxes.task_tree import FIXED_TIME, normalise_tree
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def _probe_all(taskset, sandbox_type: str) -> list[tuple[str, dict]]:
+    provider = build_sandbox_provider(SandboxConfig(type=sandbox_type))  # type: ignore[arg-type]
+
+    async def go():
+        try:
+            return [(t.task_id, await probe_task(taskset, t, provider, f"leak-{uuid.uuid4().hex[:10]}"))
+                    for t in taskset.tasks()]
+        finally:
+            await provider.close()
+
+    return run(go())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sandbox_type", ["local", "docker"])
+def test_no_channel_names_the_changed_file_of_a_buglocal_task(toolz_two_tasks, sandbox_type):
+    """Before the fix the mutated file was the only one with a recent mtime (`find . -newer` named it) and
+    the bytecode the builder's test runs left behind did not match it."""
+    if sandbox_type == "docker":
+        from docker_engine import ensure_engine
+
+        ensure_engine()
+    taskset = build_taskset(TasksConfig(type="buglocal", path=str(toolz_two_tasks), difficulty="all"))
+    for task_id, probed in _probe_all(taskset, sandbox_type):
+        assert probed is not None and len(probed["report"]["candidates"]) > 4, task_id
+        assert probed["leaks"] == [], (task_id, probed["changed_file"], {
+            c: probed["report"]["channels"][c] for c in probed["leaks"]})
+        assert probed["report"]["pyc_files"] == 0 and not probed["report"]["git_folder"]
+
+
+@pytest.mark.slow
+def test_no_channel_names_the_changed_file_of_an_swe_row(toolz_swebench_row):
+    """An SWE row over git: its tree exported at the base commit, then the row's bug patch applied (which
+    rewrote the changed file, and only it, with the current time)."""
+    taskset = build_taskset(TasksConfig(type="swe", path=str(toolz_swebench_row / "rows.jsonl"),
+                                        mirror=str(toolz_swebench_row / "mirror"), limit=1))
+    [(task_id, probed)] = _probe_all(taskset, "local")
+    assert probed is not None and probed["leaks"] == [], (task_id, probed)
+
+
+def test_probe_names_a_changed_file_by_time_bytecode_and_git(tmp_path):
+    """The probe itself finds each channel when it is open (a tree made as the builder made it before:
+    the mutated file written last, its bytecode compiled from the original, a git repository), so a probe
+    that scores 0 above measured something."""
+    tree = tmp_path / "tree"
+    (tree / "pkg" / "__pycache__").mkdir(parents=True)
+    for i in range(8):
+        (tree / "pkg" / f"m{i}.py").write_text(f"def f{i}():\n    return {i}\n")
+        os.utime(tree / "pkg" / f"m{i}.py", (FIXED_TIME, FIXED_TIME))
+    import py_compile
+
+    py_compile.compile(str(tree / "pkg" / "m3.py"), cfile=str(tree / "pkg" / "__pycache__" / "m3.cpython-311.pyc"))
+    (tree / "pkg" / "m3.py").write_text("def f3():\n    return -3\n")
+    provider = build_sandbox_provider(SandboxConfig(type="local"))
+
+    async def probe(spec: SandboxSpec, normalise: bool) -> dict:
+        box = await provider.create(spec, f"leak-{uuid.uuid4().hex[:10]}")
+        try:
+            if not normalise:  # as a sandbox was made before: the tree's times and caches carried in
+                os.utime(Path(box.workspace_path) / "pkg" / "m3.py", None)
+                await box.exec("mkdir -p pkg/__pycache__ && cp -p " + str(tree / "pkg" / "__pycache__" / "*")
+                               + " pkg/__pycache__/ 2>/dev/null; cp pkg/m3.py /tmp/x && git init -q && git add -A"
+                               " && git -c user.name=a -c user.email=a@a commit -qm base && cp /tmp/x pkg/m3.py"
+                               " && echo '# changed' >> pkg/m3.py")
+            return await probe_sandbox(box)
+        finally:
+            await box.destroy()
+
+    opened = run(probe(SandboxSpec(source_dir=str(tree)), normalise=False))
+    assert {"mtime", "git"} <= set(leaking_channels(opened, "pkg/m3.py")), opened["channels"]
+    closed = run(probe(SandboxSpec(source_dir=str(tree)), normalise=True))
+    assert leaking_channels(closed, "pkg/m3.py") == [], closed["channels"]
+    assert closed["pyc_files"] == 0
+
+
+def test_normalise_tree_retimes_everything_and_drops_caches_without_following_links(tmp_path):
+    outside = tmp_path / "outside.txt"
+    outside.write_text("host file")
+    before = outside.stat().st_mtime_ns
+    tree = tmp_path / "tree"
+    (tree / "a" / "__pycache__").mkdir(parents=True)
+    (tree / "a" / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"\0" * 16)
+    (tree / ".pytest_cache").mkdir()
+    (tree / "a" / "x.py").write_text("x = 1\n")
+    (tree / "a" / "old.pyc").write_bytes(b"\0")
+    (tree / "link").symlink_to(outside)
+    normalise_tree(tree)
+    left = sorted(str(p.relative_to(tree)) for p in tree.rglob("*"))
+    assert left == ["a", "a/x.py", "link"]
+    assert {os.lstat(p).st_mtime for p in [tree, *tree.rglob("*")]} == {FIXED_TIME}
+    assert outside.stat().st_mtime_ns == before  # the link itself was retimed, not its target
