@@ -167,6 +167,7 @@ class EpisodeCapture:
 
     def commit(self, plan: Plan, api: str, output_ids: list[int], reply: Reply) -> int:
         """Apply a recorded call; returns its call index."""
+        api = "completions" if api == "completions" else "chat"  # the conversation APIs share one form
         if plan.segment_reason is not None:
             self.segment += 1
             self.api, self.tools = api, plan.tools

@@ -16,6 +16,16 @@ import msgspec
 import structlog
 from aiohttp import web
 
+from rollway.gateway.apis import (
+    CHAT_APIS,
+    anthropic_error,
+    messages_body,
+    messages_events,
+    parse_messages_request,
+    parse_responses_request,
+    responses_body,
+    responses_events,
+)
 from rollway.gateway.capture import EpisodeCapture, Plan
 from rollway.gateway.protocol import (
     Reply,
@@ -54,6 +64,9 @@ class EpisodeHandle:
     stop_reason: str | None = None
     """Set when the gateway refused a call because of a limit (call_limit)."""
     closed: bool = False
+    unsupported: str | None = None
+    """The first endpoint or option the program asked for that the gateway does not serve: the program
+    cannot work here, so the attempt fails for good (not retried)."""
     capture: EpisodeCapture | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -93,6 +106,10 @@ class Gateway:
             app.router.add_post(f"{prefix}/v1/chat/completions", self._chat)
             app.router.add_post(f"{prefix}/v1/completions", self._completions)
             app.router.add_get(f"{prefix}/v1/models", self._models)
+            app.router.add_post(f"{prefix}/v1/responses", self._responses)
+            app.router.add_post(f"{prefix}/v1/messages", self._messages)
+        for prefix in ("/e/{token}", ""):  # after every served route: anything else is named as unsupported
+            app.router.add_route("*", prefix + "/{tail:.*}", self._unsupported)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
@@ -158,6 +175,35 @@ class Gateway:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "completions")
 
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "responses")
+
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "messages")
+
+    async def _unsupported(self, request: web.Request) -> web.Response:
+        """An endpoint the gateway does not serve: 404 naming it, and the episode (when the credential
+        names one) marked as unable to work here."""
+        path = "/" + request.match_info.get("tail", "")
+        err = RequestError(f"{request.method} {path} is not served by this gateway (it serves POST "
+                           "/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages and GET /v1/models): "
+                           "configure the program to use one of those", None, 404, "unsupported_endpoint")
+        try:
+            self._mark_unsupported(self._episode(request), err)
+        except RequestError:
+            pass  # no episode to mark: the 404 is all there is to say
+        return self._error(err, "messages" if path.startswith("/v1/messages") else "chat")
+
+    def _mark_unsupported(self, handle: EpisodeHandle, err: RequestError) -> None:
+        if err.code in ("unsupported_option", "unsupported_endpoint") and handle.unsupported is None:
+            handle.unsupported = str(err)
+            log.warning("a program asked for what the gateway does not serve", episode_id=handle.episode.episode_id,
+                        error=str(err))
+
+    @staticmethod
+    def _error(err: RequestError, api: str) -> web.Response:
+        return web.json_response(anthropic_error(err) if api == "messages" else err.body(), status=err.status)
+
     async def _serve(self, request: web.Request, api: str) -> web.StreamResponse:
         try:
             handle = self._episode(request)
@@ -166,18 +212,23 @@ class Gateway:
             except (ValueError, UnicodeDecodeError, RecursionError):
                 raise RequestError("the request body is not valid JSON (or nests deeper than the parser "
                                    "reads)", None) from None
-            parsed = parse_chat_request(body) if api == "chat" else parse_completion_request(body)
+            try:
+                parsed = _PARSERS[api](body)
+            except RequestError as err:
+                self._mark_unsupported(handle, err)
+                raise
             async with handle.lock:
                 self._check_open(handle)
                 result = await self._call(handle, api, parsed)
         except RequestError as err:
-            return web.json_response(err.body(), status=err.status)
-        return await self._respond(request, api, parsed.sampling, *result)
+            return self._error(err, api)
+        return await self._respond(request, api, parsed, *result)
 
     def _episode(self, request: web.Request) -> EpisodeHandle:
         """The episode of the path token, else of the bearer key; 401 for an unknown credential or a
         key of another episode than the path's."""
-        bearer = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        bearer = (request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+                  or request.headers.get("x-api-key", "").strip())  # the Anthropic SDK's header
         token = request.match_info.get("token") or bearer
         handle = self.episodes.get(token)
         other = self.episodes.get(bearer)
@@ -217,7 +268,7 @@ class Gateway:
             raise RequestError(f"{err}; retry the call", None, 503, "record_failed") from None
         usage = {"prompt_tokens": len(plan.prompt_ids), "completion_tokens": len(output),
                  "total_tokens": len(plan.prompt_ids) + len(output)}
-        return f"{'chatcmpl' if api == 'chat' else 'cmpl'}-{handle.episode.episode_id}-{call.call_index}", reply, usage
+        return f"{handle.episode.episode_id}-{call.call_index}", reply, usage
 
     def _plan(self, capture: EpisodeCapture, api: str, parsed: Any) -> tuple[Plan, bool]:
         """Where the call goes in the episode's stream, and whether to parse tool calls from its output."""
@@ -261,6 +312,7 @@ class Gateway:
             text, finish = self.chat.decode(ids), "stop"
             reply = make_reply(cut_at_stop(text, sampling.stop) or "", finish, parse_tools)
             reply.raw_text = text
+            reply.stop_string = min((s for s in sampling.stop if s in text), key=text.index)
             return ids, reply
         return ids, make_reply(text, finish, parse_tools)
 
@@ -286,29 +338,44 @@ class Gateway:
             segment_reason=plan.segment_reason, retry_of=plan.retry_of, prompt_start=plan.prompt_start,
             prompt_ids=plan.delta, output_ids=output, logprobs=list(generation.logprobs[: len(output)]),
             finish_reason=reply.finish_reason, policy_version=generation.policy_version, api=api,
-            new_messages=plan.new_messages, tools=plan.tools if opens and api == "chat" else None,
+            new_messages=plan.new_messages, tools=plan.tools if opens and api in CHAT_APIS else None,
             raw_text=reply.raw_text, content=reply.content, tool_calls=reply.tool_calls, created_at=time.time())
 
-    async def _respond(self, request: web.Request, api: str, sampling: Sampling, call_id: str, reply: Reply,
+    async def _respond(self, request: web.Request, api: str, parsed: Any, call_id: str, reply: Reply,
                        usage: dict[str, int]) -> web.StreamResponse:
+        sampling: Sampling = parsed.sampling
+        model = self.model_name
         if not sampling.stream:
-            body = (chat_completion(call_id, self.model_name, reply, usage) if api == "chat" else
-                    text_completion(call_id, self.model_name, reply.content, reply.finish_reason, usage))
+            body = (chat_completion(f"chatcmpl-{call_id}", model, reply, usage) if api == "chat" else
+                    responses_body(call_id, model, parsed, reply, usage) if api == "responses" else
+                    messages_body(call_id, model, reply, usage) if api == "messages" else
+                    text_completion(f"cmpl-{call_id}", model, reply.content, reply.finish_reason, usage))
             return web.json_response(body)
         shown_usage = usage if sampling.include_usage else None
-        chunks = (chat_chunks(call_id, self.model_name, reply, shown_usage) if api == "chat" else
-                  completion_chunks(call_id, self.model_name, reply.content, reply.finish_reason, shown_usage))
+        if api == "responses":
+            events = [(f"event: {kind}\n", data) for kind, data in responses_events(call_id, model, parsed, reply, usage)]
+        elif api == "messages":
+            events = [(f"event: {kind}\n", data) for kind, data in messages_events(call_id, model, reply, usage)]
+        else:
+            events = [("", chunk) for chunk in (
+                chat_chunks(f"chatcmpl-{call_id}", model, reply, shown_usage) if api == "chat" else
+                completion_chunks(f"cmpl-{call_id}", model, reply.content, reply.finish_reason, shown_usage))]
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         try:
             await response.prepare(request)
-            for chunk in chunks:
-                await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            await response.write(b"data: [DONE]\n\n")
+            for event, data in events:
+                await response.write(f"{event}data: {json.dumps(data)}\n\n".encode())
+            if api in ("chat", "completions"):
+                await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
         except (ConnectionResetError, ConnectionError):
             # The call is already recorded; a program that left mid-stream retries or ends.
             log.info("client left mid-stream", call=call_id)
         return response
+
+
+_PARSERS = {"chat": parse_chat_request, "completions": parse_completion_request,
+            "responses": parse_responses_request, "messages": parse_messages_request}
 
 
 def _bound_unix_socket(path: str) -> socket.socket:
