@@ -54,7 +54,8 @@ def serve():
         for a, b in ((client, up), (up, client)):
             threading.Thread(target=pipe, args=(a, b), daemon=True).start()
 threading.Thread(target=serve, daemon=True).start()
-env = {**os.environ, **c["env"], "OPENAI_BASE_URL": "http://127.0.0.1:%d/v1" % srv.getsockname()[1]}
+url = "http://127.0.0.1:%d" % srv.getsockname()[1]
+env = {**os.environ, **c["env"], "OPENAI_BASE_URL": url + "/v1", "ANTHROPIC_BASE_URL": url}
 if c["instruction_file"]:
     with open(c["instruction_file"], "w") as f:
         f.write(c["instruction"])
@@ -72,6 +73,13 @@ os._exit(code if code >= 0 else 128 - code)
 
 class HarnessCrashed(RuntimeError):
     """The program exited non-zero on its own: the attempt fails (and is retried by the pipeline's rules)."""
+
+
+class HarnessUnsupported(HarnessCrashed):
+    """The program asked the gateway for an endpoint or option it does not serve and then did not end
+    cleanly: every attempt would fail the same way, so this one fails for good (not retried)."""
+
+    retryable = False
 
 
 @dataclass
@@ -144,9 +152,13 @@ class HarnessRunner:
         finally:
             if not run.done():
                 await _stop(run, sandbox)
-        if stop_reason is not None:
+        result = run.result() if stop_reason is None else None
+        if handle.unsupported is not None and (result is None or result.exit_code != 0 or result.timed_out):
+            # Named without the episode: every episode of this program fails with the same reason.
+            raise HarnessUnsupported(f"the agent program asked for what the gateway does not serve: "
+                                     f"{handle.unsupported}")
+        if result is None:
             return stop_reason
-        result = run.result()
         if handle.stop_reason == "call_limit":
             return "harness_call_limit"  # the refused call may have made the program exit non-zero
         if result.timed_out:
@@ -172,7 +184,8 @@ class HarnessRunner:
     def _command(self, handle: EpisodeHandle, instruction: str, socket: str) -> str:
         cfg = self.cfg
         spec = {"socket": socket, "argv": cfg.argv(instruction), "instruction": instruction,
-                "env": {**cfg.env, "OPENAI_API_KEY": handle.api_key, "OPENAI_MODEL": self.gateway.model_name},
+                "env": {**cfg.env, "OPENAI_API_KEY": handle.api_key, "OPENAI_MODEL": self.gateway.model_name,
+                        "ANTHROPIC_API_KEY": handle.api_key},
                 "stdin": cfg.stdin_instruction,
                 "instruction_file": INSTRUCTION_FILE if any("{instruction_file}" in a for a in cfg.command) else None}
         return f"python3 -c {shlex.quote(LAUNCHER)} {shlex.quote(json.dumps(spec))}"
@@ -242,6 +255,7 @@ def _segment_turns(segment: Segment, by_index: dict[int, CapturedCall], first_tu
             assistant_text=call.raw_text, observation_ids=ids[end:nxt], template_drift=call.template_drift,
             segment_prompt_ids=ids[:start] if opens and k == 0 else None,
             segment_reason=segment.reason if opens and k == 0 else None, call_index=call.call_index,
+            temperature=call.temperature, top_p=call.top_p,
             call_attempt=call.episode.attempt,
             segment_messages=list(call.new_messages) if opens and k == 0 else None,
             observations=observations, user_message=user_message))
@@ -258,7 +272,8 @@ async def start_harness_runner(services: Any, bootstrap: str | None) -> HarnessR
         raise ConfigError("agent.harness needs the broker's address to record the program's calls: run the agent "
                           "stage with a log reader (rollway up / rollway stage) or set broker.bootstrap")
     recorder = KeepingRecorder(await KafkaRecorder.connect(cfg.broker, cfg.topics, bootstrap))
+    enforced = (cfg.agent.temperature, cfg.agent.top_p) if cfg.agent.harness.sampling == "enforce" else None
     gateway = Gateway(services.inference, services.chat, recorder, model_name=cfg.agent.harness.model_name,
-                      default_max_tokens=cfg.agent.max_tokens_per_turn)
+                      default_max_tokens=cfg.agent.max_tokens_per_turn, enforce_sampling=enforced)
     await gateway.start()
     return HarnessRunner(cfg.agent.harness, gateway, recorder)

@@ -63,6 +63,12 @@ class HarnessConfig(StrictModel):
     silence_limit_s: float = Field(120.0, gt=0)
     """Time without a model call (from the start) after which the program is killed and the episode
     ends with `harness_silence`."""
+    sampling: Literal["enforce", "record"] = "enforce"
+    """Whose sampling the engine uses. `enforce`: the configured `agent.temperature` and `agent.top_p`,
+    whatever the program sends (most programs send their own, or none: 1.0); each call records that it
+    was overridden. `record`: the program's, recorded with each call. Either way the learner trains
+    only turns sampled at `learner.temperature` with top_p 1 and refuses any other episode with a
+    warning (its group trains without it): never a silent mismatch."""
     model_name: str = "rollway-policy"
     """The model name the gateway serves (OPENAI_MODEL)."""
 

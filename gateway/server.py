@@ -84,18 +84,22 @@ class Gateway:
 
     def __init__(self, engine: InferenceClient, chat: ChatFormat, recorder: CallRecorder, *,
                  model_name: str = "rollway-policy", default_max_tokens: int = 1024, max_tokens_cap: int = 32768,
-                 check_drift: bool = True, host: str = "127.0.0.1", port: int = 0, public_host: str | None = None):
+                 check_drift: bool = True, host: str = "127.0.0.1", port: int = 0, public_host: str | None = None,
+                 enforce_sampling: tuple[float, float] | None = None):
         self.engine, self.chat, self.recorder = engine, chat, recorder
         self.model_name, self.default_max_tokens, self.max_tokens_cap = model_name, default_max_tokens, max_tokens_cap
         self.host, self.port = host, port
         self.public_host = public_host or host
         """The host programs reach the gateway by (a sandbox may see the host under another name)."""
         self.check_drift = check_drift
+        self.enforce_sampling = enforce_sampling
+        """(temperature, top_p) every call is sampled at, whatever the program sends; None: the program's."""
         """Re-render each continued call from scratch to flag template drift (`CapturedCall.template_drift`):
         a full render per call, so off where rendering long histories costs too much."""
         self.episodes: dict[str, EpisodeHandle] = {}
         """By token; closed episodes stay (their calls get 409, not 401)."""
         self._runner: web.AppRunner | None = None
+        self._unsupported_said: set[str] = set()
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -197,8 +201,9 @@ class Gateway:
     def _mark_unsupported(self, handle: EpisodeHandle, err: RequestError) -> None:
         if err.code in ("unsupported_option", "unsupported_endpoint") and handle.unsupported is None:
             handle.unsupported = str(err)
-            log.warning("a program asked for what the gateway does not serve", episode_id=handle.episode.episode_id,
-                        error=str(err))
+            if str(err) not in self._unsupported_said:  # every episode of the program asks alike: said once
+                self._unsupported_said.add(str(err))
+                log.warning("a program asked for what the gateway does not serve", error=str(err))
 
     @staticmethod
     def _error(err: RequestError, api: str) -> web.Response:
@@ -254,6 +259,9 @@ class Gateway:
         generation = await self.engine.generate(plan.prompt_ids, self._params(parsed.sampling, plan))
         output, reply = self._reply(generation, parsed.sampling, parse_tools)
         call = self._record_of(handle, api, plan, generation, output, reply)
+        used = self._params(parsed.sampling, plan)
+        call.temperature, call.top_p = used.temperature, used.top_p
+        call.sampling_overridden = (used.temperature, used.top_p) != (parsed.sampling.temperature, parsed.sampling.top_p)
         if self.check_drift and capture.drifted(plan):
             call.template_drift = True
             log.info("template drift: the conversation re-renders differently", episode_id=handle.episode.episode_id,
@@ -300,7 +308,8 @@ class Gateway:
 
     def _params(self, sampling: Sampling, plan: Plan) -> SamplingParams:
         limit = min(sampling.max_tokens or self.default_max_tokens, self.max_tokens_cap)
-        return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=limit,
+        temperature, top_p = self.enforce_sampling or (sampling.temperature, sampling.top_p)
+        return SamplingParams(temperature=temperature, top_p=top_p, max_tokens=limit,
                               stop_token_ids=tuple(self.chat.stop_token_ids), seed=sampling.seed)
 
     def _reply(self, generation: Generation, sampling: Sampling, parse_tools: bool) -> tuple[list[int], Reply]:

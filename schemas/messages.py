@@ -131,6 +131,11 @@ class TurnRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     turn's `observation_ids` are then empty. None: the turn continues the current stream."""
     segment_reason: str | None = None
     """Why the segment opened (history_rewritten, system_changed, tools_changed, prompt_changed)."""
+    temperature: float | None = None
+    """Harness episodes: the temperature this turn was sampled at (`CapturedCall.temperature`); the
+    learner computes the turn's logprobs under it or refuses the episode. None: the configured one."""
+    top_p: float | None = None
+    """Harness episodes: the top_p this turn was sampled at. None: the configured one."""
     call_index: int | None = None
     """Harness episodes: the gateway call this turn is (`CapturedCall.call_index`; a retried call's turn
     is its retry's, so indices may skip). `observations` and `user_message` then hold what the program
@@ -303,6 +308,14 @@ class CapturedCall(EpisodeMessage, kw_only=True):
     """The text returned to the program (tool calls taken out, cut at a stop string)."""
     tool_calls: list[dict[str, Any]] = []
     """The tool calls returned to the program: [{id, name, arguments}]."""
+    temperature: float | None = None
+    """The temperature the engine sampled this call at (the program's, or the configured one where the
+    harness enforces its sampling). None: a record written before sampling was recorded."""
+    top_p: float | None = None
+    """The top_p the engine sampled this call at. None as for `temperature`."""
+    sampling_overridden: bool = False
+    """True when the program asked for other sampling than the engine used (the harness enforces the
+    configured temperature and top_p: `agent.harness.sampling: enforce`)."""
     template_drift: bool = False
     """True when rendering this call's messages from scratch gives other ids than the prompt the engine
     saw (sampled ids that re-tokenise differently, or a template that is not append-only). The

@@ -1,0 +1,37 @@
+"""Harness episodes on the Responses and Messages APIs and programs the gateway cannot serve, end to end
+with `rollway up`: real broker, real bubblewrap jail, real gateway; the scripted policy is the only fake
+(it is the model)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_harness import NON_FIX, up
+
+pytestmark = pytest.mark.e2e
+
+# A program that asks for an endpoint the gateway does not serve, then gives up as a real client does.
+EMBEDDINGS = r"""
+import json, os, sys, urllib.error, urllib.request
+request = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/embeddings", method="POST",
+    data=json.dumps({"model": "m", "input": "hi"}).encode(),
+    headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "Content-Type": "application/json"})
+try:
+    urllib.request.urlopen(request)
+except urllib.error.HTTPError as err:
+    print(err.code, err.read().decode()); sys.exit(1)
+"""
+
+
+def test_a_program_asking_for_an_unsupported_endpoint_fails_for_good_and_is_reported_once(tmp_path):
+    out, summary, trajs = up(tmp_path, NON_FIX, {"command": ["python3", "-c", EMBEDDINGS]})
+    assert trajs == [] and summary["episodes_failed"] == 2, out.stderr[-3000:]
+    failures = [json.loads(line) for line in (tmp_path / "run" / "failures.jsonl").read_text().splitlines()]
+    agent = [f for f in failures if f["stage"] == "agent"]
+    # max_attempts=2, but no episode is re-run: the program can never work here.
+    assert sorted(f["episode"]["attempt"] for f in agent) == [0, 0], agent
+    assert all(not f["retryable"] and "POST /v1/embeddings is not served" in f["reason"] for f in agent)
+    [(reason, count)] = summary["failure_reasons"].items()
+    assert count == 2 and "HarnessUnsupported" in reason and "/v1/embeddings" in reason
+    assert out.stderr.count("/v1/embeddings is not served") == 1, out.stderr[-3000:]
