@@ -90,6 +90,11 @@ class HarnessOutcome:
     messages: list[dict[str, Any]]
     turns: list[TurnRecord]
     stop_reason: str
+    side_calls: list[dict[str, Any]]
+
+
+SIDE_CALL_CHARS = 500
+"""Characters of a side call's system prompt and text kept for viewers."""
 
 
 class KeepingRecorder(CallRecorder):
@@ -128,7 +133,8 @@ class HarnessRunner:
         """Run the program to its end or a limit in `sandbox`; the episode's turns from its calls.
         `deadline`: the task's own end of agent time (unix seconds), when it has one."""
         host_socket, sandbox_socket = await gateway_socket(sandbox)
-        handle = self.gateway.open_episode(episode, self.cfg.max_calls)
+        handle = self.gateway.open_episode(episode, self.cfg.max_calls, max_segments=self.cfg.max_segments,
+                                           max_trained_tokens=self.cfg.max_trained_tokens)
         host_socket.unlink(missing_ok=True)
         site = await self.gateway.listen_unix(str(host_socket))
         try:
@@ -159,8 +165,8 @@ class HarnessRunner:
                                      f"{handle.unsupported}")
         if result is None:
             return stop_reason
-        if handle.stop_reason == "call_limit":
-            return "harness_call_limit"  # the refused call may have made the program exit non-zero
+        if handle.stop_reason is not None:
+            return f"harness_{handle.stop_reason}"  # the refused call may have made the program exit non-zero
         if result.timed_out:
             return "harness_time_limit"
         if result.exit_code != 0:
@@ -175,8 +181,8 @@ class HarnessRunner:
             silent_for = time.monotonic() - since
             if silent_for >= self.cfg.silence_limit_s:
                 return "harness_silence"
-            if handle.stop_reason == "call_limit":
-                return "harness_call_limit"
+            if handle.stop_reason is not None:  # a limit the gateway enforced (calls, segments, tokens)
+                return f"harness_{handle.stop_reason}"
             # The call limit is noticed within this poll; the silence limit exactly when due.
             await asyncio.wait({run}, timeout=min(0.2, self.cfg.silence_limit_s - silent_for))
         return None
@@ -227,18 +233,23 @@ def outcome_of(calls: list[CapturedCall], stop_reason: str, fallback_prompt: lis
     """The episode's turns from its captured calls: one TurnRecord per kept call; observation ids are
     the tokens the next call of the same segment added; a call that opened a later segment carries
     that segment's prompt (`segment_prompt_ids`). No calls: one empty turn on `fallback_prompt`."""
-    if not calls:
+    side = [{"call_index": c.call_index, "name": c.side_call, "output_tokens": len(c.output_ids),
+             "system": next((str(m.get("content")) for m in c.new_messages if m.get("role") == "system"), "")[
+                 :SIDE_CALL_CHARS], "text": c.raw_text[:SIDE_CALL_CHARS]}
+            for c in sorted({c.call_index: c for c in calls}.values(), key=lambda c: c.call_index)
+            if c.side_call is not None]
+    segments = rebuild_segments(calls) if calls else []
+    if not segments:  # no call, or side calls only
         empty = TurnRecord(turn=0, completion_ids=[], logprobs=[], policy_version=0, finish_reason=stop_reason,
                            assistant_text="")
-        return HarnessOutcome(list(fallback_prompt), [], [empty], stop_reason)
+        return HarnessOutcome(list(fallback_prompt), [], [empty], stop_reason, side)
     by_index = {c.call_index: c for c in calls}
-    segments = rebuild_segments(calls)
     turns: list[TurnRecord] = []
     for segment in segments:
         turns += _segment_turns(segment, by_index, first_turn=len(turns), opens=segment.index > 0)
     first = segments[0]
     messages = list(by_index[first.call_indices[0]].new_messages)
-    return HarnessOutcome(first.token_ids[: first.turn_spans[0][0]], messages, turns, stop_reason)
+    return HarnessOutcome(first.token_ids[: first.turn_spans[0][0]], messages, turns, stop_reason, side)
 
 
 def _segment_turns(segment: Segment, by_index: dict[int, CapturedCall], first_turn: int, opens: bool) -> list[TurnRecord]:
@@ -274,6 +285,7 @@ async def start_harness_runner(services: Any, bootstrap: str | None) -> HarnessR
     recorder = KeepingRecorder(await KafkaRecorder.connect(cfg.broker, cfg.topics, bootstrap))
     enforced = (cfg.agent.temperature, cfg.agent.top_p) if cfg.agent.harness.sampling == "enforce" else None
     gateway = Gateway(services.inference, services.chat, recorder, model_name=cfg.agent.harness.model_name,
-                      default_max_tokens=cfg.agent.max_tokens_per_turn, enforce_sampling=enforced)
+                      default_max_tokens=cfg.agent.max_tokens_per_turn, enforce_sampling=enforced,
+                      side_rules=cfg.agent.harness.side_calls.all_rules())
     await gateway.start()
     return HarnessRunner(cfg.agent.harness, gateway, recorder)

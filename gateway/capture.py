@@ -36,6 +36,8 @@ class Plan:
     keep_messages: int
     """Messages of the recorded conversation kept before `new_messages`."""
     tools: list[dict[str, Any]]
+    side: str | None = None
+    """A side call (gateway/side.py): a full render of its own, leaving the episode's stream as it was."""
 
 
 @dataclass
@@ -72,6 +74,10 @@ class EpisodeCapture:
                 return self._extension_plan(messages[len(self.conversation):], tools)
         prompt = self.chat.initial(self._render(messages), tools)
         return Plan(prompt, prompt, 0, self._reason(messages, tools), None, list(messages), 0, tools)
+
+    def plan_side(self, name: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Plan:
+        prompt = self.chat.initial(self._render(messages), tools)
+        return Plan(prompt, prompt, 0, None, None, list(messages), 0, tools, side=name)
 
     def _retried(self, messages: list[dict[str, Any]]) -> _SegmentCall | None:
         for call in reversed(self.calls):
@@ -118,7 +124,7 @@ class EpisodeCapture:
     def drifted(self, plan: Plan) -> bool:
         """Whether a from-scratch render of the plan's conversation differs from its prompt ids (never
         for a call that opens a segment: that prompt is a from-scratch render). Costs a full render."""
-        if plan.segment_reason is not None or self.api != "chat":
+        if plan.segment_reason is not None or plan.side is not None or self.api != "chat":
             return False
         history = [*self.rendered[: plan.keep_messages], *self._render(plan.new_messages)]
         return self.chat.drift(history, plan.tools, plan.prompt_ids)
@@ -153,6 +159,8 @@ class EpisodeCapture:
         return capture
 
     def _replayed(self, call: CapturedCall) -> Plan:
+        if call.side_call is not None:
+            return Plan([], call.prompt_ids, 0, None, None, call.new_messages, 0, call.tools or [], side=call.side_call)
         if call.segment_reason is not None:
             keep = 0
         elif call.retry_of is not None:
@@ -167,6 +175,9 @@ class EpisodeCapture:
 
     def commit(self, plan: Plan, api: str, output_ids: list[int], reply: Reply) -> int:
         """Apply a recorded call; returns its call index."""
+        if plan.side is not None:  # the episode's stream and conversation stay as they were
+            self.next_index += 1
+            return self.next_index - 1
         api = "completions" if api == "completions" else "chat"  # the conversation APIs share one form
         if plan.segment_reason is not None:
             self.segment += 1

@@ -9,7 +9,7 @@ import os
 import secrets
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
@@ -41,6 +41,7 @@ from rollway.gateway.protocol import (
     text_completion,
 )
 from rollway.gateway.recorder import CallRecorder, RecordFailed, RecordTooLarge
+from rollway.gateway.side import SideCallRule, side_call_of
 from rollway.policies.base import ChatFormat, Generation, InferenceClient, SamplingParams
 from rollway.schemas.messages import CapturedCall, EpisodeKey
 
@@ -62,7 +63,14 @@ class EpisodeHandle:
     """time.monotonic() of the last recorded call (None: none yet), for a silence limit."""
     opened_at: float = field(default_factory=time.monotonic)
     stop_reason: str | None = None
-    """Set when the gateway refused a call because of a limit (call_limit)."""
+    """Set when the gateway refused a call because of a limit (call_limit, segment_limit, token_limit)."""
+    max_segments: int | None = None
+    """Token streams (segments) per episode: a call that would open one more is refused."""
+    max_trained_tokens: int | None = None
+    """Sampled (trained) tokens per episode: each call's max_tokens is cut to what is left, and the call
+    after the budget is spent is refused."""
+    trained_tokens: int = 0
+    """Sampled tokens recorded so far (a retried call's count too: the bound is never exceeded)."""
     closed: bool = False
     unsupported: str | None = None
     """The first endpoint or option the program asked for that the gateway does not serve: the program
@@ -85,7 +93,7 @@ class Gateway:
     def __init__(self, engine: InferenceClient, chat: ChatFormat, recorder: CallRecorder, *,
                  model_name: str = "rollway-policy", default_max_tokens: int = 1024, max_tokens_cap: int = 32768,
                  check_drift: bool = True, host: str = "127.0.0.1", port: int = 0, public_host: str | None = None,
-                 enforce_sampling: tuple[float, float] | None = None):
+                 enforce_sampling: tuple[float, float] | None = None, side_rules: tuple[SideCallRule, ...] = ()):
         self.engine, self.chat, self.recorder = engine, chat, recorder
         self.model_name, self.default_max_tokens, self.max_tokens_cap = model_name, default_max_tokens, max_tokens_cap
         self.host, self.port = host, port
@@ -93,6 +101,8 @@ class Gateway:
         """The host programs reach the gateway by (a sandbox may see the host under another name)."""
         self.check_drift = check_drift
         self.enforce_sampling = enforce_sampling
+        self.side_rules = side_rules
+        """Calls matching these are side conversations (gateway/side.py): recorded, outside the stream."""
         """(temperature, top_p) every call is sampled at, whatever the program sends; None: the program's."""
         """Re-render each continued call from scratch to flag template drift (`CapturedCall.template_drift`):
         a full render per call, so off where rendering long histories costs too much."""
@@ -141,7 +151,8 @@ class Gateway:
             self._runner = None
 
     def open_episode(self, episode: EpisodeKey, max_calls: int | None = None, *, token: str | None = None,
-                     recorded: list[CapturedCall] | None = None) -> EpisodeHandle:
+                     recorded: list[CapturedCall] | None = None, max_segments: int | None = None,
+                     max_trained_tokens: int | None = None) -> EpisodeHandle:
         """A fresh credential for `episode`. Give the program `handle.api_key` (with base URL
         `gateway.url + "/v1"`) or `handle.base_url` (the key in the path).
 
@@ -153,7 +164,8 @@ class Gateway:
             raise ValueError(f"the token of episode {episode.episode_id} is already in use on this gateway")
         capture = EpisodeCapture.restore(self.chat, recorded) if recorded else EpisodeCapture(self.chat)
         handle = EpisodeHandle(episode, token, f"{self.url}/e/{token}/v1", max_calls, calls=capture.next_index,
-                               capture=capture)
+                               capture=capture, max_segments=max_segments, max_trained_tokens=max_trained_tokens,
+                               trained_tokens=sum(len(c.output_ids) for c in recorded or [] if c.side_call is None))
         self.episodes[token] = handle
         return handle
 
@@ -250,17 +262,31 @@ class Gateway:
             handle.stop_reason = "call_limit"
             raise RequestError(f"episode {handle.episode.episode_id} reached its limit of {handle.max_calls} "
                                "model calls", None, 409, "call_limit_reached")
+        if handle.max_trained_tokens is not None and handle.trained_tokens >= handle.max_trained_tokens:
+            handle.stop_reason = "token_limit"
+            raise RequestError(f"episode {handle.episode.episode_id} reached its limit of {handle.max_trained_tokens} "
+                               "sampled tokens", None, 409, "token_limit_reached")
 
     async def _call(self, handle: EpisodeHandle, api: str, parsed: Any) -> tuple[str, Reply, dict[str, int]]:
         capture = handle.capture
         assert capture is not None  # open episodes keep theirs
         plan, parse_tools = self._plan(capture, api, parsed)
         _check_storable(plan)
-        generation = await self.engine.generate(plan.prompt_ids, self._params(parsed.sampling, plan))
+        if plan.segment_reason not in (None, "start") and handle.max_segments is not None \
+                and capture.segment + 1 >= handle.max_segments:
+            handle.stop_reason = "segment_limit"
+            raise RequestError(f"episode {handle.episode.episode_id} reached its limit of {handle.max_segments} "
+                               f"segments (this call would open another: {plan.segment_reason})", None, 409,
+                               "segment_limit_reached")
+        used = self._params(parsed.sampling, plan)
+        if handle.max_trained_tokens is not None and plan.side is None:  # no more than the episode has left
+            used = replace(used, max_tokens=min(used.max_tokens, handle.max_trained_tokens - handle.trained_tokens))
+        generation = await self.engine.generate(plan.prompt_ids, used)
         output, reply = self._reply(generation, parsed.sampling, parse_tools)
         call = self._record_of(handle, api, plan, generation, output, reply)
-        used = self._params(parsed.sampling, plan)
         call.temperature, call.top_p = used.temperature, used.top_p
+        if plan.side is not None:
+            call.side_call, call.segment, call.tools = plan.side, -1, plan.tools
         call.sampling_overridden = (used.temperature, used.top_p) != (parsed.sampling.temperature, parsed.sampling.top_p)
         if self.check_drift and capture.drifted(plan):
             call.template_drift = True
@@ -283,8 +309,10 @@ class Gateway:
         if api == "completions":
             prompt = parsed.prompt if isinstance(parsed.prompt, list) else self._encode_prompt(parsed.prompt)
             return capture.plan_completion(prompt), False
+        side = side_call_of(parsed.messages, self.side_rules)
         try:
-            plan = capture.plan_chat(parsed.messages, parsed.tools)
+            plan = (capture.plan_side(side, parsed.messages, parsed.tools) if side is not None
+                    else capture.plan_chat(parsed.messages, parsed.tools))
         except Exception as err:  # noqa: BLE001 - a template's own checks (raise_exception) and its errors
             # Rendering depends only on the request: a template that refuses these messages (roles out
             # of the order it allows, a role it lacks) is the request's problem, said as the template says it.
@@ -304,6 +332,7 @@ class Gateway:
         assert handle.capture is not None
         handle.capture.commit(plan, api, call.output_ids, reply)
         handle.calls += 1
+        handle.trained_tokens += len(call.output_ids) if call.side_call is None else 0
         handle.last_call_at = time.monotonic()
 
     def _params(self, sampling: Sampling, plan: Plan) -> SamplingParams:

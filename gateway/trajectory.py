@@ -78,6 +78,8 @@ def rebuild_segments(calls: Iterable[CapturedCall]) -> list[Segment]:
     for expected, call in enumerate(ordered):
         if call.call_index != expected:
             raise CallLogError(f"episode {call.episode_id}: call {expected} is missing from the record")
+        if call.side_call is not None:
+            continue  # a side conversation: recorded, not part of any segment
         if call.segment_reason is not None:
             if call.segment != len(segments):
                 raise CallLogError(f"episode {call.episode_id}: call {call.call_index} opens segment "

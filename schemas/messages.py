@@ -191,6 +191,8 @@ class RewardRequest(EpisodeMessage, kw_only=True):
     turns: list[TurnRecord]
     stop_reason: str
     """Why the agent stopped: finish, max_turns, max_tokens, length, error:..."""
+    side_calls: list[dict[str, Any]] = []
+    """Harness episodes: the program's side conversations, as `Trajectory.side_calls`."""
     deadline: float = 0.0
 
 
@@ -225,6 +227,10 @@ class Trajectory(EpisodeMessage, kw_only=True):
     created_at: float = 0.0
     """When the reward actor graded it (unix seconds). Stage times are telemetry (runtime/telemetry.py);
     each turn's generation and tool times are on `turns` (the agent needs them)."""
+    side_calls: list[dict[str, Any]] = []
+    """Harness episodes: the program's side conversations (`CapturedCall.side_call`), never trained:
+    per call {call_index, name, system (its system prompt, cut), text (the sampled text, cut),
+    output_tokens}. Empty: none."""
     segment_starts: list[int] = []
     """Harness episodes whose program rewrote its history: the offset in `token_ids` where each token
     stream after the first begins (its prompt). Tokens of a segment were seen by the model only with
@@ -308,6 +314,11 @@ class CapturedCall(EpisodeMessage, kw_only=True):
     """The text returned to the program (tool calls taken out, cut at a stop string)."""
     tool_calls: list[dict[str, Any]] = []
     """The tool calls returned to the program: [{id, name, arguments}]."""
+    side_call: str | None = None
+    """Set on a side conversation (a title or memory call the program makes beside its main one,
+    matched by `agent.harness.side_calls`): the rule's name. Such a call renders its own whole prompt
+    (`prompt_start` 0, `segment` -1), belongs to no segment, is never trained, and leaves the episode's
+    stream as it was. None: a call of the episode's conversation."""
     temperature: float | None = None
     """The temperature the engine sampled this call at (the program's, or the configured one where the
     harness enforces its sampling). None: a record written before sampling was recorded."""

@@ -198,3 +198,95 @@ def test_an_endpoint_the_gateway_does_not_serve_is_named_and_marks_the_episode()
     err, handle = run(scenario())
     assert "POST /v1/embeddings is not served" in str(err) and err.body["code"] == "unsupported_endpoint"
     assert handle.unsupported is not None and "/v1/embeddings" in handle.unsupported
+
+
+# -- size bounds ------------------------------------------------------------------------------------
+
+
+def test_a_segment_past_the_bound_is_refused_and_the_episode_keeps_what_it_has():
+    async def scenario():
+        engine = LoggedEngine()
+        gateway, recorder = await serve(engine)
+        handle = gateway.open_episode(key(), max_segments=1)
+        program = _Plain(Program(client_for(gateway, handle)))
+        try:
+            messages = await tool_episode(program)
+            compacted = [messages[0], {"role": "user", "content": "Summary: ls showed a.txt."}, *messages[4:]]
+            with pytest.raises(openai.APIStatusError) as caught:
+                await program.call(compacted, [SHELL])  # would open segment 1
+            return caught.value, recorder.of("ep-1"), handle
+        finally:
+            await gateway.stop()
+
+    err, calls, handle = run(scenario())
+    assert err.status_code == 409 and err.body["code"] == "segment_limit_reached" and "1 segments" in str(err)
+    assert handle.stop_reason == "segment_limit" and handle.unsupported is None
+    assert [c.segment for c in calls] == [0, 0, 0] and len(rebuild_segments(calls)) == 1
+
+
+def test_sampled_tokens_never_pass_the_bound_and_the_next_call_is_refused():
+    async def scenario():
+        gateway, recorder = await serve(LoggedEngine())
+        handle = gateway.open_episode(key(), max_trained_tokens=60)
+        program = _Plain(Program(client_for(gateway, handle)))
+        try:
+            with pytest.raises(openai.APIStatusError) as caught:
+                await tool_episode(program)
+            return caught.value, recorder.of("ep-1"), handle
+        finally:
+            await gateway.stop()
+
+    err, calls, handle = run(scenario())
+    assert err.status_code == 409 and err.body["code"] == "token_limit_reached"
+    assert handle.stop_reason == "token_limit"
+    [segment] = rebuild_segments(calls)
+    # The call that crossed the bound was cut to what was left (finish_reason length): exactly 60 trained.
+    assert sum(segment.loss_mask) == 60 == handle.trained_tokens and calls[-1].finish_reason == "length"
+
+
+# -- side conversations -----------------------------------------------------------------------------
+
+TITLE = [{"role": "system", "content": "You are a title generator. You output ONLY a thread title."},
+         {"role": "user", "content": "What does a.txt say?"}]
+
+
+class _WithTitles(_Plain):
+    """An opencode-like program: a title call before its first call and after its second."""
+
+    async def call(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> dict[str, Any]:
+        if len(messages) in (2, 4):
+            await self.inner.client.chat.completions.create(model="m", messages=TITLE)
+        return await super().call(messages, tools)
+
+
+@pytest.mark.parametrize("rules", ["shipped", "none"])
+def test_a_side_conversation_is_recorded_apart_and_the_episode_stream_goes_on(rules):
+    from rollway.actors.harness import outcome_of
+    from rollway.gateway.side import SHIPPED
+
+    async def scenario():
+        engine = LoggedEngine()
+        gateway, recorder = await serve(engine, side_rules=SHIPPED["opencode"] if rules == "shipped" else ())
+        handle = gateway.open_episode(key(), max_segments=None if rules == "none" else 1)
+        try:
+            await tool_episode(_WithTitles(Program(client_for(gateway, handle))))
+        finally:
+            await gateway.stop()
+        return recorder.of("ep-1")
+
+    calls = run(scenario())
+    assert len(calls) == 5
+    segments = rebuild_segments(calls)
+    outcome = outcome_of(calls, "harness_exit", [])
+    if rules == "none":  # before: each title call is a segment of the episode, trained with it
+        assert [s.reason for s in segments] == ["start", "system_changed", "system_changed", "system_changed"]
+        assert outcome.side_calls == []
+        return
+    assert [c.side_call for c in calls] == ["opencode-title", None, None, "opencode-title", None]
+    assert [c.segment for c in calls] == [-1, 0, 0, -1, 0]
+    assert [c.segment_reason for c in calls] == [None, "start", None, None, None]
+    [segment] = segments  # the main conversation is one stream: each call extends it
+    assert segment.call_indices == [1, 2, 4] and len(outcome.turns) == 3
+    assert [c["name"] for c in outcome.side_calls] == ["opencode-title"] * 2
+    assert outcome.side_calls[0]["system"].startswith("You are a title generator")
+    assert all(t.call_index in (1, 2, 4) for t in outcome.turns)  # side calls are never turns (never trained)

@@ -35,3 +35,14 @@ def test_a_program_asking_for_an_unsupported_endpoint_fails_for_good_and_is_repo
     [(reason, count)] = summary["failure_reasons"].items()
     assert count == 2 and "HarnessUnsupported" in reason and "/v1/embeddings" in reason
     assert out.stderr.count("/v1/embeddings is not served") == 1, out.stderr[-3000:]
+
+
+def test_an_episode_past_its_segment_bound_is_graded_and_trained_up_to_it(tmp_path):
+    from test_harness import AGENT_PROGRAM, FIX
+
+    out, summary, trajs = up(tmp_path, FIX, {**AGENT_PROGRAM, "max_segments": 1})
+    assert out.returncode == 0 and len(trajs) == 2, out.stderr[-3000:]
+    for t in trajs:
+        # agent_program.py compacts after two calls: that third call would open a second segment.
+        assert t["stop_reason"] == "harness_segment_limit" and t["num_turns"] == 2 and t["segment_starts"] == []
+        assert "grade" in t and sum(t["loss_mask"]) == sum(e - s for s, e in t["turn_spans"]) > 0
