@@ -27,6 +27,9 @@ SOCKET = ".rollway/gateway.sock"
 """The gateway's unix socket, relative to the workspace (the jail's working folder): the only way out
 of a sandbox without network. `.rollway/` is left out of the diff that is graded."""
 
+CALLS_DIR = "gateway-calls"
+"""The run folder's copy of each harness attempt's calls (`EPISODE.ATTEMPT.jsonl`)."""
+
 OUTPUT_TAIL = 2000
 """Characters of the program's output quoted in a crash's reason."""
 
@@ -121,8 +124,12 @@ class KeepingRecorder(CallRecorder):
 class HarnessRunner:
     """Plays harness episodes on one worker's gateway (started once per worker process)."""
 
-    def __init__(self, cfg: HarnessConfig, gateway: Gateway, recorder: KeepingRecorder) -> None:
+    def __init__(self, cfg: HarnessConfig, gateway: Gateway, recorder: KeepingRecorder,
+                 calls_dir: Path | None = None) -> None:
         self.cfg, self.gateway, self.recorder = cfg, gateway, recorder
+        self.calls_dir = calls_dir
+        """Where each attempt's acknowledged calls are also written (`EPISODE.ATTEMPT.jsonl`), so a run
+        folder holds them after the broker is gone. None: the log only."""
 
     async def close(self) -> None:
         await self.gateway.stop()
@@ -144,8 +151,19 @@ class HarnessRunner:
             await site.stop()
             host_socket.unlink(missing_ok=True)
             calls = self.recorder.take(episode)  # a crashed or cancelled attempt's calls stay in the log only
+            self._write_calls(episode, calls)
         log.info("harness episode ended", episode_id=episode.episode_id, stop_reason=stop_reason, calls=len(calls))
         return outcome_of(calls, stop_reason, fallback_prompt)
+
+    def _write_calls(self, episode: EpisodeKey, calls: list[CapturedCall]) -> None:
+        if self.calls_dir is None or not calls:
+            return
+        import msgspec
+
+        self.calls_dir.mkdir(parents=True, exist_ok=True)
+        lines = [json.dumps(msgspec.to_builtins(c)) for c in sorted(calls, key=lambda c: c.call_index)]
+        path = self.calls_dir / f"{episode.episode_id}.{episode.attempt}.jsonl"
+        path.write_text("\n".join(lines) + "\n")
 
     async def _run(self, handle: EpisodeHandle, instruction: str, sandbox: Sandbox, socket: str,
                    deadline: float | None) -> str:
@@ -288,4 +306,4 @@ async def start_harness_runner(services: Any, bootstrap: str | None) -> HarnessR
                       default_max_tokens=cfg.agent.max_tokens_per_turn, enforce_sampling=enforced,
                       side_rules=cfg.agent.harness.side_calls.all_rules())
     await gateway.start()
-    return HarnessRunner(cfg.agent.harness, gateway, recorder)
+    return HarnessRunner(cfg.agent.harness, gateway, recorder, Path(services.run_dir) / CALLS_DIR)

@@ -46,3 +46,9 @@ def test_an_episode_past_its_segment_bound_is_graded_and_trained_up_to_it(tmp_pa
         # agent_program.py compacts after two calls: that third call would open a second segment.
         assert t["stop_reason"] == "harness_segment_limit" and t["num_turns"] == 2 and t["segment_starts"] == []
         assert "grade" in t and sum(t["loss_mask"]) == sum(e - s for s, e in t["turn_spans"]) > 0
+    # Each episode's calls are in the run folder too, as the log acknowledged them.
+    files = sorted((tmp_path / "run" / "gateway-calls").glob("*.jsonl"))
+    assert len(files) == 2
+    for path in files:
+        calls = [json.loads(line) for line in path.read_text().splitlines()]
+        assert [c["call_index"] for c in calls] == [0, 1] and all(c["output_ids"] for c in calls)
