@@ -373,7 +373,8 @@ class Gateway:
         opens = plan.segment_reason is not None
         return CapturedCall(
             episode=handle.episode, call_index=capture.next_index, segment=capture.segment + int(opens),
-            segment_reason=plan.segment_reason, retry_of=plan.retry_of, prompt_start=plan.prompt_start,
+            segment_reason=plan.segment_reason, retry_of=plan.retry_of, continues_call=plan.continues,
+            prompt_start=plan.prompt_start,
             prompt_ids=plan.delta, output_ids=output, logprobs=list(generation.logprobs[: len(output)]),
             finish_reason=reply.finish_reason, policy_version=generation.policy_version, api=api,
             new_messages=plan.new_messages, tools=plan.tools if opens and api in CHAT_APIS else None,

@@ -293,6 +293,10 @@ class CapturedCall(EpisodeMessage, kw_only=True):
     retry_of: int | None = None
     """The call index this call repeats (same request again, e.g. after a client timeout); the
     retried call's output is superseded. None: not a retry."""
+    continues_call: int | None = None
+    """The earlier call whose answer, superseded by a retry, this call goes on from (the program kept
+    that answer, not the retry's): the stream is cut back to the end of that call's prompt and its
+    output put back (loss mask 1, it is trained) before this call's `prompt_ids`. None: not so."""
     prompt_start: int
     """Where in the segment's stream `prompt_ids` go (the stream is cut there first)."""
     prompt_ids: list[int]

@@ -290,3 +290,40 @@ def test_a_side_conversation_is_recorded_apart_and_the_episode_stream_goes_on(ru
     assert [c["name"] for c in outcome.side_calls] == ["opencode-title"] * 2
     assert outcome.side_calls[0]["system"].startswith("You are a title generator")
     assert all(t.call_index in (1, 2, 4) for t in outcome.turns)  # side calls are never turns (never trained)
+
+
+# -- the answer the program kept --------------------------------------------------------------------
+
+
+def test_of_two_answers_to_one_request_the_one_the_next_call_extends_is_trained():
+    """Two identical requests sent concurrently (seeds differ, so the answers do): the second is recorded
+    as a retry of the first. The program goes on from the FIRST answer: that one is trained, in the same
+    segment, and the retry's answer is recorded and not trained."""
+    from rollway.policies.config import ScriptRule
+
+    rules = [ScriptRule(turns=["first answer", "done"], alternatives=[["second answer", "done"]])]
+
+    async def scenario():
+        engine = LoggedEngine(rules)
+        gateway, recorder = await serve(engine)
+        handle = gateway.open_episode(key())
+        client = client_for(gateway, handle)
+        ask = [{"role": "user", "content": "Say something."}]
+        replies = [(await client.chat.completions.create(model="m", messages=ask, seed=seed)).choices[0].message
+                   for seed in (0, 1)]  # one after the other: the order the gateway's lock gives them
+        kept = replies[0]
+        await client.chat.completions.create(model="m", messages=[
+            *ask, {"role": "assistant", "content": kept.content}, {"role": "user", "content": "Go on."}])
+        await gateway.stop()
+        return engine, recorder.of("ep-1"), [r.content for r in replies]
+
+    engine, calls, answers = run(scenario())
+    assert answers == ["first answer", "second answer"]
+    assert [(c.retry_of, c.continues_call, c.segment_reason) for c in calls] == [
+        (None, None, "start"), (0, None, None), (None, 0, None)]
+    assert [c.output_ids for c in calls] == [g.token_ids for _, g in engine.log]
+    [segment] = rebuild_segments(calls)
+    assert segment.call_indices == [0, 2]  # the retry's answer (call 1) is not trained
+    start, end = segment.turn_spans[0]
+    assert segment.token_ids[start:end] == calls[0].output_ids and set(segment.loss_mask[start:end]) == {1}
+    assert segment.token_ids == engine.log[-1][0] + engine.log[-1][1].token_ids
