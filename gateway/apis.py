@@ -123,8 +123,9 @@ def _responses_item(item: Any, param: str, messages: list[dict[str, Any]]) -> No
         arguments = _expect(item.get("arguments", "{}"), str, f"{param}.arguments", "a JSON string")
         try:
             parsed = json.loads(arguments or "{}")
-        except ValueError:
-            raise RequestError(f"{param}.arguments is not JSON", f"{param}.arguments") from None
+        except (ValueError, RecursionError):
+            raise RequestError(f"{param}.arguments is not JSON (or nests deeper than the parser reads)",
+                               f"{param}.arguments") from None
         if not messages or messages[-1]["role"] != "assistant":
             messages.append({"role": "assistant", "content": "", "tool_calls": []})
         messages[-1]["tool_calls"].append({"id": call_id, "name": name, "arguments": parsed})
@@ -260,7 +261,8 @@ def parse_messages_request(body: Any) -> ChatRequest:
     fields = {k: body[k] for k in ("max_tokens", "temperature", "top_p", "stream") if k in body}
     if "stop_sequences" in body:
         fields["stop"] = body["stop_sequences"]
-    if fields.get("temperature", 0) > 1:
+    temperature = fields.get("temperature", 0)
+    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > 1:
         raise RequestError(f"temperature must be between 0 and 1, got {fields['temperature']}", "temperature")
     return ChatRequest(messages, tools, _tool_choice(chat_choice, tools), _sampling(fields))
 

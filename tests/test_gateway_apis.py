@@ -327,3 +327,34 @@ def test_of_two_answers_to_one_request_the_one_the_next_call_extends_is_trained(
     start, end = segment.turn_spans[0]
     assert segment.token_ids[start:end] == calls[0].output_ids and set(segment.loss_mask[start:end]) == {1}
     assert segment.token_ids == engine.log[-1][0] + engine.log[-1][1].token_ids
+
+
+MALFORMED = [
+    ("responses", {"input": [{"type": "function_call", "name": "f", "call_id": "c", "arguments": "[" * 100000}]}),
+    ("responses", {"input": [{"type": "function_call", "name": "f", "call_id": "c", "arguments": "{"}]}),
+    ("responses", {"input": 5}), ("responses", {"input": [7]}), ("responses", {"tools": [{"type": "function"}]}),
+    ("responses", {"input": [{"role": "wizard", "content": "x"}]}), ("responses", {"temperature": "hot"}),
+    ("messages", {"temperature": "hot"}), ("messages", {"temperature": 1.5}), ("messages", {"max_tokens": None}),
+    ("messages", {"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}),
+    ("messages", {"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": 1}]}]}),
+    ("messages", {"tool_choice": {"type": "magic"}}), ("messages", {"system": 5}),
+]
+
+
+@pytest.mark.parametrize(("api", "extra"), MALFORMED)
+def test_malformed_requests_get_a_400_never_a_500_and_do_not_mark_the_episode(api, extra):
+    async def scenario():
+        gateway, recorder = await serve(LoggedEngine())
+        handle = gateway.open_episode(key())
+        body: dict[str, Any] = ({"model": "m", "input": "hi"} if api == "responses" else
+                                {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]})
+        body.update(extra)
+        try:
+            async with aiohttp.ClientSession() as session, session.post(
+                    f"{gateway.url}/v1/{api}", json=body, headers={"x-api-key": handle.api_key}) as response:
+                return response.status, recorder.calls, handle
+        finally:
+            await gateway.stop()
+
+    status, calls, handle = run(scenario())
+    assert status == 400 and not calls and handle.unsupported is None
