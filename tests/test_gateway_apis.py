@@ -227,21 +227,24 @@ def test_a_segment_past_the_bound_is_refused_and_the_episode_keeps_what_it_has()
 def test_sampled_tokens_never_pass_the_bound_and_the_next_call_is_refused():
     async def scenario():
         gateway, recorder = await serve(LoggedEngine())
-        handle = gateway.open_episode(key(), max_trained_tokens=60)
-        program = _Plain(Program(client_for(gateway, handle)))
+        handle = gateway.open_episode(key(), max_trained_tokens=100)
+        client = client_for(gateway, handle)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "Go."}]
         try:
             with pytest.raises(openai.APIStatusError) as caught:
-                await tool_episode(program)
+                for _ in range(5):
+                    reply = (await client.chat.completions.create(model="m", messages=messages)).choices[0].message
+                    messages += [{"role": "assistant", "content": reply.content}, {"role": "user", "content": "More."}]
             return caught.value, recorder.of("ep-1"), handle
         finally:
             await gateway.stop()
 
     err, calls, handle = run(scenario())
     assert err.status_code == 409 and err.body["code"] == "token_limit_reached"
-    assert handle.stop_reason == "token_limit"
+    assert handle.stop_reason == "token_limit" and len(calls) == 2 and len(calls[0].output_ids) < 100
     [segment] = rebuild_segments(calls)
-    # The call that crossed the bound was cut to what was left (finish_reason length): exactly 60 trained.
-    assert sum(segment.loss_mask) == 60 == handle.trained_tokens and calls[-1].finish_reason == "length"
+    # The call that reached the bound was cut to what was left (finish_reason length): exactly 100 trained.
+    assert sum(segment.loss_mask) == 100 == handle.trained_tokens and calls[-1].finish_reason == "length"
 
 
 # -- side conversations -----------------------------------------------------------------------------
@@ -279,17 +282,17 @@ def test_a_side_conversation_is_recorded_apart_and_the_episode_stream_goes_on(ru
     segments = rebuild_segments(calls)
     outcome = outcome_of(calls, "harness_exit", [])
     if rules == "none":  # before: each title call is a segment of the episode, trained with it
-        assert [s.reason for s in segments] == ["start", "system_changed", "system_changed", "system_changed"]
+        assert [s.reason for s in segments] == ["start", "tools_changed", "tools_changed", "tools_changed"]
         assert outcome.side_calls == []
         return
-    assert [c.side_call for c in calls] == ["opencode-title", None, None, "opencode-title", None]
-    assert [c.segment for c in calls] == [-1, 0, 0, -1, 0]
+    assert [c.side_call for c in calls] == ["opencode-title", None, "opencode-title", None, None]
+    assert [c.segment for c in calls] == [-1, 0, -1, 0, 0]
     assert [c.segment_reason for c in calls] == [None, "start", None, None, None]
     [segment] = segments  # the main conversation is one stream: each call extends it
-    assert segment.call_indices == [1, 2, 4] and len(outcome.turns) == 3
+    assert segment.call_indices == [1, 3, 4] and len(outcome.turns) == 3
     assert [c["name"] for c in outcome.side_calls] == ["opencode-title"] * 2
     assert outcome.side_calls[0]["system"].startswith("You are a title generator")
-    assert all(t.call_index in (1, 2, 4) for t in outcome.turns)  # side calls are never turns (never trained)
+    assert [t.call_index for t in outcome.turns] == [1, 3, 4]  # side calls are never turns (never trained)
 
 
 # -- the answer the program kept --------------------------------------------------------------------
