@@ -27,7 +27,7 @@ CHAT_APIS = ("chat", "responses", "messages")
 _RESPONSES_FIELDS = {"input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p",
                      "stream", "store", "include", "reasoning", "text", "truncation", "prompt_cache_key",
                      "safety_identifier", "max_tool_calls", "background", "previous_response_id", "conversation",
-                     "prompt", "top_logprobs"}
+                     "prompt", "top_logprobs", "client_metadata"}
 _RESPONSES_NEUTRAL = {"truncation": "disabled", "background": False, "top_logprobs": 0}
 _ROLE_OF = {"developer": "system", "system": "system", "user": "user", "assistant": "assistant"}
 
