@@ -100,12 +100,12 @@ class Gateway:
         self.public_host = public_host or host
         """The host programs reach the gateway by (a sandbox may see the host under another name)."""
         self.check_drift = check_drift
-        self.enforce_sampling = enforce_sampling
-        self.side_rules = side_rules
-        """Calls matching these are side conversations (gateway/side.py): recorded, outside the stream."""
-        """(temperature, top_p) every call is sampled at, whatever the program sends; None: the program's."""
         """Re-render each continued call from scratch to flag template drift (`CapturedCall.template_drift`):
         a full render per call, so off where rendering long histories costs too much."""
+        self.enforce_sampling = enforce_sampling
+        """(temperature, top_p) every call is sampled at, whatever the program sends; None: the program's."""
+        self.side_rules = side_rules
+        """Calls matching these are side conversations (gateway/side.py): recorded, outside the stream."""
         self.episodes: dict[str, EpisodeHandle] = {}
         """By token; closed episodes stay (their calls get 409, not 401)."""
         self._runner: web.AppRunner | None = None
@@ -165,7 +165,8 @@ class Gateway:
         capture = EpisodeCapture.restore(self.chat, recorded) if recorded else EpisodeCapture(self.chat)
         handle = EpisodeHandle(episode, token, f"{self.url}/e/{token}/v1", max_calls, calls=capture.next_index,
                                capture=capture, max_segments=max_segments, max_trained_tokens=max_trained_tokens,
-                               trained_tokens=sum(len(c.output_ids) for c in recorded or [] if c.side_call is None))
+                               trained_tokens=sum(len(c.output_ids) for c in {c.call_index: c for c in recorded or []}.values()
+                                                  if c.side_call is None))
         self.episodes[token] = handle
         return handle
 
