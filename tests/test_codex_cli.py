@@ -58,3 +58,28 @@ def test_codex_cli_plays_a_tool_episode_through_the_responses_api(tmp_path):
     check_against_engine(calls, engine)
     [segment] = rebuild_segments(calls)
     assert segment.token_ids == engine.log[-1][0] + engine.log[-1][1].token_ids
+
+
+# As a harness episode: Codex runs inside the local jail (no network but the gateway's socket), from the
+# read-only install folder; a shell line writes its config with the episode's base URL, then runs it.
+CODEX_SETUP = ('mkdir -p "$CODEX_HOME" && printf \'model = "rollway-policy"\\nmodel_provider = "rollway"\\n'
+               '[model_providers.rollway]\\nname = "rollway"\\nbase_url = "%s"\\nenv_key = "OPENAI_API_KEY"\\n'
+               'wire_api = "responses"\\n\' "$OPENAI_BASE_URL" > "$CODEX_HOME/config.toml" && exec "$1" exec '
+               '--skip-git-repo-check --dangerously-bypass-approvals-and-sandbox "$(cat "$0")"')
+SUM = '<tool_call>\n{"name": "exec_command", "arguments": {"cmd": "awk \'{print $1 + $2}\' numbers.txt > answer.txt"}}\n</tool_call>'
+
+
+def test_codex_cli_fixes_toy_tasks_as_a_harness_episode_in_the_jail(tmp_path):
+    from test_harness import up
+
+    folder = codex_cli()
+    binary = folder / "node_modules/@openai/codex-linux-x64/vendor/x86_64-unknown-linux-musl/bin/codex"
+    harness = {"command": ["sh", "-c", CODEX_SETUP, "{instruction_file}", str(binary)],
+               "env": {"CODEX_HOME": "/tmp/codex-home"}, "install": {"type": "host_dir", "path": str(folder)}}
+    out, summary, trajs = up(tmp_path, [{"when": "", "turns": [SUM, DONE]}], harness)
+    assert out.returncode == 0 and len(trajs) == 2, (out.stderr[-3000:],
+                                                     (tmp_path / "run" / "failures.jsonl").read_text()[-3000:]
+                                                     if (tmp_path / "run" / "failures.jsonl").exists() else "")
+    for t in trajs:
+        assert t["resolved"] and t["reward"] == 1.0 and t["stop_reason"] == "harness_exit", t["grade"]
+        assert t["num_turns"] == 2 and t["segment_starts"] == []  # Codex extends its one conversation
