@@ -83,3 +83,32 @@ def test_codex_cli_fixes_toy_tasks_as_a_harness_episode_in_the_jail(tmp_path):
     for t in trajs:
         assert t["resolved"] and t["reward"] == 1.0 and t["stop_reason"] == "harness_exit", t["grade"]
         assert t["num_turns"] == 2 and t["segment_starts"] == []  # Codex extends its one conversation
+
+
+def test_codex_cli_fixes_toy_tasks_as_a_harness_episode_in_a_docker_container(tmp_path):
+    import json
+    import subprocess
+
+    import yaml
+    from docker_engine import ensure_engine
+    from test_harness import ROLLWAY, ROOT, harness_job
+
+    ensure_engine()
+    folder = codex_cli()
+    binary = folder / "node_modules/@openai/codex-linux-x64/vendor/x86_64-unknown-linux-musl/bin/codex"
+    harness = {"command": ["sh", "-c", CODEX_SETUP, "{instruction_file}", str(binary)],
+               "env": {"CODEX_HOME": "/tmp/codex-home"}, "install": {"type": "host_dir", "path": str(folder)}}
+    job = harness_job(tmp_path, [{"when": "", "turns": [SUM, DONE]}], harness)
+    job["sandbox"] = {"type": "docker", "image": "rollway-sandbox:bookworm", "gateway_root": str(tmp_path / "gateway")}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    run_dir = tmp_path / "run"
+    out = subprocess.run([*ROLLWAY, "up", "--no-report", str(tmp_path / "job.yaml"), "--run-dir", str(run_dir)],
+                         capture_output=True, text=True, timeout=job["run"]["timeout_s"] + 60, cwd=ROOT)
+    trajs_file = run_dir / "trajectories.jsonl"
+    trajs = [json.loads(line) for line in trajs_file.read_text().splitlines()] if trajs_file.exists() else []
+    failures = run_dir / "failures.jsonl"
+    assert out.returncode == 0 and len(trajs) == 2, (out.stderr[-3000:],
+                                                     failures.read_text()[-3000:] if failures.exists() else "")
+    for t in trajs:
+        assert t["resolved"] and t["reward"] == 1.0 and t["stop_reason"] == "harness_exit", t["grade"]
+        assert t["num_turns"] == 2 and t["segment_starts"] == []
