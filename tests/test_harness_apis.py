@@ -52,3 +52,18 @@ def test_an_episode_past_its_segment_bound_is_graded_and_trained_up_to_it(tmp_pa
     for path in files:
         calls = [json.loads(line) for line in path.read_text().splitlines()]
         assert [c["call_index"] for c in calls] == [0, 1] and all(c["output_ids"] for c in calls)
+
+
+def test_a_program_on_the_anthropic_sdk_fixes_toy_tasks_through_the_messages_api(tmp_path):
+    from test_harness import AGENT_PROGRAM, ROOT, SHELL_CALL
+
+    program = {**AGENT_PROGRAM, "command": ["python3", f"{ROOT}/examples/anthropic_agent_program.py", "{instruction}"]}
+    script = [{"when": "", "turns": [SHELL_CALL.format("awk '{print $1 + $2}' numbers.txt > answer.txt"), "Done."]}]
+    out, summary, trajs = up(tmp_path, script, program)
+    assert out.returncode == 0 and len(trajs) == 2, out.stderr[-3000:]
+    for t in trajs:
+        assert t["resolved"] and t["reward"] == 1.0 and t["stop_reason"] == "harness_exit", t["grade"]
+        assert t["num_turns"] == 2 and t["segment_starts"] == []  # the tool result extends the conversation
+    calls = [json.loads(line) for path in sorted((tmp_path / "run" / "gateway-calls").glob("*.jsonl"))
+             for line in path.read_text().splitlines()]
+    assert {c["api"] for c in calls} == {"messages"} and len(calls) == 4
