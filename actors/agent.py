@@ -220,7 +220,8 @@ class AgentActor(Actor):
         self.cache.pop((f.episode_id, f.attempt), None)
         request = RewardRequest(episode=f.episode, sandbox=f.sandbox, prompt_ids=outcome.prompt_ids,
                                 messages=outcome.messages or list(f.messages or []), turns=outcome.turns,
-                                stop_reason=outcome.stop_reason, deadline=f.deadline, failure=outcome.failure)
+                                stop_reason=outcome.stop_reason, side_calls=outcome.side_calls, deadline=f.deadline,
+                                failure=outcome.failure)
         return [Output(REWARD_REQUESTS, f.episode_id, request)]
 
     async def _harness_runner(self):

@@ -11,6 +11,7 @@ import secrets
 import shlex
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -29,6 +30,9 @@ SOCKET_NAME = "gateway.sock"
 SOCKET = f".rollway/{SOCKET_NAME}"
 """The gateway's unix socket, relative to the workspace (the jail's working folder): the only way out
 of a sandbox without network. `.rollway/` is left out of the diff that is graded."""
+
+CALLS_DIR = "gateway-calls"
+"""The run folder's copy of each harness attempt's calls (`EPISODE.ATTEMPT.jsonl`)."""
 
 OUTPUT_TAIL = 2000
 """Characters of the program's output quoted in a crash's reason."""
@@ -61,7 +65,8 @@ def serve():
         for a, b in ((client, up), (up, client)):
             threading.Thread(target=pipe, args=(a, b), daemon=True).start()
 threading.Thread(target=serve, daemon=True).start()
-env = {**os.environ, **c["env"], "OPENAI_BASE_URL": "http://127.0.0.1:%d/v1" % srv.getsockname()[1]}
+url = "http://127.0.0.1:%d" % srv.getsockname()[1]
+env = {**os.environ, **c["env"], "OPENAI_BASE_URL": url + "/v1", "ANTHROPIC_BASE_URL": url}
 if c["instruction_file"]:
     with open(c["instruction_file"], "w") as f:
         f.write(c["instruction"])
@@ -82,6 +87,13 @@ class HarnessCrashed(RuntimeError):
     (base/blame.py), graded 0 with its exit code and output, never retried."""
 
 
+class HarnessUnsupported(HarnessCrashed):
+    """The program asked the gateway for an endpoint or option it does not serve and then did not end
+    cleanly: every attempt would fail the same way, so this one fails for good (not retried)."""
+
+    retryable = False
+
+
 @dataclass
 class HarnessOutcome:
     """What the agent stage emits for a harness episode (as a RewardRequest)."""
@@ -90,8 +102,13 @@ class HarnessOutcome:
     messages: list[dict[str, Any]]
     turns: list[TurnRecord]
     stop_reason: str
+    side_calls: list[dict[str, Any]]
     failure: dict[str, str] | None = None
     """The program's run failed after it started (base/blame.py: the agent's): grade details of the failure."""
+
+
+SIDE_CALL_CHARS = 500
+"""Characters of a side call's system prompt and text kept for viewers."""
 
 
 class KeepingRecorder(CallRecorder):
@@ -119,8 +136,12 @@ class KeepingRecorder(CallRecorder):
 class HarnessRunner:
     """Plays harness episodes on one worker's gateway (started once per worker process)."""
 
-    def __init__(self, cfg: HarnessConfig, gateway: Gateway, recorder: KeepingRecorder) -> None:
+    def __init__(self, cfg: HarnessConfig, gateway: Gateway, recorder: KeepingRecorder,
+                 calls_dir: Path | None = None) -> None:
         self.cfg, self.gateway, self.recorder = cfg, gateway, recorder
+        self.calls_dir = calls_dir
+        """Where each attempt's acknowledged calls are also written (`EPISODE.ATTEMPT.jsonl`), so a run
+        folder holds them after the broker is gone. None: the log only."""
 
     async def close(self) -> None:
         await self.gateway.stop()
@@ -133,13 +154,16 @@ class HarnessRunner:
         folder, sandbox_socket = await gateway_socket(sandbox)
         failure = None
         try:
-            handle = self.gateway.open_episode(episode, self.cfg.max_calls)
+            handle = self.gateway.open_episode(episode, self.cfg.max_calls, max_segments=self.cfg.max_segments,
+                                               max_trained_tokens=self.cfg.max_trained_tokens)
             # The socket's folder stays open from here to the end: every operation on the socket goes through
             # that descriptor, so a `.rollway` the agent swaps for a link sends none of them elsewhere.
             unlink_in_folder(folder, SOCKET_NAME)
             site = await self.gateway.listen_unix(f"/proc/self/fd/{folder}/{SOCKET_NAME}", handle)
             try:
                 stop_reason = await self._run(handle, instruction, sandbox, sandbox_socket, deadline)
+            except HarnessUnsupported:
+                raise  # no attempt can succeed: the run fails for good, it is not graded (retryable False)
             except Exception as err:
                 # The program has started (its launch is the first thing `_run` does): its failure is the
                 # agent's unless the gateway saw the inference engine or the broker fail under it.
@@ -157,11 +181,22 @@ class HarnessRunner:
                 calls = self.recorder.take(episode)
         finally:
             os.close(folder)
+        self._write_calls(episode, calls)
         log.info("harness episode ended", episode_id=episode.episode_id, stop_reason=stop_reason, calls=len(calls),
                  failure=(failure or {}).get("failure", "")[:300])
         outcome = outcome_of(calls, stop_reason, fallback_prompt)
         outcome.failure = failure
         return outcome
+
+    def _write_calls(self, episode: EpisodeKey, calls: list[CapturedCall]) -> None:
+        if self.calls_dir is None or not calls:
+            return
+        import msgspec
+
+        self.calls_dir.mkdir(parents=True, exist_ok=True)
+        lines = [json.dumps(msgspec.to_builtins(c)) for c in sorted(calls, key=lambda c: c.call_index)]
+        path = self.calls_dir / f"{episode.episode_id}.{episode.attempt}.jsonl"
+        path.write_text("\n".join(lines) + "\n")
 
     async def _run(self, handle: EpisodeHandle, instruction: str, sandbox: Sandbox, socket: str,
                    deadline: float | None) -> str:
@@ -175,9 +210,13 @@ class HarnessRunner:
         finally:
             if not run.done():
                 await _stop(run, sandbox)
-        if stop_reason is not None:
+        result = run.result() if stop_reason is None else None
+        if handle.unsupported is not None and (result is None or result.exit_code != 0 or result.timed_out):
+            # Named without the episode: every episode of this program fails with the same reason.
+            raise HarnessUnsupported(f"the agent program asked for what the gateway does not serve: "
+                                     f"{handle.unsupported}")
+        if result is None:
             return stop_reason
-        result = run.result()
         if handle.stop_reason is not None:
             return f"harness_{handle.stop_reason}"  # the refused call may have made the program exit non-zero
         if result.timed_out:
@@ -194,7 +233,7 @@ class HarnessRunner:
             silent_for = time.monotonic() - since
             if silent_for >= self.cfg.silence_limit_s:
                 return "harness_silence"
-            if handle.stop_reason is not None:  # call_limit, refused_limit
+            if handle.stop_reason is not None:  # a limit the gateway enforced (calls, refusals, segments, tokens)
                 return f"harness_{handle.stop_reason}"
             # A gateway limit is noticed within this poll; the silence limit exactly when due.
             await asyncio.wait({run}, timeout=min(0.2, self.cfg.silence_limit_s - silent_for))
@@ -205,7 +244,8 @@ class HarnessRunner:
         sandbox that the launcher removes as it starts, never on argv."""
         cfg = self.cfg
         spec = {"socket": socket, "argv": cfg.argv(instruction), "instruction": instruction,
-                "env": {**cfg.env, "OPENAI_API_KEY": handle.api_key, "OPENAI_MODEL": self.gateway.model_name},
+                "env": {**cfg.env, "OPENAI_API_KEY": handle.api_key, "OPENAI_MODEL": self.gateway.model_name,
+                        "ANTHROPIC_API_KEY": handle.api_key},
                 "stdin": cfg.stdin_instruction,
                 "instruction_file": INSTRUCTION_FILE if any("{instruction_file}" in a for a in cfg.command) else None}
         spec_file = f".rollway/launch-{secrets.token_hex(8)}.json"
@@ -253,18 +293,23 @@ def outcome_of(calls: list[CapturedCall], stop_reason: str, fallback_prompt: lis
     """The episode's turns from its captured calls: one TurnRecord per kept call; observation ids are
     the tokens the next call of the same segment added; a call that opened a later segment carries
     that segment's prompt (`segment_prompt_ids`). No calls: one empty turn on `fallback_prompt`."""
-    if not calls:
+    side = [{"call_index": c.call_index, "name": c.side_call, "output_tokens": len(c.output_ids),
+             "system": next((str(m.get("content")) for m in c.new_messages if m.get("role") == "system"), "")[
+                 :SIDE_CALL_CHARS], "text": c.raw_text[:SIDE_CALL_CHARS]}
+            for c in sorted({c.call_index: c for c in calls}.values(), key=lambda c: c.call_index)
+            if c.side_call is not None]
+    segments = rebuild_segments(calls) if calls else []
+    if not segments:  # no call, or side calls only
         empty = TurnRecord(turn=0, completion_ids=[], logprobs=[], policy_version=0, finish_reason=stop_reason,
                            assistant_text="")
-        return HarnessOutcome(list(fallback_prompt), [], [empty], stop_reason)
+        return HarnessOutcome(list(fallback_prompt), [], [empty], stop_reason, side)
     by_index = {c.call_index: c for c in calls}
-    segments = rebuild_segments(calls)
     turns: list[TurnRecord] = []
     for segment in segments:
         turns += _segment_turns(segment, by_index, first_turn=len(turns), opens=segment.index > 0)
     first = segments[0]
     messages = list(by_index[first.call_indices[0]].new_messages)
-    return HarnessOutcome(first.token_ids[: first.turn_spans[0][0]], messages, turns, stop_reason)
+    return HarnessOutcome(first.token_ids[: first.turn_spans[0][0]], messages, turns, stop_reason, side)
 
 
 def _segment_turns(segment: Segment, by_index: dict[int, CapturedCall], first_turn: int, opens: bool) -> list[TurnRecord]:
@@ -281,6 +326,7 @@ def _segment_turns(segment: Segment, by_index: dict[int, CapturedCall], first_tu
             assistant_text=call.raw_text, observation_ids=ids[end:nxt], template_drift=call.template_drift,
             segment_prompt_ids=ids[:start] if opens and k == 0 else None,
             segment_reason=segment.reason if opens and k == 0 else None, call_index=call.call_index,
+            temperature=call.temperature, top_p=call.top_p,
             call_attempt=call.episode.attempt,
             segment_messages=list(call.new_messages) if opens and k == 0 else None,
             observations=observations, user_message=user_message))
@@ -297,7 +343,9 @@ async def start_harness_runner(services: Any, bootstrap: str | None) -> HarnessR
         raise ConfigError("agent.harness needs the broker's address to record the program's calls: run the agent "
                           "stage with a log reader (rollway up / rollway stage) or set broker.bootstrap")
     recorder = KeepingRecorder(await KafkaRecorder.connect(cfg.broker, cfg.topics, bootstrap))
+    enforced = (cfg.agent.temperature, cfg.agent.top_p) if cfg.agent.harness.sampling == "enforce" else None
     gateway = Gateway(services.inference, services.chat, recorder, model_name=cfg.agent.harness.model_name,
-                      default_max_tokens=cfg.agent.max_tokens_per_turn, limits=cfg.agent.harness.limits)
+                      default_max_tokens=cfg.agent.max_tokens_per_turn, limits=cfg.agent.harness.limits,
+                      enforce_sampling=enforced, side_rules=cfg.agent.harness.side_calls.all_rules())
     await gateway.start()
-    return HarnessRunner(cfg.agent.harness, gateway, recorder)
+    return HarnessRunner(cfg.agent.harness, gateway, recorder, Path(services.run_dir) / CALLS_DIR)

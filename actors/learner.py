@@ -42,6 +42,8 @@ class LearnerActor(Actor):
         self.seen: set[str] = set()
         """Record-only learners: episode ids recorded (training learners use the trainer's window)."""
         self.received = 0
+        self.refused_sampling = 0
+        """Trajectories not trained because a turn was sampled otherwise than the learner computes."""
         self.trainer = None
         self._trainer_factory = trainer_factory
         self._lock = asyncio.Lock()  # the trainer is not thread-safe; updates run one at a time
@@ -99,6 +101,14 @@ class LearnerActor(Actor):
             # behaviour logprobs. Never trained; its group completes without it, as for a give-up.
             log.warning("trajectory not trainable (a turn from a text-only endpoint); its group trains "
                         "without it", episode_id=msg.episode_id, versions=msg.turn_policy_versions)
+            return await self._train(msg.episode_id, meta, self.trainer.abandon, msg.group_id, msg.episode_id)
+        mismatch = sampling_mismatch(msg, self.s.cfg.learner.temperature)
+        if mismatch is not None:
+            # The behaviour logprobs are of another distribution than the learner computes: every PPO
+            # ratio would be off. Never trained; its group completes without it, as for a give-up.
+            self.refused_sampling += 1
+            log.warning(f"trajectory not trainable: {mismatch}; its group trains without it",
+                        episode_id=msg.episode_id)
             return await self._train(msg.episode_id, meta, self.trainer.abandon, msg.group_id, msg.episode_id)
         fresh = not self.trainer.knows(msg.episode_id)
         outputs = await self._train(msg.episode_id, meta, self.trainer.add, msg)
@@ -241,6 +251,7 @@ class LearnerActor(Actor):
         RunDir(self.dir).write(STATUS_FILE, {
             "episodes_received": self._episodes_received(), "policy_version": self.version, "training": training,
             "episodes_buffered": len(self.trainer.pending_episode_ids()) if self.trainer else 0,
+            "episodes_refused_sampling": self.refused_sampling,
             "updated_at": time.time()})
 
     async def close(self) -> None:
@@ -264,3 +275,21 @@ async def _uncancellable_thread(call, *args):
     except asyncio.CancelledError:
         await asyncio.wait([future])
         raise
+
+
+SAMPLING_TOLERANCE = 1e-6
+
+
+def sampling_mismatch(traj: Trajectory, temperature: float) -> str | None:
+    """Why the learner cannot reproduce this trajectory's behaviour distribution (a turn sampled at
+    another temperature than `learner.temperature`, or with top_p below 1, which the learner does not
+    apply), or None. Turns that recorded no sampling were sampled at the configured one."""
+    for turn in traj.turns:
+        if turn.temperature is not None and abs(turn.temperature - temperature) > SAMPLING_TOLERANCE:
+            return (f"turn {turn.turn} was sampled at temperature {turn.temperature}, the learner computes logprobs "
+                    f"at learner.temperature={temperature}: set agent.harness.sampling=enforce (the gateway then "
+                    "samples at agent.temperature), or make learner.temperature the program's")
+        if turn.top_p is not None and turn.top_p < 1 - SAMPLING_TOLERANCE:
+            return (f"turn {turn.turn} was sampled with top_p={turn.top_p}, which the learner does not apply: set "
+                    "agent.harness.sampling=enforce with agent.top_p=1")
+    return None

@@ -97,6 +97,7 @@ class RewardActor(Actor):
             resolved=grade.resolved, stop_reason=grade.stop_reason or msg.stop_reason,
             num_turns=len(msg.turns), prompt_length=len(msg.prompt_ids), grade=grade.details,
             turns=msg.turns, messages=msg.messages, template_drift_turns=sum(t.template_drift for t in msg.turns),
+            side_calls=msg.side_calls,
             created_at=time.time())
 
     async def _grade(self, msg: RewardRequest, sandbox):

@@ -82,6 +82,8 @@ class SchedulerActor(Actor):
         self.tickets: dict[str, Ticket] = {}
         self.policy_version = 0
         self.learner_episodes = 0  # episodes the learner has consumed (trained or found no signal in)
+        self._reasons_said: set[str] = set()
+        """Give-up reasons already logged as errors (each is said once, not per episode)."""
         self.started_at = time.time()
         self.strategy = IssueStrategy(services.cfg)
         """Issue order, look-ahead and drain (actors/scheduling.py)."""
@@ -258,7 +260,11 @@ class SchedulerActor(Actor):
     def _fail(self, t: Ticket, reason: str) -> Output:
         """Give the episode up; the verdict goes to episode-failures (the learner completes the
         episode's group without it, a restarted scheduler reads it back)."""
-        log.error("episode failed", episode_id=t.episode_id, attempt=t.attempt, reason=reason)
+        if reason in self._reasons_said:  # a program that cannot work here fails every episode alike: said once
+            log.info("episode failed for a reason already reported", episode_id=t.episode_id, attempt=t.attempt)
+        else:
+            self._reasons_said.add(reason)
+            log.error("episode failed", episode_id=t.episode_id, attempt=t.attempt, reason=reason)
         t.state, t.reason = "failed", reason
         self._dirty = True
         return Output(EPISODE_FAILURES, t.episode_id, EpisodeFailure(

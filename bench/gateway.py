@@ -6,7 +6,8 @@ a tool result, as agent programs do. Measured per call, from the request's bytes
 its response parsed: through the gateway (render, engine, capture, record, HTTP) and the engine alone
 on the same prompts. Reported as p50/p99 over the continued calls (incremental rendering) and over the
 first calls (a full render) for 1 and 64 concurrent episodes, with the in-memory recorder (the
-gateway's own cost) and the Kafka recorder on an embedded broker (adds the log's acknowledgement)."""
+gateway's own cost) and the Kafka recorder on an embedded broker (adds the log's acknowledgement), for
+each API (`--apis`: chat completions, Responses, Anthropic Messages) side by side."""
 
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", default="1024,16384", help="first-prompt lengths in tokens (comma list)")
     parser.add_argument("--calls", type=int, default=8, help="calls per episode (the first renders in full)")
     parser.add_argument("--recorders", default="memory,kafka", help="memory, kafka (an embedded broker) or both")
+    parser.add_argument("--apis", default="chat,responses,messages", help="chat, responses, messages (comma list)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -52,25 +54,30 @@ def run(args: argparse.Namespace) -> int:
         episodes = [int(x) for x in args.episodes.split(",")]
         lengths = [int(x) for x in args.prompt_tokens.split(",")]
         recorders = [r.strip() for r in args.recorders.split(",") if r.strip()]
-        if min(episodes) < 1 or min(lengths) < 64 or args.calls < 2 or not set(recorders) <= {"memory", "kafka"}:
+        apis = [a.strip() for a in args.apis.split(",") if a.strip()]
+        if min(episodes) < 1 or min(lengths) < 64 or args.calls < 2 or not set(recorders) <= {"memory", "kafka"} \
+                or not apis or not set(apis) <= set(_REQUESTS):
             raise ValueError
     except ValueError:
         print("rollway bench gateway: --episodes and --prompt-tokens are comma lists of positive integers "
-              "(prompts of 64 tokens or more), --calls at least 2, --recorders memory and/or kafka", file=sys.stderr)
+              "(prompts of 64 tokens or more), --calls at least 2, --recorders memory and/or kafka, --apis chat, "
+              "responses and/or messages", file=sys.stderr)
         return 2
-    result = asyncio.run(measure_all(episodes, lengths, args.calls, recorders))
+    result = asyncio.run(measure_all(episodes, lengths, args.calls, recorders, apis))
     print(json.dumps(result) if args.json else format_text(result))
     return 0
 
 
-async def measure_all(episodes: list[int], lengths: list[int], calls: int, recorders: list[str]) -> dict[str, Any]:
+async def measure_all(episodes: list[int], lengths: list[int], calls: int, recorders: list[str],
+                      apis: tuple[str, ...] | list[str] = ("chat",)) -> dict[str, Any]:
     rows = []
     for name in recorders:
         async with _recorder(name) as recorder:
             for n in episodes:
                 for tokens in lengths:
-                    rows.append({"recorder": name, "episodes": n, "prompt_tokens": tokens,
-                                 **await measure(recorder, n, tokens, calls)})
+                    for api in apis:
+                        rows.append({"recorder": name, "api": api, "episodes": n, "prompt_tokens": tokens,
+                                     **await measure(recorder, n, tokens, calls, api)})
     return {"engine": "in-process, zero latency", "chat_format": "BytesChatML", "calls_per_episode": calls,
             "cores": os.cpu_count(), "load_average": round(os.getloadavg()[0], 2), "rows": rows,
             "target": "added p50 <= 5 ms on continued calls with 16k-token histories"}
@@ -111,7 +118,7 @@ class _Discarding:
         return None
 
 
-async def measure(recorder: Any, episodes: int, prompt_tokens: int, calls: int) -> dict[str, Any]:
+async def measure(recorder: Any, episodes: int, prompt_tokens: int, calls: int, api: str = "chat") -> dict[str, Any]:
     """One setting: the episodes' programs run in a client process of their own (so their JSON work
     does not queue behind the gateway's in one event loop); the engine alone is timed here on the
     same prompts afterwards."""
@@ -121,9 +128,9 @@ async def measure(recorder: Any, episodes: int, prompt_tokens: int, calls: int) 
     gateway = Gateway(engine, engine.chat, recorder)
     await gateway.start()
     try:
-        await _run_clients(gateway, 1, 256, 2)  # warm-up: connections, code paths
+        await _run_clients(gateway, 1, 256, 2, api)  # warm-up: connections, code paths
         cpu = time.process_time()
-        handles, timings, wall = await _run_clients(gateway, episodes, prompt_tokens, calls)
+        handles, timings, wall = await _run_clients(gateway, episodes, prompt_tokens, calls, api)
         cpu = time.process_time() - cpu
     finally:
         await gateway.stop()
@@ -137,10 +144,12 @@ async def measure(recorder: Any, episodes: int, prompt_tokens: int, calls: int) 
             "gateway_cpu_ms_per_call": _ms(cpu / total)}
 
 
-async def _run_clients(gateway: Any, episodes: int, prompt_tokens: int, calls: int) -> tuple[list, list, float]:
+async def _run_clients(gateway: Any, episodes: int, prompt_tokens: int, calls: int,
+                       api: str) -> tuple[list, list, float]:
     handles = [gateway.open_episode(EpisodeKey(episode_id=f"e{i}", group_id="bench", task_id="bench"))
                for i in range(episodes)]
-    spec = json.dumps({"urls": [h.base_url for h in handles], "prompt_tokens": prompt_tokens, "calls": calls})
+    spec = json.dumps({"urls": [h.base_url for h in handles], "prompt_tokens": prompt_tokens, "calls": calls,
+                       "api": api})
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "rollway.bench.gateway", stdin=PIPE,
                                                 stdout=PIPE, stderr=PIPE)
     out, err = await proc.communicate(spec.encode())
@@ -174,28 +183,47 @@ async def client_main(spec: dict[str, Any]) -> dict[str, Any]:
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
         start = time.perf_counter()
-        timings = await asyncio.gather(*(_episode(http, url, spec["prompt_tokens"], spec["calls"])
+        timings = await asyncio.gather(*(_episode(http, url, spec["prompt_tokens"], spec["calls"], spec["api"])
                                          for url in spec["urls"]))
         return {"timings": list(timings), "wall_s": time.perf_counter() - start}
 
 
-async def _episode(http: Any, base_url: str, prompt_tokens: int, calls: int) -> list[float]:
+async def _episode(http: Any, base_url: str, prompt_tokens: int, calls: int, api: str = "chat") -> list[float]:
     filler = "y" * (prompt_tokens - 40)  # BytesChatML: one token per byte, plus the markup
-    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a bench."},
-                                      {"role": "user", "content": filler}]
+    path, first, add = _REQUESTS[api]
+    history: list[Any] = [first(filler)]
     out = []
     for _ in range(calls):
-        body = json.dumps({"model": "m", "messages": messages}).encode()
+        body = json.dumps(_body(api, history)).encode()
         start = time.perf_counter()
-        async with http.post(f"{base_url}/chat/completions", data=body,
-                             headers={"Content-Type": "application/json"}) as response:
+        async with http.post(f"{base_url}/{path}", data=body, headers={"Content-Type": "application/json"}) as response:
             raw = await response.read()
         out.append(time.perf_counter() - start)
         reply = json.loads(raw)
         if response.status != 200:
             raise RuntimeError(f"the gateway answered {response.status}: {reply}")
-        messages += [reply["choices"][0]["message"], {"role": "user", "content": TOOL_OUTPUT}]
+        history += add(reply)
     return out
+
+
+SYSTEM = "You are a bench."
+_REQUESTS: dict[str, tuple[str, Any, Any]] = {
+    # path, the first user message, the history items a reply and the next tool output add
+    "chat": ("chat/completions", lambda text: {"role": "user", "content": text},
+             lambda r: [r["choices"][0]["message"], {"role": "user", "content": TOOL_OUTPUT}]),
+    "responses": ("responses", lambda text: {"type": "message", "role": "user", "content": text},
+                  lambda r: [*r["output"], {"type": "message", "role": "user", "content": TOOL_OUTPUT}]),
+    "messages": ("messages", lambda text: {"role": "user", "content": text},
+                 lambda r: [{"role": "assistant", "content": r["content"]}, {"role": "user", "content": TOOL_OUTPUT}]),
+}
+
+
+def _body(api: str, history: list[Any]) -> dict[str, Any]:
+    if api == "responses":
+        return {"model": "m", "instructions": SYSTEM, "input": history, "store": False}
+    if api == "messages":
+        return {"model": "m", "system": SYSTEM, "messages": history, "max_tokens": 1024}
+    return {"model": "m", "messages": [{"role": "system", "content": SYSTEM}, *history]}
 
 
 def _summary(pairs: list[tuple[float, float]]) -> dict[str, float]:
@@ -218,11 +246,12 @@ def _ms(seconds: float) -> float:
 def format_text(result: dict[str, Any]) -> str:
     lines = [f"gateway overhead ({result['engine']} engine, {result['chat_format']}, {result['calls_per_episode']} "
              f"calls per episode, {result['cores']} cores, load {result['load_average']})",
-             f"{'recorder':8} {'episodes':>8} {'prompt':>7} | {'continued: added p50':>20} {'p99':>8} | "
+             f"{'recorder':8} {'api':9} {'episodes':>8} {'prompt':>7} | {'continued: added p50':>20} {'p99':>8} | "
              f"{'first call: added p50':>21} {'p99':>8} | {'CPU/call':>9} {'calls/s':>8}"]
     for row in result["rows"]:
         c, f = row["continued"], row["first_call"]
-        lines.append(f"{row['recorder']:8} {row['episodes']:>8} {row['prompt_tokens']:>7} | {c['added_p50_ms']:>17} ms "
+        lines.append(f"{row['recorder']:8} {row.get('api', 'chat'):9} {row['episodes']:>8} {row['prompt_tokens']:>7} | "
+                     f"{c['added_p50_ms']:>17} ms "
                      f"{c['added_p99_ms']:>5} ms | {f['added_p50_ms']:>18} ms {f['added_p99_ms']:>5} ms | "
                      f"{row['gateway_cpu_ms_per_call']:>6} ms {row['calls_per_s']:>8}")
     lines.append(f"target: {result['target']}")

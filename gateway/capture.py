@@ -18,6 +18,9 @@ class _SegmentCall:
     """Request messages the call answered (chat) - its position in the conversation."""
     prompt_end: int
     """Length of the segment's stream at the end of the call's prompt (its output starts there)."""
+    output_ids: list[int] = field(default_factory=list)
+    assistant: dict[str, Any] | None = None
+    """The answer returned (chat), so an answer a retry superseded can be taken back."""
 
 
 @dataclass
@@ -36,6 +39,11 @@ class Plan:
     keep_messages: int
     """Messages of the recorded conversation kept before `new_messages`."""
     tools: list[dict[str, Any]]
+    side: str | None = None
+    """A side call (gateway/side.py): a full render of its own, leaving the episode's stream as it was."""
+    continues: int | None = None
+    """The call whose answer (superseded by a retry) this request goes on from: that answer is put back
+    in the stream at its place before `delta` (the program kept it, not the retry's)."""
 
 
 @dataclass
@@ -57,6 +65,9 @@ class EpisodeCapture:
     stream: list[int] = field(default_factory=list)
     calls: list[_SegmentCall] = field(default_factory=list)
     next_index: int = 0
+    superseded: list[_SegmentCall] = field(default_factory=list)
+    """Answers that a retry of the same request replaced, until the program's next call says which it
+    kept: that call extends one of them (`Plan.continues`) or the last answer (they are dropped)."""
     raw_texts: dict[str, str] = field(default_factory=dict)
     """Sampled text of each assistant turn returned in this episode (by its comparison key), so a full
     render after a rewrite shows the model's turn as it wrote it."""
@@ -70,8 +81,16 @@ class EpisodeCapture:
                 return self._retry_plan(retried, [])
             if len(messages) > len(self.conversation) and _same_prefix(self.conversation, messages):
                 return self._extension_plan(messages[len(self.conversation):], tools)
+            for answer in reversed(self.superseded):
+                head = [*self.conversation[: answer.n_messages], answer.assistant]
+                if len(messages) > len(head) and _same_prefix(head, messages):
+                    return self._continuation_of(answer, messages[len(head):], tools)
         prompt = self.chat.initial(self._render(messages), tools)
         return Plan(prompt, prompt, 0, self._reason(messages, tools), None, list(messages), 0, tools)
+
+    def plan_side(self, name: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Plan:
+        prompt = self.chat.initial(self._render(messages), tools)
+        return Plan(prompt, prompt, 0, None, None, list(messages), 0, tools, side=name)
 
     def _retried(self, messages: list[dict[str, Any]]) -> _SegmentCall | None:
         for call in reversed(self.calls):
@@ -88,6 +107,17 @@ class EpisodeCapture:
         if not self.stream or self.stream[-1] not in self.chat.stop_token_ids:
             delta = [self.chat.stop_token_ids[0], *delta]  # a cut turn is closed (not a model token)
         return Plan(self.stream + delta, delta, len(self.stream), None, None, new, len(self.conversation), tools)
+
+    def _continuation_of(self, answer: _SegmentCall, new: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Plan:
+        """The request goes on from `answer`, which a retry superseded: the stream up to its prompt, its
+        output ids again, then the new messages."""
+        base = [*self.stream[: answer.prompt_end], *answer.output_ids]
+        rendered = [*self.rendered[: answer.n_messages], *self._render([answer.assistant])]
+        delta = self.chat.continuation(rendered, self._render(new), tools)
+        if not base or base[-1] not in self.chat.stop_token_ids:
+            delta = [self.chat.stop_token_ids[0], *delta]
+        return Plan(base + delta, delta, len(base), None, None, new, answer.n_messages + 1, tools,
+                    continues=answer.index)
 
     def _reason(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
         if self.segment < 0:
@@ -118,9 +148,13 @@ class EpisodeCapture:
     def drifted(self, plan: Plan) -> bool:
         """Whether a from-scratch render of the plan's conversation differs from its prompt ids (never
         for a call that opens a segment: that prompt is a from-scratch render). Costs a full render."""
-        if plan.segment_reason is not None or self.api != "chat":
+        if plan.segment_reason is not None or plan.side is not None or self.api != "chat":
             return False
-        history = [*self.rendered[: plan.keep_messages], *self._render(plan.new_messages)]
+        head = self.rendered[: plan.keep_messages]
+        if plan.continues is not None:  # the kept answer, not the retry's now in `rendered`
+            answer = next(c for c in self.superseded if c.index == plan.continues)
+            head = [*self.rendered[: answer.n_messages], *self._render([answer.assistant])]
+        history = [*head, *self._render(plan.new_messages)]
         return self.chat.drift(history, plan.tools, plan.prompt_ids)
 
     # -- completions --------------------------------------------------------------------------------
@@ -153,36 +187,56 @@ class EpisodeCapture:
         return capture
 
     def _replayed(self, call: CapturedCall) -> Plan:
+        if call.side_call is not None:
+            return Plan([], call.prompt_ids, 0, None, None, call.new_messages, 0, call.tools or [], side=call.side_call)
         if call.segment_reason is not None:
             keep = 0
+        elif call.continues_call is not None:
+            keep = next(c.n_messages for c in self.superseded if c.index == call.continues_call) + 1
         elif call.retry_of is not None:
             keep = next(c.n_messages for c in self.calls if c.index == call.retry_of) - len(call.new_messages)
         else:
             keep = len(self.conversation)
         tools = call.tools if call.segment_reason is not None else self.tools
         return Plan([], call.prompt_ids, call.prompt_start, call.segment_reason, call.retry_of,
-                    call.new_messages, keep, tools or [])
+                    call.new_messages, keep, tools or [], continues=call.continues_call)
 
     # -- after the call is recorded -----------------------------------------------------------------
 
     def commit(self, plan: Plan, api: str, output_ids: list[int], reply: Reply) -> int:
         """Apply a recorded call; returns its call index."""
+        if plan.side is not None:  # the episode's stream and conversation stay as they were
+            self.next_index += 1
+            return self.next_index - 1
+        api = "completions" if api == "completions" else "chat"  # the conversation APIs share one form
         if plan.segment_reason is not None:
             self.segment += 1
             self.api, self.tools = api, plan.tools
             self.conversation, self.rendered, self.stream, self.calls = [], [], [], []
+        superseded, self.superseded = self.superseded, []  # the program's next call decides
+        if plan.continues is not None:  # put the kept answer back; the retry's answer is dropped
+            answer = next(c for c in superseded if c.index == plan.continues)
+            del self.stream[answer.prompt_end:]
+            self.stream += answer.output_ids
+            self.calls = [*(c for c in self.calls if c.prompt_end < answer.prompt_end), answer]
+            self.conversation = [*self.conversation[: answer.n_messages], answer.assistant]
+            self.rendered = [*self.rendered[: answer.n_messages], *self._render([answer.assistant])]
         prompt_end = plan.prompt_start + len(plan.delta)
         # In place: the stream of a long history is not copied per call.
         del self.stream[plan.prompt_start:]
         self.stream += plan.delta
         self.stream += output_ids
+        if plan.retry_of is not None:  # the answers it repeats stay until the next call decides
+            self.superseded = [*superseded, *(c for c in self.calls if c.prompt_end == prompt_end
+                                              and c.assistant is not None)]
         self.calls = [c for c in self.calls if c.prompt_end < prompt_end]
         index = self.next_index
         self.next_index += 1
         n_messages = plan.keep_messages + len(plan.new_messages)
-        self.calls.append(_SegmentCall(index, n_messages, prompt_end))
+        assistant = {"role": "assistant", "content": reply.content, "tool_calls": reply.tool_calls}
+        self.calls.append(_SegmentCall(index, n_messages, prompt_end, list(output_ids),
+                                       assistant if api == "chat" else None))
         if api == "chat":
-            assistant = {"role": "assistant", "content": reply.content, "tool_calls": reply.tool_calls}
             self.raw_texts[_key(assistant)] = reply.raw_text
             kept = plan.keep_messages
             self.conversation = [*self.conversation[:kept], *plan.new_messages, assistant]

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from rollway.base.config import StrictModel
+from rollway.gateway.side import SHIPPED, Program, SideCallRule
 
 INSTRUCTION_FILE = "/tmp/rollway-instruction.txt"
 """Where the program finds the task's instruction inside the sandbox (`{instruction_file}`)."""
@@ -66,6 +67,25 @@ class GatewayLimits(StrictModel):
     gateway, so that heavy requests do not stall the event loop the episodes share."""
 
 
+class SideCallsConfig(StrictModel):
+    """Which calls are side conversations (docs/harness.md#side-conversations)."""
+
+    programs: list[Program] = Field(default_factory=lambda: ["opencode", "qwen-code"])
+    """Programs whose shipped rules apply (opencode's title generator; Qwen Code's memory extraction,
+    dream and selection calls)."""
+    rules: list[SideCallRule] = Field(default_factory=list)
+    """More rules: a call whose first system message starts with `system_prefix` is a side call."""
+    train: bool = False
+    """Train side calls as the episode's segments (as any other call). False: recorded and shown as side
+    calls, never trained, and the episode's token stream goes on as if they had not happened."""
+
+    def all_rules(self) -> tuple[SideCallRule, ...]:
+        """The rules in force (none when side calls are trained as the episode)."""
+        if self.train:
+            return ()
+        return (*(r for p in self.programs for r in SHIPPED[p]), *self.rules)
+
+
 class HarnessConfig(StrictModel):
     """An agent program run once per episode in the episode's sandbox (docs/harness.md). Its model
     calls go to the worker's gateway (OPENAI_BASE_URL, OPENAI_API_KEY are set); the episode ends when
@@ -85,9 +105,25 @@ class HarnessConfig(StrictModel):
     leaving time to grade, or the scheduler re-issues episodes whose program is still running."""
     max_calls: int = Field(50, ge=1)
     """Model calls per episode; the next one is refused and the episode ends with `harness_call_limit`."""
+    max_segments: int | None = Field(None, ge=1)
+    """Token streams (segments) per episode: a call that would open one more (a program compacting or
+    rewriting its history) is refused and the episode ends with `harness_segment_limit`, graded and
+    trained on the segments it has. None: no bound."""
+    max_trained_tokens: int | None = Field(None, ge=1)
+    """Sampled tokens (what the learner trains) per episode: each call may sample only what is left,
+    the call after that is refused and the episode ends with `harness_token_limit`, graded and trained
+    up to the bound. None: no bound."""
     silence_limit_s: float = Field(120.0, gt=0)
     """Time without a model call (from the start) after which the program is killed and the episode
     ends with `harness_silence`."""
+    side_calls: SideCallsConfig = Field(default_factory=SideCallsConfig)
+    """Side conversations (a title or memory call with its own system prompt): recorded, shown, not trained."""
+    sampling: Literal["enforce", "record"] = "enforce"
+    """Whose sampling the engine uses. `enforce`: the configured `agent.temperature` and `agent.top_p`,
+    whatever the program sends (most programs send their own, or none: 1.0); each call records that it
+    was overridden. `record`: the program's, recorded with each call. Either way the learner trains
+    only turns sampled at `learner.temperature` with top_p 1 and refuses any other episode with a
+    warning (its group trains without it): never a silent mismatch."""
     model_name: str = "rollway-policy"
     """The model name the gateway serves (OPENAI_MODEL)."""
     limits: GatewayLimits = Field(default_factory=GatewayLimits)

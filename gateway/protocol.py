@@ -251,6 +251,8 @@ class Reply:
     finish_reason: str = "stop"
     raw_text: str = ""
     """The decoded sampled text, tool-call tags included (how the model wrote it)."""
+    stop_string: str | None = None
+    """The stop string that ended the text (it is cut off), None when none did."""
 
 
 def cut_at_stop(text: str, stops: tuple[str, ...]) -> str | None:

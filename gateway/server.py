@@ -11,13 +11,23 @@ import socket
 import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
 import structlog
 from aiohttp import web
 
+from rollway.gateway.apis import (
+    CHAT_APIS,
+    anthropic_error,
+    messages_body,
+    messages_events,
+    parse_messages_request,
+    parse_responses_request,
+    responses_body,
+    responses_events,
+)
 from rollway.gateway.bounds import EpisodeListener, bounds_middleware
 from rollway.gateway.capture import EpisodeCapture, Plan
 from rollway.gateway.config import GatewayLimits
@@ -35,6 +45,7 @@ from rollway.gateway.protocol import (
     text_completion,
 )
 from rollway.gateway.recorder import CallRecorder, RecordFailed, RecordTooLarge
+from rollway.gateway.side import SideCallRule, side_call_of
 from rollway.policies.base import ChatFormat, Generation, InferenceClient, SamplingParams
 from rollway.schemas.messages import CapturedCall, EpisodeKey
 
@@ -56,7 +67,8 @@ class EpisodeHandle:
     """time.monotonic() of the last recorded call (None: none yet), for a silence limit."""
     opened_at: float = field(default_factory=time.monotonic)
     stop_reason: str | None = None
-    """Set when the gateway refused a call because of a limit (call_limit, refused_limit)."""
+    """Set when the gateway refused a call because of a limit (call_limit, refused_limit, segment_limit,
+    token_limit)."""
     infrastructure_failure: str | None = None
     """Set when a call failed outside the sandbox (the inference engine unreachable, the call not recorded):
     a program that then fails has failed for the infrastructure, not for the agent (base/blame.py)."""
@@ -64,7 +76,17 @@ class EpisodeHandle:
     """Requests and connections refused for the gateway's limits or as malformed (gateway/bounds.py)."""
     connections: int = 0
     """Connections open on the episode's own socket now."""
+    max_segments: int | None = None
+    """Token streams (segments) per episode: a call that would open one more is refused."""
+    max_trained_tokens: int | None = None
+    """Sampled (trained) tokens per episode: each call's max_tokens is cut to what is left, and the call
+    after the budget is spent is refused."""
+    trained_tokens: int = 0
+    """Sampled tokens recorded so far (a retried call's count too: the bound is never exceeded)."""
     closed: bool = False
+    unsupported: str | None = None
+    """The first endpoint or option the program asked for that the gateway does not serve: the program
+    cannot work here, so the attempt fails for good (not retried)."""
     capture: EpisodeCapture | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -83,7 +105,8 @@ class Gateway:
     def __init__(self, engine: InferenceClient, chat: ChatFormat, recorder: CallRecorder, *,
                  model_name: str = "rollway-policy", default_max_tokens: int = 1024, max_tokens_cap: int = 32768,
                  check_drift: bool = True, host: str = "127.0.0.1", port: int = 0, public_host: str | None = None,
-                 limits: GatewayLimits | None = None):
+                 limits: GatewayLimits | None = None, enforce_sampling: tuple[float, float] | None = None,
+                 side_rules: tuple[SideCallRule, ...] = ()):
         self.engine, self.chat, self.recorder = engine, chat, recorder
         self.limits = limits or GatewayLimits()
         # Parsing, rendering and decoding grow with what a program sends: off the loop every episode shares.
@@ -95,9 +118,14 @@ class Gateway:
         self.check_drift = check_drift
         """Re-render each continued call from scratch to flag template drift (`CapturedCall.template_drift`):
         a full render per call, so off where rendering long histories costs too much."""
+        self.enforce_sampling = enforce_sampling
+        """(temperature, top_p) every call is sampled at, whatever the program sends; None: the program's."""
+        self.side_rules = side_rules
+        """Calls matching these are side conversations (gateway/side.py): recorded, outside the stream."""
         self.episodes: dict[str, EpisodeHandle] = {}
         """By token; closed episodes stay (their calls get 409, not 401)."""
         self._runner: web.AppRunner | None = None
+        self._unsupported_said: set[str] = set()
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -109,6 +137,10 @@ class Gateway:
             app.router.add_post(f"{prefix}/v1/chat/completions", self._chat)
             app.router.add_post(f"{prefix}/v1/completions", self._completions)
             app.router.add_get(f"{prefix}/v1/models", self._models)
+            app.router.add_post(f"{prefix}/v1/responses", self._responses)
+            app.router.add_post(f"{prefix}/v1/messages", self._messages)
+        for prefix in ("/e/{token}", ""):  # after every served route: anything else is named as unsupported
+            app.router.add_route("*", prefix + "/{tail:.*}", self._unsupported)
         self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=self.limits.header_timeout_s)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
@@ -142,7 +174,8 @@ class Gateway:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def open_episode(self, episode: EpisodeKey, max_calls: int | None = None, *, token: str | None = None,
-                     recorded: list[CapturedCall] | None = None) -> EpisodeHandle:
+                     recorded: list[CapturedCall] | None = None, max_segments: int | None = None,
+                     max_trained_tokens: int | None = None) -> EpisodeHandle:
         """A fresh credential for `episode`. Give the program `handle.api_key` (with base URL
         `gateway.url + "/v1"`) or `handle.base_url` (the key in the path).
 
@@ -154,7 +187,9 @@ class Gateway:
             raise ValueError(f"the token of episode {episode.episode_id} is already in use on this gateway")
         capture = EpisodeCapture.restore(self.chat, recorded) if recorded else EpisodeCapture(self.chat)
         handle = EpisodeHandle(episode, token, f"{self.url}/e/{token}/v1", max_calls, calls=capture.next_index,
-                               capture=capture)
+                               capture=capture, max_segments=max_segments, max_trained_tokens=max_trained_tokens,
+                               trained_tokens=sum(len(c.output_ids) for c in {c.call_index: c for c in recorded or []}.values()
+                                                  if c.side_call is None))
         self.episodes[token] = handle
         return handle
 
@@ -180,22 +215,57 @@ class Gateway:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "completions")
 
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "responses")
+
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "messages")
+
+    async def _unsupported(self, request: web.Request) -> web.Response:
+        """An endpoint the gateway does not serve: 404 naming it, and the episode (when the credential
+        names one) marked as unable to work here."""
+        path = "/" + request.match_info.get("tail", "")
+        err = RequestError(f"{request.method} {path} is not served by this gateway (it serves POST "
+                           "/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages and GET /v1/models): "
+                           "configure the program to use one of those", None, 404, "unsupported_endpoint")
+        try:
+            self._mark_unsupported(self._episode(request), err)
+        except RequestError:
+            pass  # no episode to mark: the 404 is all there is to say
+        return self._error(err, "messages" if path.startswith("/v1/messages") else "chat")
+
+    def _mark_unsupported(self, handle: EpisodeHandle, err: RequestError) -> None:
+        if err.code in ("unsupported_option", "unsupported_endpoint") and handle.unsupported is None:
+            handle.unsupported = str(err)
+            if str(err) not in self._unsupported_said:  # every episode of the program asks alike: said once
+                self._unsupported_said.add(str(err))
+                log.warning("a program asked for what the gateway does not serve", error=str(err))
+
+    @staticmethod
+    def _error(err: RequestError, api: str) -> web.Response:
+        return web.json_response(anthropic_error(err) if api == "messages" else err.body(), status=err.status)
+
     async def _serve(self, request: web.Request, api: str) -> web.StreamResponse:
         try:
             handle = self._episode(request)
             body = await self._off_loop(_json_body, await request.read())
-            parsed = await self._off_loop(parse_chat_request if api == "chat" else parse_completion_request, body)
+            try:
+                parsed = await self._off_loop(_PARSERS[api], body)
+            except RequestError as err:
+                self._mark_unsupported(handle, err)
+                raise
             async with handle.lock:
                 self._check_open(handle)
                 result = await self._call(handle, api, parsed)
         except RequestError as err:
-            return web.json_response(err.body(), status=err.status)
-        return await self._respond(request, api, parsed.sampling, *result)
+            return self._error(err, api)
+        return await self._respond(request, api, parsed, *result)
 
     def _episode(self, request: web.Request) -> EpisodeHandle:
         """The episode of the path token, else of the bearer key; 401 for an unknown credential or a
         key of another episode than the path's."""
-        bearer = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        bearer = (request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+                  or request.headers.get("x-api-key", "").strip())  # the Anthropic SDK's header
         token = request.match_info.get("token") or bearer
         handle = self.episodes.get(token)
         other = self.episodes.get(bearer)
@@ -206,7 +276,8 @@ class Gateway:
 
     def _known_episode(self, request: web.Request) -> EpisodeHandle | None:
         """The episode a request's credential names (None: none), for counting refusals."""
-        bearer = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        bearer = (request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+                  or request.headers.get("x-api-key", "").strip())
         return self.episodes.get(request.match_info.get("token") or bearer)
 
     async def _off_loop(self, fn: Any, *args: Any) -> Any:
@@ -220,18 +291,35 @@ class Gateway:
             handle.stop_reason = "call_limit"
             raise RequestError(f"episode {handle.episode.episode_id} reached its limit of {handle.max_calls} "
                                "model calls", None, 409, "call_limit_reached")
+        if handle.max_trained_tokens is not None and handle.trained_tokens >= handle.max_trained_tokens:
+            handle.stop_reason = "token_limit"
+            raise RequestError(f"episode {handle.episode.episode_id} reached its limit of {handle.max_trained_tokens} "
+                               "sampled tokens", None, 409, "token_limit_reached")
 
     async def _call(self, handle: EpisodeHandle, api: str, parsed: Any) -> tuple[str, Reply, dict[str, int]]:
         capture = handle.capture
         assert capture is not None  # open episodes keep theirs
         plan, parse_tools = await self._off_loop(self._storable_plan, capture, api, parsed)
+        if plan.segment_reason not in (None, "start") and handle.max_segments is not None \
+                and capture.segment + 1 >= handle.max_segments:
+            handle.stop_reason = "segment_limit"
+            raise RequestError(f"episode {handle.episode.episode_id} reached its limit of {handle.max_segments} "
+                               f"segments (this call would open another: {plan.segment_reason})", None, 409,
+                               "segment_limit_reached")
+        used = self._params(parsed.sampling, plan)
+        if handle.max_trained_tokens is not None and plan.side is None:  # no more than the episode has left
+            used = replace(used, max_tokens=min(used.max_tokens, handle.max_trained_tokens - handle.trained_tokens))
         try:
-            generation = await self.engine.generate(plan.prompt_ids, self._params(parsed.sampling, plan))
+            generation = await self.engine.generate(plan.prompt_ids, used)
         except OSError as err:  # no connection, a timeout: the engine's failure, never the program's
             handle.infrastructure_failure = f"the inference engine did not answer: {err}"[:500]
             raise
         output, reply = await self._off_loop(self._reply, generation, parsed.sampling, parse_tools)
         call = self._record_of(handle, api, plan, generation, output, reply)
+        call.temperature, call.top_p = used.temperature, used.top_p
+        if plan.side is not None:
+            call.side_call, call.segment, call.tools = plan.side, -1, plan.tools
+        call.sampling_overridden = (used.temperature, used.top_p) != (parsed.sampling.temperature, parsed.sampling.top_p)
         if self.check_drift and await self._off_loop(capture.drifted, plan):
             call.template_drift = True
             log.info("template drift: the conversation re-renders differently", episode_id=handle.episode.episode_id,
@@ -247,7 +335,7 @@ class Gateway:
             raise RequestError(f"{err}; retry the call", None, 503, "record_failed") from None
         usage = {"prompt_tokens": len(plan.prompt_ids), "completion_tokens": len(output),
                  "total_tokens": len(plan.prompt_ids) + len(output)}
-        return f"{'chatcmpl' if api == 'chat' else 'cmpl'}-{handle.episode.episode_id}-{call.call_index}", reply, usage
+        return f"{handle.episode.episode_id}-{call.call_index}", reply, usage
 
     def _storable_plan(self, capture: EpisodeCapture, api: str, parsed: Any) -> tuple[Plan, bool]:
         plan, parse_tools = self._plan(capture, api, parsed)
@@ -259,8 +347,10 @@ class Gateway:
         if api == "completions":
             prompt = parsed.prompt if isinstance(parsed.prompt, list) else self._encode_prompt(parsed.prompt)
             return capture.plan_completion(prompt), False
+        side = side_call_of(parsed.messages, self.side_rules)
         try:
-            plan = capture.plan_chat(parsed.messages, parsed.tools)
+            plan = (capture.plan_side(side, parsed.messages, parsed.tools) if side is not None
+                    else capture.plan_chat(parsed.messages, parsed.tools))
         except Exception as err:  # noqa: BLE001 - a template's own checks (raise_exception) and its errors
             # Rendering depends only on the request: a template that refuses these messages (roles out
             # of the order it allows, a role it lacks) is the request's problem, said as the template says it.
@@ -280,11 +370,13 @@ class Gateway:
         assert handle.capture is not None
         handle.capture.commit(plan, api, call.output_ids, reply)
         handle.calls += 1
+        handle.trained_tokens += len(call.output_ids) if call.side_call is None else 0
         handle.last_call_at = time.monotonic()
 
     def _params(self, sampling: Sampling, plan: Plan) -> SamplingParams:
         limit = min(sampling.max_tokens or self.default_max_tokens, self.max_tokens_cap)
-        return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=limit,
+        temperature, top_p = self.enforce_sampling or (sampling.temperature, sampling.top_p)
+        return SamplingParams(temperature=temperature, top_p=top_p, max_tokens=limit,
                               stop_token_ids=tuple(self.chat.stop_token_ids), seed=sampling.seed)
 
     def _reply(self, generation: Generation, sampling: Sampling, parse_tools: bool) -> tuple[list[int], Reply]:
@@ -296,6 +388,7 @@ class Gateway:
             text, finish = self.chat.decode(ids), "stop"
             reply = make_reply(cut_at_stop(text, sampling.stop) or "", finish, parse_tools)
             reply.raw_text = text
+            reply.stop_string = min((s for s in sampling.stop if s in text), key=text.index)
             return ids, reply
         return ids, make_reply(text, finish, parse_tools)
 
@@ -318,32 +411,48 @@ class Gateway:
         opens = plan.segment_reason is not None
         return CapturedCall(
             episode=handle.episode, call_index=capture.next_index, segment=capture.segment + int(opens),
-            segment_reason=plan.segment_reason, retry_of=plan.retry_of, prompt_start=plan.prompt_start,
+            segment_reason=plan.segment_reason, retry_of=plan.retry_of, continues_call=plan.continues,
+            prompt_start=plan.prompt_start,
             prompt_ids=plan.delta, output_ids=output, logprobs=list(generation.logprobs[: len(output)]),
             finish_reason=reply.finish_reason, policy_version=generation.policy_version, api=api,
-            new_messages=plan.new_messages, tools=plan.tools if opens and api == "chat" else None,
+            new_messages=plan.new_messages, tools=plan.tools if opens and api in CHAT_APIS else None,
             raw_text=reply.raw_text, content=reply.content, tool_calls=reply.tool_calls, created_at=time.time())
 
-    async def _respond(self, request: web.Request, api: str, sampling: Sampling, call_id: str, reply: Reply,
+    async def _respond(self, request: web.Request, api: str, parsed: Any, call_id: str, reply: Reply,
                        usage: dict[str, int]) -> web.StreamResponse:
+        sampling: Sampling = parsed.sampling
+        model = self.model_name
         if not sampling.stream:
-            body = (chat_completion(call_id, self.model_name, reply, usage) if api == "chat" else
-                    text_completion(call_id, self.model_name, reply.content, reply.finish_reason, usage))
+            body = (chat_completion(f"chatcmpl-{call_id}", model, reply, usage) if api == "chat" else
+                    responses_body(call_id, model, parsed, reply, usage) if api == "responses" else
+                    messages_body(call_id, model, reply, usage) if api == "messages" else
+                    text_completion(f"cmpl-{call_id}", model, reply.content, reply.finish_reason, usage))
             return web.json_response(body)
         shown_usage = usage if sampling.include_usage else None
-        chunks = (chat_chunks(call_id, self.model_name, reply, shown_usage) if api == "chat" else
-                  completion_chunks(call_id, self.model_name, reply.content, reply.finish_reason, shown_usage))
+        if api == "responses":
+            events = [(f"event: {kind}\n", data) for kind, data in responses_events(call_id, model, parsed, reply, usage)]
+        elif api == "messages":
+            events = [(f"event: {kind}\n", data) for kind, data in messages_events(call_id, model, reply, usage)]
+        else:
+            events = [("", chunk) for chunk in (
+                chat_chunks(f"chatcmpl-{call_id}", model, reply, shown_usage) if api == "chat" else
+                completion_chunks(f"cmpl-{call_id}", model, reply.content, reply.finish_reason, shown_usage))]
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         try:
             await response.prepare(request)
-            for chunk in chunks:
-                await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            await response.write(b"data: [DONE]\n\n")
+            for event, data in events:
+                await response.write(f"{event}data: {json.dumps(data)}\n\n".encode())
+            if api in ("chat", "completions"):
+                await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
         except (ConnectionResetError, ConnectionError):
             # The call is already recorded; a program that left mid-stream retries or ends.
             log.info("client left mid-stream", call=call_id)
         return response
+
+
+_PARSERS = {"chat": parse_chat_request, "completions": parse_completion_request,
+            "responses": parse_responses_request, "messages": parse_messages_request}
 
 
 def _bound_unix_socket(path: str) -> socket.socket:

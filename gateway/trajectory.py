@@ -46,7 +46,11 @@ class Segment:
         self.turn_policy_versions = [self.turn_policy_versions[i] for i in keep]
         self.call_indices = [self.call_indices[i] for i in keep]
 
-    def add(self, call: CapturedCall) -> None:
+    def add(self, call: CapturedCall, kept: CapturedCall | None = None) -> None:
+        """Append `call`; `kept`: the call whose answer it goes on from (`continues_call`), put back first."""
+        if kept is not None:
+            self._cut(kept.prompt_start + len(kept.prompt_ids))
+            self._output(kept)
         if call.prompt_start > len(self.token_ids):
             raise CallLogError(f"episode {call.episode_id}: call {call.call_index} starts at token "
                                f"{call.prompt_start} of segment {self.index}, which has {len(self.token_ids)}")
@@ -55,6 +59,9 @@ class Segment:
         self.token_ids += call.prompt_ids
         self.loss_mask += [0] * len(call.prompt_ids)
         self.logprobs += [None] * len(call.prompt_ids)
+        self._output(call)
+
+    def _output(self, call: CapturedCall) -> None:
         start = len(self.token_ids)
         self.token_ids += call.output_ids
         self.loss_mask += [1] * len(call.output_ids)
@@ -78,6 +85,8 @@ def rebuild_segments(calls: Iterable[CapturedCall]) -> list[Segment]:
     for expected, call in enumerate(ordered):
         if call.call_index != expected:
             raise CallLogError(f"episode {call.episode_id}: call {expected} is missing from the record")
+        if call.side_call is not None:
+            continue  # a side conversation: recorded, not part of any segment
         if call.segment_reason is not None:
             if call.segment != len(segments):
                 raise CallLogError(f"episode {call.episode_id}: call {call.call_index} opens segment "
@@ -86,7 +95,11 @@ def rebuild_segments(calls: Iterable[CapturedCall]) -> list[Segment]:
         elif not segments or call.segment != segments[-1].index:
             raise CallLogError(f"episode {call.episode_id}: call {call.call_index} continues segment "
                                f"{call.segment}, which no earlier call opened")
-        segments[-1].add(call)
+        kept = by_index.get(call.continues_call) if call.continues_call is not None else None
+        if call.continues_call is not None and (kept is None or kept.segment != call.segment):
+            raise CallLogError(f"episode {call.episode_id}: call {call.call_index} goes on from call "
+                               f"{call.continues_call}, which is not in its segment")
+        segments[-1].add(call, kept)
     return segments
 
 

@@ -377,6 +377,8 @@ def _calls_html(trajs: list[dict[str, Any]]) -> str:
             rows.append([t["episode"]["episode_id"], turn["call_index"], seg, opened, turn["finish_reason"],
                          len(turn.get("completion_ids") or []),
                          ", ".join(o.get("tool") or "?" for o in turn.get("observations") or []) or "-"])
+        rows += [[t["episode"]["episode_id"], c["call_index"], "side (not trained)", c["name"], "-", c["output_tokens"],
+                  "-"] for c in t.get("side_calls") or []]
     more = len(harness) - HARNESS_EPISODES_SHOWN
     note = f"<p class='muted'>{more} more harness episodes: <code>rollway show RUN_DIR --episode ID</code></p>" \
         if more > 0 else ""

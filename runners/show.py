@@ -55,6 +55,9 @@ def episode_header(t: dict[str, Any], stage_seconds: dict[str, float] | None = N
     if is_harness(t):
         rows.append(("program calls", f"{len(t['turns'])} kept (calls {', '.join(str(x['call_index']) for x in t['turns'])})"))
         rows.append(("segments", segments_line(t)))
+        if t.get("side_calls"):
+            rows.append(("side calls", "; ".join(f"call {c['call_index']}: {c['name']} ({c['output_tokens']} tokens, "
+                                                 "not trained)" for c in t["side_calls"])))
     if stage_seconds is not None:
         rows.append(("stages", ", ".join(f"{k} {_ms(v)}" for k, v in stage_seconds.items()) or "(no telemetry)"))
     for key, value in rows:

@@ -264,7 +264,16 @@ def summarize(run_dir: Path, cfg: RunConfig, wall_s: float, job: Job) -> dict:
         "episodes_per_second": round(len(trajs) / wall_s, 4) if wall_s > 0 else None,
         "worker_restarts": {f"{p.stage}-{p.index}": p.restarts for p in job.procs if p.restarts},
         "failed": sched.get("failed", []),
+        "failure_reasons": _count_reasons(sched.get("failed", [])),
     }
+
+
+def _count_reasons(failed: list[dict]) -> dict[str, int]:
+    """Episodes given up, by reason: a program that cannot work here shows as one line, not one per episode."""
+    counts: dict[str, int] = {}
+    for ticket in failed:
+        counts[ticket.get("reason", "")] = counts.get(ticket.get("reason", ""), 0) + 1
+    return counts
 
 
 def stage_time_totals(run_dir: Path, trajs: list[dict]) -> dict[str, float]:
@@ -411,6 +420,8 @@ def _run_stages(job: Job, on_tick, quiet: bool) -> dict:
     if not quiet:
         log.info("run finished", **{k: summary[k] for k in ("episodes_completed", "episodes_failed", "reward_mean",
                                                             "pass_rate", "wall_seconds")})
+        for reason, count in summary["failure_reasons"].items():
+            log.error(f"{count} episode(s) failed: {reason[:500]}")
     return summary
 
 

@@ -131,6 +131,11 @@ class TurnRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     turn's `observation_ids` are then empty. None: the turn continues the current stream."""
     segment_reason: str | None = None
     """Why the segment opened (history_rewritten, system_changed, tools_changed, prompt_changed)."""
+    temperature: float | None = None
+    """Harness episodes: the temperature this turn was sampled at (`CapturedCall.temperature`); the
+    learner computes the turn's logprobs under it or refuses the episode. None: the configured one."""
+    top_p: float | None = None
+    """Harness episodes: the top_p this turn was sampled at. None: the configured one."""
     call_index: int | None = None
     """Harness episodes: the gateway call this turn is (`CapturedCall.call_index`; a retried call's turn
     is its retry's, so indices may skip). `observations` and `user_message` then hold what the program
@@ -186,6 +191,8 @@ class RewardRequest(EpisodeMessage, kw_only=True):
     turns: list[TurnRecord]
     stop_reason: str
     """Why the agent stopped: finish, max_turns, max_tokens, length, agent_failure, ..."""
+    side_calls: list[dict[str, Any]] = []
+    """Harness episodes: the program's side conversations, as `Trajectory.side_calls`."""
     deadline: float = 0.0
     failure: dict[str, str] | None = None
     """Set when the episode ended in a failure after the agent's code ran (base/blame.py): the grade
@@ -224,6 +231,10 @@ class Trajectory(EpisodeMessage, kw_only=True):
     created_at: float = 0.0
     """When the reward actor graded it (unix seconds). Stage times are telemetry (runtime/telemetry.py);
     each turn's generation and tool times are on `turns` (the agent needs them)."""
+    side_calls: list[dict[str, Any]] = []
+    """Harness episodes: the program's side conversations (`CapturedCall.side_call`), never trained:
+    per call {call_index, name, system (its system prompt, cut), text (the sampled text, cut),
+    output_tokens}. Empty: none."""
     segment_starts: list[int] = []
     """Harness episodes whose program rewrote its history: the offset in `token_ids` where each token
     stream after the first begins (its prompt). Tokens of a segment were seen by the model only with
@@ -287,6 +298,10 @@ class CapturedCall(EpisodeMessage, kw_only=True):
     retry_of: int | None = None
     """The call index this call repeats (same request again, e.g. after a client timeout); the
     retried call's output is superseded. None: not a retry."""
+    continues_call: int | None = None
+    """The earlier call whose answer, superseded by a retry, this call goes on from (the program kept
+    that answer, not the retry's): the stream is cut back to the end of that call's prompt and its
+    output put back (loss mask 1, it is trained) before this call's `prompt_ids`. None: not so."""
     prompt_start: int
     """Where in the segment's stream `prompt_ids` go (the stream is cut there first)."""
     prompt_ids: list[int]
@@ -308,6 +323,19 @@ class CapturedCall(EpisodeMessage, kw_only=True):
     """The text returned to the program (tool calls taken out, cut at a stop string)."""
     tool_calls: list[dict[str, Any]] = []
     """The tool calls returned to the program: [{id, name, arguments}]."""
+    side_call: str | None = None
+    """Set on a side conversation (a title or memory call the program makes beside its main one,
+    matched by `agent.harness.side_calls`): the rule's name. Such a call renders its own whole prompt
+    (`prompt_start` 0, `segment` -1), belongs to no segment, is never trained, and leaves the episode's
+    stream as it was. None: a call of the episode's conversation."""
+    temperature: float | None = None
+    """The temperature the engine sampled this call at (the program's, or the configured one where the
+    harness enforces its sampling). None: a record written before sampling was recorded."""
+    top_p: float | None = None
+    """The top_p the engine sampled this call at. None as for `temperature`."""
+    sampling_overridden: bool = False
+    """True when the program asked for other sampling than the engine used (the harness enforces the
+    configured temperature and top_p: `agent.harness.sampling: enforce`)."""
     template_drift: bool = False
     """True when rendering this call's messages from scratch gives other ids than the prompt the engine
     saw (sampled ids that re-tokenise differently, or a template that is not append-only). The

@@ -6,6 +6,8 @@
 #   qwen-code-$QWEN_VERSION/       Qwen Code (node_modules/@qwen-code/qwen-code/cli.js) and bin/node, a copy of
 #                                  this machine's node, so that one folder bound read-only into a jail or a
 #                                  container carries all the program needs, and settings.json
+#   codex-$CODEX_VERSION/          the Codex CLI (@openai/codex: node_modules/.bin/codex and its static binary),
+#                                  which speaks only the Responses API
 # Each folder gets a .ready file holding its version once complete. Skip with ROLLWAY_SKIP_AGENTS=1.
 # Qwen Code 0.15.10 is the last release that runs on Node.js 20 (later ones ask for node >= 22).
 set -euo pipefail
@@ -21,6 +23,7 @@ if [ "$(id -u)" = 0 ]; then DEFAULT_AGENTS=/opt/rollway/agents; else DEFAULT_AGE
 CACHE=${ROLLWAY_AGENTS_DIR:-$DEFAULT_AGENTS}
 MINI_VERSION=${ROLLWAY_MINI_SWE_AGENT_VERSION:-2.4.6}
 QWEN_VERSION=${ROLLWAY_QWEN_CODE_VERSION:-0.15.10}
+CODEX_VERSION=${ROLLWAY_CODEX_VERSION:-0.171.0}
 say() { echo "setup-agents: $*" >&2; }
 ready() { [ -f "$1/.ready" ] && [ "$(cat "$1/.ready")" = "$2" ]; }
 mkdir -p "$CACHE"
@@ -61,8 +64,22 @@ install_qwen() {
   say "Qwen Code $QWEN_VERSION installed ($dir)"
 }
 
+install_codex() {
+  local dir="$CACHE/codex-$CODEX_VERSION"
+  if ready "$dir" "$CODEX_VERSION"; then say "Codex CLI $CODEX_VERSION ready ($dir)"; return; fi
+  command -v node >/dev/null && command -v npm >/dev/null || {
+    say "the Codex CLI needs Node.js and npm: apt-get install nodejs npm (or ROLLWAY_SKIP_AGENTS=1)"; exit 1; }
+  mkdir -p "$dir"
+  # Not --omit=optional: the static binary comes in the platform's optional package.
+  npm install --prefix "$dir" --no-save --no-audit --no-fund "@openai/codex@$CODEX_VERSION" >/dev/null
+  "$dir/node_modules/.bin/codex" --version >/dev/null
+  echo "$CODEX_VERSION" > "$dir/.ready"
+  say "Codex CLI $CODEX_VERSION installed ($dir)"
+}
+
 install_mini
 install_qwen
+install_codex
 # Qwen Code's settings for offline, non-interactive runs (examples/qwen-code/settings.json), beside the
 # program so that the one bound folder holds them (QWEN_CODE_SYSTEM_SETTINGS_PATH names the file).
 # Copied on every run: editing the example takes effect with `bash scripts/setup-agents.sh`.

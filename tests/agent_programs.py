@@ -12,6 +12,7 @@ _DEFAULT = Path("/opt/rollway/agents") if os.getuid() == 0 else Path.home() / ".
 CACHE = Path(os.environ.get("ROLLWAY_AGENTS_DIR", _DEFAULT))
 MINI_VERSION = "2.4.6"
 QWEN_VERSION = "0.15.10"
+CODEX_VERSION = "0.171.0"
 
 
 def _ensure(folder: Path, version: str) -> Path:
@@ -65,6 +66,11 @@ def mini_harness(venv: Path, own_python: bool = False, configs: tuple[str, ...] 
 def qwen_code() -> Path:
     """The Qwen Code folder: bin/node, node_modules/@qwen-code/qwen-code/cli.js, settings.json."""
     return _ensure(CACHE / f"qwen-code-{QWEN_VERSION}", QWEN_VERSION)
+
+
+def codex_cli() -> Path:
+    """The Codex CLI folder: node_modules/.bin/codex (Responses API only)."""
+    return _ensure(CACHE / f"codex-{CODEX_VERSION}", CODEX_VERSION)
 
 
 def qwen_harness(folder: Path) -> dict:

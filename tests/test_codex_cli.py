@@ -1,0 +1,114 @@
+"""The real Codex CLI (@openai/codex 0.171, which speaks only the Responses API) against the gateway:
+streamed, stateless (`store: false`, the whole history each call), with its hosted tool types dropped
+from what the model sees, captured token-exact in one segment. The program is installed by
+scripts/setup-agents.sh (run here when missing: the test fails, never skips, without it). The scripted
+policy (policies/scripted.py) is the only fake part: it stands in for the model."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from agent_programs import codex_cli
+from conftest import run
+from test_gateway import LoggedEngine, check_against_engine, key, serve
+
+from rollway.gateway import rebuild_segments
+from rollway.policies.config import ScriptRule
+
+EXEC = '<tool_call>\n{"name": "exec_command", "arguments": {"cmd": "echo hi > out.txt"}}\n</tool_call>'
+DONE = "Done: wrote out.txt."
+
+
+def test_codex_cli_plays_a_tool_episode_through_the_responses_api(tmp_path):
+    codex = codex_cli() / "node_modules" / ".bin" / "codex"
+    work, home = tmp_path / "work", tmp_path / "codex-home"
+    work.mkdir()
+    home.mkdir()
+
+    async def scenario():
+        engine = LoggedEngine([ScriptRule(turns=[EXEC, DONE])])
+        gateway, recorder = await serve(engine)
+        handle = gateway.open_episode(key())
+        (home / "config.toml").write_text(
+            'model = "rollway-policy"\nmodel_provider = "rollway"\n[model_providers.rollway]\nname = "rollway"\n'
+            f'base_url = "{gateway.url}/v1"\nenv_key = "ROLLWAY_KEY"\nwire_api = "responses"\n')
+        env = {**os.environ, "CODEX_HOME": str(home), "ROLLWAY_KEY": handle.api_key}
+        proc = await asyncio.create_subprocess_exec(
+            str(codex), "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
+            "Write hi into out.txt", cwd=work, env=env, stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        try:
+            out, _ = await proc.communicate()  # Codex ends after the model's final answer
+        finally:
+            await gateway.stop()
+        return proc.returncode, out.decode(), engine, recorder.of("ep-1"), handle
+
+    code, out, engine, calls, handle = run(scenario())
+    assert code == 0, out[-3000:]
+    assert DONE in out and (work / "out.txt").read_text() == "hi\n"
+    assert handle.unsupported is None
+    assert [c.api for c in calls] == ["responses", "responses"]
+    # One stream: the second call (the command's output sent back) extends the first.
+    assert [(c.segment, c.segment_reason, c.retry_of) for c in calls] == [(0, "start", None), (0, None, None)]
+    [sent_back] = [m for m in calls[1].new_messages if m["role"] == "tool"]
+    assert sent_back["tool_call_id"] == calls[0].tool_calls[0]["id"]
+    offered = [t["function"]["name"] for t in calls[0].tools]
+    assert "exec_command" in offered and "web_search" not in offered  # hosted and namespace tools dropped
+    check_against_engine(calls, engine)
+    [segment] = rebuild_segments(calls)
+    assert segment.token_ids == engine.log[-1][0] + engine.log[-1][1].token_ids
+
+
+# As a harness episode: Codex runs inside the local jail (no network but the gateway's socket), from the
+# read-only install folder; a shell line writes its config with the episode's base URL, then runs it.
+CODEX_SETUP = ('mkdir -p "$CODEX_HOME" && printf \'model = "rollway-policy"\\nmodel_provider = "rollway"\\n'
+               '[model_providers.rollway]\\nname = "rollway"\\nbase_url = "%s"\\nenv_key = "OPENAI_API_KEY"\\n'
+               'wire_api = "responses"\\n\' "$OPENAI_BASE_URL" > "$CODEX_HOME/config.toml" && exec "$1" exec '
+               '--skip-git-repo-check --dangerously-bypass-approvals-and-sandbox "$(cat "$0")"')
+SUM = '<tool_call>\n{"name": "exec_command", "arguments": {"cmd": "awk \'{print $1 + $2}\' numbers.txt > answer.txt"}}\n</tool_call>'
+
+
+def test_codex_cli_fixes_toy_tasks_as_a_harness_episode_in_the_jail(tmp_path):
+    from test_harness import up
+
+    folder = codex_cli()
+    binary = folder / "node_modules/@openai/codex-linux-x64/vendor/x86_64-unknown-linux-musl/bin/codex"
+    harness = {"command": ["sh", "-c", CODEX_SETUP, "{instruction_file}", str(binary)],
+               "env": {"CODEX_HOME": "/tmp/codex-home"}, "install": {"type": "host_dir", "path": str(folder)}}
+    out, summary, trajs = up(tmp_path, [{"when": "", "turns": [SUM, DONE]}], harness)
+    assert out.returncode == 0 and len(trajs) == 2, (out.stderr[-3000:],
+                                                     (tmp_path / "run" / "failures.jsonl").read_text()[-3000:]
+                                                     if (tmp_path / "run" / "failures.jsonl").exists() else "")
+    for t in trajs:
+        assert t["resolved"] and t["reward"] == 1.0 and t["stop_reason"] == "harness_exit", t["grade"]
+        assert t["num_turns"] == 2 and t["segment_starts"] == []  # Codex extends its one conversation
+
+
+def test_codex_cli_fixes_toy_tasks_as_a_harness_episode_in_a_docker_container(tmp_path):
+    import json
+    import subprocess
+
+    import yaml
+    from docker_engine import ensure_engine
+    from test_harness import ROLLWAY, ROOT, harness_job
+
+    ensure_engine()
+    folder = codex_cli()
+    binary = folder / "node_modules/@openai/codex-linux-x64/vendor/x86_64-unknown-linux-musl/bin/codex"
+    harness = {"command": ["sh", "-c", CODEX_SETUP, "{instruction_file}", str(binary)],
+               "env": {"CODEX_HOME": "/tmp/codex-home"}, "install": {"type": "host_dir", "path": str(folder)}}
+    job = harness_job(tmp_path, [{"when": "", "turns": [SUM, DONE]}], harness)
+    job["sandbox"] = {"type": "docker", "image": "rollway-sandbox:bookworm", "gateway_root": str(tmp_path / "gateway")}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    run_dir = tmp_path / "run"
+    out = subprocess.run([*ROLLWAY, "up", "--no-report", str(tmp_path / "job.yaml"), "--run-dir", str(run_dir)],
+                         capture_output=True, text=True, timeout=job["run"]["timeout_s"] + 60, cwd=ROOT)
+    trajs_file = run_dir / "trajectories.jsonl"
+    trajs = [json.loads(line) for line in trajs_file.read_text().splitlines()] if trajs_file.exists() else []
+    failures = run_dir / "failures.jsonl"
+    assert out.returncode == 0 and len(trajs) == 2, (out.stderr[-3000:],
+                                                     failures.read_text()[-3000:] if failures.exists() else "")
+    for t in trajs:
+        assert t["resolved"] and t["reward"] == 1.0 and t["stop_reason"] == "harness_exit", t["grade"]
+        assert t["num_turns"] == 2 and t["segment_starts"] == []

@@ -1,0 +1,69 @@
+"""Harness episodes on the Responses and Messages APIs and programs the gateway cannot serve, end to end
+with `rollway up`: real broker, real bubblewrap jail, real gateway; the scripted policy is the only fake
+(it is the model)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_harness import NON_FIX, up
+
+pytestmark = pytest.mark.e2e
+
+# A program that asks for an endpoint the gateway does not serve, then gives up as a real client does.
+EMBEDDINGS = r"""
+import json, os, sys, urllib.error, urllib.request
+request = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/embeddings", method="POST",
+    data=json.dumps({"model": "m", "input": "hi"}).encode(),
+    headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "Content-Type": "application/json"})
+try:
+    urllib.request.urlopen(request)
+except urllib.error.HTTPError as err:
+    print(err.code, err.read().decode()); sys.exit(1)
+"""
+
+
+def test_a_program_asking_for_an_unsupported_endpoint_fails_for_good_and_is_reported_once(tmp_path):
+    out, summary, trajs = up(tmp_path, NON_FIX, {"command": ["python3", "-c", EMBEDDINGS]})
+    assert trajs == [] and summary["episodes_failed"] == 2, out.stderr[-3000:]
+    failures = [json.loads(line) for line in (tmp_path / "run" / "failures.jsonl").read_text().splitlines()]
+    agent = [f for f in failures if f["stage"] == "agent"]
+    # max_attempts=2, but no episode is re-run: the program can never work here.
+    assert sorted(f["episode"]["attempt"] for f in agent) == [0, 0], agent
+    assert all(not f["retryable"] and "POST /v1/embeddings is not served" in f["reason"] for f in agent)
+    [(reason, count)] = summary["failure_reasons"].items()
+    assert count == 2 and "HarnessUnsupported" in reason and "/v1/embeddings" in reason
+    assert out.stderr.count("/v1/embeddings is not served") == 1, out.stderr[-3000:]
+
+
+def test_an_episode_past_its_segment_bound_is_graded_and_trained_up_to_it(tmp_path):
+    from test_harness import AGENT_PROGRAM, FIX
+
+    out, summary, trajs = up(tmp_path, FIX, {**AGENT_PROGRAM, "max_segments": 1})
+    assert out.returncode == 0 and len(trajs) == 2, out.stderr[-3000:]
+    for t in trajs:
+        # agent_program.py compacts after two calls: that third call would open a second segment.
+        assert t["stop_reason"] == "harness_segment_limit" and t["num_turns"] == 2 and t["segment_starts"] == []
+        assert "grade" in t and sum(t["loss_mask"]) == sum(e - s for s, e in t["turn_spans"]) > 0
+    # Each episode's calls are in the run folder too, as the log acknowledged them.
+    files = sorted((tmp_path / "run" / "gateway-calls").glob("*.jsonl"))
+    assert len(files) == 2
+    for path in files:
+        calls = [json.loads(line) for line in path.read_text().splitlines()]
+        assert [c["call_index"] for c in calls] == [0, 1] and all(c["output_ids"] for c in calls)
+
+
+def test_a_program_on_the_anthropic_sdk_fixes_toy_tasks_through_the_messages_api(tmp_path):
+    from test_harness import AGENT_PROGRAM, ROOT, SHELL_CALL
+
+    program = {**AGENT_PROGRAM, "command": ["python3", f"{ROOT}/examples/anthropic_agent_program.py", "{instruction}"]}
+    script = [{"when": "", "turns": [SHELL_CALL.format("awk '{print $1 + $2}' numbers.txt > answer.txt"), "Done."]}]
+    out, summary, trajs = up(tmp_path, script, program)
+    assert out.returncode == 0 and len(trajs) == 2, out.stderr[-3000:]
+    for t in trajs:
+        assert t["resolved"] and t["reward"] == 1.0 and t["stop_reason"] == "harness_exit", t["grade"]
+        assert t["num_turns"] == 2 and t["segment_starts"] == []  # the tool result extends the conversation
+    calls = [json.loads(line) for path in sorted((tmp_path / "run" / "gateway-calls").glob("*.jsonl"))
+             for line in path.read_text().splitlines()]
+    assert {c["api"] for c in calls} == {"messages"} and len(calls) == 4
