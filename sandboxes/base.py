@@ -63,6 +63,13 @@ class SandboxError(RuntimeError):
     """The sandbox cannot be created or used; the message names the fix."""
 
 
+class EngineUnreachable(SandboxError):
+    """The engine that holds (or was to hold) the sandbox does not answer, or this worker does not know it
+    (a handle naming an engine absent from its `sandbox.engines`): a failure observed from outside the
+    sandbox, which nothing the agent did can cause. The attempt fails as infrastructure and is re-issued
+    (placed on an engine that answers); it is never graded."""
+
+
 class SandboxGone(SandboxError):
     """The sandbox named by a handle no longer exists. rollway destroys a sandbox only when its
     attempt ends (graded, failed, or a duplicate), so a turn that finds it gone is a redelivery of

@@ -19,6 +19,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from rollway.sandboxes.base import (
+    EngineUnreachable,
     ExecResult,
     Sandbox,
     SandboxError,
@@ -94,7 +95,7 @@ def _connect(client: Any | None) -> Any:
             client = docker.from_env()
         client.ping()
     except Exception as exc:  # the SDK raises DockerException, requests' errors, or FileNotFoundError
-        raise SandboxError(f"Docker engine unreachable ({exc}); {_UNREACHABLE}") from exc
+        raise EngineUnreachable(f"Docker engine unreachable ({exc}); {_UNREACHABLE}") from exc
     return client
 
 
@@ -124,7 +125,7 @@ def engine_errors(what: str, name: str = "") -> Iterator[None]:
             raise SandboxError(f"{what}: {box} is not running (killed, out of memory, or its engine "
                                "restarted); the episode needs a new sandbox") from exc  # fmt: skip
         if _status(exc) == 0:  # no HTTP answer at all: connection refused, reset, socket gone
-            raise SandboxError(f"{what}: Docker engine stopped answering ({text}); {_UNREACHABLE}") from exc
+            raise EngineUnreachable(f"{what}: Docker engine stopped answering ({text}); {_UNREACHABLE}") from exc
         raise SandboxError(f"{what}: Docker engine refused the request ({text})") from exc
 
 
@@ -138,7 +139,15 @@ class DockerSandbox(Sandbox):
 
     @property
     def handle(self) -> dict[str, Any]:
-        return {"kind": "docker", "container": self.container_id, "name": self.name}
+        handle = {"kind": "docker", "container": self.container_id, "name": self.name}
+        if self._provider.engine_id is not None:  # the fleet's engine, by id (never its URL or credentials)
+            handle["engine"] = self._provider.engine_id
+        return handle
+
+    @property
+    def client(self) -> Any:
+        """The client of the engine this container is on."""
+        return self._provider.client
 
     async def gateway_dir(self) -> str | None:
         """The host folder bound at GATEWAY_DIR in this container (None: none was bound)."""
@@ -172,6 +181,9 @@ class DockerSandbox(Sandbox):
         capture = marked_capture(limits.max_output_bytes, trailer)
         try:
             stopped = _pump(sock, capture, limits.output_kill_bytes, start + limits.timeout_s + _GRACE_S)
+        except OSError as exc:  # reset, TLS alert: the engine (or its host) went away mid-stream
+            raise EngineUnreachable(f"exec in {self.name}: the engine's connection broke while the command ran "
+                                    f"({type(exc).__name__}: {exc})") from exc
         finally:
             _close(sock)
         if stopped and user == USER:
@@ -363,6 +375,9 @@ def _close(sock: Any) -> None:
 class DockerSandboxProvider(SandboxProvider):
     """Creates one container per episode. `client` is injectable (custom engines); by default the
     engine comes from the environment (DOCKER_HOST) on first use."""
+
+    engine_id: str | None = None
+    """The fleet engine this provider drives (sandboxes/fleet.py sets it); handles then name it."""
 
     def __init__(self, config: DockerSandboxConfig | None = None, client: Any | None = None) -> None:
         self.config = config or DockerSandboxConfig()  # its workspace is always WORKSPACE (no `workdir` field)

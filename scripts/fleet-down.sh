@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Removes what scripts/fleet-up.sh made: stops its dockerd daemons and the registry (by their pid files),
+# then deletes their data roots, exec roots, registry storage and certificates. The main engine is untouched.
+# Usage: sudo bash scripts/fleet-down.sh   (same ROLLWAY_FLEET_DIR as fleet-up.sh)
+set -euo pipefail
+
+DIR=${ROLLWAY_FLEET_DIR:-/var/lib/rollway-fleet}
+say() { echo "fleet-down: $*" >&2; }
+[ -d "$DIR" ] || { say "nothing to remove ($DIR does not exist)"; exit 0; }
+
+stop_pidfile() {  # TERM, then KILL after 20 s; only the process the pid file names
+  local file=$1 pid
+  [ -s "$file" ] || return 0
+  pid=$(cat "$file")
+  kill -TERM "$pid" 2>/dev/null || return 0
+  for _ in $(seq 1 80); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.25; done
+  say "pid $pid ($file) did not stop; killing it"
+  kill -KILL "$pid" 2>/dev/null || true
+}
+
+for root in "$DIR"/e*/; do
+  [ -d "$root" ] || continue
+  stop_pidfile "$root/dockerd.pid"
+  k=$(basename "$root")
+  # what a killed daemon may leave mounted (its containers' overlay and shm mounts) before deleting
+  awk -v a="${root%/}/" -v b="/run/rollway-fleet/$k/" 'index($2, a) == 1 || index($2, b) == 1 { print $2 }' /proc/mounts \
+    | sort -r | while read -r m; do umount -l "$m" 2>/dev/null || true; done
+  rm -rf "/run/rollway-fleet/$k"
+done
+stop_pidfile "$DIR/registry.pid"
+rm -rf "$DIR"
+say "removed $DIR"
