@@ -14,6 +14,7 @@ set -euo pipefail
 
 N=${1:?usage: fleet-up.sh N (number of engines)}
 DIR=${ROLLWAY_FLEET_DIR:-/var/lib/rollway-fleet}
+RUN=/run/$(basename "$DIR")  # exec roots: short paths (containerd's unix sockets live there)
 BASE_PORT=${ROLLWAY_FLEET_PORT:-23760}
 REG_PORT=${ROLLWAY_REGISTRY_PORT:-23750}
 CAPACITY=${ROLLWAY_FLEET_CAPACITY:-8}
@@ -101,10 +102,18 @@ engine_cli() {  # docker CLI of engine $1 (over its TLS port, as any remote clie
 start_engine() {
   local k=$1 port=$((BASE_PORT + $1)) root="$DIR/e$1"
   if engine_cli "$k" info >/dev/null 2>&1; then return 0; fi
-  mkdir -p "$root/data" "/run/rollway-fleet/e$k"
+  mkdir -p "$root/data" "$RUN/e$k"
+  # A killed daemon's pid file: dockerd refuses to start while it names a live process, and a killed daemon
+  # whose parent is a pid 1 that does not reap stays a zombie. Only a running dockerd keeps it.
+  local old
+  old=$(cat "$root/dockerd.pid" 2>/dev/null || true)
+  if [ -n "$old" ] && { [ "$(cat "/proc/$old/comm" 2>/dev/null)" != dockerd ] ||
+       [ "$(awk '{print $3}' "/proc/$old/stat" 2>/dev/null)" = Z ]; }; then
+    rm -f "$root/dockerd.pid"
+  fi
   say "starting engine fleet-$k on 127.0.0.1:$port (data root $root/data)"
   # --bridge=none / --iptables=false: sandboxes have no network, and the main engine owns docker0 and NAT.
-  setsid nohup dockerd --data-root "$root/data" --exec-root "/run/rollway-fleet/e$k" --pidfile "$root/dockerd.pid" \
+  setsid nohup dockerd --data-root "$root/data" --exec-root "$RUN/e$k" --pidfile "$root/dockerd.pid" \
     -H "tcp://127.0.0.1:$port" --tlsverify --tlscacert "$CERTS/ca.pem" --tlscert "$CERTS/server.pem" \
     --tlskey "$CERTS/server-key.pem" --bridge=none --iptables=false --ip-masq=false \
     >>"$root/dockerd.log" 2>&1 </dev/null &
