@@ -351,8 +351,21 @@ class FleetSandboxProvider(SandboxProvider):
         return rows
 
 
-def is_fleet(provider: SandboxProvider) -> bool:
-    return isinstance(provider, FleetSandboxProvider)
+def check_engines(config: DockerSandboxConfig) -> dict[str, str]:
+    """Ping every engine of the fleet once (at a run's start): engine id -> why it does not answer (empty
+    when all do). EngineUnreachable when none answers: a run with nowhere to place a sandbox is refused."""
+    fleet = FleetSandboxProvider(config)
+    down = {}
+    for engine in fleet.engines.values():
+        try:
+            engine.provider.client  # noqa: B018 - connects and pings
+        except EngineUnreachable as err:
+            down[engine.id] = str(err)
+        else:
+            engine.provider.client.close()
+    if len(down) == len(fleet.engines):
+        raise EngineUnreachable("no engine of sandbox.engines answers: " + "; ".join(down.values()))
+    return down
 
 
-__all__ = ["EngineProvider", "FleetSandboxProvider", "Sandbox", "engine_client", "is_fleet"]
+__all__ = ["EngineProvider", "FleetSandboxProvider", "Sandbox", "check_engines", "engine_client"]

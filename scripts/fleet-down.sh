@@ -36,6 +36,12 @@ for root in "$DIR"/e*/; do
   # what a killed daemon may leave mounted (its containers' overlay and shm mounts) before deleting
   awk -v a="${root%/}/" -v b="$RUN/$k/" 'index($2, a) == 1 || index($2, b) == 1 { print $2 }' /proc/mounts \
     | sort -r | while read -r m; do umount -l "$m" 2>/dev/null || true; done
+  # the shims of containers a killed daemon left running (each names its containerd's address under $RUN)
+  for cmd in /proc/[0-9]*/cmdline; do
+    if tr '\0' ' ' < "$cmd" 2>/dev/null | grep -q -- "-address $RUN/$k/containerd/"; then
+      pid=${cmd#/proc/}; kill -KILL "${pid%/cmdline}" 2>/dev/null || true
+    fi
+  done
   rm -rf "$RUN/$k"
 done
 stop_pidfile "$DIR/registry.pid"

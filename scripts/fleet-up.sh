@@ -111,6 +111,15 @@ start_engine() {
        [ "$(awk '{print $3}' "/proc/$old/stat" 2>/dev/null)" = Z ]; }; then
     rm -f "$root/dockerd.pid"
   fi
+  # ... and the containerd it started, still running: the new daemon's own would time out on its socket.
+  old=$(cat "$RUN/e$k/containerd/containerd.pid" 2>/dev/null || true)
+  if [ -n "$old" ] && [ "$(cat "/proc/$old/comm" 2>/dev/null)" = containerd ]; then
+    kill -KILL "$old" 2>/dev/null || true
+    for _ in $(seq 1 40); do
+      [ "$(awk '{print $3}' "/proc/$old/stat" 2>/dev/null || echo Z)" = Z ] && break; sleep 0.25
+    done
+  fi
+  rm -f "$RUN/e$k/containerd/containerd.pid"  # a zombie would still count as running
   say "starting engine fleet-$k on 127.0.0.1:$port (data root $root/data)"
   # --bridge=none / --iptables=false: sandboxes have no network, and the main engine owns docker0 and NAT.
   setsid nohup dockerd --data-root "$root/data" --exec-root "$RUN/e$k" --pidfile "$root/dockerd.pid" \
