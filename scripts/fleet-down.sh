@@ -38,11 +38,12 @@ for root in "$DIR"/e*/; do
     | sort -r | while read -r m; do umount -l "$m" 2>/dev/null || true; done
   # the shims of containers a killed daemon left running (each names its containerd's address under $RUN)
   for cmd in /proc/[0-9]*/cmdline; do
-    if tr '\0' ' ' < "$cmd" 2>/dev/null | grep -q -- "-address $RUN/$k/containerd/"; then
+    if tr '\0' ' ' 2>/dev/null < "$cmd" | grep -q -- "-address $RUN/$k/containerd/"; then
       pid=${cmd#/proc/}; kill -KILL "${pid%/cmdline}" 2>/dev/null || true
     fi
   done
   rm -rf "$RUN/$k"
+  ip link del "rfl$(echo "$DIR" | md5sum | cut -c1-6)${k#e}" 2>/dev/null || true  # its bridge (fleet-up.sh)
 done
 stop_pidfile "$DIR/registry.pid"
 rm -rf "$DIR" "$RUN"

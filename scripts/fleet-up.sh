@@ -99,6 +99,8 @@ engine_cli() {  # docker CLI of engine $1 (over its TLS port, as any remote clie
     -H "tcp://127.0.0.1:$port" "$@"
 }
 
+bridge_of() { echo "rfl$(echo "$DIR" | md5sum | cut -c1-6)$1"; }  # an interface name: at most 15 characters
+
 start_engine() {
   local k=$1 port=$((BASE_PORT + $1)) root="$DIR/e$1"
   if engine_cli "$k" info >/dev/null 2>&1; then return 0; fi
@@ -121,10 +123,18 @@ start_engine() {
   fi
   rm -f "$RUN/e$k/containerd/containerd.pid"  # a zombie would still count as running
   say "starting engine fleet-$k on 127.0.0.1:$port (data root $root/data)"
-  # --bridge=none / --iptables=false: sandboxes have no network, and the main engine owns docker0 and NAT.
+  # Its own bridge, no iptables rules: sandboxes have no network, and the main engine owns docker0 and NAT.
+  # (Not --bridge=none: a daemon started so deletes the host's docker0, the main engine's bridge.)
+  local br
+  br=$(bridge_of "$k")
+  if ! ip link show "$br" >/dev/null 2>&1; then
+    ip link add "$br" type bridge
+    ip addr add "10.$((200 + 0x$(echo "$DIR" | md5sum | cut -c1-2) % 50)).$k.1/24" dev "$br"
+    ip link set "$br" up
+  fi
   setsid nohup dockerd --data-root "$root/data" --exec-root "$RUN/e$k" --pidfile "$root/dockerd.pid" \
     -H "tcp://127.0.0.1:$port" --tlsverify --tlscacert "$CERTS/ca.pem" --tlscert "$CERTS/server.pem" \
-    --tlskey "$CERTS/server-key.pem" --bridge=none --iptables=false --ip-masq=false \
+    --tlskey "$CERTS/server-key.pem" --bridge="$br" --iptables=false --ip-masq=false \
     >>"$root/dockerd.log" 2>&1 </dev/null &
 }
 

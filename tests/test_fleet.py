@@ -84,11 +84,20 @@ def _free_ports(n: int) -> int:
 def fleet():
     base = _free_ports(4)
     f = Fleet(Path(f"/var/lib/rollway-fleet-t{uuid.uuid4().hex[:6]}"), base + 1, base)
+    bridge_before = _has_docker0()
     try:
         f.up()
+        # the extra daemons must leave the host's engine alone: a daemon started with --bridge=none deletes
+        # docker0, and every container of the main engine with a network then fails to start
+        assert _has_docker0() == bridge_before, "fleet-up.sh removed the main engine's docker0 bridge"
         yield f
     finally:
         f.down()
+    assert _has_docker0() == bridge_before, "fleet-down.sh removed the main engine's docker0 bridge"
+
+
+def _has_docker0() -> bool:
+    return subprocess.run(["ip", "link", "show", "docker0"], capture_output=True).returncode == 0
 
 
 # ---------------------------------------------------------------- configuration (no engine needed)
