@@ -307,8 +307,8 @@ class FleetSandboxProvider(SandboxProvider):
         for engine in self.engines.values():
             try:
                 await asyncio.to_thread(getattr, engine.provider, "client")
-            except EngineUnreachable as err:
-                self.mark_down(engine, err)
+            except EngineUnreachable as err:  # reported in the answer (a log line would precede --json's)
+                engine.down_reason = str(err)
                 continue
             report = await engine.provider.check()
             report["engine"] = engine.id
