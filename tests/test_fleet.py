@@ -83,7 +83,7 @@ def _free_ports(n: int) -> int:
 @pytest.fixture(scope="module")
 def fleet():
     base = _free_ports(4)
-    f = Fleet(Path(f"/var/lib/rollway-fleet-t{uuid.uuid4().hex[:6]}"), base + 1, base)
+    f = Fleet(Path(f"/var/lib/rollway-fleet-t{uuid.uuid4().hex[:6]}"), base + 1, base + 1)  # engines: base+2..
     bridge_before = _has_docker0()
     try:
         f.up()
@@ -221,9 +221,30 @@ def test_a_daemon_killed_while_a_command_streams_fails_the_attempt_as_infrastruc
                 if c["Labels"][LABEL] == box.name], "the stopped sandbox of the dead daemon was not reaped"
 
 
+def test_an_engine_without_the_image_pulls_it_from_the_registry_and_one_that_cannot_is_skipped(fleet):
+    cfg = fleet.config()
+    first = engine_client(cfg.engines[0])
+    first.images.remove("rollway-sandbox:bookworm")  # the registry's tag keeps its layers: the pull is quick
+    provider = FleetSandboxProvider(cfg.model_copy(update={"engines": [cfg.engines[0]]}))
+    box = run(provider.create(SandboxSpec(), f"fleet-pull-{uuid.uuid4().hex[:6]}"))
+    run(box.destroy())
+    assert first.images.get("rollway-sandbox:bookworm")
+    # without a registry, an engine lacking the image is skipped for it; the sandbox goes to one that has it
+    first.images.remove("rollway-sandbox:bookworm")
+    no_registry = FleetSandboxProvider(cfg.model_copy(update={"engines": cfg.engines[:2], "image_registry": None}))
+    boxes = run(asyncio.gather(*[no_registry.create(SandboxSpec(), f"fleet-skip-{uuid.uuid4().hex[:6]}-{i}")
+                                 for i in range(3)]))
+    assert {b.handle["engine"] for b in boxes} == {"fleet-2"}
+    for b in boxes:
+        run(b.destroy())
+    first.images.get(f"127.0.0.1:{fleet.reg_port}/rollway-sandbox:bookworm").tag("rollway-sandbox", "bookworm")
+    first.close()
+
+
 # ---------------------------------------------------------------- jobs: stages as separate processes
 
-def _job(fleet, tmp_path, broker, name: str, episodes_per_task: int, tasks: int, watch=None) -> tuple[dict, dict]:
+def _job(fleet, tmp_path, broker, name: str, episodes_per_task: int, tasks: int, watch=None,
+         extra_engines: tuple[dict, ...] = ()) -> tuple[dict, dict]:
     """`rollway up` of the smoke job on the fleet, every stage its own process; DOCKER_HOST points at no
     engine, so the engines are reached only through their TCP endpoints. Returns (ledger verdict, the
     sandboxes each engine was seen holding)."""
@@ -236,6 +257,7 @@ def _job(fleet, tmp_path, broker, name: str, episodes_per_task: int, tasks: int,
     cfg["scheduler"].update(max_inflight_episodes=tasks * episodes_per_task, episode_deadline_s=120, max_attempts=4)
     cfg["runtime"] = {"processes": "per-stage"}
     cfg["sandbox"] = fleet.config().model_dump(mode="json", exclude_defaults=True) | {"type": "docker"}
+    cfg["sandbox"]["engines"] += list(extra_engines)
     config = tmp_path / f"{name}.yaml"
     config.write_text(yaml.safe_dump(cfg))
     seen: dict[str, set[str]] = {}
@@ -267,14 +289,20 @@ def _job(fleet, tmp_path, broker, name: str, episodes_per_task: int, tasks: int,
     ledger = Ledger(load_config(config, [topics]), broker.bootstrap)
     ledger.poll()
     verdict = ledger.judge(tmp_path / name, trains=False)
-    verdict["peak"], verdict["run_id"] = peak, run_id
+    verdict["peak"], verdict["run_id"], verdict["output"] = peak, run_id, out.stdout + out.stderr
     return verdict, seen
 
 
 def test_a_job_over_three_engines_is_balanced_and_never_overfills_one(fleet, tmp_path, broker):
     """12 episodes, room for 3 sandboxes per engine (9 at once): init places on the engine with the most
-    room and waits while all are full. One init process: the stated bound is capacity + (1 - 1) * F."""
-    verdict, seen = _job(fleet, tmp_path, broker, "balanced", episodes_per_task=2, tasks=6)
+    room and waits while all are full. One init process: the stated bound is capacity + (1 - 1) * F. A
+    fourth engine that never answers is named at start-up and avoided; the run goes on with the rest."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]  # nothing listens there once the socket is closed
+    ghost = {"id": "ghost", "endpoint": f"tcp://127.0.0.1:{closed}", "capacity": 3}
+    verdict, seen = _job(fleet, tmp_path, broker, "balanced", episodes_per_task=2, tasks=6, extra_engines=(ghost,))
+    assert "sandbox engine ghost does not answer" in verdict["output"]
     assert verdict["scheduled"] == 12 and verdict["completed"] == 12 and verdict["lost"] == 0, verdict
     assert verdict["graded_twice"] == 0
     per_engine = {e: len(n) for e, n in seen.items()}
