@@ -232,8 +232,12 @@ def test_an_engine_without_the_image_pulls_it_from_the_registry_and_one_that_can
     # without a registry, an engine lacking the image is skipped for it; the sandbox goes to one that has it
     first.images.remove("rollway-sandbox:bookworm")
     no_registry = FleetSandboxProvider(cfg.model_copy(update={"engines": cfg.engines[:2], "image_registry": None}))
-    boxes = run(asyncio.gather(*[no_registry.create(SandboxSpec(), f"fleet-skip-{uuid.uuid4().hex[:6]}-{i}")
-                                 for i in range(3)]))
+
+    async def three():
+        return await asyncio.gather(*[no_registry.create(SandboxSpec(), f"fleet-skip-{uuid.uuid4().hex[:6]}-{i}")
+                                      for i in range(3)])
+
+    boxes = run(three())
     assert {b.handle["engine"] for b in boxes} == {"fleet-2"}
     for b in boxes:
         run(b.destroy())
