@@ -231,12 +231,13 @@ class FleetSandboxProvider(SandboxProvider):
                 except EngineUnreachable as err:
                     self.mark_down(engine, err)
                 engine.pending -= 1
-                if all(e.no_image.get(image, 0.0) > time.monotonic() for e in self.engines.values()):
-                    raise SandboxError(f"image {image!r} is on no engine of the fleet and none could get it "
-                                       f"(sandbox.image_registry={self.config.image_registry!r}); last: "
-                                       f"{self._image_problem.get(image, '')}")
-                continue
-            if all(e.down_reason for e in self.engines.values()):
+                continue  # another engine, or (none left with room and the image) the checks below
+            up = [e for e in self.engines.values() if not e.down_reason]
+            if up and all(e.no_image.get(image, 0.0) > time.monotonic() for e in up):
+                raise SandboxError(f"image {image!r} is on no engine of the fleet that answers, and none could "
+                                   f"get it (sandbox.image_registry={self.config.image_registry!r}); last: "
+                                   f"{self._image_problem.get(image, '')}")
+            if not up:
                 if time.monotonic() - all_down_since > ALL_DOWN_WAIT_S:
                     raise EngineUnreachable(f"no engine of the fleet answered for {ALL_DOWN_WAIT_S:.0f} s: "
                                             + "; ".join(e.down_reason for e in self.engines.values()))

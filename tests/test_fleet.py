@@ -241,6 +241,9 @@ def test_an_engine_without_the_image_pulls_it_from_the_registry_and_one_that_can
     assert {b.handle["engine"] for b in boxes} == {"fleet-2"}
     for b in boxes:
         run(b.destroy())
+    for _ in range(2):  # the second placement meets the engines' "cannot get it" mark: an error, not a wait
+        with pytest.raises(SandboxError, match="is on no engine of the fleet"):
+            run(asyncio.wait_for(no_registry.create(SandboxSpec(image="rollway-no-such-image:1"), "fleet-nope"), 60))
     first.images.get(f"127.0.0.1:{fleet.reg_port}/rollway-sandbox:bookworm").tag("rollway-sandbox", "bookworm")
     first.close()
 
