@@ -123,7 +123,7 @@ def export_workspace(provider: Any, sandbox: DockerSandbox, limit_bytes: int) ->
     the agent takes part); None when the archive passes `limit_bytes` (plus tar headers)."""
     limit = limit_bytes + (64 << 20)
     with engine_errors("copy the workspace out", sandbox.name), tempfile.TemporaryFile() as raw:
-        stream, _stat = provider.client.api.get_archive(sandbox.container_id, WORKSPACE)
+        stream, _stat = sandbox.client.api.get_archive(sandbox.container_id, WORKSPACE)  # its own engine's
         size = 0
         for chunk in stream:
             size += len(chunk)

@@ -40,6 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="run id (summary.json's run_id); without it every episode sandbox of every run goes, "
                            "so run it only when no run is running here")
     reap.add_argument("--type", choices=["local", "docker"], default=None, help="override sandbox.type")
+    fleet = sub.add_parser("fleet", help="each docker engine of sandbox.engines: up/down, sandboxes by run, "
+                                         "capacity, images, round-trip latency")
+    fleet.add_argument("config", nargs="?", default=None, help="run config YAML (its `sandbox:` section)")
+    fleet.add_argument("overrides", nargs="*", default=[], help="dotted overrides, e.g. sandbox.engines=[...]")
+    fleet.add_argument("--json", action="store_true", help="print the engines as JSON")
     image = sub.add_parser("image", help="docker sandbox images, built here from the local base image")
     image_sub = image.add_subparsers(dest="image_command", required=True, metavar="ACTION")
     build = image_sub.add_parser(
@@ -62,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
         return _build_image(args)
     if getattr(args, "sandbox_command", "check") == "reap":
         return _reap(args)
+    if getattr(args, "sandbox_command", "check") == "fleet":
+        return _fleet(args)
     if getattr(args, "sandbox_command", "check") == "bench":
         print(json.dumps(asyncio.run(_bench(args.type, args.n, args.source, args.pool, args.gap))))
         return 0
@@ -117,6 +124,35 @@ def _reap(args: argparse.Namespace) -> int:
         return 2
     print(json.dumps({"run": args.run, "removed": report.removed, "failed": report.failed}))
     return 1 if report.failed else 0
+
+
+def _fleet(args: argparse.Namespace) -> int:
+    """0 when every engine answers, 1 when some do not, 2 on bad input (the table or JSON either way)."""
+    from rollway.core.config import ConfigError, load_config
+    from rollway.sandboxes.fleet import FleetSandboxProvider
+
+    overrides = list(args.overrides)
+    config = args.config
+    if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
+        config, overrides = None, [config, *overrides]
+    try:
+        cfg = load_config(config, [*overrides, "sandbox.type=docker"]).sandbox
+    except ConfigError as exc:
+        print(f"rollway sandbox fleet: {exc}", file=sys.stderr)
+        return 2
+    rows = FleetSandboxProvider(cfg).status()  # type: ignore[arg-type]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(f"{'engine':<12} {'state':<5} {'sandboxes':>9} {'capacity':>8} {'latency':>9}  by run / images / reason")
+        for r in rows:
+            if r["state"] == "up":
+                detail = (", ".join(f"{k}: {v}" for k, v in r["by_run"].items()) or "-") + " | " + ", ".join(r["images"])
+                print(f"{r['id']:<12} {'up':<5} {r['sandboxes']:>9} {r['capacity'] or '-':>8} "
+                      f"{r['latency_ms']:>7.1f}ms  {detail}")
+            else:
+                print(f"{r['id']:<12} {'down':<5} {'-':>9} {r['capacity'] or '-':>8} {'-':>9}  {r['reason']}")
+    return 0 if all(r["state"] == "up" for r in rows) else 1
 
 
 def _build_image(args: argparse.Namespace) -> int:

@@ -343,6 +343,7 @@ def run_job(cfg: RunConfig, config_path: str, overrides: list[str], bootstrap: s
         cfg = cfg.model_copy(update={"policy": cfg.policy.model_copy(update=engine.policy_settings())})
         register_secrets(secret_values(cfg))  # the engine's key, when the launch made one
     try:
+        check_fleet(cfg)
         reap_sandboxes(cfg, "start")  # a resumed run folder: sandboxes of its killed workers
         if one and "fetch_max_wait_ms" not in cfg.broker.model_fields_set:
             from rollway.base.broker import ONE_PROCESS_FETCH_MAX_WAIT_MS
@@ -423,6 +424,23 @@ def _run_stages(job: Job, on_tick, quiet: bool) -> dict:
         for reason, count in summary["failure_reasons"].items():
             log.error(f"{count} episode(s) failed: {reason[:500]}")
     return summary
+
+
+def check_fleet(cfg: RunConfig) -> None:
+    """A fleet of Docker engines (sandbox.engines beyond the local default): say which engines do not
+    answer and start with the rest; refuse the run when none does."""
+    engines = getattr(cfg.sandbox, "engines", None)
+    if cfg.sandbox.type != "docker" or not engines or (len(engines) == 1 and engines[0].endpoint is None):
+        return
+    from rollway.sandboxes.base import EngineUnreachable
+    from rollway.sandboxes.fleet import check_engines
+
+    try:
+        down = check_engines(cfg.sandbox)  # type: ignore[arg-type]
+    except EngineUnreachable as err:
+        raise JobFailed(f"{err}; start the engines (scripts/fleet-up.sh on one host, docs/deployment.md)") from err
+    for engine_id, reason in down.items():
+        log.warning(f"sandbox engine {engine_id} does not answer; the run starts with the others", reason=reason)
 
 
 def reap_sandboxes(cfg: RunConfig, when: str) -> int:

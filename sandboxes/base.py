@@ -124,8 +124,10 @@ class SandboxError(RuntimeError):
 
 
 class EngineUnreachable(SandboxError):
-    """The sandbox engine (the Docker daemon) did not answer: observed from outside the sandbox, so never
-    the agent's doing (base/blame.py); the attempt is retried."""
+    """The engine that holds (or was to hold) the sandbox does not answer, or this worker does not know it
+    (a handle naming an engine absent from its `sandbox.engines`): a failure observed from outside the
+    sandbox, which nothing the agent did can cause. The attempt fails as infrastructure and is re-issued
+    (placed on an engine that answers); it is never graded."""
 
 
 class SandboxGone(SandboxError):

@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import ipaddress
 from typing import ClassVar, Literal
+from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
+from rollway.base.config import StrictModel
 from rollway.base.plugins import PluginRef
 from rollway.base.registry import SectionConfig
 
@@ -109,6 +112,59 @@ class LocalSandboxConfig(SandboxConfig):
         return path
 
 
+class EngineConfig(StrictModel):
+    """One Docker engine of the fleet (`sandbox.engines`): how to reach it and how many sandboxes it holds.
+    Certificates and keys are named by path only: their contents are never read into the configuration,
+    a handle, a log line or a run folder."""
+
+    id: str = Field("local", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,39}$")
+    """The engine's name in sandbox handles and status (a handle names its engine by this id, never by
+    URL or credential): every worker of a run must give the same engine the same id."""
+    endpoint: str | None = None
+    """`unix:///PATH`, `tcp://HOST:PORT` (with the tls_* files; plain TCP only on a loopback address) or
+    `ssh://USER@HOST` (the docker CLI's ssh transport, keys from the ssh agent/config). None: the local
+    engine (DOCKER_HOST, else /var/run/docker.sock)."""
+    tls_ca: str | None = None
+    """Path of the CA certificate that signed the engine's server certificate (verified on every
+    connection). None with tls_cert: the system's CAs."""
+    tls_cert: str | None = None
+    """Path of this client's certificate (PEM), presented to an engine started with --tlsverify."""
+    tls_key: str | None = None
+    """Path of this client's private key (PEM). A secret: keep the file private (mode 0600); only its
+    path is ever written anywhere."""
+    capacity: int | None = Field(None, ge=1)
+    """Sandboxes this engine may hold at once (counted from the engine's own list of rollway-labelled
+    containers, warm-pool ones included). None: no limit (placement still balances by count)."""
+    timeout_s: float = Field(60.0, gt=0)
+    """Time limit of one API request to this engine (a command's output stream has the command's own
+    limit); a host that vanished fails requests after this long, and the engine is marked down."""
+
+    @model_validator(mode="after")
+    def _tls_off_loopback(self) -> EngineConfig:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError(f"engine {self.id!r}: tls_cert and tls_key go together (a client certificate and its key)")
+        if self.endpoint is None:
+            return self
+        parts = urlsplit(self.endpoint)
+        if parts.scheme not in ("unix", "tcp", "https", "ssh", "npipe"):
+            raise ValueError(f"engine {self.id!r}: endpoint scheme {parts.scheme!r} is not one of unix://, tcp://, "
+                             "ssh://")
+        if parts.scheme in ("tcp", "https") and self.tls_cert is None and not _is_loopback(parts.hostname or ""):
+            raise ValueError(f"engine {self.id!r}: plain TCP to {parts.hostname} is refused (anyone on the network "
+                             "could drive that engine, i.e. be root on its host): give tls_ca, tls_cert and tls_key "
+                             "(scripts/fleet-up.sh shows how to make them), or use ssh://")
+        return self
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class DockerSandboxConfig(SandboxConfig):
     """`sandbox.type: docker`: one container per episode."""
 
@@ -128,6 +184,22 @@ class DockerSandboxConfig(SandboxConfig):
     """Host folder under which each container gets its own subfolder, bound read-only at
     /rollway-gateway: harness episodes (agent.harness) reach the gateway's unix socket there, the
     container's only way out. None: no such folder (set by agent.harness when unset)."""
+    engines: list[EngineConfig] = Field(default_factory=lambda: [EngineConfig()], min_length=1)
+    """The fleet of Docker engines sandboxes are placed on (docs/deployment.md, "Sandboxes on several
+    hosts"); default: the local engine alone. Every init, agent and reward worker of a run needs the same
+    list (same ids): a handle names its engine by id. `scripts/fleet-up.sh N` prints one."""
+    image_registry: str | None = None
+    """`HOST:PORT` of an image registry the engines pull a missing image from (as `HOST:PORT/IMAGE`,
+    tagged IMAGE after the pull); an engine that cannot get an image is skipped for it. None: an engine
+    only uses the images it has."""
+
+    @field_validator("engines")
+    @classmethod
+    def _unique_ids(cls, engines: list[EngineConfig]) -> list[EngineConfig]:
+        ids = [e.id for e in engines]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"sandbox.engines: engine ids must be unique, got {ids}")
+        return engines
 
 
 class SimSandboxConfig(SandboxConfig):

@@ -155,7 +155,15 @@ class DockerSandbox(Sandbox):
 
     @property
     def handle(self) -> dict[str, Any]:
-        return {"kind": "docker", "container": self.container_id, "name": self.name}
+        handle = {"kind": "docker", "container": self.container_id, "name": self.name}
+        if self._provider.engine_id is not None:  # the fleet's engine, by id (never its URL or credentials)
+            handle["engine"] = self._provider.engine_id
+        return handle
+
+    @property
+    def client(self) -> Any:
+        """The client of the engine this container is on."""
+        return self._provider.client
 
     async def gateway_dir(self) -> str | None:
         """The host folder bound at GATEWAY_DIR in this container (None: none was bound)."""
@@ -191,9 +199,9 @@ class DockerSandbox(Sandbox):
         capture = marked_capture(limits.max_output_bytes, trailer)
         try:
             stopped = _pump(sock, capture, limits.output_kill_bytes, start + limits.timeout_s + _GRACE_S)
-        except OSError as exc:  # the engine's socket broke: nothing in the container can do that
-            raise EngineUnreachable(f"exec in {self.name}: the Docker engine's stream broke ({exc}); "
-                                    f"{_UNREACHABLE}") from exc
+        except OSError as exc:  # reset, TLS alert: the engine (or its host) went away mid-stream
+            raise EngineUnreachable(f"exec in {self.name}: the engine's connection broke while the command ran "
+                                    f"({type(exc).__name__}: {exc})") from exc
         finally:
             _close(sock)
         if stopped and user == USER:
@@ -404,6 +412,9 @@ def _close(sock: Any) -> None:
 class DockerSandboxProvider(SandboxProvider):
     """Creates one container per episode. `client` is injectable (custom engines); by default the
     engine comes from the environment (DOCKER_HOST) on first use."""
+
+    engine_id: str | None = None
+    """The fleet engine this provider drives (sandboxes/fleet.py sets it); handles then name it."""
 
     def __init__(self, config: DockerSandboxConfig | None = None, client: Any | None = None) -> None:
         self.config = config or DockerSandboxConfig()  # its workspace is always WORKSPACE (no `workdir` field)

@@ -14,7 +14,7 @@ from rollway.sandboxes.probes import bwrap_version
 SANDBOXES = Registry("sandbox provider", "sandbox.type", "rollway.sandboxes.base:SandboxProvider")
 """`sandbox.type` -> SandboxProvider class and its config class; plugins (`python:MODULE:CLASS`) need no entry."""
 SANDBOXES.add("local", "rollway.sandboxes.local:LocalSandboxProvider", "rollway.sandboxes.config:LocalSandboxConfig")
-SANDBOXES.add("docker", "rollway.sandboxes.docker:DockerSandboxProvider", "rollway.sandboxes.config:DockerSandboxConfig")
+SANDBOXES.add("docker", "rollway.sandboxes.fleet:FleetSandboxProvider", "rollway.sandboxes.config:DockerSandboxConfig")
 SANDBOXES.add("sim", "rollway.sandboxes.sim:SimSandboxProvider", "rollway.sandboxes.config:SimSandboxConfig")
 
 

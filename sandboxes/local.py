@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import tempfile
 from pathlib import Path, PurePosixPath
@@ -50,6 +52,18 @@ _GIT_ENV = {
 }  # fmt: skip
 
 
+@functools.cache
+def machine_id() -> str:
+    """This machine, as local sandbox handles name it: /etc/machine-id (where there is one) with the host
+    name (a container image may carry a copied machine-id; two hosts may share a name, rarely both)."""
+    try:
+        with open("/etc/machine-id") as f:
+            ident = f.read().strip()
+    except OSError:
+        ident = ""
+    return f"{ident}:{socket.gethostname()}" if ident else socket.gethostname()
+
+
 class LocalSandbox(Sandbox):
     """A workspace folder `<root>/<name>/workspace` plus, beside it and out of the jail's reach, the
     git repository `<root>/<name>/base.git` holding the base snapshot (so an agent cannot rewrite
@@ -63,7 +77,7 @@ class LocalSandbox(Sandbox):
 
     @property
     def handle(self) -> dict[str, Any]:
-        return {"kind": "local", "path": str(self.workspace), "name": self.box_dir.name}
+        return {"kind": "local", "path": str(self.workspace), "name": self.box_dir.name, "machine": machine_id()}
 
     @property
     def workspace_path(self) -> str | None:
@@ -287,6 +301,12 @@ class LocalSandboxProvider(SandboxProvider):
             raise SandboxError(
                 f"handle {handle!r} is not a local sandbox; set sandbox.type to match its kind"
             )
+        if handle.get("machine") != machine_id():
+            # A local sandbox is a folder on the machine that made it: a same-named folder here is another one.
+            raise SandboxError(f"handle of local sandbox {handle.get('name')!r} was made on machine "
+                               f"{handle.get('machine')!r}, not this one ({machine_id()!r}): a local sandbox "
+                               "stays on its machine; run the agent and reward stages there, or use sandbox.type=docker "
+                               "with a fleet of engines (docs/deployment.md)")
         box_dir = self._box_dir(str(handle.get("name")))
         if Path(handle.get("path", "")) != box_dir / "workspace":
             raise SandboxError(f"handle path {handle.get('path')!r} is not under sandbox.root {self.root}; "

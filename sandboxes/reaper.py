@@ -18,7 +18,7 @@ from pathlib import Path
 
 import structlog
 
-from rollway.sandboxes.base import SandboxProvider
+from rollway.sandboxes.base import SandboxError, SandboxProvider
 
 log = structlog.get_logger()
 
@@ -42,8 +42,21 @@ def run_prefix(run_id: str | None) -> str:
 async def reap_run(provider: SandboxProvider, run_id: str | None) -> ReapReport:
     """Remove every sandbox of run `run_id` (every episode sandbox when None) that `provider` can
     see. Call it only when no worker of that run is running: a live episode's sandbox goes too."""
+    from rollway.sandboxes.fleet import FleetSandboxProvider
+
     prefix = run_prefix(run_id)
     report = ReapReport()
+    if isinstance(provider, FleetSandboxProvider):  # every engine; one that does not answer is reported
+        for engine in provider.engines.values():
+            try:
+                part = await reap_run(engine.provider, run_id)
+            except SandboxError as err:
+                report.failed[f"engine:{engine.id}"] = str(err)
+                log.warning("engine not reaped", engine=engine.id, error=str(err)[:300])
+                continue
+            report.removed += part.removed
+            report.failed.update(part.failed)
+        return report
     for name in await asyncio.to_thread(leftover_names, provider, prefix):
         try:
             await remove_named(provider, name)
@@ -61,12 +74,15 @@ def leftover_names(provider: SandboxProvider, prefix: str) -> list[str]:
     """Names of `provider`'s sandboxes starting with `prefix` (pooled warm containers excluded:
     they belong to a live init worker's pool, and the pool reaps its own orphans)."""
     from rollway.sandboxes.docker import DockerSandboxProvider
+    from rollway.sandboxes.fleet import FleetSandboxProvider
     from rollway.sandboxes.local import LocalSandboxProvider
 
     if isinstance(provider, LocalSandboxProvider):
         return _local_names(provider.root, prefix)
     if isinstance(provider, DockerSandboxProvider):
         return _docker_names(provider, prefix)
+    if isinstance(provider, FleetSandboxProvider):
+        return sorted({n for p in provider.providers() for n in _docker_names(p, prefix)})
     log.warning("this sandbox type has no reaper; leftovers stay", provider=type(provider).__name__)
     return []
 
@@ -76,6 +92,7 @@ async def remove_named(provider: SandboxProvider, name: str) -> None:
     volume); nothing when it is gone. Works without a handle, so it also removes a sandbox whose
     creation failed or was cancelled half way."""
     from rollway.sandboxes.docker import DockerSandboxProvider
+    from rollway.sandboxes.fleet import FleetSandboxProvider
     from rollway.sandboxes.local import LocalSandboxProvider, remove_tree
 
     if isinstance(provider, LocalSandboxProvider):
@@ -87,6 +104,10 @@ async def remove_named(provider: SandboxProvider, name: str) -> None:
         await asyncio.to_thread(remove_tree, box_dir)
     elif isinstance(provider, DockerSandboxProvider):
         await asyncio.to_thread(_remove_docker, provider, name)
+    elif isinstance(provider, FleetSandboxProvider):  # placed on one engine, which only that engine knows
+        for engine in provider.engines.values():
+            if not engine.down_reason:
+                await asyncio.to_thread(_remove_docker, engine.provider, name)
 
 
 def _local_names(root: Path, prefix: str) -> list[str]:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent: a running Docker engine and rollway's sandbox base image, built offline from Debian packages.
-#   1. installs Debian's docker.io, debootstrap and docker-compose when missing (as root);
+#   1. installs Debian's docker.io, debootstrap, docker-compose (and openssl, docker-registry and curl for
+#      scripts/fleet-up.sh) when missing (as root);
 #   2. starts dockerd when no engine answers (log: $ROLLWAY_DOCKERD_LOG), waits until `docker info` works;
 #   3. builds the base image ($ROLLWAY_SANDBOX_IMAGE, default rollway-sandbox:bookworm) once:
 #      debootstrap --variant=minbase (python3, git, bash, coreutils, patch, pip, venv) -> tarball cached
@@ -26,6 +27,10 @@ install_packages() {
   command -v dockerd >/dev/null || need+=(docker.io)
   command -v debootstrap >/dev/null || need+=(debootstrap)
   command -v docker-compose >/dev/null || need+=(docker-compose)
+  # scripts/fleet-up.sh (the fleet tests): certificates and the image registry
+  command -v openssl >/dev/null || need+=(openssl)
+  command -v docker-registry >/dev/null || need+=(docker-registry)
+  command -v curl >/dev/null || need+=(curl)
   [ ${#need[@]} -eq 0 ] && return 0
   if ! is_root; then
     say "please install ${need[*]} as root: sudo apt-get install -y ${need[*]}"

@@ -25,14 +25,14 @@ ROOT = Path(__file__).resolve().parent.parent
 LONGEST_FIRST = (
     "test_vllm_server.py", "test_grader_check.py::test_every_grader_contains_every_attack",
     "test_vllm_pipeline.py", "test_learning_distributed.py", "test_bench_real.py", "test_chaos.py",
-    "test_compose.py", "test_harness_chaos.py", "test_envs_swe.py", "test_swebench_tasks.py",
+    "test_compose.py", "test_fleet.py", "test_harness_chaos.py", "test_envs_swe.py", "test_swebench_tasks.py",
     "test_harness.py", "test_qwen_code.py", "test_cli_e2e.py", "test_learner_actor.py", "test_envs_buglocal.py",
     "test_harness_views.py", "test_sandbox_docker.py", "test_rerun.py", "test_faust_runtime.py",
     "test_bench_pipeline.py", "test_bench_training.py", "test_grading_tamper.py",
 )
 
 
-SAME_WORKER = {"test_vllm_server.py", "test_policies_engine.py", "test_harness_views.py"}
+SAME_WORKER = {"test_vllm_server.py", "test_policies_engine.py", "test_harness_views.py", "test_fleet.py"}
 """Modules whose tests share one expensive module fixture (a vLLM server, an engine, a whole run): with
 `pytest -n N` all of a module's tests go to one worker, so the fixture is made once."""
 

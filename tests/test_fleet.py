@@ -1,0 +1,339 @@
+"""A fleet of Docker engines: three extra real dockerd daemons (scripts/fleet-up.sh, TLS with client
+certificates on loopback ports, the base image through a real registry), started once for this module.
+Jobs run as `rollway up` with every stage its own process, reaching the engines only through their TCP
+endpoints (DOCKER_HOST points nowhere); their outcome is judged from the topics (the chaos ledger)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import ROOT, run, wait_until
+
+from rollway.core.config import load_config
+from rollway.sandboxes.base import EngineUnreachable, SandboxError, SandboxSpec
+from rollway.sandboxes.config import DockerSandboxConfig, EngineConfig
+from rollway.sandboxes.docker import LABEL
+from rollway.sandboxes.fleet import FleetSandboxProvider, engine_client
+
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(os.geteuid() != 0, reason="starting Docker daemons needs root")]
+CAPACITY = 3
+
+
+class Fleet:
+    def __init__(self, folder: Path, base_port: int, reg_port: int):
+        self.folder, self.base_port, self.reg_port = folder, base_port, reg_port
+        self.env = {**os.environ, "ROLLWAY_FLEET_DIR": str(folder), "ROLLWAY_FLEET_PORT": str(base_port),
+                    "ROLLWAY_REGISTRY_PORT": str(reg_port), "ROLLWAY_FLEET_CAPACITY": str(CAPACITY)}
+        self.args: list[str] = []
+
+    def up(self) -> None:
+        out = subprocess.run(["bash", str(ROOT / "scripts" / "fleet-up.sh"), "3"], env=self.env, capture_output=True,
+                             text=True, timeout=900)
+        assert out.returncode == 0, out.stderr[-3000:]
+        self.args = out.stdout.strip().splitlines()
+
+    def down(self) -> None:
+        subprocess.run(["bash", str(ROOT / "scripts" / "fleet-down.sh")], env=self.env, capture_output=True, timeout=300)
+
+    def config(self, *overrides: str) -> DockerSandboxConfig:
+        return load_config(None, ["sandbox.type=docker", *self.args, *overrides]).sandbox  # type: ignore[return-value]
+
+    def kill(self, k: int) -> None:
+        """SIGKILL engine fleet-k's daemon (its host gone, as far as the API can tell)."""
+        os.kill(int((self.folder / f"e{k}" / "dockerd.pid").read_text()), 9)
+
+    def live(self) -> dict[str, list[str]]:
+        """engine id -> names of the live sandbox containers it lists (engines that do not answer: left out)."""
+        found = {}
+        for engine in self.config().engines:
+            with contextlib.suppress(Exception):
+                client = engine_client(engine)
+                listed = client.api.containers(all=True, filters={"label": LABEL})
+                found[engine.id] = [(c.get("Labels") or {})[LABEL] for c in listed if c.get("State") == "running"]
+                client.close()
+        return found
+
+
+def _free_ports(n: int) -> int:
+    """A base port with n free ports after it (base+1 .. base+n)."""
+    for _ in range(50):
+        base = random.randrange(24000, 30000)
+        try:
+            for port in range(base + 1, base + n + 1):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise AssertionError("no free ports")
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    base = _free_ports(4)
+    f = Fleet(Path(f"/var/lib/rollway-fleet-t{uuid.uuid4().hex[:6]}"), base + 1, base + 1)  # engines: base+2..
+    bridge_before = _has_docker0()
+    try:
+        f.up()
+        # the extra daemons must leave the host's engine alone: a daemon started with --bridge=none deletes
+        # docker0, and every container of the main engine with a network then fails to start
+        assert _has_docker0() == bridge_before, "fleet-up.sh removed the main engine's docker0 bridge"
+        yield f
+    finally:
+        f.down()
+    assert _has_docker0() == bridge_before, "fleet-down.sh removed the main engine's docker0 bridge"
+
+
+def _has_docker0() -> bool:
+    return subprocess.run(["ip", "link", "show", "docker0"], capture_output=True).returncode == 0
+
+
+# ---------------------------------------------------------------- configuration (no engine needed)
+
+def test_plain_tcp_off_loopback_is_refused_naming_the_engine():
+    with pytest.raises(ValueError, match="engine 'far'.*plain TCP to 10.1.2.3 is refused"):
+        EngineConfig(id="far", endpoint="tcp://10.1.2.3:2375")
+    EngineConfig(id="near", endpoint="tcp://127.0.0.1:2375")  # loopback: the host's own engine
+    EngineConfig(id="far", endpoint="tcp://10.1.2.3:2376", tls_ca="/x/ca.pem", tls_cert="/x/c.pem", tls_key="/x/k.pem")
+    with pytest.raises(ValueError, match="tls_cert and tls_key go together"):
+        EngineConfig(id="far", endpoint="tcp://10.1.2.3:2376", tls_cert="/x/c.pem")
+    with pytest.raises(ValueError, match="unique"):
+        DockerSandboxConfig(engines=[EngineConfig(id="a"), EngineConfig(id="a")])
+
+
+def test_a_local_handle_from_another_machine_is_refused_never_matched_to_a_folder_here(tmp_path):
+    from rollway.sandboxes.config import LocalSandboxConfig
+    from rollway.sandboxes.local import LocalSandboxProvider
+
+    provider = LocalSandboxProvider(LocalSandboxConfig(root=str(tmp_path)))
+    box = run(provider.create(SandboxSpec(files={"a.txt": "mine"}), "same-name"))
+    elsewhere = {**box.handle, "machine": "another-host"}  # the same name and path, made on another machine
+    with pytest.raises(SandboxError, match="another-host"):
+        run(provider.attach(elsewhere))
+    with pytest.raises(SandboxError):
+        run(provider.attach({k: v for k, v in box.handle.items() if k != "machine"}))
+    assert run(run(provider.attach(box.handle)).read_file("a.txt")) == "mine"
+    run(box.destroy())
+
+
+# ---------------------------------------------------------------- the fleet, one provider
+
+def test_a_handle_naming_an_engine_this_worker_does_not_know_fails_as_unreachable(fleet):
+    provider = FleetSandboxProvider(fleet.config())
+    box = run(provider.create(SandboxSpec(files={"a.txt": "x"}), f"fleet-unknown-{uuid.uuid4().hex[:6]}"))
+    try:
+        assert box.handle["engine"] in {"fleet-1", "fleet-2", "fleet-3"}
+        assert not any(k in str(box.handle) for k in ("tcp://", "pem")), box.handle  # an id, not a URL or a key
+        smaller = FleetSandboxProvider(fleet.config(f"sandbox.engines=[{{id: gone, endpoint: 'tcp://127.0.0.1:{fleet.base_port}'}}]"))
+        with pytest.raises(EngineUnreachable, match=f"engine '{box.handle['engine']}', which this worker's sandbox.engines"):
+            run(smaller.attach(box.handle))
+    finally:
+        run(box.destroy())
+
+
+def test_a_certificate_the_engine_did_not_sign_is_refused_naming_the_engine_without_secrets(fleet, tmp_path):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=intruder",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    good = fleet.config().engines[0]
+    wrong = good.model_copy(update={"id": "stolen", "tls_cert": str(cert), "tls_key": str(key)})
+    provider = FleetSandboxProvider(DockerSandboxConfig(engines=[wrong]))
+    with pytest.raises(EngineUnreachable, match="engine 'stolen'") as err:
+        run(provider.check())
+    key_body = key.read_text().splitlines()[1]
+    assert key_body not in str(err.value) and "PRIVATE KEY" not in str(err.value)
+    # and a CA that did not sign the engine's certificate: the client refuses the engine
+    wrong_ca = good.model_copy(update={"id": "spoofed", "tls_ca": str(cert)})
+    with pytest.raises(EngineUnreachable, match="engine 'spoofed'.*CERTIFICATE_VERIFY_FAILED"):
+        run(FleetSandboxProvider(DockerSandboxConfig(engines=[wrong_ca])).check())
+
+
+def test_a_full_fleet_makes_init_wait_and_places_on_the_engine_that_frees_up(fleet):
+    """Capacity 1 per engine: three sandboxes fill the fleet, one on each engine; a fourth placement waits
+    (back-pressure, not a failure) until one is destroyed, then lands on that engine."""
+    one_each = [e.model_copy(update={"capacity": 1}) for e in fleet.config().engines]
+    provider = FleetSandboxProvider(fleet.config().model_copy(update={"engines": one_each}))
+    prefix = f"fleet-full-{uuid.uuid4().hex[:6]}"
+
+    async def scenario():
+        boxes = await asyncio.gather(*[provider.create(SandboxSpec(), f"{prefix}-{i}") for i in range(3)])
+        assert sorted(b.handle["engine"] for b in boxes) == ["fleet-1", "fleet-2", "fleet-3"]
+        waiting = asyncio.ensure_future(provider.create(SandboxSpec(), f"{prefix}-3"))
+        done, _ = await asyncio.wait({waiting}, timeout=3.0)
+        assert not done, "a placement on a full fleet must wait, not fail or overfill"
+        freed = boxes.pop(1)
+        await freed.destroy()
+        fourth = await asyncio.wait_for(waiting, timeout=120)
+        assert fourth.handle["engine"] == freed.handle["engine"]
+        for b in [*boxes, fourth]:
+            await b.destroy()
+
+    run(scenario())
+
+
+def test_a_daemon_killed_while_a_command_streams_fails_the_attempt_as_infrastructure(fleet):
+    """The engine dies mid-exec: EngineUnreachable (infrastructure, re-issued), well before the command's
+    time limit, never a hang and never an ordinary result a grader would score. The restarted engine's
+    leftover (the container its restart stopped) is reaped when the fleet sees it answer again."""
+    cfg = fleet.config()
+    provider = FleetSandboxProvider(cfg.model_copy(update={"engines": [cfg.engines[2]]}))  # fleet-3 alone
+    box = run(provider.create(SandboxSpec(), f"fleet-kill-{uuid.uuid4().hex[:6]}"))
+    marker = f"{random.randint(100, 999)}.{random.randint(1000, 9999)}"
+    result: dict = {}
+
+    def streaming():
+        start = time.monotonic()
+        try:
+            result["value"] = run(box.exec(f"echo started; sleep {marker}", timeout_s=120))
+        except BaseException as err:  # noqa: BLE001 - the test inspects it
+            result["error"] = err
+        result["elapsed"] = time.monotonic() - start
+
+    thread = threading.Thread(target=streaming)
+    thread.start()
+    wait_until(lambda: subprocess.run(["pgrep", "-f", f"sleep {marker}"], capture_output=True).returncode == 0,
+               timeout_s=60, what="the command running in the container")
+    fleet.kill(3)
+    thread.join(timeout=150)
+    assert not thread.is_alive(), "the exec hung after its engine died"
+    assert isinstance(result.get("error"), EngineUnreachable), result
+    assert result["elapsed"] < 120, result
+    with pytest.raises(EngineUnreachable):
+        run(provider.attach(box.handle))
+    fleet.up()  # restarts the killed daemon (idempotent for the others)
+    wait_until(lambda: provider._choose("rollway-sandbox:bookworm") is not None, timeout_s=120,
+               what="the fleet to see the engine again")
+    provider.engines["fleet-3"].pending = 0
+    assert box.name not in [n for names in fleet.live().values() for n in names]
+    assert not [c for c in provider.engines["fleet-3"].provider.listed(LABEL)
+                if c["Labels"][LABEL] == box.name], "the stopped sandbox of the dead daemon was not reaped"
+
+
+def test_an_engine_without_the_image_pulls_it_from_the_registry_and_one_that_cannot_is_skipped(fleet):
+    cfg = fleet.config()
+    first = engine_client(cfg.engines[0])
+    first.images.remove("rollway-sandbox:bookworm")  # the registry's tag keeps its layers: the pull is quick
+    provider = FleetSandboxProvider(cfg.model_copy(update={"engines": [cfg.engines[0]]}))
+    box = run(provider.create(SandboxSpec(), f"fleet-pull-{uuid.uuid4().hex[:6]}"))
+    run(box.destroy())
+    assert first.images.get("rollway-sandbox:bookworm")
+    # without a registry, an engine lacking the image is skipped for it; the sandbox goes to one that has it
+    first.images.remove("rollway-sandbox:bookworm")
+    no_registry = FleetSandboxProvider(cfg.model_copy(update={"engines": cfg.engines[:2], "image_registry": None}))
+
+    async def three():
+        return await asyncio.gather(*[no_registry.create(SandboxSpec(), f"fleet-skip-{uuid.uuid4().hex[:6]}-{i}")
+                                      for i in range(3)])
+
+    boxes = run(three())
+    assert {b.handle["engine"] for b in boxes} == {"fleet-2"}
+    for b in boxes:
+        run(b.destroy())
+    for _ in range(2):  # the second placement meets the engines' "cannot get it" mark: an error, not a wait
+        with pytest.raises(SandboxError, match="is on no engine of the fleet"):
+            run(asyncio.wait_for(no_registry.create(SandboxSpec(image="rollway-no-such-image:1"), "fleet-nope"), 60))
+    first.images.get(f"127.0.0.1:{fleet.reg_port}/rollway-sandbox:bookworm").tag("rollway-sandbox", "bookworm")
+    first.close()
+
+
+# ---------------------------------------------------------------- jobs: stages as separate processes
+
+def _job(fleet, tmp_path, broker, name: str, episodes_per_task: int, tasks: int, watch=None,
+         extra_engines: tuple[dict, ...] = ()) -> tuple[dict, dict]:
+    """`rollway up` of the smoke job on the fleet, every stage its own process; DOCKER_HOST points at no
+    engine, so the engines are reached only through their TCP endpoints. Returns (ledger verdict, the
+    sandboxes each engine was seen holding)."""
+    from rollway.runners.chaos import Ledger
+
+    run_id = f"{name}{uuid.uuid4().hex[:6]}"
+    cfg = yaml.safe_load((ROOT / "examples" / "smoke.yaml").read_text())
+    cfg["run"].update(id=run_id, timeout_s=400)
+    cfg["tasks"]["count"], cfg["scheduler"]["group_size"] = tasks, episodes_per_task
+    cfg["scheduler"].update(max_inflight_episodes=tasks * episodes_per_task, episode_deadline_s=120, max_attempts=4)
+    cfg["runtime"] = {"processes": "per-stage"}
+    cfg["sandbox"] = fleet.config().model_dump(mode="json", exclude_defaults=True) | {"type": "docker"}
+    cfg["sandbox"]["engines"] += list(extra_engines)
+    config = tmp_path / f"{name}.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    seen: dict[str, set[str]] = {}
+    peak: dict[str, int] = {}
+    stop = threading.Event()
+
+    def monitor():
+        while not stop.is_set():
+            for engine, names in fleet.live().items():
+                mine = [n for n in names if n.startswith(run_id)]
+                seen.setdefault(engine, set()).update(mine)
+                peak[engine] = max(peak.get(engine, 0), len(mine))
+                if watch is not None:
+                    watch(engine, mine)
+            stop.wait(0.2)
+
+    watcher = threading.Thread(target=monitor, daemon=True)
+    watcher.start()
+    env = {**os.environ, "DOCKER_HOST": "unix:///nonexistent/docker.sock", "PYTHONUNBUFFERED": "1"}
+    topics = f"topics.prefix={name}{uuid.uuid4().hex[:6]}-"
+    try:
+        out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", str(config), "--bootstrap", broker.bootstrap,
+                              "--run-dir", str(tmp_path / name), "--no-report", topics],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        stop.set()
+        watcher.join()
+    assert out.returncode == 0, out.stderr[-4000:]
+    ledger = Ledger(load_config(config, [topics]), broker.bootstrap)
+    ledger.poll()
+    verdict = ledger.judge(tmp_path / name, trains=False)
+    verdict["peak"], verdict["run_id"], verdict["output"] = peak, run_id, out.stdout + out.stderr
+    return verdict, seen
+
+
+def test_a_job_over_three_engines_is_balanced_and_never_overfills_one(fleet, tmp_path, broker):
+    """12 episodes, room for 3 sandboxes per engine (9 at once): init places on the engine with the most
+    room and waits while all are full. One init process: the stated bound is capacity + (1 - 1) * F. A
+    fourth engine that never answers is named at start-up and avoided; the run goes on with the rest."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]  # nothing listens there once the socket is closed
+    ghost = {"id": "ghost", "endpoint": f"tcp://127.0.0.1:{closed}", "capacity": 3}
+    verdict, seen = _job(fleet, tmp_path, broker, "balanced", episodes_per_task=2, tasks=6, extra_engines=(ghost,))
+    assert "sandbox engine ghost does not answer" in verdict["output"]
+    assert verdict["scheduled"] == 12 and verdict["completed"] == 12 and verdict["lost"] == 0, verdict
+    assert verdict["graded_twice"] == 0
+    per_engine = {e: len(n) for e, n in seen.items()}
+    assert set(per_engine) == {"fleet-1", "fleet-2", "fleet-3"} and min(per_engine.values()) >= 2, per_engine
+    assert max(verdict["peak"].values()) <= CAPACITY, verdict["peak"]
+    assert not [n for names in fleet.live().values() for n in names if n.startswith(verdict["run_id"])]
+
+
+def test_a_job_during_which_an_engines_daemon_is_killed_loses_and_duplicates_nothing(fleet, tmp_path, broker):
+    """fleet-2's daemon is SIGKILLed once it holds a sandbox of the job: its episodes fail as infrastructure
+    and are re-issued on the other engines; every episode is completed or counted failed."""
+    killed = threading.Event()
+
+    def kill_when_busy(engine: str, mine: list[str]) -> None:
+        if engine == "fleet-2" and mine and not killed.is_set():
+            killed.set()
+            fleet.kill(2)
+
+    try:
+        verdict, seen = _job(fleet, tmp_path, broker, "killed", episodes_per_task=2, tasks=6, watch=kill_when_busy)
+    finally:
+        fleet.up()  # the killed engine back, for the module's other tests
+    assert killed.is_set()
+    assert verdict["scheduled"] == 12 and verdict["completed"] + verdict["failed"] == 12, verdict
+    assert verdict["lost"] == 0 and verdict["duplicated"] == 0 and verdict["graded_twice"] == 0, verdict
+    assert verdict["attempts"] > 12, verdict  # the killed engine's episodes were issued again
+    assert verdict["completed"] >= 10, verdict
