@@ -10,6 +10,7 @@ import structlog
 
 from rollway.actors.services import Services
 from rollway.actors.sink import belongs_to_run
+from rollway.runtime import metrics
 from rollway.runtime.actor import Actor, MessageMeta, Output, failure_output
 from rollway.schemas.messages import AgentStep, InitRequest
 from rollway.topics import AGENT_STEPS
@@ -44,7 +45,10 @@ class InitActor(Actor):
         await self.s.taskset.prepare(task)  # e.g. its image built in a thread, off this loop
         name = sandbox_name(msg.episode_id, msg.attempt)
         try:
-            sandbox = await self.s.sandboxes.create(self.s.taskset.sandbox_spec(task), name)
+            creating, create_s = metrics.SANDBOXES_CREATING.labels("init"), metrics.SANDBOX_CREATE_SECONDS.labels("init")
+            with creating.track_inprogress(), create_s.time():
+                sandbox = await self.s.sandboxes.create(self.s.taskset.sandbox_spec(task), name)
+            metrics.SANDBOXES_CREATED.labels("init").inc()
         except BaseException:
             await self._discard(name)  # a half-built sandbox (or one whose creation was cancelled)
             raise
