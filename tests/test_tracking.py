@@ -3,6 +3,7 @@ W&B in offline mode (its files read back) and MLflow against a real tracking ser
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
@@ -216,3 +217,44 @@ def test_tensorboard_and_console_trackers(tmp_path):
     acc = EventAccumulator(str(tmp_path / "tb" / "tracking"))
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("train/reward_mean")] == [(1, 0.5)]
+
+
+RECORDED: list = []
+
+
+class RecordingTracker(Tracker):
+    """Keeps what it is given (the learner test reads it back)."""
+
+    def start(self, run: TrackerRun) -> None:
+        RECORDED.append(("start", run))
+
+    def log(self, step, metrics) -> None:
+        RECORDED.append((step, dict(metrics)))
+
+
+def test_the_learner_logs_each_update_and_the_masked_config(tmp_path):
+    """A real (tiny) torch learner: one policy update reaches the tracker with its figures, the policy version
+    and the episodes trained; the config it records has its secrets masked."""
+    pytest.importorskip("torch")
+    from test_learner_actor import learner_services, traj
+
+    from rollway.actors.learner import LearnerActor
+    from rollway.learning.testing import tiny_model_factory
+    from rollway.runtime.actor import MessageMeta
+
+    RECORDED.clear()
+    s = learner_services(tmp_path, f"tracking.trackers=[{plugin('RecordingTracker')}]", "broker.sasl_password=sk-secret-1")
+
+    async def scenario():
+        actor = LearnerActor(s, trainer_factory=tiny_model_factory())
+        await actor.setup()
+        await actor.handle(traj(0, 1.0), MessageMeta("trajectories", 0, 5))
+        await actor.handle(traj(1, 0.0), MessageMeta("trajectories", 1, 9))
+        await actor.close()
+
+    asyncio.run(scenario())
+    (start, run), (step, figures) = RECORDED
+    assert start == "start" and run.config["broker"]["sasl_password"] == "**********" and "sk-secret-1" not in json.dumps(run.config)
+    assert step == 1 and figures["policy_version"] == 1 and figures["episodes_trained"] == 2
+    assert figures["reward_mean"] == pytest.approx(0.5) and figures["pass_rate"] == pytest.approx(0.5)
+    assert {"loss", "grad_norm", "tokens_per_second", "train_seconds"} <= set(figures), sorted(figures)
