@@ -24,10 +24,32 @@ def sandbox_name(episode_id: str, attempt: int) -> str:
     return f"{episode_id}-a{attempt}-{uuid.uuid4().hex[:6]}"
 
 
+LIVE_SANDBOXES_INTERVAL_S = 5.0
+"""How often an init worker counts the run's sandboxes on the engine (the `rollway_sandboxes_live` metric)."""
+
+
 class InitActor(Actor):
 
     def __init__(self, services: Services):
         self.s = services
+        self._live_counted = 0.0
+
+    async def tick(self) -> list[Output]:
+        if time.monotonic() - self._live_counted >= LIVE_SANDBOXES_INTERVAL_S:
+            self._live_counted = time.monotonic()
+            await self._count_live_sandboxes()
+        return []
+
+    async def _count_live_sandboxes(self) -> None:
+        """The run's sandboxes the engine holds now (the reaper's listing: whoever destroys them, once)."""
+        from rollway.sandboxes.reaper import leftover_names, run_prefix
+
+        try:
+            names = await asyncio.to_thread(leftover_names, self.s.sandboxes, run_prefix(self.s.cfg.run.id))
+        except Exception as err:  # noqa: BLE001 - a metric must never stop the stage
+            log.debug("live sandboxes not counted", error=f"{type(err).__name__}: {err}")
+            return
+        metrics.SANDBOXES_LIVE.labels("init").set(len(names))
 
     async def setup(self) -> None:
         _ = self.s.taskset, self.s.sandboxes, self.s.chat, self.s.tools

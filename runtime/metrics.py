@@ -160,6 +160,12 @@ GENERATED_TOKENS = Counter(
 SANDBOXES_CREATING = Gauge(
     "rollway_sandboxes_creating", "Sandboxes being created now", ["stage"], registry=REGISTRY
 )
+SANDBOXES_LIVE = Gauge(
+    "rollway_sandboxes_live",
+    "The run's sandboxes the sandbox engine holds (every init worker counts them all: take the max)",
+    ["stage"],
+    registry=REGISTRY,
+)
 SANDBOXES_CREATED = Counter(
     "rollway_sandboxes_created_total", "Sandboxes created", ["stage"], registry=REGISTRY
 )

@@ -254,6 +254,8 @@ def test_handled_totals_equal_the_runs_counts(scraped_run):
     assert last(prom, 'rollway_scheduler_episodes{state="completed"}', ()) == {(): 8.0}
     assert last(prom, "rollway_sandboxes_created_total", ()) == {(): float(summary["episodes_scheduled"] +
                                                                              summary["episodes_retried"])}
+    live = prom.query('max_over_time(rollway_sandboxes_live[1h])')
+    assert len(live) == 1 and 0 <= float(live[0]["value"][1]) <= 8  # the init worker's listing, never above in-flight
     produced = last(prom, 'rollway_messages_produced_total{stage="reward"}', ())
     assert produced[()] >= 8  # a trajectory per episode, and its done notice
     hist = last(prom, 'rollway_message_handle_seconds_count{stage="reward"}', ())
