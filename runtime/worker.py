@@ -51,6 +51,8 @@ TOPIC_CHECK_INTERVAL_S = 5.0
 STATUS_INTERVAL_S = 0.5
 LAG_INTERVAL_S = 1.0
 """How often a worker asks the broker for its partitions' log end offsets (the consumer lag metric)."""
+LAG_TIMEOUT_S = 2.0
+"""The loop waits at most this long for those answers (a broker that is away must not hold the loop)."""
 MAX_REASON_CHARS = 4000
 """A dead letter's reason is cut to this: error texts may quote hostile model output."""
 
@@ -275,15 +277,9 @@ class StageWorker:
         answer ListOffsets one short, runtime/kafka.py: log_end_offsets)."""
         tps = sorted(self.consumer.assignment())
         try:
-            ends = await self.consumer.end_offsets(tps) if tps else {}
-            unknown = [tp for tp in tps if tp not in self.offsets.committed and tp not in self._committed_before]
-            for tp in unknown:
-                committed = await self.consumer.committed(tp)
-                if committed is None:
-                    committed = (await self.consumer.beginning_offsets([tp]))[tp]
-                self._committed_before[tp] = committed
-        except KafkaError as err:
-            log.debug("consumer lag not measured this round", stage=self.actor.name, error=str(err))
+            ends = await asyncio.wait_for(self._lag_inputs(tps), LAG_TIMEOUT_S) if tps else {}
+        except Exception as err:  # noqa: BLE001 - a metric never stops the stage (a broker away, a rebalance)
+            log.debug("consumer lag not measured this round", stage=self.actor.name, error=repr(err))
             return
         lags = {}
         for tp in tps:
@@ -291,6 +287,18 @@ class StageWorker:
             committed = self.offsets.committed.get(tp, self._committed_before.get(tp, 0))
             lags[(tp.topic, tp.partition)] = max(0, end - committed)
         self.metrics.lag(lags)
+
+    async def _lag_inputs(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+        """The partitions' end offsets; and, once per partition, the group's committed offset (its beginning
+        when none) for partitions this worker has not committed yet."""
+        ends = await self.consumer.end_offsets(tps)
+        for tp in tps:
+            if tp not in self.offsets.committed and tp not in self._committed_before:
+                committed = await self.consumer.committed(tp)
+                if committed is None:
+                    committed = (await self.consumer.beginning_offsets([tp]))[tp]
+                self._committed_before[tp] = committed
+        return ends
 
     def write_status(self, force: bool = False) -> None:
         now = time.monotonic()
