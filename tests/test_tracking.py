@@ -7,6 +7,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import wait_until
+from conftest import ROOT, wait_until
 
 from rollway.base.config import ConfigError
 from rollway.core.config import load_config
@@ -195,9 +196,36 @@ def test_mlflow_server_down_at_first_then_up_gets_every_update(tmp_path):
         assert run.data.params["policy.api_key"] == "**********" and run.data.params["learner.lr"] == "1e-06"
         assert run.info.status == "FINISHED" and run.info.run_name == "test-run-abc"
         assert not (tmp_path / "tracking-unsent").exists()
+        # The run as a user sees it: MLflow's own UI drawn by headless Chromium (docs/observability.md shows it).
+        shot = tmp_path / "mlflow-run.png"
+        screenshot(f"{uri}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}/model-metrics", shot, tmp_path)
+        if os.environ.get("ROLLWAY_DOCS_SCREENSHOTS"):
+            shutil.copy(shot, ROOT / "docs" / "img" / "mlflow-run.png")
     finally:
         server.terminate()
         server.wait(30)
+
+
+def screenshot(url: str, out: Path, tmp_path: Path) -> None:
+    """Chromium's drawing of MLflow's metric charts at `url`, taken again until the chart lines are drawn
+    (their blue, #2172b4, in the chart area: a page still loading shows spinners)."""
+    import numpy as np
+    from PIL import Image
+
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert exe, "chromium is not installed: run `make setup` (scripts/setup.sh installs it with apt)"
+
+    def drawn() -> bool:
+        proc = subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
+                               "--force-device-scale-factor=1", f"--user-data-dir={tmp_path / 'chromium-profile'}",
+                               "--virtual-time-budget=20000", f"--screenshot={out}", "--window-size=1400,900", url],
+                              capture_output=True, text=True, timeout=300)
+        assert out.exists(), f"chromium wrote no screenshot (exit {proc.returncode}): {proc.stderr[-2000:]}"
+        charts = np.asarray(Image.open(out).convert("RGB"))[240:600, 200:750].astype(int)
+        line = (abs(charts - (33, 114, 180)) <= 2).all(axis=2)
+        return int(line.sum()) > 200
+
+    wait_until(drawn, timeout_s=600, interval_s=1, what="MLflow's UI to draw the run's metric charts")
 
 
 def _answers(url: str) -> bool:
