@@ -256,7 +256,12 @@ class MetricsServer:
             return None
         with cls._lock:
             if cls._current is None:
-                cls._current = MetricsServer(cfg, run_dir, run_id)
+                try:
+                    cls._current = MetricsServer(cfg, run_dir, run_id)
+                except OSError as err:  # the stage runs on without its endpoint
+                    log.error(f"cannot serve /metrics on {cfg.host}: {err}; set metrics.host to an address of this "
+                              "machine (or metrics.enabled=false)")
+                    return None
             cls._current.users += 1
             return cls._current
 

@@ -345,3 +345,12 @@ def test_every_metric_is_documented():
     page = (ROOT / "docs" / "observability.md").read_text()
     names = [f.name + ("_total" if f.type == "counter" else "") for f in REGISTRY.collect() if f.name.startswith("rollway")]
     assert len(names) > 20 and [n for n in names if f"`{n}`" not in page] == []
+
+
+def test_a_metrics_address_that_cannot_be_bound_does_not_stop_the_stage(tmp_path):
+    """metrics.host not of this machine: the stage gets no endpoint (and says how to fix it) instead of crashing."""
+    from rollway.core.config import MetricsConfig
+    from rollway.runtime.metrics import MetricsServer
+
+    assert MetricsServer.acquire(MetricsConfig(host="192.0.2.1"), tmp_path, "run-x") is None  # TEST-NET-1
+    assert not (tmp_path / "prometheus").exists()
