@@ -104,6 +104,8 @@ def test_wandb_offline_run_files(tmp_path):
         h.log(step, {"reward_mean": step / 10, "loss": 1.0 / step, "policy_version": step})
     h.close(timeout_s=120)
     run_file = wandb_run_file(tmp_path)
+    # W&B's service process may still be writing the file when `finish()` returns.
+    wait_until(lambda: len(read_wandb_offline(run_file)[0]) >= 3, timeout_s=120, what="W&B's file to hold 3 updates")
     history, config = read_wandb_offline(run_file)
     assert [(r["_step"], r["reward_mean"], r["policy_version"]) for r in history] == [(1, 0.1, 1), (2, 0.2, 2), (3, 0.3, 3)]
     assert config["policy"]["api_key"] == "**********" and config["learner"]["lr"] == 1e-6
@@ -134,8 +136,8 @@ def read_wandb_offline(path: Path) -> tuple[list[dict], dict]:
             pos += block - pos % block
             continue
         length, kind = int.from_bytes(raw[pos + 4:pos + 6], "little"), raw[pos + 6]
-        if length == 0 and kind == 0:
-            break
+        if (length == 0 and kind == 0) or pos + 7 + length > len(raw):
+            break  # the end, or a record still being written
         chunks += raw[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
