@@ -10,6 +10,7 @@ import structlog
 
 from rollway.actors.services import Services
 from rollway.actors.sink import belongs_to_run
+from rollway.runtime import metrics
 from rollway.runtime.actor import Actor, MessageMeta, Output, failure_output
 from rollway.schemas.messages import AgentStep, InitRequest
 from rollway.topics import AGENT_STEPS
@@ -23,10 +24,32 @@ def sandbox_name(episode_id: str, attempt: int) -> str:
     return f"{episode_id}-a{attempt}-{uuid.uuid4().hex[:6]}"
 
 
+LIVE_SANDBOXES_INTERVAL_S = 5.0
+"""How often an init worker counts the run's sandboxes on the engine (the `rollway_sandboxes_live` metric)."""
+
+
 class InitActor(Actor):
 
     def __init__(self, services: Services):
         self.s = services
+        self._live_counted = 0.0
+
+    async def tick(self) -> list[Output]:
+        if time.monotonic() - self._live_counted >= LIVE_SANDBOXES_INTERVAL_S:
+            self._live_counted = time.monotonic()
+            await self._count_live_sandboxes()
+        return []
+
+    async def _count_live_sandboxes(self) -> None:
+        """The run's sandboxes the engine holds now (the reaper's listing: whoever destroys them, once)."""
+        from rollway.sandboxes.reaper import leftover_names, run_prefix
+
+        try:
+            names = await asyncio.to_thread(leftover_names, self.s.sandboxes, run_prefix(self.s.cfg.run.id))
+        except Exception as err:  # noqa: BLE001 - a metric must never stop the stage
+            log.debug("live sandboxes not counted", error=f"{type(err).__name__}: {err}")
+            return
+        metrics.SANDBOXES_LIVE.labels("init").set(len(names))
 
     async def setup(self) -> None:
         _ = self.s.taskset, self.s.sandboxes, self.s.chat, self.s.tools
@@ -44,7 +67,10 @@ class InitActor(Actor):
         await self.s.taskset.prepare(task)  # e.g. its image built in a thread, off this loop
         name = sandbox_name(msg.episode_id, msg.attempt)
         try:
-            sandbox = await self.s.sandboxes.create(self.s.taskset.sandbox_spec(task), name)
+            creating, create_s = metrics.SANDBOXES_CREATING.labels("init"), metrics.SANDBOX_CREATE_SECONDS.labels("init")
+            with creating.track_inprogress(), create_s.time():
+                sandbox = await self.s.sandboxes.create(self.s.taskset.sandbox_spec(task), name)
+            metrics.SANDBOXES_CREATED.labels("init").inc()
         except BaseException:
             await self._discard(name)  # a half-built sandbox (or one whose creation was cancelled)
             raise

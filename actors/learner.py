@@ -21,6 +21,7 @@ from rollway.actors.services import Services
 from rollway.actors.sink import belongs_to_run
 from rollway.base.faults import fault_point
 from rollway.base.run_dir import RunDir
+from rollway.runtime import metrics
 from rollway.runtime.actor import Actor, FatalActorError, MessageMeta, Output
 from rollway.schemas.messages import EpisodeFailure, PolicyVersion, Trajectory
 from rollway.topics import POLICY_VERSIONS
@@ -56,9 +57,18 @@ class LearnerActor(Actor):
         """The version this learner last loaded into the engine (None: unknown, e.g. after a restart)."""
         self._announced = 0  # episodes_trained last published
         self._last_input = time.monotonic()
+        self.tracking = None
+        """The experiment trackers (learning/tracking.py); None without `tracking.trackers`."""
+        self._sync_s: float | None = None
+        self._started = time.monotonic()
 
     async def setup(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
+        from rollway.core.config import dump_config
+        from rollway.learning.tracking import TrackingHub
+
+        cfg = self.s.cfg
+        self.tracking = TrackingHub.for_run(cfg.tracking, self.dir, cfg.run.name, cfg.run.id, dump_config(cfg))
         if self.s.cfg.learner.trains:
             self.trainer = await asyncio.to_thread(self._build_trainer)
             self.trainer.watermarks = self._watermarks
@@ -206,6 +216,10 @@ class LearnerActor(Actor):
             if r.checkpoint_path is not None:
                 await self._sync_engine(r.checkpoint_path, r.version)
             self.version = r.version
+            self._track(r)
+            metrics.LEARNER_UPDATES.labels("learner").inc()
+            if "train_seconds" in r.metrics:
+                metrics.LEARNER_STEP_SECONDS.labels("learner").observe(float(r.metrics["train_seconds"]))
             log.info("policy updated", version=r.version, step=r.step, episodes=r.episodes_trained,
                      **{k: round(v, 4) for k, v in r.metrics.items() if k in ("reward_mean", "loss", "pass_rate")})
             outputs.append(Output(POLICY_VERSIONS, None, PolicyVersion(
@@ -214,6 +228,16 @@ class LearnerActor(Actor):
                 metrics={k: float(v) for k, v in r.metrics.items() if isinstance(v, int | float)})))
         self._write_status()
         return outputs
+
+    def _track(self, r) -> None:
+        """One update to the experiment trackers: the trainer's figures, plus version, episodes and sync time."""
+        if self.tracking is None:
+            return
+        extra = {"policy_version": r.version, "episodes_trained": r.episodes_trained,
+                 "episodes_per_second": r.episodes_trained / max(time.monotonic() - self._started, 1e-9)}
+        if self._sync_s is not None:
+            extra["weight_sync_seconds"] = self._sync_s
+        self.tracking.log(r.step, {**r.metrics, **extra})
 
     async def _sync_engine(self, checkpoint: Path, version: int) -> None:
         """Ask the inference engine to serve the new weights (engines that do not declare
@@ -228,6 +252,8 @@ class LearnerActor(Actor):
 
             await check_served_version(self.s.inference, version)
             self._engine_version = version
+            self._sync_s = time.perf_counter() - t0
+            metrics.WEIGHT_SYNC_SECONDS.labels("learner").observe(self._sync_s)
             if self.trainer is not None:  # no input was read while the engine loaded
                 self.trainer.pause(time.perf_counter() - t0)
             log.info("inference engine loaded policy", version=version, checkpoint=str(checkpoint),
@@ -248,6 +274,9 @@ class LearnerActor(Actor):
         return self.trainer.state.episodes_trained + len(self.trainer.pending_episode_ids())
 
     def _write_status(self, training: bool = False) -> None:
+        metrics.POLICY_VERSION.labels("learner").set(self.version)
+        trained = self.trainer.state.episodes_trained if self.trainer else self.received
+        metrics.EPISODES_TRAINED.labels("learner").set(trained)
         RunDir(self.dir).write(STATUS_FILE, {
             "episodes_received": self._episodes_received(), "policy_version": self.version, "training": training,
             "episodes_buffered": len(self.trainer.pending_episode_ids()) if self.trainer else 0,
@@ -264,6 +293,8 @@ class LearnerActor(Actor):
                     path = await asyncio.to_thread(self.trainer.save)
                 log.info("learner saved its last updates at shutdown", checkpoint=str(path))
             self.trainer.close()
+        if self.tracking is not None:
+            await asyncio.to_thread(self.tracking.close)
 
 
 async def _uncancellable_thread(call, *args):

@@ -20,6 +20,7 @@ from rollway.actors.scheduling import IssueStrategy, ends_order, johnson_order
 from rollway.actors.services import Services
 from rollway.base.faults import fault_point
 from rollway.base.run_dir import RunDir
+from rollway.runtime import metrics
 from rollway.runtime.actor import Actor, MessageMeta, Output
 from rollway.schemas.messages import (
     EpisodeFailure,
@@ -293,6 +294,18 @@ class SchedulerActor(Actor):
                   "failed": [asdict(t) for t in self.tickets.values() if t.state == "failed"]}
         RunDir(run_dir).write(STATUS_FILE, status, indent=1)
         self._dirty = False
+        self._export_metrics(status)
+
+    def _export_metrics(self, status: dict) -> None:
+        states = [t.state for t in self.tickets.values()]
+        for state in ("pending", "inflight", "completed", "failed"):
+            metrics.EPISODES.labels("scheduler", state).set(states.count(state))
+        metrics.EPISODE_RETRIES.labels("scheduler").set(status["retries"])
+        metrics.MAX_INFLIGHT.labels("scheduler").set(self.cfg.max_inflight_episodes)
+        inflight = [t.policy_version for t in self.tickets.values() if t.state == "inflight"]
+        metrics.POLICY_LAG.labels("scheduler").set(self.policy_version - min(inflight) if inflight else 0)
+        if self.cfg.max_policy_lag is not None:
+            metrics.POLICY_LAG_BOUND.labels("scheduler").set(self.cfg.max_policy_lag)
 
     async def close(self) -> None:
         self._write_status()

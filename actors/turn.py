@@ -19,6 +19,7 @@ from rollway.actors.gate import RankedGate
 from rollway.base.blame import AGENT_FAILURE, InferenceUnreachable, blame, failure_details, failure_reason
 from rollway.base.faults import fault_point
 from rollway.policies.base import ChatFormat, InferenceClient, SamplingParams, episode_seed
+from rollway.runtime import metrics
 from rollway.sandboxes.base import Sandbox
 from rollway.schemas.messages import TurnRecord
 from rollway.schemas.tokens import observation_messages
@@ -90,10 +91,13 @@ class TurnRunner:
         async with self._model_slot(rank):
             t0, gen_started_at = time.perf_counter(), time.time()
             try:
-                gen = await self.inference.generate(state.token_ids, params)
+                with metrics.INFERENCE_IN_FLIGHT.labels("agent").track_inprogress():
+                    gen = await self.inference.generate(state.token_ids, params)
             except OSError as err:  # no connection, a timeout: the engine, never the agent
                 raise InferenceUnreachable(f"the inference engine did not answer: {err}") from err
             gen_s, gen_ended_at = time.perf_counter() - t0, time.time()
+            metrics.INFERENCE_SECONDS.labels("agent").observe(gen_s)
+            metrics.GENERATED_TOKENS.labels("agent").inc(len(gen.token_ids))
         # What the record carries must encode: ids that decode to lone surrogates (invalid UTF-8 from a
         # byte-level model) become U+FFFD in the text; the token ids stay exactly as sampled.
         text = chat.decode(gen.token_ids).encode("utf-8", "replace").decode("utf-8")

@@ -134,6 +134,25 @@ class RunDir:
         """Where one worker process records every message it handled (runtime/telemetry.py)."""
         return self.telemetry_dir / f"{stage}-{pid}.jsonl"
 
+    @property
+    def prometheus_dir(self) -> Path:
+        """Prometheus' view of the run: `prometheus.yml`, the alert rules it loads, the targets it scrapes."""
+        return self.path / "prometheus"
+
+    @property
+    def prometheus_config(self) -> Path:
+        """The scrape configuration `rollway up` writes (runtime/metrics.py: write_scrape_config)."""
+        return self.prometheus_dir / "prometheus.yml"
+
+    @property
+    def metrics_targets(self) -> Path:
+        """One file per process serving /metrics (Prometheus file service discovery format)."""
+        return self.prometheus_dir / "targets"
+
+    def metrics_target(self, pid: int) -> Path:
+        """Where process `pid` announces its /metrics address; removed when it stops cleanly."""
+        return self.metrics_targets / f"{pid}.json"
+
     def sub(self, name: str) -> RunDir:
         """A run folder inside this one: verify's `gold` and `nothing` runs, bench learn's
         `before`, `train` and `after`, a benchmark's per-mode runs."""

@@ -25,6 +25,7 @@ from rollway.envs.factory import TASK_SETS
 from rollway.gateway.config import HarnessConfig
 from rollway.learning.config import LearnerConfig
 from rollway.learning.registries import LEARNERS
+from rollway.learning.tracking import TrackingConfig
 from rollway.policies.config import PolicyConfig, ScriptedPolicyConfig
 from rollway.policies.factory import POLICIES
 from rollway.sandboxes.config import DockerSandboxConfig, LocalSandboxConfig, SandboxConfig
@@ -152,6 +153,25 @@ class RunSection(StrictModel):
     which are written either way."""
 
 
+class MetricsConfig(StrictModel):
+    """Prometheus metrics of the stage processes (runtime/metrics.py, docs/observability.md)."""
+
+    enabled: bool = True
+    """Every stage process serves `/metrics` in the Prometheus text format and announces its address in the
+    run folder (prometheus/targets/PID.json), which the run's prometheus/prometheus.yml scrapes."""
+    host: str = "127.0.0.1"
+    """Address the endpoint listens on; `0.0.0.0` to let another machine's Prometheus scrape it (it is
+    then announced under this machine's host name)."""
+    port: int = Field(9450, ge=0, le=65535)
+    """First port tried; a port in use moves on to the next free one (the one taken is announced); 0: any
+    free port."""
+    final_scrape_timeout_s: float = Field(0.0, ge=0, le=10)
+    """A stopping stage waits up to this long for a scrape to read its final figures (its last handled
+    counts, a lag of 0); 0: it stops at once. Worth a scrape interval for short runs."""
+    scrape_interval_s: float = Field(15.0, gt=0)
+    """The scrape and rule evaluation interval of the prometheus.yml `rollway up` writes."""
+
+
 Engine = Literal["aiokafka", "faust"]
 StageName = Literal[STAGE_NAMES]  # type: ignore[valid-type]  # the stages topics/topology.py declares
 
@@ -223,6 +243,8 @@ class RunConfig(StrictModel):
     sink: SinkConfig = Field(default_factory=SinkConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
     @field_validator("tasks", mode="before")
     @classmethod

@@ -13,6 +13,7 @@ from rollway.base.run_dir import RunDir
 from rollway.core.config import RunConfig
 from rollway.runtime.actor import Actor
 from rollway.runtime.kafka import ensure_topics, stage_group_id
+from rollway.runtime.metrics import MetricsServer
 from rollway.runtime.worker import LogReader, StageWorker
 from rollway.topics.topology import get_stage
 
@@ -71,6 +72,18 @@ async def run_stage(name: str, cfg: RunConfig, bootstrap: str, run_dir: Path, st
             except (NotImplementedError, RuntimeError):
                 pass
     await ensure_topics(cfg.broker, cfg.topics, bootstrap)
+    server = MetricsServer.acquire(cfg.metrics, run_dir, cfg.run.id)
+    clean = False
+    try:
+        await _run_actor(name, cfg, bootstrap, run_dir, stop, sole_worker)
+        clean = True
+    finally:
+        if server is not None:
+            await server.release(clean)
+
+
+async def _run_actor(name: str, cfg: RunConfig, bootstrap: str, run_dir: Path, stop: asyncio.Event,
+                     sole_worker: bool) -> None:
     log_reader = LogReader(cfg, bootstrap) if get_stage(name).reads_log != "no" else None
     services = Services(cfg, run_dir)
     actor = build_actor(name, services, log_reader)

@@ -173,6 +173,8 @@ class Job:
             crashed = not p.alive and (p.stage != ISSUER or p.proc.returncode != 0)
             if crashed and p.restarts < self.max_restarts:
                 code = p.proc.returncode if p.proc else None
+                if not self.one_process:  # its /metrics target reads as down until now; the restart announces its own
+                    RunDir(self.run_dir).metrics_target(p.proc.pid).unlink(missing_ok=True)
                 p.restarts += 1
                 p.start()
                 notes.append(f"{p.stage}-{p.index} exited (code {code}); restarted ({p.restarts}/{self.max_restarts})")
@@ -290,6 +292,10 @@ def stage_time_totals(run_dir: Path, trajs: list[dict]) -> dict[str, float]:
 def write_run_files(run_dir: Path, cfg: RunConfig) -> None:
     RunDir(run_dir).logs.mkdir(parents=True, exist_ok=True)
     RunDir(run_dir).config.write_text(json.dumps(dump_config(cfg), indent=1))
+    if cfg.metrics.enabled:
+        from rollway.runtime.metrics import write_scrape_config
+
+        write_scrape_config(run_dir, cfg.metrics.scrape_interval_s)
 
 
 class JobFailed(RuntimeError):

@@ -25,6 +25,7 @@ from aiokafka.errors import (
 from rollway.base.faults import fault_point
 from rollway.base.files import write_json_atomic
 from rollway.base.redaction import redact
+from rollway.runtime import metrics
 from rollway.runtime.actor import Actor, FatalActorError, MessageMeta, Output, OutputRefused, StaleMessage
 from rollway.runtime.kafka import (
     ensure_topics,
@@ -48,6 +49,10 @@ COMMIT_INTERVAL_S = 0.5
 TICK_INTERVAL_S = 0.2
 TOPIC_CHECK_INTERVAL_S = 5.0
 STATUS_INTERVAL_S = 0.5
+LAG_INTERVAL_S = 1.0
+"""How often a worker asks the broker for its partitions' log end offsets (the consumer lag metric)."""
+LAG_TIMEOUT_S = 2.0
+"""The loop waits at most this long for those answers (a broker that is away must not hold the loop)."""
 MAX_REASON_CHARS = 4000
 """A dead letter's reason is cut to this: error texts may quote hostile model output."""
 
@@ -71,6 +76,7 @@ async def handle_or_dead_letter(actor: Actor, msg: Any, meta: MessageMeta,
     except (asyncio.CancelledError, FatalActorError):
         raise
     except StaleMessage as err:
+        metrics.REDELIVERIES.labels(actor.name).inc()
         log.info("stale redelivery skipped", stage=actor.name, offset=meta.offset, reason=str(err)[:500])
         return []
     except Exception as err:  # noqa: BLE001 - see docstring
@@ -126,6 +132,7 @@ class OutputSender:
         for topic, key, value in encoded:
             await self._produce(topic, key, value)
             self.stats["produced"] += 1
+            metrics.PRODUCED.labels(self.stage).inc()
 
     async def _produce(self, topic: str, key: bytes | None, value: bytes) -> None:
         delay = 0.2
@@ -260,6 +267,38 @@ class StageWorker:
         """Small JSON file with this worker's counts, rewritten at most every STATUS_INTERVAL_S (for
         `rollway up`'s progress display)."""
         self._status_written = 0.0
+        self.metrics = metrics.WorkerMetrics(actor.name, concurrency)
+        self._committed_before: dict[TopicPartition, int] = {}
+        """The group's committed offset of owned partitions this worker has not committed itself yet."""
+
+    async def observe_lag(self) -> None:
+        """Per owned partition: log end offset minus the group's committed offset (Kafka's consumer lag).
+        The end is the larger of ListOffsets' answer and the last fetch's high watermark (a broker may
+        answer ListOffsets one short, runtime/kafka.py: log_end_offsets)."""
+        tps = sorted(self.consumer.assignment())
+        try:
+            ends = await asyncio.wait_for(self._lag_inputs(tps), LAG_TIMEOUT_S) if tps else {}
+        except Exception as err:  # noqa: BLE001 - a metric never stops the stage (a broker away, a rebalance)
+            log.debug("consumer lag not measured this round", stage=self.actor.name, error=repr(err))
+            return
+        lags = {}
+        for tp in tps:
+            end = max(ends.get(tp, 0), self.consumer.highwater(tp) or 0)
+            committed = self.offsets.committed.get(tp, self._committed_before.get(tp, 0))
+            lags[(tp.topic, tp.partition)] = max(0, end - committed)
+        self.metrics.lag(lags)
+
+    async def _lag_inputs(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+        """The partitions' end offsets; and, once per partition, the group's committed offset (its beginning
+        when none) for partitions this worker has not committed yet."""
+        ends = await self.consumer.end_offsets(tps)
+        for tp in tps:
+            if tp not in self.offsets.committed and tp not in self._committed_before:
+                committed = await self.consumer.committed(tp)
+                if committed is None:
+                    committed = (await self.consumer.beginning_offsets([tp]))[tp]
+                self._committed_before[tp] = committed
+        return ends
 
     def write_status(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -286,6 +325,8 @@ class StageWorker:
                      topics=list(self.specs), concurrency=self.concurrency)
             await self._loop(stop)
             await self._drain()
+            await self.observe_lag()  # the final figures a last scrape reads
+            self.metrics.loop(len(self.tasks), len(self.backlog), False, len(self.consumer.assignment()))
         finally:
             await self.actor.close()
             if self.consumer is not None:
@@ -296,7 +337,7 @@ class StageWorker:
             log.info("stage worker stopped", stage=self.actor.name, **self.stats)
 
     async def _loop(self, stop: asyncio.Event) -> None:
-        last_commit = last_tick = 0.0
+        last_commit = last_tick = last_lag = 0.0
         last_topic_check = time.monotonic()
         while not stop.is_set() and not self.actor.done:
             if self.fatal is not None:
@@ -313,6 +354,7 @@ class StageWorker:
                 # Keep polling with every partition paused: polls keep the group membership alive
                 # (max_poll_interval_ms) however long the handlers take, and fetch nothing.
                 self._pause(True)
+                self.metrics.paused.set(1)
                 await self.consumer.getmany(timeout_ms=0)
                 if self.tasks:  # a rebalance inside that poll may have released every handler
                     await asyncio.wait(list(self.tasks), timeout=0.1, return_when=asyncio.FIRST_COMPLETED)
@@ -328,6 +370,10 @@ class StageWorker:
             if now - last_commit >= COMMIT_INTERVAL_S or not self.tasks:
                 await self.commit()
                 last_commit = now
+            if now - last_lag >= LAG_INTERVAL_S:
+                await self.observe_lag()
+                last_lag = now
+            self.metrics.loop(len(self.tasks), len(self.backlog), free <= 0, len(self.consumer.assignment()))
             self.write_status()
 
     async def _assign_all(self) -> None:
@@ -404,6 +450,7 @@ class StageWorker:
             outputs = [self._dead_letter(record, tp, f"decode: {err}")]
             self.telemetry.record(tp.topic, tp.partition, record.offset, record.timestamp, record.value, None,
                                   now, now, outcome="undecodable")
+            self.metrics.handled(tp.topic, "undecodable", record.timestamp / 1000, now, now)
         else:
             async with self.key_locks.hold(record.key):
                 # Every log line written while handling carries the episode id.
@@ -412,14 +459,17 @@ class StageWorker:
                     outputs = await handle_or_dead_letter(self.actor, msg, meta,
                                                           lambda r: self._dead_letter(record, tp, r))
                     self.stats["handled"] += 1
+                    ended = time.time()
                     self.telemetry.record(tp.topic, tp.partition, record.offset, record.timestamp, record.value,
-                                          msg, started, time.time())
+                                          msg, started, ended)
+                    self.metrics.handled(tp.topic, "handled", record.timestamp / 1000, started, ended)
         self.sending.add(asyncio.current_task())
         await deliver(self.sender, self.actor, outputs, msg, lambda r: self._dead_letter(record, tp, r))
         self.offsets.finish(tp, record.offset)
 
     def _dead_letter(self, record: Any, tp: TopicPartition, reason: str) -> Output:
         self.stats["dead_lettered"] += 1
+        self.metrics.dead_letter(reason)
         return dead_letter(self.actor.name, tp.topic, tp.partition, record.offset, record.key, record.value, reason)
 
     async def _produce(self, topic: str, key: bytes | None, value: bytes) -> None:
@@ -489,6 +539,9 @@ class _Rebalance(ConsumerRebalanceListener):
         fault_point("rebalance.revoked")
         await self.worker.commit(set(revoked))
         self.worker.offsets.forget(set(revoked))
+        for tp in revoked:
+            self.worker._committed_before.pop(tp, None)
+        self.worker.metrics.forget({(tp.topic, tp.partition) for tp in revoked})
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         log.info("partitions assigned", stage=self.worker.actor.name,

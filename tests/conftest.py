@@ -32,7 +32,8 @@ LONGEST_FIRST = (
 )
 
 
-SAME_WORKER = {"test_vllm_server.py", "test_policies_engine.py", "test_harness_views.py", "test_fleet.py"}
+SAME_WORKER = {"test_vllm_server.py", "test_policies_engine.py", "test_harness_views.py", "test_fleet.py",
+               "test_prometheus.py"}
 """Modules whose tests share one expensive module fixture (a vLLM server, an engine, a whole run): with
 `pytest -n N` all of a module's tests go to one worker, so the fixture is made once."""
 

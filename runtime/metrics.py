@@ -1,0 +1,396 @@
+"""Prometheus metrics of a stage process: every metric rollway exports, declared once here; the `/metrics`
+endpoint each stage process serves (one per process, shared by the stages of a one-process job); and its
+announcement in the run folder as a Prometheus file-based service discovery target (`RunDir.metrics_targets`),
+which the `prometheus.yml` that `rollway up` writes (`write_scrape_config`) reads.
+
+Conventions: base units in names (`_seconds`, `_messages`), counters end in `_total`, labels are bounded
+(stage, topic, partition, outcome, cause, state): never an episode, task or sandbox id. Every series has a
+`stage` label, so a process exports only the series of the stages it runs (no zeros from the others)."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import os
+import socket
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.registry import Collector
+
+from rollway.base.files import write_json_atomic
+from rollway.base.run_dir import RunDir
+
+if TYPE_CHECKING:
+    from rollway.core.config import MetricsConfig
+
+log = structlog.get_logger()
+
+disable_created_metrics()  # no `_created` series beside every counter and histogram: half the series, no use here
+REGISTRY = CollectorRegistry()
+"""This process's metrics (not prometheus_client's global one: nothing else leaks into /metrics)."""
+
+_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+
+# -- every stage worker (runtime/worker.py)
+CONSUMER_LAG = Gauge(
+    "rollway_consumer_lag_messages",
+    "Messages on an input partition the stage's consumer "
+    "group has not committed yet (log end offset minus committed offset, Kafka's convention), "
+    "per partition this worker owns",
+    ["stage", "topic", "partition"],
+    registry=REGISTRY,
+)
+HANDLED = Counter(
+    "rollway_messages_handled_total",
+    "Input messages a worker finished: handled (a handler "
+    "error included, which dead-letters it) or undecodable",
+    ["stage", "topic", "outcome"],
+    registry=REGISTRY,
+)
+HANDLE_SECONDS = Histogram(
+    "rollway_message_handle_seconds",
+    "Time a handler took on one message",
+    ["stage"],
+    buckets=_SECONDS,
+    registry=REGISTRY,
+)
+QUEUE_SECONDS = Histogram(
+    "rollway_message_queue_seconds",
+    "Time from a message's production to the start "
+    "of its handling (broker transit plus waiting for a free slot)",
+    ["stage"],
+    buckets=_SECONDS,
+    registry=REGISTRY,
+)
+PRODUCED = Counter(
+    "rollway_messages_produced_total", "Messages a stage produced", ["stage"], registry=REGISTRY
+)
+IN_FLIGHT = Gauge(
+    "rollway_messages_in_flight", "Messages a worker is handling now", ["stage"], registry=REGISTRY
+)
+BACKLOG = Gauge(
+    "rollway_messages_backlog",
+    "Messages fetched ahead (prefetch) waiting for a free slot",
+    ["stage"],
+    registry=REGISTRY,
+)
+PAUSED = Gauge(
+    "rollway_consumer_paused",
+    "1 while back-pressure holds a worker's fetches (every slot busy)",
+    ["stage"],
+    registry=REGISTRY,
+)
+CONCURRENCY = Gauge(
+    "rollway_worker_concurrency", "Messages a worker handles at once at most", ["stage"], registry=REGISTRY
+)
+DEAD_LETTERS = Counter(
+    "rollway_dead_letters_total",
+    "Inputs sent to the dead-letters topic, by cause (decode, handler, output)",
+    ["stage", "cause"],
+    registry=REGISTRY,
+)
+REDELIVERIES = Counter(
+    "rollway_redeliveries_total",
+    "Messages delivered again that the stage had already handled (a crash or a rebalance), skipped",
+    ["stage"],
+    registry=REGISTRY,
+)
+PARTITIONS = Gauge(
+    "rollway_partitions_assigned", "Input partitions a worker owns", ["stage"], registry=REGISTRY
+)
+HEARTBEAT = Gauge(
+    "rollway_worker_heartbeat_timestamp_seconds",
+    "When a worker's consumer loop last went "
+    "round (unix time): a wedged loop stops it while /metrics still answers",
+    ["stage"],
+    registry=REGISTRY,
+)
+
+# -- scheduler (actors/scheduler.py)
+EPISODES = Gauge(
+    "rollway_scheduler_episodes",
+    "The run's episodes by state (pending, inflight, completed, failed)",
+    ["stage", "state"],
+    registry=REGISTRY,
+)
+EPISODE_RETRIES = Gauge(
+    "rollway_scheduler_episode_retries", "Attempts re-issued after the first", ["stage"], registry=REGISTRY
+)
+MAX_INFLIGHT = Gauge(
+    "rollway_scheduler_max_inflight_episodes", "scheduler.max_inflight_episodes", ["stage"], registry=REGISTRY
+)
+POLICY_LAG = Gauge(
+    "rollway_scheduler_policy_lag",
+    "Policy versions between the newest version and the oldest in-flight episode's",
+    ["stage"],
+    registry=REGISTRY,
+)
+POLICY_LAG_BOUND = Gauge(
+    "rollway_scheduler_max_policy_lag",
+    "scheduler.max_policy_lag (absent when unbounded)",
+    ["stage"],
+    registry=REGISTRY,
+)
+
+# -- agent (actors/turn.py) and init (actors/init.py)
+INFERENCE_IN_FLIGHT = Gauge(
+    "rollway_inference_requests_in_flight",
+    "Model calls waiting on the inference engine",
+    ["stage"],
+    registry=REGISTRY,
+)
+INFERENCE_SECONDS = Histogram(
+    "rollway_inference_request_seconds",
+    "Time one model call took",
+    ["stage"],
+    buckets=_SECONDS,
+    registry=REGISTRY,
+)
+GENERATED_TOKENS = Counter(
+    "rollway_inference_generated_tokens_total",
+    "Tokens the engine generated for the agent",
+    ["stage"],
+    registry=REGISTRY,
+)
+SANDBOXES_CREATING = Gauge(
+    "rollway_sandboxes_creating", "Sandboxes being created now", ["stage"], registry=REGISTRY
+)
+SANDBOXES_LIVE = Gauge(
+    "rollway_sandboxes_live",
+    "The run's sandboxes the sandbox engine holds (every init worker counts them all: take the max)",
+    ["stage"],
+    registry=REGISTRY,
+)
+SANDBOXES_CREATED = Counter(
+    "rollway_sandboxes_created_total", "Sandboxes created", ["stage"], registry=REGISTRY
+)
+SANDBOX_CREATE_SECONDS = Histogram(
+    "rollway_sandbox_create_seconds",
+    "Time one sandbox took to create",
+    ["stage"],
+    buckets=_SECONDS,
+    registry=REGISTRY,
+)
+
+# -- learner (actors/learner.py)
+POLICY_VERSION = Gauge(
+    "rollway_policy_version", "The learner's newest policy version", ["stage"], registry=REGISTRY
+)
+LEARNER_UPDATES = Counter(
+    "rollway_learner_updates_total", "Policy updates the learner made", ["stage"], registry=REGISTRY
+)
+LEARNER_STEP_SECONDS = Histogram(
+    "rollway_learner_step_seconds",
+    "Time one policy update took (forward, backward, optimizer)",
+    ["stage"],
+    buckets=_SECONDS,
+    registry=REGISTRY,
+)
+EPISODES_TRAINED = Gauge(
+    "rollway_learner_episodes_trained", "Episodes the learner has consumed", ["stage"], registry=REGISTRY
+)
+WEIGHT_SYNC_SECONDS = Histogram(
+    "rollway_weight_sync_seconds",
+    "Time the inference engine took to load a new policy",
+    ["stage"],
+    buckets=_SECONDS,
+    registry=REGISTRY,
+)
+
+
+class _ScrapeCounter(Collector):
+    """Counts scrapes (exports nothing), so a stopping worker can wait for its final figures to be read."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.changed = threading.Condition()
+
+    def collect(self):
+        with self.changed:
+            self.count += 1
+            self.changed.notify_all()
+        return []
+
+    def wait_past(self, mark: int, timeout_s: float) -> bool:
+        with self.changed:
+            return self.changed.wait_for(lambda: self.count >= mark, timeout_s)
+
+
+SCRAPES = _ScrapeCounter()
+REGISTRY.register(SCRAPES)
+
+PORT_SEARCH = 100
+"""Ports tried upwards from `metrics.port` before the operating system picks one."""
+
+
+class MetricsServer:
+    """The process's `/metrics` endpoint (a daemon thread) and its announcement file. One per process:
+    the stages of a one-process job share it (`acquire`/`release` count them)."""
+
+    _current: MetricsServer | None = None
+    _lock = threading.Lock()
+
+    def __init__(self, cfg: MetricsConfig, run_dir: Path | None, run_id: str | None) -> None:
+        self.cfg, self.users = cfg, 0
+        self.httpd, self.thread, self.port = serve(cfg.host, cfg.port)
+        self.url = f"http://{announced_host(cfg.host)}:{self.port}/metrics"
+        self.target: Path | None = None
+        if run_dir is not None:
+            self.target = RunDir(run_dir).metrics_target(os.getpid())
+            self.target.parent.mkdir(parents=True, exist_ok=True)
+            labels = {"run": run_id} if run_id else {}
+            write_json_atomic(
+                self.target, [{"targets": [f"{announced_host(cfg.host)}:{self.port}"], "labels": labels}]
+            )
+        log.info("metrics served", url=self.url, announced=str(self.target) if self.target else None)
+
+    @classmethod
+    def acquire(cls, cfg: MetricsConfig, run_dir: Path | None, run_id: str | None) -> MetricsServer | None:
+        """The process's server, started at the first call (None when metrics are off)."""
+        if not cfg.enabled:
+            return None
+        with cls._lock:
+            if cls._current is None:
+                try:
+                    cls._current = MetricsServer(cfg, run_dir, run_id)
+                except OSError as err:  # the stage runs on without its endpoint
+                    log.error(f"cannot serve /metrics on {cfg.host}: {err}; set metrics.host to an address of this "
+                              "machine (or metrics.enabled=false)")
+                    return None
+            cls._current.users += 1
+            return cls._current
+
+    async def release(self, clean: bool = True) -> None:
+        """A stage of this process has stopped. Cleanly (its final figures set): wait up to
+        `metrics.final_scrape_timeout_s` for a scrape that read them. The last stage out stops the server;
+        after a clean stop it also removes the announcement (a target that vanishes is a finished worker);
+        a crashed one's stays, so its target reads as down until `rollway up` restarts it."""
+        timeout = self.cfg.final_scrape_timeout_s
+        if clean and timeout > 0:
+            # Two scrapes past now: the first may have begun before the final figures were set.
+            if not await asyncio.to_thread(SCRAPES.wait_past, SCRAPES.count + 2, timeout):
+                log.info("no scrape read this worker's final metrics", waited_s=timeout)
+        with MetricsServer._lock:
+            self.users -= 1
+            if self.users > 0:
+                return
+            MetricsServer._current = None
+        if clean and self.target is not None:
+            self.target.unlink(missing_ok=True)
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def serve(host: str, first: int) -> tuple[Any, threading.Thread, int]:
+    """An HTTP server of REGISTRY on `first`, or on the next free port above it (0, or none free in
+    PORT_SEARCH: a port the operating system picks); (server, thread, port)."""
+    from prometheus_client import start_http_server
+
+    for port in [*(range(first, first + PORT_SEARCH) if first else ()), 0]:
+        try:
+            httpd, thread = start_http_server(port, host, registry=REGISTRY)
+        except OSError as err:
+            if err.errno != errno.EADDRINUSE or port == 0:
+                raise
+            continue
+        return httpd, thread, httpd.server_port
+    raise AssertionError("unreachable")
+
+
+def announced_host(host: str) -> str:
+    """The address a scraper reaches a server bound to `host` at (this machine's name for a wildcard)."""
+    return socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+
+
+def drop_stage_partitions(stage: str, partitions: list[tuple[str, int]]) -> None:
+    """Forget the lag of partitions this worker no longer owns (their new owner reports them)."""
+    for topic, partition in partitions:
+        try:
+            CONSUMER_LAG.remove(stage, topic, str(partition))
+        except KeyError:
+            pass
+
+
+def write_scrape_config(run_dir: Path, scrape_interval_s: float = 15.0) -> Path:
+    """`RunDir.prometheus_config`: a Prometheus configuration that scrapes every process of the run (file
+    service discovery over the targets the processes announce) and loads the shipped alert rules, copied
+    beside it: `prometheus --config.file=RUN/prometheus/prometheus.yml`."""
+    rd = RunDir(run_dir)
+    rd.prometheus_dir.mkdir(parents=True, exist_ok=True)
+    rules = rd.prometheus_dir / "alerts.yml"
+    rules.write_text(ALERT_RULES.read_text())
+    interval = f"{int(scrape_interval_s * 1000)}ms"
+    config: dict[str, Any] = {
+        "global": {"scrape_interval": interval, "evaluation_interval": interval},
+        "rule_files": [str(rules.resolve())],
+        "scrape_configs": [
+            {
+                "job_name": "rollway",
+                "file_sd_configs": [
+                    {"files": [str(rd.metrics_targets.resolve() / "*.json")], "refresh_interval": "5s"}
+                ],
+            }
+        ],
+    }
+    path = rd.prometheus_config
+    path.write_text(json.dumps(config, indent=1) + "\n")  # JSON is YAML
+    return path
+
+
+MONITORING = Path(__file__).parent / "monitoring"
+ALERT_RULES = MONITORING / "alerts.yml"
+"""The shipped Prometheus alerting rules."""
+DASHBOARD = MONITORING / "grafana-dashboard.json"
+"""The shipped Grafana dashboard over these metrics."""
+
+
+DEAD_LETTER_CAUSES = ("decode", "handler", "output")
+
+
+class WorkerMetrics:
+    """One stage worker's series (children bound once: the consumer loop sets them every round)."""
+
+    def __init__(self, stage: str, concurrency: int) -> None:
+        self.stage = stage
+        self.in_flight, self.backlog = IN_FLIGHT.labels(stage), BACKLOG.labels(stage)
+        self.paused, self.partitions = PAUSED.labels(stage), PARTITIONS.labels(stage)
+        self.heartbeat, self.produced = HEARTBEAT.labels(stage), PRODUCED.labels(stage)
+        self.handle_s, self.queue_s = HANDLE_SECONDS.labels(stage), QUEUE_SECONDS.labels(stage)
+        CONCURRENCY.labels(stage).set(concurrency)
+        self.lagging: set[tuple[str, int]] = set()
+
+    def loop(self, in_flight: int, backlog: int, paused: bool, partitions: int) -> None:
+        self.in_flight.set(in_flight)
+        self.backlog.set(backlog)
+        self.paused.set(1 if paused else 0)
+        self.partitions.set(partitions)
+        self.heartbeat.set_to_current_time()
+
+    def handled(
+        self, topic: str, outcome: str, produced_at: float, started_at: float, ended_at: float
+    ) -> None:
+        HANDLED.labels(self.stage, topic, outcome).inc()
+        if outcome == "handled":
+            self.handle_s.observe(ended_at - started_at)
+            self.queue_s.observe(max(0.0, started_at - produced_at))
+
+    def dead_letter(self, reason: str) -> None:
+        cause = reason.split(":", 1)[0]
+        DEAD_LETTERS.labels(self.stage, cause if cause in DEAD_LETTER_CAUSES else "other").inc()
+
+    def forget(self, partitions: set[tuple[str, int]]) -> None:
+        """Partitions given away: their new owner reports their lag."""
+        drop_stage_partitions(self.stage, sorted(self.lagging & partitions))
+        self.lagging -= partitions
+
+    def lag(self, lags: dict[tuple[str, int], int]) -> None:
+        """Set the lag of every partition owned now; forget the ones no longer owned."""
+        drop_stage_partitions(self.stage, sorted(self.lagging - set(lags)))
+        for (topic, partition), lag in lags.items():
+            CONSUMER_LAG.labels(self.stage, topic, str(partition)).set(lag)
+        self.lagging = set(lags)
