@@ -20,6 +20,7 @@ import time
 from asyncio.subprocess import PIPE
 from typing import Any
 
+from rollway.bench.figures import dumps
 from rollway.policies.base import Generation, InferenceClient, SamplingParams
 from rollway.policies.chat import BytesChatML
 from rollway.schemas.messages import EpisodeKey
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
               "(prompts of 64 tokens or more), --calls at least 2, --recorders memory and/or kafka", file=sys.stderr)
         return 2
     result = asyncio.run(measure_all(episodes, lengths, args.calls, recorders))
-    print(json.dumps(result) if args.json else format_text(result))
+    print(dumps(result) if args.json else format_text(result))
     return 0
 
 

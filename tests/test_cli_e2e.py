@@ -11,18 +11,19 @@ import time
 
 import pytest
 import yaml
-from conftest import ROOT, wait_until
+from conftest import ROOT
+from jobs import run_with_progress, wait_until
 
 pytestmark = pytest.mark.e2e
 ROLLWAY = [sys.executable, "-m", "rollway.runners"]
 
 
-def rollway(*args: str, timeout: float = 180, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([*ROLLWAY, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kw)
+def rollway(*args: str, **kw) -> subprocess.CompletedProcess:
+    return run_with_progress([*ROLLWAY, *args], cwd=ROOT, **kw)
 
 
 def replay(topic: str, bootstrap: str, *extra: str) -> list[dict]:
-    out = rollway("replay", topic, "--bootstrap", bootstrap, "--json", *extra, timeout=60)
+    out = rollway("replay", topic, "--bootstrap", bootstrap, "--json", *extra)
     assert out.returncode == 0, out.stderr
     return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
 
@@ -174,7 +175,7 @@ def test_broker_reports_a_taken_port():
     from rollway.runners.broker import EmbeddedBroker
 
     with EmbeddedBroker() as b:
-        out = rollway("broker", "--port", str(b.port), timeout=30)
+        out = rollway("broker", "--port", str(b.port))
     assert out.returncode != 0 and "already in use" in out.stderr
 
 
@@ -183,7 +184,7 @@ def test_every_command_has_help(capsys):
     command's own code runs) is then asked in this process: a subprocess each cost a second of imports."""
     from rollway.runners.cli import command_modules, main
 
-    out = rollway("--help", timeout=60)
+    out = rollway("--help")
     assert out.returncode == 0 and "usage:" in out.stdout
     for module in command_modules():
         assert module.NAME in out.stdout

@@ -11,6 +11,7 @@ import uuid
 
 import docker
 from docker_engine import REPO, count_containers, ensure_engine, remove_labelled
+from jobs import run_with_progress
 
 FILES = ["-f", "compose.yaml", "-f", "compose.embedded-broker.yaml"]
 
@@ -21,8 +22,8 @@ def test_compose_up_scaled_runs_the_smoke_job() -> None:
     env = {**os.environ, "DOCKER_GID": str(os.stat("/var/run/docker.sock").st_gid), "ROLLWAY_RUN_ID": project}
     compose = ["docker-compose", "-p", project, *FILES]
     try:
-        up = subprocess.run([*compose, "up", "--build", "--scale", "agent=3", "--exit-code-from", "scheduler"],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+        up = run_with_progress([*compose, "up", "--build", "--scale", "agent=3", "--exit-code-from", "scheduler"],
+                            cwd=REPO, env=env)  # fmt: skip
         log = up.stdout + up.stderr
         assert up.returncode == 0, log[-4000:]
         for i in (1, 2, 3):

@@ -17,6 +17,7 @@ import aiohttp
 import openai
 import pytest
 from conftest import run
+from jobs import run_with_progress
 
 from rollway.gateway import Gateway, MemoryRecorder, RecordFailed, rebuild_segments
 from rollway.policies.base import Generation, InferenceClient, SamplingParams
@@ -611,11 +612,10 @@ def test_completions_stream_and_tool_choice_none():
 
 def test_bench_gateway_command_reports_the_added_time_as_json():
     """`rollway bench gateway --json` runs end to end (tiny settings; the figures are not checked)."""
-    import subprocess
 
-    out = subprocess.run([sys.executable, "-m", "rollway.runners", "bench", "gateway", "--json", "--episodes", "2",
+    out = run_with_progress([sys.executable, "-m", "rollway.runners", "bench", "gateway", "--json", "--episodes", "2",
                           "--prompt-tokens", "128", "--calls", "2", "--recorders", "memory"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+                         cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     [row] = json.loads(out.stdout.splitlines()[-1])["rows"]
     assert (row["episodes"], row["prompt_tokens"], row["continued"]["calls"], row["first_call"]["calls"]) == (2, 128, 2, 2)

@@ -16,6 +16,7 @@ import pytest
 import yaml
 from conftest import built_once
 from docker_engine import ensure_engine
+from jobs import run_with_progress
 from test_envs_swe import editor_fix_calls
 
 from rollway.envs.base import Episode
@@ -436,9 +437,9 @@ def test_eval_with_a_scripted_policy_reproduces_its_resolved_ids(built, broker, 
            "sandbox": {"type": "docker"}, "policy": {"type": "scripted", "script": script}}
     (tmp_path / "eval.yaml").write_text(yaml.safe_dump(cfg))
     run_dir = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "rollway.runners", "eval", str(tmp_path / "eval.yaml"), "--run-dir",
+    out = run_with_progress([sys.executable, "-m", "rollway.runners", "eval", str(tmp_path / "eval.yaml"), "--run-dir",
                           str(run_dir), "--bootstrap", broker.bootstrap, "runtime.processes=one", f"topics.prefix=sb{uuid.uuid4().hex[:6]}-"],
-                         capture_output=True, text=True, timeout=1300, cwd=ROOT)
+                         cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads((run_dir / "swebench_report.json").read_text())
     assert report["resolved_ids"] == [target["instance_id"]]
