@@ -68,16 +68,16 @@ def split_commands(readme: str, ci_script: str) -> tuple[str, str]:
     return test, main
 
 
-def clone(dest: Path) -> Path:
-    """A fresh clone of this repository's current commit, with a light .venv over this checkout's packages."""
+def clone(dest: Path, venv: Path) -> Path:
+    """A fresh clone of this repository's current commit, with a light .venv over the packages of `venv`."""
     run(["git", "clone", "--quiet", "--no-local", str(ROOT), str(dest)])
     head = run(["git", "-C", str(ROOT), "rev-parse", "HEAD"]).stdout.strip()
     run(["git", "-C", str(dest), "checkout", "--quiet", head])
-    base = run([str(ROOT / ".venv/bin/python"), "-c", "import sys; print(sys.base_prefix)"]).stdout.strip()
-    run([f"{base}/bin/python3", "-m", "venv", str(dest / ".venv")])
+    base = run([str(venv / "bin/python"), "-c", "import sys; print(sys.base_prefix)"]).stdout.strip()
+    run([f"{base}/bin/python3", "-m", "venv", "--without-pip", str(dest / ".venv")])  # pip, setuptools: ours
     purelib = run([str(dest / ".venv/bin/python"), "-c",
                    "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
-    ours = run([str(ROOT / ".venv/bin/python"), "-c",
+    ours = run([str(venv / "bin/python"), "-c",
                 "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
     # zz_: read after the clone's own editable install, so `rollway` is the clone's code.
     Path(purelib, "zz_setup_venv.pth").write_text(ours + "\n")
@@ -87,8 +87,8 @@ def clone(dest: Path) -> Path:
     vllm = ROOT / ".venv-vllm"
     if vllm.exists():
         (dest / ".venv-vllm").symlink_to(vllm.resolve())
-    where = run([str(dest / ".venv/bin/python"), "-c", "import rollway, os; print(os.path.dirname(rollway.__path__[0]))"])
-    if Path(where.stdout.strip()).resolve() != dest.resolve():
+    where = run([str(dest / ".venv/bin/python"), "-c", "import rollway.runners as r; print(r.__file__)"])
+    if not Path(where.stdout.strip()).resolve().is_relative_to(dest.resolve()):
         raise CheckFailed(f"the clone's venv imports rollway from {where.stdout.strip()}, not from the clone {dest}")
     return dest
 
@@ -164,12 +164,14 @@ def run(argv: list[str]) -> subprocess.CompletedProcess:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--keep", action="store_true", help="keep the clone (its path is printed)")
+    parser.add_argument("--venv", type=Path, default=ROOT / ".venv",
+                        help="the set-up virtual environment whose packages the clone reuses (default: this checkout's)")
     args = parser.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="rollway-readme-"))
     try:
         test, main_command = split_commands((ROOT / "README.md").read_text(), (ROOT / ".ci/run").read_text())
         print(f"readme check: test command `{test}` is run by .ci/run; main job command `{main_command}`", flush=True)
-        repo = clone(tmp / "rollway")
+        repo = clone(tmp / "rollway", args.venv)
         run_main_command(repo, main_command, tmp / "main-command.log")
     except CheckFailed as err:
         print(f"readme check: FAILED: {err}", file=sys.stderr)
