@@ -53,13 +53,14 @@ def run_with_progress(argv: Sequence[str], *, stall_s: float | None = None, ceil
     started = last_progress = time.monotonic()
     seen = (sum(s.size for s in streams.values()), _tree_signature(watched), _tree_cpu(proc.pid))
     cpu_mark = seen[2]
-    ticks = 0
+    walked = started
     while proc.poll() is None:
         time.sleep(0.5)
-        ticks += 1
         now = time.monotonic()
         output, cpu = sum(s.size for s in streams.values()), _tree_cpu(proc.pid)
-        files = _tree_signature(watched) if ticks % 10 == 0 else seen[1]  # a walk of a run folder costs CPU
+        files = seen[1]
+        if now - walked >= 5:  # a walk of a run folder costs CPU: every 5 s
+            files, walked = _tree_signature(watched), now
         cpu_mark = min(cpu_mark, cpu)  # a process that exited took its CPU seconds along
         if output != seen[0] or files != seen[1] or cpu - cpu_mark >= cpu_s:
             last_progress, cpu_mark = now, cpu
@@ -182,7 +183,7 @@ def _describe_tree(root: int) -> str:
             wchan = Path(f"/proc/{pid}/wchan").read_text().strip() or "-"
         except OSError:
             cmd, wchan = "?", "?"
-        lines.append(f"  pid {pid} state {table[pid][2]} waiting in {wchan} cpu {table[pid][1]:.1f}s: {cmd[:160]}")
+        lines.append(f"  pid {pid} state {table[pid][2]} waiting in {wchan} cpu {table[pid][1]:.1f}s: {cmd[:400]}")
     return "\n".join(lines) or "  (none left)"
 
 

@@ -514,13 +514,12 @@ def test_example_history_rewriting_program_trains_as_two_segments():
         handle = gateway.open_episode(key())
         env = {**os.environ, "OPENAI_BASE_URL": handle.base_url, "OPENAI_API_KEY": "unused"}
         try:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, str(ROOT / "examples" / "agent_program.py"), "List the files.", env=env,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-            out, err = await asyncio.wait_for(proc.communicate(), 120)
+            # In a thread: the gateway answering the program runs on this event loop.
+            proc = await asyncio.to_thread(run_with_progress, [sys.executable, str(ROOT / "examples" / "agent_program.py"),
+                                                               "List the files."], env=env)
         finally:
             await gateway.stop()
-        return proc.returncode, out.decode(), err.decode(), recorder.calls, engine
+        return proc.returncode, proc.stdout, proc.stderr, recorder.calls, engine
 
     code, out, err, calls, engine = run(scenario())
     assert code == 0, err[-2000:]

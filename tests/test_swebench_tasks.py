@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -225,18 +226,19 @@ def built(tmp_path_factory, toolz_swebench_row):
         mirror = folder / "mirror"
         # The two builds run side by side (each its own process; they share only the mirror folder, one
         # repository each).
-        procs = [(out, subprocess.Popen([sys.executable, "-m", "rollway.runners", "tasks", "build", "swe", "--sdist",
-                                         sdist, "--max-tasks", "1", "--sandbox", "docker", "--mirror", str(mirror),
-                                         "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True, cwd=ROOT))
-                 for sdist in LIBRARIES[1:] for out in [folder / f"{sdist.split('==')[0]}.jsonl"]]
+        pool = ThreadPoolExecutor(len(LIBRARIES) - 1)
+        jobs = [(out, pool.submit(run_with_progress, [sys.executable, "-m", "rollway.runners", "tasks", "build", "swe",
+                                                      "--sdist", sdist, "--max-tasks", "1", "--sandbox", "docker",
+                                                      "--mirror", str(mirror), "--out", str(out)], cwd=ROOT))
+                for sdist in LIBRARIES[1:] for out in [folder / f"{sdist.split('==')[0]}.jsonl"]]
         rows = [json.loads(line) for line in (toolz_swebench_row / "rows.jsonl").read_text().splitlines()]
         mirror.mkdir(parents=True, exist_ok=True)
         shutil.copytree(toolz_swebench_row / "mirror" / "pypi__toolz.git", mirror / "pypi__toolz.git")
-        for out, proc in procs:
-            log, _ = proc.communicate(timeout=600)
-            assert proc.returncode == 0, log[-3000:]
-            rows += [json.loads(line) for line in out.read_text().splitlines()]
+        with pool:
+            for out, job in jobs:
+                done = job.result()
+                assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+                rows += [json.loads(line) for line in out.read_text().splitlines()]
         (folder / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     return built_once(tmp_path_factory, "swebench-rows", build)
