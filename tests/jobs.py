@@ -50,34 +50,58 @@ def run_with_progress(argv: Sequence[str], *, stall_s: float | None = None, ceil
     streams = {"stdout": _Stream(proc.stdout), "stderr": _Stream(proc.stderr)}
     if input is not None:
         threading.Thread(target=_feed, args=(proc.stdin, input.encode() if text else input), daemon=True).start()
-    started = last_progress = time.monotonic()
-    seen = (sum(s.size for s in streams.values()), _tree_signature(watched), _tree_cpu(proc.pid))
-    cpu_mark = seen[2]
-    walked = started
-    while proc.poll() is None:
-        time.sleep(0.5)
-        now = time.monotonic()
-        output, cpu = sum(s.size for s in streams.values()), _tree_cpu(proc.pid)
-        files = seen[1]
-        if now - walked >= 5:  # a walk of a run folder costs CPU: every 5 s
-            files, walked = _tree_signature(watched), now
-        cpu_mark = min(cpu_mark, cpu)  # a process that exited took its CPU seconds along
-        if output != seen[0] or files != seen[1] or cpu - cpu_mark >= cpu_s:
-            last_progress, cpu_mark = now, cpu
-        seen = (output, files, cpu)
-        if now - last_progress > stall_s or now - started > ceiling_s:
-            tree = _describe_tree(proc.pid)
-            _kill_group(proc)
-            why = (f"made no progress for {now - last_progress:.0f} s (no output, no change in {watched or 'any watched folder'}, "
-                   f"under {cpu_s} CPU s)" if now - last_progress > stall_s else
-                   f"was still running after the ceiling of {ceiling_s:.0f} s")
-            raise JobHung(f"job `{name}` {why}; killed after {now - started:.0f} s as hung.\n"
-                          f"its processes when killed:\n{tree}\n"
-                          f"last stderr lines:\n{streams['stderr'].tail()}\nlast stdout lines:\n{streams['stdout'].tail()}")
+    output = (lambda: sum(s.size for s in streams.values()),
+              lambda: f"last stderr lines:\n{streams['stderr'].tail()}\nlast stdout lines:\n{streams['stdout'].tail()}")
+    wait_with_progress(proc, name=name, watch=watched, stall_s=stall_s, ceiling_s=ceiling_s, cpu_s=cpu_s, output=output)
     for stream in streams.values():
         stream.thread.join(60)  # a child that outlives the job and holds the pipe: keep what came
     out, err = (s.value(text) for s in streams.values())
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def wait_with_progress(proc: subprocess.Popen, *, name: str | None = None, watch: Sequence[str | Path] = (),
+                       stall_s: float | None = None, ceiling_s: float | None = None, cpu_s: float = CPU_S,
+                       output: tuple | None = None) -> int:
+    """`proc.wait()` for a job the test started itself, limited by its progress like `run_with_progress`: new
+    bytes in the `watch` files and folders (its log, its run folder) or CPU used by its process tree. Returns
+    the exit code; no progress for `stall_s`, or a run past `ceiling_s`: kills the job (its process group when
+    it leads one) and raises JobHung with the tail of each watched file and its processes. `output`: (size,
+    tail) callables of output captured in this process."""
+    stall_s = STALL_S if stall_s is None else stall_s
+    ceiling_s = CEILING_S if ceiling_s is None else ceiling_s
+    name = name or " ".join(str(a) for a in (proc.args if isinstance(proc.args, list) else [proc.args])[:6])
+    watched = [Path(p) for p in watch]
+    size, tails = output or (lambda: 0, lambda: "\n".join(f"last lines of {p}:\n{_file_tail(p)}" for p in watched
+                                                             if p.is_file()))
+    started = last_progress = walked = time.monotonic()
+    seen = (size(), _tree_signature(watched), _tree_cpu(proc.pid))
+    cpu_mark = seen[2]
+    while proc.poll() is None:
+        time.sleep(0.5)
+        now = time.monotonic()
+        out, cpu, files = size(), _tree_cpu(proc.pid), seen[1]
+        if now - walked >= 5:  # a walk of a run folder costs CPU: every 5 s
+            files, walked = _tree_signature(watched), now
+        cpu_mark = min(cpu_mark, cpu)  # a process that exited took its CPU seconds along
+        if out != seen[0] or files != seen[1] or cpu - cpu_mark >= cpu_s:
+            last_progress, cpu_mark = now, cpu
+        seen = (out, files, cpu)
+        if now - last_progress > stall_s or now - started > ceiling_s:
+            tree = _describe_tree(proc.pid)
+            _kill_group(proc)
+            why = (f"made no progress for {now - last_progress:.0f} s (no output, no change in "
+                   f"{[str(p) for p in watched] or 'any watched folder'}, under {cpu_s} CPU s)"
+                   if now - last_progress > stall_s else f"was still running after the ceiling of {ceiling_s:.0f} s")
+            raise JobHung(f"job `{name}` {why}; killed after {now - started:.0f} s as hung.\n"
+                          f"its processes when killed:\n{tree}\n{tails()}")
+    return proc.returncode
+
+
+def _file_tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) or "(empty)"
+    except OSError:
+        return "(unreadable)"
 
 
 class _Stream:
@@ -188,9 +212,14 @@ def _describe_tree(root: int) -> str:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL: to the job's process group when it leads one, else to the job alone."""
+    try:
+        leads = os.getpgid(proc.pid) == proc.pid
+    except ProcessLookupError:
+        return
     for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 30)):
         try:
-            os.killpg(proc.pid, sig)
+            os.killpg(proc.pid, sig) if leads else proc.send_signal(sig)
         except ProcessLookupError:
             return
         try:

@@ -11,8 +11,8 @@ import time
 
 import pytest
 import yaml
-from conftest import ROOT
-from jobs import run_with_progress, wait_until
+from conftest import ROOT, wait_until
+from jobs import run_with_progress, wait_with_progress
 
 pytestmark = pytest.mark.e2e
 ROLLWAY = [sys.executable, "-m", "rollway.runners"]
@@ -128,7 +128,7 @@ def test_sigterm_stops_up_and_everything_it_started(tmp_path, processes):
                        timeout_s=60, what="a sandbox of the job running")
         started = (stages | broker | descendants(up.pid)) - {up.pid}
         up.send_signal(signal.SIGTERM)
-        assert up.wait(60) == 143
+        assert wait_with_progress(up, watch=[run_dir]) == 143  # shutting down: stages write their last status
         wait_until(lambda: not any(alive(p) for p in started), timeout_s=30,
                    what="the stages, their sandboxes and the broker to exit")
     finally:
@@ -154,7 +154,7 @@ def test_sigterm_stops_bench_learn_and_the_phase_it_runs(tmp_path):
         started = phase | broker | {kid for p in phase for kid in descendants(p)}
         assert phase and broker and all(alive(p) for p in phase | broker)
         bench.send_signal(signal.SIGTERM)
-        assert bench.wait(90) == 143
+        assert wait_with_progress(bench, watch=[run_dir]) == 143
         wait_until(lambda: not any(alive(p) for p in started), timeout_s=30,
                    what="the phase, its stages' sandboxes and the broker to exit")
     finally:
@@ -223,7 +223,7 @@ def test_separate_processes_two_agent_workers_replay_and_dead_letters(tmp_path):
         time.sleep(4)  # let both agent workers join the group before work arrives
         _produce_garbage(bootstrap)
         sched = start("stage", "scheduler", *common, name="scheduler")
-        sched.wait(timeout=120)
+        wait_with_progress(sched, watch=[run_dir, logs])  # the whole job advances the run folder and logs
         assert sched.returncode == 0, (logs / "scheduler.out").read_text()[-2000:]
         status = json.loads((run_dir / "scheduler.json").read_text())
         assert status["done"] and status["episodes_completed"] == 12 and status["episodes_failed"] == 0

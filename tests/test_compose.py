@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import uuid
 
 import docker
@@ -49,8 +48,7 @@ def test_compose_up_scaled_runs_the_smoke_job() -> None:
             service = c.labels["com.docker.compose.service"]
             assert ("/var/run/docker.sock" in mounts) == (service in ("init", "agent", "reward")), c.name
     finally:
-        subprocess.run([*compose, "down", "-v", "--remove-orphans"], cwd=REPO, env=env, capture_output=True,
-                       timeout=300)  # fmt: skip
+        run_with_progress([*compose, "down", "-v", "--remove-orphans"], cwd=REPO, env=env)
         left = count_containers(project)
         remove_labelled(project)  # a failed run leaves its episodes' sandboxes: never leak them into later tests
     assert left == 0  # every episode's sandbox container was removed
