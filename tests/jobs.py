@@ -80,7 +80,7 @@ def wait_with_progress(proc: subprocess.Popen, *, name: str | None = None, watch
         time.sleep(0.5)
         now = time.monotonic()
         out, cpu, files = size(), _tree_cpu(proc.pid), seen[1]
-        if now - walked >= 5:  # a walk of a run folder costs CPU: every 5 s
+        if now - walked >= min(5.0, stall_s / 4):  # a walk of a run folder costs CPU: every 5 s at most
             files, walked = _tree_signature(watched), now
         cpu_mark = min(cpu_mark, cpu)  # a process that exited took its CPU seconds along
         if out != seen[0] or files != seen[1] or cpu - cpu_mark >= cpu_s:

@@ -4,11 +4,12 @@ names the hang; one that spins forever is stopped at the ceiling. Real processes
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
 
 import pytest
-from jobs import JobHung, run_with_progress
+from jobs import JobHung, run_with_progress, wait_with_progress
 
 
 def _py(code: str) -> list[str]:
@@ -57,3 +58,17 @@ def test_the_job_gets_its_input_and_environment(tmp_path):
     out = run_with_progress(_py("import os, sys\nprint(sys.stdin.read().upper(), os.environ['X_TEST'], os.getcwd())"),
                   input="hello", env={"X_TEST": "42", "PATH": "/usr/bin:/bin"}, cwd=tmp_path)
     assert out.stdout.split() == ["HELLO", "42", str(tmp_path)]
+
+
+def test_a_job_the_test_started_itself_is_waited_for_while_its_log_grows_and_not_once_it_hangs(tmp_path):
+    log = tmp_path / "job.out"
+    with open(log, "wb") as out:
+        slow = subprocess.Popen(_py("import time\nfor i in range(6):\n    print('turn', i, flush=True); time.sleep(1)\n"
+                                    "raise SystemExit(4)"), stdout=out, stderr=subprocess.STDOUT)
+    assert wait_with_progress(slow, watch=[log], stall_s=3) == 4  # 6 s, longer than the stall window
+    with open(log, "wb") as out:
+        stuck = subprocess.Popen(_py("print('waiting for the broker', flush=True)\nimport time\ntime.sleep(3600)"),
+                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    with pytest.raises(JobHung, match="(?s)no progress.*waiting for the broker"):
+        wait_with_progress(stuck, watch=[log], stall_s=3)
+    assert stuck.poll() is not None, "the hung job was killed"
