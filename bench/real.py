@@ -23,7 +23,7 @@ from rollway.base.config import StrictModel
 from rollway.base.http import http_get, http_post
 from rollway.base.run_dir import RunDir
 from rollway.bench.bench_dir import BenchDir
-from rollway.bench.figures import NO_SAMPLE, dumps, fmt, mean, put, ratio
+from rollway.bench.figures import NO_SAMPLE, dumps, finite, fmt, mean, put, ratio
 from rollway.policies.launch import ServerProcess
 
 ENGINE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
@@ -277,7 +277,7 @@ class Sampler(threading.Thread):
         its reason under `no_sample`; a scrape that failed is left out of the engine's figures, not
         counted as a number."""
         inside = [s for s in self.samples if t0 <= s[0] <= t1]
-        scraped = [s for s in inside if s[1] is not None and s[2] is not None]
+        scraped = [s for s in inside if finite(s[1]) and finite(s[2])]  # a gauge reading NaN is no reading either
         figures: dict[str, Any] = {"samples": len(inside), "engine_scrapes_failed": len(inside) - len(scraped)}
         no_scrape = (f"none of the {len(inside)} scrapes of the engine's /metrics in the window answered within 2 s"
                      if inside else f"no sample in the window ({t1 - t0:.2f} s; one every {self.interval_s} s)")
