@@ -16,6 +16,7 @@ from typing import Any
 
 from rollway.base.run_dir import RunDir
 from rollway.bench.bench_dir import BenchDir
+from rollway.bench.figures import fmt, put, ratio, scaled
 from rollway.bench.workload import WorkloadConfig, plan_workload, write_plans
 
 ZERO_TIME = {"tool_s_median": 0.0, "init_s_median": 0.0, "grade_s_median": 0.0}
@@ -130,8 +131,11 @@ async def _run_worker(cfg: Any, run_dir: Path, bootstrap: str, turns: int, timer
         await services.inference.close()
     counted = turns - marks["handled0"]
     wall, cpu = marks["wall1"] - marks["wall0"], marks["cpu1"] - marks["cpu0"]
-    return {"turns": turns, "turns_timed": counted, "wall_s": wall, "turns_per_s": counted / wall,
-            "cpu_ms_per_turn": 1000 * cpu / counted, "cpu_busy_fraction": cpu / wall}
+    figures = {"turns": turns, "turns_timed": counted, "wall_s": wall}
+    put(figures, "turns_per_s", ratio(counted, wall), "no time passed between the timing marks")
+    put(figures, "cpu_ms_per_turn", scaled(1000, ratio(cpu, counted)), "no turn was handled after the warm-up mark")
+    put(figures, "cpu_busy_fraction", ratio(cpu, wall), "no time passed between the timing marks")
+    return figures
 
 
 def measure(wl: WorkloadConfig, out: Path, bootstrap: str, server_url: str, name: str,
@@ -215,7 +219,7 @@ CPU_CATEGORIES = (
 """Where a profiled turn's CPU goes, by the file (or built-in) each function's own time was spent in."""
 
 
-def cpu_breakdown(pstats_path: Path, turns: int, cpu_ms_per_turn: float) -> dict[str, Any]:
+def cpu_breakdown(pstats_path: Path, turns: int, cpu_ms_per_turn: float | None) -> dict[str, Any]:
     """Own (tottime) CPU per category from a cProfile of the worker, as shares and as ms per turn
     scaled to the unprofiled run's CPU per turn (the profiler slows every call, roughly evenly)."""
     import pstats
@@ -230,7 +234,7 @@ def cpu_breakdown(pstats_path: Path, turns: int, cpu_ms_per_turn: float) -> dict
     shares = {k: v / total for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])}
     top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:12]
     return {"cpu_share": shares,
-            "cpu_ms_per_turn": {k: share * cpu_ms_per_turn for k, share in shares.items()},
+            "cpu_ms_per_turn": {k: None if cpu_ms_per_turn is None else share * cpu_ms_per_turn for k, share in shares.items()},
             "profiled_cpu_ms_per_turn": 1000 * total / max(1, turns),
             "top_functions": [{"function": f"{f}:{line}({name})", "tottime_s": round(v[2], 3), "calls": v[1]}
                               for (f, line, name), v in top]}
@@ -241,8 +245,8 @@ def format_ceiling_text(result: dict[str, Any]) -> str:
     for name in ("serial", "concurrent"):
         r = result[name]
         breakdown = ", ".join(f"{k} {v:.2f}" for k, v in r["per_turn_ms"].items())
-        lines.append(f"{name:<11} {r['turns_in_flight']:>3} turns in flight: {r['turns_per_s']:.0f} turns/s, "
-                     f"CPU {r['cpu_ms_per_turn']:.2f} ms/turn (busy {r['cpu_busy_fraction']:.2f})")
+        lines.append(f"{name:<11} {r['turns_in_flight']:>3} turns in flight: {fmt(r['turns_per_s'], '.0f')} turns/s, "
+                     f"CPU {fmt(r['cpu_ms_per_turn'])} ms/turn (busy {fmt(r['cpu_busy_fraction'])})")
         lines.append(f"{'':<11} per turn (ms, wall time inside each call): {breakdown}")
     if "cpu" in result:
         cpu = ", ".join(f"{k} {v:.2f}" for k, v in result["cpu"]["cpu_ms_per_turn"].items())

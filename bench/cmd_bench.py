@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import sys
 from pathlib import Path
 
 from rollway.base.run_dir import fresh_run_folder
 from rollway.bench.bench_dir import BenchDir
+from rollway.bench.figures import dumps
 
 NAME = "bench"
 HELP = ("Benchmarks: pipeline (pipelined vs bounded-batch rollout), serve (inference engine), learner "
@@ -207,9 +207,9 @@ def run_ceiling_bench(args: argparse.Namespace) -> int:
 
 def _emit(result: dict, out: Path, as_json: bool, format_text) -> int:
     """Write result.json to the run folder and print the result (JSON without the time series, or text)."""
-    BenchDir(out).result.write_text(json.dumps(result, indent=1))
+    BenchDir(out).result.write_text(dumps(result, indent=1))
     if as_json:
-        print(json.dumps({k: v for k, v in result.items() if k != "utilisation_series"}))
+        print(dumps({k: v for k, v in result.items() if k != "utilisation_series"}))
     else:
         print(format_text(result))
     return 0

@@ -21,6 +21,7 @@ import time
 from asyncio.subprocess import PIPE
 from typing import Any
 
+from rollway.bench.figures import dumps
 from rollway.policies.base import Generation, InferenceClient, SamplingParams
 from rollway.policies.chat import BytesChatML
 from rollway.schemas.messages import EpisodeKey
@@ -64,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
               "responses and/or messages", file=sys.stderr)
         return 2
     result = asyncio.run(measure_all(episodes, lengths, args.calls, recorders, apis))
-    print(json.dumps(result) if args.json else format_text(result))
+    print(dumps(result) if args.json else format_text(result))
     return 0
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from rollway.base.process import Child
 from rollway.base.run_dir import RunDir, fresh_run_folder
 from rollway.bench.bench_dir import BenchDir
+from rollway.bench.figures import dumps
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,6 +81,6 @@ def run(args: argparse.Namespace) -> int:
         "run_dir": str(root),
     }
     result["rose_beyond_noise"] = bool(result["paired"]["z"] and result["paired"]["z"] > 2)
-    BenchDir(root).learn_bench_result.write_text(json.dumps(result, indent=1))
-    print(json.dumps(result) if args.json else json.dumps(result, indent=1))
+    BenchDir(root).learn_bench_result.write_text(dumps(result, indent=1))
+    print(dumps(result) if args.json else dumps(result, indent=1))
     return 0

@@ -23,6 +23,7 @@ from rollway.base.config import StrictModel
 from rollway.base.http import http_get, http_post
 from rollway.base.run_dir import RunDir
 from rollway.bench.bench_dir import BenchDir
+from rollway.bench.figures import NO_SAMPLE, dumps, finite, fmt, mean, put, ratio
 from rollway.policies.launch import ServerProcess
 
 ENGINE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
@@ -241,8 +242,9 @@ class Sampler(threading.Thread):
     def __init__(self, metrics_url: str, engine_pid: int | None, interval_s: float):
         super().__init__(daemon=True)
         self.metrics_url, self.engine_pid, self.interval_s = metrics_url, engine_pid, interval_s
-        self.samples: list[tuple[float, float, float, float, float, float]] = []
-        """(time, running, waiting, engine CPU s, rollway CPU s, machine busy CPU s)."""
+        self.samples: list[tuple[float, float | None, float | None, float | None, float, float]] = []
+        """(time, running, waiting, engine CPU s, rollway CPU s, machine busy CPU s); running and waiting are
+        None when the scrape failed, engine CPU when the engine is not a child of this process."""
         self.loads: list[tuple[float, float]] = []
         """(time, the machine's 1-minute load average): how many other jobs shared the cores."""
         self.engine_cpu, self.rollway_cpu = CpuMeter(), CpuMeter()
@@ -253,11 +255,11 @@ class Sampler(threading.Thread):
         while not self._halt.is_set():
             try:
                 text = http_get(self.metrics_url, timeout_s=2).text
-                gauges = parse_metrics(text, ENGINE_GAUGES)
-            except OSError:
-                gauges = dict.fromkeys(ENGINE_GAUGES, float("nan"))
+                gauges: dict[str, float | None] = dict(parse_metrics(text, ENGINE_GAUGES))
+            except OSError:  # the engine did not answer in time (a busy machine): no gauge in this sample
+                gauges = dict.fromkeys(ENGINE_GAUGES)
             table = proc_table()
-            engine = self.engine_cpu.sample(table, self.engine_pid) if self.engine_pid else float("nan")
+            engine = self.engine_cpu.sample(table, self.engine_pid) if self.engine_pid else None
             ours = self.rollway_cpu.sample(table, me, exclude=self.engine_pid)
             self.samples.append((time.time(), *gauges.values(), engine, ours, machine_busy_s()))
             self.loads.append((time.time(), os.getloadavg()[0]))
@@ -267,27 +269,45 @@ class Sampler(threading.Thread):
         self._halt.set()
         self.join(10)
 
-    def window(self, t0: float, t1: float) -> dict[str, float]:
-        """Engine busy fraction (share of samples with a running request), mean running and waiting
-        requests, and cores used (CPU seconds / wall seconds) by the engine, rollway and everything else
-        on the machine (other users' jobs: the machine is shared) over [t0, t1]."""
+    def window(self, t0: float, t1: float) -> dict[str, Any]:
+        """Engine busy fraction (share of answered /metrics scrapes with a running request), mean running and
+        waiting requests, and cores used (CPU seconds / wall seconds) by the engine, rollway and everything
+        else on the machine (other users' jobs: the machine is shared) over [t0, t1]. A figure with nothing
+        to stand on (no scrape answered, fewer than two samples, an engine started elsewhere) is None, with
+        its reason under `no_sample`; a scrape that failed is left out of the engine's figures, not
+        counted as a number."""
         inside = [s for s in self.samples if t0 <= s[0] <= t1]
-        if len(inside) < 2:
-            return {}
-        first, last = inside[0], inside[-1]
-        span = last[0] - first[0]
-        engine, ours, machine = ((last[i] - first[i]) / span for i in (3, 4, 5))
-        return {"engine_busy_fraction": sum(s[1] > 0 for s in inside) / len(inside),
-                "engine_mean_running": sum(s[1] for s in inside) / len(inside),
-                "engine_mean_waiting": sum(s[2] for s in inside) / len(inside),
-                "cores_engine": engine, "cores_rollway": ours,
-                "cores_other": machine - ours - (engine if engine == engine else 0.0),
-                "cores_machine": machine, "samples": len(inside), **self.load_window(t0, t1)}
+        scraped = [s for s in inside if finite(s[1]) and finite(s[2])]  # a gauge reading NaN is no reading either
+        figures: dict[str, Any] = {"samples": len(inside), "engine_scrapes_failed": len(inside) - len(scraped)}
+        no_scrape = (f"none of the {len(inside)} scrapes of the engine's /metrics in the window answered within 2 s"
+                     if inside else f"no sample in the window ({t1 - t0:.2f} s; one every {self.interval_s} s)")
+        put(figures, "engine_busy_fraction", ratio(sum(s[1] > 0 for s in scraped), len(scraped)), no_scrape)
+        put(figures, "engine_mean_running", mean(s[1] for s in scraped), no_scrape)
+        put(figures, "engine_mean_waiting", mean(s[2] for s in scraped), no_scrape)
+        span = inside[-1][0] - inside[0][0] if inside else 0.0
+        no_span = f"{len(inside)} sample(s) in the window: no time span to spread CPU seconds over"
 
-    def load_window(self, t0: float, t1: float) -> dict[str, float]:
-        """Mean and largest 1-minute load average over [t0, t1] (the machine is shared)."""
+        def cores(i: int) -> float | None:
+            first, last = inside[0][i] if inside else None, inside[-1][i] if inside else None
+            return ratio(last - first, span) if first is not None and last is not None else None
+
+        engine, ours, machine = cores(3), cores(4), cores(5)
+        put(figures, "cores_engine", engine, no_span if span <= 0 else
+            "the engine was started elsewhere (engine_url): its process tree is not on this machine's books")
+        put(figures, "cores_rollway", ours, no_span)
+        put(figures, "cores_machine", machine, no_span)
+        put(figures, "cores_other", None if machine is None or ours is None else machine - ours - (engine or 0.0),
+            no_span)
+        return self.load_window(t0, t1, figures)
+
+    def load_window(self, t0: float, t1: float, figures: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Mean and largest 1-minute load average over [t0, t1] (the machine is shared), added to `figures`."""
         loads = [load for t, load in self.loads if t0 <= t <= t1]
-        return {"load_average_mean": sum(loads) / len(loads), "load_average_max": max(loads)} if loads else {}
+        figures = {} if figures is None else figures
+        why = "no sample in the window"
+        put(figures, "load_average_mean", mean(loads), why)
+        put(figures, "load_average_max", max(loads) if loads else None, why)
+        return figures
 
 
 # ------------------------------------------------------------------ the engine
@@ -426,8 +446,9 @@ def run_real_bench(rc: RealBenchConfig, out: Path, say=print) -> dict[str, Any]:
                 time.sleep(2 * rc.sample_interval_s)  # a sample past the end
                 modes[mode] = {"makespan_s": t1 - t0, **episode_figures(trajectories, run_dir), **sampler.window(t0, t1),
                                **{k.removeprefix("vllm:"): after[k] - before[k] for k in ENGINE_COUNTERS}}
-                modes[mode]["generated_tokens_per_s"] = modes[mode]["generated_tokens"] / modes[mode]["makespan_s"]
-                BenchDir(out).mode_result(mode).write_text(json.dumps(modes[mode], indent=1))  # kept if a later mode fails
+                put(modes[mode], "generated_tokens_per_s", ratio(modes[mode]["generated_tokens"], t1 - t0),
+                    "the mode's makespan was 0 s")
+                BenchDir(out).mode_result(mode).write_text(dumps(modes[mode], indent=1))  # kept if a later mode fails
         finally:
             sampler.stop()
     from rollway.bench.real_tasks import per_archive, read_rows
@@ -438,8 +459,9 @@ def run_real_bench(rc: RealBenchConfig, out: Path, say=print) -> dict[str, Any]:
                               "engine_start_s": engine.started_in_s, **modes, "out_dir": str(out)}
     if "baseline" in modes and "pipeline" in modes:
         b, p = modes["baseline"], modes["pipeline"]
-        result["ratio"] = b["makespan_s"] / p["makespan_s"]
-        result["ratio_tokens_per_s"] = p["generated_tokens_per_s"] / max(1e-9, b["generated_tokens_per_s"])
+        put(result, "ratio", ratio(b["makespan_s"], p["makespan_s"]), "the pipeline's makespan was 0 s")
+        put(result, "ratio_tokens_per_s", ratio(p["generated_tokens_per_s"], b["generated_tokens_per_s"]),
+            "the baseline generated no tokens (or a mode's makespan was 0 s)")
     return result
 
 
@@ -455,19 +477,19 @@ def format_real_text(r: dict[str, Any]) -> str:
             continue
         lines.append(
             f"{mode:9s} makespan {m['makespan_s']:7.1f} s  turns {m['turns']:4d}  generated {m['generated_tokens']:6d} "
-            f"tok ({m['generated_tokens_per_s']:.0f}/s)  resolved {m['resolved']}/{m['episodes']}  engine busy "
-            f"{m.get('engine_busy_fraction', float('nan')):.2f}, running {m.get('engine_mean_running', float('nan')):.1f}"
-            f", waiting {m.get('engine_mean_waiting', float('nan')):.1f}  cores: engine "
-            f"{m.get('cores_engine', float('nan')):.2f} rollway {m.get('cores_rollway', float('nan')):.2f} other "
-            f"{m.get('cores_other', float('nan')):.2f}")
+            f"tok ({fmt(m.get('generated_tokens_per_s'), '.0f')}/s)  resolved {m['resolved']}/{m['episodes']}  engine "
+            f"busy {fmt(m.get('engine_busy_fraction'))}, running {fmt(m.get('engine_mean_running'), '.1f')}, waiting "
+            f"{fmt(m.get('engine_mean_waiting'), '.1f')}  cores: engine {fmt(m.get('cores_engine'))} rollway "
+            f"{fmt(m.get('cores_rollway'))} other {fmt(m.get('cores_other'))}")
         per = m["seconds_per_episode"]
         lines.append(
             f"{'':9s} s per episode: init {per['init']:.1f}, generation {per['agent_gen']:.1f}, tools "
             f"{per['agent_tool']:.1f}, grading {per['reward']:.1f}  stop reasons "
             f"{', '.join(f'{k} {v}' for k, v in sorted(m['stop_reasons'].items()))}  load average "
-            f"{m.get('load_average_mean', float('nan')):.1f} (max {m.get('load_average_max', float('nan')):.1f})")
+            f"{fmt(m.get('load_average_mean'), '.1f')} (max {fmt(m.get('load_average_max'), '.1f')})")
+        lines += [f"{'':9s} {key}: n/a, {why}" for key, why in sorted(m.get(NO_SAMPLE, {}).items())]
     if "ratio" in r:
-        lines.append(f"ratio (baseline / pipeline makespan) {r['ratio']:.2f}; generated tokens/s pipeline / baseline "
-                     f"{r['ratio_tokens_per_s']:.2f}")
+        lines.append(f"ratio (baseline / pipeline makespan) {fmt(r['ratio'])}; generated tokens/s pipeline / baseline "
+                     f"{fmt(r['ratio_tokens_per_s'])}")
     lines.append(f"results: {r['out_dir']}/result.json")
     return "\n".join(lines)

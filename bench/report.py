@@ -5,17 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from rollway.bench.figures import fmt, percentile, put, ratio, scaled
 from rollway.runtime.telemetry import Handled, handled
 
 CHAIN_TOPICS = ("init-requests", "agent-steps", "reward-requests")
 """Hops inside an episode's lifetime (issue -> graded)."""
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
 def hop_stats(telemetry: list[Handled], issued_at: dict[str, float], created_at: dict[str, float]) -> dict:
@@ -37,11 +31,16 @@ def hop_stats(telemetry: list[Handled], issued_at: dict[str, float], created_at:
         transit[h.episode_id] = transit.get(h.episode_id, 0.0) + t
     lifetimes = {e: created_at[e] - issued_at[e] for e in created_at if e in issued_at}
     last = max(created_at, key=created_at.get)
-    return {"hops": len(hops), "hop_latency_p50_ms": 1000 * percentile(latency, 50),
-            "hop_latency_p99_ms": 1000 * percentile(latency, 99),
-            "broker_transit_p50_ms": 1000 * percentile(transits, 50),
-            "broker_overhead_fraction": sum(transit.values()) / max(1e-9, sum(lifetimes.values())),
-            "broker_overhead_last_episode_fraction": transit.get(last, 0.0) / max(1e-9, lifetimes[last])}
+    figures: dict[str, Any] = {"hops": len(hops)}
+    no_hop = "no hop of an episode's chain in the telemetry (is run.trace on?)"
+    put(figures, "hop_latency_p50_ms", scaled(1000, percentile(latency, 50)), no_hop)
+    put(figures, "hop_latency_p99_ms", scaled(1000, percentile(latency, 99)), no_hop)
+    put(figures, "broker_transit_p50_ms", scaled(1000, percentile(transits, 50)), no_hop)
+    put(figures, "broker_overhead_fraction", ratio(sum(transit.values()), sum(lifetimes.values())),
+        "no episode's lifetime (issued -> graded) is known")
+    put(figures, "broker_overhead_last_episode_fraction", ratio(transit.get(last, 0.0), lifetimes.get(last)),
+        "the last-graded episode's lifetime is not known")
+    return figures
 
 
 def inference_latency(request_log: list[list[float]], trajectories: list[dict[str, Any]]) -> dict[str, float]:
@@ -197,9 +196,9 @@ def format_text(result: dict[str, Any]) -> str:
             for m in modes
             if "inference_requests" in m
         ),
-        f"broker: hop p50 {p['hop_latency_p50_ms']:.1f} ms, p99 {p['hop_latency_p99_ms']:.1f} ms, transit p50 "
-        f"{p['broker_transit_p50_ms']:.1f} ms, {p['messages_per_second']:.1f} msg/s, "
-        f"broker_overhead_fraction {p['broker_overhead_fraction']:.4f}",
+        f"broker: hop p50 {fmt(p['hop_latency_p50_ms'], '.1f')} ms, p99 {fmt(p['hop_latency_p99_ms'], '.1f')} ms, "
+        f"transit p50 {fmt(p['broker_transit_p50_ms'], '.1f')} ms, {p['messages_per_second']:.1f} msg/s, "
+        f"broker_overhead_fraction {fmt(p['broker_overhead_fraction'], '.4f')}",
         f"bytes/episode {p['bytes']['bytes_per_episode_mean']:.0f} = {p['bytes']['fit']['bytes_fixed']:.0f} + "
         f"{p['bytes']['fit']['bytes_per_turn']:.0f} x turns (r2 {p['bytes']['fit']['r2']:.3f})",
         f"plot: {result['plot']}",
@@ -207,8 +206,9 @@ def format_text(result: dict[str, Any]) -> str:
     if result.get("scaling"):
         lines.append(f"{'agent workers':<15}{'makespan_s':>11}{'ratio':>7}{'efficiency':>11}{'busy':>7}"
                      f"{'hop_p50_ms':>11}{'hop_p99_ms':>11}{'peak_sbx':>9}{'overhead':>9}")
-        lines += [f"{r['agent_workers']:<15}{r['makespan_s']:>11.2f}{(r['ratio'] or 0):>7.3f}{r['efficiency']:>11.3f}"
-                  f"{r['busy_fraction']:>7.2f}{r['hop_latency_p50_ms']:>11.1f}{r['hop_latency_p99_ms']:>11.1f}"
-                  f"{r['peak_live_sandboxes']:>9}{r['broker_overhead_fraction']:>9.4f}"
+        lines += [f"{r['agent_workers']:<15}{r['makespan_s']:>11.2f}{fmt(r['ratio'], '>7.3f'):>7}{r['efficiency']:>11.3f}"
+                  f"{r['busy_fraction']:>7.2f}{fmt(r['hop_latency_p50_ms'], '>11.1f'):>11}"
+                  f"{fmt(r['hop_latency_p99_ms'], '>11.1f'):>11}"
+                  f"{r['peak_live_sandboxes']:>9}{fmt(r['broker_overhead_fraction'], '>9.4f'):>9}"
                   for r in result["scaling"]]
     return "\n".join(lines)

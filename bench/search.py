@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rollway.base.run_dir import RunDir, fresh_run_folder
+from rollway.bench.figures import dumps
 from rollway.bench.learn import _rollway
 
 ARMS = {"search": ["bash", "search", "locate"], "bash": ["bash", "locate"]}
@@ -256,9 +257,9 @@ def run(args: argparse.Namespace) -> int:
             result["gain_search_minus_bash"] = gain_difference(before, after, "pass@1")
     result["wall_seconds"] = phase_walls(root, arms)
     out = root.path / "search-bench.json"
-    out.write_text(json.dumps(result, indent=1))
+    out.write_text(dumps(result, indent=1))
     plot(result, root.path / "search-bench.png", k)
-    print(json.dumps(result) if args.json else json.dumps(result, indent=1))
+    print(dumps(result) if args.json else dumps(result, indent=1))
     return 0
 
 

@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rollway.bench.figures import dumps
+
 FIGURES = {
     "search_gain": ("gain", "search"),
     "bash_gain": ("gain", "bash"),
@@ -124,5 +126,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"rollway bench search-seeds: {err}", file=sys.stderr)
         return 2
     out = combine(results)
-    print(json.dumps(out, indent=1) if args.json else format_text(out))
+    print(dumps(out, indent=1) if args.json else format_text(out))
     return 0

@@ -40,6 +40,7 @@ from rollway.actors.services import Services
 from rollway.base.config import StrictModel
 from rollway.base.run_dir import RunDir
 from rollway.bench.bench_dir import BenchDir
+from rollway.bench.figures import ratio
 from rollway.bench.workload import WorkloadConfig
 from rollway.core.config import RunConfig
 from rollway.runtime.actor import MessageMeta
@@ -404,9 +405,8 @@ def run_training_bench(wl: WorkloadConfig, tc: TrainingConfig, out: Path, say=pr
             modes.append(figures)
     sync = next((m for m in modes if m["max_policy_lag"] == 0), None)
     for m in modes:
-        m["ratio_to_sync"] = m["trained_episodes_per_s"] / sync["trained_episodes_per_s"] if sync else None
-        m["steady_ratio_to_sync"] = (m["steady_episodes_per_s"] / sync["steady_episodes_per_s"]
-                                     if sync and m["steady_episodes_per_s"] and sync["steady_episodes_per_s"] else None)
+        m["ratio_to_sync"] = ratio(m["trained_episodes_per_s"], sync["trained_episodes_per_s"]) if sync else None
+        m["steady_ratio_to_sync"] = ratio(m["steady_episodes_per_s"], sync["steady_episodes_per_s"]) if sync else None
     plot = BenchDir(out).training_plot
     plot_training(modes, series, plot, wl.slots)
     return {"workload": wl.model_dump(), "training": tc.model_dump(), "workload_summary": workload_summary(plans),

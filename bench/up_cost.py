@@ -15,6 +15,7 @@ from pathlib import Path
 
 from rollway.base.process import Child
 from rollway.base.run_dir import fresh_run_folder
+from rollway.bench.figures import dumps, put, ratio
 
 MODES = ("one", "per-stage")
 
@@ -64,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
     for mode in MODES:
         mine = [r for r in runs if r["mode"] == mode]
         result[mode] = {k: round(statistics.median(r[k] for r in mine), 3) for k in ("wall_s", "span_s", "added_s")}
-    result["added_ratio_per_stage_to_one"] = round(result["per-stage"]["added_s"] / result["one"]["added_s"], 2)
-    (root / "bench-up.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps(result) if args.json else json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
+    put(result, "added_ratio_per_stage_to_one", ratio(result["per-stage"]["added_s"], result["one"]["added_s"]),
+        "one process added no time to the job (median added_s 0): no ratio to take")
+    (root / "bench-up.json").write_text(dumps(result, indent=1))
+    print(dumps(result) if args.json else dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
     return 0

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -22,6 +21,7 @@ from typing import Any
 
 from rollway.base.run_dir import RunDir
 from rollway.bench.bench_dir import BenchDir
+from rollway.bench.figures import dumps
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,8 +61,8 @@ def run(args: argparse.Namespace) -> int:
         if launched is not None:
             launched.stop()
     result["load_average_end"] = round(os.getloadavg()[0], 2)
-    BenchDir(out).result.write_text(json.dumps(result, indent=1))
-    print(json.dumps(result) if args.json else report(result))
+    BenchDir(out).result.write_text(dumps(result, indent=1))
+    print(dumps(result) if args.json else report(result))
     return 0
 
 

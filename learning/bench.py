@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import tempfile
@@ -11,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rollway.bench.figures import dumps
 from rollway.learning.config import LearnerConfig
 
 
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
 
         with tempfile.TemporaryDirectory() as tmp:
             return run_follower(config_of(args), Path(tmp), args.batch)
-    print(json.dumps(measure(args)))
+    print(dumps(measure(args)))
     return 0
 
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import time
 from typing import Any
+
+from rollway.bench.figures import dumps
 
 TARGET_RATIO = 4.0
 """Batching should make N=8 concurrent clients at least this many times faster than one."""
@@ -37,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.engine != "builtin" and args.url is None:
         result = compare_engines(args)
-        print(json.dumps(result) if args.json else json.dumps(result, indent=1))
+        print(dumps(result) if args.json else dumps(result, indent=1))
         return 0
     server = None
     url = args.url
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if server is not None:
             server.stop()
-    print(json.dumps(result) if args.json else report(result))
+    print(dumps(result) if args.json else report(result))
     return 0
 
 

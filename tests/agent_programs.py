@@ -4,8 +4,9 @@ $ROLLWAY_AGENTS_DIR; it is run again here when one is missing, so a test fails, 
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
+
+from jobs import run_with_progress
 
 REPO = Path(__file__).resolve().parent.parent
 _DEFAULT = Path("/opt/rollway/agents") if os.getuid() == 0 else Path.home() / ".cache" / "rollway" / "agents"
@@ -19,8 +20,7 @@ def _ensure(folder: Path, version: str) -> Path:
     ready = folder / ".ready"
     if not (ready.exists() and ready.read_text().strip() == version):
         env = {**os.environ, "ROLLWAY_SKIP_AGENTS": "0"}
-        proc = subprocess.run(["bash", str(REPO / "scripts" / "setup-agents.sh")], capture_output=True, text=True,
-                              env=env, timeout=900)
+        proc = run_with_progress(["bash", str(REPO / "scripts" / "setup-agents.sh")], env=env)
         assert proc.returncode == 0, f"scripts/setup-agents.sh failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
     assert ready.exists() and ready.read_text().strip() == version, f"setup-agents.sh left no {ready}"
     return folder

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from jobs import run_with_progress
 
 from rollway.sandboxes.base import ExecResult, Sandbox
 
@@ -180,15 +181,14 @@ def toolz_one_task(toolz_two_tasks, tmp_path_factory) -> Path:
 def smoke_run(broker, tmp_path_factory):
     """One real `rollway up examples/smoke.yaml` on the session broker, shared by the report, show and
     re-run tests: its run folder, topic prefix and console output."""
-    import subprocess
     import sys
     from types import SimpleNamespace
 
     run_dir = tmp_path_factory.mktemp("smoke") / "run"
     prefix = f"smoke{uuid.uuid4().hex[:6]}-"
-    out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", "examples/smoke.yaml", "--bootstrap",
+    out = run_with_progress([sys.executable, "-m", "rollway.runners", "up", "examples/smoke.yaml", "--bootstrap",
                           broker.bootstrap, "runtime.processes=one", "--run-dir", str(run_dir), f"topics.prefix={prefix}"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=240)
+                         cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     return SimpleNamespace(run_dir=run_dir, prefix=prefix, bootstrap=broker.bootstrap, stderr=out.stderr)
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT
+from jobs import run_with_progress
 
 from rollway.bench.ceiling import CallTimers
 
@@ -40,10 +41,10 @@ def test_call_timers_time_sync_and_async_calls_and_restore_the_originals():
 @pytest.mark.slow
 def test_bench_ceiling_json_counts_every_turn_and_breaks_it_down(tmp_path):
     out = tmp_path / "ceiling"
-    proc = subprocess.run(
+    proc = run_with_progress(
         [sys.executable, "-m", "rollway.runners", "bench", "ceiling", "--json", "--out", str(out),
          "episodes=12", "slots=2", "tool_overlap=2", "turns_median=3", "thought_tokens_median=10"],
-        cwd=ROOT, capture_output=True, text=True, timeout=180)
+        cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     for name, in_flight in (("serial", 1), ("concurrent", 2 + 2 + 2)):

@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 from aiohttp import web
 from conftest import ROOT, run
+from jobs import run_with_progress
 
 from rollway.bench.baseline import BatchDispatcher
 from rollway.bench.pipeline import load_run_config, run_config
@@ -70,9 +70,9 @@ def turns_planned(out) -> int:
 @pytest.mark.slow
 def test_bench_pipeline_json_reports_every_figure(tmp_path):
     out = tmp_path / "bench"
-    proc = subprocess.run(
+    proc = run_with_progress(
         [sys.executable, "-m", "rollway.runners", "bench", "pipeline", "--json", "--seed", "3", "--scaling", "1",
-         "--out", str(out), *TINY, *FULL_DRAIN], cwd=ROOT, capture_output=True, text=True, timeout=240)
+         "--out", str(out), *TINY, *FULL_DRAIN], cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     for key in ("ratio", "ideal_makespan", "efficiency", "broker_overhead_fraction", "baseline", "pipeline", "plot"):
@@ -115,9 +115,9 @@ def test_bench_pipeline_carry_over_ends_each_mode_at_its_batchs_last_grading(tmp
     """carry_over (the default): both modes get sandbox_bound more episodes, and a mode's makespan
     ends when `episodes` of them are graded; its bound is taken over those episodes."""
     out = tmp_path / "bench"
-    proc = subprocess.run(
+    proc = run_with_progress(
         [sys.executable, "-m", "rollway.runners", "bench", "pipeline", "--json", "--seed", "5", "--scaling", "1",
-         "--out", str(out), *TINY], cwd=ROOT, capture_output=True, text=True, timeout=240)
+         "--out", str(out), *TINY], cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     b, p = result["baseline"], result["pipeline"]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from jobs import run_with_progress
 
 from rollway.bench.real import (
     CpuMeter,
@@ -72,8 +73,10 @@ def test_sampler_window_figures():
     assert w["engine_busy_fraction"] == 0.5 and w["engine_mean_running"] == 1.5 and w["engine_mean_waiting"] == 0.5
     assert w["cores_engine"] == pytest.approx(2 / 3) and w["cores_rollway"] == pytest.approx(0.5)
     assert w["cores_machine"] == pytest.approx(5 / 3) and w["cores_other"] == pytest.approx(5 / 3 - 0.5 - 2 / 3)
-    assert s.window(4.0, 5.0) == {}
-    assert "load_average_mean" not in w  # no load samples
+    empty = s.window(4.0, 5.0)  # no sample in the window: every figure null, with its reason
+    assert empty["samples"] == 0 and empty["engine_mean_running"] is None and empty["cores_rollway"] is None
+    assert "no sample in the window" in empty["no_sample"]["engine_busy_fraction"]
+    assert w["load_average_mean"] is None and "load_average_mean" in w["no_sample"]  # no load samples
     s.loads = [(0.0, 2.0), (1.5, 4.0), (3.0, 6.0), (9.0, 50.0)]
     assert s.load_window(0.0, 3.0) == {"load_average_mean": 4.0, "load_average_max": 6.0}
     assert s.window(0.0, 3.0)["load_average_max"] == 6.0
@@ -99,14 +102,14 @@ def test_both_modes_share_a_valid_job_config_with_the_same_episode_ids(tmp_path)
 def test_the_cli_says_how_to_get_vllm_when_it_is_missing(tmp_path):
     env = {**os.environ, "ROLLWAY_VLLM_PYTHON": str(tmp_path / "no-python")}
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "rollway.runners", "bench", "pipeline", "--real", "--out",
-                          str(tmp_path / "o")], capture_output=True, text=True, env=env, timeout=120)
+    out = run_with_progress([sys.executable, "-m", "rollway.runners", "bench", "pipeline", "--real", "--out",
+                          str(tmp_path / "o")], env=env)
     assert out.returncode == 2 and "setup-vllm.sh" in out.stderr, out.stderr[-2000:]
     assert time.monotonic() - t0 < 120 and not Path(tmp_path / "o").exists()
 
 
 def test_sampler_thread_samples_this_process_and_stops():
-    """Against a port where no engine answers: gauges are NaN, the CPU of this process tree is read."""
+    """Against a port where no engine answers: no gauges (None), the CPU of this process tree is read."""
     s = Sampler("http://127.0.0.1:9/metrics", None, 0.05)
     s.start()
     t0, cpu0 = time.time(), time.process_time()
@@ -115,7 +118,10 @@ def test_sampler_thread_samples_this_process_and_stops():
     s.stop()
     assert not s.is_alive() and len(s.samples) >= 2
     assert s.samples[-1][4] > s.samples[0][4], "this process's CPU grew between the first and last sample"
-    assert all(x != x for x in (s.samples[0][1], s.samples[0][3])), "no engine: NaN gauges and engine CPU"
+    assert s.samples[0][1] is None and s.samples[0][3] is None, "no engine: no gauges, no engine CPU"
+    w = s.window(s.samples[0][0], s.samples[-1][0])
+    assert w["engine_busy_fraction"] is None and w["engine_mean_running"] is None and w["cores_rollway"] > 0
+    assert "answered" in w["no_sample"]["engine_mean_running"] and "engine_url" in w["no_sample"]["cores_engine"]
 
 
 # ------------------------------------------------------------------ the task set: several archives
@@ -203,8 +209,8 @@ def test_the_cli_names_the_archive_that_yields_no_tasks(tmp_path):
     exit code 2, the archive and the reason named, no traceback. HOME points at a folder whose cache holds
     an archive that ships no tests (so no package index is asked)."""
     bare = make_sdist(tmp_path / "home" / ".cache" / "rollway", "rwbare", {"add": ("x + y", "")})
-    out = subprocess.run([sys.executable, "-m", "rollway.runners", "bench", "pipeline", "--real", "--out",
+    out = run_with_progress([sys.executable, "-m", "rollway.runners", "bench", "pipeline", "--real", "--out",
                           str(tmp_path / "o"), "engine_url=http://127.0.0.1:9/v1", f"sdist={bare}"],
-                         capture_output=True, text=True, timeout=300, env={**os.environ, "HOME": str(tmp_path / "home")})
+                         env={**os.environ, "HOME": str(tmp_path / "home")})
     assert out.returncode == 2, out.stderr[-2000:]
     assert "sdist rwbare==1.0 yields no tasks: no test files" in out.stderr and "Traceback" not in out.stderr

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import sys
 import time
 
 import pytest
 from aiohttp import web
 from conftest import ROOT, run
+from jobs import run_with_progress
 
 from rollway.bench.pipeline import load_run_config, run_config
 from rollway.bench.sim_server import SimEngine, build_app
@@ -199,10 +199,10 @@ def test_bench_training_json_reports_ratio_histogram_and_plot(tmp_path):
     out = tmp_path / "bench"
     args = [f"{k}={v}" for k, v in TINY_WL.items()]
     t0 = time.monotonic()
-    proc = subprocess.run(
+    proc = run_with_progress(
         [sys.executable, "-m", "rollway.runners", "bench", "training", "--json", "--seed", "2", "--out", str(out),
          "batch_episodes=3", "steps=2", "lags=[0,1]", "learner_fixed_s=0.2", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=180)
+        cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     sync, lag1 = result["modes"]

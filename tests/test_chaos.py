@@ -5,21 +5,21 @@ from the topics and the checkpoints' step manifests, not from the stages' own re
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 from conftest import ROOT
+from jobs import run_with_progress
 
 pytestmark = pytest.mark.e2e
 
 
 def test_chaos_run_with_a_training_learner_loses_and_duplicates_nothing(tmp_path):
-    out = subprocess.run(
+    out = run_with_progress(
         [sys.executable, "-m", "rollway.runners", "chaos", "examples/chaos.yaml", "--seed", "5", "--json",
          "--run-dir", str(tmp_path / "run"), "--min-gap", "1.0", "--max-gap", "2.0", "--max-kills", "8",
          "tasks.count=4"],
-        capture_output=True, text=True, timeout=600, cwd=ROOT)
+        cwd=ROOT)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert out.returncode == 0, (result, out.stderr[-2000:])
     assert result["scheduled"] == 16 and result["completed"] + result["failed"] == 16
@@ -57,11 +57,11 @@ def test_chaos_run_with_two_learner_ranks_killed_mid_step_loses_and_duplicates_n
     """`--workers learner=2`: the learner is rank 0 of two FSDP2 ranks (gloo); the fault point
     learner.rank_step SIGKILLs rank 1 in the middle of an update (once: a probability per step could
     draw no kill in a run with few updates, and did) and the chaos monkey kills rank 0."""
-    out = subprocess.run(
+    out = run_with_progress(
         [sys.executable, "-m", "rollway.runners", "chaos", "examples/chaos.yaml", "--seed", "3", "--json",
          "--run-dir", str(tmp_path / "run"), "--min-gap", "2.0", "--max-gap", "4.0", "--max-kills", "2",
          "--kinds", "learner", "--workers", "learner=2", "--faults", "learner.rank_step=once", "tasks.count=3"],
-        capture_output=True, text=True, timeout=600, cwd=ROOT)
+        cwd=ROOT)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert out.returncode == 0, (result, out.stderr[-2000:])
     assert result["scheduled"] == 12 and result["completed"] + result["failed"] == 12

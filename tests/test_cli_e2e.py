@@ -12,17 +12,18 @@ import time
 import pytest
 import yaml
 from conftest import ROOT, wait_until
+from jobs import run_with_progress, wait_with_progress
 
 pytestmark = pytest.mark.e2e
 ROLLWAY = [sys.executable, "-m", "rollway.runners"]
 
 
-def rollway(*args: str, timeout: float = 180, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([*ROLLWAY, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kw)
+def rollway(*args: str, **kw) -> subprocess.CompletedProcess:
+    return run_with_progress([*ROLLWAY, *args], cwd=ROOT, **kw)
 
 
 def replay(topic: str, bootstrap: str, *extra: str) -> list[dict]:
-    out = rollway("replay", topic, "--bootstrap", bootstrap, "--json", *extra, timeout=60)
+    out = rollway("replay", topic, "--bootstrap", bootstrap, "--json", *extra)
     assert out.returncode == 0, out.stderr
     return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
 
@@ -128,7 +129,7 @@ def test_sigterm_stops_up_and_everything_it_started(tmp_path, processes):
                        timeout_s=60, what="a sandbox of the job running")
         started = (stages | broker | descendants(up.pid)) - {up.pid}
         up.send_signal(signal.SIGTERM)
-        assert up.wait(60) == 143
+        assert wait_with_progress(up, watch=[run_dir]) == 143  # shutting down: stages write their last status
         wait_until(lambda: not any(alive(p) for p in started), timeout_s=30,
                    what="the stages, their sandboxes and the broker to exit")
     finally:
@@ -154,7 +155,7 @@ def test_sigterm_stops_bench_learn_and_the_phase_it_runs(tmp_path):
         started = phase | broker | {kid for p in phase for kid in descendants(p)}
         assert phase and broker and all(alive(p) for p in phase | broker)
         bench.send_signal(signal.SIGTERM)
-        assert bench.wait(90) == 143
+        assert wait_with_progress(bench, watch=[run_dir]) == 143
         wait_until(lambda: not any(alive(p) for p in started), timeout_s=30,
                    what="the phase, its stages' sandboxes and the broker to exit")
     finally:
@@ -175,7 +176,7 @@ def test_broker_reports_a_taken_port():
     from rollway.runners.broker import EmbeddedBroker
 
     with EmbeddedBroker() as b:
-        out = rollway("broker", "--port", str(b.port), timeout=30)
+        out = rollway("broker", "--port", str(b.port))
     assert out.returncode != 0 and "already in use" in out.stderr
 
 
@@ -184,7 +185,7 @@ def test_every_command_has_help(capsys):
     command's own code runs) is then asked in this process: a subprocess each cost a second of imports."""
     from rollway.runners.cli import command_modules, main
 
-    out = rollway("--help", timeout=60)
+    out = rollway("--help")
     assert out.returncode == 0 and "usage:" in out.stdout
     for module in command_modules():
         assert module.NAME in out.stdout
@@ -223,7 +224,7 @@ def test_separate_processes_two_agent_workers_replay_and_dead_letters(tmp_path):
         time.sleep(4)  # let both agent workers join the group before work arrives
         _produce_garbage(bootstrap)
         sched = start("stage", "scheduler", *common, name="scheduler")
-        sched.wait(timeout=120)
+        wait_with_progress(sched, watch=[run_dir, logs])  # the whole job advances the run folder and logs
         assert sched.returncode == 0, (logs / "scheduler.out").read_text()[-2000:]
         status = json.loads((run_dir / "scheduler.json").read_text())
         assert status["done"] and status["episodes_completed"] == 12 and status["episodes_failed"] == 0

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import uuid
 
 import docker
 from docker_engine import REPO, count_containers, ensure_engine, remove_labelled
+from jobs import run_with_progress
 
 FILES = ["-f", "compose.yaml", "-f", "compose.embedded-broker.yaml"]
 
@@ -21,8 +21,8 @@ def test_compose_up_scaled_runs_the_smoke_job() -> None:
     env = {**os.environ, "DOCKER_GID": str(os.stat("/var/run/docker.sock").st_gid), "ROLLWAY_RUN_ID": project}
     compose = ["docker-compose", "-p", project, *FILES]
     try:
-        up = subprocess.run([*compose, "up", "--build", "--scale", "agent=3", "--exit-code-from", "scheduler"],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+        up = run_with_progress([*compose, "up", "--build", "--scale", "agent=3", "--exit-code-from", "scheduler"],
+                            cwd=REPO, env=env)  # fmt: skip
         log = up.stdout + up.stderr
         assert up.returncode == 0, log[-4000:]
         for i in (1, 2, 3):
@@ -48,8 +48,7 @@ def test_compose_up_scaled_runs_the_smoke_job() -> None:
             service = c.labels["com.docker.compose.service"]
             assert ("/var/run/docker.sock" in mounts) == (service in ("init", "agent", "reward")), c.name
     finally:
-        subprocess.run([*compose, "down", "-v", "--remove-orphans"], cwd=REPO, env=env, capture_output=True,
-                       timeout=300)  # fmt: skip
+        run_with_progress([*compose, "down", "-v", "--remove-orphans"], cwd=REPO, env=env)
         left = count_containers(project)
         remove_labelled(project)  # a failed run leaves its episodes' sandboxes: never leak them into later tests
     assert left == 0  # every episode's sandbox container was removed

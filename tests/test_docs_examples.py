@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 
 import pytest
 from conftest import ROOT
+from jobs import run_with_progress
 
 EXAMPLES = sorted((ROOT / "examples" / "extending").glob("*.py"))
 BLOCK = re.compile(r"<!-- file: (\S+) -->\n```python\n(.*?)```\n", re.S)
@@ -27,6 +27,5 @@ def test_extending_page_shows_every_example_verbatim():
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_example_runs(path):
-    out = subprocess.run([sys.executable, str(path.relative_to(ROOT))], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
+    out = run_with_progress([sys.executable, str(path.relative_to(ROOT))], cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 from conftest import ROOT
+from jobs import run_with_progress
 
 
 def mkdocs_build(project, site_dir) -> subprocess.CompletedProcess:
@@ -18,8 +19,8 @@ def mkdocs_build(project, site_dir) -> subprocess.CompletedProcess:
         import mkdocs  # noqa: F401
     except ImportError:
         pytest.fail("mkdocs is not installed: it is in the dev extra, pip install -e '.[dev]' (or make setup)")
-    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site_dir)],
-                          cwd=project, capture_output=True, text=True, timeout=120)
+    return run_with_progress([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site_dir)],
+                          cwd=project)
 
 
 def test_docs_site_builds_strict_without_warnings(tmp_path):

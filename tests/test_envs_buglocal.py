@@ -8,12 +8,12 @@ import asyncio
 import json
 import math
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from jobs import run_with_progress
 
 from rollway.envs.base import Episode, Task
 from rollway.envs.buglocal import answer_of, judge, named_in_tests, normalise_file, normalise_function
@@ -106,9 +106,9 @@ def test_located_bug_is_rewarded_and_a_wrong_function_is_not_through_the_pipelin
     config = tmp_path / "buglocal.yaml"
     config.write_text(yaml.safe_dump(cfg))
     run_dir = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", "--no-report", str(config), "--run-dir", str(run_dir),
+    out = run_with_progress([sys.executable, "-m", "rollway.runners", "up", "--no-report", str(config), "--run-dir", str(run_dir),
                           "--bootstrap", broker.bootstrap, "runtime.processes=one", f"topics.prefix=bl{tmp_path.name[-6:]}-"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=320)
+                         cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     trajs = {json.loads(x)["episode"]["task_id"]: json.loads(x)
              for x in (run_dir / "trajectories.jsonl").read_text().splitlines()}
@@ -149,7 +149,6 @@ def test_paired_figures_of_the_search_bench():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # one task's build runs inflection's 455 tests 5 times, then two `rollway up`
 def test_family_builds_by_library_resumes_from_cache_and_plays_both_arms(broker, tmp_path):
     """`rollway tasks build buglocal` on a small real library (inflection, jailed tests), again from its
     cache without running a test, then `rollway up` per arm with the scripted policy (the only faked part)
@@ -195,10 +194,10 @@ def test_family_builds_by_library_resumes_from_cache_and_plays_both_arms(broker,
                "policy": {"type": "scripted", "script": [{"when": "", "turns": script}]}}
         config = tmp_path / f"{arm}.yaml"
         config.write_text(yaml.safe_dump(cfg))
-        out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", "--no-report", str(config), "--run-dir",
+        out = run_with_progress([sys.executable, "-m", "rollway.runners", "up", "--no-report", str(config), "--run-dir",
                               str(tmp_path / arm), "--bootstrap", broker.bootstrap, "runtime.processes=one",
                               f"topics.prefix=bl{arm}{tmp_path.name[-6:]}-"],
-                             cwd=ROOT, capture_output=True, text=True, timeout=220)
+                             cwd=ROOT)
         assert out.returncode == 0, out.stderr[-3000:]
         runs[arm] = {json.loads(x)["episode"]["task_id"]: json.loads(x)
                      for x in (tmp_path / arm / "trajectories.jsonl").read_text().splitlines()}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from jobs import run_with_progress
 
 from rollway.envs.base import Episode
 from rollway.envs.config import TasksConfig
@@ -107,7 +108,6 @@ def test_a_solution_cannot_forge_a_pass(forgery, provider):
 def test_every_canonical_solution_passes_the_hardened_check(tmp_path):
     """The check script itself (run here by the host interpreter, no sandbox: it is plain Python) on all
     164 problems: separate namespaces and the plain-data rule keep every canonical solution passing."""
-    import subprocess
     import sys
 
     from rollway.envs.humaneval import KEY_FILE, check_script
@@ -117,7 +117,7 @@ def test_every_canonical_solution_passes_the_hardened_check(tmp_path):
         (tmp_path / SOLUTION_FILE).write_text(problem["prompt"] + problem["canonical_solution"])
         (tmp_path / "check.py").write_text(check_script(problem))
         (tmp_path / KEY_FILE).write_text("k")
-        ran = subprocess.run([sys.executable, "check.py"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        ran = run_with_progress([sys.executable, "check.py"], cwd=tmp_path)
         if "ROLLWAY-CHECK-PASSED k" not in ran.stdout.splitlines():
             failed.append((problem["task_id"], ran.stderr[-300:]))
     assert not failed

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
+from jobs import run_with_progress
 
 from rollway.envs.base import Episode
 from rollway.envs.config import TasksConfig
@@ -327,7 +328,6 @@ def test_scripted_editor_fix_is_resolved_through_the_pipeline_and_doing_nothing_
     """`rollway up` on two built tasks: the scripted policy repairs the first with editor calls
     (the gold patch as str_replace) and only calls finish on the second."""
     import re
-    import subprocess
     import sys
 
     import yaml
@@ -348,9 +348,8 @@ def test_scripted_editor_fix_is_resolved_through_the_pipeline_and_doing_nothing_
     config.write_text(yaml.safe_dump(cfg))
     assert not set(fix["FAIL_TO_PASS"]) & set(idle["FAIL_TO_PASS"])
     run_dir = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", "--no-report", str(config), "--run-dir", str(run_dir),
-                          "--bootstrap", broker.bootstrap, "runtime.processes=one", f"topics.prefix=swe{tmp_path.name[-6:]}-"],
-                         capture_output=True, text=True, timeout=420)
+    out = run_with_progress([sys.executable, "-m", "rollway.runners", "up", "--no-report", str(config), "--run-dir", str(run_dir),
+                          "--bootstrap", broker.bootstrap, "runtime.processes=one", f"topics.prefix=swe{tmp_path.name[-6:]}-"])
     assert out.returncode == 0, out.stderr[-3000:]
     trajs = {json.loads(x)["episode"]["task_id"]: json.loads(x) for x in (run_dir / "trajectories.jsonl").read_text().splitlines()}
     assert trajs[fix["instance_id"]]["resolved"] and trajs[fix["instance_id"]]["reward"] == 1.0

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from math import comb
 
 import yaml
 from conftest import ROOT
+from jobs import run_with_progress
 
 RIGHT = '<tool_call>{"name": "answer", "arguments": {"value": "158"}}</tool_call>'
 CALC = '<tool_call>{"name": "calculator", "arguments": {"expression": "83 + 75"}}</tool_call>'
@@ -31,9 +31,9 @@ def test_eval_reports_pass_at_k_over_every_scheduled_attempt(tmp_path, broker):
     config = tmp_path / "eval.yaml"
     config.write_text(yaml.safe_dump(cfg))
     run_dir = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "rollway.runners", "eval", str(config), "--run-dir", str(run_dir),
+    out = run_with_progress([sys.executable, "-m", "rollway.runners", "eval", str(config), "--run-dir", str(run_dir),
                           "--bootstrap", broker.bootstrap, "runtime.processes=one", f"topics.prefix=ev{tmp_path.name[-6:]}-"],
-                         capture_output=True, text=True, timeout=240, cwd=ROOT)
+                         cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads((run_dir / "eval.json").read_text())
     assert result["tasks"] == 2 and result["attempts"] == 12

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, run
+from jobs import run_with_progress
 from pydantic import BaseModel, ConfigDict
 
 from rollway.actors.agent import AgentActor
@@ -197,8 +198,7 @@ def test_enabled_plugin_tool_is_built_after_the_task_set_module_is_imported():
             "s = Services(load_config(None, ['tasks.type=calc', 'tools.enabled=[calculator,answer,finish]', "
             "'policy.script=[{when: \"\", turns: [hi]}]']), Path('.'))\n"
             "asyncio.run(AgentActor(s).setup())\nprint(sorted(s.tools))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=cli_env(),
-                         timeout=120)
+    out = run_with_progress([sys.executable, "-c", code], cwd=ROOT, env=cli_env())
     assert out.returncode == 0, out.stderr
     assert "['answer', 'calculator', 'finish']" in out.stdout
 
@@ -358,8 +358,8 @@ def test_sandbox_layout_home_persists_workdir_and_env_are_configured(tmp_path):
 
 @pytest.mark.parametrize("config", [SHELL_YAML, DESK_YAML], ids=["shell", "desk"])
 def test_tasks_verify_checks_any_task_set(config):
-    out = subprocess.run([sys.executable, "-m", "rollway.runners", "tasks", "verify", str(config), "--json"],
-                         capture_output=True, text=True, cwd=ROOT, env=cli_env(), timeout=300)
+    out = run_with_progress([sys.executable, "-m", "rollway.runners", "tasks", "verify", str(config), "--json"],
+                         cwd=ROOT, env=cli_env())
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads(out.stdout)
     assert summary["total"] >= 2 and summary["gold_resolved"] == summary["total"] and summary["nothing_resolved"] == 0
@@ -368,9 +368,9 @@ def test_tasks_verify_checks_any_task_set(config):
 def test_verify_says_why_a_cut_reference_solution_failed_and_keeps_its_trajectories(tmp_path):
     """A turn limit below the reference solution's length: verify names the limit to raise (it said only
     "gold NOT resolved"), and both policies' episodes are kept for `rollway show`."""
-    out = subprocess.run([sys.executable, "-m", "rollway.runners", "tasks", "verify", str(SHELL_YAML),
+    out = run_with_progress([sys.executable, "-m", "rollway.runners", "tasks", "verify", str(SHELL_YAML),
                           "agent.max_tokens_per_turn=8", "--json", "--run-dir", str(tmp_path)],
-                         capture_output=True, text=True, cwd=ROOT, env=cli_env(), timeout=300)
+                         cwd=ROOT, env=cli_env())
     assert out.returncode == 1, out.stderr[-2000:]
     summary = json.loads(out.stdout)
     assert summary["gold_resolved"] == 0
@@ -378,8 +378,8 @@ def test_verify_says_why_a_cut_reference_solution_failed_and_keeps_its_trajector
     for policy in ("gold", "nothing"):
         rows = [json.loads(line) for line in (tmp_path / policy / "trajectories.jsonl").read_text().splitlines()]
         assert sorted(r["episode"]["task_id"] for r in rows) == sorted(r["task_id"] for r in summary["tasks"])
-    shown = subprocess.run([sys.executable, "-m", "rollway.runners", "show", str(tmp_path / "gold")],
-                           capture_output=True, text=True, cwd=ROOT, env=cli_env(), timeout=120)
+    shown = run_with_progress([sys.executable, "-m", "rollway.runners", "show", str(tmp_path / "gold")],
+                           cwd=ROOT, env=cli_env())
     assert shown.returncode == 0 and summary["tasks"][0]["task_id"] in shown.stdout, shown.stderr[-2000:]
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -14,6 +13,7 @@ import msgspec
 import pytest
 from aiokafka import AIOKafkaProducer
 from conftest import ROOT, run
+from jobs import run_with_progress
 
 pytest.importorskip("faust", reason="the faust engine is an optional extra: pip install 'rollway[faust]' (dev has it)")
 from test_stage_runtime import Forward, config, init_request, produce, read_all
@@ -161,10 +161,10 @@ def test_dedup_keys_and_credentials():
 @pytest.mark.e2e
 def test_smoke_job_with_reward_learner_and_sink_on_faust(tmp_path):
     run_dir = tmp_path / "run"
-    out = subprocess.run(
+    out = run_with_progress(
         [sys.executable, "-m", "rollway.runners", "up", "--no-report", "examples/smoke.yaml", "runtime.engines.reward=faust",
          "runtime.engines.learner=faust", "runtime.engines.sink=faust", "--run-dir", str(run_dir)],
-        capture_output=True, text=True, timeout=120, cwd=ROOT)
+        cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["episodes_scheduled"] == summary["episodes_completed"] == 8

@@ -17,6 +17,7 @@ import aiohttp
 import openai
 import pytest
 from conftest import run
+from jobs import run_with_progress
 
 from rollway.gateway import Gateway, MemoryRecorder, RecordFailed, rebuild_segments
 from rollway.policies.base import Generation, InferenceClient, SamplingParams
@@ -513,13 +514,12 @@ def test_example_history_rewriting_program_trains_as_two_segments():
         handle = gateway.open_episode(key())
         env = {**os.environ, "OPENAI_BASE_URL": handle.base_url, "OPENAI_API_KEY": "unused"}
         try:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, str(ROOT / "examples" / "agent_program.py"), "List the files.", env=env,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-            out, err = await asyncio.wait_for(proc.communicate(), 120)
+            # In a thread: the gateway answering the program runs on this event loop.
+            proc = await asyncio.to_thread(run_with_progress, [sys.executable, str(ROOT / "examples" / "agent_program.py"),
+                                                               "List the files."], env=env)
         finally:
             await gateway.stop()
-        return proc.returncode, out.decode(), err.decode(), recorder.calls, engine
+        return proc.returncode, proc.stdout, proc.stderr, recorder.calls, engine
 
     code, out, err, calls, engine = run(scenario())
     assert code == 0, err[-2000:]
@@ -611,11 +611,10 @@ def test_completions_stream_and_tool_choice_none():
 
 def test_bench_gateway_command_reports_the_added_time_as_json():
     """`rollway bench gateway --json` runs end to end (tiny settings; the figures are not checked)."""
-    import subprocess
 
-    out = subprocess.run([sys.executable, "-m", "rollway.runners", "bench", "gateway", "--json", "--episodes", "2",
+    out = run_with_progress([sys.executable, "-m", "rollway.runners", "bench", "gateway", "--json", "--episodes", "2",
                           "--prompt-tokens", "128", "--calls", "2", "--recorders", "memory"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=900)
+                         cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads(out.stdout.splitlines()[-1])["rows"]
     assert [row["api"] for row in rows] == ["chat", "responses", "messages"]  # each API, side by side

@@ -94,7 +94,6 @@ def test_swe_on_docker_is_swebench(toolz_swebench_row):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # up to 20 rows, two side by side
 @pytest.mark.parametrize(("kind", "family", "part"), CASES)
 def test_every_grader_contains_every_attack(kind, family, part, request):
     """The whole suite, a family (or part of its rows) at a time: every built-in family's grader (swebench and

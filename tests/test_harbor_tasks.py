@@ -7,13 +7,13 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import subprocess
 import sys
 import uuid
 from pathlib import Path
 
 import yaml
 from docker_engine import ensure_engine
+from jobs import run_with_progress
 
 from rollway.envs.config import TasksConfig
 from rollway.envs.harbor import (
@@ -99,9 +99,9 @@ def test_eval_with_a_scripted_policy_solves_one_task(broker, tmp_path):
            "agent": {"max_turns": 5}, "sandbox": {"type": "docker"}, "policy": {"type": "scripted", "script": script}}
     (tmp_path / "eval.yaml").write_text(yaml.safe_dump(cfg))
     run_dir = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "rollway.runners", "eval", str(tmp_path / "eval.yaml"), "--run-dir",
+    out = run_with_progress([sys.executable, "-m", "rollway.runners", "eval", str(tmp_path / "eval.yaml"), "--run-dir",
                           str(run_dir), "--bootstrap", broker.bootstrap, "runtime.processes=one", f"topics.prefix=hb{uuid.uuid4().hex[:6]}-"],
-                         capture_output=True, text=True, timeout=1000, cwd=ROOT)
+                         cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads((run_dir / "swebench_report.json").read_text())
     assert report["resolved_ids"] == ["file-permissions"] and len(report["unresolved_ids"]) == 4
@@ -240,9 +240,9 @@ def test_short_agent_timeout_ends_the_episode_with_its_reason(broker, tmp_path):
            "sandbox": {"type": "docker", "exec_timeout_s": 120}, "policy": {"type": "scripted", "script": script}}
     (tmp_path / "eval.yaml").write_text(yaml.safe_dump(cfg))
     run_dir = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "rollway.runners", "eval", str(tmp_path / "eval.yaml"), "--run-dir",
+    out = run_with_progress([sys.executable, "-m", "rollway.runners", "eval", str(tmp_path / "eval.yaml"), "--run-dir",
                           str(run_dir), "--bootstrap", broker.bootstrap, "runtime.processes=one", f"topics.prefix=hbt{uuid.uuid4().hex[:6]}-"],
-                         capture_output=True, text=True, timeout=700, cwd=ROOT)
+                         cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     trajs = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines()]
     assert len(trajs) == 1 and trajs[0]["stop_reason"] == "agent_timeout" and trajs[0]["reward"] == 0.0

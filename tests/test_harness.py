@@ -11,6 +11,7 @@ import sys
 import pytest
 import yaml
 from conftest import ROOT
+from jobs import run_with_progress
 
 pytestmark = pytest.mark.e2e
 ROLLWAY = [sys.executable, "-m", "rollway.runners"]
@@ -325,8 +326,8 @@ def docker_up(tmp_path, harness: dict, script: list[dict] = NON_FIX) -> tuple[su
                       "gateway_root": str(tmp_path / "gateway")}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     run_dir = tmp_path / "run"
-    out = subprocess.run([*ROLLWAY, "up", "--no-report", str(tmp_path / "job.yaml"), "--run-dir", str(run_dir)],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = run_with_progress([*ROLLWAY, "up", "--no-report", str(tmp_path / "job.yaml"), "--run-dir", str(run_dir)],
+                         cwd=ROOT)
     trajs_file = run_dir / "trajectories.jsonl"
     trajs = [json.loads(line) for line in trajs_file.read_text().splitlines()] if trajs_file.exists() else []
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}

@@ -8,12 +8,12 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import subprocess
 import sys
 import uuid
 
 import pytest
 from conftest import ROOT
+from jobs import run_with_progress
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")
 
@@ -148,7 +148,7 @@ def test_killing_the_gateways_process_mid_episode_reruns_it_and_trains_each_call
     from rollway.actors.scheduler import new_run_id
     from rollway.core.config import load_config
     from rollway.runners.chaos import Ledger, descendants, jails_of
-    from rollway.runners.up import run_job, write_run_files
+    from rollway.runners.up import run_with_progress, write_run_files
 
     gate = tmp_path / "gate"
     gate.mkdir()
@@ -189,7 +189,7 @@ def test_killing_the_gateways_process_mid_episode_reruns_it_and_trains_each_call
         agent.proc.kill()
         (gate / "go").touch()
 
-    summary = run_job(cfg, str(path), [], broker.bootstrap, run_dir, {"agent": 1, "init": 1, "reward": 1},
+    summary = run_with_progress(cfg, str(path), [], broker.bootstrap, run_dir, {"agent": 1, "init": 1, "reward": 1},
                       on_tick=kill_once_the_first_call_is_acknowledged, quiet=True)
     ledger.poll()
     assert killed["programs"] == 1, killed  # the program was running when its gateway died
@@ -222,11 +222,11 @@ def test_chaos_run_of_harness_episodes_loses_and_duplicates_no_episode_and_no_ca
     while they run agent programs (with calls of a running attempt on the log), reward and learner
     workers at random, and the default fault points are armed. Judged from the topics: no episode lost
     or trained twice, and every trajectory holds each call of its own attempt once."""
-    out = subprocess.run(
+    out = run_with_progress(
         [sys.executable, "-m", "rollway.runners", "chaos", "examples/chaos-harness.yaml", "--seed", "2", "--json",
          "--run-dir", str(tmp_path / "run"), "--kinds", "agent,reward,learner", "--min-gap", "1.0",
          "--max-gap", "2.0", "--max-kills", "6", "tasks.count=3"],
-        capture_output=True, text=True, timeout=600, cwd=ROOT)
+        cwd=ROOT)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert out.returncode == 0, (result, out.stderr[-2000:])
     assert result["scheduled"] == 6 and result["completed"] + result["failed"] == 6
@@ -257,13 +257,13 @@ def test_chaos_run_of_harness_episodes_in_docker_containers_loses_nothing_and_le
     site = next(mini_swe_agent().glob("lib/python3.*/site-packages"))  # the `openai` package, for the image's python3
     run_id = f"dchaos{uuid.uuid4().hex[:8]}"
     try:
-        out = subprocess.run(
+        out = run_with_progress(
             [sys.executable, "-m", "rollway.runners", "chaos", "examples/chaos-harness-docker.yaml", "--seed", "2",
              "--json", "--run-dir", str(tmp_path / "run"), "--kinds", "agent,reward,learner", "--min-gap", "1.0",
              "--max-gap", "2.0", "--max-kills", "4", "tasks.count=3", f"run.id={run_id}",
              f"sandbox.ro_binds=[{site}]", f"agent.harness.env.PYTHONPATH={site}",
              f"sandbox.gateway_root={tmp_path / 'gateway'}"],
-            capture_output=True, text=True, timeout=600, cwd=ROOT)
+            cwd=ROOT)
         assert out.stdout.strip(), out.stderr[-3000:]
         result = json.loads(out.stdout.strip().splitlines()[-1])
         left = count_containers(f"{run_id}-")

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import ROOT
+from jobs import run_with_progress
 from test_harness import AGENT_PROGRAM, FIX, ROLLWAY, harness_job
 
 pytestmark = pytest.mark.e2e
@@ -25,9 +26,8 @@ def harness_run(broker, tmp_path_factory):
     harness_job(tmp, FIX, AGENT_PROGRAM)
     prefix = f"hv{uuid.uuid4().hex[:6]}-"
     run_dir = tmp / "run"
-    out = subprocess.run([*ROLLWAY, "up", "--no-report", str(tmp / "job.yaml"), "--run-dir", str(run_dir), "--bootstrap",
-                          broker.bootstrap, "runtime.processes=one", f"topics.prefix={prefix}"], capture_output=True, text=True, timeout=300,
-                         cwd=ROOT)
+    out = run_with_progress([*ROLLWAY, "up", "--no-report", str(tmp / "job.yaml"), "--run-dir", str(run_dir), "--bootstrap",
+                          broker.bootstrap, "runtime.processes=one", f"topics.prefix={prefix}"], cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     trajs = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines()]
     assert len(trajs) == 2 and all(len(t["segment_starts"]) == 1 for t in trajs)
@@ -35,7 +35,7 @@ def harness_run(broker, tmp_path_factory):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*ROLLWAY, *args], capture_output=True, text=True, timeout=120, cwd=ROOT,
+    return run_with_progress([*ROLLWAY, *args], cwd=ROOT,
                           env={**os.environ, "COLUMNS": "160"})
 
 

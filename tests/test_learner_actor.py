@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import sys
 
 import pytest
 from conftest import ROOT, run
+from jobs import run_with_progress
 from test_actors import services
 
 from rollway.actors.learner import LearnerActor
@@ -78,11 +78,11 @@ def test_up_with_a_training_learner_publishes_policy_versions(tmp_path, broker):
     config = tmp_path / "learn-smoke.yaml"
     config.write_text(yaml.safe_dump(cfg))
     run_dir = tmp_path / "run"
-    out = subprocess.run(
+    out = run_with_progress(
         [sys.executable, "-m", "rollway.runners", "up", "--no-report", str(config), "--bootstrap", broker.bootstrap, "runtime.processes=one",
          "--run-dir", str(run_dir), "learner.type=ppo", f"learner.model_path={model_dir}", "learner.dtype=float32",
          "learner.groups_per_step=1", f"topics.prefix=tl{tmp_path.name[-6:]}-"],
-        capture_output=True, text=True, timeout=240, cwd=ROOT)
+        cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     status = json.loads((run_dir / "learner-status.json").read_text())
     assert status["episodes_received"] == 16 and status["policy_version"] >= 1

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from jobs import run_with_progress
 from safetensors.torch import load_file
 
 from rollway.learning.checkpoint import read_manifests
@@ -37,8 +38,7 @@ machines. A rank's rows left out of the step moves weights by the order of the l
 def _job(tmp_path: Path, name: str, run_dir: Path, cfg: dict, groups: list, **extra) -> dict:
     out = tmp_path / f"{name}.json"
     spec = {"run_dir": str(run_dir), "out": str(out), "cfg": cfg, "groups": groups, **extra}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "sharded_job.py"), json.dumps(spec)],
-                          capture_output=True, text=True, timeout=240)
+    proc = run_with_progress([sys.executable, str(ROOT / "tests" / "sharded_job.py"), json.dumps(spec)])
     assert proc.returncode == 0 and out.exists(), proc.stderr[-3000:]
     return {**json.loads(out.read_text()), "stderr": proc.stderr}
 

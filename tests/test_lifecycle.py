@@ -8,13 +8,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 from conftest import ROOT, run, wait_until
+from jobs import run_with_progress
 from test_actors import services
 
 from rollway.actors.agent import AgentActor
@@ -230,8 +230,8 @@ def test_reaper_removes_a_runs_leftovers_and_nothing_of_another_run(tmp_path):
     assert sorted(report.removed) == ["rA-g0-s0-a0-x1", "rA-g0-s1-a1-x2"] and not report.failed
     assert jail_folders(root) == ["rAB-g0-s0-a0-x4", "rB-g0-s0-a0-x3"]
     assert all("/rA-" not in m for m in mounts_under(root))
-    out = subprocess.run([sys.executable, "-m", "rollway.runners", "sandbox", "reap", f"sandbox.root={root}",
-                          "--run", "rB"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = run_with_progress([sys.executable, "-m", "rollway.runners", "sandbox", "reap", f"sandbox.root={root}",
+                          "--run", "rB"], cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.splitlines()[-1])["removed"] == ["rB-g0-s0-a0-x3"]
     assert jail_folders(root) == ["rAB-g0-s0-a0-x4"]
@@ -641,9 +641,9 @@ def test_rollway_up_removes_sandboxes_a_killed_run_left(broker, topic_prefix, tm
     s = services(tmp_path, "run.id=rE", f"sandbox.root={root}")
     make_boxes(s, ["rE-g0-s0-a0-old1", "rE-g1-s1-a1-old2"])
     assert len(mounts_under(root)) == 2
-    out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", "--no-report", "examples/smoke.yaml", "--bootstrap",
+    out = run_with_progress([sys.executable, "-m", "rollway.runners", "up", "--no-report", "examples/smoke.yaml", "--bootstrap",
                           broker.bootstrap, "runtime.processes=one", "--run-dir", str(tmp_path / "run"), f"topics.prefix={topic_prefix}",
-                          "run.id=rE", f"sandbox.root={root}"], cwd=ROOT, capture_output=True, text=True, timeout=240)
+                          "run.id=rE", f"sandbox.root={root}"], cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["trajectories_written"] == 8
     assert left_behind(root) == ([], [])

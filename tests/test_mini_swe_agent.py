@@ -12,7 +12,6 @@ is the model, and it answers in mini-swe-agent's text format (a THOUGHT and one 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pytest
 import yaml
 from agent_programs import assert_captured_tokens, mini_harness, mini_swe_agent
 from conftest import ROOT
+from jobs import run_with_progress
 
 pytestmark = pytest.mark.e2e
 ROLLWAY = [sys.executable, "-m", "rollway.runners"]
@@ -69,9 +69,9 @@ def run(tmp_path: Path, folder: Path, verb: str, script: list[dict]) -> dict:
     # A gateway folder per command, beside the row (a short path for its sockets; the folder is shared).
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job(folder, script, folder / f"gateway-{verb}")))
     run_dir = tmp_path / "run"
-    out = subprocess.run([*ROLLWAY, verb, *(["--no-report"] if verb == "up" else []), str(tmp_path / "job.yaml"),
+    out = run_with_progress([*ROLLWAY, verb, *(["--no-report"] if verb == "up" else []), str(tmp_path / "job.yaml"),
                           "--run-dir", str(run_dir)],
-                         capture_output=True, text=True, timeout=1000, cwd=ROOT)
+                         cwd=ROOT)
     failures = run_dir / "failures.jsonl"
     assert out.returncode == 0, out.stderr[-3000:]
     trajs_file = run_dir / "trajectories.jsonl"

@@ -18,6 +18,7 @@ import pytest
 import yaml
 from agent_programs import assert_captured_tokens, qwen_code, qwen_harness
 from conftest import ROOT
+from jobs import run_with_progress
 
 pytestmark = pytest.mark.e2e
 ROLLWAY = [sys.executable, "-m", "rollway.runners"]
@@ -67,9 +68,9 @@ def run(tmp_path, verb: str, command: str, cfg: dict | None = None) -> tuple[sub
     cfg = cfg or job(tmp_path, command)
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(cfg))
     run_dir = tmp_path / "run"
-    out = subprocess.run([*ROLLWAY, verb, *(["--no-report"] if verb == "up" else []), str(tmp_path / "job.yaml"),
+    out = run_with_progress([*ROLLWAY, verb, *(["--no-report"] if verb == "up" else []), str(tmp_path / "job.yaml"),
                           "--run-dir", str(run_dir)],
-                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+                         cwd=ROOT)
     trajs_file = run_dir / "trajectories.jsonl"
     trajs = [json.loads(line) for line in trajs_file.read_text().splitlines()] if trajs_file.exists() else []
     failures = run_dir / "failures.jsonl"

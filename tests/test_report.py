@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
 
 import pytest
+from jobs import run_with_progress
 
 pytestmark = pytest.mark.e2e
 SECTIONS = ("summary", "reward", "timeline", "inference", "tools", "stop_reasons", "episodes")
@@ -16,12 +16,11 @@ SECTIONS = ("summary", "reward", "timeline", "inference", "tools", "stop_reasons
 def chromium_screenshot(html_path, out_png, tmp_path) -> None:
     exe = shutil.which("chromium") or shutil.which("chromium-browser")
     assert exe, "chromium is not installed: run `make setup` (scripts/setup.sh installs it with apt)"
-    proc = subprocess.run(
+    proc = run_with_progress(
         [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars",
          "--force-device-scale-factor=1", f"--user-data-dir={tmp_path / 'chromium-profile'}",
-         f"--screenshot={out_png}", "--window-size=1400,3000", f"file://{html_path}"],
-        capture_output=True, text=True, timeout=120)
+         f"--screenshot={out_png}", "--window-size=1400,3000", f"file://{html_path}"])
     assert out_png.exists(), f"chromium wrote no screenshot (exit {proc.returncode}): {proc.stderr[-2000:]}"
 
 

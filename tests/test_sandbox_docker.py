@@ -19,6 +19,7 @@ from typing import Any
 import docker
 import pytest
 from docker_engine import count_containers, ensure_engine, pooled_containers_of
+from jobs import run_with_progress
 
 from rollway.runners import cmd_sandbox
 from rollway.sandboxes.base import SandboxError, SandboxSpec
@@ -320,7 +321,6 @@ def test_swe_tasks_in_containers_end_to_end(client: docker.DockerClient, broker,
     with docker sandboxes resolves it through the pipeline (the scripted policy applies the gold patch
     with editor calls)."""
     import re
-    import subprocess
     import sys
 
     import yaml
@@ -351,9 +351,8 @@ def test_swe_tasks_in_containers_end_to_end(client: docker.DockerClient, broker,
            "sandbox": {"type": "docker"}, "policy": {"type": "scripted", "script": script}}  # fmt: skip
     (tmp_path / "swe.yaml").write_text(yaml.safe_dump(cfg))
     run_dir, run_id = tmp_path / "run", f"swed{uuid.uuid4().hex[:6]}"
-    out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", "--no-report", str(tmp_path / "swe.yaml"), "--run-dir",
-                          str(run_dir), "--bootstrap", broker.bootstrap, "runtime.processes=one", f"topics.prefix={run_id}-", f"run.id={run_id}"],
-                         capture_output=True, text=True, timeout=420)  # fmt: skip
+    out = run_with_progress([sys.executable, "-m", "rollway.runners", "up", "--no-report", str(tmp_path / "swe.yaml"), "--run-dir",
+                          str(run_dir), "--bootstrap", broker.bootstrap, "runtime.processes=one", f"topics.prefix={run_id}-", f"run.id={run_id}"])  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     traj = json.loads((run_dir / "trajectories.jsonl").read_text().splitlines()[0])
     assert traj["resolved"] and traj["reward"] == 1.0
@@ -392,13 +391,12 @@ def test_smoke_job_in_containers_with_a_warm_pool_leaves_nothing(
 ) -> None:
     """`rollway up` with docker sandboxes: every episode completes; the init stage's close removes its
     idle pooled containers and the reward stage every episode's container."""
-    import subprocess
     import sys
 
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "rollway.runners", "up", "--no-report", "examples/smoke.yaml", "--run-dir", str(run_dir),
+    proc = run_with_progress([sys.executable, "-m", "rollway.runners", "up", "--no-report", "examples/smoke.yaml", "--run-dir", str(run_dir),
                            "sandbox.type=docker", "sandbox.warm_pool=2", f"run.id=wp{uuid.uuid4().hex[:6]}"],
-                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent)  # fmt: skip
+                          cwd=Path(__file__).resolve().parent.parent)  # fmt: skip
     summary = json.loads((run_dir / "summary.json").read_text())
     assert proc.returncode == 0 and summary["episodes_completed"] == 8, proc.stderr[-3000:]
     # This run's pooled containers, by the init worker that started them (not every "pool-" container).

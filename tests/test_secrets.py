@@ -7,6 +7,7 @@ import logging
 
 import pytest
 from conftest import wait_until
+from jobs import run_with_progress
 
 from rollway.core.config import RunConfig, dump_config
 from rollway.core.logging import configure_logging, redact
@@ -330,7 +331,6 @@ def test_errors_of_an_unreachable_engine_do_not_carry_its_url_password(broker, t
     """Attack surface: the failure path. Every request to an engine whose base_url holds a password fails;
     the error texts (failure records on the broker and in failures.jsonl, dead letters, logs) name the URL,
     never its password."""
-    import subprocess
     import sys
     import uuid
 
@@ -343,9 +343,9 @@ def test_errors_of_an_unreachable_engine_do_not_carry_its_url_password(broker, t
                       "base_url": f"http://bob:{URL_PASSWORD}@127.0.0.1:9/v1"}}  # port 9: nothing listens
     config, run_dir = tmp_path / "failing.yaml", tmp_path / "run"
     config.write_text(yaml.safe_dump(cfg))
-    out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", str(config), "--bootstrap", broker.bootstrap,
+    out = run_with_progress([sys.executable, "-m", "rollway.runners", "up", str(config), "--bootstrap", broker.bootstrap,
                           "--run-dir", str(run_dir), f"topics.prefix=failing{uuid.uuid4().hex[:6]}-"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=240)
+                         cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     failures = (run_dir / "failures.jsonl").read_text()
     assert "127.0.0.1:9/v1/completions" in failures  # the reason names the endpoint it could not reach

@@ -10,12 +10,14 @@ import json
 import subprocess
 import sys
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import yaml
 from conftest import built_once
 from docker_engine import ensure_engine
+from jobs import run_with_progress
 from test_envs_swe import editor_fix_calls
 
 from rollway.envs.base import Episode
@@ -223,18 +225,19 @@ def built(tmp_path_factory, toolz_swebench_row):
         mirror = folder / "mirror"
         # The two builds run side by side (each its own process; they share only the mirror folder, one
         # repository each).
-        procs = [(out, subprocess.Popen([sys.executable, "-m", "rollway.runners", "tasks", "build", "swe", "--sdist",
-                                         sdist, "--max-tasks", "1", "--sandbox", "docker", "--mirror", str(mirror),
-                                         "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True, cwd=ROOT))
-                 for sdist in LIBRARIES[1:] for out in [folder / f"{sdist.split('==')[0]}.jsonl"]]
+        pool = ThreadPoolExecutor(len(LIBRARIES) - 1)
+        jobs = [(out, pool.submit(run_with_progress, [sys.executable, "-m", "rollway.runners", "tasks", "build", "swe",
+                                                      "--sdist", sdist, "--max-tasks", "1", "--sandbox", "docker",
+                                                      "--mirror", str(mirror), "--out", str(out)], cwd=ROOT))
+                for sdist in LIBRARIES[1:] for out in [folder / f"{sdist.split('==')[0]}.jsonl"]]
         rows = [json.loads(line) for line in (toolz_swebench_row / "rows.jsonl").read_text().splitlines()]
         mirror.mkdir(parents=True, exist_ok=True)
         shutil.copytree(toolz_swebench_row / "mirror" / "pypi__toolz.git", mirror / "pypi__toolz.git")
-        for out, proc in procs:
-            log, _ = proc.communicate(timeout=600)
-            assert proc.returncode == 0, log[-3000:]
-            rows += [json.loads(line) for line in out.read_text().splitlines()]
+        with pool:
+            for out, job in jobs:
+                done = job.result()
+                assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+                rows += [json.loads(line) for line in out.read_text().splitlines()]
         (folder / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     return built_once(tmp_path_factory, "swebench-rows", build)
@@ -435,9 +438,9 @@ def test_eval_with_a_scripted_policy_reproduces_its_resolved_ids(built, broker, 
            "sandbox": {"type": "docker"}, "policy": {"type": "scripted", "script": script}}
     (tmp_path / "eval.yaml").write_text(yaml.safe_dump(cfg))
     run_dir = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "rollway.runners", "eval", str(tmp_path / "eval.yaml"), "--run-dir",
+    out = run_with_progress([sys.executable, "-m", "rollway.runners", "eval", str(tmp_path / "eval.yaml"), "--run-dir",
                           str(run_dir), "--bootstrap", broker.bootstrap, "runtime.processes=one", f"topics.prefix=sb{uuid.uuid4().hex[:6]}-"],
-                         capture_output=True, text=True, timeout=1300, cwd=ROOT)
+                         cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads((run_dir / "swebench_report.json").read_text())
     assert report["resolved_ids"] == [target["instance_id"]]

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from conftest import ROOT
+from jobs import run_with_progress
 
 from rollway.learning.checkpoint import read_manifests
 from rollway.policies.vllm import INSTALL_HINT, vllm_python
@@ -64,9 +64,9 @@ def test_two_agent_processes_record_the_version_vllm_served_each_turn(tmp_path):
     }
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
     run_dir = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", "--no-report", str(tmp_path / "run.yaml"),
+    out = run_with_progress([sys.executable, "-m", "rollway.runners", "up", "--no-report", str(tmp_path / "run.yaml"),
                           "--run-dir", str(run_dir), "--workers", "agent=2"],
-                         capture_output=True, text=True, timeout=900, cwd=ROOT)
+                         cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
 
     episodes = GROUPS * GROUP_SIZE
