@@ -22,6 +22,11 @@ AGENT_FAILURE = "agent_failure"
 class InfrastructureFailure(RuntimeError):
     """A failure observed from outside the sandbox, which no agent can cause: retried."""
 
+    infrastructure = True
+    """The mark `blame` reads. Error classes of the layers above (the sandbox engine unreachable or the
+    sandbox gone, the broker down, a call not recorded, an actor whose state cannot be trusted) carry the
+    same class attribute, so this bottom layer names none of them."""
+
 
 class InferenceUnreachable(InfrastructureFailure):
     """The inference engine could not be reached (no connection, a timeout, a 5xx after retries). A
@@ -33,16 +38,6 @@ def found_before_agent_code(error: BaseException) -> BaseException:
     not start, a test runner broken on the unpatched tree): infrastructure, whatever its type."""
     error.found_before_agent_code = True  # type: ignore[attr-defined]
     return error
-
-
-def _infrastructure_types() -> tuple[type[BaseException], ...]:
-    """Errors observed from outside the sandbox (docs/security/grading.md has the why of each)."""
-    from rollway.gateway.recorder import RecordFailed
-    from rollway.runtime.actor import FatalActorError
-    from rollway.runtime.kafka import BrokerUnavailable
-    from rollway.sandboxes.base import EngineUnreachable, SandboxGone
-
-    return (InfrastructureFailure, EngineUnreachable, SandboxGone, BrokerUnavailable, RecordFailed, FatalActorError)
 
 
 def _chain(error: BaseException):
@@ -61,9 +56,8 @@ def blame(error: BaseException, agent_ran: bool) -> Blame:
     of an infrastructure type or marked `found_before_agent_code`."""
     if not agent_ran:
         return "infrastructure"
-    infrastructure = _infrastructure_types()
     for err in _chain(error):
-        if isinstance(err, infrastructure) or getattr(err, "found_before_agent_code", False):
+        if getattr(type(err), "infrastructure", False) is True or getattr(err, "found_before_agent_code", False):
             return "infrastructure"
     return "agent"
 

@@ -14,9 +14,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from rollway.base.figures import fmt, put, ratio, scaled
 from rollway.base.run_dir import RunDir
 from rollway.bench.bench_dir import BenchDir
-from rollway.bench.figures import fmt, put, ratio, scaled
 from rollway.bench.workload import WorkloadConfig, plan_workload, write_plans
 
 ZERO_TIME = {"tool_s_median": 0.0, "init_s_median": 0.0, "grade_s_median": 0.0}

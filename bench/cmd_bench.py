@@ -10,9 +10,9 @@ import importlib
 import sys
 from pathlib import Path
 
+from rollway.base.figures import dumps
 from rollway.base.run_dir import fresh_run_folder
 from rollway.bench.bench_dir import BenchDir
-from rollway.bench.figures import dumps
 
 NAME = "bench"
 HELP = ("Benchmarks: pipeline (pipelined vs bounded-batch rollout), serve (inference engine), learner "

@@ -21,7 +21,7 @@ import time
 from asyncio.subprocess import PIPE
 from typing import Any
 
-from rollway.bench.figures import dumps
+from rollway.base.figures import dumps
 from rollway.policies.base import Generation, InferenceClient, SamplingParams
 from rollway.policies.chat import BytesChatML
 from rollway.schemas.messages import EpisodeKey

@@ -11,10 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+from rollway.base.figures import dumps
 from rollway.base.process import Child
 from rollway.base.run_dir import RunDir, fresh_run_folder
 from rollway.bench.bench_dir import BenchDir
-from rollway.bench.figures import dumps
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -20,10 +20,10 @@ import msgspec
 from pydantic import Field, field_validator, model_validator
 
 from rollway.base.config import StrictModel
+from rollway.base.figures import NO_SAMPLE, dumps, finite, fmt, mean, put, ratio
 from rollway.base.http import http_get, http_post
 from rollway.base.run_dir import RunDir
 from rollway.bench.bench_dir import BenchDir
-from rollway.bench.figures import NO_SAMPLE, dumps, finite, fmt, mean, put, ratio
 from rollway.policies.launch import ServerProcess
 
 ENGINE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")

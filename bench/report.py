@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rollway.bench.figures import fmt, percentile, put, ratio, scaled
+from rollway.base.figures import fmt, percentile, put, ratio, scaled
 from rollway.runtime.telemetry import Handled, handled
 
 CHAIN_TOPICS = ("init-requests", "agent-steps", "reward-requests")

@@ -13,8 +13,8 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
+from rollway.base.figures import dumps
 from rollway.base.run_dir import RunDir, fresh_run_folder
-from rollway.bench.figures import dumps
 from rollway.bench.learn import _rollway
 
 ARMS = {"search": ["bash", "search", "locate"], "bash": ["bash", "locate"]}

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rollway.bench.figures import dumps
+from rollway.base.figures import dumps
 
 FIGURES = {
     "search_gain": ("gain", "search"),

@@ -38,9 +38,9 @@ from rollway.actors.init import InitActor
 from rollway.actors.reward import RewardActor
 from rollway.actors.services import Services
 from rollway.base.config import StrictModel
+from rollway.base.figures import ratio
 from rollway.base.run_dir import RunDir
 from rollway.bench.bench_dir import BenchDir
-from rollway.bench.figures import ratio
 from rollway.bench.workload import WorkloadConfig
 from rollway.core.config import RunConfig
 from rollway.runtime.actor import MessageMeta

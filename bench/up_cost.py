@@ -13,9 +13,9 @@ import sys
 import time
 from pathlib import Path
 
+from rollway.base.figures import dumps, put, ratio
 from rollway.base.process import Child
 from rollway.base.run_dir import fresh_run_folder
-from rollway.bench.figures import dumps, put, ratio
 
 MODES = ("one", "per-stage")
 

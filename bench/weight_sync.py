@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rollway.base.figures import dumps
 from rollway.base.run_dir import RunDir
 from rollway.bench.bench_dir import BenchDir
-from rollway.bench.figures import dumps
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -12,6 +12,9 @@ from rollway.schemas.messages import CapturedCall
 class RecordFailed(RuntimeError):
     """The call could not be written and acknowledged; the program gets 503 and may retry."""
 
+    infrastructure = True
+    """Observed from outside the sandbox: never the agent's doing (base/blame.py)."""
+
 
 class RecordTooLarge(RecordFailed):
     """The encoded call exceeds the broker's message size limit."""

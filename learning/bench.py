@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rollway.bench.figures import dumps
+from rollway.base.figures import dumps
 from rollway.learning.config import LearnerConfig
 
 

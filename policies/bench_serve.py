@@ -10,7 +10,7 @@ import random
 import time
 from typing import Any
 
-from rollway.bench.figures import dumps
+from rollway.base.figures import dumps
 
 TARGET_RATIO = 4.0
 """Batching should make N=8 concurrent clients at least this many times faster than one."""

@@ -31,7 +31,7 @@ from rollway.runners.grader_attacks import (
     AttackNotRun,
     Target,
 )
-from rollway.sandboxes.base import Sandbox, SandboxProvider
+from rollway.sandboxes.base import Sandbox, SandboxError, SandboxProvider
 
 FAMILIES = ("swe", "swebench", "humaneval", "harbor", "toy")
 DOCKER_ONLY = {"swebench", "harbor"}
@@ -158,21 +158,45 @@ async def play_workspace(attack: Attack, fam: Family, provider: SandboxProvider,
     """The task's sandbox made as the init stage makes it, the attack played in it, graded as the reward
     stage grades it; (contained, reason)."""
     await fam.taskset.prepare(fam.task)
-    box = await provider.create(fam.taskset.sandbox_spec(fam.task), f"{prefix}{uuid.uuid4().hex[:10]}")
+    for setup_try in range(SETUP_TRIES):
+        box = await provider.create(fam.taskset.sandbox_spec(fam.task), f"{prefix}{uuid.uuid4().hex[:10]}")
+        try:
+            return await _play_in(attack, fam, provider, box)
+        except EngineLostOutput:
+            # The row's own setup commands (the suite's, not the grader's) met Docker's lost-output race
+            # (moby#27289, more frequent under load): the row is played again in a fresh sandbox.
+            if setup_try + 1 == SETUP_TRIES:
+                raise
+        finally:
+            await box.destroy()
+    raise AssertionError("unreachable")
+
+
+SETUP_TRIES = 3
+"""Plays of a row whose setup met the engine's lost-output race before it counts as not run."""
+
+
+class EngineLostOutput(Exception):
+    """An attack's setup command came back without its output (the engine's race, not the grader's)."""
+
+
+async def _play_in(attack: Attack, fam: Family, provider: SandboxProvider, box: Any) -> tuple[bool, str]:
     target = Target(**{**asdict(fam.target), "extra": {**fam.target.extra, "nonce": uuid.uuid4().hex[:10]}})
     try:
         check = await attack.play(box, target)
-        episode = Episode(episode_id=f"grader-check-{attack.name}", attempt=0, task=fam.task, messages=[],
-                          stop_reason="finish")
-        try:
-            grade = await grade_after_agent(fam.taskset, fam.task, box, provider, episode)
-        except asyncio.CancelledError:
-            await _unwedge(box)
-            raise
-        extra = await check(box, grade) if check else None
-        return verdict(grade, extra, timeout_expected=attack.times_out)
-    finally:
-        await box.destroy()
+    except SandboxError as err:
+        if "lost the output" in str(err):
+            raise EngineLostOutput(str(err)) from err
+        raise
+    episode = Episode(episode_id=f"grader-check-{attack.name}", attempt=0, task=fam.task, messages=[],
+                      stop_reason="finish")
+    try:
+        grade = await grade_after_agent(fam.taskset, fam.task, box, provider, episode)
+    except asyncio.CancelledError:
+        await _unwedge(box)
+        raise
+    extra = await check(box, grade) if check else None
+    return verdict(grade, extra, timeout_expected=attack.times_out)
 
 
 async def _unwedge(box: Sandbox) -> None:

@@ -127,3 +127,6 @@ class FatalActorError(RuntimeError):
     """Raised by `handle`/`tick` when the actor's in-memory state can no longer be trusted (e.g. a
     training step failed after its groups left the buffer). The runtime does not dead-letter it: the
     worker exits with an error, its uncommitted offsets are redelivered to its restart."""
+
+    infrastructure = True
+    """Observed from outside the sandbox: never the agent's doing (base/blame.py)."""

@@ -29,6 +29,9 @@ log = structlog.get_logger()
 class BrokerUnavailable(RuntimeError):
     """No broker answered within broker.connect_timeout_s."""
 
+    infrastructure = True
+    """Observed from outside the sandbox: never the agent's doing (base/blame.py)."""
+
 
 def client_kwargs(cfg: BrokerConfig, bootstrap: str) -> dict[str, Any]:
     """Connection settings shared by every producer, consumer and admin client."""

@@ -129,11 +129,17 @@ class EngineUnreachable(SandboxError):
     sandbox, which nothing the agent did can cause. The attempt fails as infrastructure and is re-issued
     (placed on an engine that answers); it is never graded."""
 
+    infrastructure = True
+    """Observed from outside the sandbox: never the agent's doing (base/blame.py)."""
+
 
 class SandboxGone(SandboxError):
     """The sandbox named by a handle no longer exists. rollway destroys a sandbox only when its
     attempt ends (graded, failed, or a duplicate), so a turn that finds it gone is a redelivery of
     an attempt that already ended (or the sandbox lives on another machine or engine)."""
+
+    infrastructure = True
+    """Observed from outside the sandbox: never the agent's doing (base/blame.py)."""
 
 
 class Sandbox(ABC):

@@ -1,5 +1,5 @@
 """Benchmark figures never come out NaN or infinite: over an empty sample they are null with a reason
-(rollway.bench.figures), and every `rollway bench` result is written through a JSON writer that refuses
+(rollway.base.figures), and every `rollway bench` result is written through a JSON writer that refuses
 NaN and infinity."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from rollway.bench import figures
+from rollway.base import figures
 from rollway.bench.cmd_bench import _emit
 from rollway.bench.real import Sampler, format_real_text
 

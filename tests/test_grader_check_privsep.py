@@ -14,7 +14,10 @@ import pytest
 from rollway.runners.grader_attacks import ATTACKS
 from rollway.runners.grader_check import Options, run_suite
 
-HARBOR_ROWS = tuple(a.name for a in ATTACKS if a.name.startswith("verifier_program_"))
+HARBOR_ROWS = tuple(a.name for a in ATTACKS if a.name.startswith("verifier_program_")
+                    and a.name not in ("verifier_program_kills_all", "verifier_program_kills_parent"))
+"""The rows the verifier's privilege separation contains; the two kill rows are the failure rule's
+(tests/test_grader_check.py weakens that rule for them)."""
 SWE_ROWS = ("trylast_hook_from_code", "trylast_hook_from_frames", "trylast_hook_obfuscated", "report_class_patched",
             "report_key_from_closure")
 

@@ -180,13 +180,15 @@ def test_files_that_change_how_tests_run_are_not_graded(toolz_task, attack, drop
 @pytest.mark.slow
 @pytest.mark.parametrize(("attack", "outcome"), [
     (exit_127, {"no_report"}),
-    (fake_passed_lines_then_exit_0, {"no_report"}),
-    (fake_report_files, {"no_report"}),
+    (fake_passed_lines_then_exit_0, {"no_report", "suspected_reward_hack"}),
+    (fake_report_files, {"no_report", "suspected_reward_hack"}),
     (sys_exit_0_at_import, {"no_report", "unresolved"}),
-    (xfail_from_library, {"unresolved"}),
+    (xfail_from_library, {"unresolved", "suspected_reward_hack"}),
 ])  # fmt: skip
 def test_the_tested_code_cannot_forge_or_opt_out_of_its_result(toolz_task, attack, outcome):
-    """Exit 127 is the patch's 0 (the runner was checked on the unpatched tree), never an env_error."""
+    """Exit 127 is the patch's 0 (the runner was checked on the unpatched tree), never an env_error. A
+    payload that reaches into the runner's machinery (frames, pytest's internals) is refused before any
+    test runs by the reach check (envs/reach_check.py): `suspected_reward_hack`, also a 0."""
     grade = grade_episode(toolz_task, attack)
     assert (grade.reward, grade.resolved) == (0.0, False) and grade.details.get("outcome") in outcome, grade.details
 

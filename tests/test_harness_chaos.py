@@ -148,7 +148,7 @@ def test_killing_the_gateways_process_mid_episode_reruns_it_and_trains_each_call
     from rollway.actors.scheduler import new_run_id
     from rollway.core.config import load_config
     from rollway.runners.chaos import Ledger, descendants, jails_of
-    from rollway.runners.up import run_with_progress, write_run_files
+    from rollway.runners.up import run_job, write_run_files
 
     gate = tmp_path / "gate"
     gate.mkdir()
@@ -189,7 +189,7 @@ def test_killing_the_gateways_process_mid_episode_reruns_it_and_trains_each_call
         agent.proc.kill()
         (gate / "go").touch()
 
-    summary = run_with_progress(cfg, str(path), [], broker.bootstrap, run_dir, {"agent": 1, "init": 1, "reward": 1},
+    summary = run_job(cfg, str(path), [], broker.bootstrap, run_dir, {"agent": 1, "init": 1, "reward": 1},
                       on_tick=kill_once_the_first_call_is_acknowledged, quiet=True)
     ledger.poll()
     assert killed["programs"] == 1, killed  # the program was running when its gateway died

@@ -53,9 +53,9 @@ async def play(s: Services) -> tuple[Trajectory, list[bytes]]:
 
 
 def test_hostile_tool_calls_become_error_observations_and_the_episode_is_graded(tmp_path: Path):
-    # A nameless call error is shown as a user message, which restarts the scripted policy's turn
-    # count: a second rule plays on once the first error is in the prompt.
-    script = json.dumps([{"when": "not valid JSON", "turns": [HOSTILE[1], *SOLUTION]},
+    # The scripted policy plays turn k of the rule that matches: once the first error is in the prompt
+    # (from turn 1 on), the first rule's turns 1.. play.
+    script = json.dumps([{"when": "not valid JSON", "turns": [HOSTILE[0], HOSTILE[1], *SOLUTION]},
                          {"when": "", "turns": [HOSTILE[0]]}])
     cfg = load_config(ROOT / "examples" / "smoke.yaml",
                       [f"policy.script={script}", "agent.max_turns=8", "agent.max_tokens_per_turn=2048",

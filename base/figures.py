@@ -79,5 +79,5 @@ def dumps(result: Any, **kwargs: Any) -> str:
     bad = non_finite_paths(result)
     if bad:
         raise NonFiniteFigure(f"benchmark figures that are not numbers: {', '.join(bad[:10])}; a figure over an "
-                              "empty sample must be None with its reason (rollway.bench.figures.put)")
+                              "empty sample must be None with its reason (rollway.base.figures.put)")
     return json.dumps(result, allow_nan=False, **kwargs)
