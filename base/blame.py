@@ -56,10 +56,12 @@ def blame(error: BaseException, agent_ran: bool) -> Blame:
     of an infrastructure type or marked `found_before_agent_code`."""
     if not agent_ran:
         return "infrastructure"
-    for err in _chain(error):
-        if getattr(type(err), "infrastructure", False) is True or getattr(err, "found_before_agent_code", False):
-            return "infrastructure"
-    return "agent"
+    return "infrastructure" if any(_is_infrastructure(err) for err in _chain(error)) else "agent"
+
+
+def _is_infrastructure(err: BaseException) -> bool:
+    """One error of the chain: of a class marked `infrastructure = True`, or marked found before agent code."""
+    return getattr(type(err), "infrastructure", False) is True or bool(getattr(err, "found_before_agent_code", False))
 
 
 MAX_REASON_CHARS = 2000

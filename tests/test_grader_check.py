@@ -206,10 +206,12 @@ def test_opt_out_rows_flag_a_build_that_retries_the_agents_failures(monkeypatch)
 
     rows = play()
     assert len(rows) == 3 and all(contained for contained, _ in rows.values()), rows
-    monkeypatch.setattr(blame, "_infrastructure_types", lambda: (Exception,))
+    monkeypatch.setattr(blame, "_is_infrastructure", lambda err: True)
     weakened = play()
     assert not weakened["forged_reward_files"][0] and not weakened["harness_program_kills_all"][0], weakened
     assert weakened["tool_kills_every_process"][0], weakened  # an observation for the model, whatever the rule
+
+
 # ---------------------------------------------------------------- answer-leak and secrets rows (issue 39)
 
 
