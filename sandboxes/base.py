@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import stat
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,35 +63,6 @@ def open_workspace_folder(workspace: str | os.PathLike[str], parts: tuple[str, .
         os.close(fd)
         raise
     return fd
-
-
-def write_in_workspace(workspace: str | os.PathLike[str], rel: str, data: bytes, *, executable: bool = False,
-                       owner: int | None = None, mode: int = 0o644) -> None:
-    """Create or replace the workspace file `rel` (parents made) through descriptors: no part of the path,
-    the file itself included, is followed if it is a link (O_NOFOLLOW: a link there is an error, never a
-    write elsewhere). New folders and the file are given to `owner` when set."""
-    parts = [p for p in rel.split("/") if p not in ("", ".")]
-    if not parts:
-        raise SandboxError(f"{rel!r} names the workspace itself, not a file in it")
-    *folders, name = parts
-    fd = open_workspace_folder(workspace, folders, create=True, owner=owner)
-    try:
-        try:
-            out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                          0o755 if executable else mode, dir_fd=fd)
-        except OSError as err:
-            raise SandboxError(f"cannot write {rel!r} in the workspace ({err.strerror}): it must be a plain "
-                               "file (rollway never writes through a link)") from err
-        with os.fdopen(out, "wb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise SandboxError(f"{rel!r} in the workspace is not a regular file; remove it first")
-            f.write(data)
-            if executable:
-                os.fchmod(f.fileno(), 0o755)
-            if owner is not None:
-                os.fchown(f.fileno(), owner, owner)
-    finally:
-        os.close(fd)
 
 
 def unlink_in_folder(folder_fd: int, name: str) -> None:

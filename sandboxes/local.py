@@ -26,7 +26,6 @@ from rollway.sandboxes.base import (
     SandboxProvider,
     SandboxSpec,
     claim_in_folder,
-    write_in_workspace,
 )
 from rollway.sandboxes.config import LocalSandboxConfig
 from rollway.sandboxes.jail import JailLimits, JailRunner
@@ -265,8 +264,11 @@ class LocalSandboxProvider(SandboxProvider):
             shutil.copytree(spec.source_dir, workspace, symlinks=True, dirs_exist_ok=True)
         workspace.chmod(0o755)
         for rel, content in spec.files.items():
-            real = resolve_inside(workspace, rel)
-            write_in_workspace(workspace, os.path.relpath(real, os.path.realpath(workspace)), content.encode())
+            root = os.path.realpath(workspace)
+            try:
+                hostfs.write_regular(root, os.path.relpath(resolve_inside(workspace, rel), root), content.encode())
+            except hostfs.NotARegularFile as err:
+                raise SandboxError(f"cannot write the task file {rel!r}: {err.strerror}") from None
         if self.runner.host_uid is not None:
             for path in [workspace, *workspace.rglob("*")]:
                 self.give_to_jail(path)

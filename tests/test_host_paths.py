@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rollway.sandboxes.base import SandboxError, SandboxSpec, write_in_workspace
+from rollway.sandboxes.base import SandboxError, SandboxSpec
 from rollway.sandboxes.config import LocalSandboxConfig
 from rollway.sandboxes.local import LocalSandboxProvider
 
@@ -95,7 +95,7 @@ def test_host_writes_into_the_workspace_never_follow_a_link_swapped_in(tmp_path,
         (ws / link).symlink_to(target)
         rel = ".rollway/notes.txt" if link.startswith(".rollway") else "sub/notes.txt"
         with pytest.raises(SandboxError, match="link"):
-            write_in_workspace(ws, rel, b"planted")
+            asyncio.run(box.write_file(rel, "planted"))
     finally:
         asyncio.run(box.destroy())
     assert list(outside.iterdir()) == []
