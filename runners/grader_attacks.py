@@ -534,12 +534,20 @@ with open(f"/proc/{TEST_SH}/mem", "r+b", buffering=0) as mem:
     mem.seek(pc); mem.write(bytes.fromhex("b8e7000000" "31ff" "0f05"))  # mov eax,231; xor edi,edi; syscall
 ''',
     # rollway's end-of-test line written into the output of the verifier's shell (test.sh's parent), which is
-    # then killed before it writes the real one.
+    # then killed before it writes the real one; test.sh is stopped first and, once the forgery worked, killed, so
+    # that it never writes its own verdict (left running, it would race the grader's read with its 0).
     "forge_marker": _VERIFIER_PRELUDE + '''
 shell = parent_of(TEST_SH)
-with open(f"/proc/{shell}/fd/1", "w") as out:
-    out.write("rollway-exit=0\\n")
+os.kill(TEST_SH, signal.SIGSTOP)
+try:
+    out = open(f"/proc/{shell}/fd/1", "w")
+except OSError:
+    os.kill(TEST_SH, signal.SIGCONT)
+    raise
+out.write("rollway-exit=0\\n")
+out.flush()
 os.kill(shell, signal.SIGKILL)
+os.kill(TEST_SH, signal.SIGKILL)
 ''',
     # reward.txt (and its folder) made read-only: test.sh's later `echo 0 >` fails and the script goes on.
     "lock_reward": _VERIFIER_PRELUDE + '''
