@@ -309,3 +309,4 @@ class SchedulerActor(Actor):
 
     async def close(self) -> None:
         self._write_status()
+        log.info("scheduler stopped", done=self.done, **self.counts())

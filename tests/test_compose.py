@@ -5,7 +5,6 @@ engine with Docker sandboxes, and nothing left behind."""
 from __future__ import annotations
 
 import os
-import re
 import uuid
 
 import docker
@@ -33,12 +32,10 @@ def test_compose_up_scaled_runs_the_smoke_job() -> None:
         scheduler = [c for c in stages if c.labels["com.docker.compose.service"] == "scheduler"]
         assert len(scheduler) == 1, [c.name for c in stages]
         scheduler_log = scheduler[0].logs().decode(errors="replace")
-        # Every episode ended: the scheduler handled 8 trajectories plus one failure per re-issued attempt (a
-        # turn cut off by the agents' rebalance as workers join is not replayed on a workspace it may have
-        # changed: TurnReplayed, then a fresh attempt; seen once in a full run: handled=10, 2 re-issued).
-        handled = re.findall(r"handled=(\d+)", scheduler_log)
-        reissued = scheduler_log.count("episode attempt failed, re-issuing")
-        assert handled and int(handled[-1]) == 8 + reissued, scheduler_log[-3000:]
+        # Every episode ended with its trajectory, none given up (counted by the scheduler's tickets: the number
+        # of messages it handled varies with the agents' rebalance as workers join, which can cut a turn off and
+        # re-issue its attempt, and with duplicates of superseded attempts).
+        assert "episodes_completed=8" in scheduler_log and "episodes_failed=0" in scheduler_log, scheduler_log[-3000:]
         assert "dead_lettered=0" in scheduler_log, scheduler_log[-3000:]
         for c in stages:
             host = c.attrs["HostConfig"]
