@@ -414,6 +414,11 @@ async def check_task(task: HarborTask, provider: SandboxProvider, spec: SandboxS
         await sandbox.destroy()
 
 
+CHECK_TRIES = 3
+"""Runs of one check, each in a fresh sandbox, while its sandbox fails (an engine fault such as a lost exec
+stream, moby#27289): a task's verdict must not be an accident of the engine. The last error is reported."""
+
+
 async def verify_tasks(taskset: HarborTaskSet, provider: SandboxProvider) -> dict[str, Any]:
     """Each task's solution (must score 1) and an empty run (must score 0)."""
     rows = []
@@ -424,11 +429,18 @@ async def verify_tasks(taskset: HarborTaskSet, provider: SandboxProvider) -> dic
             if kind == "oracle" and not task.has_solution:
                 row["oracle_reward"] = None
                 continue
-            try:
-                grade = await check_task(task, provider, spec, oracle=kind == "oracle")
-                row[f"{kind}_reward"], row[f"{kind}_outcome"] = grade.reward, grade.details.get("outcome")
-            except SandboxError as exc:
-                row[f"{kind}_reward"], row[f"{kind}_outcome"] = None, f"env_error: {exc}"[:300]
+            for attempt in range(1, CHECK_TRIES + 1):
+                try:
+                    grade = await check_task(task, provider, spec, oracle=kind == "oracle")
+                    row[f"{kind}_reward"], row[f"{kind}_outcome"] = grade.reward, grade.details.get("outcome")
+                    break
+                except SandboxError as exc:
+                    row[f"{kind}_reward"], row[f"{kind}_outcome"] = None, f"env_error: {exc}"[:300]
+                    log.warning("a task check failed in its sandbox" + (", trying again in a fresh one"
+                                if attempt < CHECK_TRIES else ""), task=task.name, check=kind, attempt=attempt,
+                                error=str(exc)[:300])
+            if attempt > 1:
+                row[f"{kind}_tries"] = attempt
         rows.append(row)
     with_solution = [r for r in rows if r["oracle_reward"] is not None or "oracle_outcome" in r]
     return {"total": len(rows), "oracle_passed": sum((r.get("oracle_reward") or 0) >= 1 for r in rows),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import sys
 import uuid
@@ -55,7 +56,34 @@ def test_verify_runs_every_solution_and_an_empty_run(capsys):
     assert main(["tasks", "verify", str(TASKS), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert (summary["total"], summary["oracle_passed"], summary["empty_passed"]) == (5, 5, 0), summary
-    assert all(r["oracle_reward"] == 1.0 and r["empty_reward"] == 0.0 for r in summary["tasks"])
+    assert all(r["oracle_reward"] == 1.0 and r["empty_reward"] == 0.0 for r in summary["tasks"]), summary["tasks"]
+
+
+def test_verify_runs_a_check_whose_engine_lost_its_output_again_in_a_fresh_sandbox(monkeypatch):
+    """The engine's fault is injected (the only fake here): the first verifier command of the empty run
+    raises what DockerSandbox raises when the engine drops an exec's output (moby#27289, seen under load in
+    a full suite run). The real engine, task and verifier then run the check again in a fresh sandbox; the
+    task is not reported as broken."""
+    from rollway.envs.config import HarborTasksConfig
+    from rollway.envs.harbor import verify_tasks
+    from rollway.envs.harbor_verifier import STARTED
+    from rollway.sandboxes.base import SandboxError
+    from rollway.sandboxes.docker import USER, DockerSandbox
+
+    ensure_engine()
+    real, lost = DockerSandbox._exec, []
+
+    def exec_losing_once(self, command, limits, user=USER):
+        if STARTED in command and not lost and re.search(r"-e[0-9a-f]{8}", self.name):
+            lost.append(self.name)
+            raise SandboxError(f"the Docker engine lost the output of a command in {self.name} (injected)")
+        return real(self, command, limits, user)
+
+    monkeypatch.setattr(DockerSandbox, "_exec", exec_losing_once)
+    taskset = HarborTaskSet(HarborTasksConfig(path=str(TASKS / "file-permissions")))
+    summary = asyncio.run(verify_tasks(taskset, DockerSandboxProvider(SandboxConfig(type="docker"))))
+    [row] = summary["tasks"]
+    assert lost and (row["oracle_reward"], row["empty_reward"], row["empty_tries"]) == (1.0, 0.0, 2), row
 
 
 def test_verifier_outcomes(tmp_path):
