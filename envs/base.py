@@ -87,6 +87,10 @@ class TaskSet(ABC):
 
     system_prompt: str = "You are a helpful agent. Use the tools to solve the task, then call finish."
     default_tools: tuple[str, ...] = ("bash", "finish")
+    require_tool_call: bool = True
+    """A model message without a tool call gets an observation explaining the call format (the episode
+    goes on). False for a family where talking is a turn (a simulated user answers it): such a turn has
+    no observations."""
     describe_tools: bool = True
     """Render the tools' JSON specs into the prompt. Small models may do better with worked
     examples in `initial_messages` instead."""

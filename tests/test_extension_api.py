@@ -315,6 +315,7 @@ def test_per_task_tools_and_state_store_survive_a_worker_change(tmp_path):
     req = run(scenario())
     assert req.stop_reason == "user_done"
     assert req.turns[0].user_message == "It's order A-17."
+    assert req.turns[0].observations == []  # the desk declares that talking needs no tool call
     assert req.turns[-1].state["refunded"] == ["A-17"]
     from rollway.actors.reward import RewardActor
 
