@@ -113,9 +113,8 @@ class RecordedOutputs(InferenceClient):
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         turn = self.turns[params.turn] if params.turn < len(self.turns) else {}
-        ids = list(turn.get("completion_ids", []))
-        return Generation(ids, list(turn.get("logprobs", [])) or [0.0] * len(ids), turn.get("finish_reason", "stop"),
-                          turn.get("policy_version", 0))
+        return Generation(list(turn.get("completion_ids", [])), list(turn.get("logprobs", [])),
+                          turn.get("finish_reason", "stop"), turn.get("policy_version", 0))
 
 
 async def rerun_episode(traj: dict[str, Any], cfg: RunConfig, normalize: Any) -> RerunResult:

@@ -162,9 +162,8 @@ async def run_tool_calls(
 ) -> ToolTurn:
     """Parse `output` (assistant text, message dict or tool-call list), run each valid call in
     order, and return one observation per call. Never raises for anything the model or a tool does;
-    calls after `finish` or past `cfg.max_calls_per_turn` are not run. A message without a tool call
-    gets an observation explaining the call format, unless not `require_call` (the task set's
-    `require_tool_call`)."""
+    calls after `finish` or past `cfg.max_calls_per_turn` are not run. `require_call`: the task set's
+    `require_tool_call`."""
     parsed = parse_tool_calls(output, tools)
     if not parsed.items:
         return ToolTurn([], [_no_call_observation(tools)] if require_call else [])
