@@ -121,8 +121,7 @@ async def rerun_episode(traj: dict[str, Any], cfg: RunConfig, normalize: Any) ->
     """Play the episode again the way a run plays one (`play_episode`: the init, agent and reward actors,
     so the task's own tools, the episode's state store, its simulated user and its grade), in a fresh
     sandbox, with the recorded model outputs as the policy; compare each turn's observations with the
-    recorded ones (not for a harness episode: `check_rerunnable`)."""
-    check_rerunnable(traj)
+    recorded ones. The caller refuses a harness episode first (`check_rerunnable`)."""
     from rollway.actors.services import Services
     from rollway.runners.verify import play_episode
 
