@@ -1,6 +1,5 @@
-"""Episode re-run: play a recorded episode again as a run plays it, its recorded model outputs as the
-policy, in a fresh sandbox built from the same task, and report every turn whose observations differ
-from the recorded ones, and the reward."""
+"""Episode re-run: play a recorded episode again as a run plays it (its model outputs as the policy) in a
+fresh sandbox of the same task; report every turn whose observations differ, and the reward."""
 
 from __future__ import annotations
 
@@ -105,8 +104,7 @@ def check_rerunnable(traj: dict[str, Any]) -> None:
 
 
 class RecordedOutputs(InferenceClient):
-    """The policy of a re-run: each turn's recorded completion, token for token (past the recording, an
-    empty message)."""
+    """The policy of a re-run: each turn's recorded completion, token for token (past them, an empty one)."""
 
     def __init__(self, turns: list[dict[str, Any]]) -> None:
         self.turns = turns
