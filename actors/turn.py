@@ -222,7 +222,8 @@ class TurnRunner:
     async def _act(self, text: str, task: Any, sandbox: Sandbox, context: Any) -> ToolTurn:
         from rollway.tools.registry import run_tool_calls
 
-        return await run_tool_calls(text, self.tools_for(task), sandbox, self.tools_cfg, context)
+        return await run_tool_calls(text, self.tools_for(task), sandbox, self.tools_cfg, context,
+                                    self.taskset.require_tool_call)
 
     def _hints(self, state: EpisodeState, outcome: ToolTurn, turn: int, used: int, tools: Mapping[str, Any]) -> list[str]:
         from rollway.tools.hints import HintEngine

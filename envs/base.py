@@ -87,6 +87,9 @@ class TaskSet(ABC):
 
     system_prompt: str = "You are a helpful agent. Use the tools to solve the task, then call finish."
     default_tools: tuple[str, ...] = ("bash", "finish")
+    require_tool_call: bool = True
+    """A model message without a tool call gets an observation explaining the call format. False where
+    talking is a turn (a simulated user answers it): such a turn has no observations."""
     describe_tools: bool = True
     """Render the tools' JSON specs into the prompt. Small models may do better with worked
     examples in `initial_messages` instead."""
@@ -182,22 +185,16 @@ def check_taskset(taskset: TaskSet | type[TaskSet]) -> None:
                "async def next_user_message(self, task, episode: Episode) -> str | UserTurn | None")
 
 
-async def grade_episode(taskset: TaskSet, task: Task, sandbox: Sandbox, provider: SandboxProvider,
-                        episode: Episode | None) -> Grade:
-    """`taskset.grade`; a grading outside a run gets an empty episode (`Episode.outside_run`)."""
-    return await taskset.grade(task, sandbox, provider, episode if episode is not None else Episode.outside_run(task))
-
-
 async def grade_after_agent(taskset: TaskSet, task: Task, sandbox: Sandbox, provider: SandboxProvider,
-                            episode: Episode | None) -> Grade:
-    """How the reward stage grades an episode (and `rollway grader check` plays it): `grade_episode`, where a
+                            episode: Episode) -> Grade:
+    """How the reward stage grades an episode (and `rollway grader check` plays it): `taskset.grade`, where a
     grading that fails is judged by `blame` (base/blame.py). The agent's code has run (the grader runs it
     on the agent's changes), so a failure is the agent's, graded 0 with its reason, unless it was found
     before that code ran or outside the sandbox: those raise (the attempt is retried)."""
     from rollway.base.blame import AGENT_FAILURE, blame, failure_details
 
     try:
-        return await grade_episode(taskset, task, sandbox, provider, episode)
+        return await taskset.grade(task, sandbox, provider, episode)
     except Exception as err:
         if blame(err, agent_ran=True) == "infrastructure":
             raise

@@ -111,6 +111,7 @@ def rerun_config(args: argparse.Namespace):
 
 
 def run_rerun(args: argparse.Namespace) -> int:
+    from rollway.core.logging import log_to_stderr
     from rollway.runners.episodes import EpisodeNotFound, find_episode, load_run_dir, load_topic
     from rollway.runners.rerun import (
         NotRerunnable,
@@ -121,6 +122,7 @@ def run_rerun(args: argparse.Namespace) -> int:
     )
     from rollway.schemas.codec import DecodeError
 
+    log_to_stderr()  # stdout: the result only (the re-run's actors log)
     cfg = rerun_config(args)
     try:
         if args.bootstrap:

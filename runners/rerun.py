@@ -1,16 +1,17 @@
-"""Episode re-run: replay a recorded episode's model outputs through the tools in a fresh sandbox
-built from the same task, and report every turn whose observations differ from the recorded ones."""
+"""Episode re-run: play a recorded episode again as a run plays it (its model outputs as the policy) in a
+fresh sandbox of the same task; report every turn whose observations differ, and the reward."""
 
 from __future__ import annotations
 
 import difflib
 import re
-import uuid
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rollway.core.config import RunConfig
+from rollway.policies.base import Generation, InferenceClient, SamplingParams
 
 VOLATILE_PATTERNS = (
     (r"\b[A-Z][a-z]{2} +\d{1,2} +(\d\d:\d\d|\d{4})\b", "<date>"),  # `ls -l` modification times
@@ -63,13 +64,6 @@ def normalizer(exact: bool, extra: list[str]) -> Any:
     return normalize
 
 
-def recorded_content(obs: dict[str, Any], hints: list[str]) -> str:
-    """The tool's own output: hint text the framework appended to the observation is not the tool's."""
-    text = obs["content"]
-    suffix = "\n\n" + "\n".join(hints) if hints else ""
-    return text[: -len(suffix)] if suffix and text.endswith(suffix) else text
-
-
 def short_diff(recorded: str, replayed: str, max_lines: int = 20) -> str:
     lines = list(difflib.unified_diff(recorded.splitlines(), replayed.splitlines(), "recorded", "replayed",
                                       lineterm="", n=1))
@@ -82,7 +76,7 @@ def compare_turn(turn: dict[str, Any], replayed: list[Any], normalize: Any) -> l
     recorded = turn.get("observations", [])
     out = []
     for i in range(max(len(recorded), len(replayed))):
-        rec = recorded_content(recorded[i], turn.get("hints", [])) if i < len(recorded) else "<no observation>"
+        rec = recorded[i]["content"] if i < len(recorded) else "<no observation>"
         new = replayed[i].content if i < len(replayed) else "<no observation>"
         if normalize(rec) != normalize(new):
             src = recorded[i] if i < len(recorded) else {"tool": replayed[i].tool, "arguments": replayed[i].arguments}
@@ -109,30 +103,37 @@ def check_rerunnable(traj: dict[str, Any]) -> None:
             f"`rollway replay gateway-calls --bootstrap HOST:PORT --topic-prefix PREFIX --episode {eid}`")
 
 
-async def rerun_episode(traj: dict[str, Any], cfg: RunConfig, normalize: Any, grade: bool = True) -> RerunResult:
-    """Run each recorded turn's `assistant_text` through the tools, in order, in a new sandbox (not for a
-    harness episode: `check_rerunnable`)."""
-    check_rerunnable(traj)
-    from rollway.actors.services import Services
-    from rollway.envs.base import Episode, grade_episode
-    from rollway.tools.base import ToolContext
-    from rollway.tools.registry import run_tool_calls
+class RecordedOutputs(InferenceClient):
+    """The policy of a re-run: each turn's recorded completion, token for token (past them, an empty one)."""
 
-    s = Services(cfg, Path("."))
-    task = s.taskset.get(traj["episode"]["task_id"])
-    sandbox = await s.sandboxes.create(s.taskset.sandbox_spec(task), f"rerun-{uuid.uuid4().hex[:8]}")
-    result = RerunResult(traj["episode"]["episode_id"], traj["episode"]["task_id"], len(traj.get("turns", [])),
-                         recorded_reward=traj.get("reward"))
-    try:
-        for turn in traj.get("turns", []):
-            context = ToolContext(task=task, episode_id=result.episode_id, turn=turn.get("turn", 0))
-            replayed = await run_tool_calls(turn["assistant_text"], s.tools, sandbox, cfg.tools, context)
-            result.differences += compare_turn(turn, replayed.observations, normalize)
-        if grade:
-            result.replayed_reward = (await grade_episode(s.taskset, task, sandbox, s.sandboxes,
-                                                          Episode.outside_run(task, result.episode_id))).reward
-    finally:
-        await sandbox.destroy()
+    def __init__(self, turns: list[dict[str, Any]]) -> None:
+        self.turns = turns
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        turn = self.turns[params.turn] if params.turn < len(self.turns) else {}
+        return Generation(list(turn.get("completion_ids", [])), list(turn.get("logprobs", [])),
+                          turn.get("finish_reason", "stop"), turn.get("policy_version", 0))
+
+
+async def rerun_episode(traj: dict[str, Any], cfg: RunConfig, normalize: Any) -> RerunResult:
+    """Play the episode again the way a run plays one (`play_episode`: the init, agent and reward actors,
+    so the task's own tools, the episode's state store, its simulated user and its grade), in a fresh
+    sandbox, with the recorded model outputs as the policy; compare each turn's observations with the
+    recorded ones. The caller refuses a harness episode first (`check_rerunnable`)."""
+    from rollway.actors.services import Services
+    from rollway.runners.verify import play_episode
+
+    recorded = traj.get("turns", [])
+    cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"id": None})})  # the replay is no run's
+    with tempfile.TemporaryDirectory(prefix="rollway-rerun-") as run_dir:
+        s = Services(cfg, Path(run_dir))
+        s.inference = RecordedOutputs(recorded)
+        replayed = await play_episode(cfg, s.run_dir, traj["episode"]["task_id"], s)
+    result = RerunResult(traj["episode"]["episode_id"], traj["episode"]["task_id"], len(replayed.turns),
+                         recorded_reward=traj.get("reward"), replayed_reward=replayed.reward)
+    for i in range(max(len(recorded), len(replayed.turns))):
+        new = replayed.turns[i].observations if i < len(replayed.turns) else []
+        result.differences += compare_turn(recorded[i] if i < len(recorded) else {"turn": i}, new, normalize)
     return result
 
 

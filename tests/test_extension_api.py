@@ -28,7 +28,7 @@ from rollway.runtime.actor import MessageMeta
 from rollway.schemas import EpisodeKey, InitRequest
 from rollway.tools.base import Tool, ToolResult
 from rollway.tools.config import ToolsConfig
-from rollway.tools.registry import build_tools, register_tool
+from rollway.tools.registry import build_tools, register_tool, run_tool_calls
 
 
 def cli_env() -> dict[str, str]:
@@ -315,6 +315,7 @@ def test_per_task_tools_and_state_store_survive_a_worker_change(tmp_path):
     req = run(scenario())
     assert req.stop_reason == "user_done"
     assert req.turns[0].user_message == "It's order A-17."
+    assert req.turns[0].observations == []  # the desk declares that talking needs no tool call
     assert req.turns[-1].state["refunded"] == ["A-17"]
     from rollway.actors.reward import RewardActor
 
@@ -323,6 +324,22 @@ def test_per_task_tools_and_state_store_survive_a_worker_change(tmp_path):
     assert traj.value.resolved and traj.value.grade["refunded"] == ["A-17"]
     assert traj.value.grade["user_messages"] == 3  # the opening request, the order id, the goodbye
     assert "It's order A-17." in s.chat.decode(traj.value.token_ids)  # the injected turn is in the token stream
+
+
+def test_a_tool_tested_outside_a_run_as_the_docs_show_gets_its_task():
+    """docs/extending.md (examples/extending/custom_tool.py): outside a run, `run_tool_calls` with
+    `outside_episode(task)` as the context. The desk's lookup reads its orders from `context.task`;
+    without the context it has no task and fails."""
+    from rollway.tools.base import outside_episode
+
+    taskset = build_taskset(load_config(DESK_YAML).tasks)
+    task, cfg = taskset.get("desk-ada"), ToolsConfig()
+    tools = build_tools(list(taskset.tools_for(task)), cfg)
+    call = '<tool_call>{"name": "desk_lookup_order", "arguments": {"order_id": "A-17"}}</tool_call>'
+    [found] = run(run_tool_calls(call, tools, None, cfg, outside_episode(task))).observations
+    assert json.loads(found.content)["item"] == "kettle"
+    [no_task] = run(run_tool_calls(call, tools, None, cfg)).observations
+    assert no_task.internal_error
 
 
 def test_grade_receives_the_episode_and_a_prompt_too_long_ends_visibly(tmp_path):

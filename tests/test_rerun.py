@@ -83,12 +83,40 @@ def test_rerun_reports_the_turns_that_see_a_changed_repository(broker, replay, t
     assert text.returncode == 1 and "2 turn(s) differ: 1, 2" in text.stdout and "+5 4" in text.stdout
 
 
-def test_comparison_ignores_hints_and_file_times_but_not_content():
+TALLY = "python:tests/tally_plugin.py:TallyTaskSet"
+TALLY_SCRIPT = [{"when": "", "turns": [
+    "I will add twice.",
+    '<tool_call>{"name": "tally.add", "arguments": {}}</tool_call>',
+    '<tool_call>{"name": "tally.add", "arguments": {}}</tool_call>',
+    '<tool_call>{"name": "finish", "arguments": {"message": "done"}}</tool_call>']}]
+
+
+def test_a_stateful_plugin_episode_replays_to_the_reward_it_earned(broker, replay, tmp_path):
+    """tests/tally_plugin.py through `rollway up` on the real broker: per-task tools, a tally in the
+    episode's state store, a chat-only turn, graded from the state and the finish call's arguments.
+    Re-run, each episode plays the same way and earns the same reward (re-run once ignored per-task
+    tools, dropped the state between turns and graded with an empty episode: reward 0)."""
+    run_dir = tmp_path / "run"
+    out = rollway("up", "--no-report", "examples/smoke.yaml", "--bootstrap", broker.bootstrap, "runtime.processes=one",
+                  "--run-dir", str(run_dir), "tasks=" + json.dumps({"type": TALLY}),
+                  "policy.script=" + json.dumps(TALLY_SCRIPT), "scheduler.group_size=1",
+                  f"topics.prefix=tally{tmp_path.name[-6:]}-")
+    assert out.returncode == 0, out.stderr[-3000:]
+    trajs = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines()]
+    assert sorted(t["episode"]["task_id"] for t in trajs) == ["tally-3", "tally-5"]
+    assert [t["reward"] for t in trajs] == [1.0, 1.0] and all(t["turns"][0]["observations"] == [] for t in trajs)
+    for traj in trajs:
+        out = replay("--rerun", traj["episode"]["episode_id"], "--run-dir", str(run_dir), "--json")
+        result = json.loads(out.stdout)
+        assert (out.returncode, result["differences"], result["replayed_reward"]) == (0, [], 1.0), out.stderr
+
+
+def test_comparison_ignores_file_times_but_not_content():
     from rollway.runners.rerun import compare_turn, normalizer
     from rollway.schemas import Observation
 
-    turn = {"turn": 0, "hints": ["2 turns left."], "observations": [
-        {"tool": "bash", "arguments": {}, "content": "-rw-r--r-- 1 nobody nogroup 5 Nov 22 00:25 a\n\n2 turns left."}]}
+    turn = {"turn": 0, "observations": [
+        {"tool": "bash", "arguments": {}, "content": "-rw-r--r-- 1 nobody nogroup 5 Nov 22 00:25 a"}]}
     same = [Observation(content="-rw-r--r-- 1 nobody nogroup 5 Nov 23 13:05 a", tool="bash")]
     assert compare_turn(turn, same, normalizer(False, [])) == []
     assert len(compare_turn(turn, same, normalizer(True, []))) == 1

@@ -201,7 +201,7 @@ def test_message_without_call_gets_format_reminder() -> None:
         and "no tool call" in observation.content
         and "<tool_call>" in observation.content
     )
-    quiet = asyncio.run(run_tool_calls("Hmm.", TOOLS, None, ToolsConfig(require_tool_call=False)))
+    quiet = asyncio.run(run_tool_calls("Hmm.", TOOLS, None, ToolsConfig(), require_call=False))
     assert quiet.observations == []
 
 

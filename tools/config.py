@@ -29,9 +29,6 @@ class ToolsConfig(StrictModel):
     """Observation text longer than this is cut with a visible notice."""
     max_calls_per_turn: int = Field(8, ge=1)
     """Tool calls run per model message; later ones get an error observation instead."""
-    require_tool_call: bool = True
-    """A message without any tool call gets an observation explaining the call format (the episode
-    continues); False leaves such a turn without observations."""
     search_max_results: int = Field(20, ge=1)
     """Results `search` shows before its "... N more" notice."""
     search_max_files: int = Field(20_000, ge=1)

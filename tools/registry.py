@@ -157,14 +157,16 @@ class ToolTurn:
 
 
 async def run_tool_calls(
-    output: Any, tools: Mapping[str, Tool], sandbox: Sandbox, cfg: ToolsConfig, context: ToolContext | None = None
+    output: Any, tools: Mapping[str, Tool], sandbox: Sandbox, cfg: ToolsConfig, context: ToolContext | None = None,
+    require_call: bool = True,
 ) -> ToolTurn:
     """Parse `output` (assistant text, message dict or tool-call list), run each valid call in
     order, and return one observation per call. Never raises for anything the model or a tool does;
-    calls after `finish` or past `cfg.max_calls_per_turn` are not run."""
+    calls after `finish` or past `cfg.max_calls_per_turn` are not run. `require_call`: the task set's
+    `require_tool_call`."""
     parsed = parse_tool_calls(output, tools)
     if not parsed.items:
-        return ToolTurn([], [_no_call_observation(tools)] if cfg.require_tool_call else [])
+        return ToolTurn([], [_no_call_observation(tools)] if require_call else [])
     turn = ToolTurn(calls=parsed.calls, observations=[])
     for index, item in enumerate(parsed.items):
         observation = await _run_item(item, index, turn, tools, sandbox, cfg, context)

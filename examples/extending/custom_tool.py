@@ -3,9 +3,10 @@
 import asyncio
 from typing import Any
 
+from rollway.envs.base import Task
 from rollway.sandboxes.base import Sandbox, SandboxError, SandboxSpec
 from rollway.sandboxes.local import LocalSandboxProvider
-from rollway.tools.base import Tool, ToolContext, ToolResult
+from rollway.tools.base import Tool, ToolContext, ToolResult, outside_episode
 from rollway.tools.config import ToolsConfig
 from rollway.tools.registry import build_tools, register_tool, run_tool_calls
 
@@ -41,7 +42,9 @@ async def main() -> None:
     sandbox = await LocalSandboxProvider().create(SandboxSpec(files={"notes.txt": "one two three\n"}), "demo-tool")
     try:
         model_output = '<tool_call>{"name": "word_count", "arguments": {"path": "notes.txt"}}</tool_call>'
-        turn = await run_tool_calls(model_output, tools, sandbox, cfg)
+        # Outside a run, give the call the context a run would: its task (context.task) and a state store.
+        context = outside_episode(Task("demo", "How many words are in notes.txt?"))
+        turn = await run_tool_calls(model_output, tools, sandbox, cfg, context)
         print(turn.observations[0].content)
         assert turn.observations[0].content == "3 words"
     finally:

@@ -102,6 +102,7 @@ class SupportDeskTaskSet(TaskSet):
     system_prompt = ("You are a support agent of a shop. Ask the customer what you need, use the desk tools, "
                      "and refund only what they ask for.")
     default_tools = TOOLS
+    require_tool_call = False  # talking to the customer is a turn without a tool call
 
     def __init__(self, cfg: SupportDeskConfig) -> None:
         self._tasks = [Task(f"desk-{c['name'].lower()}", f"Hi, I'm {c['name']}. I want a refund, please.",
