@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from rollway.base.files import write_json_atomic
@@ -87,8 +88,6 @@ INFERENCE_IN_FLIGHT = _gauge("rollway_inference_requests_in_flight", "Model call
 INFERENCE_SECONDS = _seconds("rollway_inference_request_seconds", "Time one model call took")
 GENERATED_TOKENS = _counter("rollway_inference_generated_tokens_total", "Tokens the engine generated for this "
                             "worker (its rate: the engine's tokens per second for the run)")
-INFERENCE_BUSY = _counter("rollway_inference_busy_seconds_total", "Time at least one of this worker's model calls "
-                          "was waiting on the engine (its rate: the fraction of time the engine was busy for it)")
 
 # -- gateway (gateway/server.py, gateway/bounds.py), in the agent stage of program-driven episodes
 GATEWAY_CALL_SECONDS = _seconds("rollway_gateway_call_seconds", "Time the gateway took to answer one model call "
@@ -114,21 +113,40 @@ EPISODES_TRAINED = _gauge("rollway_learner_episodes_trained", "Episodes the lear
 WEIGHT_SYNC_SECONDS = _seconds("rollway_weight_sync_seconds", "Time the inference engine took to load a new policy")
 
 
-class _Busy:
-    """Per stage: model calls in flight and since when, feeding INFERENCE_BUSY (time with at least one)."""
+class _BusyTime(Collector):
+    """`rollway_inference_busy_seconds_total`: per stage, the time at least one of the worker's model calls was
+    waiting on the engine, up to the scrape (a call longer than the scrape interval counts as it goes)."""
 
     def __init__(self) -> None:
+        self.lock = threading.Lock()  # calls change on the event loop, scrapes read on the server's thread
         self.calls: dict[str, int] = {}
         self.since: dict[str, float] = {}
+        self.total: dict[str, float] = {}
 
     def change(self, stage: str, by: int) -> None:
-        now, n = time.monotonic(), self.calls.get(stage, 0)
-        if n > 0:
-            INFERENCE_BUSY.labels(stage).inc(now - self.since[stage])
-        self.calls[stage], self.since[stage] = n + by, now
+        with self.lock:
+            self._advance(stage, time.monotonic())
+            self.calls[stage] = self.calls.get(stage, 0) + by
+
+    def _advance(self, stage: str, now: float) -> None:
+        if self.calls.get(stage, 0) > 0:
+            self.total[stage] += now - self.since[stage]
+        self.total.setdefault(stage, 0.0)
+        self.since[stage] = now
+
+    def collect(self):
+        family = CounterMetricFamily("rollway_inference_busy_seconds", "Time at least one of this worker's model "
+                                     "calls was waiting on the engine (its rate: the fraction of time the engine "
+                                     "was busy for it)", labels=["stage"])
+        with self.lock:
+            for stage in self.total:
+                self._advance(stage, time.monotonic())
+                family.add_metric([stage], self.total[stage])
+        yield family
 
 
-_BUSY = _Busy()
+_BUSY = _BusyTime()
+REGISTRY.register(_BUSY)
 
 
 async def generate(engine: InferenceClient, prompt_ids: list[int], params: SamplingParams, stage: str) -> Generation:

@@ -87,6 +87,7 @@ def test_failing_or_hanging_trackers_never_hold_the_learner(tmp_path):
     t0 = time.perf_counter()
     for step in range(1, 201):  # more than the queue holds: the overflow goes to the unsent files, not a wait
         h.log(step, {"loss": 0.5, "reward_mean": step / 200, "note": "text is left out"})
+    h.table(200, "samples", [{"task_id": "calc-0001", "reward": 1.0}])
     assert time.perf_counter() - t0 < 1.0
     wait_until(lambda: FailingTracker.calls >= 1, timeout_s=60, what="the failing tracker to be tried (not held up "
                "by the hanging one)")
@@ -94,7 +95,9 @@ def test_failing_or_hanging_trackers_never_hold_the_learner(tmp_path):
     h.close(timeout_s=60)
     assert FailingTracker.calls < 10  # backed off, not retried for each of its 200 records
     unsent = [json.loads(x) for x in (tmp_path / "tracking-unsent" / "FailingTracker.jsonl").read_text().splitlines()]
-    assert sorted(r["step"] for r in unsent) == list(range(1, 201)) and "note" not in unsent[0]
+    assert sorted(r["step"] for r in unsent if "table" not in r) == list(range(1, 201)) and "note" not in unsent[0]
+    assert [r for r in unsent if "table" in r] == [{"step": 200, "table": "samples",
+                                                     "rows": [{"task_id": "calc-0001", "reward": 1.0}]}]
 
 
 def test_wandb_offline_run_files(tmp_path):
