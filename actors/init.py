@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 
@@ -42,14 +43,15 @@ class InitActor(Actor):
 
     async def _count_live_sandboxes(self) -> None:
         """The run's sandboxes the engine holds now (the reaper's listing: whoever destroys them, once)."""
-        from rollway.sandboxes.reaper import leftover_names, run_prefix
+        from rollway.sandboxes.reaper import names_by_engine, run_prefix
 
         try:
-            names = await asyncio.to_thread(leftover_names, self.s.sandboxes, run_prefix(self.s.cfg.run.id))
+            names = await asyncio.to_thread(names_by_engine, self.s.sandboxes, run_prefix(self.s.cfg.run.id))
         except Exception as err:  # noqa: BLE001 - a metric must never stop the stage
             log.debug("live sandboxes not counted", error=f"{type(err).__name__}: {err}")
             return
-        metrics.SANDBOXES_LIVE.labels("init").set(len(names))
+        for engine, held in names.items():
+            metrics.SANDBOXES_LIVE.labels("init", engine).set(len(held))
 
     async def setup(self) -> None:
         _ = self.s.taskset, self.s.sandboxes, self.s.chat, self.s.tools
@@ -67,10 +69,12 @@ class InitActor(Actor):
         await self.s.taskset.prepare(task)  # e.g. its image built in a thread, off this loop
         name = sandbox_name(msg.episode_id, msg.attempt)
         try:
-            creating, create_s = metrics.SANDBOXES_CREATING.labels("init"), metrics.SANDBOX_CREATE_SECONDS.labels("init")
-            with creating.track_inprogress(), create_s.time():
+            engine = self.s.sandboxes.engine  # None: a fleet, which counts on the engine it chooses
+            creating = (metrics.SANDBOXES_CREATING.labels("init", engine).track_inprogress() if engine
+                        else contextlib.nullcontext())
+            with creating, metrics.SANDBOX_CREATE_SECONDS.labels("init").time():
                 sandbox = await self.s.sandboxes.create(self.s.taskset.sandbox_spec(task), name)
-            metrics.SANDBOXES_CREATED.labels("init").inc()
+            metrics.SANDBOXES_CREATED.labels("init", sandbox.handle.get("engine") or "local").inc()
         except BaseException:
             await self._discard(name)  # a half-built sandbox (or one whose creation was cancelled)
             raise

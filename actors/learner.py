@@ -121,6 +121,8 @@ class LearnerActor(Actor):
                         episode_id=msg.episode_id)
             return await self._train(msg.episode_id, meta, self.trainer.abandon, msg.group_id, msg.episode_id)
         fresh = not self.trainer.knows(msg.episode_id)
+        if fresh and self.tracking is not None:
+            self.tracking.episode(msg)  # before training: the update it completes counts it
         outputs = await self._train(msg.episode_id, meta, self.trainer.add, msg)
         if fresh:
             self._record(msg)
@@ -237,7 +239,7 @@ class LearnerActor(Actor):
                  "episodes_per_second": r.episodes_trained / max(time.monotonic() - self._started, 1e-9)}
         if self._sync_s is not None:
             extra["weight_sync_seconds"] = self._sync_s
-        self.tracking.log(r.step, {**r.metrics, **extra})
+        self.tracking.update(r.step, {**r.metrics, **extra})
 
     async def _sync_engine(self, checkpoint: Path, version: int) -> None:
         """Ask the inference engine to serve the new weights (engines that do not declare

@@ -91,13 +91,10 @@ class TurnRunner:
         async with self._model_slot(rank):
             t0, gen_started_at = time.perf_counter(), time.time()
             try:
-                with metrics.INFERENCE_IN_FLIGHT.labels("agent").track_inprogress():
-                    gen = await self.inference.generate(state.token_ids, params)
+                gen = await metrics.generate(self.inference, state.token_ids, params, "agent")
             except OSError as err:  # no connection, a timeout: the engine, never the agent
                 raise InferenceUnreachable(f"the inference engine did not answer: {err}") from err
             gen_s, gen_ended_at = time.perf_counter() - t0, time.time()
-            metrics.INFERENCE_SECONDS.labels("agent").observe(gen_s)
-            metrics.GENERATED_TOKENS.labels("agent").inc(len(gen.token_ids))
         # What the record carries must encode: ids that decode to lone surrogates (invalid UTF-8 from a
         # byte-level model) become U+FFFD in the text; the token ids stay exactly as sampled.
         text = chat.decode(gen.token_ids).encode("utf-8", "replace").decode("utf-8")

@@ -13,6 +13,7 @@ import structlog
 from aiohttp import web
 
 from rollway.gateway.config import GatewayLimits
+from rollway.runtime import metrics
 
 if TYPE_CHECKING:
     from rollway.gateway.server import EpisodeHandle
@@ -54,6 +55,12 @@ def bounds_middleware(limits: GatewayLimits, episode_of: Any) -> Any:
     `episode_of(request)`: the episode a credential names, or None."""
 
     @web.middleware
+    async def counted(request: web.Request, handler: Any) -> web.StreamResponse:
+        response = await bounded(request, handler)
+        if response.status >= 400:
+            metrics.GATEWAY_REFUSALS.labels("agent", str(response.status)).inc()
+        return response
+
     async def bounded(request: web.Request, handler: Any) -> web.StreamResponse:
         handle = request.get(EPISODE) or episode_of(request)
         if handle is not None and handle.stop_reason == REFUSED_LIMIT:
@@ -81,7 +88,7 @@ def bounds_middleware(limits: GatewayLimits, episode_of: Any) -> Any:
             refuse(handle, limits, f"answered {response.status}")
         return response
 
-    return bounded
+    return counted
 
 
 class _EpisodeServer(web.Server):

@@ -47,6 +47,7 @@ from rollway.gateway.protocol import (
 from rollway.gateway.recorder import CallRecorder, RecordFailed, RecordTooLarge
 from rollway.gateway.side import SideCallRule, side_call_of
 from rollway.policies.base import ChatFormat, Generation, InferenceClient, SamplingParams
+from rollway.runtime import metrics
 from rollway.schemas.messages import CapturedCall, EpisodeKey
 
 log = structlog.get_logger()
@@ -246,6 +247,7 @@ class Gateway:
         return web.json_response(anthropic_error(err) if api == "messages" else err.body(), status=err.status)
 
     async def _serve(self, request: web.Request, api: str) -> web.StreamResponse:
+        t0 = time.perf_counter()
         try:
             handle = self._episode(request)
             body = await self._off_loop(_json_body, await request.read())
@@ -259,7 +261,9 @@ class Gateway:
                 result = await self._call(handle, api, parsed)
         except RequestError as err:
             return self._error(err, api)
-        return await self._respond(request, api, parsed, *result)
+        response = await self._respond(request, api, parsed, *result)
+        metrics.GATEWAY_CALL_SECONDS.labels("agent", api).observe(time.perf_counter() - t0)
+        return response
 
     def _episode(self, request: web.Request) -> EpisodeHandle:
         """The episode of the path token, else of the bearer key; 401 for an unknown credential or a
@@ -310,7 +314,7 @@ class Gateway:
         if handle.max_trained_tokens is not None and plan.side is None:  # no more than the episode has left
             used = replace(used, max_tokens=min(used.max_tokens, handle.max_trained_tokens - handle.trained_tokens))
         try:
-            generation = await self.engine.generate(plan.prompt_ids, used)
+            generation = await metrics.generate(self.engine, plan.prompt_ids, used, "agent")
         except OSError as err:  # no connection, a timeout: the engine's failure, never the program's
             handle.infrastructure_failure = f"the inference engine did not answer: {err}"[:500]
             raise

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from math import comb
+
+
+def task_source(task_id: str) -> str:
+    """The source a task id names, what per-source figures group by: the id without its trailing instance
+    number (`django__django-11099` -> `django__django`, `HumanEval/12` -> `HumanEval`, `calc-0003` -> `calc`;
+    an id without one is its own source), other characters than letters, digits, `_.-` made `_`."""
+    return re.sub(r"[^\w.\-]", "_", re.sub(r"[-_/.:#]*\d+$", "", task_id) or task_id)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -27,12 +35,22 @@ def evaluate_attempts(attempts: list[tuple[str, bool]], ks: list[int]) -> dict:
         n, c = len(results), sum(results)
         per_task[task_id] = {"n": n, "correct": c,
                              **{f"pass@{k}": round(pass_at_k(n, c, k), 6) for k in ks if k <= n}}
-    overall = {}
+    sources: dict[str, list[dict]] = defaultdict(list)
+    for task_id, row in per_task.items():
+        sources[task_source(task_id)].append(row)
+    return {"tasks": len(per_task), "attempts": len(attempts), **_means(per_task.values(), ks),
+            "per_source": {s: {"tasks": len(rows), **_means(rows, ks)} for s, rows in sorted(sources.items())},
+            "per_task": per_task}
+
+
+def _means(rows, ks: list[int]) -> dict[str, float]:
+    """pass@k averaged over the tasks that have it."""
+    out = {}
     for k in ks:
-        values = [t[f"pass@{k}"] for t in per_task.values() if f"pass@{k}" in t]
+        values = [t[f"pass@{k}"] for t in rows if f"pass@{k}" in t]
         if values:
-            overall[f"pass@{k}"] = round(sum(values) / len(values), 6)
-    return {"tasks": len(per_task), "attempts": len(attempts), **overall, "per_task": per_task}
+            out[f"pass@{k}"] = round(sum(values) / len(values), 6)
+    return out
 
 
 def evaluate_scheduled(scheduled: dict[str, int], completed: list[tuple[str, bool]], ks: list[int]) -> dict:

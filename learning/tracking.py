@@ -1,5 +1,7 @@
 """Experiment trackers (`tracking.trackers`: console, tensorboard, wandb, mlflow, or a `python:MODULE:CLASS`
-plugin): the learner logs each policy update's figures and the run's configuration to them.
+plugin): the learner logs each policy update's figures, what the episodes it received show (pass rate per
+task source, graded failures by kind, suspected reward hacks), a table of sample trajectories every
+`tracking.samples_every` updates, and the run's configuration to them; `rollway eval` logs pass@k.
 
 A tracker never stops or slows training: the learner only puts records on a bounded queue; one background
 thread hands them to the trackers. A tracker that fails (server down, disk full) is warned about and retried
@@ -11,13 +13,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import queue
+import re
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import structlog
 from pydantic import Field, field_validator
@@ -25,7 +28,14 @@ from pydantic import Field, field_validator
 from rollway.base.config import StrictModel
 from rollway.base.plugins import is_plugin, load_plugin
 
+if TYPE_CHECKING:
+    from rollway.schemas.messages import Trajectory
+
 log = structlog.get_logger()
+
+Rows = list[dict[str, Any]]
+Record = tuple[int, dict[str, float], tuple[str, Rows] | None]
+"""(step, figures, table): a table record (name, rows) has no figures."""
 
 PENDING_LIMIT = 10_000
 """Records kept per failing tracker; older ones go to the run folder's unsent file first."""
@@ -65,6 +75,9 @@ class Tracker(ABC):
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         """One policy update's figures at learner step `step`."""
 
+    def table(self, step: int, name: str, rows: Rows) -> None:
+        """A table at step `step` (rows with the same keys: sample trajectories). Default: not kept."""
+
     def close(self) -> None:
         """Flush and finish the tracker run (the learner is stopping)."""
 
@@ -79,6 +92,10 @@ class ConsoleTracker(Tracker):
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         log.info("update", step=step, **{k: round(metrics[k], 4) for k in self.KEYS if k in metrics})
+
+    def table(self, step: int, name: str, rows: Rows) -> None:
+        for row in rows:
+            log.info(name, step=step, **{k: str(v)[:200] for k, v in row.items()})
 
 
 class TensorBoardTracker(Tracker):
@@ -95,6 +112,14 @@ class TensorBoardTracker(Tracker):
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         for name, value in metrics.items():
             self.writer.add_scalar(f"train/{name}", value, step)
+        self.writer.flush()
+
+    def table(self, step: int, name: str, rows: Rows) -> None:
+        """A markdown table in TensorBoard's text tab."""
+        cols = list(rows[0])
+        cell = lambda v: str(v).replace("|", "\\|").replace("\n", "<br>")  # noqa: E731
+        lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+        self.writer.add_text(name, "\n".join(lines + ["| " + " | ".join(cell(r[c]) for c in cols) + " |" for r in rows]), step)
         self.writer.flush()
 
     def close(self) -> None:
@@ -116,6 +141,11 @@ class WandbTracker(Tracker):
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         self.run.log(dict(metrics), step=step)
+
+    def table(self, step: int, name: str, rows: Rows) -> None:
+        import wandb
+
+        self.run.log({name: wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])}, step=step)
 
     def close(self) -> None:
         self.run.finish()
@@ -155,6 +185,10 @@ class MlflowTracker(Tracker):
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
 
+    def table(self, step: int, name: str, rows: Rows) -> None:
+        """An artifact `NAME/step-STEP.json` (MLflow's table format: columns and data)."""
+        self.client.log_table(self.run_id, {c: [r[c] for r in rows] for c in rows[0]}, f"{name}/step-{step:06d}.json")
+
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
 
@@ -183,6 +217,11 @@ class TrackingConfig(StrictModel):
     `online` sends them as they come (needs WANDB_API_KEY)."""
     mlflow_uri: str | None = None
     """MLflow tracking server, e.g. http://127.0.0.1:5000 (None: MLFLOW_TRACKING_URI, else ./mlruns)."""
+    samples_every: int = Field(10, ge=0)
+    """Every this many policy updates, a table of sample trajectories (task, prompt, the model's actions,
+    reward) goes to the trackers as `samples`; 0: never."""
+    samples: int = Field(4, ge=1)
+    """Rows of that table: the episodes the learner received last."""
     queue_size: int = Field(10_000, ge=1)
     """Records waiting for the tracking thread at most; beyond it a record goes to the run folder's unsent file
     instead (the learner never waits)."""
@@ -219,13 +258,13 @@ class _Sink:
     def __init__(self, name: str, tracker: Tracker, unsent: Path, run: TrackerRun, queue_size: int):
         self.name, self.tracker, self.unsent, self.run = name, tracker, unsent, run
         self.started = False
-        self.pending: deque[tuple[int, dict[str, float]]] = deque()
+        self.pending: deque[Record] = deque()
         self.retry_at, self.backoff, self.failures = 0.0, BACKOFF_S[0], 0
         self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self.thread = threading.Thread(target=self._work, name=f"rollway-tracking-{name}", daemon=True)
         self.thread.start()
 
-    def put(self, record: tuple[int, dict[str, float]]) -> None:
+    def put(self, record: Record) -> None:
         try:
             self.queue.put_nowait(record)
         except queue.Full:
@@ -242,7 +281,7 @@ class _Sink:
                 return
             self.offer(item or None)
 
-    def offer(self, record: tuple[int, dict[str, float]] | None) -> None:
+    def offer(self, record: Record | None) -> None:
         if record is not None:
             self.pending.append(record)
             while len(self.pending) > PENDING_LIMIT:
@@ -254,7 +293,11 @@ class _Sink:
                 self.tracker.start(self.run)
                 self.started = True
             while self.pending:
-                self.tracker.log(*self.pending[0])
+                step, figures, table = self.pending[0]
+                if table:
+                    self.tracker.table(step, *table)
+                else:
+                    self.tracker.log(step, figures)
                 self.pending.popleft()
         except Exception as err:  # noqa: BLE001 - a tracker's failure must never reach the learner
             self.failures += 1
@@ -285,11 +328,50 @@ class _Sink:
             except Exception as err:  # noqa: BLE001 - see offer
                 log.warning("experiment tracker failed to close", tracker=self.name, error=str(err)[:300])
 
-    def write_unsent(self, records: list[tuple[int, dict[str, float]]]) -> None:
+    def write_unsent(self, records: list[Record]) -> None:
         self.unsent.parent.mkdir(parents=True, exist_ok=True)
         with self.unsent.open("a") as f:
-            for step, metrics in records:
-                f.write(json.dumps({"step": step, **metrics}) + "\n")
+            for step, figures, table in records:
+                f.write(json.dumps({"step": step, **figures} if table is None else
+                                   {"step": step, "table": table[0], "rows": table[1]}) + "\n")
+
+
+class EpisodeFigures:
+    """What the learner's trackers show of the episodes themselves: pass rate per task source over the
+    episodes received since the previous update (`pass_rate/SOURCE`), and since this learner started
+    graded failures by kind (`failures/STAGE/KIND`, base/blame.py) and suspected reward hacks
+    (envs/reach_check.py); the last episodes as sample rows."""
+
+    PROMPT_CHARS, ACTIONS_CHARS = 2000, 4000
+
+    def __init__(self, samples: int) -> None:
+        self.window: list[tuple[str, bool]] = []
+        self.failures: Counter[str] = Counter()
+        self.hacks = 0
+        self.samples: deque[dict[str, Any]] = deque(maxlen=samples)
+
+    def add(self, traj: Trajectory) -> None:
+        from rollway.base.blame import graded_failures
+        from rollway.envs.reach_check import suspected_hacks
+        from rollway.learning.passk import task_source
+
+        self.window.append((task_source(traj.task_id), traj.resolved))
+        self.failures.update(graded_failures([{"grade": traj.grade}]))
+        self.hacks += suspected_hacks([{"grade": traj.grade}])
+        prompt = next((m.get("content") for m in reversed(traj.messages) if m.get("role") == "user"), "")
+        self.samples.append({
+            "task_id": traj.task_id, "prompt": str(prompt)[:self.PROMPT_CHARS],
+            "actions": "\n\n".join(t.assistant_text for t in traj.turns)[:self.ACTIONS_CHARS], "reward": traj.reward})
+
+    def figures(self) -> dict[str, float]:
+        by_source: dict[str, list[bool]] = {}
+        for source, resolved in self.window:
+            by_source.setdefault(source, []).append(resolved)
+        self.window = []
+        return {**{f"pass_rate/{s}": sum(v) / len(v) for s, v in sorted(by_source.items())},
+                **{"failures/" + re.sub(r"[^\w.\-/]", "_", kind.replace(": ", "/")): n
+                   for kind, n in self.failures.items()},
+                "suspected_reward_hacks": self.hacks}
 
 
 class TrackingHub:
@@ -297,6 +379,7 @@ class TrackingHub:
 
     def __init__(self, cfg: TrackingConfig, run: TrackerRun):
         unsent = Path(run.run_dir) / "tracking-unsent"
+        self.cfg, self.updates, self.episodes = cfg, 0, EpisodeFigures(cfg.samples)
         self.sinks = []
         for ref in cfg.trackers:
             name = ref.rpartition(":")[2]
@@ -322,9 +405,26 @@ class TrackingHub:
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Queue one update's numeric figures for every tracker; never blocks (a tracker's full queue sends
         the record to its unsent file)."""
-        record = (step, {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)})
+        figures = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
         for sink in self.sinks:
-            sink.put(record)
+            sink.put((step, figures, None))
+
+    def table(self, step: int, name: str, rows: Rows) -> None:
+        """Queue a table (see `log`); an empty one is not sent."""
+        for sink in self.sinks if rows else ():
+            sink.put((step, {}, (name, rows)))
+
+    def episode(self, traj: Trajectory) -> None:
+        """A trajectory the learner received: counted into the next update's figures, kept as a sample."""
+        self.episodes.add(traj)
+
+    def update(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """One policy update: its figures with the episodes' (`EpisodeFigures`), and every
+        `tracking.samples_every` updates the table of sample trajectories."""
+        self.log(step, {**metrics, **self.episodes.figures()})
+        self.updates += 1
+        if self.cfg.samples_every and self.updates % self.cfg.samples_every == 0:
+            self.table(step, "samples", list(self.episodes.samples))
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Let every tracker send what it holds (bounded by `timeout_s` in all), write what is left to the run

@@ -112,8 +112,25 @@ def run(args: argparse.Namespace) -> int:
         if broker is not None:
             broker.stop()
     result = write_eval(run_dir, cfg)
+    track_eval(run_dir, cfg, result)
     print(json.dumps({k: v for k, v in result.items() if k != "per_task"}))
     return 0
+
+
+def track_eval(run_dir: Path, cfg, result: dict) -> None:
+    """The evaluation's figures to `tracking.trackers` (the run's tracker run): `eval/pass_at_K` overall and
+    `eval/SOURCE/pass_at_K` per task source (learning/passk.py), `eval/reward_mean`."""
+    from rollway.core.config import dump_config
+    from rollway.learning.tracking import TrackingHub
+
+    hub = TrackingHub.for_run(cfg.tracking, run_dir, cfg.run.name, cfg.run.id, dump_config(cfg))
+    if hub is None:
+        return
+    figures = {"eval/reward_mean": result["reward_mean"]}
+    for prefix, row in [("eval", result), *((f"eval/{s}", r) for s, r in result["per_source"].items())]:
+        figures.update({f"{prefix}/{k.replace('@', '_at_')}": v for k, v in row.items() if k.startswith("pass@")})
+    hub.log(0, figures)
+    hub.close()
 
 
 def _reason(failure: dict) -> str:

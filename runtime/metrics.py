@@ -4,8 +4,8 @@ announcement in the run folder as a Prometheus file-based service discovery targ
 which the `prometheus.yml` that `rollway up` writes (`write_scrape_config`) reads.
 
 Conventions: base units in names (`_seconds`, `_messages`), counters end in `_total`, labels are bounded
-(stage, topic, partition, outcome, cause, state): never an episode, task or sandbox id. Every series has a
-`stage` label, so a process exports only the series of the stages it runs (no zeros from the others)."""
+(stage, topic, partition, outcome, cause, state, api, code, engine): never an episode, task or sandbox id. Every
+series has a `stage` label, so a process exports only the series of the stages it runs (no zeros from the others)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,13 @@ import json
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from rollway.base.files import write_json_atomic
@@ -27,6 +29,7 @@ from rollway.base.run_dir import RunDir
 
 if TYPE_CHECKING:
     from rollway.core.config import MetricsConfig
+    from rollway.policies.base import Generation, InferenceClient, SamplingParams
 
 log = structlog.get_logger()
 
@@ -36,171 +39,128 @@ REGISTRY = CollectorRegistry()
 
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
+
+def _gauge(name: str, doc: str, *labels: str) -> Gauge:
+    return Gauge(name, doc, ["stage", *labels], registry=REGISTRY)
+
+
+def _counter(name: str, doc: str, *labels: str) -> Counter:
+    return Counter(name, doc, ["stage", *labels], registry=REGISTRY)
+
+
+def _seconds(name: str, doc: str, *labels: str) -> Histogram:
+    return Histogram(name, doc, ["stage", *labels], buckets=_SECONDS, registry=REGISTRY)
+
+
 # -- every stage worker (runtime/worker.py)
-CONSUMER_LAG = Gauge(
-    "rollway_consumer_lag_messages",
-    "Messages on an input partition the stage's consumer "
-    "group has not committed yet (log end offset minus committed offset, Kafka's convention), "
-    "per partition this worker owns",
-    ["stage", "topic", "partition"],
-    registry=REGISTRY,
-)
-HANDLED = Counter(
-    "rollway_messages_handled_total",
-    "Input messages a worker finished: handled (a handler "
-    "error included, which dead-letters it) or undecodable",
-    ["stage", "topic", "outcome"],
-    registry=REGISTRY,
-)
-HANDLE_SECONDS = Histogram(
-    "rollway_message_handle_seconds",
-    "Time a handler took on one message",
-    ["stage"],
-    buckets=_SECONDS,
-    registry=REGISTRY,
-)
-QUEUE_SECONDS = Histogram(
-    "rollway_message_queue_seconds",
-    "Time from a message's production to the start "
-    "of its handling (broker transit plus waiting for a free slot)",
-    ["stage"],
-    buckets=_SECONDS,
-    registry=REGISTRY,
-)
-PRODUCED = Counter(
-    "rollway_messages_produced_total", "Messages a stage produced", ["stage"], registry=REGISTRY
-)
-IN_FLIGHT = Gauge(
-    "rollway_messages_in_flight", "Messages a worker is handling now", ["stage"], registry=REGISTRY
-)
-BACKLOG = Gauge(
-    "rollway_messages_backlog",
-    "Messages fetched ahead (prefetch) waiting for a free slot",
-    ["stage"],
-    registry=REGISTRY,
-)
-PAUSED = Gauge(
-    "rollway_consumer_paused",
-    "1 while back-pressure holds a worker's fetches (every slot busy)",
-    ["stage"],
-    registry=REGISTRY,
-)
-CONCURRENCY = Gauge(
-    "rollway_worker_concurrency", "Messages a worker handles at once at most", ["stage"], registry=REGISTRY
-)
-DEAD_LETTERS = Counter(
-    "rollway_dead_letters_total",
-    "Inputs sent to the dead-letters topic, by cause (decode, handler, output)",
-    ["stage", "cause"],
-    registry=REGISTRY,
-)
-REDELIVERIES = Counter(
-    "rollway_redeliveries_total",
-    "Messages delivered again that the stage had already handled (a crash or a rebalance), skipped",
-    ["stage"],
-    registry=REGISTRY,
-)
-PARTITIONS = Gauge(
-    "rollway_partitions_assigned", "Input partitions a worker owns", ["stage"], registry=REGISTRY
-)
-HEARTBEAT = Gauge(
-    "rollway_worker_heartbeat_timestamp_seconds",
-    "When a worker's consumer loop last went "
-    "round (unix time): a wedged loop stops it while /metrics still answers",
-    ["stage"],
-    registry=REGISTRY,
-)
+CONSUMER_LAG = _gauge("rollway_consumer_lag_messages", "Messages on an input partition the stage's consumer group "
+                      "has not committed yet (log end offset minus committed offset, Kafka's convention), per "
+                      "partition this worker owns", "topic", "partition")
+HANDLED = _counter("rollway_messages_handled_total", "Input messages a worker finished: handled (a handler error "
+                   "included, which dead-letters it) or undecodable", "topic", "outcome")
+HANDLE_SECONDS = _seconds("rollway_message_handle_seconds", "Time a handler took on one message")
+QUEUE_SECONDS = _seconds("rollway_message_queue_seconds", "Time from a message's production to the start of its "
+                         "handling (broker transit plus waiting for a free slot)")
+PRODUCED = _counter("rollway_messages_produced_total", "Messages a stage produced")
+IN_FLIGHT = _gauge("rollway_messages_in_flight", "Messages a worker is handling now")
+BACKLOG = _gauge("rollway_messages_backlog", "Messages fetched ahead (prefetch) waiting for a free slot")
+PAUSED = _gauge("rollway_consumer_paused", "1 while back-pressure holds a worker's fetches (every slot busy)")
+CONCURRENCY = _gauge("rollway_worker_concurrency", "Messages a worker handles at once at most")
+DEAD_LETTERS = _counter("rollway_dead_letters_total", "Inputs sent to the dead-letters topic, by cause (decode, "
+                        "handler, output)", "cause")
+REDELIVERIES = _counter("rollway_redeliveries_total", "Messages delivered again that the stage had already handled "
+                        "(a crash or a rebalance), skipped")
+PARTITIONS = _gauge("rollway_partitions_assigned", "Input partitions a worker owns")
+HEARTBEAT = _gauge("rollway_worker_heartbeat_timestamp_seconds", "When a worker's consumer loop last went round "
+                   "(unix time): a wedged loop stops it while /metrics still answers")
 
 # -- scheduler (actors/scheduler.py)
-EPISODES = Gauge(
-    "rollway_scheduler_episodes",
-    "The run's episodes by state (pending, inflight, completed, failed)",
-    ["stage", "state"],
-    registry=REGISTRY,
-)
-EPISODE_RETRIES = Gauge(
-    "rollway_scheduler_episode_retries", "Attempts re-issued after the first", ["stage"], registry=REGISTRY
-)
-MAX_INFLIGHT = Gauge(
-    "rollway_scheduler_max_inflight_episodes", "scheduler.max_inflight_episodes", ["stage"], registry=REGISTRY
-)
-POLICY_LAG = Gauge(
-    "rollway_scheduler_policy_lag",
-    "Policy versions between the newest version and the oldest in-flight episode's",
-    ["stage"],
-    registry=REGISTRY,
-)
-POLICY_LAG_BOUND = Gauge(
-    "rollway_scheduler_max_policy_lag",
-    "scheduler.max_policy_lag (absent when unbounded)",
-    ["stage"],
-    registry=REGISTRY,
-)
+EPISODES = _gauge("rollway_scheduler_episodes", "The run's episodes by state (pending, inflight, completed, failed)",
+                  "state")
+EPISODE_RETRIES = _gauge("rollway_scheduler_episode_retries", "Attempts re-issued after the first")
+MAX_INFLIGHT = _gauge("rollway_scheduler_max_inflight_episodes", "scheduler.max_inflight_episodes")
+POLICY_LAG = _gauge("rollway_scheduler_policy_lag", "Policy versions between the newest version and the oldest "
+                    "in-flight episode's")
+POLICY_LAG_BOUND = _gauge("rollway_scheduler_max_policy_lag", "scheduler.max_policy_lag (absent when unbounded)")
 
-# -- agent (actors/turn.py) and init (actors/init.py)
-INFERENCE_IN_FLIGHT = Gauge(
-    "rollway_inference_requests_in_flight",
-    "Model calls waiting on the inference engine",
-    ["stage"],
-    registry=REGISTRY,
-)
-INFERENCE_SECONDS = Histogram(
-    "rollway_inference_request_seconds",
-    "Time one model call took",
-    ["stage"],
-    buckets=_SECONDS,
-    registry=REGISTRY,
-)
-GENERATED_TOKENS = Counter(
-    "rollway_inference_generated_tokens_total",
-    "Tokens the engine generated for the agent",
-    ["stage"],
-    registry=REGISTRY,
-)
-SANDBOXES_CREATING = Gauge(
-    "rollway_sandboxes_creating", "Sandboxes being created now", ["stage"], registry=REGISTRY
-)
-SANDBOXES_LIVE = Gauge(
-    "rollway_sandboxes_live",
-    "The run's sandboxes the sandbox engine holds (every init worker counts them all: take the max)",
-    ["stage"],
-    registry=REGISTRY,
-)
-SANDBOXES_CREATED = Counter(
-    "rollway_sandboxes_created_total", "Sandboxes created", ["stage"], registry=REGISTRY
-)
-SANDBOX_CREATE_SECONDS = Histogram(
-    "rollway_sandbox_create_seconds",
-    "Time one sandbox took to create",
-    ["stage"],
-    buckets=_SECONDS,
-    registry=REGISTRY,
-)
+# -- model calls (`generate` below: the agent's turns, the gateway's calls)
+INFERENCE_IN_FLIGHT = _gauge("rollway_inference_requests_in_flight", "Model calls waiting on the inference engine")
+INFERENCE_SECONDS = _seconds("rollway_inference_request_seconds", "Time one model call took")
+GENERATED_TOKENS = _counter("rollway_inference_generated_tokens_total", "Tokens the engine generated for this "
+                            "worker (its rate: the engine's tokens per second for the run)")
+
+# -- gateway (gateway/server.py, gateway/bounds.py), in the agent stage of program-driven episodes
+GATEWAY_CALL_SECONDS = _seconds("rollway_gateway_call_seconds", "Time the gateway took to answer one model call "
+                                "it served (engine, recording and reply), by API (chat, completions, responses, "
+                                "messages)", "api")
+GATEWAY_REFUSALS = _counter("rollway_gateway_refusals_total", "Requests the gateway answered with an error, by HTTP "
+                            "status (401 a wrong key, 409 an episode's limit, 413/408 a bound, 503 not recorded)",
+                            "code")
+
+# -- sandboxes (actors/init.py, sandboxes/): `engine` is a fleet engine's id (`sandbox.engines`), else `local`
+SANDBOXES_CREATING = _gauge("rollway_sandboxes_creating", "Sandboxes being created now on each engine", "engine")
+SANDBOXES_LIVE = _gauge("rollway_sandboxes_live", "The run's sandboxes each engine holds (every init worker counts "
+                        "them all: take the max)", "engine")
+SANDBOXES_CREATED = _counter("rollway_sandboxes_created_total", "Sandboxes created", "engine")
+SANDBOX_CREATE_SECONDS = _seconds("rollway_sandbox_create_seconds", "Time one sandbox took to create")
 
 # -- learner (actors/learner.py)
-POLICY_VERSION = Gauge(
-    "rollway_policy_version", "The learner's newest policy version", ["stage"], registry=REGISTRY
-)
-LEARNER_UPDATES = Counter(
-    "rollway_learner_updates_total", "Policy updates the learner made", ["stage"], registry=REGISTRY
-)
-LEARNER_STEP_SECONDS = Histogram(
-    "rollway_learner_step_seconds",
-    "Time one policy update took (forward, backward, optimizer)",
-    ["stage"],
-    buckets=_SECONDS,
-    registry=REGISTRY,
-)
-EPISODES_TRAINED = Gauge(
-    "rollway_learner_episodes_trained", "Episodes the learner has consumed", ["stage"], registry=REGISTRY
-)
-WEIGHT_SYNC_SECONDS = Histogram(
-    "rollway_weight_sync_seconds",
-    "Time the inference engine took to load a new policy",
-    ["stage"],
-    buckets=_SECONDS,
-    registry=REGISTRY,
-)
+POLICY_VERSION = _gauge("rollway_policy_version", "The learner's newest policy version")
+LEARNER_UPDATES = _counter("rollway_learner_updates_total", "Policy updates the learner made")
+LEARNER_STEP_SECONDS = _seconds("rollway_learner_step_seconds", "Time one policy update took (forward, backward, "
+                                "optimizer)")
+EPISODES_TRAINED = _gauge("rollway_learner_episodes_trained", "Episodes the learner has consumed")
+WEIGHT_SYNC_SECONDS = _seconds("rollway_weight_sync_seconds", "Time the inference engine took to load a new policy")
+
+
+class _BusyTime(Collector):
+    """`rollway_inference_busy_seconds_total`: per stage, the time at least one of the worker's model calls was
+    waiting on the engine, up to the scrape (a call longer than the scrape interval counts as it goes)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # calls change on the event loop, scrapes read on the server's thread
+        self.calls: dict[str, int] = {}
+        self.since: dict[str, float] = {}
+        self.total: dict[str, float] = {}
+
+    def change(self, stage: str, by: int) -> None:
+        with self.lock:
+            self._advance(stage, time.monotonic())
+            self.calls[stage] = self.calls.get(stage, 0) + by
+
+    def _advance(self, stage: str, now: float) -> None:
+        if self.calls.get(stage, 0) > 0:
+            self.total[stage] += now - self.since[stage]
+        self.total.setdefault(stage, 0.0)
+        self.since[stage] = now
+
+    def collect(self):
+        family = CounterMetricFamily("rollway_inference_busy_seconds", "Time at least one of this worker's model "
+                                     "calls was waiting on the engine (its rate: the fraction of time the engine "
+                                     "was busy for it)", labels=["stage"])
+        with self.lock:
+            for stage in self.total:
+                self._advance(stage, time.monotonic())
+                family.add_metric([stage], self.total[stage])
+        yield family
+
+
+_BUSY = _BusyTime()
+REGISTRY.register(_BUSY)
+
+
+async def generate(engine: InferenceClient, prompt_ids: list[int], params: SamplingParams, stage: str) -> Generation:
+    """One model call of `stage`, counted: in flight, time, tokens generated, engine busy time."""
+    t0 = time.perf_counter()
+    _BUSY.change(stage, 1)
+    try:
+        with INFERENCE_IN_FLIGHT.labels(stage).track_inprogress():
+            gen = await engine.generate(prompt_ids, params)
+    finally:
+        _BUSY.change(stage, -1)
+    INFERENCE_SECONDS.labels(stage).observe(time.perf_counter() - t0)
+    GENERATED_TOKENS.labels(stage).inc(len(gen.token_ids))
+    return gen
 
 
 class _ScrapeCounter(Collector):

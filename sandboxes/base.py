@@ -211,6 +211,10 @@ class SandboxSpec:
 class SandboxProvider(ABC):
     """Creates sandboxes of one kind. Chosen by `sandbox.type` through `build_sandbox_provider`."""
 
+    engine: str | None = "local"
+    """The engine its creations count against in metrics (`rollway_sandboxes_creating`); None for a fleet,
+    which counts each on the engine it chose."""
+
     @abstractmethod
     async def create(self, spec: SandboxSpec, name: str) -> Sandbox:
         """Create a sandbox for one episode attempt; `name` is unique per attempt."""

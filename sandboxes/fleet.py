@@ -25,6 +25,7 @@ from typing import Any
 
 import structlog
 
+from rollway.runtime import metrics
 from rollway.sandboxes.base import EngineUnreachable, Sandbox, SandboxError, SandboxProvider, SandboxSpec
 from rollway.sandboxes.config import DockerSandboxConfig, EngineConfig
 from rollway.sandboxes.docker import _UNREACHABLE, LABEL, DockerSandbox, DockerSandboxProvider, engine_errors
@@ -117,6 +118,8 @@ class Engine:
 
 class FleetSandboxProvider(SandboxProvider):
     """`sandbox.type: docker`: docker sandboxes on the engines of `sandbox.engines`."""
+
+    engine = None  # each creation counts on the engine chosen for it
 
     def __init__(self, config: DockerSandboxConfig | None = None) -> None:
         self.config = config or DockerSandboxConfig()
@@ -257,7 +260,8 @@ class FleetSandboxProvider(SandboxProvider):
     async def create(self, spec: SandboxSpec, name: str) -> DockerSandbox:
         engine = await self._place(spec.image or self.config.image)
         try:
-            return await engine.provider.create(spec, name)
+            with metrics.SANDBOXES_CREATING.labels("init", engine.id).track_inprogress():
+                return await engine.provider.create(spec, name)
         except EngineUnreachable as err:
             self.mark_down(engine, err)
             raise EngineUnreachable(f"engine {engine.id!r}: {err}") from err

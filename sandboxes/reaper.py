@@ -82,9 +82,18 @@ def leftover_names(provider: SandboxProvider, prefix: str) -> list[str]:
     if isinstance(provider, DockerSandboxProvider):
         return _docker_names(provider, prefix)
     if isinstance(provider, FleetSandboxProvider):
-        return sorted({n for p in provider.providers() for n in _docker_names(p, prefix)})
+        return sorted({n for names in names_by_engine(provider, prefix).values() for n in names})
     log.warning("this sandbox type has no reaper; leftovers stay", provider=type(provider).__name__)
     return []
+
+
+def names_by_engine(provider: SandboxProvider, prefix: str) -> dict[str, list[str]]:
+    """`leftover_names` per engine: a fleet's engine ids, else `local`."""
+    from rollway.sandboxes.fleet import FleetSandboxProvider
+
+    if isinstance(provider, FleetSandboxProvider):
+        return {e.id: _docker_names(e.provider, prefix) for e in provider.engines.values()}
+    return {"local": leftover_names(provider, prefix)}
 
 
 async def remove_named(provider: SandboxProvider, name: str) -> None:

@@ -23,7 +23,7 @@ def test_eval_reports_pass_at_k_over_every_scheduled_attempt(tmp_path, broker):
     incorrect sample; every sample of the hard task is wrong. pass@k is over every scheduled attempt."""
     cfg = {"run": {"name": "evaltest", "id": "ev1"}, "tasks": {"type": "calc", "count": 2},  # id: seeds are fixed
            "scheduler": {"episode_deadline_s": 60, "max_attempts": 1}, "agent": {"max_turns": 3},
-           "eval": {"attempts": 6, "ks": [1, 2], "temperature": 1.0},
+           "eval": {"attempts": 6, "ks": [1, 2], "temperature": 1.0}, "tracking": {"trackers": ["tensorboard"]},
            "policy": {"type": "scripted", "script": [
                {"when": "83 \\+ 75(?![\\s\\S]*BOOM)", "turns": [CALC, RIGHT],
                 "alternatives": [[CALC, WRONG], ["BOOM"]]},
@@ -51,3 +51,12 @@ def test_eval_reports_pass_at_k_over_every_scheduled_attempt(tmp_path, broker):
     # The unbiased estimator, per task 1 - C(n - c, k) / C(n, k), averaged over tasks (hard: 0).
     assert abs(result["pass@2"] - (1 - comb(6 - c, 2) / comb(6, 2)) / 2) < 1e-5
     assert result["pass@1"] < result["pass@2"] <= result["pass@6"] == 0.5
+    # Both tasks are of one source (`calc`): its pass@k is the overall one, in eval.json and in the tracker.
+    assert result["per_source"] == {"calc": {"tasks": 2, **{f"pass@{k}": result[f"pass@{k}"] for k in (1, 2, 6)}}}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tb" / "tracking"))
+    acc.Reload()
+    for k in (1, 2, 6):
+        for tag in (f"train/eval/pass_at_{k}", f"train/eval/calc/pass_at_{k}"):
+            assert [(e.step, round(e.value, 5)) for e in acc.Scalars(tag)] == [(0, round(result[f"pass@{k}"], 5))], tag

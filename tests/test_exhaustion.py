@@ -202,7 +202,13 @@ async def _exchange(port: int, data: bytes, read_timeout_s: float = 120) -> byte
 
 def test_a_body_larger_than_the_limit_is_refused_from_its_header_before_it_is_read():
     """A request that announces a 1 GiB body gets 413 at once: the gateway reads none of it (the test
-    sends none) and counts the refusal against the episode."""
+    sends none) and counts the refusal against the episode, and in its metrics by status."""
+    from rollway.runtime.metrics import REGISTRY
+
+    def refusals_413() -> float:
+        return REGISTRY.get_sample_value("rollway_gateway_refusals_total", {"stage": "agent", "code": "413"}) or 0.0
+
+    before = refusals_413()
 
     async def scenario() -> tuple[bytes, int]:
         gateway, handle, path = await _gateway_with_episode(max_request_bytes=1 << 20)
@@ -215,7 +221,7 @@ def test_a_body_larger_than_the_limit_is_refused_from_its_header_before_it_is_re
 
     answer, refused = asyncio.run(scenario())
     assert answer.startswith(b"HTTP/1.1 413") and b"max_request_bytes" in answer
-    assert refused == 1
+    assert refused == 1 and refusals_413() == before + 1
 
 
 def test_a_body_without_a_length_is_cut_off_at_the_limit():

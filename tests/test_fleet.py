@@ -22,10 +22,12 @@ import yaml
 from conftest import ROOT, run, wait_until
 
 from rollway.core.config import load_config
+from rollway.runtime.metrics import REGISTRY
 from rollway.sandboxes.base import EngineUnreachable, SandboxError, SandboxSpec
 from rollway.sandboxes.config import DockerSandboxConfig, EngineConfig
 from rollway.sandboxes.docker import LABEL
 from rollway.sandboxes.fleet import FleetSandboxProvider, engine_client
+from rollway.sandboxes.reaper import names_by_engine
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(os.geteuid() != 0, reason="starting Docker daemons needs root")]
 CAPACITY = 3
@@ -170,6 +172,12 @@ def test_a_full_fleet_makes_init_wait_and_places_on_the_engine_that_frees_up(fle
     async def scenario():
         boxes = await asyncio.gather(*[provider.create(SandboxSpec(), f"{prefix}-{i}") for i in range(3)])
         assert sorted(b.handle["engine"] for b in boxes) == ["fleet-1", "fleet-2", "fleet-3"]
+        # The metrics per engine: what each engine's own list holds (rollway_sandboxes_live), and each
+        # creation counted on its engine while it ran (rollway_sandboxes_creating, 0 once done).
+        live = await asyncio.to_thread(names_by_engine, provider, prefix)
+        assert {e: len(names) for e, names in live.items()} == {"fleet-1": 1, "fleet-2": 1, "fleet-3": 1}
+        assert {e: REGISTRY.get_sample_value("rollway_sandboxes_creating", {"stage": "init", "engine": e})
+                for e in live} == dict.fromkeys(live, 0.0)
         waiting = asyncio.ensure_future(provider.create(SandboxSpec(), f"{prefix}-3"))
         done, _ = await asyncio.wait({waiting}, timeout=3.0)
         assert not done, "a placement on a full fleet must wait, not fail or overfill"

@@ -28,7 +28,8 @@ from rollway.runtime.telemetry import read_telemetry
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-ALLOWED_LABELS = {"__name__", "job", "instance", "run", "stage", "topic", "partition", "outcome", "cause", "state", "le"}
+ALLOWED_LABELS = {"__name__", "job", "instance", "run", "stage", "topic", "partition", "outcome", "cause", "state", "le",
+                  "api", "code", "engine"}
 """Every label a rollway series may carry: bounded sets only (no episode, task or sandbox id)."""
 STAGE_PROCESSES = {"scheduler", "init", "agent", "reward", "sink", "learner"}
 
@@ -252,10 +253,21 @@ def test_handled_totals_equal_the_runs_counts(scraped_run):
     assert per_stage[f"sink:{prefix}trajectories"] == per_stage[f"learner:{prefix}trajectories"] == len(trajs)
     assert per_stage[f"agent:{prefix}agent-steps"] == sum(t["num_turns"] for t in trajs)
     assert last(prom, 'rollway_scheduler_episodes{state="completed"}', ()) == {(): 8.0}
-    assert last(prom, "rollway_sandboxes_created_total", ()) == {(): float(summary["episodes_scheduled"] +
-                                                                             summary["episodes_retried"])}
+    # Sandboxes per engine: the smoke job's bubblewrap sandboxes are all on the `local` engine.
+    assert last(prom, "rollway_sandboxes_created_total", ("engine",)) == {("local",): float(
+        summary["episodes_scheduled"] + summary["episodes_retried"])}
     live = prom.query('max_over_time(rollway_sandboxes_live[1h])')
-    assert len(live) == 1 and 0 <= float(live[0]["value"][1]) <= 8  # the init worker's listing, never above in-flight
+    assert [r["metric"]["engine"] for r in live] == ["local"]
+    assert 0 <= float(live[0]["value"][1]) <= 8  # the init worker's listing, never above in-flight
+    assert last(prom, "rollway_sandboxes_creating", ("engine",)) == {("local",): 0.0}
+    # The engine's figures as the agent saw them: every token it generated, and its busy time, which is at
+    # most the calls' summed time (calls overlap) and more than none.
+    generated = last(prom, 'rollway_inference_generated_tokens_total{stage="agent"}', ())[()]
+    trained = sum(sum(t["loss_mask"]) for t in trajs)  # a retried episode's lost attempt generated more
+    assert generated == trained if not summary["episodes_retried"] else generated >= trained, (generated, trained)
+    busy = last(prom, 'rollway_inference_busy_seconds_total{stage="agent"}', ())[()]
+    calls = last(prom, 'rollway_inference_request_seconds_sum{stage="agent"}', ())[()]
+    assert 0 < busy <= calls + 1e-6, (busy, calls)
     produced = last(prom, 'rollway_messages_produced_total{stage="reward"}', ())
     assert produced[()] >= 8  # a trajectory per episode, and its done notice
     hist = last(prom, 'rollway_message_handle_seconds_count{stage="reward"}', ())
@@ -354,3 +366,75 @@ def test_a_metrics_address_that_cannot_be_bound_does_not_stop_the_stage(tmp_path
 
     assert MetricsServer.acquire(MetricsConfig(host="192.0.2.1"), tmp_path, "run-x") is None  # TEST-NET-1
     assert not (tmp_path / "prometheus").exists()
+
+
+def test_gateway_and_engine_series_from_a_real_scrape(tmp_path):
+    """The gateway of program-driven episodes, in this process with its /metrics announced in a run folder and
+    scraped by a real Prometheus through the scrape configuration `rollway up` writes: each served call's time
+    per API, each refusal per HTTP status, the tokens the engine generated and its busy time. The scripted
+    policy stands in for the model (the only fake part)."""
+    import asyncio
+
+    import openai
+    from test_gateway import SCRIPT, LoggedEngine, key
+
+    from rollway.core.config import MetricsConfig
+    from rollway.gateway import Gateway, MemoryRecorder
+    from rollway.policies.chat import BytesChatML
+    from rollway.runtime.metrics import REGISTRY, MetricsServer
+
+    def sample(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, {"stage": "agent", **labels}) or 0.0
+
+    names = [("rollway_gateway_call_seconds_count", {"api": "chat"}), ("rollway_gateway_call_seconds_count",
+             {"api": "completions"}), ("rollway_gateway_refusals_total", {"code": "401"}),
+             ("rollway_gateway_refusals_total", {"code": "409"}), ("rollway_inference_generated_tokens_total", {}),
+             ("rollway_inference_busy_seconds_total", {}), ("rollway_inference_request_seconds_sum", {})]
+    before = [sample(n, **labels) for n, labels in names]  # this process's registry may hold earlier tests' calls
+    run_dir = tmp_path / "run"
+    prom_config = write_scrape_config(run_dir, scrape_interval_s=0.5)
+    server = MetricsServer.acquire(MetricsConfig(port=0), run_dir, "run-gw")
+    prom = Prometheus(prom_config, tmp_path / "data")
+    engine = LoggedEngine(SCRIPT * 2)
+    secret: list[str] = []
+
+    async def episode() -> None:
+        gateway = Gateway(engine, BytesChatML(), MemoryRecorder())
+        await gateway.start()
+        try:
+            handle = gateway.open_episode(key("ep-7f3a"), max_calls=2)
+            secret.append(handle.api_key)
+            client = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=handle.api_key, max_retries=0)
+            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+            await client.completions.create(model="m", prompt="hello")
+            with pytest.raises(openai.ConflictError):  # its limit of 2 calls
+                await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "again"}])
+            with pytest.raises(openai.AuthenticationError):
+                await openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="sk-guess", max_retries=0
+                                         ).chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        finally:
+            await gateway.stop()
+
+    try:
+        asyncio.run(episode())
+        tokens = sum(len(g.token_ids) for _, g in engine.log)
+        want = [1, 1, 1, 1, tokens]
+        queries = [n + "{" + ",".join(f'{k}="{v}"' for k, v in {"stage": "agent", **labels}.items()) + "}"
+                   for n, labels in names]
+
+        def scraped() -> list[float]:
+            return [sum(float(r["value"][1]) for r in prom.query(q)) for q in queries]
+
+        wait_until(lambda: [a - b for a, b in zip(scraped()[:5], before, strict=False)] == want, timeout_s=120,
+                   interval_s=0.5, what=f"Prometheus to scrape the gateway's figures {want} (log: {prom.log})")
+        busy, calls = (v - b for v, b in zip(scraped()[5:], before[5:], strict=True))
+        assert len(engine.log) == 2 and tokens > 0
+        assert 0 < busy <= calls + 1e-6, (busy, calls)  # one call at a time here: busy is their summed time
+        assert busy == pytest.approx(calls, rel=0.5)
+        # Their labels: API and status only, never the episode or its key.
+        series = prom.api("series", **{"match[]": ['{__name__=~"rollway_gateway_.+"}']})
+        assert {k for s in series for k in s} <= ALLOWED_LABELS \
+        and not [x for x in ("ep-7f3a", *secret) if x in json.dumps(series)]
+    finally:
+        prom.stop()
+        asyncio.run(server.release(clean=False))

@@ -87,6 +87,7 @@ def test_failing_or_hanging_trackers_never_hold_the_learner(tmp_path):
     t0 = time.perf_counter()
     for step in range(1, 201):  # more than the queue holds: the overflow goes to the unsent files, not a wait
         h.log(step, {"loss": 0.5, "reward_mean": step / 200, "note": "text is left out"})
+    h.table(200, "samples", [{"task_id": "calc-0001", "reward": 1.0}])
     assert time.perf_counter() - t0 < 1.0
     wait_until(lambda: FailingTracker.calls >= 1, timeout_s=60, what="the failing tracker to be tried (not held up "
                "by the hanging one)")
@@ -94,7 +95,9 @@ def test_failing_or_hanging_trackers_never_hold_the_learner(tmp_path):
     h.close(timeout_s=60)
     assert FailingTracker.calls < 10  # backed off, not retried for each of its 200 records
     unsent = [json.loads(x) for x in (tmp_path / "tracking-unsent" / "FailingTracker.jsonl").read_text().splitlines()]
-    assert sorted(r["step"] for r in unsent) == list(range(1, 201)) and "note" not in unsent[0]
+    assert sorted(r["step"] for r in unsent if "table" not in r) == list(range(1, 201)) and "note" not in unsent[0]
+    assert [r for r in unsent if "table" in r] == [{"step": 200, "table": "samples",
+                                                     "rows": [{"task_id": "calc-0001", "reward": 1.0}]}]
 
 
 def test_wandb_offline_run_files(tmp_path):
@@ -197,6 +200,17 @@ def test_mlflow_server_down_at_first_then_up_gets_every_update(tmp_path):
         (run,) = client.search_runs([client.get_experiment_by_name("rollway-test").experiment_id])
         assert run.data.params["policy.api_key"] == "**********" and run.data.params["learner.lr"] == "1e-06"
         assert run.info.status == "FINISHED" and run.info.run_name == "test-run-abc"
+        # Another run: an update with an episode's figures and the table of sample trajectories.
+        h = hub(tmp_path / "second", "mlflow", mlflow_uri=uri, project="rollway-samples", samples_every=1)
+        h.episode(sample_trajectory(0, "calc-0001", 1.0, {}, "g"))
+        h.update(1, {"reward_mean": 1.0})
+        h.close(timeout_s=60)
+        (second,) = client.search_runs([client.get_experiment_by_name("rollway-samples").experiment_id])
+        assert [(m.step, m.value) for m in client.get_metric_history(second.info.run_id, "pass_rate/calc")] == [(1, 1.0)]
+        table = json.loads(Path(client.download_artifacts(second.info.run_id, "samples/step-000001.json",
+                                                          str(tmp_path / "second"))).read_text())
+        assert table == {"columns": ["task_id", "prompt", "actions", "reward"],
+                         "data": [["calc-0001", "Solve calc-0001.", "answer 0 | done", 1.0]]}
         assert not (tmp_path / "tracking-unsent").exists()
         # The run as a user sees it: MLflow's own UI drawn by headless Chromium (docs/observability.md shows it).
         shot = tmp_path / "mlflow-run.png"
@@ -288,3 +302,81 @@ def test_the_learner_logs_each_update_and_the_masked_config(tmp_path):
     assert step == 1 and figures["policy_version"] == 1 and figures["episodes_trained"] == 2
     assert figures["reward_mean"] == pytest.approx(0.5) and figures["pass_rate"] == pytest.approx(0.5)
     assert {"loss", "grad_norm", "tokens_per_second", "train_seconds"} <= set(figures), sorted(figures)
+
+
+def sample_trajectory(i: int, task_id: str, reward: float, grade: dict, group: str):
+    """A one-turn trajectory of task `task_id` whose prompt and action are readable text."""
+    import msgspec
+
+    from rollway.learning.testing import make_trajectory
+    from rollway.schemas.messages import TurnRecord
+
+    t = make_trajectory(f"{group}-s{i}", group, prompt=[1, 2, 3], completion=[10 + i, 11, 12], reward=reward,
+                        sample_index=i)
+    turn = TurnRecord(turn=0, completion_ids=[10 + i, 11, 12], logprobs=[-5.0] * 3, policy_version=0,
+                      finish_reason="stop", assistant_text=f"answer {i} | done")
+    return msgspec.structs.replace(t, episode=msgspec.structs.replace(t.episode, task_id=task_id), grade=grade,
+                                   turns=[turn], messages=[{"role": "system", "content": "Be brief."},
+                                                           {"role": "user", "content": f"Solve {task_id}."}])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None or importlib.util.find_spec("wandb") is None,
+                    reason="needs the train extra and rollway[wandb]")
+def test_the_learner_logs_pass_rate_per_source_failures_hacks_and_sample_tables(tmp_path):
+    """A real (tiny) torch learner, two updates of one group each (two task sources), logged to TensorBoard
+    and W&B (offline), read back from their files: pass rate per task source over each update's episodes,
+    graded failures by kind and suspected reward hacks counted since the start, and the table of sample
+    trajectories (prompt, actions, reward) at every update (`tracking.samples_every=1`)."""
+    pytest.importorskip("torch")
+    from test_learner_actor import learner_services
+
+    from rollway.actors.learner import LearnerActor
+    from rollway.base.blame import AGENT_FAILURE
+    from rollway.envs.reach_check import SUSPECTED_HACK
+    from rollway.learning.testing import tiny_model_factory
+    from rollway.runtime.actor import MessageMeta
+
+    hack = {"outcome": SUSPECTED_HACK, SUSPECTED_HACK: [{"path": "tests/conftest.py"}]}
+    crash = {"outcome": AGENT_FAILURE, "failure_kind": "HarnessCrashed", "failure_stage": "agent", "failure": "x"}
+    episodes = [sample_trajectory(0, "calc-0001", 1.0, {}, "rL-g0"), sample_trajectory(1, "calc-0001", 0.0, hack, "rL-g0"),
+                sample_trajectory(2, "toy-007", 0.0, crash, "rL-g1"), sample_trajectory(3, "toy-007", 1.0, {}, "rL-g1")]
+    s = learner_services(tmp_path, "tracking.trackers=[tensorboard, wandb]", "tracking.samples_every=1",
+                         "tracking.samples=2")
+
+    async def scenario():
+        actor = LearnerActor(s, trainer_factory=tiny_model_factory())
+        await actor.setup()
+        for offset, t in enumerate(episodes):
+            await actor.handle(t, MessageMeta("trajectories", 0, offset))
+        await actor.close()
+
+    asyncio.run(scenario())
+    run_dir = tmp_path / "run"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tb" / "tracking"), size_guidance={"tensors": 0})
+    acc.Reload()
+
+    def scalars(tag: str) -> list[tuple[int, float]]:
+        return [(e.step, e.value) for e in acc.Scalars(f"train/{tag}")]
+
+    assert scalars("pass_rate/calc") == [(1, 0.5)] and scalars("pass_rate/toy") == [(2, 0.5)]
+    assert scalars("suspected_reward_hacks") == [(1, 1.0), (2, 1.0)]  # since the start
+    assert scalars("failures/agent/HarnessCrashed") == [(2, 1.0)]
+    texts = {e.step: e.tensor_proto.string_val[0].decode() for e in acc.Tensors("samples/text_summary")}
+    assert sorted(texts) == [1, 2]
+    assert "| task_id | prompt | actions | reward |" in texts[2]
+    assert "| toy-007 | Solve toy-007. | answer 2 \\| done | 0.0 |" in texts[2]
+    assert "| toy-007 | Solve toy-007. | answer 3 \\| done | 1.0 |" in texts[2]
+    # W&B's offline files: the same figures, and the table as W&B stores it (a table file per step).
+    run_file = wandb_run_file(run_dir)
+    wait_until(lambda: len(read_wandb_offline(run_file)[0]) >= 2, timeout_s=120, what="W&B's file to hold 2 updates")
+    history = {r["_step"]: r for r in read_wandb_offline(run_file)[0]}
+    assert history[1]["pass_rate/calc"] == 0.5 and "pass_rate/toy" not in history[1]
+    assert history[2]["pass_rate/toy"] == 0.5 and history[2]["failures/agent/HarnessCrashed"] == 1
+    assert history[1]["suspected_reward_hacks"] == history[2]["suspected_reward_hacks"] == 1
+    assert history[1]["samples/_type"] == "table-file" and history[1]["samples/nrows"] == 2
+    table = json.loads((run_file.parent / "files" / history[2]["samples/path"]).read_text())
+    assert table["columns"] == ["task_id", "prompt", "actions", "reward"]
+    assert table["data"] == [["toy-007", "Solve toy-007.", "answer 2 | done", 0.0],
+                             ["toy-007", "Solve toy-007.", "answer 3 | done", 1.0]]
