@@ -17,7 +17,8 @@ from rollway.actors.scheduler import SchedulerActor
 from rollway.actors.services import Services
 from rollway.actors.sink import SinkActor
 from rollway.core.config import load_config
-from rollway.runtime.actor import MessageMeta
+from rollway.runtime.actor import MessageMeta, Output
+from rollway.runtime.inprocess import InProcessDriver
 from rollway.schemas import (
     AgentStep,
     EpisodeFailure,
@@ -27,7 +28,7 @@ from rollway.schemas import (
     RewardRequest,
     Trajectory,
 )
-from rollway.topics import AGENT_STEPS, INIT_REQUESTS, REWARD_REQUESTS, TRAJECTORIES
+from rollway.topics import AGENT_STEPS, INIT_REQUESTS, REWARD_REQUESTS
 
 
 def services(tmp_path: Path, *overrides: str) -> Services:
@@ -40,25 +41,13 @@ def meta(offset: int = 0) -> MessageMeta:
 
 
 async def play_episode(s: Services, task_id: str = "toy-001", episode_id: str = "r1-g0-s0") -> Trajectory:
-    """init -> agent turns -> reward, the way the runner would chain them."""
-    init, agent, reward = InitActor(s), AgentActor(s), RewardActor(s)
-    for actor in (init, agent, reward):
-        await actor.setup()
-    req = InitRequest(episode=EpisodeKey(episode_id=episode_id, group_id="r1-g0", task_id=task_id), issued_at=time.time(),
-                      deadline=time.time() + 60)
-    [out] = await init.handle(req, MessageMeta("init-requests", 0, 0))
-    assert out.topic is AGENT_STEPS and out.key == episode_id
-    workspace = Path(out.value.sandbox["path"])
-    assert workspace.is_dir()
-    offset = 0
-    while out.topic is AGENT_STEPS:
-        [out] = await agent.handle(out.value, meta(offset))
-        offset += 1
-    assert out.topic is REWARD_REQUESTS
-    [out] = await reward.handle(out.value, MessageMeta("reward-requests", 0, 0))
-    assert out.topic is TRAJECTORIES
-    assert not workspace.exists(), "the reward actor must tear the sandbox down"
-    return out.value
+    """init -> agent turns -> reward, chained by the in-process driver as the topology says."""
+    outputs: list[Output] = []
+    async with InProcessDriver(s) as driver:
+        traj = await driver.play(EpisodeKey(episode_id=episode_id, group_id="r1-g0", task_id=task_id), 60, outputs=outputs)
+    assert outputs[0].topic is AGENT_STEPS and outputs[0].key == episode_id and outputs[-2].topic is REWARD_REQUESTS
+    assert not Path(outputs[0].value.sandbox["path"]).exists(), "the reward actor must tear the sandbox down"
+    return traj
 
 
 def test_scripted_episode_solves_toy_task_token_exact(tmp_path):
