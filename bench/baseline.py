@@ -6,7 +6,6 @@ handling that made it."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import time
 from collections import deque
@@ -20,8 +19,6 @@ from rollway.core.config import RunConfig
 from rollway.runtime.inprocess import InProcessDriver
 from rollway.runtime.telemetry import TelemetryLog
 from rollway.schemas.messages import Trajectory
-
-NO_DEADLINE_S = 1e9
 
 
 @dataclass
@@ -47,11 +44,11 @@ class BatchDispatcher:
     def __init__(self, cfg: RunConfig, run_dir: Path, slots: int):
         self.services = Services(cfg, run_dir)
         self.slots = slots
-        self.driver = InProcessDriver(self.services)
         self.busy = self.peak = 0
         self.busy_log: list[tuple[float, int]] = []
         self.issued_at: dict[str, float] = {}
         self.telemetry = TelemetryLog(RunDir(run_dir).telemetry_path("baseline", os.getpid()), "baseline")
+        self.driver = InProcessDriver(self.services, self.telemetry)
 
     async def plan(self) -> list[Ticket]:
         """The same episodes in the same order as the pipeline's scheduler issues them."""
@@ -76,8 +73,9 @@ class BatchDispatcher:
         while queue:
             ticket = queue.popleft()
             self._count(+1)
+            self.issued_at[ticket.episode_id] = time.time()
             try:
-                results.append(await self.episode(ticket))
+                results.append(await self.driver.play(ticket.key))
             finally:
                 self._count(-1)
 
@@ -85,18 +83,6 @@ class BatchDispatcher:
         self.busy += delta
         self.peak = max(self.peak, self.busy)
         self.busy_log.append((time.time(), self.busy))
-
-    @contextlib.asynccontextmanager
-    async def _recorded(self, stage, msg, meta):
-        """One handling, recorded as a stage runtime records it."""
-        started = time.time()
-        yield
-        self.telemetry.record(meta.topic, 0, meta.offset, meta.timestamp_ms, None, msg, started, time.time(),
-                              stage=stage.name)
-
-    async def episode(self, t: Ticket) -> Trajectory:
-        self.issued_at[t.episode_id] = time.time()
-        return await self.driver.play(t.key, NO_DEADLINE_S, self._recorded)
 
 
 async def run_baseline(cfg: RunConfig, run_dir: Path, slots: int) -> BaselineResult:

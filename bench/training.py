@@ -44,8 +44,6 @@ from rollway.core.config import RunConfig
 from rollway.runtime.inprocess import InProcessDriver
 from rollway.schemas.messages import AgentStep, EpisodeKey, InitRequest, Trajectory
 
-NO_DEADLINE_S = 1e9
-
 
 class TrainingConfig(StrictModel):
     """The training loop around the benchmark workload: batch, steps, modes, learner cost."""
@@ -206,7 +204,9 @@ class TrainingLoop:
     async def episode(self, record: EpisodeRecord) -> None:
         traj = failure = None
         try:
-            traj = await self.run_episode(record)
+            eid = f"{self.services.cfg.run.id}-train-l{self.lag}-e{record.index:05d}"  # the run's own (stages skip others)
+            traj = await self.driver.play(EpisodeKey(episode_id=eid, group_id=eid, task_id=f"sim-{record.index:05d}"),
+                                          lambda stage, msg, meta: self._gated(record, msg))
         except Exception as err:
             failure = err
             raise
@@ -220,28 +220,17 @@ class TrainingLoop:
                 self.generating.pop(record.index, None)
                 self.changed.notify_all()
 
-    async def run_episode(self, record: EpisodeRecord) -> Trajectory:
-        eid = f"{self.services.cfg.run.id}-train-l{self.lag}-e{record.index:05d}"  # the run's own (stages skip others)
-        key = EpisodeKey(episode_id=eid, group_id=eid, task_id=f"sim-{record.index:05d}")
-        return await self.driver.play(key, NO_DEADLINE_S, lambda stage, msg, meta: self._gated(record, msg))
-
     @contextlib.asynccontextmanager
     async def _gated(self, record: EpisodeRecord, msg):
         """A sandbox start, a turn (the first once admitted) or a grading, each through its gate."""
-        if isinstance(msg, InitRequest):
-            async with self.init_gate:
-                yield
-        elif isinstance(msg, AgentStep):
-            if record.version is None:
-                async with self.changed:
-                    await self.changed.wait_for(lambda: self.admissible(record.index))
-                    record.version, record.admitted_at = self.version, time.time()
-                    self.generating[record.index] = record
-            async with self.turn_gate.slot(lambda turn=msg.turn: float(turn)):
-                yield
-        else:
-            async with self.grade_gate:
-                yield
+        if isinstance(msg, AgentStep) and record.version is None:
+            async with self.changed:
+                await self.changed.wait_for(lambda: self.admissible(record.index))
+                record.version, record.admitted_at = self.version, time.time()
+                self.generating[record.index] = record
+        async with (self.init_gate if isinstance(msg, InitRequest) else self.grade_gate
+                    if not isinstance(msg, AgentStep) else self.turn_gate.slot(lambda turn=msg.turn: float(turn))):
+            yield
 
     # -- learning ----------------------------------------------------------------------------
     def batch_for(self, step: int) -> list[EpisodeRecord] | None:

@@ -12,11 +12,12 @@ from typing import Any
 
 import yaml
 
+from rollway.actors.services import Services
 from rollway.base.run_dir import RunDir
 from rollway.core.config import RunConfig, load_config
 from rollway.envs.leak_probe import probe_task
-from rollway.runtime.inprocess import InProcessDriver, solo_key
-from rollway.schemas.messages import Trajectory
+from rollway.runtime.inprocess import InProcessDriver
+from rollway.schemas.messages import EpisodeKey, Trajectory
 
 DO_NOTHING_SCRIPT = "[{when: '', turns: ['I will not do anything.']}]"
 """The do-nothing policy: one reply without a tool call, every turn."""
@@ -24,10 +25,13 @@ DO_NOTHING_SCRIPT = "[{when: '', turns: ['I will not do anything.']}]"
 
 async def play_episode(cfg: RunConfig, run_dir: Path, task_id: str, services: Any = None) -> Trajectory:
     """One episode of `task_id` through the rollout stages, in this process (no broker)."""
-    from rollway.actors.services import Services
-
     async with InProcessDriver(services or Services(cfg, run_dir)) as driver:
-        return await driver.play(solo_key(task_id, "verify"))
+        return await driver.play(verify_key(task_id))
+
+
+def verify_key(task_id: str) -> EpisodeKey:
+    episode_id = f"verify-{uuid.uuid4().hex[:8]}"
+    return EpisodeKey(episode_id=episode_id, group_id=episode_id, task_id=task_id)
 
 
 def with_policy(config: str | None, overrides: list[str], **policy: Any) -> RunConfig:
@@ -40,16 +44,14 @@ def with_policy(config: str | None, overrides: list[str], **policy: Any) -> RunC
 
 async def verify_taskset(config: str | None, overrides: list[str], run_dir: Path) -> dict[str, Any]:
     """Every task played by the gold policy and by the do-nothing policy; the rows and the totals."""
-    from rollway.actors.services import Services
-
     gold = Services(with_policy(config, overrides, type="gold"), RunDir(run_dir).sub("gold").path)
     nothing = Services(with_policy(config, overrides, type="scripted", script=yaml.safe_load(DO_NOTHING_SCRIPT)),
                        RunDir(run_dir).sub("nothing").path)
     rows = []
     async with InProcessDriver(gold) as gold_driver, InProcessDriver(nothing) as nothing_driver:
         for task in gold.taskset.tasks():
-            g = await gold_driver.play(solo_key(task.task_id, "verify"))
-            n = await nothing_driver.play(solo_key(task.task_id, "verify"))
+            g = await gold_driver.play(verify_key(task.task_id))
+            n = await nothing_driver.play(verify_key(task.task_id))
             for services, traj in ((gold, g), (nothing, n)):
                 keep_trajectory(services.run_dir, traj)
             row = {"task_id": task.task_id, "gold_resolved": g.resolved, "gold_reward": g.reward,

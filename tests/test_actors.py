@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from rollway.actors.scheduler import SchedulerActor
 from rollway.actors.services import Services
 from rollway.actors.sink import SinkActor
 from rollway.core.config import load_config
-from rollway.runtime.actor import MessageMeta, Output
+from rollway.runtime.actor import MessageMeta
 from rollway.runtime.inprocess import InProcessDriver
 from rollway.schemas import (
     AgentStep,
@@ -28,7 +29,7 @@ from rollway.schemas import (
     RewardRequest,
     Trajectory,
 )
-from rollway.topics import AGENT_STEPS, INIT_REQUESTS, REWARD_REQUESTS
+from rollway.topics import INIT_REQUESTS
 
 
 def services(tmp_path: Path, *overrides: str) -> Services:
@@ -40,13 +41,25 @@ def meta(offset: int = 0) -> MessageMeta:
     return MessageMeta("agent-steps", 0, offset)
 
 
-async def play_episode(s: Services, task_id: str = "toy-001", episode_id: str = "r1-g0-s0") -> Trajectory:
-    """init -> agent turns -> reward, chained by the in-process driver as the topology says."""
-    outputs: list[Output] = []
+async def play_seen(s: Services, key: EpisodeKey) -> tuple[Trajectory, list]:
+    """One episode through the in-process driver (the rollout stages, chained as the topology says): its
+    trajectory and every message handed to a stage, in order (the init request first)."""
+    seen: list = []
+
+    @contextlib.asynccontextmanager
+    async def keep(stage, msg, meta):
+        seen.append(msg)
+        yield
+
     async with InProcessDriver(s) as driver:
-        traj = await driver.play(EpisodeKey(episode_id=episode_id, group_id="r1-g0", task_id=task_id), 60, outputs=outputs)
-    assert outputs[0].topic is AGENT_STEPS and outputs[0].key == episode_id and outputs[-2].topic is REWARD_REQUESTS
-    assert not Path(outputs[0].value.sandbox["path"]).exists(), "the reward actor must tear the sandbox down"
+        return await driver.play(key, keep), seen
+
+
+async def play_episode(s: Services, task_id: str = "toy-001", episode_id: str = "r1-g0-s0") -> Trajectory:
+    """init -> agent turns -> reward; the reward stage tears the sandbox down."""
+    traj, seen = await play_seen(s, EpisodeKey(episode_id=episode_id, group_id="r1-g0", task_id=task_id))
+    assert isinstance(seen[1], AgentStep) and seen[1].episode_id == episode_id and isinstance(seen[-1], RewardRequest)
+    assert not Path(seen[1].sandbox["path"]).exists(), "the reward actor must tear the sandbox down"
     return traj
 
 

@@ -8,11 +8,10 @@ import json
 from pathlib import Path
 
 from conftest import ROOT, run
+from test_actors import play_seen
 
 from rollway.actors.services import Services
 from rollway.core.config import load_config
-from rollway.runtime.actor import Output
-from rollway.runtime.inprocess import InProcessDriver
 from rollway.schemas import EpisodeKey, Trajectory, encode
 
 SOLUTION = [
@@ -30,11 +29,8 @@ HOSTILE = [
 
 async def play(s: Services) -> tuple[Trajectory, list[bytes]]:
     """init -> agent turns -> reward, encoding every output as the runtime does before producing it."""
-    outputs: list[Output] = []
-    async with InProcessDriver(s) as driver:
-        traj = await driver.play(EpisodeKey(episode_id="h-g0-s0", group_id="h-g0", task_id="toy-001"), 60,
-                                 outputs=outputs)
-    return traj, [encode(o.value) for o in outputs]
+    traj, seen = await play_seen(s, EpisodeKey(episode_id="h-g0-s0", group_id="h-g0", task_id="toy-001"))
+    return traj, [encode(m) for m in [*seen[1:], traj]]
 
 
 def test_hostile_tool_calls_become_error_observations_and_the_episode_is_graded(tmp_path: Path):

@@ -12,13 +12,12 @@ from pathlib import Path
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from conftest import ROOT, run
+from test_actors import play_seen
 from test_stage_runtime import produce
 
 from rollway.actors.agent import AgentActor
 from rollway.actors.services import Services
 from rollway.core.config import RunConfig, load_config
-from rollway.runtime.actor import Output
-from rollway.runtime.inprocess import InProcessDriver
 from rollway.runtime.kafka import ensure_topics, topic_name
 from rollway.runtime.worker import LogReader, StageWorker
 from rollway.schemas import AgentStep, EpisodeKey, encode
@@ -30,11 +29,8 @@ pytestmark = pytest.mark.broker
 async def play_finished_episode(s: Services) -> list[AgentStep]:
     """init -> agent turns -> reward (which tears the sandbox down); the agent-steps it produced,
     in order, handled as if at offsets 0, 1, ... of a one-partition topic."""
-    outputs: list[Output] = []
-    async with InProcessDriver(s) as driver:
-        traj = await driver.play(EpisodeKey(episode_id="s-g0-s0", group_id="s-g0", task_id="toy-001"), 60,
-                                 outputs=outputs)
-    steps = [o.value for o in outputs if o.topic is AGENT_STEPS]
+    traj, seen = await play_seen(s, EpisodeKey(episode_id="s-g0-s0", group_id="s-g0", task_id="toy-001"))
+    steps = [m for m in seen if isinstance(m, AgentStep)]
     assert traj.reward == 1.0 and not Path(steps[0].sandbox["path"]).exists()
     return steps
 
