@@ -50,8 +50,7 @@ async def verify_taskset(config: str | None, overrides: list[str], run_dir: Path
     rows = []
     async with InProcessDriver(gold) as gold_driver, InProcessDriver(nothing) as nothing_driver:
         for task in gold.taskset.tasks():
-            g = await gold_driver.play(verify_key(task.task_id))
-            n = await nothing_driver.play(verify_key(task.task_id))
+            g, n = [await driver.play(verify_key(task.task_id)) for driver in (gold_driver, nothing_driver)]
             for services, traj in ((gold, g), (nothing, n)):
                 keep_trajectory(services.run_dir, traj)
             row = {"task_id": task.task_id, "gold_resolved": g.resolved, "gold_reward": g.reward,
