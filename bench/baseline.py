@@ -6,25 +6,19 @@ handling that made it."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollway.actors.agent import AgentActor
-from rollway.actors.init import InitActor
-from rollway.actors.reward import RewardActor
 from rollway.actors.scheduler import SchedulerActor, Ticket
 from rollway.actors.services import Services
 from rollway.base.run_dir import RunDir
 from rollway.core.config import RunConfig
-from rollway.runtime.actor import MessageMeta
+from rollway.runtime.inprocess import InProcessDriver
 from rollway.runtime.telemetry import TelemetryLog
-from rollway.schemas.messages import AgentStep, InitRequest, RewardRequest, Trajectory
-
-NO_DEADLINE_S = 1e9
+from rollway.schemas.messages import Trajectory
 
 
 @dataclass
@@ -50,13 +44,11 @@ class BatchDispatcher:
     def __init__(self, cfg: RunConfig, run_dir: Path, slots: int):
         self.services = Services(cfg, run_dir)
         self.slots = slots
-        self.init, self.agent, self.reward = (InitActor(self.services), AgentActor(self.services),
-                                              RewardActor(self.services))
-        self.offsets = itertools.count()
         self.busy = self.peak = 0
         self.busy_log: list[tuple[float, int]] = []
         self.issued_at: dict[str, float] = {}
         self.telemetry = TelemetryLog(RunDir(run_dir).telemetry_path("baseline", os.getpid()), "baseline")
+        self.driver = InProcessDriver(self.services, self.telemetry)
 
     async def plan(self) -> list[Ticket]:
         """The same episodes in the same order as the pipeline's scheduler issues them."""
@@ -66,12 +58,11 @@ class BatchDispatcher:
 
     async def run(self) -> BaselineResult:
         queue = deque(await self.plan())
-        for actor in (self.init, self.agent, self.reward):
-            await actor.setup()
         results: list[Trajectory] = []
         started = time.time()
         try:
-            await asyncio.gather(*(self._slot(queue, results) for _ in range(self.slots)))
+            async with self.driver:
+                await asyncio.gather(*(self._slot(queue, results) for _ in range(self.slots)))
         finally:
             await self.services.inference.close()
             self.telemetry.close()
@@ -82,8 +73,9 @@ class BatchDispatcher:
         while queue:
             ticket = queue.popleft()
             self._count(+1)
+            self.issued_at[ticket.episode_id] = time.time()
             try:
-                results.append(await self.episode(ticket))
+                results.append(await self.driver.play(ticket.key))
             finally:
                 self._count(-1)
 
@@ -91,25 +83,6 @@ class BatchDispatcher:
         self.busy += delta
         self.peak = max(self.peak, self.busy)
         self.busy_log.append((time.time(), self.busy))
-
-    async def _handle(self, actor, topic: str, msg, produced_at: float):
-        """`actor.handle` of one message, recorded as a stage runtime records it; returns the output."""
-        meta = MessageMeta(topic, 0, next(self.offsets), int(produced_at * 1000))
-        started = time.time()
-        [out] = await actor.handle(msg, meta)
-        ended = time.time()
-        self.telemetry.record(topic, 0, meta.offset, meta.timestamp_ms, None, msg, started, ended, stage=actor.name)
-        return out.value, ended
-
-    async def episode(self, t: Ticket) -> Trajectory:
-        now = time.time()
-        self.issued_at[t.episode_id] = now
-        req = InitRequest(episode=t.key, issued_at=now, deadline=now + NO_DEADLINE_S)
-        msg: AgentStep | RewardRequest
-        msg, made = await self._handle(self.init, "init-requests", req, now)
-        while isinstance(msg, AgentStep):
-            msg, made = await self._handle(self.agent, "agent-steps", msg, made)
-        return (await self._handle(self.reward, "reward-requests", msg, made))[0]
 
 
 async def run_baseline(cfg: RunConfig, run_dir: Path, slots: int) -> BaselineResult:

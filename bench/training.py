@@ -23,6 +23,7 @@ reports per response)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -32,10 +33,7 @@ from typing import Any, Literal
 import aiohttp
 from pydantic import Field
 
-from rollway.actors.agent import AgentActor
 from rollway.actors.gate import RankedGate
-from rollway.actors.init import InitActor
-from rollway.actors.reward import RewardActor
 from rollway.actors.services import Services
 from rollway.base.config import StrictModel
 from rollway.base.figures import ratio
@@ -43,10 +41,8 @@ from rollway.base.run_dir import RunDir
 from rollway.bench.bench_dir import BenchDir
 from rollway.bench.workload import WorkloadConfig
 from rollway.core.config import RunConfig
-from rollway.runtime.actor import MessageMeta
+from rollway.runtime.inprocess import InProcessDriver
 from rollway.schemas.messages import AgentStep, EpisodeKey, InitRequest, Trajectory
-
-NO_DEADLINE_S = 1e9
 
 
 class TrainingConfig(StrictModel):
@@ -167,15 +163,13 @@ class TrainingLoop:
                  pause_url: str | None):
         self.services = Services(cfg, run_dir)
         self.wl, self.tc, self.lag, self.pause_url = wl, tc, lag, pause_url
-        self.init, self.agent, self.reward = (InitActor(self.services), AgentActor(self.services),
-                                              RewardActor(self.services))
+        self.driver = InProcessDriver(self.services)
         self.init_gate = asyncio.Semaphore(wl.init_concurrency)
         self.turn_gate = RankedGate(wl.slots + wl.model_call_slack + wl.tool_overlap)
         self.grade_gate = asyncio.Semaphore(wl.grade_concurrency)
         self.alive = 0
         self.version = 0
         self.changed = asyncio.Condition()
-        self.offsets = itertools.count()
         self.records: list[EpisodeRecord] = []
         self.generating: dict[int, EpisodeRecord] = {}
         """Admitted and not yet finished, by index."""
@@ -210,7 +204,9 @@ class TrainingLoop:
     async def episode(self, record: EpisodeRecord) -> None:
         traj = failure = None
         try:
-            traj = await self.run_episode(record)
+            eid = f"{self.services.cfg.run.id}-train-l{self.lag}-e{record.index:05d}"  # the run's own (stages skip others)
+            traj = await self.driver.play(EpisodeKey(episode_id=eid, group_id=eid, task_id=f"sim-{record.index:05d}"),
+                                          lambda stage, msg, meta: self._gated(record, msg))
         except Exception as err:
             failure = err
             raise
@@ -224,24 +220,17 @@ class TrainingLoop:
                 self.generating.pop(record.index, None)
                 self.changed.notify_all()
 
-    def _meta(self, topic: str) -> MessageMeta:
-        return MessageMeta(topic, 0, next(self.offsets))
-
-    async def run_episode(self, record: EpisodeRecord) -> Trajectory:
-        eid = f"{self.services.cfg.run.id}-train-l{self.lag}-e{record.index:05d}"  # the run's own (stages skip others)
-        req = InitRequest(episode=EpisodeKey(episode_id=eid, group_id=eid, task_id=f"sim-{record.index:05d}"),
-                          issued_at=record.issued_at, deadline=record.issued_at + NO_DEADLINE_S)
-        async with self.init_gate:
-            msg = (await self.init.handle(req, self._meta("init-requests")))[0].value
-        async with self.changed:
-            await self.changed.wait_for(lambda: self.admissible(record.index))
-            record.version, record.admitted_at = self.version, time.time()
-            self.generating[record.index] = record
-        while isinstance(msg, AgentStep):
-            async with self.turn_gate.slot(lambda turn=msg.turn: float(turn)):
-                msg = (await self.agent.handle(msg, self._meta("agent-steps")))[0].value
-        async with self.grade_gate:
-            return (await self.reward.handle(msg, self._meta("reward-requests")))[0].value
+    @contextlib.asynccontextmanager
+    async def _gated(self, record: EpisodeRecord, msg):
+        """A sandbox start, a turn (the first once admitted) or a grading, each through its gate."""
+        if isinstance(msg, AgentStep) and record.version is None:
+            async with self.changed:
+                await self.changed.wait_for(lambda: self.admissible(record.index))
+                record.version, record.admitted_at = self.version, time.time()
+                self.generating[record.index] = record
+        async with (self.init_gate if isinstance(msg, InitRequest) else self.grade_gate
+                    if not isinstance(msg, AgentStep) else self.turn_gate.slot(lambda turn=msg.turn: float(turn))):
+            yield
 
     # -- learning ----------------------------------------------------------------------------
     def batch_for(self, step: int) -> list[EpisodeRecord] | None:
@@ -279,18 +268,17 @@ class TrainingLoop:
         return steps
 
     async def run(self) -> TrainingModeResult:
-        for actor in (self.init, self.agent, self.reward):
-            await actor.setup()
-        started = time.time()
-        issuer = asyncio.create_task(self.issue_loop())
-        try:
-            steps = await self.learner_loop()
-        finally:
-            issuer.cancel()
-            for task in self.tasks:
-                task.cancel()
-            await asyncio.gather(issuer, *self.tasks, return_exceptions=True)
-            await self.services.inference.close()
+        async with self.driver:
+            started = time.time()
+            issuer = asyncio.create_task(self.issue_loop())
+            try:
+                steps = await self.learner_loop()
+            finally:
+                issuer.cancel()
+                for task in self.tasks:
+                    task.cancel()
+                await asyncio.gather(issuer, *self.tasks, return_exceptions=True)
+                await self.services.inference.close()
         return TrainingModeResult(self.lag, started, steps[-1].sync_end if steps else time.time(),
                                   self.records, steps)
 

@@ -5,60 +5,33 @@ probed for answer leaks (`envs/leak_probe.py`): no channel may single out the ch
 
 from __future__ import annotations
 
-import itertools
 import json
-import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from rollway.actors.services import Services
 from rollway.base.run_dir import RunDir
 from rollway.core.config import RunConfig, load_config
 from rollway.envs.leak_probe import probe_task
-from rollway.schemas.messages import Trajectory
-
-_REWARD_OFFSETS = itertools.count()
-"""Offsets of the reward requests this process plays (a ledger in a run folder persists across episodes)."""
+from rollway.runtime.inprocess import InProcessDriver
+from rollway.schemas.messages import EpisodeKey, Trajectory
 
 DO_NOTHING_SCRIPT = "[{when: '', turns: ['I will not do anything.']}]"
 """The do-nothing policy: one reply without a tool call, every turn."""
 
 
 async def play_episode(cfg: RunConfig, run_dir: Path, task_id: str, services: Any = None) -> Trajectory:
-    """One episode through the init, agent and reward actors, chained in this process (no broker)."""
-    from rollway.actors.agent import AgentActor
-    from rollway.actors.init import InitActor
-    from rollway.actors.reward import RewardActor
-    from rollway.actors.services import Services
-    from rollway.runtime.actor import MessageMeta
-    from rollway.schemas.messages import EpisodeKey, InitRequest
-    from rollway.topics import AGENT_STEPS, REWARD_REQUESTS, TRAJECTORIES
+    """One episode of `task_id` through the rollout stages, in this process (no broker)."""
+    async with InProcessDriver(services or Services(cfg, run_dir)) as driver:
+        return await driver.play(verify_key(task_id))
 
-    s = services or Services(cfg, run_dir)
-    init, agent, reward = InitActor(s), AgentActor(s), RewardActor(s)
-    for actor in (init, agent, reward):
-        await actor.setup()
+
+def verify_key(task_id: str) -> EpisodeKey:
     episode_id = f"verify-{uuid.uuid4().hex[:8]}"
-    request = InitRequest(episode=EpisodeKey(episode_id=episode_id, group_id=episode_id, task_id=task_id),
-                          issued_at=time.time(),
-                          deadline=time.time() + cfg.scheduler.episode_deadline_s)
-    [out] = await init.handle(request, MessageMeta("init-requests", 0, 0))
-    offset = 0
-    try:
-        while out.topic is AGENT_STEPS:
-            [out] = await agent.handle(out.value, MessageMeta("agent-steps", 0, offset))
-            offset += 1
-    finally:
-        await agent.close()  # a harness episode's gateway and its recorder
-    if out.topic is not REWARD_REQUESTS:
-        raise RuntimeError(f"task {task_id}: the episode failed: {out.value}")
-    # Each reward request at its own offset: the reward stage's ledger knows handled messages by offset.
-    [out] = await reward.handle(out.value, MessageMeta("reward-requests", 0, next(_REWARD_OFFSETS)))
-    if out.topic is not TRAJECTORIES:
-        raise RuntimeError(f"task {task_id}: the episode failed: {out.value}")
-    return out.value
+    return EpisodeKey(episode_id=episode_id, group_id=episode_id, task_id=task_id)
 
 
 def with_policy(config: str | None, overrides: list[str], **policy: Any) -> RunConfig:
@@ -71,26 +44,24 @@ def with_policy(config: str | None, overrides: list[str], **policy: Any) -> RunC
 
 async def verify_taskset(config: str | None, overrides: list[str], run_dir: Path) -> dict[str, Any]:
     """Every task played by the gold policy and by the do-nothing policy; the rows and the totals."""
-    from rollway.actors.services import Services
-
     gold = Services(with_policy(config, overrides, type="gold"), RunDir(run_dir).sub("gold").path)
     nothing = Services(with_policy(config, overrides, type="scripted", script=yaml.safe_load(DO_NOTHING_SCRIPT)),
                        RunDir(run_dir).sub("nothing").path)
     rows = []
-    for task in gold.taskset.tasks():
-        g = await play_episode(gold.cfg, gold.run_dir, task.task_id, gold)
-        n = await play_episode(nothing.cfg, nothing.run_dir, task.task_id, nothing)
-        for services, traj in ((gold, g), (nothing, n)):
-            keep_trajectory(services.run_dir, traj)
-        row = {"task_id": task.task_id, "gold_resolved": g.resolved, "gold_reward": g.reward,
-               "gold_stop_reason": g.stop_reason, "gold_turns": g.num_turns,
-               "nothing_resolved": n.resolved, "nothing_reward": n.reward}
-        if not g.resolved:
-            row["gold_why"] = why_unresolved(g, gold.cfg)
-        probed = await probe_task(gold.taskset, task, gold.sandboxes, f"verify-leak-{uuid.uuid4().hex[:8]}")
-        if probed is not None:
-            row["leaks"] = {c: probed["report"]["channels"][c] for c in probed["leaks"]}
-        rows.append(row)
+    async with InProcessDriver(gold) as gold_driver, InProcessDriver(nothing) as nothing_driver:
+        for task in gold.taskset.tasks():
+            g, n = [await driver.play(verify_key(task.task_id)) for driver in (gold_driver, nothing_driver)]
+            for services, traj in ((gold, g), (nothing, n)):
+                keep_trajectory(services.run_dir, traj)
+            row = {"task_id": task.task_id, "gold_resolved": g.resolved, "gold_reward": g.reward,
+                   "gold_stop_reason": g.stop_reason, "gold_turns": g.num_turns,
+                   "nothing_resolved": n.resolved, "nothing_reward": n.reward}
+            if not g.resolved:
+                row["gold_why"] = why_unresolved(g, gold.cfg)
+            probed = await probe_task(gold.taskset, task, gold.sandboxes, f"verify-leak-{uuid.uuid4().hex[:8]}")
+            if probed is not None:
+                row["leaks"] = {c: probed["report"]["channels"][c] for c in probed["leaks"]}
+            rows.append(row)
     return {"total": len(rows), "gold_resolved": sum(r["gold_resolved"] for r in rows),
             "nothing_resolved": sum(r["nothing_resolved"] for r in rows),
             "leaking": sum(bool(r.get("leaks")) for r in rows), "tasks": rows,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from rollway.actors.services import Services
 from rollway.actors.sink import SinkActor
 from rollway.core.config import load_config
 from rollway.runtime.actor import MessageMeta
+from rollway.runtime.inprocess import InProcessDriver
 from rollway.schemas import (
     AgentStep,
     EpisodeFailure,
@@ -27,7 +29,7 @@ from rollway.schemas import (
     RewardRequest,
     Trajectory,
 )
-from rollway.topics import AGENT_STEPS, INIT_REQUESTS, REWARD_REQUESTS, TRAJECTORIES
+from rollway.topics import INIT_REQUESTS
 
 
 def services(tmp_path: Path, *overrides: str) -> Services:
@@ -39,26 +41,26 @@ def meta(offset: int = 0) -> MessageMeta:
     return MessageMeta("agent-steps", 0, offset)
 
 
+async def play_seen(s: Services, key: EpisodeKey) -> tuple[Trajectory, list]:
+    """One episode through the in-process driver (the rollout stages, chained as the topology says): its
+    trajectory and every message handed to a stage, in order (the init request first)."""
+    seen: list = []
+
+    @contextlib.asynccontextmanager
+    async def keep(stage, msg, meta):
+        seen.append(msg)
+        yield
+
+    async with InProcessDriver(s) as driver:
+        return await driver.play(key, keep), seen
+
+
 async def play_episode(s: Services, task_id: str = "toy-001", episode_id: str = "r1-g0-s0") -> Trajectory:
-    """init -> agent turns -> reward, the way the runner would chain them."""
-    init, agent, reward = InitActor(s), AgentActor(s), RewardActor(s)
-    for actor in (init, agent, reward):
-        await actor.setup()
-    req = InitRequest(episode=EpisodeKey(episode_id=episode_id, group_id="r1-g0", task_id=task_id), issued_at=time.time(),
-                      deadline=time.time() + 60)
-    [out] = await init.handle(req, MessageMeta("init-requests", 0, 0))
-    assert out.topic is AGENT_STEPS and out.key == episode_id
-    workspace = Path(out.value.sandbox["path"])
-    assert workspace.is_dir()
-    offset = 0
-    while out.topic is AGENT_STEPS:
-        [out] = await agent.handle(out.value, meta(offset))
-        offset += 1
-    assert out.topic is REWARD_REQUESTS
-    [out] = await reward.handle(out.value, MessageMeta("reward-requests", 0, 0))
-    assert out.topic is TRAJECTORIES
-    assert not workspace.exists(), "the reward actor must tear the sandbox down"
-    return out.value
+    """init -> agent turns -> reward; the reward stage tears the sandbox down."""
+    traj, seen = await play_seen(s, EpisodeKey(episode_id=episode_id, group_id="r1-g0", task_id=task_id))
+    assert isinstance(seen[1], AgentStep) and seen[1].episode_id == episode_id and isinstance(seen[-1], RewardRequest)
+    assert not Path(seen[1].sandbox["path"]).exists(), "the reward actor must tear the sandbox down"
+    return traj
 
 
 def test_scripted_episode_solves_toy_task_token_exact(tmp_path):

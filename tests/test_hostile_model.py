@@ -5,19 +5,14 @@ Real bubblewrap sandboxes and actors; only the model is faked (the scripted poli
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 from conftest import ROOT, run
+from test_actors import play_seen
 
-from rollway.actors.agent import AgentActor
-from rollway.actors.init import InitActor
-from rollway.actors.reward import RewardActor
 from rollway.actors.services import Services
 from rollway.core.config import load_config
-from rollway.runtime.actor import MessageMeta
-from rollway.schemas import EpisodeKey, InitRequest, Trajectory, encode
-from rollway.topics import AGENT_STEPS, REWARD_REQUESTS, TRAJECTORIES
+from rollway.schemas import EpisodeKey, Trajectory, encode
 
 SOLUTION = [
     '<tool_call>{"name": "bash", "arguments": {"command": "cat numbers.txt"}}</tool_call>',
@@ -34,22 +29,8 @@ HOSTILE = [
 
 async def play(s: Services) -> tuple[Trajectory, list[bytes]]:
     """init -> agent turns -> reward, encoding every output as the runtime does before producing it."""
-    init, agent, reward = InitActor(s), AgentActor(s), RewardActor(s)
-    for actor in (init, agent, reward):
-        await actor.setup()
-    req = InitRequest(episode=EpisodeKey(episode_id="h-g0-s0", group_id="h-g0", task_id="toy-001"),
-                      issued_at=time.time(), deadline=time.time() + 60)
-    [out] = await init.handle(req, MessageMeta("init-requests", 0, 0))
-    produced, offset = [encode(out.value)], 0
-    while out.topic is AGENT_STEPS:
-        [out] = await agent.handle(out.value, MessageMeta("agent-steps", 0, offset))
-        produced.append(encode(out.value))
-        offset += 1
-    assert out.topic is REWARD_REQUESTS
-    [out] = await reward.handle(out.value, MessageMeta("reward-requests", 0, 0))
-    assert out.topic is TRAJECTORIES
-    produced.append(encode(out.value))
-    return out.value, produced
+    traj, seen = await play_seen(s, EpisodeKey(episode_id="h-g0-s0", group_id="h-g0", task_id="toy-001"))
+    return traj, [encode(m) for m in [*seen[1:], traj]]
 
 
 def test_hostile_tool_calls_become_error_observations_and_the_episode_is_graded(tmp_path: Path):

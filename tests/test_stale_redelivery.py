@@ -12,18 +12,16 @@ from pathlib import Path
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from conftest import ROOT, run
+from test_actors import play_seen
 from test_stage_runtime import produce
 
 from rollway.actors.agent import AgentActor
-from rollway.actors.init import InitActor
-from rollway.actors.reward import RewardActor
 from rollway.actors.services import Services
 from rollway.core.config import RunConfig, load_config
-from rollway.runtime.actor import MessageMeta
 from rollway.runtime.kafka import ensure_topics, topic_name
 from rollway.runtime.worker import LogReader, StageWorker
-from rollway.schemas import AgentStep, EpisodeKey, InitRequest, encode
-from rollway.topics import AGENT_STEPS, DEAD_LETTERS, EPISODE_FAILURES, REWARD_REQUESTS, TRAJECTORIES
+from rollway.schemas import AgentStep, EpisodeKey, encode
+from rollway.topics import AGENT_STEPS, DEAD_LETTERS, EPISODE_FAILURES, REWARD_REQUESTS
 
 pytestmark = pytest.mark.broker
 
@@ -31,20 +29,9 @@ pytestmark = pytest.mark.broker
 async def play_finished_episode(s: Services) -> list[AgentStep]:
     """init -> agent turns -> reward (which tears the sandbox down); the agent-steps it produced,
     in order, handled as if at offsets 0, 1, ... of a one-partition topic."""
-    init, agent, reward = InitActor(s), AgentActor(s), RewardActor(s)
-    for actor in (init, agent, reward):
-        await actor.setup()
-    req = InitRequest(episode=EpisodeKey(episode_id="s-g0-s0", group_id="s-g0", task_id="toy-001"),
-                      issued_at=time.time(), deadline=time.time() + 60)
-    [out] = await init.handle(req, MessageMeta("init-requests", 0, 0))
-    steps: list[AgentStep] = []
-    while out.topic is AGENT_STEPS:
-        steps.append(out.value)
-        [out] = await agent.handle(out.value, MessageMeta(topic_name(AGENT_STEPS, s.cfg.topics), 0, len(steps) - 1))
-    assert out.topic is REWARD_REQUESTS
-    [out] = await reward.handle(out.value, MessageMeta("reward-requests", 0, 0))
-    assert out.topic is TRAJECTORIES and out.value.reward == 1.0
-    assert not Path(steps[0].sandbox["path"]).exists()
+    traj, seen = await play_seen(s, EpisodeKey(episode_id="s-g0-s0", group_id="s-g0", task_id="toy-001"))
+    steps = [m for m in seen if isinstance(m, AgentStep)]
+    assert traj.reward == 1.0 and not Path(steps[0].sandbox["path"]).exists()
     return steps
 
 

@@ -129,3 +129,39 @@ def test_rollway_up_branches_on_no_stage_name():
     compared = {c.value for node in ast.walk(tree) if isinstance(node, ast.Compare)
                 for c in ast.walk(node) if isinstance(c, ast.Constant) and c.value in STAGE_NAMES}
     assert compared == set()
+
+
+def test_the_in_process_driver_chains_the_rollout_stages_as_declared(tmp_path):
+    """runtime/inprocess.py takes its chain from the declaration: the stages between the issuer and the
+    drain stages, each fed the topics it reads. Like the runtime it refuses an output the stage does not
+    declare, and an episode a stage drops says where. (Stand-in init actors: one forges a reward request,
+    which init never may; one skips the request, as init does for another run's episode.)"""
+    import asyncio
+
+    from rollway.actors.services import Services
+    from rollway.core.config import load_config
+    from rollway.runtime.actor import Output
+    from rollway.runtime.inprocess import InProcessDriver
+    from rollway.schemas.messages import EpisodeKey
+    from rollway.topics import REWARD_REQUESTS
+
+    driver = InProcessDriver(Services(load_config(None, []), tmp_path))
+    assert list(driver.actors) == ["init", "agent", "reward"]
+    assert {t.name: s.name for t, s in driver.reader.items()} == {
+        "init-requests": "init", "agent-steps": "agent", "reward-requests": "reward"}
+
+    class Forging:
+        async def handle(self, msg, meta):
+            return [Output(REWARD_REQUESTS, msg.episode_id, msg)]
+
+    class Skipping:
+        async def handle(self, msg, meta):
+            return []
+
+    key = EpisodeKey(episode_id="e", group_id="e", task_id="t")
+    driver.actors["init"] = Forging()
+    with pytest.raises(UndeclaredOutput, match="stage 'init' produced to 'reward-requests'"):
+        asyncio.run(driver.play(key))
+    driver.actors["init"] = Skipping()
+    with pytest.raises(RuntimeError, match="task t: stage init produced 0 messages"):
+        asyncio.run(driver.play(key))
