@@ -232,11 +232,13 @@ class LearnerActor(Actor):
         return outputs
 
     def _track(self, r) -> None:
-        """One update to the experiment trackers: the trainer's figures, plus version, episodes and sync time."""
+        """One update to the experiment trackers: the trainer's figures, plus version, episodes, sync time and the
+        run's dead letters so far."""
         if self.tracking is None:
             return
         extra = {"policy_version": r.version, "episodes_trained": r.episodes_trained,
-                 "episodes_per_second": r.episodes_trained / max(time.monotonic() - self._started, 1e-9)}
+                 "episodes_per_second": r.episodes_trained / max(time.monotonic() - self._started, 1e-9),
+                 "dead_letters": RunDir(self.dir).dead_letters()}
         if self._sync_s is not None:
             extra["weight_sync_seconds"] = self._sync_s
         self.tracking.update(r.step, {**r.metrics, **extra})

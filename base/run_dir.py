@@ -117,6 +117,17 @@ class RunDir:
         """Where one worker process writes its own status (partitions, messages handled)."""
         return self.worker_status_dir / f"{stage}-{pid}.json"
 
+    def dead_letters(self) -> int:
+        """Messages dead-lettered so far by the stage workers of this run folder (their status files, which
+        each worker rewrites every few seconds and when it stops)."""
+        total = 0
+        for path in sorted(self.worker_status_dir.glob("*.json")):
+            try:
+                total += int(json.loads(path.read_text()).get("dead_lettered", 0))
+            except (OSError, ValueError, TypeError, AttributeError):
+                continue  # replaced between listing and reading, or not a worker's status
+        return total
+
     def worker_status(self, stage: str, pid: int) -> dict[str, Any]:
         return self.read(str(self.worker_status_path(stage, pid).relative_to(self.path)))
 

@@ -350,6 +350,13 @@ def test_the_learner_logs_pass_rate_per_source_failures_hacks_and_sample_tables(
             await actor.handle(t, MessageMeta("trajectories", 0, offset))
         await actor.close()
 
+    # A reward worker's status file as runtime/worker.py writes it (by hand here: no stage worker runs in
+    # this test): the run's dead letters so far are in every update's figures.
+    from rollway.base.run_dir import RunDir
+
+    status = RunDir(tmp_path / "run").worker_status_path("reward", 4242)
+    status.parent.mkdir(parents=True, exist_ok=True)
+    status.write_text(json.dumps({"stage": "reward", "pid": 4242, "handled": 9, "dead_lettered": 2}))
     asyncio.run(scenario())
     run_dir = tmp_path / "run"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -363,6 +370,7 @@ def test_the_learner_logs_pass_rate_per_source_failures_hacks_and_sample_tables(
     assert scalars("pass_rate/calc") == [(1, 0.5)] and scalars("pass_rate/toy") == [(2, 0.5)]
     assert scalars("suspected_reward_hacks") == [(1, 1.0), (2, 1.0)]  # since the start
     assert scalars("failures/agent/HarnessCrashed") == [(2, 1.0)]
+    assert scalars("dead_letters") == [(1, 2.0), (2, 2.0)]
     texts = {e.step: e.tensor_proto.string_val[0].decode() for e in acc.Tensors("samples/text_summary")}
     assert sorted(texts) == [1, 2]
     assert "| task_id | prompt | actions | reward |" in texts[2]
