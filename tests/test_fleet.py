@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import random
 import socket
@@ -259,7 +260,8 @@ def test_an_engine_without_the_image_pulls_it_from_the_registry_and_one_that_can
 # ---------------------------------------------------------------- jobs: stages as separate processes
 
 def _job(fleet, tmp_path, broker, name: str, episodes_per_task: int, tasks: int, watch=None,
-         extra_engines: tuple[dict, ...] = ()) -> tuple[dict, dict]:
+         extra_engines: tuple[dict, ...] = (), init_workers: int = 1, init_concurrency: int | None = None,
+         ) -> tuple[dict, dict]:
     """`rollway up` of the smoke job on the fleet, every stage its own process; DOCKER_HOST points at no
     engine, so the engines are reached only through their TCP endpoints. Returns (ledger verdict, the
     sandboxes each engine was seen holding)."""
@@ -271,6 +273,8 @@ def _job(fleet, tmp_path, broker, name: str, episodes_per_task: int, tasks: int,
     cfg["tasks"]["count"], cfg["scheduler"]["group_size"] = tasks, episodes_per_task
     cfg["scheduler"].update(max_inflight_episodes=tasks * episodes_per_task, episode_deadline_s=120, max_attempts=4)
     cfg["runtime"] = {"processes": "per-stage"}
+    if init_concurrency is not None:
+        cfg["init"]["concurrency"] = init_concurrency
     cfg["sandbox"] = fleet.config().model_dump(mode="json", exclude_defaults=True) | {"type": "docker"}
     cfg["sandbox"]["engines"] += list(extra_engines)
     config = tmp_path / f"{name}.yaml"
@@ -295,7 +299,8 @@ def _job(fleet, tmp_path, broker, name: str, episodes_per_task: int, tasks: int,
     topics = f"topics.prefix={name}{uuid.uuid4().hex[:6]}-"
     try:
         out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", str(config), "--bootstrap", broker.bootstrap,
-                              "--run-dir", str(tmp_path / name), "--no-report", topics],
+                              "--run-dir", str(tmp_path / name), "--no-report", "--workers", f"init={init_workers}",
+                              topics],
                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     finally:
         stop.set()
@@ -308,21 +313,27 @@ def _job(fleet, tmp_path, broker, name: str, episodes_per_task: int, tasks: int,
     return verdict, seen
 
 
-def test_a_job_over_three_engines_is_balanced_and_never_overfills_one(fleet, tmp_path, broker):
-    """12 episodes, room for 3 sandboxes per engine (9 at once): init places on the engine with the most
-    room and waits while all are full. One init process: the stated bound is capacity + (1 - 1) * F. A
-    fourth engine that never answers is named at start-up and avoided; the run goes on with the rest."""
+def test_a_job_over_three_engines_is_balanced_and_never_overfills_one_past_the_bound(fleet, tmp_path, broker):
+    """12 episodes, room for 3 sandboxes per engine (9 at once), two init processes placing at once, each
+    creating at most F = init.concurrency = 1 sandbox at a time: init places on the engine with the most room
+    and waits while all are full, and no engine ever holds more than the stated bound, capacity + (W - 1) * F
+    (sandboxes/fleet.py). A fourth engine that never answers is named at start-up and avoided; the run goes
+    on with the rest."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         closed = s.getsockname()[1]  # nothing listens there once the socket is closed
     ghost = {"id": "ghost", "endpoint": f"tcp://127.0.0.1:{closed}", "capacity": 3}
-    verdict, seen = _job(fleet, tmp_path, broker, "balanced", episodes_per_task=2, tasks=6, extra_engines=(ghost,))
+    verdict, seen = _job(fleet, tmp_path, broker, "balanced", episodes_per_task=2, tasks=6, extra_engines=(ghost,),
+                         init_workers=2, init_concurrency=1)
     assert "sandbox engine ghost does not answer" in verdict["output"]
     assert verdict["scheduled"] == 12 and verdict["completed"] == 12 and verdict["lost"] == 0, verdict
     assert verdict["graded_twice"] == 0
     per_engine = {e: len(n) for e, n in seen.items()}
     assert set(per_engine) == {"fleet-1", "fleet-2", "fleet-3"} and min(per_engine.values()) >= 2, per_engine
-    assert max(verdict["peak"].values()) <= CAPACITY, verdict["peak"]
+    started = [line for line in (tmp_path / "balanced" / "logs" / "init.jsonl").read_text().splitlines()
+               if json.loads(line).get("event") == "stage worker started"]
+    assert len(started) == 2  # two init processes placed side by side
+    assert max(verdict["peak"].values()) <= CAPACITY + (2 - 1) * 1, verdict["peak"]
     assert not [n for names in fleet.live().values() for n in names if n.startswith(verdict["run_id"])]
 
 
