@@ -117,3 +117,54 @@ def test_an_unreachable_inference_engine_fails_the_attempt_for_a_retry(tmp_path)
         asyncio.run(play_episode(cfg, tmp_path, "toy-000", services=s))
     msg = InitRequest(episode=EpisodeKey(episode_id="e", group_id="e", task_id="toy-000"), issued_at=0, deadline=0)
     assert failure_output(msg, AgentActor.name, caught.value).value.retryable
+
+
+class _DyingEngine:
+    """An HTTP server standing in for an inference engine that is killed while it answers (fake: a raw
+    socket server, no model): each of its first `deaths` completions gets the status line, headers and
+    half of the body, then the connection closes. Later ones get the whole answer."""
+
+    BODY = json.dumps({"choices": [{"token_ids": [1, 2], "logprobs": {"token_logprobs": [-0.1, -0.2]},
+                                    "finish_reason": "stop"}]}).encode()
+
+    def __init__(self, deaths: int):
+        self.deaths, self.requests = deaths, 0
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)
+        await reader.readexactly(length)
+        self.requests += 1
+        body = self.BODY if self.requests > self.deaths else self.BODY[:len(self.BODY) // 2]
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(self.BODY), body))
+        await writer.drain()
+        writer.close()
+
+
+@pytest.mark.parametrize("deaths", [1, 99])
+def test_an_engine_killed_while_it_answers_is_infrastructure(deaths):
+    """An engine restart cuts a completion's body short (aiohttp: ClientPayloadError, not a connection
+    error). The client retries it like a refused connection: an engine back within the retries answers the
+    turn; one still gone raises ConnectionError, the OSError that the agent stage (actors/turn.py) and the
+    gateway turn into `InferenceUnreachable` (retried), never a 0 for the episode."""
+    from rollway.policies.base import SamplingParams
+    from rollway.policies.openai_client import OpenAICompletionsClient
+
+    async def play():
+        engine = _DyingEngine(deaths)
+        server = await asyncio.start_server(engine.serve, "127.0.0.1", 0)
+        client = OpenAICompletionsClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1", model="m",
+                                         max_retries=2, backoff_s=0.01)
+        try:
+            return await client.generate([1, 2, 3], SamplingParams(max_tokens=2))
+        finally:
+            await client.close()
+            server.close()
+
+    if deaths == 1:
+        assert asyncio.run(play()).token_ids == [1, 2]
+    else:
+        with pytest.raises(ConnectionError, match="failed after 3 attempts"):
+            asyncio.run(play())
