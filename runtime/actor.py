@@ -116,6 +116,11 @@ class OutputRefused(Exception):
     larger than `broker.max_message_bytes`, or the broker refused it for what it is. The runtime
     dead-letters the input with this reason and produces the actor's `on_error` outputs instead."""
 
+    output: Output | None = None
+    """The refused output (set by the runtime), for an `on_error` that delivers a smaller one instead."""
+    room: int = 0
+    """Bytes a message's key and value may take on this broker (set by the runtime)."""
+
 
 class StaleMessage(Exception):
     """Raised by `handle` for a redelivery rollway expects (a turn of an attempt that already ended,

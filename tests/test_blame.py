@@ -168,3 +168,45 @@ def test_an_engine_killed_while_it_answers_is_infrastructure(deaths):
     else:
         with pytest.raises(ConnectionError, match="failed after 3 attempts"):
             asyncio.run(play())
+
+
+def _up(tmp_path, script: list[dict], max_turns: int, **broker) -> tuple[dict, list[dict], list[dict]]:
+    """`rollway up` of one toy episode in the local jail (real broker, the scripted policy as the model):
+    summary, trajectories and failures."""
+    import subprocess
+    import sys
+
+    import yaml
+    from conftest import ROOT
+
+    job = {"run": {"name": "refused", "timeout_s": 300}, "tasks": {"type": "toy", "count": 1},
+           "sandbox": {"type": "local"}, "broker": broker, "tools": {"enabled": ["bash", "finish"]},
+           "scheduler": {"group_size": 1, "max_attempts": 2, "episode_deadline_s": 200},
+           "agent": {"max_turns": max_turns, "max_tokens_per_turn": 400_000, "max_total_tokens": 1_000_000},
+           "policy": {"type": "scripted", "chat_format": "bytes-chatml", "script": script}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", "--no-report", str(tmp_path / "job.yaml"),
+                          "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = {name: [json.loads(x) for x in (run_dir / name).read_text().splitlines()] if (run_dir / name).exists()
+             else [] for name in ("trajectories.jsonl", "failures.jsonl")}
+    return json.loads((run_dir / "summary.json").read_text()), lines["trajectories.jsonl"], lines["failures.jsonl"]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("turns", "stage"), [(3, "agent"), (2, "reward")])
+def test_an_episode_too_large_for_the_broker_is_graded_0_with_the_turns_that_fit(tmp_path, turns, stage):
+    """The model writes turns until its episode is over `broker.max_message_bytes` (a 1 MB limit here, turns
+    of 30,000 tokens: each turn's message fits; with three the agent stage's reward request does not, with two
+    the reward stage's trajectory does not). That used to be a final failure, never graded nor trained on: a
+    way out of a 0 the model chooses. It is the model's 0, with the turns that fit."""
+    long_call = '<tool_call>{"name": "bash", "arguments": {"command": "true #' + "x" * 30_000 + '"}}</tool_call>'
+    summary, trajs, failures = _up(tmp_path, [{"when": "", "turns": [long_call]}], turns, max_message_bytes=1_000_000)
+    assert failures == [] and len(trajs) == 1, (summary, failures)
+    [t] = trajs
+    assert (t["reward"], t["stop_reason"], t["grade"]["failure_kind"]) == (0.0, "agent_failure", "OutputRefused")
+    assert t["grade"]["failure_stage"] == stage and "max_message_bytes=1000000" in t["grade"]["failure"]
+    assert t["num_turns"] == 1 and t["turns"][0]["assistant_text"] == long_call[:2000]
+    assert len(t["token_ids"]) == len(t["loss_mask"]) == len(t["logprobs"]) > 30_000
+    assert summary["graded_failures"] == {f"{stage}: OutputRefused": 1}
