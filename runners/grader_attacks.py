@@ -866,6 +866,11 @@ HARNESS_ATTACKS: dict[str, tuple[str, list[str]]] = {
     "harness_program_exits_nonzero": ("the harness program prints and exits 3", ["sh", "-c", "echo oops; exit 3"]),
     "harness_program_kills_launcher": ("the harness program kills its launcher, then exits 0",
                                        ["sh", "-c", "kill -9 $PPID; exit 0"]),
+    "harness_program_unsupported_call": ("the harness program (or a command the model has it run) asks the "
+                                         "gateway for an endpoint it does not serve, then exits 1",
+                                         ["python3", "-c", "import os, urllib.request as u; u.urlopen(u.Request("
+                                          "os.environ['OPENAI_BASE_URL'] + '/embeddings', data=b'{}', headers={"
+                                          "'Authorization': 'Bearer ' + os.environ['OPENAI_API_KEY']}))"]),
 }
 """Harness rows (issue 39 item 3): (what, the program's argv). Played as a harness episode on toy-000 through
 the init, agent (gateway, launcher) and reward actors; each must end graded 0, never a failed attempt."""
