@@ -79,5 +79,12 @@ def installed_copies(workspace: str | os.PathLike[str], python: str) -> list[str
         hidden += [str(path.parent)] if path.name == "__init__.py" else [str(path), *map(str, (
             site / "__pycache__").glob(f"{name}.*.pyc"))]
         hidden += [str(record.parent) for record in site.glob("*.dist-info/RECORD")
-                   if any(line.startswith((f"{name}/", f"{name}.py,")) for line in record.read_text().splitlines())]
+                   if any(line.startswith((f"{name}/", f"{name}.py,")) for line in _lines(record))]
     return sorted(set(hidden))
+
+
+def _lines(path: Path) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
