@@ -12,11 +12,12 @@ import msgspec
 import structlog
 
 from rollway.actors.episode import EpisodeState
+from rollway.actors.reward import refused_as_graded_0
 from rollway.actors.services import Services
 from rollway.actors.sink import belongs_to_run
 from rollway.actors.turn import TurnRunner
 from rollway.base.blame import AGENT_FAILURE, InfrastructureFailure, blame, failure_details, failure_reason
-from rollway.runtime.actor import Actor, MessageMeta, Output, StaleMessage, failure_output
+from rollway.runtime.actor import Actor, MessageMeta, Output, OutputRefused, StaleMessage, failure_output
 from rollway.sandboxes.base import SandboxGone
 from rollway.schemas.messages import AgentStep, RewardRequest
 from rollway.schemas.tokens import observation_messages
@@ -136,8 +137,15 @@ class AgentActor(Actor):
                         attempt=msg.attempt, error=f"{type(err).__name__}: {err}")
 
     def on_error(self, msg: AgentStep, error: BaseException) -> list[Output]:
-        """`handle` has destroyed the sandbox already (on_error is not async)."""
-        self.cache.pop((msg.episode_id, msg.attempt), None)
+        """`handle` has destroyed the sandbox already (on_error is not async). A turn's or an episode's
+        message the broker cannot take is the agent's (what it wrote made it so): graded 0, cut to fit."""
+        state = self.cache.pop((msg.episode_id, msg.attempt), None)
+        refused = error.output.value if isinstance(error, OutputRefused) and error.output is not None else None
+        if isinstance(refused, AgentStep) and state is not None:
+            refused = self._reward_request(state, AGENT_FAILURE)
+        request = refused_as_graded_0(refused, error, self.name) if isinstance(refused, RewardRequest) else None
+        if request is not None:
+            return [Output(REWARD_REQUESTS, msg.episode_id, request)]
         return [failure_output(msg, self.name, error)]
 
     # -- state ------------------------------------------------------------------------------

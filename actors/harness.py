@@ -89,9 +89,9 @@ class HarnessCrashed(RuntimeError):
 
 class HarnessUnsupported(HarnessCrashed):
     """The program asked the gateway for an endpoint or option it does not serve and then did not end
-    cleanly: every attempt would fail the same way, so this one fails for good (not retried)."""
-
-    retryable = False
+    cleanly. Graded 0 like any crash, never a failure without a grade: a command the model has the program
+    run can ask the same (a way out of a 0). The gateway logs it once; a program that always asks it scores
+    0 on every episode (`graded_failures`: `agent: HarnessUnsupported`)."""
 
 
 @dataclass
@@ -162,8 +162,6 @@ class HarnessRunner:
             site = await self.gateway.listen_unix(f"/proc/self/fd/{folder}/{SOCKET_NAME}", handle)
             try:
                 stop_reason = await self._run(handle, instruction, sandbox, sandbox_socket, deadline)
-            except HarnessUnsupported:
-                raise  # no attempt can succeed: the run fails for good, it is not graded (retryable False)
             except Exception as err:
                 # The program has started (its launch is the first thing `_run` does): its failure is the
                 # agent's unless the gateway saw the inference engine or the broker fail under it.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import msgspec
 import structlog
 
 from rollway.actors.ledger import Ledger
@@ -13,7 +14,7 @@ from rollway.actors.services import Services
 from rollway.actors.sink import belongs_to_run
 from rollway.base.blame import AGENT_FAILURE
 from rollway.base.faults import fault_point
-from rollway.runtime.actor import Actor, MessageMeta, Output, failure_output
+from rollway.runtime.actor import Actor, MessageMeta, Output, OutputRefused, failure_output
 from rollway.sandboxes.base import SandboxError
 from rollway.schemas.codec import decode, encode
 from rollway.schemas.messages import RewardRequest, Trajectory
@@ -25,6 +26,8 @@ log = structlog.get_logger()
 LEDGER_WINDOW = 1024
 """Graded attempts (with their trajectories) the reward ledger keeps per input partition; older
 ones are known only by the partition's offset watermark (see actors/ledger.py)."""
+MAX_KEPT_TEXT_CHARS = 2000
+"""A turn's text kept in a trajectory cut to fit the broker (`refused_as_graded_0`)."""
 
 
 def assemble(req: RewardRequest) -> dict:
@@ -33,6 +36,49 @@ def assemble(req: RewardRequest) -> dict:
     stream = TokenStream.of(req.prompt_ids, req.turns, req.episode_id)
     return {"token_ids": stream.token_ids, "loss_mask": stream.loss_mask, "logprobs": stream.logprobs,
             "turn_spans": stream.turn_spans, "segment_starts": stream.segment_starts}
+
+
+def trajectory(msg: RewardRequest, grade) -> Trajectory:
+    """The token-exact trajectory of `msg`, graded `grade`."""
+    return Trajectory(
+        episode=msg.episode, **assemble(msg),
+        turn_policy_versions=[t.policy_version for t in msg.turns], reward=grade.reward,
+        resolved=grade.resolved, stop_reason=grade.stop_reason or msg.stop_reason,
+        num_turns=len(msg.turns), prompt_length=len(msg.prompt_ids), grade=grade.details,
+        turns=msg.turns, messages=msg.messages, template_drift_turns=sum(t.template_drift for t in msg.turns),
+        side_calls=msg.side_calls, created_at=time.time())
+
+
+def refused_as_graded_0(msg: RewardRequest, refused: OutputRefused, stage: str) -> RewardRequest | None:
+    """An output of an episode the agent ran in could not be produced (over `broker.max_message_bytes`, or
+    unencodable: what the agent wrote made it so). Like any failure after the agent ran, it is the agent's
+    (base/blame.py): `msg` graded 0 with the reason, cut so that its trajectory fits the broker: the free
+    text (messages, observations, hook state) left out, then the last turns that do not fit (the last kept
+    turn's observation tokens dropped: nothing was generated on them). None when not even its prompt fits."""
+    from rollway.base.blame import failure_details
+    from rollway.envs.base import Grade
+
+    details = failure_details(refused, stage)
+    turns = [msgspec.structs.replace(t, assistant_text=t.assistant_text[:MAX_KEPT_TEXT_CHARS], observations=[],
+                                     hints=[], user_message=None, state=None, segment_messages=None)
+             for t in msg.turns]
+
+    def cut(kept: int) -> RewardRequest:
+        last = [msgspec.structs.replace(t, observation_ids=[]) for t in turns[kept - 1:kept]]
+        return msgspec.structs.replace(msg, messages=[], side_calls=[], turns=turns[:kept - len(last)] + last,
+                                       stop_reason=AGENT_FAILURE, failure=details)
+
+    def fits(kept: int) -> bool:
+        req = cut(kept)
+        return len(encode(trajectory(req, Grade(0.0, False, AGENT_FAILURE, details)))) + len(msg.episode_id) <= refused.room
+
+    if not fits(0):
+        return None
+    low, high = 0, len(turns)  # the most turns that fit: fits(low) holds, fits(high + 1) does not
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return cut(low)
 
 
 class RewardActor(Actor):
@@ -91,14 +137,7 @@ class RewardActor(Actor):
             log.warning("episode graded 0: it failed after the agent's code ran", episode_id=msg.episode_id,
                         stage=grade.details.get("failure_stage"), kind=grade.details.get("failure_kind"),
                         failure=str(grade.details.get("failure", ""))[:300])
-        return Trajectory(
-            episode=msg.episode, **assemble(msg),
-            turn_policy_versions=[t.policy_version for t in msg.turns], reward=grade.reward,
-            resolved=grade.resolved, stop_reason=grade.stop_reason or msg.stop_reason,
-            num_turns=len(msg.turns), prompt_length=len(msg.prompt_ids), grade=grade.details,
-            turns=msg.turns, messages=msg.messages, template_drift_turns=sum(t.template_drift for t in msg.turns),
-            side_calls=msg.side_calls,
-            created_at=time.time())
+        return trajectory(msg, grade)
 
     async def _grade(self, msg: RewardRequest, sandbox):
         from rollway.envs.base import Episode, Grade, grade_after_agent
@@ -127,4 +166,11 @@ class RewardActor(Actor):
         return [Output(TRAJECTORIES, msg.episode_id, decode(result, Trajectory))]
 
     def on_error(self, msg: RewardRequest, error: BaseException) -> list[Output]:
+        if isinstance(error, OutputRefused) and isinstance(error.output and error.output.value, Trajectory):
+            from rollway.envs.base import Grade
+
+            request = refused_as_graded_0(msg, error, self.name)
+            if request is not None:  # the grader ran on the agent's changes: a trajectory too large is its 0
+                return [Output(TRAJECTORIES, msg.episode_id,
+                               trajectory(request, Grade(0.0, False, AGENT_FAILURE, request.failure)))]
         return [failure_output(msg, self.name, error)]

@@ -43,8 +43,8 @@ class BrokerConfig(StrictModel):
     max_message_bytes: int = Field(16 * 1024 * 1024, ge=64 * 1024, le=1024 * 1024 * 1024)
     """The largest message rollway produces: the producers' max_request_size, the max.message.bytes
     of every topic rollway creates, and the consumers' fetch sizes. An output above it (a very long
-    trajectory) is not produced: its input is dead-lettered and the episode fails, instead of a
-    produce retried forever. On Apache Kafka see docs/security/operations.md."""
+    trajectory) is not produced: its input is dead-lettered and the episode is graded 0 on the turns
+    that fit (docs/security/grading.md), instead of a produce retried forever. On Apache Kafka see docs/security/operations.md."""
     fetch_max_wait_ms: int = Field(500, ge=1)
     """Longest a consumer's fetch waits at the broker for new data. The embedded broker (Tansu) does
     not answer a waiting fetch when data arrives, so this is added to every hop there: set it to

@@ -113,7 +113,9 @@ class OpenAICompletionsClient(InferenceClient):
         return self._session
 
     async def _request(self, method: str, url: str, body: Any = None, retries: int | None = None) -> tuple[dict, Any]:
-        """JSON answer and headers; retries connection failures and 5xx with exponential backoff."""
+        """JSON answer and headers; retries transport failures (no connection, a body cut short by an engine
+        restart) and 5xx with exponential backoff, then raises ConnectionError: an OSError, the engine's failure
+        (base/blame.py), never the agent's."""
         retries = self.max_retries if retries is None else retries
         for attempt in range(retries + 1):
             try:
@@ -126,7 +128,7 @@ class OpenAICompletionsClient(InferenceClient):
                     if resp.status < 500:
                         raise InferenceRequestError(f"{method} {url} -> {resp.status}: {_message(text)}")
                     error: Exception = RuntimeError(f"{method} {url} -> {resp.status}: {_message(text)}")
-            except (TimeoutError, aiohttp.ClientConnectionError) as err:
+            except (TimeoutError, aiohttp.ClientError) as err:  # the connection or the body cut short: the engine
                 error = err
             if attempt < retries:
                 await asyncio.sleep(self.backoff_s * 2**attempt)

@@ -866,9 +866,42 @@ HARNESS_ATTACKS: dict[str, tuple[str, list[str]]] = {
     "harness_program_exits_nonzero": ("the harness program prints and exits 3", ["sh", "-c", "echo oops; exit 3"]),
     "harness_program_kills_launcher": ("the harness program kills its launcher, then exits 0",
                                        ["sh", "-c", "kill -9 $PPID; exit 0"]),
+    "harness_program_unsupported_call": ("the harness program (or a command the model has it run) asks the "
+                                         "gateway for an endpoint it does not serve, then exits 1",
+                                         ["python3", "-c", "import os, urllib.request as u; u.urlopen(u.Request("
+                                          "os.environ['OPENAI_BASE_URL'] + '/embeddings', data=b'{}', headers={"
+                                          "'Authorization': 'Bearer ' + os.environ['OPENAI_API_KEY']}))"]),
 }
 """Harness rows (issue 39 item 3): (what, the program's argv). Played as a harness episode on toy-000 through
 the init, agent (gateway, launcher) and reward actors; each must end graded 0, never a failed attempt."""
+
+_GATEWAY_ATTACK = r"""
+import os, socket, sys, time
+path = ".rollway/gateway.sock" if os.path.exists(".rollway/gateway.sock") else "/rollway-gateway/gateway.sock"
+held = []
+for _ in range(3000):
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.connect(path)
+        if sys.argv[1] == "body":  # a body far over the limit, announced in the head
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 4000000000\r\n\r\n" + b"[" * 65536)
+        held.append(s)
+    except OSError:
+        s.close()
+        time.sleep(0.01)
+print("attacked", flush=True)
+time.sleep(3600)
+"""
+GATEWAY_ATTACKS: dict[str, tuple[str, list[str]]] = {
+    "gateway_holds_connections": ("the harness program opens 3,000 connections to the gateway's socket and "
+                                  "holds them", ["python3", "-c", _GATEWAY_ATTACK, "connections"]),
+    "gateway_huge_bodies": ("the harness program sends 3,000 requests announcing 4 GB bodies",
+                            ["python3", "-c", _GATEWAY_ATTACK, "body"]),
+}
+"""Gateway exhaustion rows (issue 39 item 4): played as the harness rows are; the gateway must bound the
+episode (at most `max_connections` open, each refusal counted) until it ends at its refusal limit
+(`harness_refused_limit`, graded 0), while the program still holds what it opened."""
 
 # ---------------------------------------------------------------- answer leaks and secrets in sight (issue 39)
 

@@ -25,6 +25,7 @@ from typing import Any
 from rollway.envs.base import Episode, Grade, Task, TaskSet, grade_after_agent
 from rollway.runners.grader_attacks import (
     ATTACKS,
+    GATEWAY_ATTACKS,
     HARNESS_ATTACKS,
     TOOL_ATTACKS,
     Attack,
@@ -253,17 +254,20 @@ async def play_tool_call(name: str, output: str, opts: Options) -> tuple[bool, s
     return True, f"observation: {shown}{more}"
 
 
-async def play_harness(name: str, argv: list[str], opts: Options, bootstrap: str) -> tuple[bool, str]:
+async def play_harness(name: str, argv: list[str], opts: Options, bootstrap: str,
+                       stop_reason: str | None = None) -> tuple[bool, str]:
     """A harness episode on toy-000 whose program is `argv`, through the init, agent (the worker's gateway
     on the embedded broker, the launcher) and reward actors. The episode must come back graded 0 with the
-    program's failure as its reason, not failed (a retried failure is an opt-out from the zero)."""
+    program's failure as its reason, not failed (a retried failure is an opt-out from the zero); with
+    `stop_reason`, ended for that reason (a gateway's bound), not by the program's own limits."""
     from rollway.core.config import load_config
     from rollway.runners.verify import play_episode
 
     with tempfile.TemporaryDirectory(prefix="rollway-grader-check-") as run_dir:
         cfg = load_config(None, ["tasks.type=toy", "tasks.count=1", f"sandbox.type={opts.sandbox}",
                                  f"broker.bootstrap={bootstrap}", f"topics.prefix=gcheck{uuid.uuid4().hex[:8]}-",
-                                 "agent.harness=" + json.dumps({"command": argv}),
+                                 # A program the gateway did not bound ends at its silence: a row's time.
+                                 "agent.harness=" + json.dumps({"command": argv, "silence_limit_s": 30}),
                                  *([f"sandbox.gateway_root={run_dir}/gateway"] if opts.sandbox == "docker" else []),
                                  "policy=" + json.dumps({"type": "scripted", "chat_format": "bytes-chatml",
                                                          "script": [{"when": "", "turns": ["I give up."]}]})])
@@ -273,6 +277,8 @@ async def play_harness(name: str, argv: list[str], opts: Options, bootstrap: str
             return False, f"the attempt failed instead of a graded 0: {type(exc).__name__}: {str(exc)[:300]}"
     if traj.reward > 0:
         return False, f"scored reward {traj.reward:g}"
+    if stop_reason is not None and traj.stop_reason != stop_reason:
+        return False, f"ended with {traj.stop_reason}, not {stop_reason}: the gateway did not bound the episode"
     kind = traj.grade.get("failure_kind") or traj.grade.get("outcome") or traj.stop_reason
     return True, f"reward 0: {traj.stop_reason} ({kind})"
 
@@ -316,13 +322,15 @@ async def run_suite(opts: Options, families: list[Family] | None = None) -> dict
     if any(f.name == "toy" for f in families):
         plays += [(name, "agent-tools", functools.partial(play_tool_call, name, output, opts), what)
                   for name, (what, output) in TOOL_ATTACKS.items() if _selected(name, opts)]
-        harness = {name: row for name, row in HARNESS_ATTACKS.items() if _selected(name, opts)}
+        harness = {name: (*row, None) for name, row in HARNESS_ATTACKS.items() if _selected(name, opts)}
+        harness |= {name: (*row, "harness_refused_limit") for name, row in GATEWAY_ATTACKS.items()
+                    if _selected(name, opts)}
         if harness:  # the gateway records the program's calls on a real broker
             from rollway.runners.broker import EmbeddedBroker
 
             broker = EmbeddedBroker(0).start()
-            plays += [(name, "harness", functools.partial(play_harness, name, argv, opts, broker.bootstrap), what)
-                      for name, (what, argv) in harness.items()]
+            plays += [(name, "harness", functools.partial(play_harness, name, argv, opts, broker.bootstrap, stop), what)
+                      for name, (what, argv, stop) in harness.items()]
     slots = asyncio.Semaphore(opts.jobs)
 
     async def one(name: str, family: str, play: Any, what: str) -> Row:

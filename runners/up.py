@@ -429,6 +429,8 @@ def _run_stages(job: Job, on_tick, quiet: bool) -> dict:
                                                             "pass_rate", "wall_seconds")})
         for reason, count in summary["failure_reasons"].items():
             log.error(f"{count} episode(s) failed: {reason[:500]}")
+        for kind, count in summary["graded_failures"].items():  # the agent's (base/blame.py), or a setup's error
+            log.warning(f"{count} episode(s) graded 0 for a failure after the agent ran ({kind}): see the stage's log")
     return summary
 
 

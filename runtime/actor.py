@@ -102,12 +102,11 @@ MAX_FAILURE_REASON_CHARS = 2000
 
 def failure_output(msg: EpisodeMessage, stage: str, error: BaseException, retryable: bool = True) -> Output:
     """Tell the scheduler this attempt failed in `stage` (it re-issues or records the failure). An
-    output the broker refused is not retryable: the same policy would likely write it again; nor is an
-    error whose class says `retryable = False` (no attempt can succeed: a program the gateway cannot serve)."""
+    output the broker refused is not retryable: the same policy would likely write it again."""
     reason = f"{type(error).__name__}: {error}"[:MAX_FAILURE_REASON_CHARS]
     return Output(EPISODE_FAILURES, msg.episode_id, EpisodeFailure(
         episode=msg.episode, stage=stage, reason=redact(reason),  # it crosses the broker
-        retryable=retryable and getattr(error, "retryable", True) and not isinstance(error, OutputRefused),
+        retryable=retryable and not isinstance(error, OutputRefused),
         at=time.time()))
 
 
@@ -115,6 +114,11 @@ class OutputRefused(Exception):
     """An output that no retry can deliver: it cannot be encoded (an integer beyond 64 bits), it is
     larger than `broker.max_message_bytes`, or the broker refused it for what it is. The runtime
     dead-letters the input with this reason and produces the actor's `on_error` outputs instead."""
+
+    output: Output | None = None
+    """The refused output (set by the runtime), for an `on_error` that delivers a smaller one instead."""
+    room: int = 0
+    """Bytes a message's key and value may take on this broker (set by the runtime)."""
 
 
 class StaleMessage(Exception):

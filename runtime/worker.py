@@ -128,11 +128,17 @@ class OutputSender:
         return topic_name(out.topic, self.cfg.topics), key, value
 
     async def send(self, outputs: list[Output]) -> None:
-        encoded = [self.encode(out) for out in outputs]  # all first: an unencodable output produces none
-        for topic, key, value in encoded:
-            await self._produce(topic, key, value)
-            self.stats["produced"] += 1
-            metrics.PRODUCED.labels(self.stage).inc()
+        encoded = []
+        try:
+            for out in outputs:  # all first: an unencodable output produces none
+                encoded.append(self.encode(out))
+            for out, (topic, key, value) in zip(outputs, encoded, strict=True):  # noqa: B007 - `out` is read below
+                await self._produce(topic, key, value)
+                self.stats["produced"] += 1
+                metrics.PRODUCED.labels(self.stage).inc()
+        except OutputRefused as err:
+            err.output, err.room = out, self.cfg.broker.max_message_bytes - RECORD_OVERHEAD_BYTES
+            raise
 
     async def _produce(self, topic: str, key: bytes | None, value: bytes) -> None:
         delay = 0.2

@@ -174,6 +174,8 @@ class JailRunner:
         self.cfg = cfg
         self.bwrap = shutil.which(cfg.bwrap) or cfg.bwrap
         self.python_bin, self.ro_mounts = python_mounts(cfg.python)
+        self.python = cfg.python or sys.executable
+        """The interpreter the jail runs tests with (task_tree.installed_copies asks it what it holds)."""
         self.ro_mounts += [p for p in cfg.ro_binds if p not in self.ro_mounts]
         # As host root, RLIMIT_NPROC is never enforced (the kernel exempts uid 0 even inside a user
         # namespace), so bwrap itself runs as an unprivileged host user.
@@ -191,11 +193,13 @@ class JailRunner:
         cgroup_procs: list[str] | None = None,
         seccomp_fd: int | None = None,
         home: str | None = None,
+        hidden: list[str] | None = None,
     ) -> list[str]:
         """The full command line: [staging of host folders and cgroup join, uid switch,] bwrap,
         limits, command. `cgroup_procs`: cgroup.procs files the jail joins (root only);
         `seccomp_fd`: an open fd holding the seccomp program bwrap loads; `home`: a host folder
-        bound read-write as HOME (JAIL_HOME), None: HOME=/tmp."""
+        bound read-write as HOME (JAIL_HOME), None: HOME=/tmp; `hidden`: paths of the bound folders
+        the jail shows empty (task_tree.installed_copies)."""
         host_paths = [*self.ro_mounts, *([home] if home else []), workspace]
         if self.host_uid is None:
             sources = host_paths
@@ -205,7 +209,7 @@ class JailRunner:
         jail = [
             self.bwrap,
             *self._namespace_args(),
-            *self._filesystem_args(sources[-1], binds, sources[-2] if home else None),
+            *self._filesystem_args(sources[-1], binds, sources[-2] if home else None, hidden or []),
             *self._env_args(home is not None),
             *(["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else []),
         ]
@@ -229,7 +233,8 @@ class JailRunner:
             "--cap-drop", "ALL", "--hostname", "sandbox", "--die-with-parent", "--new-session",
         ]  # fmt: skip
 
-    def _filesystem_args(self, workspace: str, binds: list[tuple[str, str]], home: str | None = None) -> list[str]:
+    def _filesystem_args(self, workspace: str, binds: list[tuple[str, str]], home: str | None = None,
+                         hidden: list[str] = ()) -> list[str]:
         args = system_mount_args()
         for name in _ETC_ENTRIES:
             args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
@@ -242,6 +247,9 @@ class JailRunner:
         ]  # fmt: skip
         for source, dest in binds:
             args += ["--ro-bind", source, dest]
+        for path in hidden:  # an empty read-only folder, an empty file
+            args += ["--size", "4096", "--tmpfs", path, "--remount-ro", path] if os.path.isdir(path) else [
+                "--ro-bind", "/dev/null", path]
         if home is not None:
             args += ["--bind", home, JAIL_HOME]
         # The jail's own root (where bwrap made /etc, /root, ...) is read-only too: only the
@@ -271,16 +279,17 @@ class JailRunner:
 
     async def run(
         self, workspace: str, command: str, limits: JailLimits, cgroup_procs: list[str] | None = None,
-        home: str | None = None,
+        home: str | None = None, hidden: list[str] | None = None,
     ) -> ExecResult:
         """Run `command` in a new jail; never raises for the command's own failures."""
         if self.seccomp is None:
-            return await run_limited(self.argv(workspace, command, limits, cgroup_procs, home=home), limits)
+            return await run_limited(self.argv(workspace, command, limits, cgroup_procs, home=home, hidden=hidden),
+                                     limits)
         fd = os.memfd_create("rollway-seccomp", 0)  # one per command: bwrap reads it to the end
         try:
             os.write(fd, self.seccomp)
             os.lseek(fd, 0, os.SEEK_SET)
-            argv = self.argv(workspace, command, limits, cgroup_procs, seccomp_fd=fd, home=home)
+            argv = self.argv(workspace, command, limits, cgroup_procs, seccomp_fd=fd, home=home, hidden=hidden)
             return await run_limited(argv, limits, pass_fds=(fd,))
         finally:
             os.close(fd)

@@ -29,7 +29,7 @@ from rollway.sandboxes.base import (
 )
 from rollway.sandboxes.config import LocalSandboxConfig
 from rollway.sandboxes.jail import JailLimits, JailRunner
-from rollway.sandboxes.task_tree import normalise_tree
+from rollway.sandboxes.task_tree import installed_copies, normalise_tree
 
 DEFAULT_ROOT = "/tmp/rollway-sandboxes"
 """Stable, so every worker process on this machine finds the workspaces the others created."""
@@ -38,6 +38,7 @@ log = structlog.get_logger(__name__)
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 _READY = "READY"
 _LIMITS = "limits.json"
+_HIDDEN = "hidden.json"
 """Beside the workspace: the limits the sandbox's spec set (memory_mb, cpus, workspace_mb)."""
 # Interpreter caches would only add noise (and binary hunks) to an agent's diff; `.rollway/` holds
 # tool state (the editor's undo history), not the agent's work.
@@ -94,7 +95,15 @@ class LocalSandbox(Sandbox):
         if self._provider.config.home == "persistent" and not home.is_dir():
             await asyncio.to_thread(self._provider.make_home, home)  # a sandbox made before homes existed
         return await self._provider.runner.run(str(self.workspace), command, limits, procs,
-                                               home=str(home) if self._provider.config.home == "persistent" else None)
+                                               home=str(home) if self._provider.config.home == "persistent" else None,
+                                               hidden=self._hidden())
+
+    def _hidden(self) -> list[str]:
+        """The clean copies of the workspace's libraries the jail hides (found when the sandbox was made)."""
+        try:
+            return json.loads((self.box_dir / _HIDDEN).read_text())
+        except FileNotFoundError:
+            return []
 
     async def read_file(self, path: str) -> str:
         resolve_inside(self.workspace, path)  # the messages for absolute paths, `..`, links out
@@ -219,6 +228,8 @@ class LocalSandboxProvider(SandboxProvider):
         if (box_dir / _READY).exists():
             return LocalSandbox(self, box_dir)
         await asyncio.to_thread(self._prepare, spec, box_dir)
+        hidden = await asyncio.to_thread(installed_copies, box_dir / "workspace", self.runner.python)
+        (box_dir / _HIDDEN).write_text(json.dumps(hidden))  # beside the workspace: out of the jail's reach
         sandbox = LocalSandbox(self, box_dir)
         try:
             for command in spec.setup_commands:

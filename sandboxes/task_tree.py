@@ -5,8 +5,10 @@ image's build context) and again where a sandbox is made from one (docs/security
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 FIXED_TIME = 946684800
@@ -45,3 +47,44 @@ def normalise_tree(root: str | os.PathLike[str]) -> None:
         for name in [*files, *folders]:
             os.utime(os.path.join(here, name), (FIXED_TIME, FIXED_TIME), follow_symlinks=False)
     os.utime(root, (FIXED_TIME, FIXED_TIME))
+
+
+RUNNER_MODULES = frozenset({"pytest", "_pytest", "pluggy", "iniconfig", "packaging"})
+"""Never hidden: the test runner imports them from the interpreter's path (a `pytest` started from its
+console script does not put the workspace first)."""
+
+_FIND_SPECS = ("import importlib.util as u, json, sys; "
+               "print(json.dumps([getattr(u.find_spec(n), 'origin', None) for n in sys.argv[1:]]))")
+
+
+def installed_copies(workspace: str | os.PathLike[str], python: str) -> list[str]:
+    """What the sandbox's interpreter `python` holds of a library the workspace holds too (a module or
+    package at the top, or under `src/`), in its site-packages: the installed copy, its bytecode and the
+    dist-info whose RECORD hashes its files. Any of them names the file a task changed
+    (docs/security/task-data.md); the local jail hides them. The standard library is never among them."""
+    root = Path(workspace)
+    names = {p.stem for p in [*root.glob("*.py"), *root.glob("src/*.py")] if p.name not in ("setup.py", "conftest.py")}
+    names |= {p.parent.name for p in [*root.glob("*/__init__.py"), *root.glob("src/*/__init__.py")]}
+    names = sorted(n for n in names if n.isidentifier() and n not in RUNNER_MODULES)
+    if not names:
+        return []
+    found = subprocess.run([python, "-I", "-c", _FIND_SPECS, *names], capture_output=True, text=True, cwd="/",
+                           timeout=120)
+    hidden: list[str] = []
+    for name, origin in zip(names, json.loads(found.stdout) if found.returncode == 0 else [], strict=False):
+        path = Path(origin or "")
+        if not path.is_absolute() or not {"site-packages", "dist-packages"} & set(path.parts):
+            continue
+        site = path.parent.parent if path.name == "__init__.py" else path.parent
+        hidden += [str(path.parent)] if path.name == "__init__.py" else [str(path), *map(str, (
+            site / "__pycache__").glob(f"{name}.*.pyc"))]
+        hidden += [str(record.parent) for record in site.glob("*.dist-info/RECORD")
+                   if any(line.startswith((f"{name}/", f"{name}.py,")) for line in _lines(record))]
+    return sorted(set(hidden))
+
+
+def _lines(path: Path) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []

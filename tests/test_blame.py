@@ -117,3 +117,96 @@ def test_an_unreachable_inference_engine_fails_the_attempt_for_a_retry(tmp_path)
         asyncio.run(play_episode(cfg, tmp_path, "toy-000", services=s))
     msg = InitRequest(episode=EpisodeKey(episode_id="e", group_id="e", task_id="toy-000"), issued_at=0, deadline=0)
     assert failure_output(msg, AgentActor.name, caught.value).value.retryable
+
+
+class _DyingEngine:
+    """An HTTP server standing in for an inference engine that is killed while it answers (fake: a raw
+    socket server, no model): each of its first `deaths` completions gets the status line, headers and
+    half of the body, then the connection closes. Later ones get the whole answer."""
+
+    BODY = json.dumps({"choices": [{"token_ids": [1, 2], "logprobs": {"token_logprobs": [-0.1, -0.2]},
+                                    "finish_reason": "stop"}]}).encode()
+
+    def __init__(self, deaths: int):
+        self.deaths, self.requests = deaths, 0
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)
+        await reader.readexactly(length)
+        self.requests += 1
+        body = self.BODY if self.requests > self.deaths else self.BODY[:len(self.BODY) // 2]
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(self.BODY), body))
+        await writer.drain()
+        writer.close()
+
+
+@pytest.mark.parametrize("deaths", [1, 99])
+def test_an_engine_killed_while_it_answers_is_infrastructure(deaths):
+    """An engine restart cuts a completion's body short (aiohttp: ClientPayloadError, not a connection
+    error). The client retries it like a refused connection: an engine back within the retries answers the
+    turn; one still gone raises ConnectionError, the OSError that the agent stage (actors/turn.py) and the
+    gateway turn into `InferenceUnreachable` (retried), never a 0 for the episode."""
+    from rollway.policies.base import SamplingParams
+    from rollway.policies.openai_client import OpenAICompletionsClient
+
+    async def play():
+        engine = _DyingEngine(deaths)
+        server = await asyncio.start_server(engine.serve, "127.0.0.1", 0)
+        client = OpenAICompletionsClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1", model="m",
+                                         max_retries=2, backoff_s=0.01)
+        try:
+            return await client.generate([1, 2, 3], SamplingParams(max_tokens=2))
+        finally:
+            await client.close()
+            server.close()
+
+    if deaths == 1:
+        assert asyncio.run(play()).token_ids == [1, 2]
+    else:
+        with pytest.raises(ConnectionError, match="failed after 3 attempts"):
+            asyncio.run(play())
+
+
+def _up(tmp_path, script: list[dict], max_turns: int, **broker) -> tuple[dict, list[dict], list[dict]]:
+    """`rollway up` of one toy episode in the local jail (real broker, the scripted policy as the model):
+    summary, trajectories and failures."""
+    import subprocess
+    import sys
+
+    import yaml
+    from conftest import ROOT
+
+    job = {"run": {"name": "refused", "timeout_s": 300}, "tasks": {"type": "toy", "count": 1},
+           "sandbox": {"type": "local"}, "broker": broker, "tools": {"enabled": ["bash", "finish"]},
+           "scheduler": {"group_size": 1, "max_attempts": 2, "episode_deadline_s": 200},
+           "agent": {"max_turns": max_turns, "max_tokens_per_turn": 400_000, "max_total_tokens": 1_000_000},
+           "policy": {"type": "scripted", "chat_format": "bytes-chatml", "script": script}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", "--no-report", str(tmp_path / "job.yaml"),
+                          "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = {name: [json.loads(x) for x in (run_dir / name).read_text().splitlines()] if (run_dir / name).exists()
+             else [] for name in ("trajectories.jsonl", "failures.jsonl")}
+    return json.loads((run_dir / "summary.json").read_text()), lines["trajectories.jsonl"], lines["failures.jsonl"]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("turns", "stage"), [(3, "agent"), (2, "reward")])
+def test_an_episode_too_large_for_the_broker_is_graded_0_with_the_turns_that_fit(tmp_path, turns, stage):
+    """The model writes turns until its episode is over `broker.max_message_bytes` (a 1 MB limit here, turns
+    of 30,000 tokens: each turn's message fits; with three the agent stage's reward request does not, with two
+    the reward stage's trajectory does not). That used to be a final failure, never graded nor trained on: a
+    way out of a 0 the model chooses. It is the model's 0, with the turns that fit."""
+    long_call = '<tool_call>{"name": "bash", "arguments": {"command": "true #' + "x" * 30_000 + '"}}</tool_call>'
+    summary, trajs, failures = _up(tmp_path, [{"when": "", "turns": [long_call]}], turns, max_message_bytes=1_000_000)
+    assert failures == [] and len(trajs) == 1, (summary, failures)
+    [t] = trajs
+    assert (t["reward"], t["stop_reason"], t["grade"]["failure_kind"]) == (0.0, "agent_failure", "OutputRefused")
+    assert t["grade"]["failure_stage"] == stage and "max_message_bytes=1000000" in t["grade"]["failure"]
+    assert t["num_turns"] == 1 and t["turns"][0]["assistant_text"] == long_call[:2000]
+    assert len(t["token_ids"]) == len(t["loss_mask"]) == len(t["logprobs"]) > 30_000
+    assert summary["graded_failures"] == {f"{stage}: OutputRefused": 1}

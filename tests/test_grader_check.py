@@ -212,6 +212,25 @@ def test_opt_out_rows_flag_a_build_that_retries_the_agents_failures(monkeypatch)
     assert weakened["tool_kills_every_process"][0], weakened  # an observation for the model, whatever the rule
 
 
+def test_gateway_rows_flag_a_gateway_that_does_not_bound_an_episode(monkeypatch):
+    """The weakened build: the gateway counts no refusal against the episode (its connection and size limits
+    still answer, but an episode that keeps attacking is never ended). The gateway rows then end at the
+    program's silence limit instead of the gateway's bound: not contained; with the bounds they are."""
+    from rollway.gateway import bounds
+
+    def play():
+        report = asyncio.run(run_suite(Options(sandbox="local", families=("toy",), row_timeout_s=240,
+                                               attacks=("gateway_holds_connections", "gateway_huge_bodies"))))
+        return {r["attack"]: (r["contained"], r["reason"]) for r in report["rows"]}
+
+    rows = play()
+    assert len(rows) == 2 and all(contained for contained, _ in rows.values()), rows
+    monkeypatch.setattr(bounds, "refuse", lambda handle, limits, what: None)
+    weakened = play()
+    assert not any(contained for contained, _ in weakened.values()), weakened
+    assert all("harness_silence" in reason for _, reason in weakened.values()), weakened
+
+
 # ---------------------------------------------------------------- answer-leak and secrets rows (issue 39)
 
 

@@ -24,17 +24,20 @@ except urllib.error.HTTPError as err:
 """
 
 
-def test_a_program_asking_for_an_unsupported_endpoint_fails_for_good_and_is_reported_once(tmp_path):
+def test_a_program_asking_for_an_unsupported_endpoint_is_graded_0_and_reported_once(tmp_path):
+    """A command the model has the program run can ask for an unsupported endpoint as well as the program can:
+    that used to fail the attempt for good, never graded (a way out of a 0). Each episode is graded 0 with the
+    endpoint named, once in the log, counted by kind in the summary, and not re-run."""
     out, summary, trajs = up(tmp_path, NON_FIX, {"command": ["python3", "-c", EMBEDDINGS]})
-    assert trajs == [] and summary["episodes_failed"] == 2, out.stderr[-3000:]
-    failures = [json.loads(line) for line in (tmp_path / "run" / "failures.jsonl").read_text().splitlines()]
-    agent = [f for f in failures if f["stage"] == "agent"]
-    # max_attempts=2, but no episode is re-run: the program can never work here.
-    assert sorted(f["episode"]["attempt"] for f in agent) == [0, 0], agent
-    assert all(not f["retryable"] and "POST /v1/embeddings is not served" in f["reason"] for f in agent)
-    [(reason, count)] = summary["failure_reasons"].items()
-    assert count == 2 and "HarnessUnsupported" in reason and "/v1/embeddings" in reason
-    assert out.stderr.count("/v1/embeddings is not served") == 1, out.stderr[-3000:]
+    assert len(trajs) == 2 and summary["episodes_failed"] == 0, out.stderr[-3000:]
+    assert sorted(t["episode"]["attempt"] for t in trajs) == [0, 0]
+    for t in trajs:
+        assert (t["reward"], t["stop_reason"], t["grade"]["failure_kind"]) == (0.0, "agent_failure", "HarnessUnsupported")
+        assert "POST /v1/embeddings is not served" in t["grade"]["failure"]
+    assert summary["graded_failures"] == {"agent: HarnessUnsupported": 2}
+    logs = "".join(p.read_text() for p in (tmp_path / "run" / "logs").glob("agent-*.out"))
+    assert logs.count("a program asked for what the gateway does not serve") == 1, logs[-3000:]
+    assert "2 episode(s) graded 0 for a failure after the agent ran (agent: HarnessUnsupported)" in out.stderr
 
 
 def test_an_episode_past_its_segment_bound_is_graded_and_trained_up_to_it(tmp_path):

@@ -116,3 +116,45 @@ def test_normalise_tree_retimes_everything_and_drops_caches_without_following_li
     assert left == ["a", "a/x.py", "link"]
     assert {os.lstat(p).st_mtime for p in [tree, *tree.rglob("*")]} == {FIXED_TIME}
     assert outside.stat().st_mtime_ns == before  # the link itself was retimed, not its target
+
+
+def test_a_clean_copy_of_the_library_on_the_jails_interpreter_path_is_hidden(tmp_path):
+    """A task built from a library the sandbox's interpreter also holds (rollway's own environment holds
+    `six`, say): the installed copy, its bytecode and its dist-info (whose RECORD holds every file's hash)
+    would name the changed file. Here the interpreter is a virtual environment made for the test
+    (`sandbox.python`) with the library installed in it; the jail hides each of those, and the workspace's
+    copy is the one imported."""
+    import py_compile
+    import subprocess
+    import sys
+
+    from rollway.sandboxes.config import LocalSandboxConfig
+    from rollway.sandboxes.local import LocalSandboxProvider
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    [site] = list(venv.glob("lib/python3*/site-packages"))
+    source = "".join(f"def f{i}():\n    return {i}\n" for i in range(8))
+    (site / "leaky.py").write_text(source)
+    py_compile.compile(str(site / "leaky.py"), cfile=str(site / "__pycache__" / "leaky.cpython-311.pyc"))
+    (site / "leaky-1.0.dist-info").mkdir()
+    (site / "leaky-1.0.dist-info" / "RECORD").write_text("leaky.py,sha256=x,1\n")
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "leaky.py").write_text(source.replace("return 3", "return -3"))
+    for i in range(4):
+        (tree / f"other{i}.py").write_text(f"x = {i}\n")
+    provider = LocalSandboxProvider(LocalSandboxConfig(root=str(tmp_path / "boxes"), python=str(venv / "bin" / "python")))
+
+    async def probe() -> tuple[dict, str]:
+        box = await provider.create(SandboxSpec(source_dir=str(tree)), f"leak-{uuid.uuid4().hex[:10]}")
+        try:
+            seen = await box.exec(f"cat {site}/leaky.py {site}/__pycache__/* {site}/leaky-1.0.dist-info/* 2>/dev/null"
+                                  " | wc -c; python -c 'import leaky; print(leaky.f3())'")
+            return await probe_sandbox(box), seen.output
+        finally:
+            await box.destroy()
+
+    report, seen = run(probe())
+    assert leaking_channels(report, "leaky.py") == [], report["channels"]
+    assert seen.split() == ["0", "-3"], seen  # nothing of the installed copy can be read; the workspace's is used
