@@ -8,6 +8,8 @@
 #                                  container carries all the program needs, and settings.json
 #   codex-$CODEX_VERSION/          the Codex CLI (@openai/codex: node_modules/.bin/codex and its static binary),
 #                                  which speaks only the Responses API
+#   opencode-$OPENCODE_VERSION/    opencode (opencode-ai: node_modules/.bin/opencode and its self-contained binary,
+#                                  which needs no node at run time)
 # Each folder gets a .ready file holding its version once complete. Skip with ROLLWAY_SKIP_AGENTS=1.
 # Qwen Code 0.15.10 is the last release that runs on Node.js 20 (later ones ask for node >= 22).
 set -euo pipefail
@@ -24,6 +26,7 @@ CACHE=${ROLLWAY_AGENTS_DIR:-$DEFAULT_AGENTS}
 MINI_VERSION=${ROLLWAY_MINI_SWE_AGENT_VERSION:-2.4.6}
 QWEN_VERSION=${ROLLWAY_QWEN_CODE_VERSION:-0.15.10}
 CODEX_VERSION=${ROLLWAY_CODEX_VERSION:-0.171.0}
+OPENCODE_VERSION=${ROLLWAY_OPENCODE_VERSION:-1.18.33}
 say() { echo "setup-agents: $*" >&2; }
 ready() { [ -f "$1/.ready" ] && [ "$(cat "$1/.ready")" = "$2" ]; }
 mkdir -p "$CACHE"
@@ -77,9 +80,23 @@ install_codex() {
   say "Codex CLI $CODEX_VERSION installed ($dir)"
 }
 
+install_opencode() {
+  local dir="$CACHE/opencode-$OPENCODE_VERSION"
+  if ready "$dir" "$OPENCODE_VERSION"; then say "opencode $OPENCODE_VERSION ready ($dir)"; return; fi
+  command -v node >/dev/null && command -v npm >/dev/null || {
+    say "opencode needs Node.js and npm to install: apt-get install nodejs npm (or ROLLWAY_SKIP_AGENTS=1)"; exit 1; }
+  mkdir -p "$dir"
+  # Not --omit=optional: the binary comes in the platform's optional package (opencode-linux-x64).
+  npm install --prefix "$dir" --no-save --no-audit --no-fund "opencode-ai@$OPENCODE_VERSION" >/dev/null
+  "$dir/node_modules/.bin/opencode" --version >/dev/null
+  echo "$OPENCODE_VERSION" > "$dir/.ready"
+  say "opencode $OPENCODE_VERSION installed ($dir)"
+}
+
 install_mini
 install_qwen
 install_codex
+install_opencode
 # Qwen Code's settings for offline, non-interactive runs (examples/qwen-code/settings.json), beside the
 # program so that the one bound folder holds them (QWEN_CODE_SYSTEM_SETTINGS_PATH names the file).
 # Copied on every run: editing the example takes effect with `bash scripts/setup-agents.sh`.

@@ -3,6 +3,7 @@ $ROLLWAY_AGENTS_DIR; it is run again here when one is missing, so a test fails, 
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -14,6 +15,7 @@ CACHE = Path(os.environ.get("ROLLWAY_AGENTS_DIR", _DEFAULT))
 MINI_VERSION = "2.4.6"
 QWEN_VERSION = "0.15.10"
 CODEX_VERSION = "0.171.0"
+OPENCODE_VERSION = "1.18.33"
 
 
 def _ensure(folder: Path, version: str) -> Path:
@@ -71,6 +73,33 @@ def qwen_code() -> Path:
 def codex_cli() -> Path:
     """The Codex CLI folder: node_modules/.bin/codex (Responses API only)."""
     return _ensure(CACHE / f"codex-{CODEX_VERSION}", CODEX_VERSION)
+
+
+def opencode() -> Path:
+    """The opencode folder: node_modules/.bin/opencode (a self-contained binary; chat completions)."""
+    return _ensure(CACHE / f"opencode-{OPENCODE_VERSION}", OPENCODE_VERSION)
+
+
+def opencode_config(context: int = 65536, title: bool = False) -> dict:
+    """opencode's settings for offline, unattended runs (docs/harness.md names each): the gateway as an
+    OpenAI-compatible provider, the model's context limit, no title agent unless `title`."""
+    model = {"name": "rollway-policy", "limit": {"context": context, "output": 1024}}
+    provider = {"npm": "@ai-sdk/openai-compatible", "name": "rollway", "models": {"rollway-policy": model},
+                "options": {"baseURL": "{env:OPENAI_BASE_URL}", "apiKey": "{env:OPENAI_API_KEY}"}}
+    cfg = {"model": "rollway/rollway-policy", "small_model": "rollway/rollway-policy", "autoupdate": False,
+           "share": "disabled", "provider": {"rollway": provider},
+           "tools": {"webfetch": False, "task": False, "skill": False, "todowrite": False}}
+    return cfg if title else {**cfg, "agent": {"title": {"disable": True}}}
+
+
+def opencode_harness(folder: Path, **config: object) -> dict:
+    """`agent.harness` running `opencode run --auto INSTRUCTION` from `folder` (bound read-only)."""
+    return {
+        "command": [str(folder / "node_modules" / ".bin" / "opencode"), "run", "--auto", "{instruction}"],
+        "env": {"OPENCODE_CONFIG_CONTENT": json.dumps(opencode_config(**config)), "OPENCODE_DISABLE_MODELS_FETCH": "1",
+                "OPENCODE_DISABLE_AUTOUPDATE": "1"},
+        "install": {"type": "host_dir", "path": str(folder)},
+    }
 
 
 def qwen_harness(folder: Path) -> dict:

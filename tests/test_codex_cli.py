@@ -1,8 +1,9 @@
 """The real Codex CLI (@openai/codex 0.171, which speaks only the Responses API) against the gateway:
 streamed, stateless (`store: false`, the whole history each call), with its hosted tool types dropped
-from what the model sees, captured token-exact in one segment. The program is installed by
-scripts/setup-agents.sh (run here when missing: the test fails, never skips, without it). The scripted
-policy (policies/scripted.py) is the only fake part: it stands in for the model."""
+from what the model sees, captured token-exact in one segment; as a harness episode on toy tasks (jail,
+docker) and on a Harbor task (docker). The program is installed by scripts/setup-agents.sh (run here
+when missing: the test fails, never skips, without it). The scripted policy (policies/scripted.py) is
+the only fake part: it stands in for the model."""
 
 from __future__ import annotations
 
@@ -112,3 +113,34 @@ def test_codex_cli_fixes_toy_tasks_as_a_harness_episode_in_a_docker_container(tm
     for t in trajs:
         assert t["resolved"] and t["reward"] == 1.0 and t["stop_reason"] == "harness_exit", t["grade"]
         assert t["num_turns"] == 2 and t["segment_starts"] == []
+
+
+def test_codex_cli_fixes_a_harbor_task_in_docker_with_rollway_up(tmp_path):
+    """The Codex CLI on the Harbor example `log-top-ips` (its own image, graded by its own verifier in a
+    separate container), one episode: the scripted model runs the fix through `exec_command`, then answers."""
+    import json
+
+    from agent_programs import assert_captured_tokens
+    from docker_engine import ensure_engine
+    from test_qwen_code import SOLVE, TASK
+    from test_qwen_code import run as run_job
+
+    ensure_engine()
+    folder = codex_cli()
+    binary = folder / "node_modules/@openai/codex-linux-x64/vendor/x86_64-unknown-linux-musl/bin/codex"
+    fix = "<tool_call>" + json.dumps({"name": "exec_command", "arguments": {"cmd": SOLVE}}) + "</tool_call>"
+    harness = {"command": ["sh", "-c", CODEX_SETUP, "{instruction_file}", str(binary)], "time_limit_s": 400,
+               "silence_limit_s": 300, "env": {"CODEX_HOME": "/tmp/codex-home"},
+               "install": {"type": "host_dir", "path": str(folder)}}
+    cfg = {  # the task as shipped: a static binary fits its 512 MB
+        "run": {"name": "codex-harbor", "timeout_s": 560},
+        "tasks": {"type": "harbor", "path": str(TASK)},
+        "sandbox": {"type": "docker", "gateway_root": str(tmp_path / "gateway")},
+        "scheduler": {"group_size": 1, "max_inflight_episodes": 1, "episode_deadline_s": 500, "max_attempts": 1},
+        "agent": {"concurrency": 1, "harness": harness},
+        "policy": {"type": "scripted", "chat_format": "bytes-chatml", "script": [{"when": "", "turns": [fix, DONE]}]},
+    }
+    out, [t] = run_job(tmp_path, "up", SOLVE, cfg)
+    assert t["resolved"] and t["reward"] == 1.0, t["grade"]
+    assert t["stop_reason"] == "harness_exit" and t["num_turns"] == 2
+    assert_captured_tokens(t, [fix, DONE], prompt_has=["Codex", "top404.txt"])
