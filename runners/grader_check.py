@@ -32,7 +32,7 @@ from rollway.runners.grader_attacks import (
     AttackNotRun,
     Target,
 )
-from rollway.sandboxes.base import Sandbox, SandboxError, SandboxProvider
+from rollway.sandboxes.base import OutputLost, Sandbox, SandboxProvider
 
 FAMILIES = ("swe", "swebench", "humaneval", "harbor", "toy")
 DOCKER_ONLY = {"swebench", "harbor"}
@@ -163,11 +163,11 @@ async def play_workspace(attack: Attack, fam: Family, provider: SandboxProvider,
         box = await provider.create(fam.taskset.sandbox_spec(fam.task), f"{prefix}{uuid.uuid4().hex[:10]}")
         try:
             return await _play_in(attack, fam, provider, box)
-        except EngineLostOutput:
+        except _SetupLostOutput as lost:
             # The row's own setup commands (the suite's, not the grader's) met Docker's lost-output race
             # (moby#27289, more frequent under load): the row is played again in a fresh sandbox.
             if setup_try + 1 == SETUP_TRIES:
-                raise
+                raise lost.__cause__ from None
         finally:
             await box.destroy()
     raise AssertionError("unreachable")
@@ -177,7 +177,7 @@ SETUP_TRIES = 3
 """Plays of a row whose setup met the engine's lost-output race before it counts as not run."""
 
 
-class EngineLostOutput(Exception):
+class _SetupLostOutput(Exception):
     """An attack's setup command came back without its output (the engine's race, not the grader's)."""
 
 
@@ -185,10 +185,8 @@ async def _play_in(attack: Attack, fam: Family, provider: SandboxProvider, box: 
     target = Target(**{**asdict(fam.target), "extra": {**fam.target.extra, "nonce": uuid.uuid4().hex[:10]}})
     try:
         check = await attack.play(box, target)
-    except SandboxError as err:
-        if "lost the output" in str(err):
-            raise EngineLostOutput(str(err)) from err
-        raise
+    except OutputLost as err:
+        raise _SetupLostOutput() from err
     episode = Episode(episode_id=f"grader-check-{attack.name}", attempt=0, task=fam.task, messages=[],
                       stop_reason="finish")
     try:

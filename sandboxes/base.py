@@ -93,6 +93,13 @@ class SandboxError(RuntimeError):
     """The sandbox cannot be created or used; the message names the fix."""
 
 
+class OutputLost(SandboxError):
+    """The engine ended a command's output stream before the command's last line (Docker's race,
+    moby#27289, more frequent on a loaded engine). The command may have done its work, so it is not run
+    again here; a caller that can play its whole check again in a fresh sandbox (`tasks verify`, `sandbox
+    check`, the grader check's setup) does. In an episode base/blame.py decides, as for any SandboxError."""
+
+
 class EngineUnreachable(SandboxError):
     """The engine that holds (or was to hold) the sandbox does not answer, or this worker does not know it
     (a handle naming an engine absent from its `sandbox.engines`): a failure observed from outside the

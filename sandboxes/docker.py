@@ -21,6 +21,7 @@ from typing import Any
 from rollway.sandboxes.base import (
     EngineUnreachable,
     ExecResult,
+    OutputLost,
     Sandbox,
     SandboxError,
     SandboxGone,
@@ -210,7 +211,7 @@ class DockerSandbox(Sandbox):
         if not take_trailer(capture, trailer) and stopped is None and exit_code is not None and exit_code < 128:
             # The wrapper ran to its end (a command that killed it would show 128+signal): the engine lost
             # the stream. The command may have done its work, so it is not run again; an engine failure.
-            raise SandboxError(f"the Docker engine lost the output of a command in {self.name} (exit code "
+            raise OutputLost(f"the Docker engine lost the output of a command in {self.name} (exit code "
                                f"{exit_code}, {capture.total} bytes received, no end marker); see moby#27289")
         elapsed = time.monotonic() - start
         timed_out = stopped == "overrun" or (exit_code in (124, 137) and elapsed >= limits.timeout_s)

@@ -295,6 +295,33 @@ def test_cli_check_on_the_real_engine(client: docker.DockerClient, capsys: pytes
     assert count_containers("check-") == 0
 
 
+def test_cli_check_runs_again_when_the_engine_loses_a_commands_output(
+    client: docker.DockerClient, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's fault is injected (the only fake here): the first command of the first check sandbox
+    raises what DockerSandbox raises when the engine drops an exec's output (moby#27289, seen failing the
+    check above in a full suite run). The check runs again in a fresh sandbox and reports the real result."""
+    from rollway.sandboxes.base import OutputLost
+    from rollway.sandboxes.docker import USER, DockerSandbox
+
+    real, lost = DockerSandbox._exec, []
+
+    def exec_losing_once(self, command, limits, user=USER):
+        if not lost:
+            lost.append(self.name)
+            raise OutputLost(f"the Docker engine lost the output of a command in {self.name} (injected)")
+        return real(self, command, limits, user)
+
+    monkeypatch.setattr(DockerSandbox, "_exec", exec_losing_once)
+    args = argparse.Namespace(config=None, type="docker", json=True, overrides=[
+        "sandbox.memory_mb=256", "sandbox.workspace_mb=64", "sandbox.max_file_mb=16", "sandbox.cpus=0.5"])  # fmt: skip
+    code = cmd_sandbox.run(args)
+    out = capsys.readouterr()
+    assert lost and "checking again" in out.err
+    assert code == 0 and json.loads(out.out)["all_protections_hold"] is True, out.out
+    assert count_containers("check-") == 0
+
+
 def test_task_image_built_from_the_base_with_pypi_packages(
     client: docker.DockerClient, config: SandboxConfig, prefix: str, capsys: pytest.CaptureFixture
 ) -> None:
