@@ -44,8 +44,10 @@ def test_one_free_port_and_one_health_wait() -> None:
 
 
 def test_no_urllib_http_client() -> None:
+    # runners/grader_attacks.py: programs the grader check runs inside sandboxes as the agent (a harness
+    # program's own HTTP call), not clients of rollway's
     found = offenders(r"urllib\.request|urllib\.error|http\.client|\brequests\.(get|post)\(|import requests\b",
-                      package_files())
+                      package_files(), {"runners/grader_attacks.py"})
     assert not found, "HTTP clients use aiohttp (sync code: rollway.base.http):\n" + "\n".join(found)
 
 
