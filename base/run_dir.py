@@ -160,8 +160,9 @@ class RunDir:
         """One file per process serving /metrics (Prometheus file service discovery format)."""
         return self.prometheus_dir / "targets"
 
-    def metrics_target(self, pid: int) -> Path:
-        """Where process `pid` announces its /metrics address; removed when it stops cleanly."""
+    def metrics_target(self, pid: int | str) -> Path:
+        """Where process `pid` (or a launched engine, `engine-N`) announces its /metrics address; removed when
+        it stops cleanly."""
         return self.metrics_targets / f"{pid}.json"
 
     def sub(self, name: str) -> RunDir:

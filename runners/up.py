@@ -348,6 +348,11 @@ def run_job(cfg: RunConfig, config_path: str, overrides: list[str], bootstrap: s
             raise JobFailed(f"the inference engine did not start: {err}") from err
         cfg = cfg.model_copy(update={"policy": cfg.policy.model_copy(update=engine.policy_settings())})
         register_secrets(secret_values(cfg))  # the engine's key, when the launch made one
+    announced = []
+    if engine is not None and engine.engine == "vllm" and cfg.metrics.enabled:
+        from rollway.runtime.metrics import announce_engine
+
+        announced = announce_engine(run_dir, [s.base_url for s in engine.servers], cfg.run.id)
     try:
         check_fleet(cfg)
         reap_sandboxes(cfg, "start")  # a resumed run folder: sandboxes of its killed workers
@@ -362,6 +367,8 @@ def run_job(cfg: RunConfig, config_path: str, overrides: list[str], bootstrap: s
     finally:
         if engine is not None:
             engine.stop()
+        for target in announced:
+            target.unlink(missing_ok=True)
 
 
 def one_process(cfg: RunConfig, workers: dict[str, int], env: dict[str, str] | None, own_broker: bool) -> bool:

@@ -18,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
@@ -201,12 +202,8 @@ class MetricsServer:
         self.url = f"http://{announced_host(cfg.host)}:{self.port}/metrics"
         self.target: Path | None = None
         if run_dir is not None:
-            self.target = RunDir(run_dir).metrics_target(os.getpid())
-            self.target.parent.mkdir(parents=True, exist_ok=True)
             labels = {"run": run_id} if run_id else {}
-            write_json_atomic(
-                self.target, [{"targets": [f"{announced_host(cfg.host)}:{self.port}"], "labels": labels}]
-            )
+            self.target = announce(run_dir, os.getpid(), f"{announced_host(cfg.host)}:{self.port}", labels)
         log.info("metrics served", url=self.url, announced=str(self.target) if self.target else None)
 
     @classmethod
@@ -260,6 +257,22 @@ def serve(host: str, first: int) -> tuple[Any, threading.Thread, int]:
             continue
         return httpd, thread, httpd.server_port
     raise AssertionError("unreachable")
+
+
+def announce(run_dir: Path, name: int | str, address: str, labels: dict[str, str]) -> Path:
+    """`address` (host:port) announced as a scrape target of the run (file service discovery); the file."""
+    target = RunDir(run_dir).metrics_target(name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(target, [{"targets": [address], "labels": labels}])
+    return target
+
+
+def announce_engine(run_dir: Path, base_urls: list[str], run_id: str | None) -> list[Path]:
+    """A launched vLLM's own `/metrics` (open without the key: policies/vllm_plugins/rollway_vllm_guard.py)
+    announced beside the stages, one target per replica (`engine-N`, label `replica`): the engine's figures as
+    it counts them (tokens, requests running and waiting, KV cache use), next to rollway's view of its calls."""
+    return [announce(run_dir, f"engine-{i}", urlsplit(url).netloc, {"replica": str(i), **({"run": run_id} if run_id else {})})
+            for i, url in enumerate(base_urls)]
 
 
 def announced_host(host: str) -> str:

@@ -518,3 +518,27 @@ def test_weight_sync_bench_pushes_full_checkpoints_and_adapters(vllm_url, tmp_pa
     assert full["bytes_per_replica"] > 4 * 134_000_000 > 100 * lora["bytes_per_replica"] > 0  # float32 weights vs r-8 adapter
     assert all(len(u["pause_to_resume_s"]) == 1 and 0 < u["pause_to_resume_s"][0] <= u["total_s"] + 0.01
                for u in result["updates"])
+
+
+def test_the_engines_own_metrics_reach_prometheus_through_the_runs_announcement(vllm_url, tmp_path):
+    """What `rollway up` announces for a launched vLLM (runtime/metrics.announce_engine), scraped by a real
+    Prometheus through the run's prometheus.yml: the engine's own counters arrive, read without the key (its
+    /metrics is one of the guard's open routes), labelled with the run and the replica."""
+    from conftest import wait_until
+    from test_prometheus import Prometheus
+
+    from rollway.runtime.metrics import announce_engine, write_scrape_config
+
+    run_dir = tmp_path / "run"
+    [target] = announce_engine(run_dir, [vllm_url], "rv")
+    assert target.name == "engine-0.json"
+    config = write_scrape_config(run_dir, scrape_interval_s=0.5)
+    run(_generate(client_for(vllm_url), SamplingParams(temperature=0.0, max_tokens=4)))
+    prom = Prometheus(config, tmp_path / "prom")
+    try:
+        wait_until(lambda: prom.values("vllm:generation_tokens_total", "replica").get("0", 0) >= 4, timeout_s=120,
+                   what="the engine's generated tokens in Prometheus")
+        [up] = prom.query('up{replica="0"}')
+        assert up["metric"]["run"] == "rv" and float(up["value"][1]) == 1
+    finally:
+        prom.stop()
