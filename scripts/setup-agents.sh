@@ -67,36 +67,24 @@ install_qwen() {
   say "Qwen Code $QWEN_VERSION installed ($dir)"
 }
 
-install_codex() {
-  local dir="$CACHE/codex-$CODEX_VERSION"
-  if ready "$dir" "$CODEX_VERSION"; then say "Codex CLI $CODEX_VERSION ready ($dir)"; return; fi
+# install_npm_binary LABEL FOLDER PACKAGE VERSION BIN: an npm program whose binary comes in the platform's
+# optional package (so not --omit=optional), in $CACHE/FOLDER-VERSION, checked by `BIN --version`.
+install_npm_binary() {
+  local label=$1 dir="$CACHE/$2-$4" package=$3 version=$4 bin=$5
+  if ready "$dir" "$version"; then say "$label $version ready ($dir)"; return; fi
   command -v node >/dev/null && command -v npm >/dev/null || {
-    say "the Codex CLI needs Node.js and npm: apt-get install nodejs npm (or ROLLWAY_SKIP_AGENTS=1)"; exit 1; }
+    say "$label needs Node.js and npm to install: apt-get install nodejs npm (or ROLLWAY_SKIP_AGENTS=1)"; exit 1; }
   mkdir -p "$dir"
-  # Not --omit=optional: the static binary comes in the platform's optional package.
-  npm install --prefix "$dir" --no-save --no-audit --no-fund "@openai/codex@$CODEX_VERSION" >/dev/null
-  "$dir/node_modules/.bin/codex" --version >/dev/null
-  echo "$CODEX_VERSION" > "$dir/.ready"
-  say "Codex CLI $CODEX_VERSION installed ($dir)"
-}
-
-install_opencode() {
-  local dir="$CACHE/opencode-$OPENCODE_VERSION"
-  if ready "$dir" "$OPENCODE_VERSION"; then say "opencode $OPENCODE_VERSION ready ($dir)"; return; fi
-  command -v node >/dev/null && command -v npm >/dev/null || {
-    say "opencode needs Node.js and npm to install: apt-get install nodejs npm (or ROLLWAY_SKIP_AGENTS=1)"; exit 1; }
-  mkdir -p "$dir"
-  # Not --omit=optional: the binary comes in the platform's optional package (opencode-linux-x64).
-  npm install --prefix "$dir" --no-save --no-audit --no-fund "opencode-ai@$OPENCODE_VERSION" >/dev/null
-  "$dir/node_modules/.bin/opencode" --version >/dev/null
-  echo "$OPENCODE_VERSION" > "$dir/.ready"
-  say "opencode $OPENCODE_VERSION installed ($dir)"
+  npm install --prefix "$dir" --no-save --no-audit --no-fund "$package@$version" >/dev/null
+  "$dir/node_modules/.bin/$bin" --version >/dev/null
+  echo "$version" > "$dir/.ready"
+  say "$label $version installed ($dir)"
 }
 
 install_mini
 install_qwen
-install_codex
-install_opencode
+install_npm_binary "the Codex CLI" codex @openai/codex "$CODEX_VERSION" codex
+install_npm_binary opencode opencode opencode-ai "$OPENCODE_VERSION" opencode
 # Qwen Code's settings for offline, non-interactive runs (examples/qwen-code/settings.json), beside the
 # program so that the one bound folder holds them (QWEN_CODE_SYSTEM_SETTINGS_PATH names the file).
 # Copied on every run: editing the example takes effect with `bash scripts/setup-agents.sh`.
