@@ -12,7 +12,7 @@ import structlog
 from rollway.actors.ledger import Ledger
 from rollway.actors.services import Services
 from rollway.actors.sink import belongs_to_run
-from rollway.base.blame import AGENT_FAILURE
+from rollway.base.blame import AGENT_FAILURE, failure_details
 from rollway.base.faults import fault_point
 from rollway.runtime.actor import Actor, MessageMeta, Output, OutputRefused, failure_output
 from rollway.sandboxes.base import SandboxError
@@ -55,7 +55,6 @@ def refused_as_graded_0(msg: RewardRequest, refused: OutputRefused, stage: str) 
     (base/blame.py): `msg` graded 0 with the reason, cut so that its trajectory fits the broker: the free
     text (messages, observations, hook state) left out, then the last turns that do not fit (the last kept
     turn's observation tokens dropped: nothing was generated on them). None when not even its prompt fits."""
-    from rollway.base.blame import failure_details
     from rollway.envs.base import Grade
 
     details = failure_details(refused, stage)

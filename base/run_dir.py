@@ -117,16 +117,20 @@ class RunDir:
         """Where one worker process writes its own status (partitions, messages handled)."""
         return self.worker_status_dir / f"{stage}-{pid}.json"
 
-    def dead_letters(self) -> int:
-        """Messages dead-lettered so far by the stage workers of this run folder (their status files, which
-        each worker rewrites every few seconds and when it stops)."""
-        total = 0
-        for path in sorted(self.worker_status_dir.glob("*.json")):
+    def worker_statuses(self) -> Iterator[tuple[Path, dict[str, Any]]]:
+        """Every worker's status file and what it holds (each worker rewrites its own every few seconds and
+        when it stops); one replaced between listing and reading, or not a status, is left out."""
+        for path in sorted(self.worker_status_dir.glob("*.json")) if self.worker_status_dir.is_dir() else []:
             try:
-                total += int(json.loads(path.read_text()).get("dead_lettered", 0))
-            except (OSError, ValueError, TypeError, AttributeError):
-                continue  # replaced between listing and reading, or not a worker's status
-        return total
+                status = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+            if isinstance(status, dict):
+                yield path, status
+
+    def dead_letters(self) -> int:
+        """Messages dead-lettered so far by the stage workers of this run folder (their status files)."""
+        return sum(int(status.get("dead_lettered", 0)) for _, status in self.worker_statuses())
 
     def worker_status(self, stage: str, pid: int) -> dict[str, Any]:
         return self.read(str(self.worker_status_path(stage, pid).relative_to(self.path)))

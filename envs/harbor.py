@@ -52,7 +52,14 @@ from rollway.envs.harbor_verifier import HARBOR_DIR, LINKS, VerifierSettings, co
 from rollway.envs.harbor_verifier import HarborEnvError as HarborEnvError  # re-exported: raised by grade
 from rollway.envs.image_builds import KeyedLocks, build_all
 from rollway.envs.split import select_tasks
-from rollway.sandboxes.base import Sandbox, SandboxError, SandboxProvider, SandboxSpec
+from rollway.sandboxes.base import (
+    OutputLost,
+    Sandbox,
+    SandboxError,
+    SandboxProvider,
+    SandboxSpec,
+    again_while_output_lost,
+)
 
 log = structlog.get_logger()
 
@@ -414,9 +421,24 @@ async def check_task(task: HarborTask, provider: SandboxProvider, spec: SandboxS
         await sandbox.destroy()
 
 
-CHECK_TRIES = 3
-"""Runs of one check, each in a fresh sandbox, while its sandbox fails (an engine fault such as a lost exec
-stream, moby#27289): a task's verdict must not be an accident of the engine. The last error is reported."""
+async def _check_row(task: HarborTask, provider: SandboxProvider, spec: SandboxSpec, kind: str) -> dict[str, Any]:
+    """One check's fields of its task's row: the reward and outcome, or None and the error; played again in a
+    fresh sandbox while the engine loses a command's output (a task's verdict must not be an accident of the
+    engine, moby#27289), `KIND_tries` then saying how many plays it took."""
+    lost: list[OutputLost] = []
+
+    def note(err: OutputLost) -> None:
+        lost.append(err)
+        log.warning("the engine lost a command's output; the check again in a fresh sandbox", task=task.name,
+                    check=kind, error=str(err)[:300])
+
+    try:
+        grade = await again_while_output_lost(
+            functools.partial(check_task, task, provider, spec, oracle=kind == "oracle"), note)
+        fields = {f"{kind}_reward": grade.reward, f"{kind}_outcome": grade.details.get("outcome")}
+    except SandboxError as exc:
+        fields = {f"{kind}_reward": None, f"{kind}_outcome": f"env_error: {exc}"[:300]}
+    return {**fields, **({f"{kind}_tries": len(lost) + 1} if lost else {})}
 
 
 async def verify_tasks(taskset: HarborTaskSet, provider: SandboxProvider) -> dict[str, Any]:
@@ -429,18 +451,7 @@ async def verify_tasks(taskset: HarborTaskSet, provider: SandboxProvider) -> dic
             if kind == "oracle" and not task.has_solution:
                 row["oracle_reward"] = None
                 continue
-            for attempt in range(1, CHECK_TRIES + 1):
-                try:
-                    grade = await check_task(task, provider, spec, oracle=kind == "oracle")
-                    row[f"{kind}_reward"], row[f"{kind}_outcome"] = grade.reward, grade.details.get("outcome")
-                    break
-                except SandboxError as exc:
-                    row[f"{kind}_reward"], row[f"{kind}_outcome"] = None, f"env_error: {exc}"[:300]
-                    log.warning("a task check failed in its sandbox" + (", trying again in a fresh one"
-                                if attempt < CHECK_TRIES else ""), task=task.name, check=kind, attempt=attempt,
-                                error=str(exc)[:300])
-            if attempt > 1:
-                row[f"{kind}_tries"] = attempt
+            row.update(await _check_row(task, provider, spec, kind))
         rows.append(row)
     with_solution = [r for r in rows if r["oracle_reward"] is not None or "oracle_outcome" in r]
     return {"total": len(rows), "oracle_passed": sum((r.get("oracle_reward") or 0) >= 1 for r in rows),

@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(asyncio.run(_bench(args.type, args.n, args.source, args.pool, args.gap))))
         return 0
     from rollway.core.config import ConfigError, load_config
-    from rollway.sandboxes.base import OutputLost, SandboxError
+    from rollway.sandboxes.base import SandboxError, again_while_output_lost
     from rollway.sandboxes.factory import build_sandbox_provider
 
     overrides = list(getattr(args, "overrides", []) or [])
@@ -84,14 +84,9 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"sandbox.type={args.type}")
     try:
         cfg = load_config(config, overrides).sandbox
-        for attempt in range(1, CHECK_TRIES + 1):
-            try:
-                report = asyncio.run(build_sandbox_provider(cfg).check())
-                break
-            except OutputLost as exc:  # the engine's race: the check again, in a fresh sandbox
-                if attempt == CHECK_TRIES:
-                    raise
-                print(f"rollway sandbox check: {exc}; checking again", file=sys.stderr)
+        report = asyncio.run(again_while_output_lost(  # the engine's race: the check again, in a fresh sandbox
+            lambda: build_sandbox_provider(cfg).check(),
+            lambda lost: print(f"rollway sandbox check: {lost}; checking again", file=sys.stderr)))
     except (SandboxError, ConfigError) as exc:
         if args.json:
             print(json.dumps({"ok": False, "error": str(exc)}))
@@ -100,10 +95,6 @@ def run(args: argparse.Namespace) -> int:
     ok = bool(report.get("all_protections_hold"))
     print(json.dumps(report, indent=2) if args.json else _table(report))
     return 0 if ok else 1
-
-
-CHECK_TRIES = 3
-"""Runs of the check while the engine loses a command's output (sandboxes.base.OutputLost)."""
 
 
 def _table(report: dict[str, Any]) -> str:

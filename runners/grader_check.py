@@ -32,7 +32,7 @@ from rollway.runners.grader_attacks import (
     AttackNotRun,
     Target,
 )
-from rollway.sandboxes.base import OutputLost, Sandbox, SandboxProvider
+from rollway.sandboxes.base import Sandbox, SandboxProvider, again_while_output_lost
 
 FAMILIES = ("swe", "swebench", "humaneval", "harbor", "toy")
 DOCKER_ONLY = {"swebench", "harbor"}
@@ -159,34 +159,22 @@ async def play_workspace(attack: Attack, fam: Family, provider: SandboxProvider,
     """The task's sandbox made as the init stage makes it, the attack played in it, graded as the reward
     stage grades it; (contained, reason)."""
     await fam.taskset.prepare(fam.task)
-    for setup_try in range(SETUP_TRIES):
+
+    async def play() -> tuple[bool, str]:
         box = await provider.create(fam.taskset.sandbox_spec(fam.task), f"{prefix}{uuid.uuid4().hex[:10]}")
         try:
             return await _play_in(attack, fam, provider, box)
-        except _SetupLostOutput as lost:
-            # The row's own setup commands (the suite's, not the grader's) met Docker's lost-output race
-            # (moby#27289, more frequent under load): the row is played again in a fresh sandbox.
-            if setup_try + 1 == SETUP_TRIES:
-                raise lost.__cause__ from None
         finally:
             await box.destroy()
-    raise AssertionError("unreachable")
 
-
-SETUP_TRIES = 3
-"""Plays of a row whose setup met the engine's lost-output race before it counts as not run."""
-
-
-class _SetupLostOutput(Exception):
-    """An attack's setup command came back without its output (the engine's race, not the grader's)."""
+    # The row's own commands (the suite's: grading turns a lost output into the agent's 0) can meet Docker's
+    # lost-output race (moby#27289, more frequent under load): the row is played again in a fresh sandbox.
+    return await again_while_output_lost(play, lambda lost: None)
 
 
 async def _play_in(attack: Attack, fam: Family, provider: SandboxProvider, box: Any) -> tuple[bool, str]:
     target = Target(**{**asdict(fam.target), "extra": {**fam.target.extra, "nonce": uuid.uuid4().hex[:10]}})
-    try:
-        check = await attack.play(box, target)
-    except OutputLost as err:
-        raise _SetupLostOutput() from err
+    check = await attack.play(box, target)
     episode = Episode(episode_id=f"grader-check-{attack.name}", attempt=0, task=fam.task, messages=[],
                       stop_reason="finish")
     try:

@@ -114,15 +114,11 @@ class RewardTail:
         return f"reward {self.reward_sum / self.episodes:.3f}, pass {self.resolved / self.episodes:.0%}"
 
 
-def stage_counts(status_dir: Path, now: float | None = None) -> dict[str, dict[str, int]]:
+def stage_counts(run_dir: RunDir, now: float | None = None) -> dict[str, dict[str, int]]:
     """Per stage, summed over its workers' status files: handled, in_flight, dead_lettered, workers."""
     now = now or time.time()
     out: dict[str, dict[str, int]] = {}
-    for path in sorted(status_dir.glob("*.json")) if status_dir.is_dir() else []:
-        try:
-            st = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue  # replaced between listing and reading
+    for path, st in run_dir.worker_statuses():
         c = out.setdefault(st.get("stage", path.stem.rsplit("-", 1)[0]),
                            {"handled": 0, "in_flight": 0, "dead_lettered": 0, "workers": 0})
         c["handled"] += st.get("handled", 0)
@@ -166,7 +162,7 @@ class Progress:
         rows = {}
         if self.run_dir is not None:
             # The scheduler's "handled" counts outcomes it read, not work: the episode counts cover it.
-            rows = {stage: stage_row(c) for stage, c in stage_counts(RunDir(self.run_dir).worker_status_dir).items()
+            rows = {stage: stage_row(c) for stage, c in stage_counts(RunDir(self.run_dir)).items()
                     if stage != "scheduler"}
         done = sched.get("episodes_completed", 0) + sched.get("episodes_failed", 0)
         self.display.update(done, sched.get("episodes_planned") or None, self.line(sched, sink), rows)

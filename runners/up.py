@@ -349,11 +349,11 @@ def run_job(cfg: RunConfig, config_path: str, overrides: list[str], bootstrap: s
         cfg = cfg.model_copy(update={"policy": cfg.policy.model_copy(update=engine.policy_settings())})
         register_secrets(secret_values(cfg))  # the engine's key, when the launch made one
     announced = []
-    if engine is not None and engine.engine == "vllm" and cfg.metrics.enabled:
-        from rollway.runtime.metrics import announce_engine
-
-        announced = announce_engine(run_dir, [s.base_url for s in engine.servers], cfg.run.id)
     try:
+        if engine is not None and engine.engine == "vllm" and cfg.metrics.enabled:
+            from rollway.runtime.metrics import announce_engine
+
+            announced = announce_engine(run_dir, [s.base_url for s in engine.servers], cfg.run.id)
         check_fleet(cfg)
         reap_sandboxes(cfg, "start")  # a resumed run folder: sandboxes of its killed workers
         if one and "fetch_max_wait_ms" not in cfg.broker.model_fields_set:

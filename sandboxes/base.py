@@ -5,9 +5,10 @@ from __future__ import annotations
 import contextlib
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,23 @@ class OutputLost(SandboxError):
     moby#27289, more frequent on a loaded engine). The command may have done its work, so it is not run
     again here; a caller that can play its whole check again in a fresh sandbox (`tasks verify`, `sandbox
     check`, the grader check's setup) does. In an episode base/blame.py decides, as for any SandboxError."""
+
+
+OUTPUT_LOST_PLAYS = 3
+"""Plays of a whole check while the engine loses a command's output (`again_while_output_lost`)."""
+T = TypeVar("T")
+
+
+async def again_while_output_lost(play: Callable[[], Awaitable[T]], on_lost: Callable[[OutputLost], None]) -> T:
+    """`play()`, a whole check in a fresh sandbox of its own (`tasks verify`, `sandbox check`, a grader check
+    row), played again while the engine loses a command's output, up to OUTPUT_LOST_PLAYS plays; `on_lost` is
+    told of each loss that is played again, the last one propagates."""
+    for _ in range(OUTPUT_LOST_PLAYS - 1):
+        try:
+            return await play()
+        except OutputLost as lost:
+            on_lost(lost)
+    return await play()
 
 
 class EngineUnreachable(SandboxError):

@@ -38,8 +38,9 @@ log = structlog.get_logger(__name__)
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 _READY = "READY"
 _LIMITS = "limits.json"
-_HIDDEN = "hidden.json"
 """Beside the workspace: the limits the sandbox's spec set (memory_mb, cpus, workspace_mb)."""
+_HIDDEN = "hidden.json"
+"""Beside the workspace: the clean copies of its libraries the jail hides (task_tree.installed_copies)."""
 # Interpreter caches would only add noise (and binary hunks) to an agent's diff; `.rollway/` holds
 # tool state (the editor's undo history), not the agent's work.
 _EXCLUDES = "__pycache__/\n*.py[cod]\n.pytest_cache/\n/.rollway/\n"

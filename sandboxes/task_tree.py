@@ -75,9 +75,12 @@ def installed_copies(workspace: str | os.PathLike[str], python: str) -> list[str
         path = Path(origin or "")
         if not path.is_absolute() or not {"site-packages", "dist-packages"} & set(path.parts):
             continue
-        site = path.parent.parent if path.name == "__init__.py" else path.parent
-        hidden += [str(path.parent)] if path.name == "__init__.py" else [str(path), *map(str, (
-            site / "__pycache__").glob(f"{name}.*.pyc"))]
+        if path.name == "__init__.py":  # a package: its folder
+            site = path.parent.parent
+            hidden.append(str(path.parent))
+        else:  # a module: its file and bytecode
+            site = path.parent
+            hidden += [str(path), *map(str, (site / "__pycache__").glob(f"{name}.*.pyc"))]
         hidden += [str(record.parent) for record in site.glob("*.dist-info/RECORD")
                    if any(line.startswith((f"{name}/", f"{name}.py,")) for line in _lines(record))]
     return sorted(set(hidden))

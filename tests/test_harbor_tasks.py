@@ -67,7 +67,7 @@ def test_verify_runs_a_check_whose_engine_lost_its_output_again_in_a_fresh_sandb
     from rollway.envs.config import HarborTasksConfig
     from rollway.envs.harbor import verify_tasks
     from rollway.envs.harbor_verifier import STARTED
-    from rollway.sandboxes.base import SandboxError
+    from rollway.sandboxes.base import OutputLost
     from rollway.sandboxes.docker import USER, DockerSandbox
 
     ensure_engine()
@@ -76,7 +76,7 @@ def test_verify_runs_a_check_whose_engine_lost_its_output_again_in_a_fresh_sandb
     def exec_losing_once(self, command, limits, user=USER):
         if STARTED in command and not lost and re.search(r"-e[0-9a-f]{8}", self.name):
             lost.append(self.name)
-            raise SandboxError(f"the Docker engine lost the output of a command in {self.name} (injected)")
+            raise OutputLost(f"the Docker engine lost the output of a command in {self.name} (injected)")
         return real(self, command, limits, user)
 
     monkeypatch.setattr(DockerSandbox, "_exec", exec_losing_once)
