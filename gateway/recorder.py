@@ -17,7 +17,10 @@ class RecordFailed(RuntimeError):
 
 
 class RecordTooLarge(RecordFailed):
-    """The encoded call exceeds the broker's message size limit."""
+    """The encoded call exceeds the broker's message size limit: the program's call made it so (answered
+    413), so it does not inherit the infrastructure mark."""
+
+    infrastructure = False
 
 
 class CallRecorder(ABC):

@@ -15,9 +15,9 @@ from rollway.actors.agent import TurnReplayed
 from rollway.base.blame import InferenceUnreachable, blame, found_before_agent_code, graded_failures
 from rollway.envs.swe_grading import GradingEnvError
 from rollway.envs.swe_images import EnvPrepError
-from rollway.gateway.recorder import RecordFailed
+from rollway.gateway.recorder import RecordFailed, RecordTooLarge
 from rollway.runtime.kafka import BrokerUnavailable
-from rollway.sandboxes.base import EngineUnreachable, SandboxError, SandboxGone
+from rollway.sandboxes.base import EngineUnreachable, OutputLost, SandboxError, SandboxGone
 
 
 def _caused(error: BaseException, cause: BaseException) -> BaseException:
@@ -28,11 +28,12 @@ def _caused(error: BaseException, cause: BaseException) -> BaseException:
 @pytest.mark.parametrize(("error", "verdict"), [
     (RuntimeError("anything rollway does not know"), "agent"),
     (SandboxError("container rollway-x is not running"), "agent"),
-    (SandboxError("the Docker engine lost the output of a command (no end marker)"), "agent"),
+    (OutputLost("the Docker engine lost the output of a command (no end marker)"), "agent"),
     (EngineUnreachable("Docker engine stopped answering"), "infrastructure"),
     (SandboxGone("gone"), "infrastructure"),
     (BrokerUnavailable("down"), "infrastructure"),
     (RecordFailed("not recorded"), "infrastructure"),
+    (RecordTooLarge("the program's call encodes past the broker's limit"), "agent"),  # its size is the program's
     (TurnReplayed("replayed"), "infrastructure"),
     (InferenceUnreachable("no connection"), "infrastructure"),
     (GradingEnvError("env_error: runner broken on the unpatched tree"), "infrastructure"),
