@@ -73,15 +73,15 @@ class ChaosMonkey:
         if now < self.next_at or self.kills >= self.max_kills:
             return
         self.next_at = now + self.rng.uniform(self.min_gap_s, self.max_gap_s)
-        kind = self._next_kind(job)
-        if kind is None:
+        picked = self._next_kind(job)
+        if picked is None:
             return
+        kind, live = picked
         if kind == "engine":
-            index = self.rng.choice(job.engine.alive())
+            index = self.rng.choice(live)
             job.engine.kill(index)
             self.events.append({"t": round(now - self.started, 2), "kill": f"engine-{index}"})
             return
-        live = [p for p in job.procs if p.stage == kind and self._ready(p)]
         victim = self.rng.choice(live)
         event = {"t": round(now - self.started, 2), "kill": f"{kind}-{victim.index}"}
         if self.harness and kind == "agent":
@@ -136,9 +136,12 @@ class ChaosMonkey:
             if name not in present:
                 self.orphan_box_seconds[name] = round(now - self.orphan_boxes[name], 1)
 
-    def _next_kind(self, job: Job) -> str | None:
+    def _next_kind(self, job: Job) -> tuple[str, list] | None:
         """Kinds in a shuffled round, so every kind is hit before any is hit twice; a kind with no
-        live process now (restarting) keeps its place in the round. None when nothing is alive."""
+        live process now (restarting) keeps its place in the round. The kind with its candidates
+        (engine indexes or processes), judged once: a harness worker's readiness can end between two
+        looks (its program exited), so the victim is drawn from this very list. None when nothing is
+        alive."""
         if not self._round:
             kinds = [k for k in STAGE_KINDS if any(p.stage == k for p in job.procs)]
             if job.engine is not None:
@@ -147,11 +150,11 @@ class ChaosMonkey:
                 kinds = [k for k in kinds if k in self.kinds]
             self._round = self.rng.sample(kinds, len(kinds))
         for kind in reversed(self._round):
-            alive = bool(job.engine.alive()) if kind == "engine" else any(p.stage == kind and self._ready(p)
-                                                                          for p in job.procs)
-            if alive:
+            live = list(job.engine.alive()) if kind == "engine" else [p for p in job.procs
+                                                                      if p.stage == kind and self._ready(p)]
+            if live:
                 self._round.remove(kind)
-                return kind
+                return kind, live
         return None
 
     def _restart_broker(self, now: float) -> None:

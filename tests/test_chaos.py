@@ -70,3 +70,30 @@ def test_chaos_run_with_two_learner_ranks_killed_mid_step_loses_and_duplicates_n
     logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "run" / "logs").glob("learner-*.out"))
     assert "killed at learner.rank_step" in logs and "a collective failed" in logs  # a rank died mid-step, rank 0 said so
     assert list((tmp_path / "run").glob("checkpoints/step_*/dcp/.metadata"))  # sharded checkpoints
+
+
+def test_the_monkey_kills_a_worker_it_judged_ready_even_when_its_readiness_ends_before_the_kill():
+    """The only victim's readiness (alive, running an agent program) ends right after it is first judged,
+    as a harness worker's does when its program exits between two looks; the monkey must kill from the
+    list it judged, not judge again and draw from an empty list (seen in CI: IndexError that ended a
+    chaos run). The job's process is a stand-in here (no stage runs): only the picking is under test."""
+    from types import SimpleNamespace
+
+    from rollway.runners.chaos import ChaosMonkey
+
+    class Flicker:
+        stage, index, looks, killed = "agent", 0, 0, False
+
+        @property
+        def alive(self) -> bool:
+            self.looks += 1
+            return self.looks == 1
+
+        def kill(self) -> None:
+            self.killed = True
+
+    worker = Flicker()
+    worker.proc = worker
+    monkey = ChaosMonkey(seed=1, min_gap_s=0.0, max_gap_s=0.0)
+    monkey(SimpleNamespace(procs=[worker], engine=None))
+    assert worker.killed and monkey.events[-1]["kill"] == "agent-0"
