@@ -106,14 +106,29 @@ OUTPUT_LOST_PLAYS = 3
 T = TypeVar("T")
 
 
+def output_lost(exc: BaseException) -> OutputLost | None:
+    """The engine's lost output behind `exc`: `exc` itself or an error it was raised from (a grader that
+    turns a command of its own check into GradingEnvError keeps the loss as the cause)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OutputLost):
+            return seen
+        seen = seen.__cause__
+    return None
+
+
 async def again_while_output_lost(play: Callable[[], Awaitable[T]], on_lost: Callable[[OutputLost], None]) -> T:
     """`play()`, a whole check in a fresh sandbox of its own (`tasks verify`, `sandbox check`, a grader check
-    row), played again while the engine loses a command's output, up to OUTPUT_LOST_PLAYS plays; `on_lost` is
-    told of each loss that is played again, the last one propagates."""
+    row), played again while the engine loses a command's output (raised as is, or as the cause of the
+    error a grader raised), up to OUTPUT_LOST_PLAYS plays; `on_lost` is told of each loss that is played
+    again, the last one propagates."""
     for _ in range(OUTPUT_LOST_PLAYS - 1):
         try:
             return await play()
-        except OutputLost as lost:
+        except Exception as exc:
+            lost = output_lost(exc)
+            if lost is None:
+                raise
             on_lost(lost)
     return await play()
 

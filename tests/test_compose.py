@@ -14,6 +14,19 @@ from jobs import run_with_progress
 FILES = ["-f", "compose.yaml", "-f", "compose.embedded-broker.yaml"]
 
 
+def stage_report(stages: list) -> str:
+    """Every stage container's exit code, restarts and last lines: with --exit-code-from, compose stops the
+    whole job when any container exits, so a scheduler stopped early names no culprit by itself."""
+    lines = []
+    for c in stages:
+        c.reload()
+        state = c.attrs["State"]
+        tail = c.logs(tail=15).decode(errors="replace")
+        lines.append(f"\n--- {c.name}: status={state['Status']} exit={state['ExitCode']} "
+                     f"restarts={c.attrs.get('RestartCount')} finished={state.get('FinishedAt')}\n{tail}")
+    return "".join(lines)
+
+
 def test_compose_up_scaled_runs_the_smoke_job() -> None:
     client = ensure_engine()
     project = f"rwtest{uuid.uuid4().hex[:8]}"
@@ -35,7 +48,8 @@ def test_compose_up_scaled_runs_the_smoke_job() -> None:
         # Every episode ended with its trajectory, none given up (counted by the scheduler's tickets: the number
         # of messages it handled varies with the agents' rebalance as workers join, which can cut a turn off and
         # re-issue its attempt, and with duplicates of superseded attempts).
-        assert "episodes_completed=8" in scheduler_log and "episodes_failed=0" in scheduler_log, scheduler_log[-3000:]
+        assert "episodes_completed=8" in scheduler_log and "episodes_failed=0" in scheduler_log, \
+            scheduler_log[-3000:] + stage_report(stages)
         assert "dead_lettered=0" in scheduler_log, scheduler_log[-3000:]
         for c in stages:
             host = c.attrs["HostConfig"]

@@ -28,7 +28,7 @@ from rollway.runners.grader_check import (
     _family,
     run_suite,
 )
-from rollway.sandboxes.base import Sandbox, SandboxProvider
+from rollway.sandboxes.base import OUTPUT_LOST_PLAYS, OutputLost, Sandbox, SandboxProvider
 
 
 def cli(argv: list[str]) -> int:
@@ -179,6 +179,40 @@ def test_suite_flags_broken_graders():
     assert verdicts == [(False, "scored"), (False, "raised"), (False, "wedged:"), (False, "inconclusive:"),
                         (True, "reward")], report["rows"]
     assert not report["all_contained"]
+
+
+class LosingOutputTaskSet(ToyTaskSet):
+    """A grader whose check before the agent's code meets the engine's lost output (injected: the only fake),
+    turned into GradingEnvError as the SWE grader does on the unpatched tree; `losses` plays lose it."""
+
+    losses = 1
+
+    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider, episode: Episode) -> Grade:
+        type(self).losses -= 1
+        if type(self).losses >= 0:
+            try:
+                raise OutputLost("the Docker engine lost the output of a command (injected)")
+            except OutputLost as exc:
+                raise GradingEnvError(f"env_error: the test runner could not be checked: {exc}") from exc
+        return await super().grade(task, sandbox, provider, episode)
+
+
+def test_a_row_whose_grader_lost_a_commands_output_is_played_again_in_a_fresh_sandbox():
+    """Seen in CI: a swebench row's grader lost the output of its check on the unpatched tree (moby#27289)
+    and the row was reported as a hole. The row is played again while the loss is the cause; a loss on every
+    play is still reported, as is a GradingEnvError with another cause (test_suite_flags_broken_graders)."""
+    def run(losses: int) -> dict:
+        LosingOutputTaskSet.losses = losses
+        taskset = LosingOutputTaskSet(ToyTasksConfig(type="toy", count=1))
+        fams = [Family("toy", taskset, taskset.tasks()[0], Target("toy"))]
+        [row] = asyncio.run(run_suite(Options(sandbox="local", attacks=("forged_reward_files",), row_timeout_s=60),
+                                      families=fams))["rows"]
+        return row
+
+    once = run(1)
+    assert once["contained"] and LosingOutputTaskSet.losses == -1, once
+    always = run(OUTPUT_LOST_PLAYS)
+    assert not always["contained"] and "lost the output" in always["reason"], always
 
 
 @pytest.mark.timeout(600)
