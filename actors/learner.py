@@ -64,7 +64,7 @@ class LearnerActor(Actor):
 
     async def setup(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        from rollway.core.config import dump_config
+        from rollway.config.run import dump_config
         from rollway.learning.tracking import TrackingHub
 
         cfg = self.s.cfg

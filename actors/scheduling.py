@@ -8,7 +8,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Protocol, TypeVar
 
-from rollway.core.config import RunConfig
+from rollway.config.run import RunConfig
 from rollway.envs.base import TaskCost
 
 T = TypeVar("T")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from functools import cached_property
 from pathlib import Path
 
-from rollway.core.config import RunConfig
+from rollway.config.run import RunConfig
 
 
 class Services:

@@ -26,7 +26,7 @@ from rollway.schemas.tokens import observation_messages
 
 if TYPE_CHECKING:
     from rollway.actors.services import Services
-    from rollway.core.config import AgentConfig
+    from rollway.config.run import AgentConfig
     from rollway.envs.base import TaskSet
     from rollway.tools.config import HintsConfig, ToolsConfig
     from rollway.tools.registry import ToolTurn

@@ -297,5 +297,5 @@ class RunDir:
         return self.logs / "report.out"
 
     def json_log(self, stage: str) -> Path:
-        """structlog's JSON lines of one process (core/logging.py)."""
+        """structlog's JSON lines of one process (base/logging.py)."""
         return self.logs / f"{stage}.jsonl"

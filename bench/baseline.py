@@ -15,7 +15,7 @@ from pathlib import Path
 from rollway.actors.scheduler import SchedulerActor, Ticket
 from rollway.actors.services import Services
 from rollway.base.run_dir import RunDir
-from rollway.core.config import RunConfig
+from rollway.config.run import RunConfig
 from rollway.runtime.inprocess import InProcessDriver
 from rollway.runtime.telemetry import TelemetryLog
 from rollway.schemas.messages import Trajectory

@@ -102,11 +102,11 @@ def run_pipeline_bench(args: argparse.Namespace) -> int:
         return run_real_pipeline_bench(args)
     from pydantic import ValidationError
 
+    from rollway.base.logging import configure_logging
     from rollway.bench.report import format_text
     from rollway.bench.run import run_bench
     from rollway.bench.workload import WorkloadConfig
-    from rollway.core.config import ConfigError
-    from rollway.core.logging import configure_logging
+    from rollway.config.run import ConfigError
 
     try:
         data = _settings(args)
@@ -128,10 +128,10 @@ def run_pipeline_bench(args: argparse.Namespace) -> int:
 def run_real_pipeline_bench(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
+    from rollway.base.logging import configure_logging
     from rollway.bench.real import RealBenchConfig, format_real_text, run_real_bench
     from rollway.bench.real_tasks import TaskSetError
-    from rollway.core.config import ConfigError
-    from rollway.core.logging import configure_logging
+    from rollway.config.run import ConfigError
     from rollway.policies.vllm import INSTALL_HINT, vllm_python
 
     try:
@@ -158,10 +158,10 @@ def run_real_pipeline_bench(args: argparse.Namespace) -> int:
 def run_training_bench(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
+    from rollway.base.logging import configure_logging
     from rollway.bench.training import TrainingConfig, format_training_text, run_training_bench
     from rollway.bench.workload import WorkloadConfig
-    from rollway.core.config import ConfigError, apply_override
-    from rollway.core.logging import configure_logging
+    from rollway.config.run import ConfigError, apply_override
 
     workload: dict = {}
     training: dict = {}
@@ -188,10 +188,10 @@ def run_training_bench(args: argparse.Namespace) -> int:
 def run_ceiling_bench(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
+    from rollway.base.logging import configure_logging
     from rollway.bench.ceiling import format_ceiling_text, run_ceiling_bench
     from rollway.bench.workload import WorkloadConfig
-    from rollway.core.config import ConfigError
-    from rollway.core.logging import configure_logging
+    from rollway.config.run import ConfigError
 
     try:
         data = _settings(args, {"episodes": 256})
@@ -218,7 +218,7 @@ def _emit(result: dict, out: Path, as_json: bool, format_text) -> int:
 def _settings(args: argparse.Namespace, defaults: dict | None = None) -> dict:
     """The benchmark's settings from `defaults`, the dotted overrides and `--seed` (ConfigError on a bad
     override)."""
-    from rollway.core.config import apply_override
+    from rollway.config.run import apply_override
 
     data = dict(defaults or {})
     for override in args.overrides:

@@ -14,7 +14,7 @@ import time
 import uuid
 from typing import Any
 
-from rollway.core.config import load_config
+from rollway.config.run import load_config
 from rollway.sandboxes.base import SandboxSpec
 from rollway.sandboxes.config import DockerSandboxConfig, EngineConfig
 from rollway.sandboxes.fleet import FleetSandboxProvider

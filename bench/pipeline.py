@@ -14,7 +14,7 @@ from aiokafka import TopicPartition
 
 from rollway.base.run_dir import RunDir
 from rollway.bench.workload import WorkloadConfig
-from rollway.core.config import RunConfig, load_config
+from rollway.config.run import RunConfig, load_config
 from rollway.runtime.kafka import make_consumer, partitions_for, read_to_end, topic_name
 from rollway.schemas.codec import decode
 from rollway.schemas.messages import InitRequest, Trajectory

@@ -99,7 +99,7 @@ def _train(args: argparse.Namespace, root: RunDir, arm: str) -> str | None:
         path, kept = picked
         cycle = []
         if kept:  # the config's groups, taken from the kept tasks in turn
-            from rollway.core.config import load_config
+            from rollway.config.run import load_config
 
             groups = load_config(args.config, list(args.overrides)).scheduler.num_tasks or len(kept)
             cycle = [f"scheduler.num_tasks={len(kept)}", f"scheduler.epochs={-(-groups // len(kept))}"]

@@ -40,7 +40,7 @@ from rollway.base.figures import ratio
 from rollway.base.run_dir import RunDir
 from rollway.bench.bench_dir import BenchDir
 from rollway.bench.workload import WorkloadConfig
-from rollway.core.config import RunConfig
+from rollway.config.run import RunConfig
 from rollway.runtime.inprocess import InProcessDriver
 from rollway.schemas.messages import AgentStep, EpisodeKey, InitRequest, Trajectory
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollway.core.config import RunConfig
+from rollway.config.run import RunConfig
 from rollway.runners.broker import EmbeddedBroker
 from rollway.runners.up import Job
 from rollway.topics.topology import STAGE_NAMES

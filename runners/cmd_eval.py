@@ -85,7 +85,7 @@ def read_jsonl(path: Path) -> list[dict]:
 def run(args: argparse.Namespace) -> int:
 
     from rollway.actors.scheduler import new_run_id
-    from rollway.core.config import load_config
+    from rollway.config.run import load_config
     from rollway.runners.broker import BrokerError, EmbeddedBroker
     from rollway.runners.cmd_up import prepare_run_dir
     from rollway.runners.up import JobFailed, parse_workers, run_job, write_run_files
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
 def track_eval(run_dir: Path, cfg, result: dict) -> None:
     """The evaluation's figures to `tracking.trackers` (the run's tracker run): `eval/pass_at_K` overall and
     `eval/SOURCE/pass_at_K` per task source (learning/passk.py), `eval/reward_mean`."""
-    from rollway.core.config import dump_config
+    from rollway.config.run import dump_config
     from rollway.learning.tracking import TrackingHub
 
     hub = TrackingHub.for_run(cfg.tracking, run_dir, cfg.run.name, cfg.run.id, dump_config(cfg))

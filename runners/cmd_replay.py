@@ -111,7 +111,7 @@ def rerun_config(args: argparse.Namespace):
 
 
 def run_rerun(args: argparse.Namespace) -> int:
-    from rollway.core.logging import log_to_stderr
+    from rollway.base.logging import log_to_stderr
     from rollway.runners.episodes import EpisodeNotFound, find_episode, load_run_dir, load_topic
     from rollway.runners.rerun import (
         NotRerunnable,

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "sandbox_command", "check") == "bench":
         print(json.dumps(asyncio.run(_bench(args.type, args.n, args.source, args.pool, args.gap))))
         return 0
-    from rollway.core.config import ConfigError, load_config
+    from rollway.config.run import ConfigError, load_config
     from rollway.sandboxes.base import SandboxError, again_while_output_lost
     from rollway.sandboxes.factory import build_sandbox_provider
 
@@ -107,7 +107,7 @@ def _table(report: dict[str, Any]) -> str:
 
 def _reap(args: argparse.Namespace) -> int:
     """0 when every leftover went (printed as JSON), 1 when some could not be removed, 2 on bad input."""
-    from rollway.core.config import ConfigError, load_config
+    from rollway.config.run import ConfigError, load_config
     from rollway.sandboxes.base import SandboxError
     from rollway.sandboxes.factory import build_sandbox_provider
     from rollway.sandboxes.reaper import reap_run
@@ -130,7 +130,7 @@ def _reap(args: argparse.Namespace) -> int:
 
 def _fleet(args: argparse.Namespace) -> int:
     """0 when every engine answers, 1 when some do not, 2 on bad input (the table or JSON either way)."""
-    from rollway.core.config import ConfigError, load_config
+    from rollway.config.run import ConfigError, load_config
     from rollway.sandboxes.fleet import FleetSandboxProvider
 
     overrides = list(args.overrides)

@@ -23,8 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rollway.core.config import secret_values
-    from rollway.core.logging import configure_logging, register_secrets
+    from rollway.base.logging import configure_logging, register_secrets
+    from rollway.config.run import secret_values
     from rollway.runners.stage import run_stage_sync
     from rollway.runtime.kafka import BrokerUnavailable
 

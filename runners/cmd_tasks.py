@@ -170,8 +170,8 @@ def _build_buglocal(args: argparse.Namespace) -> int:
 async def _verify_config(args: argparse.Namespace) -> int:
     import tempfile
 
-    from rollway.core.config import ConfigError
-    from rollway.core.logging import log_to_stderr
+    from rollway.base.logging import log_to_stderr
+    from rollway.config.run import ConfigError
     from rollway.runners.verify import verify_taskset
 
     log_to_stderr()  # stdout: the result only

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rollway.core.config import ConfigError, RunConfig, load_config
+from rollway.config.run import ConfigError, RunConfig, load_config
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, config_required: bool = True) -> None:

@@ -53,7 +53,7 @@ POLYMORPHIC = {
     "learner.advantage": Polymorphic("rollway.learning.config:AdvantageConfig",
                                      "rollway.learning.registries:ADVANTAGES"),
 }
-"""Sections chosen by `type` (their validators in core/config.py and learning/config.py)."""
+"""Sections chosen by `type` (their validators in config/run.py and learning/config.py)."""
 
 
 def _target(spec: str) -> Any:
@@ -205,7 +205,7 @@ def polymorphic_section(path: str, level: int, intro: str = "") -> list[str]:
 
 def config_reference() -> str:
     """The whole page, as `rollway docs config` writes it."""
-    from rollway.core.config import RunConfig
+    from rollway.config.run import RunConfig
 
     out = [HEADER]
     for name, info in RunConfig.model_fields.items():

@@ -219,7 +219,7 @@ def verdict(grade: Grade, extra: str | None, timeout_expected: bool = False) -> 
 async def play_tool_call(name: str, output: str, opts: Options) -> tuple[bool, str]:
     """The model's output played through the agent actor (parsing, tools) on a toy task, then a
     `finish`; graded by the reward actor. The episode must come back graded, not failed."""
-    from rollway.core.config import load_config
+    from rollway.config.run import load_config
     from rollway.runners.verify import play_episode
 
     script = [{"when": "", "turns": [output, '<tool_call>{"name": "finish", "arguments": {}}</tool_call>']}]
@@ -246,7 +246,7 @@ async def play_harness(name: str, argv: list[str], opts: Options, bootstrap: str
     on the embedded broker, the launcher) and reward actors. The episode must come back graded 0 with the
     program's failure as its reason, not failed (a retried failure is an opt-out from the zero); with
     `stop_reason`, ended for that reason (a gateway's bound), not by the program's own limits."""
-    from rollway.core.config import load_config
+    from rollway.config.run import load_config
     from rollway.runners.verify import play_episode
 
     with tempfile.TemporaryDirectory(prefix="rollway-grader-check-") as run_dir:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 if TYPE_CHECKING:
-    from rollway.core.config import RunConfig
+    from rollway.config.run import RunConfig
 
 log = structlog.get_logger()
 

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollway.core.config import RunConfig
+from rollway.config.run import RunConfig
 from rollway.policies.base import Generation, InferenceClient, SamplingParams
 
 VOLATILE_PATTERNS = (

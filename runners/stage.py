@@ -10,7 +10,7 @@ from pathlib import Path
 from rollway.actors.services import Services
 from rollway.base.registry import import_target
 from rollway.base.run_dir import RunDir
-from rollway.core.config import RunConfig
+from rollway.config.run import RunConfig
 from rollway.runtime.actor import Actor
 from rollway.runtime.kafka import ensure_topics, stage_group_id
 from rollway.runtime.metrics import MetricsServer

@@ -127,7 +127,7 @@ def prebuild_at_start(cfg: Any, quiet: bool = False) -> None:
 
 def build_images_command(args: argparse.Namespace) -> int:
     """`rollway tasks build-images CONFIG [key=value ...]`."""
-    from rollway.core.config import ConfigError, load_config
+    from rollway.config.run import ConfigError, load_config
 
     try:
         cfg = load_config(args.file, list(args.overrides))

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 import structlog
 
 from rollway.base.blame import graded_failures
+from rollway.base.logging import redact_data, register_secrets
 from rollway.base.process import Child
 from rollway.base.run_dir import RunDir, read_trajectories
-from rollway.core.config import RunConfig, dump_config, secret_values, write_resolved_config
-from rollway.core.logging import redact_data, register_secrets
+from rollway.config.run import RunConfig, dump_config, secret_values, write_resolved_config
 from rollway.envs.reach_check import suspected_hacks
 from rollway.topics.topology import STAGE_NAMES as STAGES
 from rollway.topics.topology import drain_stages, get_stage, issuing_stage, start_order
@@ -330,7 +330,7 @@ def run_job(cfg: RunConfig, config_path: str, overrides: list[str], bootstrap: s
     register_secrets(secret_values(cfg))
     one = one_process(cfg, workers, env, own_broker)
     if one or (not quiet and not structlog.is_configured()):
-        from rollway.core.logging import configure_logging
+        from rollway.base.logging import configure_logging
 
         # callers other than `rollway up` (chaos) get the same lines; a one-process job's stages their own files
         configure_logging("up", run_dir, console=not quiet, local_stages=STAGES if one else ())
@@ -372,7 +372,7 @@ def run_job(cfg: RunConfig, config_path: str, overrides: list[str], bootstrap: s
 
 
 def one_process(cfg: RunConfig, workers: dict[str, int], env: dict[str, str] | None, own_broker: bool) -> bool:
-    """Whether a job runs its stages in this process (`runtime.processes`, see core/config.py). `auto` needs
+    """Whether a job runs its stages in this process (`runtime.processes`, see config/run.py). `auto` needs
     the job's own broker: on a shared one a `rollway stage` process started elsewhere could join a stage's
     group while its sole worker here reads every partition."""
     several = sorted(stage for stage, n in workers.items() if n > 1)

@@ -14,7 +14,7 @@ import yaml
 
 from rollway.actors.services import Services
 from rollway.base.run_dir import RunDir
-from rollway.core.config import RunConfig, load_config
+from rollway.config.run import RunConfig, load_config
 from rollway.envs.leak_probe import probe_task
 from rollway.runtime.inprocess import InProcessDriver
 from rollway.schemas.messages import EpisodeKey, Trajectory

@@ -29,7 +29,7 @@ from rollway.base.files import write_json_atomic
 from rollway.base.run_dir import RunDir
 
 if TYPE_CHECKING:
-    from rollway.core.config import MetricsConfig
+    from rollway.config.run import MetricsConfig
     from rollway.policies.base import Generation, InferenceClient, SamplingParams
 
 log = structlog.get_logger()

@@ -1,5 +1,5 @@
 """What the stream runtime reads of a run's configuration: the broker and topic settings and whether to
-trace fetches. The run config (core/config.py, which sits above the domains) satisfies it; the runtime
+trace fetches. The run config (config/run.py, which sits above the domains) satisfies it; the runtime
 never imports that config."""
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from rollway.actors.reward import RewardActor
 from rollway.actors.scheduler import SchedulerActor
 from rollway.actors.services import Services
 from rollway.actors.sink import SinkActor
-from rollway.core.config import load_config
+from rollway.config.run import load_config
 from rollway.runtime.actor import MessageMeta
 from rollway.runtime.inprocess import InProcessDriver
 from rollway.schemas import (

@@ -23,7 +23,7 @@ from rollway.bench.real import (
     proc_table,
     real_run_config,
 )
-from rollway.core.config import load_config
+from rollway.config.run import load_config
 
 METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge

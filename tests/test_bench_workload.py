@@ -30,7 +30,7 @@ from rollway.bench.workload import (
     plan_workload,
     write_plans,
 )
-from rollway.core.config import load_config
+from rollway.config.run import load_config
 from rollway.envs.base import TaskCost
 from rollway.policies.chat import IM_END, BytesChatML
 from rollway.runtime.actor import MessageMeta

@@ -61,7 +61,7 @@ FINISH = '<tool_call>{"name": "finish", "arguments": {}}</tool_call>'
 
 def _services(tmp_path):
     from rollway.actors.services import Services
-    from rollway.core.config import load_config
+    from rollway.config.run import load_config
 
     script = [{"when": "", "turns": [CALL, CALL, FINISH]}]
     cfg = load_config(None, ["tasks.type=toy", "tasks.count=1", "sandbox.type=local", "agent.max_turns=4",

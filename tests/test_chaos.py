@@ -32,7 +32,7 @@ def test_chaos_run_with_a_training_learner_loses_and_duplicates_nothing(tmp_path
 def test_the_ledger_reads_the_checkpoint_manifests_and_counts_a_step_twice_as_duplicated(tmp_path):
     """The judge itself: an episode inside two durable steps is duplicated, one issued but in no
     step and not given up is lost (written here as a trainer would, to check the counting)."""
-    from rollway.core.config import RunConfig
+    from rollway.config.run import RunConfig
     from rollway.learning.checkpoint import MANIFESTS_DIR, STATE_FILE
     from rollway.runners.chaos import Ledger
 

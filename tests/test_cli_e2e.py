@@ -278,7 +278,7 @@ def _produce_garbage(bootstrap: str) -> None:
         finally:
             await p.stop()
 
-    from rollway.core.config import RunConfig
+    from rollway.config.run import RunConfig
     from rollway.runtime.kafka import ensure_topics
 
     asyncio.run(ensure_topics(RunConfig().broker, RunConfig().topics, bootstrap))

@@ -53,7 +53,7 @@ def test_configuration_reference_is_current():
 
 
 def test_configuration_reference_covers_every_section_and_built_in_type():
-    from rollway.core.config import RunConfig
+    from rollway.config.run import RunConfig
     from rollway.runners.config_docs import POLYMORPHIC, _target, config_reference
 
     page = config_reference()
@@ -81,7 +81,7 @@ def test_docs_config_check_names_the_command_when_stale(tmp_path, capsys):
 
 
 def test_readme_shows_the_smoke_config_in_full_and_it_loads():
-    from rollway.core.config import load_config
+    from rollway.config.run import load_config
 
     readme = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```yaml\n(.*?)```\n", readme, re.S)

@@ -21,7 +21,7 @@ from rollway.actors.agent import AgentActor
 from rollway.actors.init import InitActor
 from rollway.actors.learner import LearnerActor
 from rollway.actors.services import Services
-from rollway.core.config import ConfigError, RunConfig, config_secrets, load_config, resolved_config
+from rollway.config.run import ConfigError, RunConfig, config_secrets, load_config, resolved_config
 from rollway.envs.factory import build_taskset
 from rollway.runners.verify import DO_NOTHING_SCRIPT, play_episode
 from rollway.runtime.actor import MessageMeta
@@ -194,7 +194,7 @@ def test_enabled_plugin_tool_is_built_after_the_task_set_module_is_imported():
     """The old crash: `tools.enabled` naming a tool the task set's module registers ("unknown tool(s)
     'answer'"). A fresh interpreter, so nothing is imported beforehand."""
     code = ("import asyncio\nfrom rollway.actors.services import Services\nfrom rollway.actors.agent import AgentActor\n"
-            "from rollway.core.config import load_config\nfrom pathlib import Path\n"
+            "from rollway.config.run import load_config\nfrom pathlib import Path\n"
             "s = Services(load_config(None, ['tasks.type=calc', 'tools.enabled=[calculator,answer,finish]', "
             "'policy.script=[{when: \"\", turns: [hi]}]']), Path('.'))\n"
             "asyncio.run(AgentActor(s).setup())\nprint(sorted(s.tools))\n")

@@ -22,7 +22,7 @@ import pytest
 import yaml
 from conftest import ROOT, run, wait_until
 
-from rollway.core.config import load_config
+from rollway.config.run import load_config
 from rollway.runtime.metrics import REGISTRY
 from rollway.sandboxes.base import EngineUnreachable, SandboxError, SandboxSpec
 from rollway.sandboxes.config import DockerSandboxConfig, EngineConfig

@@ -387,7 +387,7 @@ def test_in_a_docker_container_a_silent_program_is_stopped_and_the_task_graded(t
 def test_bad_harness_config_is_refused_naming_what_to_fix(harness, sandbox, message):
     from pydantic import ValidationError
 
-    from rollway.core.config import RunConfig
+    from rollway.config.run import RunConfig
 
     with pytest.raises(ValidationError, match=message):
         RunConfig.model_validate({"agent": {"harness": harness}, "sandbox": sandbox})
@@ -396,7 +396,7 @@ def test_bad_harness_config_is_refused_naming_what_to_fix(harness, sandbox, mess
 def test_a_relative_install_path_is_taken_from_the_start_folder_and_fills_install_path(monkeypatch):
     """examples/chaos-harness.yaml names `examples` relative to the repository: every stage process
     starts in the same folder, so each resolves it to the same absolute path."""
-    from rollway.core.config import RunConfig
+    from rollway.config.run import RunConfig
 
     monkeypatch.chdir(ROOT)
     cfg = RunConfig.model_validate({"agent": {"harness": {"command": ["python3", "{install_path}/agent_program.py",
@@ -409,7 +409,7 @@ def test_a_relative_install_path_is_taken_from_the_start_folder_and_fills_instal
 
 
 def test_harness_config_binds_its_host_folder_and_gives_containers_a_socket_folder():
-    from rollway.core.config import RunConfig
+    from rollway.config.run import RunConfig
 
     local = RunConfig.model_validate({"agent": {"harness": {"command": ["x"], "install": {
         "type": "host_dir", "path": str(ROOT / "examples")}}}})
@@ -422,7 +422,7 @@ def test_harness_config_binds_its_host_folder_and_gives_containers_a_socket_fold
 def test_a_host_folder_install_is_bound_read_only_into_each_docker_container():
     """`install.type: host_dir` with docker: the folder (say a node runtime and Qwen Code) appears
     read-only at the same path in every episode's container, beside the gateway's socket folder."""
-    from rollway.core.config import RunConfig
+    from rollway.config.run import RunConfig
     from rollway.sandboxes.docker import DockerSandboxProvider
 
     cfg = RunConfig.model_validate({"agent": {"harness": {"command": ["x"], "install": {

@@ -51,7 +51,7 @@ def test_a_later_attempt_on_the_same_worker_gets_only_its_own_calls(tmp_path, br
     its own 2 calls: before, the worker kept acknowledged calls by episode id and dropped them only
     when an attempt ended normally, so attempt 1 was built from attempt 0's calls."""
     from rollway.actors.harness import HarnessRunner, KeepingRecorder
-    from rollway.core.config import RunConfig
+    from rollway.config.run import RunConfig
     from rollway.gateway.recorder import KafkaRecorder
     from rollway.gateway.server import Gateway
     from rollway.policies.config import ScriptedPolicyConfig
@@ -112,7 +112,7 @@ def test_a_later_attempt_on_the_same_worker_gets_only_its_own_calls(tmp_path, br
 def test_the_call_judge_counts_a_call_twice_a_missing_call_and_another_attempts_call():
     """The chaos ledger's judge itself, on calls and trajectories written here as the topics would
     hold them: (attempt, call index) -> (retry_of, output ids, logprobs)."""
-    from rollway.core.config import RunConfig
+    from rollway.config.run import RunConfig
     from rollway.runners.chaos import Ledger
 
     ledger = Ledger(RunConfig.model_validate({"run": {"id": "r"}, "agent": {"harness": {"command": ["x"]}}}), "unused:0")
@@ -146,7 +146,7 @@ def test_killing_the_gateways_process_mid_episode_reruns_it_and_trains_each_call
     import yaml
 
     from rollway.actors.scheduler import new_run_id
-    from rollway.core.config import load_config
+    from rollway.config.run import load_config
     from rollway.runners.chaos import Ledger, descendants, jails_of
     from rollway.runners.up import run_job, write_run_files
 

@@ -12,7 +12,7 @@ import uuid
 import pytest
 
 from rollway.base.hooks import HookSignatureError
-from rollway.core.config import load_config
+from rollway.config.run import load_config
 from rollway.envs.base import Episode
 from rollway.envs.factory import build_taskset
 from rollway.sandboxes.local import LocalSandboxProvider

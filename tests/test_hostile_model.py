@@ -11,7 +11,7 @@ from conftest import ROOT, run
 from test_actors import play_seen
 
 from rollway.actors.services import Services
-from rollway.core.config import load_config
+from rollway.config.run import load_config
 from rollway.schemas import EpisodeKey, Trajectory, encode
 
 SOLUTION = [

@@ -94,13 +94,13 @@ LAYERS = (
     ("topics",),
     ("runtime",),
     ("sandboxes", "tools", "envs", "policies", "learning", "gateway"),
-    ("core",),
+    ("config",),
     ("actors",),
     ("runners",),
     ("bench",),
 )
 """Bottom to top: messages and the lowest helpers; the topics and the topology; the stream runtime; the
-domain packages; the config root (core); the actors; processes and the CLI; benchmarks. A package
+domain packages; the config root (config); the actors; processes and the CLI; benchmarks. A package
 imports only packages of its own layer or below (within a layer the graph must stay acyclic)."""
 
 

@@ -472,7 +472,7 @@ def test_two_runs_on_one_broker_keep_their_own_episodes(broker, topic_prefix, tm
     from test_stage_runtime import produce
 
     from rollway.actors.services import Services
-    from rollway.core.config import load_config
+    from rollway.config.run import load_config
     from rollway.runners.stage import group_id
     from rollway.runtime.kafka import ensure_topics
     from rollway.runtime.worker import StageWorker
@@ -548,7 +548,7 @@ def test_checkpoint_is_fsynced_before_it_is_renamed_into_place(tmp_path, monkeyp
 
 # -- the scheduler's rebuild ---------------------------------------------------------------------
 def scheduler_config(prefix: str, *extra: str):
-    from rollway.core.config import load_config
+    from rollway.config.run import load_config
 
     return load_config(ROOT / "examples" / "smoke.yaml", ["run.id=rS", f"topics.prefix={prefix}",
                                                           "scheduler.max_inflight_episodes=4", *extra])

@@ -8,12 +8,12 @@ import json
 import pytest
 from conftest import ROOT
 
-from rollway.core.config import faust_installed
+from rollway.config.run import faust_installed
 
 
 def _smoke(overrides: list[str] = ()):
     from rollway.actors.scheduler import new_run_id
-    from rollway.core.config import load_config
+    from rollway.config.run import load_config
 
     cfg = load_config(ROOT / "examples" / "smoke.yaml", list(overrides))
     cfg.run.id = new_run_id()

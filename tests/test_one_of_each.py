@@ -63,7 +63,7 @@ def run_folder_names() -> set[str]:
     return names
 
 
-RUN_FOLDER_USERS = ["runners", "bench", "learning/metrics.py", "learning/checkpoint.py", "core/logging.py"]
+RUN_FOLDER_USERS = ["runners", "bench", "learning/metrics.py", "learning/checkpoint.py", "base/logging.py"]
 """Where run folders are read and written outside the stages (issue 26 item 7's list)."""
 
 

@@ -127,7 +127,7 @@ def test_the_tokenizer_is_never_silently_the_bundled_one_for_another_served_mode
 
 
 def test_api_key_is_sent_and_masked(monkeypatch):
-    from rollway.core.config import RunConfig, dump_config
+    from rollway.config.run import RunConfig, dump_config
 
     cfg = PolicyConfig(type="openai", base_url="http://x/v1", api_key="sk-123")
     client = build_inference(cfg, chat=None)

@@ -328,7 +328,7 @@ def test_a_metrics_port_in_use_moves_to_the_next_free_one_and_announces_it(tmp_p
     announcement names the port really served (the first server's port is held by a real listener)."""
     import asyncio
 
-    from rollway.core.config import MetricsConfig
+    from rollway.config.run import MetricsConfig
     from rollway.runtime.metrics import MetricsServer, serve
 
     with socket.socket() as taken:
@@ -361,7 +361,7 @@ def test_every_metric_is_documented():
 
 def test_a_metrics_address_that_cannot_be_bound_does_not_stop_the_stage(tmp_path):
     """metrics.host not of this machine: the stage gets no endpoint (and says how to fix it) instead of crashing."""
-    from rollway.core.config import MetricsConfig
+    from rollway.config.run import MetricsConfig
     from rollway.runtime.metrics import MetricsServer
 
     assert MetricsServer.acquire(MetricsConfig(host="192.0.2.1"), tmp_path, "run-x") is None  # TEST-NET-1
@@ -378,7 +378,7 @@ def test_gateway_and_engine_series_from_a_real_scrape(tmp_path):
     import openai
     from test_gateway import SCRIPT, LoggedEngine, key
 
-    from rollway.core.config import MetricsConfig
+    from rollway.config.run import MetricsConfig
     from rollway.gateway import Gateway, MemoryRecorder
     from rollway.policies.chat import BytesChatML
     from rollway.runtime.metrics import REGISTRY, MetricsServer

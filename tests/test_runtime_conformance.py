@@ -19,7 +19,7 @@ from conftest import run
 from test_stage_runtime import produce, read_all
 
 from rollway.base.run_dir import RunDir
-from rollway.core.config import RunConfig, faust_installed, load_config
+from rollway.config.run import RunConfig, faust_installed, load_config
 from rollway.runtime.actor import Actor, MessageMeta, Output, StaleMessage, failure_output
 from rollway.runtime.faust import FaustStage, ensure_changelog_topics
 from rollway.runtime.kafka import ensure_topics, topic_name

@@ -9,8 +9,8 @@ import pytest
 from conftest import wait_until
 from jobs import run_with_progress
 
-from rollway.core.config import RunConfig, dump_config
-from rollway.core.logging import configure_logging, redact
+from rollway.base.logging import configure_logging, redact
+from rollway.config.run import RunConfig, dump_config
 from rollway.runtime.kafka import client_kwargs
 
 SECRET = "s3cr3t-Pa55"
@@ -61,7 +61,7 @@ KNOWN = "kn0wn-Secret-Value"
 
 
 def test_redactor_masks_each_credential_shape():
-    from rollway.core.logging import MASK
+    from rollway.base.logging import MASK
 
     cases = {
         "Authorization: Bearer sk-abc123XYZ": "sk-abc123XYZ",
@@ -83,7 +83,7 @@ def test_redactor_masks_each_credential_shape():
 
 
 def test_redactor_masks_known_secret_values_anywhere():
-    from rollway.core.logging import register_secrets
+    from rollway.base.logging import register_secrets
 
     register_secrets([KNOWN])
     assert KNOWN not in redact(f"the server said: unexpected prefix {KNOWN}!")
@@ -94,7 +94,7 @@ def test_tracebacks_are_redacted_in_structlog_and_stdlib_logs(tmp_path):
     """A secret inside an exception message (a failed request quoting its URL) reaches the log only masked."""
     import structlog
 
-    from rollway.core.logging import register_secrets
+    from rollway.base.logging import register_secrets
 
     register_secrets([KNOWN])
     configure_logging("tb", tmp_path)
@@ -114,7 +114,7 @@ def test_child_output_is_redacted(tmp_path):
     """What a child process prints (here an uncaught traceback from Python itself) is masked in its .out file."""
     import sys
 
-    from rollway.core.logging import register_secrets, spawn_logged
+    from rollway.base.logging import register_secrets, spawn_logged
 
     register_secrets([KNOWN])
     out = tmp_path / "child.out"
@@ -136,7 +136,7 @@ def planted_config() -> RunConfig:
 
 
 def test_resolved_config_holds_no_secret_and_round_trips_through_the_environment(tmp_path, monkeypatch):
-    from rollway.core.config import SECRETS_ENV, load_config, write_resolved_config
+    from rollway.config.run import SECRETS_ENV, load_config, write_resolved_config
 
     cfg = planted_config()
     env = write_resolved_config(cfg, tmp_path / "stage-config.json")

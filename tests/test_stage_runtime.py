@@ -11,7 +11,7 @@ from conftest import run
 
 from rollway.actors.agent import AgentActor
 from rollway.base.broker import BrokerConfig
-from rollway.core.config import RunConfig
+from rollway.config.run import RunConfig
 from rollway.runtime.actor import Actor, MessageMeta, Output
 from rollway.runtime.kafka import BrokerUnavailable, ensure_topics, make_producer, topic_name
 from rollway.runtime.queue import KeyLocks

@@ -17,7 +17,7 @@ from test_stage_runtime import produce
 
 from rollway.actors.agent import AgentActor
 from rollway.actors.services import Services
-from rollway.core.config import RunConfig, load_config
+from rollway.config.run import RunConfig, load_config
 from rollway.runtime.kafka import ensure_topics, topic_name
 from rollway.runtime.worker import LogReader, StageWorker
 from rollway.schemas import AgentStep, EpisodeKey, encode

@@ -80,7 +80,7 @@ def test_start_order_starts_readers_before_writers_and_the_scheduler_last():
 def test_no_other_module_spells_the_stage_list():
     """The stage names listed literally anywhere but the declaration is a second source of truth."""
     listed = re.compile(r"""["']scheduler["'],\s*["']init["'],\s*["']agent["']""")
-    offenders = [str(p.relative_to(ROOT)) for folder in ("actors", "base", "core", "envs", "learning", "policies",
+    offenders = [str(p.relative_to(ROOT)) for folder in ("actors", "base", "config", "envs", "learning", "policies",
                                                          "runners", "sandboxes", "schemas", "tools", "topics", "bench")
                  for p in (ROOT / folder).rglob("*.py") if listed.search(p.read_text())]
     assert offenders == []
@@ -98,7 +98,7 @@ def test_readme_and_concepts_carry_the_declared_topology():
 def test_the_runtime_refuses_an_output_the_stage_does_not_declare():
     """`check_output` is the runtime's, on every output it produces: an actor's output to a topic its
     stage does not declare is refused (its input dead-lettered), a dead letter is the runtime's own."""
-    from rollway.core.config import RunConfig
+    from rollway.config.run import RunConfig
     from rollway.runtime.actor import Output, OutputRefused
     from rollway.runtime.worker import OutputSender
     from rollway.schemas.messages import DeadLetter
@@ -139,7 +139,7 @@ def test_the_in_process_driver_chains_the_rollout_stages_as_declared(tmp_path):
     import asyncio
 
     from rollway.actors.services import Services
-    from rollway.core.config import load_config
+    from rollway.config.run import load_config
     from rollway.runtime.actor import Output
     from rollway.runtime.inprocess import InProcessDriver
     from rollway.schemas.messages import EpisodeKey

@@ -20,7 +20,7 @@ import pytest
 from conftest import ROOT, wait_until
 
 from rollway.base.config import ConfigError
-from rollway.core.config import load_config
+from rollway.config.run import load_config
 from rollway.learning.tracking import TRACKERS, Tracker, TrackerRun, TrackingConfig, TrackingHub
 
 

@@ -2,7 +2,7 @@
 
 import asyncio
 
-from rollway.core.config import load_config
+from rollway.config.run import load_config
 from rollway.envs.base import Episode, Grade, Task
 from rollway.envs.factory import build_taskset
 from rollway.envs.toy import ToyTaskSet

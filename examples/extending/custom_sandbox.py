@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from rollway.core.config import load_config
+from rollway.config.run import load_config
 from rollway.sandboxes.base import ExecResult, Sandbox, SandboxError, SandboxProvider, SandboxSpec
 from rollway.sandboxes.config import SandboxConfig
 from rollway.sandboxes.factory import build_sandbox_provider

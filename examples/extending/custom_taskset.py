@@ -5,7 +5,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from rollway.core.config import load_config
+from rollway.config.run import load_config
 from rollway.envs.base import Episode, Grade, Task, TaskSet
 from rollway.envs.config import FileTasksConfig
 from rollway.envs.factory import build_taskset

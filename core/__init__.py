@@ -1,1 +1,0 @@
-"""Shared plumbing: configuration, logging, small utilities used by every stage."""
