@@ -179,6 +179,8 @@ class HarnessRunner:
                 calls = self.recorder.take(episode)
         finally:
             os.close(folder)
+            if hasattr(sandbox, "close_gateway"):  # another host's engine: the relay into its container
+                await sandbox.close_gateway()
         self._write_calls(episode, calls)
         log.info("harness episode ended", episode_id=episode.episode_id, stop_reason=stop_reason, calls=len(calls),
                  failure=(failure or {}).get("failure", "")[:300])
@@ -263,7 +265,8 @@ async def _stop(run: asyncio.Task, sandbox: Sandbox) -> None:
 
 async def gateway_socket(sandbox: Sandbox) -> tuple[int, str]:
     """(a descriptor of the host folder that holds the socket, the socket's path inside the sandbox): the
-    local jail's workspace `.rollway/`, or the folder a docker container has bound at /rollway-gateway.
+    local jail's workspace `.rollway/`, or the folder a docker container has at /rollway-gateway (bound from
+    this host, or relayed into a container on another host's engine: DockerSandbox.gateway_dir).
     The folder is opened without following links (`open_workspace_folder`): the workspace holds task data
     and the agent's work, and a `.rollway` that is a link would have the gateway (root) bind, chmod and
     unlink its socket wherever the link points on the host. The caller closes the descriptor."""

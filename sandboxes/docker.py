@@ -153,6 +153,7 @@ class DockerSandbox(Sandbox):
         self._provider = provider
         self.container_id = container_id
         self.name = name
+        self._relay: Any = None
 
     @property
     def handle(self) -> dict[str, Any]:
@@ -167,10 +168,34 @@ class DockerSandbox(Sandbox):
         return self._provider.client
 
     async def gateway_dir(self) -> str | None:
-        """The host folder bound at GATEWAY_DIR in this container (None: none was bound)."""
+        """The folder of this host whose `gateway.sock` the container's programs reach at GATEWAY_DIR: the
+        folder bound there (an engine of this host), or, on another host's engine (GATEWAY_DIR a keeper-owned
+        tmpfs), a folder of this host relayed into the container through an exec stream (sandboxes/relay.py)
+        until `close_gateway`. None: the container was started without either (no `sandbox.gateway_root`)."""
         with engine_errors("inspect", self.name):
             info = await asyncio.to_thread(self._provider.client.api.inspect_container, self.container_id)
-        return next((m["Source"] for m in info.get("Mounts", []) if m.get("Destination") == GATEWAY_DIR), None)
+        bound = next((m["Source"] for m in info.get("Mounts", []) if m.get("Destination") == GATEWAY_DIR), None)
+        if bound is not None or GATEWAY_DIR not in ((info.get("HostConfig") or {}).get("Tmpfs") or {}):
+            return bound
+        from rollway.sandboxes.relay import RELAY, GatewayRelay
+
+        await self.close_gateway()
+        folder = self._provider.gateway_folder(self.name)
+        api = self._provider.client.api
+        with engine_errors("exec", self.name):
+            exec_id = (await asyncio.to_thread(
+                api.exec_create, self.container_id, ["python3", "-c", RELAY, f"{GATEWAY_DIR}/gateway.sock"],
+                user=KEEPER, stdin=True, environment=_KEEPER_ENV))["Id"]
+            sock = await asyncio.to_thread(api.exec_start, exec_id, socket=True)
+        self._relay = GatewayRelay(sock, os.path.join(folder, "gateway.sock"), self.name)
+        return folder
+
+    async def close_gateway(self) -> None:
+        """End the relay `gateway_dir` started (if any) and remove this host's folder for it."""
+        relay, self._relay = getattr(self, "_relay", None), None
+        if relay is not None:
+            await asyncio.to_thread(relay.close)
+            shutil.rmtree(os.path.dirname(relay.target), ignore_errors=True)
 
     async def exec(self, command: str, timeout_s: float | None = None) -> ExecResult:
         limits = JailLimits.from_config(self._provider.config, timeout_s)
@@ -481,16 +506,24 @@ class DockerSandboxProvider(SandboxProvider):
                 {"Name": "nofile", "Soft": cfg.max_open_files, "Hard": cfg.max_open_files},
             ],  # fmt: skip
             "volumes": {f"rollway-{name}": {"bind": WORKSPACE, "mode": "rw"},
-                        **({self.gateway_folder(name): {"bind": GATEWAY_DIR, "mode": "ro"}} if cfg.gateway_root else {}),
+                        **({self.gateway_folder(name): {"bind": GATEWAY_DIR, "mode": "ro"}}
+                           if cfg.gateway_root and self.shares_host_folders else {}),
                         **{path: {"bind": path, "mode": "ro"} for path in cfg.ro_binds}},
             "tmpfs": {
                 "/tmp": f"rw,exec,size={cfg.tmp_mb}m,mode=1777",
                 STATE: f"rw,size=256m,mode=0700,uid={keeper_uid},gid={keeper_uid}",
                 JUDGE: f"rw,exec,size=256m,mode=0755,uid={keeper_uid},gid={keeper_uid}",
+                # Another host's engine: the keeper's relay puts the gateway's socket here (gateway_dir).
+                **({GATEWAY_DIR: f"rw,size=1m,mode=0755,uid={keeper_uid},gid={keeper_uid}"}
+                   if cfg.gateway_root and not self.shares_host_folders else {}),
             },  # fmt: skip
             "environment": {"HOME": "/tmp", **cfg.env},
             "labels": labels,
         }
+
+    shares_host_folders = True
+    """The engine runs on this host, so a folder of this host can be bound into its containers (the local
+    engine); a fleet engine reached over TCP or SSH is taken to be another host's (sandboxes/fleet.py)."""
 
     def gateway_folder(self, name: str) -> str:
         """The host folder bound at GATEWAY_DIR in sandbox `name`'s container (made here, root-owned,

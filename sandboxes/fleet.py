@@ -70,6 +70,7 @@ class EngineProvider(DockerSandboxProvider):
         super().__init__(config)
         self.engine = engine
         self.engine_id = engine.id
+        self.shares_host_folders = engine.endpoint is None or engine.endpoint.startswith("unix://")
 
     @property
     def client(self) -> Any:

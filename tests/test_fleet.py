@@ -356,3 +356,61 @@ def test_a_job_during_which_an_engines_daemon_is_killed_loses_and_duplicates_not
     assert verdict["lost"] == 0 and verdict["duplicated"] == 0 and verdict["graded_twice"] == 0, verdict
     assert verdict["attempts"] > 12, verdict  # the killed engine's episodes were issued again
     assert verdict["completed"] >= 10, verdict
+
+
+def test_mini_swe_agent_on_another_hosts_engine_reaches_its_worker_through_the_relay(fleet, tmp_path, broker):
+    """mini-swe-agent (the real program) plays a toy task in a container on a fleet engine reached over TLS:
+    such an engine is taken to be another host's, so no folder of this host is bound into the container for
+    the gateway (its socket reaches the container through the keeper's relay on an exec stream,
+    sandboxes/relay.py). The program's calls are captured and the task is resolved. Its install folder is
+    still bound from this host (the fleet's daemons run here; on another host the program would be in the
+    image). The scripted policy is the model (the only fake)."""
+    from agent_programs import mini_harness, mini_swe_agent
+    from test_harness import MINI_FIX
+
+    from rollway.sandboxes.docker import GATEWAY_DIR
+
+    run_id = f"relay{uuid.uuid4().hex[:6]}"
+    harness = mini_harness(mini_swe_agent(), own_python=True, configs=["mini_textbased.yaml", "environment.cwd=/workspace"])
+    harness.update(time_limit_s=420, silence_limit_s=420)
+    cfg = {"run": {"name": "relay", "id": run_id, "timeout_s": 600}, "tasks": {"type": "toy", "count": 1},
+           "scheduler": {"group_size": 1, "max_inflight_episodes": 1, "episode_deadline_s": 540, "max_attempts": 1},
+           "agent": {"concurrency": 1, "harness": harness},
+           "policy": {"type": "scripted", "chat_format": "bytes-chatml", "script": MINI_FIX},
+           "sandbox": fleet.config().model_dump(mode="json", exclude_defaults=True)
+           | {"type": "docker", "gateway_root": str(tmp_path / "gw")}}
+    config = tmp_path / "relay.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    mounts: dict[str, list] = {}
+    stop = threading.Event()
+
+    def watch() -> None:  # what each container of the run has at GATEWAY_DIR, from its engine
+        while not stop.is_set():
+            for engine in fleet.config().engines:
+                with contextlib.suppress(Exception):
+                    client = engine_client(engine)
+                    for c in client.api.containers(filters={"label": LABEL}):
+                        if (c.get("Labels") or {}).get(LABEL, "").startswith(run_id):
+                            info = client.api.inspect_container(c["Id"])
+                            mounts[c["Id"]] = [[m["Type"] for m in info["Mounts"] if m["Destination"] == GATEWAY_DIR],
+                                               GATEWAY_DIR in (info["HostConfig"].get("Tmpfs") or {})]
+                    client.close()
+            stop.wait(0.5)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    env = {**os.environ, "DOCKER_HOST": "unix:///nonexistent/docker.sock", "PYTHONUNBUFFERED": "1"}
+    try:
+        out = subprocess.run([sys.executable, "-m", "rollway.runners", "up", str(config), "--bootstrap",
+                              broker.bootstrap, "--run-dir", str(tmp_path / "run"), "--no-report",
+                              f"topics.prefix={run_id}-"], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=900)
+    finally:
+        stop.set()
+        watcher.join()
+    assert out.returncode == 0, out.stderr[-4000:]
+    trajs = [json.loads(line) for line in (tmp_path / "run" / "trajectories.jsonl").read_text().splitlines()]
+    assert [(t["resolved"], t["stop_reason"], t["num_turns"]) for t in trajs] == [(True, "harness_exit", 2)], \
+        out.stderr[-3000:]
+    assert mounts and all(m == [[], True] for m in mounts.values()), mounts  # no bind, the keeper's tmpfs
+    assert not list((tmp_path / "gw").glob("*/gateway.sock"))  # the relay's host folder went with the episode

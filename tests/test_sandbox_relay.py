@@ -1,0 +1,104 @@
+"""The gateway's relay into a container on another host's engine (sandboxes/relay.py), on the real engine:
+the provider is told its engine shares no folders with this host (what a fleet engine reached over TCP is
+taken to be), so nothing of this host is bound into the container and the gateway's socket reaches it only
+through the keeper's relay on an exec stream. The gateway is stood in for by an echo server on the host
+folder's socket (the relay carries bytes; tests/test_fleet.py runs a real agent program through it)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shlex
+import socket
+import threading
+import uuid
+
+import pytest
+from docker_engine import count_containers, ensure_engine
+
+from rollway.sandboxes.base import SandboxSpec
+from rollway.sandboxes.config import DockerSandboxConfig
+from rollway.sandboxes.docker import GATEWAY_DIR, DockerSandboxProvider
+
+pytestmark = pytest.mark.e2e
+
+CLIENT = r"""
+import socket, sys
+def call(data):
+    s = socket.socket(socket.AF_UNIX); s.connect("/rollway-gateway/gateway.sock"); s.sendall(data)
+    s.shutdown(socket.SHUT_WR)
+    got = b""
+    while chunk := s.recv(65536):
+        got += chunk
+    s.close()
+    return got
+big = bytes(range(256)) * 4096  # 1 MiB, every byte value
+assert call(big) == big[::-1], "the 1 MiB answer differs"
+answers = [call(b"hello %d" % i) for i in range(200)]  # one after another: more than the relay keeps open
+assert answers == [(b"hello %d" % i)[::-1] for i in range(200)], answers[:3]
+print("ok")
+"""
+
+
+def echo_server(path: str) -> socket.socket:
+    """Answers each connection with what it sent, reversed, once the client has said all of it."""
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(path)
+    srv.listen(64)
+
+    def serve(conn: socket.socket) -> None:
+        data = b""
+        while chunk := conn.recv(65536):
+            data += chunk
+        conn.sendall(data[::-1])
+        conn.close()
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return srv
+
+
+def test_a_program_in_a_container_of_another_hosts_engine_reaches_the_gateway_through_the_relay(tmp_path):
+    ensure_engine()
+    provider = DockerSandboxProvider(DockerSandboxConfig(gateway_root=str(tmp_path / "gw")))
+    provider.shares_host_folders = False  # as a fleet engine reached over TCP
+    name = f"relay-{uuid.uuid4().hex[:8]}"
+
+    async def scenario() -> None:
+        box = await provider.create(SandboxSpec(), name)
+        try:
+            info = await asyncio.to_thread(provider.client.api.inspect_container, box.container_id)
+            assert not [m for m in info["Mounts"] if m["Type"] == "bind"], info["Mounts"]  # nothing of this host
+            folder = await box.gateway_dir()
+            assert folder is not None and folder.startswith(str(tmp_path / "gw"))
+            server = echo_server(os.path.join(folder, "gateway.sock"))
+            try:
+                result = await box.exec(f"python3 -c {shlex.quote(CLIENT)}", timeout_s=300)
+                assert result.exit_code == 0 and result.output.strip() == "ok", result.output[-2000:]
+                # The sandbox user cannot replace the socket, write beside it, or stop the keeper's relay.
+                hostile = await box.exec(f"rm -f {GATEWAY_DIR}/gateway.sock; touch {GATEWAY_DIR}/x; "
+                                         "kill -9 -1; pkill -9 -u 65533; ls -l " + GATEWAY_DIR)
+                assert "gateway.sock" in hostile.output and " x\n" not in hostile.output, hostile.output
+                again = await box.exec(f"python3 -c {shlex.quote(CLIENT)}", timeout_s=300)
+                assert again.output.strip() == "ok", again.output[-2000:]
+            finally:
+                server.close()
+            await box.close_gateway()
+            assert not os.path.exists(folder)
+            after = await box.exec("python3 -c \"import socket; s = socket.socket(socket.AF_UNIX); "
+                                   "s.connect('/rollway-gateway/gateway.sock'); s.sendall(b'x'); "
+                                   "s.shutdown(socket.SHUT_WR); print(repr(s.recv(10)))\"")
+            assert "b'x'" not in after.output, after.output  # the relay is gone: nothing answers
+        finally:
+            await box.destroy()
+            await provider.close()
+
+    asyncio.run(scenario())
+    assert count_containers(name) == 0
