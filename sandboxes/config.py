@@ -182,8 +182,9 @@ class DockerSandboxConfig(SandboxConfig):
     `install.type: host_dir` folder is added here)."""
     gateway_root: str | None = None
     """Host folder under which each container gets its own subfolder, bound read-only at
-    /rollway-gateway: harness episodes (agent.harness) reach the gateway's unix socket there, the
-    container's only way out. None: no such folder (set by agent.harness when unset)."""
+    /rollway-gateway (relayed there by the keeper on an engine of another host): harness episodes
+    (agent.harness) reach the gateway's unix socket there, the container's only way out. None: no such
+    folder (set by agent.harness when unset)."""
     engines: list[EngineConfig] = Field(default_factory=lambda: [EngineConfig()], min_length=1)
     """The fleet of Docker engines sandboxes are placed on (docs/deployment.md, "Sandboxes on several
     hosts"); default: the local engine alone. Every init, agent and reward worker of a run needs the same
