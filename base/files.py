@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,10 +14,14 @@ from typing import Any
 
 def write_json_atomic(path: Path, data: Any, indent: int | None = None) -> None:
     """Write JSON through a temporary file and a rename, so a reader (`rollway up` polling status
-    files) never sees a half-written file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=indent))
-    tmp.replace(path)
+    files) never sees a half-written file. The temporary file is the writer's own: two writers of one
+    path (threads, or processes sharing a run folder) each rename a whole file, the last one wins."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        tmp.write_text(json.dumps(data, indent=indent))
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def publish_dir(dest: Path, fill: Callable[[Path], Path]) -> Path:

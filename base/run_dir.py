@@ -4,6 +4,8 @@ progress display and the benchmarks read, per-worker status files, logs and outp
 from __future__ import annotations
 
 import json
+import os
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,6 +77,13 @@ def fresh_run_folder(prefix: str, root: str | Path = "runs") -> Path:
     raise RuntimeError(f"no free run folder name under {stem}")
 
 
+def worker_name(pid: int | None = None) -> str:
+    """A process's name in the run folder's per-process files: its host's name and its id (this process's
+    when `pid` is None). The id alone is not enough: stage processes on several hosts, or in containers
+    (compose: every stage is pid 1), share one run folder."""
+    return f"{socket.gethostname()}.{os.getpid() if pid is None else pid}"
+
+
 class RunDir:
     """One run folder. Status is plain JSON written atomically (a reader never sees half a file) by
     the one worker that owns it: the scheduler, the sink, the learner, and each worker its own."""
@@ -113,9 +122,9 @@ class RunDir:
     def worker_status_dir(self) -> Path:
         return self.path / "status"
 
-    def worker_status_path(self, stage: str, pid: int) -> Path:
-        """Where one worker process writes its own status (partitions, messages handled)."""
-        return self.worker_status_dir / f"{stage}-{pid}.json"
+    def worker_status_path(self, stage: str, worker: str) -> Path:
+        """Where one worker process (`worker_name`) writes its own status (partitions, messages handled)."""
+        return self.worker_status_dir / f"{stage}-{worker}.json"
 
     def worker_statuses(self) -> Iterator[tuple[Path, dict[str, Any]]]:
         """Every worker's status file and what it holds (each worker rewrites its own every few seconds and
@@ -132,8 +141,8 @@ class RunDir:
         """Messages dead-lettered so far by the stage workers of this run folder (their status files)."""
         return sum(int(status.get("dead_lettered", 0)) for _, status in self.worker_statuses())
 
-    def worker_status(self, stage: str, pid: int) -> dict[str, Any]:
-        return self.read(str(self.worker_status_path(stage, pid).relative_to(self.path)))
+    def worker_status(self, stage: str, worker: str) -> dict[str, Any]:
+        return self.read(str(self.worker_status_path(stage, worker).relative_to(self.path)))
 
     @property
     def start_gate(self) -> Path:
@@ -145,9 +154,9 @@ class RunDir:
     def telemetry_dir(self) -> Path:
         return self.path / "telemetry"
 
-    def telemetry_path(self, stage: str, pid: int) -> Path:
-        """Where one worker process records every message it handled (runtime/telemetry.py)."""
-        return self.telemetry_dir / f"{stage}-{pid}.jsonl"
+    def telemetry_path(self, stage: str, worker: str) -> Path:
+        """Where one worker process (`worker_name`) records every message it handled (runtime/telemetry.py)."""
+        return self.telemetry_dir / f"{stage}-{worker}.jsonl"
 
     @property
     def prometheus_dir(self) -> Path:
@@ -164,10 +173,10 @@ class RunDir:
         """One file per process serving /metrics (Prometheus file service discovery format)."""
         return self.prometheus_dir / "targets"
 
-    def metrics_target(self, pid: int | str) -> Path:
-        """Where process `pid` (or a launched engine, `engine-N`) announces its /metrics address; removed when
-        it stops cleanly."""
-        return self.metrics_targets / f"{pid}.json"
+    def metrics_target(self, name: str) -> Path:
+        """Where a process (`worker_name`) or a launched engine (`engine-N`) announces its /metrics address;
+        removed when it stops cleanly."""
+        return self.metrics_targets / f"{name}.json"
 
     def sub(self, name: str) -> RunDir:
         """A run folder inside this one: verify's `gold` and `nothing` runs, bench learn's

@@ -6,7 +6,6 @@ handling that made it."""
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -14,7 +13,7 @@ from pathlib import Path
 
 from rollway.actors.scheduler import SchedulerActor, Ticket
 from rollway.actors.services import Services
-from rollway.base.run_dir import RunDir
+from rollway.base.run_dir import RunDir, worker_name
 from rollway.config.run import RunConfig
 from rollway.runtime.inprocess import InProcessDriver
 from rollway.runtime.telemetry import TelemetryLog
@@ -47,7 +46,7 @@ class BatchDispatcher:
         self.busy = self.peak = 0
         self.busy_log: list[tuple[float, int]] = []
         self.issued_at: dict[str, float] = {}
-        self.telemetry = TelemetryLog(RunDir(run_dir).telemetry_path("baseline", os.getpid()), "baseline")
+        self.telemetry = TelemetryLog(RunDir(run_dir).telemetry_path("baseline", worker_name()), "baseline")
         self.driver = InProcessDriver(self.services, self.telemetry)
 
     async def plan(self) -> list[Ticket]:

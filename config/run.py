@@ -149,7 +149,7 @@ class RunSection(StrictModel):
     """`rollway up` gives up (non-zero exit) after this long."""
     trace: bool = False
     """Stage workers also record when each message was polled and fetched (the broker-transit figure of
-    `rollway bench pipeline`) in their telemetry lines (telemetry/STAGE-PID.jsonl in the run folder),
+    `rollway bench pipeline`) in their telemetry lines (telemetry/STAGE-HOST.PID.jsonl in the run folder),
     which are written either way."""
 
 
@@ -158,7 +158,7 @@ class MetricsConfig(StrictModel):
 
     enabled: bool = True
     """Every stage process serves `/metrics` in the Prometheus text format and announces its address in the
-    run folder (prometheus/targets/PID.json), which the run's prometheus/prometheus.yml scrapes."""
+    run folder (prometheus/targets/HOST.PID.json), which the run's prometheus/prometheus.yml scrapes."""
     host: str = "127.0.0.1"
     """Address the endpoint listens on; `0.0.0.0` to let another machine's Prometheus scrape it (it is
     then announced under this machine's host name)."""

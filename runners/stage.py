@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 from pathlib import Path
 
 from rollway.actors.services import Services
 from rollway.base.registry import import_target
-from rollway.base.run_dir import RunDir
+from rollway.base.run_dir import RunDir, worker_name
 from rollway.config.run import RunConfig
 from rollway.runtime.actor import Actor
 from rollway.runtime.kafka import ensure_topics, stage_group_id
@@ -88,8 +87,8 @@ async def _run_actor(name: str, cfg: RunConfig, bootstrap: str, run_dir: Path, s
     services = Services(cfg, run_dir)
     actor = build_actor(name, services, log_reader)
     try:
-        status = RunDir(run_dir).worker_status_path(name, os.getpid())
-        telemetry = RunDir(run_dir).telemetry_path(name, os.getpid())
+        status = RunDir(run_dir).worker_status_path(name, worker_name())
+        telemetry = RunDir(run_dir).telemetry_path(name, worker_name())
         if cfg.runtime.engine_for(name) == "faust":
             from rollway.runtime.faust import run_faust_worker  # imports faust only when chosen
 

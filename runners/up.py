@@ -18,7 +18,7 @@ import structlog
 from rollway.base.blame import graded_failures
 from rollway.base.logging import redact_data, register_secrets
 from rollway.base.process import Child
-from rollway.base.run_dir import RunDir, read_trajectories
+from rollway.base.run_dir import RunDir, read_trajectories, worker_name
 from rollway.config.run import RunConfig, dump_config, secret_values, write_resolved_config
 from rollway.envs.reach_check import suspected_hacks
 from rollway.topics.topology import STAGE_NAMES as STAGES
@@ -136,7 +136,7 @@ class Job:
         gate = RunDir(self.run_dir).start_gate
         if self.one_process or gate.exists():
             return True
-        status = [RunDir(self.run_dir).worker_status(p.stage, p.proc.pid) for p in self.procs if p.stage != ISSUER]
+        status = [RunDir(self.run_dir).worker_status(p.stage, worker_name(p.proc.pid)) for p in self.procs if p.stage != ISSUER]
         if all(s.get("partitions", 0) > 0 for s in status) or time.monotonic() - self._started_at > timeout_s:
             gate.parent.mkdir(parents=True, exist_ok=True)
             gate.touch()
@@ -174,7 +174,7 @@ class Job:
             if crashed and p.restarts < self.max_restarts:
                 code = p.proc.returncode if p.proc else None
                 if not self.one_process:  # its /metrics target reads as down until now; the restart announces its own
-                    RunDir(self.run_dir).metrics_target(p.proc.pid).unlink(missing_ok=True)
+                    RunDir(self.run_dir).metrics_target(worker_name(p.proc.pid)).unlink(missing_ok=True)
                 p.restarts += 1
                 p.start()
                 notes.append(f"{p.stage}-{p.index} exited (code {code}); restarted ({p.restarts}/{self.max_restarts})")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
-import os
 import socket
 import threading
 import time
@@ -26,7 +25,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from rollway.base.files import write_json_atomic
-from rollway.base.run_dir import RunDir
+from rollway.base.run_dir import RunDir, worker_name
 
 if TYPE_CHECKING:
     from rollway.config.run import MetricsConfig
@@ -203,7 +202,7 @@ class MetricsServer:
         self.target: Path | None = None
         if run_dir is not None:
             labels = {"run": run_id} if run_id else {}
-            self.target = announce(run_dir, os.getpid(), f"{announced_host(cfg.host)}:{self.port}", labels)
+            self.target = announce(run_dir, worker_name(), f"{announced_host(cfg.host)}:{self.port}", labels)
         log.info("metrics served", url=self.url, announced=str(self.target) if self.target else None)
 
     @classmethod
@@ -259,7 +258,7 @@ def serve(host: str, first: int) -> tuple[Any, threading.Thread, int]:
     raise AssertionError("unreachable")
 
 
-def announce(run_dir: Path, name: int | str, address: str, labels: dict[str, str]) -> Path:
+def announce(run_dir: Path, name: str, address: str, labels: dict[str, str]) -> Path:
     """`address` (host:port) announced as a scrape target of the run (file service discovery); the file."""
     target = RunDir(run_dir).metrics_target(name)
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ FLUSH_INTERVAL_S = 0.5
 
 
 class Handled(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
-    """stage runtime -> run folder (`telemetry/STAGE-PID.jsonl`): one message one worker handled.
+    """stage runtime -> run folder (`telemetry/STAGE-HOST.PID.jsonl`): one message one worker handled.
 
     Invariants: `produced_at <= started_at <= ended_at` (one machine's clock; `produced_at` has the
     record timestamp's millisecond resolution). A redelivered message (a crash, a rebalance) gets a

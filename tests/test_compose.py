@@ -51,6 +51,14 @@ def test_compose_up_scaled_runs_the_smoke_job() -> None:
         assert "episodes_completed=8" in scheduler_log and "episodes_failed=0" in scheduler_log, \
             scheduler_log[-3000:] + stage_report(stages)
         assert "dead_lettered=0" in scheduler_log, scheduler_log[-3000:]
+        # Every container's stage is pid 1: its per-process files in the shared run folder are named by host
+        # too, one per agent worker (one shared name made them overwrite each other and crash).
+        listed = client.containers.run("rollway:latest", ["sh", "-c", "ls /runs/compose/status /runs/compose/telemetry"],
+                                       volumes={f"{project}_runs": {"bind": "/runs", "mode": "ro"}}, remove=True,
+                                       network_mode="none").decode()
+        names = listed.split()
+        assert len({n for n in names if n.startswith("agent-") and n.endswith(".json")}) == 3, listed
+        assert len({n for n in names if n.startswith("agent-") and n.endswith(".jsonl")}) == 3, listed
         for c in stages:
             host = c.attrs["HostConfig"]
             assert c.attrs["Config"]["User"] == "10001:10001" and host["CapDrop"] == ["ALL"], c.name

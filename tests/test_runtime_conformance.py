@@ -384,7 +384,7 @@ def test_telemetry_has_one_line_per_handled_message(engine, broker, topic_prefix
     about it rides in the message."""
     cfg = config(topic_prefix, partitions=2).model_copy(deep=True)
     cfg.run.trace = fetch_times
-    path = RunDir(tmp_path).telemetry_path("probe", 1)
+    path = RunDir(tmp_path).telemetry_path("probe", "host.1")
     sent_after = time.time()
 
     async def scenario():

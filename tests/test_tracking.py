@@ -354,7 +354,7 @@ def test_the_learner_logs_pass_rate_per_source_failures_hacks_and_sample_tables(
     # this test): the run's dead letters so far are in every update's figures.
     from rollway.base.run_dir import RunDir
 
-    status = RunDir(tmp_path / "run").worker_status_path("reward", 4242)
+    status = RunDir(tmp_path / "run").worker_status_path("reward", "host.4242")
     status.parent.mkdir(parents=True, exist_ok=True)
     status.write_text(json.dumps({"stage": "reward", "pid": 4242, "handled": 9, "dead_lettered": 2}))
     asyncio.run(scenario())
