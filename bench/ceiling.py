@@ -181,7 +181,7 @@ def run_ceiling_bench(wl: WorkloadConfig, out: Path, profile: bool = False, say=
     """Two runs of one agent worker against the zero-latency engine: one turn at a time (each call's
     own latency, nothing waiting beside it) and `slots + tool_overlap` turns at once (the ceiling)."""
     from rollway.bench.run import SimServer
-    from rollway.runners.broker import EmbeddedBroker
+    from rollway.runtime.broker import EmbeddedBroker
 
     out.mkdir(parents=True, exist_ok=True)
     wl = wl.model_copy(update=ZERO_TIME)

@@ -97,7 +97,7 @@ class _recorder:
             self.recorder = _Discarding()
             return self.recorder
         from rollway.base.broker import BrokerConfig, TopicsConfig
-        from rollway.runners.broker import EmbeddedBroker
+        from rollway.runtime.broker import EmbeddedBroker
 
         self.broker = await asyncio.to_thread(EmbeddedBroker(0).start)
         self.recorder = await KafkaRecorder.connect(BrokerConfig(), TopicsConfig(prefix="bench-"), self.broker.bootstrap)

@@ -416,7 +416,7 @@ def run_pipeline_mode(data: dict[str, Any], run_dir: Path, bootstrap: str) -> tu
 def run_real_bench(rc: RealBenchConfig, out: Path, say=print) -> dict[str, Any]:
     """Each mode in `rc.modes` on the same tasks and engine; figures per mode, ratio, and CPU shares."""
     from rollway.policies.model_loading import resolve_model_folder
-    from rollway.runners.broker import EmbeddedBroker
+    from rollway.runtime.broker import EmbeddedBroker
 
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()

@@ -27,7 +27,7 @@ from rollway.bench.workload import (
     workload_summary,
     write_plans,
 )
-from rollway.runners.broker import EmbeddedBroker
+from rollway.runtime.broker import EmbeddedBroker
 from rollway.runtime.telemetry import EpisodeStages, episode_stages, read_telemetry
 from rollway.sandboxes.sim import live_sandbox_stats
 

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from rollway.config.run import RunConfig
-from rollway.runners.broker import EmbeddedBroker
 from rollway.runners.up import Job
+from rollway.runtime.broker import EmbeddedBroker
 from rollway.topics.topology import STAGE_NAMES
 
 STAGE_KINDS = STAGE_NAMES

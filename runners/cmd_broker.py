@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rollway.runners.broker import BrokerError, EmbeddedBroker
+    from rollway.runtime.broker import BrokerError, EmbeddedBroker
 
     broker = EmbeddedBroker(args.port)
     try:

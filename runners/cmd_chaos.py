@@ -39,10 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rollway.actors.scheduler import new_run_id
-    from rollway.runners.broker import BrokerError, EmbeddedBroker
     from rollway.runners.chaos import FAULT_POINTS, ChaosMonkey, Ledger, sandboxes_left, sink_check
     from rollway.runners.cmd_up import prepare_run_dir
     from rollway.runners.up import JobFailed, parse_workers, run_job, write_run_files
+    from rollway.runtime.broker import BrokerError, EmbeddedBroker
 
     cfg = load_or_exit(args, "chaos")
     cfg.run.id = cfg.run.id or new_run_id()

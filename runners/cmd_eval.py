@@ -86,9 +86,9 @@ def run(args: argparse.Namespace) -> int:
 
     from rollway.actors.scheduler import new_run_id
     from rollway.config.run import load_config
-    from rollway.runners.broker import BrokerError, EmbeddedBroker
     from rollway.runners.cmd_up import prepare_run_dir
     from rollway.runners.up import JobFailed, parse_workers, run_job, write_run_files
+    from rollway.runtime.broker import BrokerError, EmbeddedBroker
     from rollway.runtime.kafka import BrokerUnavailable
 
     base = load_or_exit(args, "eval")

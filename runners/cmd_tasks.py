@@ -170,9 +170,9 @@ def _build_buglocal(args: argparse.Namespace) -> int:
 async def _verify_config(args: argparse.Namespace) -> int:
     import tempfile
 
+    from rollway.audit.verify import verify_taskset
     from rollway.base.logging import log_to_stderr
     from rollway.config.run import ConfigError
-    from rollway.runners.verify import verify_taskset
 
     log_to_stderr()  # stdout: the result only
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="rollway-verify-"))

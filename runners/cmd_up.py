@@ -64,9 +64,9 @@ def exit_soon(code: int, grace_s: float = EXIT_GRACE_S) -> None:
 def run(args: argparse.Namespace) -> int:
     from rollway.actors.scheduler import new_run_id
     from rollway.base.logging import configure_logging
-    from rollway.runners.broker import BrokerError, EmbeddedBroker
     from rollway.runners.report_worker import ReportWorker
     from rollway.runners.up import JobFailed, parse_workers, run_job, write_run_files
+    from rollway.runtime.broker import BrokerError, EmbeddedBroker
     from rollway.runtime.kafka import BrokerUnavailable
 
     cfg = load_or_exit(args, "up")

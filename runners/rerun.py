@@ -121,7 +121,7 @@ async def rerun_episode(traj: dict[str, Any], cfg: RunConfig, normalize: Any) ->
     sandbox, with the recorded model outputs as the policy; compare each turn's observations with the
     recorded ones. The caller refuses a harness episode first (`check_rerunnable`)."""
     from rollway.actors.services import Services
-    from rollway.runners.verify import play_episode
+    from rollway.audit.verify import play_episode
 
     recorded = traj.get("turns", [])
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"id": None})})  # the replay is no run's

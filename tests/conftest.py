@@ -99,7 +99,7 @@ def _logging_is_reset_after_each_test():
 
 @pytest.fixture(scope="session")
 def broker():
-    from rollway.runners.broker import EmbeddedBroker
+    from rollway.runtime.broker import EmbeddedBroker
 
     b = EmbeddedBroker(0).start()
     yield b
@@ -163,7 +163,7 @@ def toolz_swebench_row(tmp_path_factory) -> Path:
     `rollway grader check` builds its SWE row when given none, once per test run for every test that needs
     an SWE-bench row (the build runs the archive's suite per candidate bug; it is deterministic, so every such
     test would build this same row). Its parent is a grader check cache folder holding it (`cache_dir`)."""
-    from rollway.runners.grader_check import Options, _build_rows
+    from rollway.audit.grader_check import Options, _build_rows
 
     folder = built_once(tmp_path_factory, "toolz-swebench", lambda folder: _build_rows(Options(cache_dir=folder)))
     return folder / "swe-rows"

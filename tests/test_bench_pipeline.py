@@ -16,7 +16,7 @@ from rollway.bench.pipeline import load_run_config, run_config
 from rollway.bench.report import format_text, model_slot_intervals
 from rollway.bench.sim_server import SimEngine, build_app
 from rollway.bench.workload import WorkloadConfig, ideal_makespan, plan_workload, read_plans, write_plans
-from rollway.runners.broker import free_port
+from rollway.runtime.broker import free_port
 from rollway.runtime.telemetry import episode_stages, read_telemetry
 from rollway.sandboxes.sim import live_sandbox_stats
 

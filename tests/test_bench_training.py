@@ -26,7 +26,7 @@ from rollway.bench.training import (
     training_workload,
 )
 from rollway.bench.workload import TOOL_CALL, TurnPlan, WorkloadConfig, plan_workload, write_plans
-from rollway.runners.broker import free_port
+from rollway.runtime.broker import free_port
 
 TINY_WL = dict(slots=2, tool_overlap=1, init_lookahead=1, init_concurrency=2, grade_concurrency=2,
                init_s_median=0.15, grade_s_median=0.15, turns_median=3, tool_s_median=0.03,

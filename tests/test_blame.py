@@ -74,7 +74,7 @@ def test_a_turn_that_fails_after_its_tool_calls_ran_is_graded_0_with_its_complet
     """A task-set hook that fails on what the agent's tools left (replaced here by one that raises at the
     second turn): the episode ends there, graded 0 with the reason, the failing turn's completion in the
     token-exact trajectory (trained on with reward 0)."""
-    from rollway.runners.verify import play_episode
+    from rollway.audit.verify import play_episode
 
     cfg, s = _services(tmp_path)
     seen = []
@@ -101,7 +101,7 @@ def test_an_unreachable_inference_engine_fails_the_attempt_for_a_retry(tmp_path)
     OpenAI-compatible client does after its retries): infrastructure, even though the agent ran a tool
     call at turn 0. The attempt fails retryably and nothing is graded."""
     from rollway.actors.agent import AgentActor
-    from rollway.runners.verify import play_episode
+    from rollway.audit.verify import play_episode
     from rollway.runtime.actor import failure_output
     from rollway.schemas.messages import EpisodeKey, InitRequest
 

@@ -106,7 +106,7 @@ def test_sigterm_stops_up_and_everything_it_started(tmp_path, processes):
     """Stage processes, their sandboxes and the broker run in their own sessions; a SIGTERM to `rollway up`
     (kill, a job manager) must stop them too, not leave them running. In one process the stages are
     tasks of `rollway up`: their sandboxes (bubblewrap children) and the broker must end with it."""
-    from rollway.runners.broker import free_port
+    from rollway.runtime.broker import free_port
 
     run_dir, port = tmp_path / "run", free_port()
     up = subprocess.Popen([*ROLLWAY, "up", "examples/smoke.yaml", "tasks.count=400", f"broker.port={port}",
@@ -140,7 +140,7 @@ def test_sigterm_stops_up_and_everything_it_started(tmp_path, processes):
 def test_sigterm_stops_bench_learn_and_the_phase_it_runs(tmp_path):
     """`rollway bench learn` runs each phase as a child `rollway`; a SIGTERM must reach that child so it
     stops its own stages and their sandboxes (before: the child was SIGKILLed and its workers kept running)."""
-    from rollway.runners.broker import free_port
+    from rollway.runtime.broker import free_port
 
     run_dir, port = tmp_path / "lb", free_port()
     bench = subprocess.Popen([*ROLLWAY, "bench", "learn", "examples/smoke.yaml", "tasks.count=400",
@@ -173,7 +173,7 @@ def test_config_errors_name_the_key(tmp_path):
 
 
 def test_broker_reports_a_taken_port():
-    from rollway.runners.broker import EmbeddedBroker
+    from rollway.runtime.broker import EmbeddedBroker
 
     with EmbeddedBroker() as b:
         out = rollway("broker", "--port", str(b.port))
@@ -198,7 +198,7 @@ def test_every_command_has_help(capsys):
 def test_separate_processes_two_agent_workers_replay_and_dead_letters(tmp_path):
     """Broker, then every stage as its own process (two agent workers); garbage on agent-steps
     is dead-lettered while the job completes; replay shows exactly the completed episodes."""
-    from rollway.runners.broker import free_port
+    from rollway.runtime.broker import free_port
 
     port = free_port()
     bootstrap = f"127.0.0.1:{port}"
@@ -259,7 +259,7 @@ def test_separate_processes_two_agent_workers_replay_and_dead_letters(tmp_path):
 
 
 def _listening(port: int) -> bool:
-    from rollway.runners.broker import port_in_use
+    from rollway.runtime.broker import port_in_use
 
     return port_in_use(port)
 

@@ -21,9 +21,9 @@ from rollway.actors.agent import AgentActor
 from rollway.actors.init import InitActor
 from rollway.actors.learner import LearnerActor
 from rollway.actors.services import Services
+from rollway.audit.verify import DO_NOTHING_SCRIPT, play_episode
 from rollway.config.run import ConfigError, RunConfig, config_secrets, load_config, resolved_config
 from rollway.envs.factory import build_taskset
-from rollway.runners.verify import DO_NOTHING_SCRIPT, play_episode
 from rollway.runtime.actor import MessageMeta
 from rollway.schemas import EpisodeKey, InitRequest
 from rollway.tools.base import Tool, ToolResult
@@ -274,8 +274,8 @@ def test_a_plugin_learner_type_with_its_own_config_trains_in_the_learner_actor(t
 def test_verify_and_eval_replace_a_section_of_another_type_whole():
     """`rollway tasks verify` swaps in the gold/do-nothing policies and `rollway eval` a record-only learner:
     the config's own policy or learner may be of a type whose keys the new one lacks."""
+    from rollway.audit.verify import with_policy
     from rollway.runners.cmd_eval import eval_overrides
-    from rollway.runners.verify import with_policy
 
     served = ["policy.type=openai", "policy.base_url=http://127.0.0.1:9/v1", "policy.request_timeout_s=5",
               "policy.chat_format=bytes-chatml"]
@@ -523,8 +523,8 @@ def test_the_reference_policy_can_be_an_agent_that_reads_observations(tmp_path):
     """`tasks verify`'s gold may react to what a command printed (it played fixed text only): the toy
     task set's reference agent cats the file and writes the sum it read. Planting other numbers in the
     file shows the answer comes from the observation, not from the task's metadata."""
+    from rollway.audit.verify import with_policy
     from rollway.envs.toy import ToyTaskSet
-    from rollway.runners.verify import with_policy
     from rollway.sandboxes.base import SandboxSpec
 
     cfg = with_policy(str(ROOT / "examples" / "smoke.yaml"), ["tasks.count=1"], type="gold")

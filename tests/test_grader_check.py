@@ -13,13 +13,8 @@ import uuid
 
 import pytest
 
-from rollway.envs.base import Episode, Grade, Task
-from rollway.envs.config import ToyTasksConfig
-from rollway.envs.swe_grading import GradingEnvError
-from rollway.envs.toy import ToyTaskSet
-from rollway.runners import cmd_grader
-from rollway.runners.grader_attacks import ATTACKS, Target
-from rollway.runners.grader_check import (
+from rollway.audit.grader_attacks import ATTACKS, Target
+from rollway.audit.grader_check import (
     DOCKER_ONLY,
     FAMILIES,
     TWINS_ON_DOCKER,
@@ -28,6 +23,11 @@ from rollway.runners.grader_check import (
     _family,
     run_suite,
 )
+from rollway.envs.base import Episode, Grade, Task
+from rollway.envs.config import ToyTasksConfig
+from rollway.envs.swe_grading import GradingEnvError
+from rollway.envs.toy import ToyTaskSet
+from rollway.runners import cmd_grader
 from rollway.sandboxes.base import OUTPUT_LOST_PLAYS, OutputLost, Sandbox, SandboxProvider
 
 

@@ -11,8 +11,8 @@ import uuid
 
 import pytest
 
-from rollway.runners.grader_attacks import ATTACKS
-from rollway.runners.grader_check import Options, run_suite
+from rollway.audit.grader_attacks import ATTACKS
+from rollway.audit.grader_check import Options, run_suite
 
 HARBOR_ROWS = tuple(a.name for a in ATTACKS if a.name.startswith("verifier_program_")
                     and a.name not in ("verifier_program_kills_all", "verifier_program_kills_parent"))

@@ -19,9 +19,9 @@ import pytest
 from docker_engine import ensure_engine
 from test_harbor_security import _task
 
+from rollway.audit.grader_attacks import VERIFIER_PROGRAMS
 from rollway.envs.config import TasksConfig
 from rollway.envs.harbor import HarborTaskSet, check_task
-from rollway.runners.grader_attacks import VERIFIER_PROGRAMS
 from rollway.sandboxes.config import SandboxConfig
 from rollway.sandboxes.docker import DockerSandboxProvider
 
@@ -47,7 +47,7 @@ def _grade(task_dir):
 @pytest.mark.parametrize("attack", sorted(VERIFIER_PROGRAMS))
 def test_a_program_run_by_test_sh_cannot_forge_the_verdict(tmp_path, attack):
     """The agent's program, run by test.sh with test.sh's rights, writes reward 1 and then attacks
-    test.sh or the verifier around it (runners/grader_attacks.py VERIFIER_PROGRAMS): graded 0 every time."""
+    test.sh or the verifier around it (audit/grader_attacks.py VERIFIER_PROGRAMS): graded 0 every time."""
     ensure_engine()
     grade = _grade(_attack_task(tmp_path, f"privsep-{attack.replace('_', '-')}", VERIFIER_PROGRAMS[attack]))
     assert (grade.reward, grade.resolved) == (0.0, False), grade.details

@@ -24,8 +24,8 @@ def test_a_stage_that_crashes_is_restarted_in_place_and_loses_nothing(tmp_path):
     """The sink cannot write its first trajectory (the file's name is taken by a folder): its task fails
     (FatalActorError), the job restarts it in place, and once the folder is gone the restarted sink
     writes every episode exactly once from the committed offsets."""
-    from rollway.runners.broker import EmbeddedBroker
     from rollway.runners.up import run_job, write_run_files
+    from rollway.runtime.broker import EmbeddedBroker
 
     cfg, run_dir = _smoke(), tmp_path / "run"
     write_run_files(run_dir, cfg)

@@ -44,10 +44,10 @@ def test_one_free_port_and_one_health_wait() -> None:
 
 
 def test_no_urllib_http_client() -> None:
-    # runners/grader_attacks.py: programs the grader check runs inside sandboxes as the agent (a harness
+    # audit/grader_attacks.py: programs the grader check runs inside sandboxes as the agent (a harness
     # program's own HTTP call), not clients of rollway's
     found = offenders(r"urllib\.request|urllib\.error|http\.client|\brequests\.(get|post)\(|import requests\b",
-                      package_files(), {"runners/grader_attacks.py"})
+                      package_files(), {"audit/grader_attacks.py"})
     assert not found, "HTTP clients use aiohttp (sync code: rollway.base.http):\n" + "\n".join(found)
 
 
@@ -63,7 +63,7 @@ def run_folder_names() -> set[str]:
     return names
 
 
-RUN_FOLDER_USERS = ["runners", "bench", "learning/metrics.py", "learning/checkpoint.py", "base/logging.py"]
+RUN_FOLDER_USERS = ["runners", "audit", "bench", "learning/metrics.py", "learning/checkpoint.py", "base/logging.py"]
 """Where run folders are read and written outside the stages (issue 26 item 7's list)."""
 
 

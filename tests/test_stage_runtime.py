@@ -155,7 +155,7 @@ def test_log_reader_returns_one_episodes_messages(broker, topic_prefix):
 
 
 def test_unreachable_broker_retries_then_fails_clearly_within_bound():
-    from rollway.runners.broker import free_port
+    from rollway.runtime.broker import free_port
 
     cfg = BrokerConfig(connect_timeout_s=2.0)
     t0 = time.monotonic()

@@ -39,7 +39,7 @@ API_KEY = "sk-rollway-test-" + __import__("secrets").token_hex(8)
 
 @pytest.fixture(scope="module")
 def vllm_url(tmp_path_factory):
-    from rollway.runners.broker import free_port
+    from rollway.runtime.broker import free_port
 
     if os.environ.get("ROLLWAY_TEST_VLLM_URL"):  # a server already running (development only)
         yield os.environ["ROLLWAY_TEST_VLLM_URL"]
@@ -440,7 +440,7 @@ def test_a_replica_killed_mid_run_is_left_out_and_its_turns_retried(vllm_url):
     (a replica that is busy, then killed: to the client a reset connection, then a refused one; a
     second vLLM server would double this module's start-up). Killed mid-run, its turns finish on
     the live replica, weight updates skip it, and nothing hangs."""
-    from rollway.runners.broker import free_port
+    from rollway.runtime.broker import free_port
 
     port = free_port()
     stand_in = subprocess.Popen([sys.executable, "-c", STAND_IN, str(port)])

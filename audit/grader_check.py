@@ -22,8 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollway.envs.base import Episode, Grade, Task, TaskSet, grade_after_agent
-from rollway.runners.grader_attacks import (
+from rollway.audit.grader_attacks import (
     ATTACKS,
     GATEWAY_ATTACKS,
     HARNESS_ATTACKS,
@@ -32,6 +31,7 @@ from rollway.runners.grader_attacks import (
     AttackNotRun,
     Target,
 )
+from rollway.envs.base import Episode, Grade, Task, TaskSet, grade_after_agent
 from rollway.sandboxes.base import Sandbox, SandboxProvider, again_while_output_lost
 
 FAMILIES = ("swe", "swebench", "humaneval", "harbor", "toy")
@@ -219,8 +219,8 @@ def verdict(grade: Grade, extra: str | None, timeout_expected: bool = False) -> 
 async def play_tool_call(name: str, output: str, opts: Options) -> tuple[bool, str]:
     """The model's output played through the agent actor (parsing, tools) on a toy task, then a
     `finish`; graded by the reward actor. The episode must come back graded, not failed."""
+    from rollway.audit.verify import play_episode
     from rollway.config.run import load_config
-    from rollway.runners.verify import play_episode
 
     script = [{"when": "", "turns": [output, '<tool_call>{"name": "finish", "arguments": {}}</tool_call>']}]
     cfg = load_config(None, ["tasks.type=toy", "tasks.count=1", f"sandbox.type={opts.sandbox}",
@@ -246,8 +246,8 @@ async def play_harness(name: str, argv: list[str], opts: Options, bootstrap: str
     on the embedded broker, the launcher) and reward actors. The episode must come back graded 0 with the
     program's failure as its reason, not failed (a retried failure is an opt-out from the zero); with
     `stop_reason`, ended for that reason (a gateway's bound), not by the program's own limits."""
+    from rollway.audit.verify import play_episode
     from rollway.config.run import load_config
-    from rollway.runners.verify import play_episode
 
     with tempfile.TemporaryDirectory(prefix="rollway-grader-check-") as run_dir:
         cfg = load_config(None, ["tasks.type=toy", "tasks.count=1", f"sandbox.type={opts.sandbox}",
@@ -312,7 +312,7 @@ async def run_suite(opts: Options, families: list[Family] | None = None) -> dict
         harness |= {name: (*row, "harness_refused_limit") for name, row in GATEWAY_ATTACKS.items()
                     if _selected(name, opts)}
         if harness:  # the gateway records the program's calls on a real broker
-            from rollway.runners.broker import EmbeddedBroker
+            from rollway.runtime.broker import EmbeddedBroker
 
             broker = EmbeddedBroker(0).start()
             plays += [(name, "harness", functools.partial(play_harness, name, argv, opts, broker.bootstrap, stop), what)
