@@ -98,6 +98,10 @@ class GatewayRelay:
 
     def __init__(self, sock: Any, target: str, name: str) -> None:
         self.sock, self.target, self.name = sock, target, name
+        # Connections go through a descriptor of the socket's folder: its path may be longer than a socket
+        # address holds (107 bytes), as the gateway binds it (gateway/server.py).
+        self._folder = os.open(os.path.dirname(target), os.O_PATH | os.O_DIRECTORY)
+        self._address = f"/proc/self/fd/{self._folder}/{os.path.basename(target)}"
         self.raw = getattr(sock, "_sock", sock)
         self.raw.settimeout(None)
         self.conns: dict[int, socket.socket] = {}
@@ -140,8 +144,8 @@ class GatewayRelay:
             from rollway.sandboxes.docker import _close
 
             _close(self.sock)
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+            for fd in (self._wake_r, self._wake_w, self._folder):
+                os.close(fd)
 
     def _from_exec(self, sel: selectors.BaseSelector) -> bool:
         """Whatever the exec stream holds now (an SSL socket may buffer more than one record); False at its end."""
@@ -180,7 +184,7 @@ class GatewayRelay:
                 return
             up = socket.socket(socket.AF_UNIX)
             try:
-                up.connect(self.target)
+                up.connect(self._address)
             except OSError:
                 up.close()
                 self._send(b"C", cid)

@@ -40,10 +40,15 @@ print("ok")
 """
 
 
-def echo_server(path: str) -> socket.socket:
-    """Answers each connection with what it sent, reversed, once the client has said all of it."""
+def echo_server(folder: str) -> socket.socket:
+    """On `folder`'s gateway.sock: answers each connection with what it sent, reversed, once the client has
+    said all of it (bound through the folder's descriptor: the path may be too long for a socket address)."""
     srv = socket.socket(socket.AF_UNIX)
-    srv.bind(path)
+    fd = os.open(folder, os.O_PATH | os.O_DIRECTORY)
+    try:
+        srv.bind(f"/proc/self/fd/{fd}/gateway.sock")
+    finally:
+        os.close(fd)
     srv.listen(64)
 
     def serve(conn: socket.socket) -> None:
@@ -67,7 +72,10 @@ def echo_server(path: str) -> socket.socket:
 
 def test_a_program_in_a_container_of_another_hosts_engine_reaches_the_gateway_through_the_relay(tmp_path):
     ensure_engine()
-    provider = DockerSandboxProvider(DockerSandboxConfig(gateway_root=str(tmp_path / "gw")))
+    # A socket path past the 107 bytes a socket address holds (seen: a relay that connected by path refused
+    # every connection of a run whose gateway_root was a test's deep tmp folder).
+    root = tmp_path / ("g" * 80)
+    provider = DockerSandboxProvider(DockerSandboxConfig(gateway_root=str(root)))
     provider.shares_host_folders = False  # as a fleet engine reached over TCP
     name = f"relay-{uuid.uuid4().hex[:8]}"
 
@@ -77,8 +85,8 @@ def test_a_program_in_a_container_of_another_hosts_engine_reaches_the_gateway_th
             info = await asyncio.to_thread(provider.client.api.inspect_container, box.container_id)
             assert not [m for m in info["Mounts"] if m["Type"] == "bind"], info["Mounts"]  # nothing of this host
             folder = await box.gateway_dir()
-            assert folder is not None and folder.startswith(str(tmp_path / "gw"))
-            server = echo_server(os.path.join(folder, "gateway.sock"))
+            assert folder is not None and folder.startswith(str(root))
+            server = echo_server(folder)
             try:
                 result = await box.exec(f"python3 -c {shlex.quote(CLIENT)}", timeout_s=300)
                 assert result.exit_code == 0 and result.output.strip() == "ok", result.output[-2000:]
