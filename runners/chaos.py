@@ -6,13 +6,19 @@ an independent consumer, and the manifests of the optimiser steps inside the lea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
+import re
+import signal
+import subprocess
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from rollway.config.run import RunConfig
 from rollway.runners.up import Job
@@ -53,6 +59,8 @@ class ChaosMonkey:
     program is no child of the worker: it runs on in its container until the container is removed."""
     orphan_box_seconds: dict[str, float] = field(default_factory=dict)
     """Docker: sandbox name -> seconds from its worker's kill until its container was gone (as polled)."""
+    fleet: FleetKiller | None = None
+    """Sandbox engines of scripts/fleet-up.sh to kill (kind `sandbox-engine`): one holding sandboxes of the run."""
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
@@ -77,6 +85,12 @@ class ChaosMonkey:
         if picked is None:
             return
         kind, live = picked
+        if kind == "sandbox-engine":
+            engine, boxes = self.rng.choice(live)
+            self.fleet.kill(engine)
+            self.events.append({"t": round(now - self.started, 2), "kill": f"sandbox-engine-{engine}",
+                                "at": time.time(), "sandboxes": boxes})
+            return
         if kind == "engine":
             index = self.rng.choice(live)
             job.engine.kill(index)
@@ -146,12 +160,17 @@ class ChaosMonkey:
             kinds = [k for k in STAGE_KINDS if any(p.stage == k for p in job.procs)]
             if job.engine is not None:
                 kinds.append("engine")
+            if self.fleet is not None:
+                kinds.append("sandbox-engine")
             if self.kinds is not None:
                 kinds = [k for k in kinds if k in self.kinds]
             self._round = self.rng.sample(kinds, len(kinds))
         for kind in reversed(self._round):
-            live = list(job.engine.alive()) if kind == "engine" else [p for p in job.procs
-                                                                      if p.stage == kind and self._ready(p)]
+            if kind == "sandbox-engine":
+                live = sorted(self.fleet.busy().items())
+            else:
+                live = list(job.engine.alive()) if kind == "engine" else [p for p in job.procs
+                                                                          if p.stage == kind and self._ready(p)]
             if live:
                 self._round.remove(kind)
                 return kind, live
@@ -170,6 +189,91 @@ class ChaosMonkey:
         self.events.append({"t": round(now - self.started, 2), "restart": "broker"})
 
 
+@dataclass
+class FleetKiller:
+    """The Docker engines of scripts/fleet-up.sh, run from `folder`: engine `fleet-K` of the run's
+    `sandbox.engines` is the daemon whose pid is in `folder/eK/dockerd.pid`. A killed daemon (SIGKILL: its
+    host gone, as far as the API can tell) is started again by fleet-up.sh after `restart_after_s`
+    (None: left down), which keeps the engines that still answer."""
+
+    folder: Path
+    engines: list[Any]
+    """The run's `sandbox.engines` (EngineConfig)."""
+    run_id: str
+    restart_after_s: float | None = 5.0
+    restarts: list[threading.Thread] = field(default_factory=list)
+
+    def _pid_file(self, engine_id: str) -> Path | None:
+        k = engine_id.removeprefix("fleet-")
+        path = self.folder / f"e{k}" / "dockerd.pid"
+        return path if engine_id.startswith("fleet-") and k.isdigit() and path.exists() else None
+
+    def busy(self) -> dict[str, list[str]]:
+        """Engine id -> the run's sandboxes it holds, for the fleet's engines that answer and hold some."""
+        from rollway.sandboxes.docker import LABEL
+        from rollway.sandboxes.fleet import engine_client
+
+        found = {}
+        for engine in self.engines:
+            if self._pid_file(engine.id) is None:
+                continue
+            try:
+                client = engine_client(engine.model_copy(update={"timeout_s": 5.0}))
+                listed = client.api.containers(filters={"label": LABEL})
+                client.close()
+            except Exception:  # noqa: BLE001 - down (killed, restarting): not a candidate now
+                continue
+            names = sorted(n for c in listed if (n := (c.get("Labels") or {}).get(LABEL, "")).startswith(
+                f"{self.run_id}-"))
+            if names:
+                found[engine.id] = names
+        return found
+
+    def kill(self, engine_id: str) -> None:
+        path = self._pid_file(engine_id)
+        if path is None:
+            return
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(path.read_text().strip()), signal.SIGKILL)
+        if self.restart_after_s is not None:
+            thread = threading.Thread(target=self._restart, daemon=True)
+            thread.start()
+            self.restarts.append(thread)
+
+    def _restart(self) -> None:
+        time.sleep(self.restart_after_s or 0.0)
+        first = urlsplit(next(e.endpoint for e in self.engines if e.id == "fleet-1"))
+        env = {**os.environ, "ROLLWAY_FLEET_DIR": str(self.folder), "ROLLWAY_FLEET_PORT": str((first.port or 1) - 1)}
+        registry = (self.folder / "fleet.args").read_text() if (self.folder / "fleet.args").exists() else ""
+        if "image_registry=" in registry:
+            env["ROLLWAY_REGISTRY_PORT"] = registry.split("image_registry=", 1)[1].split()[0].rsplit(":", 1)[1]
+        count = (self.folder / "engines").read_text().strip()
+        script = Path(__file__).resolve().parents[1] / "scripts" / "fleet-up.sh"
+        subprocess.run(["bash", str(script), count], env=env, capture_output=True, timeout=600)
+
+    def wait(self) -> None:
+        for thread in self.restarts:
+            thread.join(timeout=600)
+
+
+SANDBOX_NAME = re.compile(r"^(?P<episode>.+)-a(?P<attempt>\d+)-[0-9a-f]{6}$")
+"""actors/init.py's sandbox names: EPISODE-aATTEMPT-XXXXXX."""
+
+
+def engine_kills(monkey: ChaosMonkey, ledger: Ledger) -> dict[str, Any]:
+    """Per killed sandbox engine: the episodes whose sandboxes it held, how many were moved (a later
+    attempt issued, and the episode completed), and the seconds from the kill to each later attempt's
+    issue (from the InitRequests on the log)."""
+    kills = []
+    for event in (e for e in monkey.events if e.get("kill", "").startswith("sandbox-engine-")):
+        held = [(m["episode"], int(m["attempt"])) for n in event["sandboxes"] if (m := SANDBOX_NAME.match(n))]
+        later = {ep: ledger.issued_at[(ep, a + 1)] for ep, a in held if (ep, a + 1) in ledger.issued_at}
+        kills.append({"engine": event["kill"].removeprefix("sandbox-engine-"), "episodes": len(held),
+                      "moved": sum(1 for ep in later if ledger.completed.get(ep)),
+                      "reissued_after_s": sorted(round(t - event["at"], 2) for t in later.values())})
+    return {"sandbox_engine_kills": kills, "episodes_moved": sum(k["moved"] for k in kills)}
+
+
 class Ledger:
     """What happened, read from the topics by a consumer of its own (no group, nothing committed):
     episodes issued on init-requests, graded on trajectories, given up on episode-failures."""
@@ -181,6 +285,8 @@ class Ledger:
         self.positions: dict[tuple[str, int], int] = {}
         self.scheduled: set[str] = set()
         self.attempts: Counter[str] = Counter()
+        self.issued_at: dict[tuple[str, int], float] = {}
+        """(episode, attempt) -> when the scheduler issued it (unix seconds, its InitRequest's own time)."""
         self.completed: Counter[str] = Counter()
         self.failed: dict[str, str] = {}
         self.harness = cfg.agent.harness is not None
@@ -232,6 +338,7 @@ class Ledger:
                 if name == INIT_REQUESTS.name:
                     self.scheduled.add(msg.episode_id)
                     self.attempts[msg.episode_id] += 1
+                    self.issued_at.setdefault((msg.episode_id, msg.attempt), msg.issued_at)
                 elif name == TRAJECTORIES.name:
                     self.completed[msg.episode_id] += 1
                     if self.harness:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from rollway.base.redaction import redact_data
 from rollway.base.run_dir import RunDir, fresh_run_folder
@@ -32,14 +33,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "of the run); 'none' disarms; default: a mix of every point")
     parser.add_argument("--kinds", default=None,
                         help="comma-separated process kinds to kill (default: every kind present: "
-                             "scheduler, init, agent, reward, learner, sink, and engine when the job launched one)")
+                             "scheduler, init, agent, reward, learner, sink, engine when the job launched one, "
+                             "sandbox-engine with --fleet-dir)")
+    parser.add_argument("--fleet-dir", default=None,
+                        help="the folder of scripts/fleet-up.sh whose engines (fleet-K in sandbox.engines) hold the "
+                             "run's sandboxes: adds the kind sandbox-engine (a daemon holding sandboxes of the run is "
+                             "SIGKILLed, then started again by fleet-up.sh)")
+    parser.add_argument("--fleet-restart-after", type=float, default=5.0,
+                        help="seconds before a killed sandbox engine is started again (negative: left down)")
     parser.add_argument("--workers", action="append", default=[], metavar="STAGE=N",
                         help="processes per stage (default: 2 init, 2 agent, 2 reward, 1 learner, 1 sink)")
 
 
 def run(args: argparse.Namespace) -> int:
     from rollway.actors.scheduler import new_run_id
-    from rollway.runners.chaos import FAULT_POINTS, ChaosMonkey, Ledger, sandboxes_left, sink_check
+    from rollway.runners.chaos import (
+        FAULT_POINTS,
+        ChaosMonkey,
+        FleetKiller,
+        Ledger,
+        engine_kills,
+        sandboxes_left,
+        sink_check,
+    )
     from rollway.runners.cmd_up import prepare_run_dir
     from rollway.runners.up import JobFailed, parse_workers, run_job, write_run_files
     from rollway.runtime.broker import BrokerError, EmbeddedBroker
@@ -57,10 +73,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"rollway chaos: {err}", file=sys.stderr)
         return 1
     ledger = Ledger(cfg, broker.bootstrap)
+    fleet = None
+    if args.fleet_dir:
+        engines = getattr(cfg.sandbox, "engines", None) or []
+        if not any(e.id.startswith("fleet-") for e in engines):
+            print("rollway chaos: --fleet-dir needs the fleet's engines in sandbox.engines (fleet-up.sh prints them)",
+                  file=sys.stderr)
+            broker.stop()
+            return 2
+        fleet = FleetKiller(Path(args.fleet_dir), engines, cfg.run.id,
+                            None if args.fleet_restart_after < 0 else args.fleet_restart_after)
     monkey = ChaosMonkey(args.seed, args.min_gap, args.max_gap, broker, args.broker_restarts, args.max_kills, ledger,
                          kinds=tuple(args.kinds.split(",")) if args.kinds else None,
                          harness=cfg.agent.harness is not None,
-                         gateway_root=getattr(cfg.sandbox, "gateway_root", None))
+                         gateway_root=getattr(cfg.sandbox, "gateway_root", None), fleet=fleet)
     faults = FAULT_POINTS if args.faults is None else ("" if args.faults == "none" else args.faults)
     env = {"ROLLWAY_FAULTS": faults, "ROLLWAY_FAULTS_SEED": str(args.seed),
            "ROLLWAY_FAULTS_STATE": str(RunDir(run_dir).faults_state)}  # `NAME=once` points: one kill per run
@@ -73,7 +99,11 @@ def run(args: argparse.Namespace) -> int:
     finally:
         ledger.poll()
         broker.stop()
+        if fleet is not None:
+            fleet.wait()  # every killed engine back before the leftovers are counted
     outcome = ledger.judge(run_dir, cfg.learner.trains) | {"sandboxes_left": sandboxes_left(cfg)}
+    if fleet is not None:
+        outcome |= engine_kills(monkey, ledger)
     if monkey.harness:
         outcome |= {**ledger.judge_calls(run_dir, cfg.learner.trains), **_harness_kills(monkey)}
     result = {"seed": args.seed, **outcome, **sink_check(run_dir, ledger), "kills": monkey.kills,

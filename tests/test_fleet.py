@@ -414,3 +414,35 @@ def test_mini_swe_agent_on_another_hosts_engine_reaches_its_worker_through_the_r
         out.stderr[-3000:]
     assert mounts and all(m == [[], True] for m in mounts.values()), mounts  # no bind, the keeper's tmpfs
     assert not list((tmp_path / "gw").glob("*/gateway.sock"))  # the relay's host folder went with the episode
+
+
+def test_chaos_kills_a_sandbox_engine_holding_episodes_and_they_move_to_the_others(fleet, tmp_path):
+    """`rollway chaos --fleet-dir DIR --kinds sandbox-engine` on the smoke job spread over the fleet: the
+    daemon of an engine holding sandboxes of the run is SIGKILLed and started again by fleet-up.sh. Judged
+    from the topics: nothing lost or duplicated, the episodes it held were issued again and completed (moved),
+    with the seconds from the kill to each re-issue reported; afterwards every engine answers again."""
+    cfg = yaml.safe_load((ROOT / "examples" / "smoke.yaml").read_text())
+    cfg["run"]["timeout_s"] = 600
+    cfg["tasks"]["count"], cfg["scheduler"]["group_size"] = 6, 2
+    cfg["scheduler"].update(max_inflight_episodes=12, episode_deadline_s=120, max_attempts=4)
+    cfg["sandbox"] = fleet.config().model_dump(mode="json", exclude_defaults=True) | {"type": "docker"}
+    config = tmp_path / "chaos-fleet.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "DOCKER_HOST": "unix:///nonexistent/docker.sock", **fleet.env}
+    try:
+        out = subprocess.run([sys.executable, "-m", "rollway.runners", "chaos", str(config), "--json", "--seed", "3",
+                              "--run-dir", str(tmp_path / "run"), "--fleet-dir", str(fleet.folder), "--kinds",
+                              "sandbox-engine", "--max-kills", "1", "--min-gap", "0.5", "--max-gap", "1.0",
+                              "--faults", "none", "--fleet-restart-after", "3"],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    finally:
+        fleet.up()  # whatever happened, the module's engines back
+    assert out.stdout.strip(), out.stderr[-4000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert out.returncode == 0, (result, out.stderr[-3000:])
+    assert result["scheduled"] == 12 and result["completed"] + result["failed"] == 12, result
+    assert result["lost"] == 0 and result["duplicated"] == 0 and result["graded_twice"] == 0, result
+    [kill] = result["sandbox_engine_kills"]
+    assert kill["episodes"] >= 1 and kill["moved"] >= 1 and result["episodes_moved"] == kill["moved"], result
+    assert len(kill["reissued_after_s"]) >= kill["moved"] and min(kill["reissued_after_s"]) >= 0, kill
+    assert set(fleet.live()) == {"fleet-1", "fleet-2", "fleet-3"}  # the killed engine was started again
