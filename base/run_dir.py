@@ -253,17 +253,17 @@ class RunDir:
 
     @property
     def predictions(self) -> Path:
-        """SWE-bench predictions (one JSON line per instance), written by runners/eval_outputs.py."""
+        """SWE-bench predictions (one JSON line per instance), written by reports/eval_outputs.py."""
         return self.path / "predictions.jsonl"
 
     @property
     def swebench_report(self) -> Path:
-        """The SWE-bench-style report, written by runners/eval_outputs.py."""
+        """The SWE-bench-style report, written by reports/eval_outputs.py."""
         return self.path / "swebench_report.json"
 
     @property
     def atif(self) -> Path:
-        """One ATIF trajectory file per episode, written by runners/eval_outputs.py."""
+        """One ATIF trajectory file per episode, written by reports/eval_outputs.py."""
         return self.path / "atif"
 
     @property

@@ -4,13 +4,11 @@ the topology block of the README and docs/concepts.md (from topics/topology.py).
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 NAME = "docs"
 HELP = ("Generate documentation: `config` writes the configuration reference from the pydantic config models; "
         "`topology` the pipeline block of README.md and docs/concepts.md from topics/topology.py.")
-TOPOLOGY_FILES = ("README.md", "docs/concepts.md")
 DEFAULT_OUT = "docs/configuration.md"
 
 
@@ -24,41 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rollway.docgen.pages import write_config_reference, write_topology
+
     if args.what == "topology":
-        return _topology(args.check)
-    from rollway.runners.config_docs import COMMAND, config_reference
-
-    text, out = config_reference(), Path(args.out)
-    if args.check:
-        current = out.read_text() if out.exists() else None
-        if current != text:
-            print(f"rollway docs: {out} is stale (the config models changed); run `{COMMAND}`"
-                  + (f" --out {out}" if args.out != DEFAULT_OUT else ""), file=sys.stderr)
-            return 1
-        print(f"{out} is current")
-        return 0
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    print(out)
-    return 0
-
-
-def _topology(check: bool) -> int:
-    """Rewrite (or check) the generated topology block of each file in TOPOLOGY_FILES."""
-    from rollway.topics.topology import with_diagram
-
-    stale = []
-    for name in TOPOLOGY_FILES:
-        path = Path(name)
-        current = path.read_text()
-        wanted = with_diagram(current)
-        if wanted != current:
-            stale.append(name)
-            if not check:
-                path.write_text(wanted)
-    if check and stale:
-        print(f"rollway docs: the topology block of {', '.join(stale)} is stale (topics/topology.py changed); "
-              "run `rollway docs topology`", file=sys.stderr)
-        return 1
-    print("topology block current in " + ", ".join(TOPOLOGY_FILES) if check else "\n".join(TOPOLOGY_FILES))
-    return 0
+        return write_topology(args.check)
+    return write_config_reference(Path(args.out), args.check, named_out=args.out != DEFAULT_OUT)

@@ -66,7 +66,7 @@ def write_eval(run_dir: Path, cfg, task_ids: list[str] | None = None) -> dict:
               **evaluate_scheduled(dict.fromkeys(task_ids, cfg.eval.attempts), completed, ks),
               "failure_reasons": dict(reasons.most_common())}
     if cfg.tasks.type in ("swebench", "harbor"):
-        from rollway.runners.eval_outputs import write_atif, write_predictions
+        from rollway.reports.eval_outputs import write_atif, write_predictions
 
         reasons_by_task = {f["episode"]["task_id"]: _reason(f) for eid, f in last_failure.items() if eid not in trajs}
         report = write_predictions(run_dir, cfg, task_ids, list(trajs.values()), reasons_by_task)

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 NAME = "replay"
 HELP = ("Print the decoded messages of a topic (JSON lines with partition and offset), or re-run a recorded "
@@ -39,65 +37,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(overrides=[])  # dotted config overrides for --rerun (`sandbox.root=...`)
 
 
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, bytes):
-        return {"base64": base64.b64encode(value).decode()}
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    return value
-
-
-async def read_topic(args: argparse.Namespace, emit) -> int:
-    import msgspec
-    from aiokafka import TopicPartition
-
-    from rollway.base.broker import BrokerConfig
-    from rollway.runtime.kafka import make_consumer, read_to_end
-    from rollway.schemas.codec import DecodeError, decode
-    from rollway.topics import get_topic
-
-    spec = get_topic(args.topic)
-    name = args.topic_prefix + spec.name
-    consumer = await make_consumer(BrokerConfig(connect_timeout_s=args.timeout), args.bootstrap, group_id=None)
-    count = 0
-    try:
-        parts = consumer.partitions_for_topic(name) or set()
-        if not parts:
-            await consumer._client.force_metadata_update()
-            parts = consumer.partitions_for_topic(name) or set()
-        if not parts:
-            print(f"rollway replay: topic {name!r} does not exist on {args.bootstrap}", file=sys.stderr)
-            return 1
-        tps = [TopicPartition(name, p) for p in sorted(parts) if args.partition in (None, p)]
-        ends = await consumer.end_offsets(tps)
-        begins = await consumer.beginning_offsets(tps)
-        key_filter = args.episode.encode() if args.episode else None
-        for tp in tps:  # partition by partition, each in offset order
-            start = max(begins[tp], args.from_offset) if args.from_offset is not None else begins[tp]
-            async for _, rec in read_to_end(consumer, {tp: start}, {tp: ends[tp]}):
-                if key_filter is not None and rec.key != key_filter:
-                    continue
-                try:
-                    value = msgspec.to_builtins(decode(rec.value, spec.value))
-                    error = None
-                except DecodeError as err:
-                    value, error = None, str(err)
-                if key_filter is None and args.episode and value and value["episode"]["episode_id"] != args.episode:
-                    continue
-                emit({"topic": name, "partition": tp.partition, "offset": rec.offset,
-                      "key": rec.key.decode(errors="replace") if rec.key else None,
-                      "timestamp_ms": rec.timestamp, "value": _jsonable(value),
-                      **({"decode_error": error} if error else {})})
-                count += 1
-                if args.limit and count >= args.limit:
-                    return 0
-    finally:
-        await consumer.stop()
-    return 0
-
-
 def rerun_config(args: argparse.Namespace):
     """The config the episode ran with: CONFIG if given, else the run folder's config.json."""
     from rollway.base.run_dir import RunDir
@@ -111,15 +50,15 @@ def rerun_config(args: argparse.Namespace):
 
 
 def run_rerun(args: argparse.Namespace) -> int:
-    from rollway.base.logging import log_to_stderr
-    from rollway.runners.episodes import EpisodeNotFound, find_episode, load_run_dir, load_topic
-    from rollway.runners.rerun import (
+    from rollway.audit.rerun import (
         NotRerunnable,
         check_rerunnable,
         format_result,
         normalizer,
         rerun_episode,
     )
+    from rollway.base.logging import log_to_stderr
+    from rollway.reports.episodes import EpisodeNotFound, find_episode, load_run_dir, load_topic
     from rollway.schemas.codec import DecodeError
 
     log_to_stderr()  # stdout: the result only (the re-run's actors log)
@@ -141,6 +80,7 @@ def run_rerun(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rollway.reports.episodes import read_topic
     from rollway.runtime.kafka import BrokerUnavailable
 
     if args.rerun:

@@ -15,7 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rollway.runners.report import write_report
+    from rollway.reports.report import write_report
     from rollway.schemas.codec import DecodeError
 
     try:

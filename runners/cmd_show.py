@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load(args: argparse.Namespace) -> tuple[list[dict], str]:
-    from rollway.runners.episodes import load_run_dir, load_topic
+    from rollway.reports.episodes import load_run_dir, load_topic
 
     if args.bootstrap:
         return load_topic(args.bootstrap, args.topic_prefix, args.episode), f"{args.topic_prefix}trajectories"
@@ -41,8 +41,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from rollway.base.redaction import redact
-    from rollway.runners.episodes import EpisodeNotFound, find_episode
-    from rollway.runners.show import render, render_html
+    from rollway.reports.episodes import EpisodeNotFound, find_episode
+    from rollway.reports.show import render, render_html
     from rollway.runtime.kafka import BrokerUnavailable
     from rollway.schemas.codec import DecodeError
 

@@ -60,7 +60,7 @@ class ReportWorker:
 
 
 def main(argv: list[str]) -> int:
-    from rollway.runners.report import warm_up, write_report
+    from rollway.reports.report import warm_up, write_report
 
     warm_up()
     if sys.stdin.readline().strip() != DRAW:  # closed: the job failed, or its supervisor died

@@ -44,7 +44,7 @@ def test_a_broken_link_or_anchor_fails_the_docs_build(tmp_path):
 
 
 def test_configuration_reference_is_current():
-    from rollway.runners.config_docs import COMMAND, config_reference
+    from rollway.docgen.pages import COMMAND, config_reference
 
     committed = (ROOT / "docs" / "configuration.md").read_text()
     assert committed == config_reference(), (
@@ -54,7 +54,7 @@ def test_configuration_reference_is_current():
 
 def test_configuration_reference_covers_every_section_and_built_in_type():
     from rollway.config.run import RunConfig
-    from rollway.runners.config_docs import POLYMORPHIC, _target, config_reference
+    from rollway.docgen.pages import POLYMORPHIC, _target, config_reference
 
     page = config_reference()
     for name in RunConfig.model_fields:

@@ -74,7 +74,7 @@ def test_show_displays_a_harness_episode_call_by_call_with_its_segments(harness_
 
 
 def test_the_report_lists_the_calls_and_the_call_that_opened_a_segment(harness_run):
-    from rollway.runners.report import write_report
+    from rollway.reports.report import write_report
 
     html = write_report(harness_run.run_dir).read_text()
     assert "<section id='calls'>" in html and "Agent-program calls" in html
@@ -85,7 +85,7 @@ def test_the_report_lists_the_calls_and_the_call_that_opened_a_segment(harness_r
 
 
 def test_atif_export_has_one_step_per_call_with_its_segment(harness_run):
-    from rollway.runners.eval_outputs import to_atif
+    from rollway.reports.eval_outputs import to_atif
 
     t = harness_run.trajs[0]
     doc = to_atif(t, "scripted")

@@ -95,15 +95,16 @@ LAYERS = (
     ("runtime",),
     ("sandboxes", "tools", "envs", "policies", "learning", "gateway"),
     ("config",),
+    ("docgen",),
     ("actors",),
-    ("audit",),
+    ("reports", "audit"),
     ("runners",),
     ("bench",),
 )
 """Bottom to top: messages and the lowest helpers; the topics and the topology; the stream runtime; the
-domain packages; the config root (config); the actors; the checks that play episodes through them (audit);
-processes and the CLI; benchmarks. A package imports only packages of its own layer or below (within a
-layer the graph must stay acyclic)."""
+domain packages; the config root (config); the generated docs (docgen); the actors; what reads a run back
+(reports) and the checks that play episodes through the actors (audit); processes and the CLI; benchmarks.
+A package imports only packages of its own layer or below (within a layer the graph must stay acyclic)."""
 
 
 def test_packages_import_only_their_layer_or_below():

@@ -436,8 +436,8 @@ def test_readers_of_trajectories_survive_a_torn_last_line(tmp_path):
     warning instead of crashing, and the restarted sink cuts it off before appending."""
     from rollway.actors.sink import export_parquet
     from rollway.base.run_dir import read_trajectories
+    from rollway.reports.episodes import load_run_dir
     from rollway.runners.cmd_eval import read_jsonl
-    from rollway.runners.episodes import load_run_dir
     from rollway.runners.progress import RewardTail
     from rollway.schemas.codec import to_builtins
 

@@ -63,7 +63,8 @@ def run_folder_names() -> set[str]:
     return names
 
 
-RUN_FOLDER_USERS = ["runners", "audit", "bench", "learning/metrics.py", "learning/checkpoint.py", "base/logging.py"]
+RUN_FOLDER_USERS = ["runners", "audit", "reports", "bench", "learning/metrics.py", "learning/checkpoint.py",
+                    "base/logging.py"]
 """Where run folders are read and written outside the stages (issue 26 item 7's list)."""
 
 

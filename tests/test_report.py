@@ -75,7 +75,7 @@ def test_reward_curve_stays_visible_under_a_coinciding_pass_rate():
     import numpy as np
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    from rollway.runners.report import plot_reward_curve, running_mean
+    from rollway.reports.report import plot_reward_curve, running_mean
 
     trajs = [{"reward": float(r), "resolved": bool(r)} for r in (1, 0, 1, 1, 0, 1, 1, 1)]
     fig = plot_reward_curve(trajs)
@@ -121,7 +121,7 @@ def test_report_command_adds_learner_curves_and_handles_old_trajectories(smoke_r
 
 
 def test_utilisation_counts_overlapping_generations_once():
-    from rollway.runners.report import busy_fraction, in_flight_steps
+    from rollway.reports.report import busy_fraction, in_flight_steps
 
     assert busy_fraction([(0, 2), (1, 3), (5, 6)], 0, 10) == pytest.approx(0.4)
     assert busy_fraction([], 0, 10) == 0.0

@@ -112,7 +112,7 @@ def test_a_stateful_plugin_episode_replays_to_the_reward_it_earned(broker, repla
 
 
 def test_comparison_ignores_file_times_but_not_content():
-    from rollway.runners.rerun import compare_turn, normalizer
+    from rollway.audit.rerun import compare_turn, normalizer
     from rollway.schemas import Observation
 
     turn = {"turn": 0, "observations": [

@@ -69,7 +69,7 @@ def test_show_displays_the_simulated_users_messages():
     of the turn but not that."""
     from rich.console import Console
 
-    from rollway.runners.show import turn_panel
+    from rollway.reports.show import turn_panel
 
     turn = {"turn": 0, "policy_version": 0, "finish_reason": "stop", "assistant_text": "What is your order?",
             "observations": [], "hints": [], "user_message": "It's order A-17."}

@@ -33,8 +33,8 @@ from rollway.envs.swe_grading import (
 )
 from rollway.envs.swe_rows import detect_format, load_swe_instances, normalise_row, reverse_patch
 from rollway.envs.swebench import SWEBenchTaskSet
+from rollway.reports.eval_outputs import to_atif, write_predictions
 from rollway.runners import cmd_tasks
-from rollway.runners.eval_outputs import to_atif, write_predictions
 from rollway.sandboxes.config import SandboxConfig
 from rollway.sandboxes.docker import DockerSandboxProvider
 

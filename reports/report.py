@@ -17,7 +17,7 @@ from rollway.base.blame import graded_failures
 from rollway.base.redaction import redact
 from rollway.base.run_dir import RunDir, iter_jsonl
 from rollway.envs.reach_check import suspected_hacks
-from rollway.runners.episodes import load_run_dir
+from rollway.reports.episodes import load_run_dir
 from rollway.runtime.telemetry import EpisodeStages, episode_stages, read_telemetry
 
 Stages = dict[tuple[str, int], EpisodeStages]
@@ -365,7 +365,7 @@ HARNESS_EPISODES_SHOWN = 20
 def _calls_html(trajs: list[dict[str, Any]]) -> str:
     """Harness episodes call by call: each kept program call, its segment, and which call opened a
     segment and why. Empty when the run has no harness episode."""
-    from rollway.runners.show import is_harness, turn_segments
+    from rollway.reports.show import is_harness, turn_segments
 
     harness = [t for t in trajs if is_harness(t)]
     if not harness:

@@ -92,7 +92,7 @@ class NotRerunnable(ValueError):
 def check_rerunnable(traj: dict[str, Any]) -> None:
     """Refuse a harness episode: its program ran its own tools inside the sandbox, so replaying the
     model's outputs through rollway's tools would compare against something that never ran."""
-    from rollway.runners.show import is_harness
+    from rollway.reports.show import is_harness
 
     if is_harness(traj):
         eid = traj["episode"]["episode_id"]

@@ -1,17 +1,19 @@
-"""The configuration reference (docs/configuration.md), generated from the pydantic config models: every
-section, key, type, default and the docstring under each field. `rollway docs config` writes it."""
+"""Generated pages: the configuration reference (docs/configuration.md) from the pydantic config models, by
+`rollway docs config`; the pipeline block of README.md and docs/concepts.md, by `rollway docs topology`."""
 
 from __future__ import annotations
 
 import ast
 import inspect
 import json
+import sys
 import textwrap
 import types
 import typing
 from dataclasses import dataclass
 from enum import Enum
 from functools import cache
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, SecretStr
@@ -20,6 +22,7 @@ from pydantic_core import PydanticUndefined
 
 COMMAND = "rollway docs config"
 """What regenerates the page (named in the page and in the staleness test's message)."""
+TOPOLOGY_FILES = ("README.md", "docs/concepts.md")
 
 HEADER = f"""# Configuration reference
 
@@ -215,3 +218,41 @@ def config_reference() -> str:
         else:
             out += section(name, info.annotation, 2, intro)
     return "\n".join(out).rstrip() + "\n"
+
+
+def write_config_reference(out: Path, check: bool, named_out: bool) -> int:
+    """Write the page to `out`; with `check`, write nothing and return 1 when `out` is stale."""
+    text = config_reference()
+    if check:
+        current = out.read_text() if out.exists() else None
+        if current != text:
+            print(f"rollway docs: {out} is stale (the config models changed); run `{COMMAND}`"
+                  + (f" --out {out}" if named_out else ""), file=sys.stderr)
+            return 1
+        print(f"{out} is current")
+        return 0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(out)
+    return 0
+
+
+def write_topology(check: bool) -> int:
+    """Rewrite (or check) the generated topology block of each file in TOPOLOGY_FILES."""
+    from rollway.topics.topology import with_diagram
+
+    stale = []
+    for name in TOPOLOGY_FILES:
+        path = Path(name)
+        current = path.read_text()
+        wanted = with_diagram(current)
+        if wanted != current:
+            stale.append(name)
+            if not check:
+                path.write_text(wanted)
+    if check and stale:
+        print(f"rollway docs: the topology block of {', '.join(stale)} is stale (topics/topology.py changed); "
+              "run `rollway docs topology`", file=sys.stderr)
+        return 1
+    print("topology block current in " + ", ".join(TOPOLOGY_FILES) if check else "\n".join(TOPOLOGY_FILES))
+    return 0
