@@ -8,6 +8,8 @@ import pkgutil
 import signal
 import sys
 
+from rollway.base.logging import log_to_stderr
+
 COMMAND_PACKAGES = ("rollway.runners", "rollway.bench")
 """Packages whose `cmd_*` modules are subcommands. Found by name at run time: `rollway.bench` sits
 above the runners it drives, so the runners never import it."""
@@ -46,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     # stops what it started (stage processes, broker, engine, sim server), which run in their own
     # sessions and would otherwise outlive it. `rollway stage` installs its own graceful handler.
     signal.signal(signal.SIGTERM, _terminate)
+    # Log lines go to stderr: a command's stdout is its result (`--json` above all). A command that runs a job
+    # (`up`, `stage`) sets its own logging up.
+    log_to_stderr()
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:

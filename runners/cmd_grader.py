@@ -31,10 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """0 when every row is contained, 1 when one is not, 2 when the suite cannot run here."""
     from rollway.audit.grader_check import FAMILIES, Options, run_suite, table
-    from rollway.base.logging import log_to_stderr
     from rollway.sandboxes.base import SandboxError
 
-    log_to_stderr()  # stdout: the report only
 
     unknown = sorted(set(args.family) - set(FAMILIES))
     if unknown:

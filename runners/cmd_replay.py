@@ -57,11 +57,9 @@ def run_rerun(args: argparse.Namespace) -> int:
         normalizer,
         rerun_episode,
     )
-    from rollway.base.logging import log_to_stderr
     from rollway.reports.episodes import EpisodeNotFound, find_episode, load_run_dir, load_topic
     from rollway.schemas.codec import DecodeError
 
-    log_to_stderr()  # stdout: the result only (the re-run's actors log)
     cfg = rerun_config(args)
     try:
         if args.bootstrap:

@@ -171,10 +171,8 @@ async def _verify_config(args: argparse.Namespace) -> int:
     import tempfile
 
     from rollway.audit.verify import verify_taskset
-    from rollway.base.logging import log_to_stderr
     from rollway.config.run import ConfigError
 
-    log_to_stderr()  # stdout: the result only
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="rollway-verify-"))
     try:
         summary = await verify_taskset(args.file, list(args.overrides), run_dir)

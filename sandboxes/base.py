@@ -95,8 +95,8 @@ class SandboxError(RuntimeError):
 
 
 class OutputLost(SandboxError):
-    """The engine ended a command's output stream before the command's last line (Docker's race,
-    moby#27289, more frequent on a loaded engine). The command may have done its work, so it is not run
+    """A command's output stream ended before the command's last line (the engine's race, moby#27289; the
+    client's own loss of buffered bytes was one cause, fixed). The command may have done its work, so it is not run
     again here; a caller that can play its whole check again in a fresh sandbox (`tasks verify`, `sandbox
     check`, the grader check's setup) does. In an episode base/blame.py decides, as for any SandboxError."""
 

@@ -21,6 +21,8 @@ from typing import Any
 
 import structlog
 
+from rollway.sandboxes.docker import buffered_stream_bytes
+
 log = structlog.get_logger()
 
 FRAME = struct.Struct(">cII")
@@ -106,7 +108,7 @@ class GatewayRelay:
         self.raw.settimeout(None)
         self.conns: dict[int, socket.socket] = {}
         self.shut: dict[int, int] = {}
-        self._inbox = bytearray()  # engine frames not yet parsed
+        self._inbox = bytearray(buffered_stream_bytes(sock))  # engine frames not yet parsed
         self._frames = bytearray()  # the relay's stdout, not yet parsed
         self._wake_r, self._wake_w = os.pipe()
         self.thread = threading.Thread(target=self._loop, name=f"relay-{name}", daemon=True)
