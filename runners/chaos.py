@@ -202,6 +202,8 @@ class FleetKiller:
     run_id: str
     restart_after_s: float | None = 5.0
     restarts: list[threading.Thread] = field(default_factory=list)
+    restarted: list[dict[str, Any]] = field(default_factory=list)
+    """Each restart's outcome: fleet-up.sh's exit code and the end of what it said."""
 
     def _pid_file(self, engine_id: str) -> Path | None:
         k = engine_id.removeprefix("fleet-")
@@ -249,7 +251,11 @@ class FleetKiller:
             env["ROLLWAY_REGISTRY_PORT"] = registry.split("image_registry=", 1)[1].split()[0].rsplit(":", 1)[1]
         count = (self.folder / "engines").read_text().strip()
         script = Path(__file__).resolve().parents[1] / "scripts" / "fleet-up.sh"
-        subprocess.run(["bash", str(script), count], env=env, capture_output=True, timeout=600)
+        try:
+            out = subprocess.run(["bash", str(script), count], env=env, capture_output=True, text=True, timeout=600)
+            self.restarted.append({"exit": out.returncode, "said": out.stderr[-1500:]})
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            self.restarted.append({"exit": None, "said": f"{type(exc).__name__}: {exc}"[:1500]})
 
     def wait(self) -> None:
         for thread in self.restarts:
@@ -271,7 +277,8 @@ def engine_kills(monkey: ChaosMonkey, ledger: Ledger) -> dict[str, Any]:
         kills.append({"engine": event["kill"].removeprefix("sandbox-engine-"), "episodes": len(held),
                       "moved": sum(1 for ep in later if ledger.completed.get(ep)),
                       "reissued_after_s": sorted(round(t - event["at"], 2) for t in later.values())})
-    return {"sandbox_engine_kills": kills, "episodes_moved": sum(k["moved"] for k in kills)}
+    return {"sandbox_engine_kills": kills, "episodes_moved": sum(k["moved"] for k in kills),
+            "sandbox_engine_restarts": monkey.fleet.restarted if monkey.fleet else []}
 
 
 class Ledger:

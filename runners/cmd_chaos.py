@@ -59,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from rollway.runners.cmd_up import prepare_run_dir
     from rollway.runners.up import JobFailed, parse_workers, run_job, write_run_files
     from rollway.runtime.broker import BrokerError, EmbeddedBroker
+    from rollway.sandboxes.base import SandboxError
 
     cfg = load_or_exit(args, "chaos")
     cfg.run.id = cfg.run.id or new_run_id()
@@ -101,7 +102,11 @@ def run(args: argparse.Namespace) -> int:
         broker.stop()
         if fleet is not None:
             fleet.wait()  # every killed engine back before the leftovers are counted
-    outcome = ledger.judge(run_dir, cfg.learner.trains) | {"sandboxes_left": sandboxes_left(cfg)}
+    try:
+        left = sandboxes_left(cfg)
+    except SandboxError as err:  # an engine that does not answer (a killed one not back): not counted
+        left, error = None, error or f"the run's sandboxes could not be counted: {err}"[:1000]
+    outcome = ledger.judge(run_dir, cfg.learner.trains) | {"sandboxes_left": left}
     if fleet is not None:
         outcome |= engine_kills(monkey, ledger)
     if monkey.harness:
