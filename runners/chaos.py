@@ -245,17 +245,22 @@ class FleetKiller:
     def _restart(self) -> None:
         time.sleep(self.restart_after_s or 0.0)
         first = urlsplit(next(e.endpoint for e in self.engines if e.id == "fleet-1"))
-        env = {**os.environ, "ROLLWAY_FLEET_DIR": str(self.folder), "ROLLWAY_FLEET_PORT": str((first.port or 1) - 1)}
+        # fleet-up.sh reads the base image from this host's own engine: not the DOCKER_HOST a run may point elsewhere.
+        env = {**{k: v for k, v in os.environ.items() if k != "DOCKER_HOST"}, "ROLLWAY_FLEET_DIR": str(self.folder),
+               "ROLLWAY_FLEET_PORT": str((first.port or 1) - 1)}
         registry = (self.folder / "fleet.args").read_text() if (self.folder / "fleet.args").exists() else ""
         if "image_registry=" in registry:
             env["ROLLWAY_REGISTRY_PORT"] = registry.split("image_registry=", 1)[1].split()[0].rsplit(":", 1)[1]
         count = (self.folder / "engines").read_text().strip()
         script = Path(__file__).resolve().parents[1] / "scripts" / "fleet-up.sh"
-        try:
-            out = subprocess.run(["bash", str(script), count], env=env, capture_output=True, text=True, timeout=600)
-            self.restarted.append({"exit": out.returncode, "said": out.stderr[-1500:]})
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            self.restarted.append({"exit": None, "said": f"{type(exc).__name__}: {exc}"[:1500]})
+        for _ in range(3):  # a daemon cleaning up after a kill can take past fleet-up.sh's 60 s on a loaded host
+            try:
+                out = subprocess.run(["bash", str(script), count], env=env, capture_output=True, text=True, timeout=600)
+                self.restarted.append({"exit": out.returncode, "said": out.stderr[-1500:]})
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                self.restarted.append({"exit": None, "said": f"{type(exc).__name__}: {exc}"[:1500]})
+            if self.restarted[-1]["exit"] == 0:
+                return
 
     def wait(self) -> None:
         for thread in self.restarts:
