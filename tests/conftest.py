@@ -33,10 +33,12 @@ LONGEST_FIRST = (
 )
 
 
-SAME_WORKER = {"test_vllm_server.py", "test_policies_engine.py", "test_harness_views.py", "test_fleet.py",
-               "test_prometheus.py"}
-"""Modules whose tests share one expensive module fixture (a vLLM server, an engine, a whole run): with
-`pytest -n N` all of a module's tests go to one worker, so the fixture is made once."""
+SAME_WORKER = {"test_vllm_server.py": "vllm_url", "test_policies_engine.py": "engine", "test_harness_views.py": "run",
+               "test_fleet.py": "fleet", "test_prometheus.py": "prometheus",
+               "test_report.py": "smoke_run", "test_show.py": "smoke_run", "test_rerun.py": "smoke_run"}
+"""Module -> the expensive fixture its tests share (a vLLM server, an engine, a whole run, the session's
+`smoke_run`): with `pytest -n N` all tests of the modules that name one fixture go to one worker, so it is
+made once (a session fixture used by tests on three workers is made three times)."""
 
 
 def pytest_collection_modifyitems(config, items):
@@ -50,7 +52,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.hookimpl(optionalhook=True)  # a pytest without xdist loads this file too
 def pytest_xdist_make_scheduler(config, log):
     """pytest-xdist's scheduler for this suite: each test is its own unit of work, except the tests of a
-    `SAME_WORKER` module, which are one unit; units go out in collection order (longest first). (xdist's
+    `SAME_WORKER` fixture, which are one unit; units go out in collection order (longest first). (xdist's
     own `xdist_group` marks do nothing under pytest 9: the worker renames `item._nodeid`, which pytest 9
     no longer reads.)"""
     from xdist.scheduler import LoadScopeScheduling
@@ -58,7 +60,7 @@ def pytest_xdist_make_scheduler(config, log):
     class Scheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
-            return module if Path(module).name in SAME_WORKER else nodeid
+            return SAME_WORKER.get(Path(module).name, nodeid)
 
     config.option.loadscopereorder = False  # keep the longest-first order, not the largest unit first
     return Scheduling(config, log)

@@ -79,9 +79,11 @@ def wait_with_progress(proc: subprocess.Popen, *, name: str | None = None, watch
     while proc.poll() is None:
         time.sleep(0.5)
         now = time.monotonic()
-        out, cpu, files = size(), _tree_cpu(proc.pid), seen[1]
-        if now - walked >= min(5.0, stall_s / 4):  # a walk of a run folder costs CPU: every 5 s at most
-            files, walked = _tree_signature(watched), now
+        out, files, cpu = size(), seen[1], seen[2]
+        # A walk of a run folder or of /proc (every process on the machine: about 10 ms) costs CPU, paid by the
+        # tests beside this one: every 5 s at most, far inside the stall window.
+        if now - walked >= min(5.0, stall_s / 4):
+            files, cpu, walked = _tree_signature(watched), _tree_cpu(proc.pid), now
         cpu_mark = min(cpu_mark, cpu)  # a process that exited took its CPU seconds along
         if out != seen[0] or files != seen[1] or cpu - cpu_mark >= cpu_s:
             last_progress, cpu_mark = now, cpu

@@ -79,17 +79,6 @@ def test_rank_plans_split_by_tokens_and_keep_every_sample() -> None:
     assert rank_plans(samples[:1], 3, lambda n: plan_micro_batches(n, 10))[1:] == [[], []]  # ranks without rows idle (zero-weight micro-batch)
 
 
-def test_two_ranks_match_one_rank(tmp_path: Path) -> None:
-    groups = [["g0", 0], ["g1", 1]]
-    losses, reference = _single(tmp_path / "single", groups)
-    job = _job(tmp_path, "two", tmp_path / "two", {"dist": {"ranks": 2}}, groups)
-    assert job["error"] is None
-    assert [r["version"] for r in job["results"]] == [1, 2]
-    assert [r["loss"] for r in job["results"]] == pytest.approx(losses, rel=TOL, abs=TOL)
-    _assert_same(_weights(job["results"][-1]["checkpoint"]), reference)
-    assert (Path(job["results"][-1]["checkpoint"]) / "dcp" / ".metadata").is_file()  # sharded checkpoint
-
-
 def test_two_ranks_train_multi_segment_episodes_like_one_rank(tmp_path: Path) -> None:
     """Harness episodes of several token streams: the sharded learner splits them per segment and
     normalises per episode exactly as one process does (tests/test_learning_segments.py checks that
@@ -158,7 +147,9 @@ def test_two_ranks_train_lora_adapters_like_one_rank(tmp_path: Path) -> None:
 
 def test_two_ranks_with_a_kl_penalty_match_one_rank(tmp_path: Path) -> None:
     """kl_coef > 0 on sharded ranks: each rank holds a shard of the frozen reference model and computes
-    its share of the reference logprobs; the KL term and the updated weights equal one process's."""
+    its share of the reference logprobs; the KL term and the updated weights equal one process's. (Also the
+    plain case, two ranks matching one, with its sharded checkpoint: the same path with the reference model
+    added; a test of its own paid for one more two-rank job.)"""
     groups = [["g0", 0], ["g1", 1], ["g2", 2]]
     losses, single, reference = _single_results(tmp_path / "single", groups, kl_coef=0.5)
     kls = [r.metrics["kl_ref_mean"] for r in single]
@@ -168,9 +159,11 @@ def test_two_ranks_with_a_kl_penalty_match_one_rank(tmp_path: Path) -> None:
     job = _job(tmp_path, "two", tmp_path / "two", {"dist": {"ranks": 2}, "kl_coef": 0.5, "micro_batch_tokens": 8},
                groups)
     assert job["error"] is None
+    assert [r["version"] for r in job["results"]] == [1, 2, 3]
     assert [r["kl_ref"] for r in job["results"]] == pytest.approx(kls, rel=1e-4, abs=TOL)
     assert [r["loss"] for r in job["results"]] == pytest.approx(losses, rel=TOL, abs=TOL)
     _assert_same(_weights(job["results"][-1]["checkpoint"]), reference)
+    assert (Path(job["results"][-1]["checkpoint"]) / "dcp" / ".metadata").is_file()  # sharded checkpoint
     without = _single(tmp_path / "no-kl", groups)[1]
     assert max((without[k] - reference[k]).abs().max() for k in reference) > 1e-4  # the penalty changed the update
 

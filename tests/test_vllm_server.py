@@ -31,9 +31,10 @@ PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 11173, 30, 2, 198, 1, 4093, 198, 1
 
 
 LORA_ARGS = ["--enable-lora", "--max-lora-rank", "8"]
-CHUNK_TOKENS = 1024
+CHUNK_TOKENS = 256
 """The shared server prefills at most this many tokens a step, so a longer prompt is prefilled in chunks
-(the seeded-request test needs that; every other test's prompts are shorter or indifferent to it)."""
+(the seeded-request test needs that; every other test's prompts are shorter or indifferent to it). Small,
+so that test's prompt of three chunks costs little; vLLM wants at least its max_num_seqs (128 on CPU)."""
 API_KEY = "sk-rollway-test-" + __import__("secrets").token_hex(8)
 
 
@@ -115,7 +116,7 @@ def test_a_seeded_request_prefilled_in_chunks_keeps_the_engine_alive(vllm_url):
     offset"): the engine core died and every later request failed (a training run of the bug-localisation
     benchmark). The launched server carries a mend (policies/vllm_plugins/sitecustomize.py)."""
     long_prompt = list(PROMPT) * (2 * CHUNK_TOKENS // len(PROMPT) + 1)  # over two prefill chunks
-    params = SamplingParams(temperature=1.0, max_tokens=8, seed=7)
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=7, ignore_eos=True)  # 8 tokens to compare
     first = run(_generate(client_for(vllm_url), params, prompt=long_prompt))
     again = run(_generate(client_for(vllm_url), params, prompt=long_prompt))
     assert len(first.token_ids) == 8 and first.token_ids == again.token_ids  # still seeded: the same tokens
@@ -236,9 +237,10 @@ def _trained_adapter(run_dir: Path) -> Path:
     return results[-1].checkpoint_path
 
 
-def _peft_logprobs(adapter: Path | None, tokens: list[int]) -> list[float]:
-    """The learner's logprobs (float32) of `tokens` after PROMPT under the base model plus `adapter`
-    (peft, as the learner trains it), or under the base model alone."""
+def _peft_logprobs(adapter: Path, tokens: list[list[int]]) -> tuple[list[list[float]], list[list[float]]]:
+    """The learner's logprobs (float32) of each of `tokens` after PROMPT under the base model plus `adapter`
+    (peft, as the learner trains it) and under the base model alone (the same model, adapter disabled):
+    the model is loaded once."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -246,11 +248,17 @@ def _peft_logprobs(adapter: Path | None, tokens: list[int]) -> list[float]:
     from rollway.learning.losses import token_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model_folder("smollm2"), dtype=torch.float32)
-    model = (PeftModel.from_pretrained(model, str(adapter)) if adapter else model).eval()
-    ids = torch.tensor([PROMPT + tokens])
+    model = PeftModel.from_pretrained(model, str(adapter)).eval()
+
+    def logprobs(ids: list[int]) -> list[float]:
+        ids = torch.tensor([PROMPT + ids])
+        return token_logprobs(model(input_ids=ids).logits, ids)[0, len(PROMPT):].tolist()
+
     with torch.no_grad():
-        lp = token_logprobs(model(input_ids=ids).logits, ids)
-    return lp[0, len(PROMPT):].tolist()
+        with_adapter = [logprobs(t) for t in tokens]
+        with model.disable_adapter():
+            base = [logprobs(t) for t in tokens]
+    return with_adapter, base
 
 
 def test_lora_adapter_synced_to_vllm_reproduces_the_learners_logprobs(vllm_url, tmp_path):
@@ -277,9 +285,8 @@ def test_lora_adapter_synced_to_vllm_reproduces_the_learners_logprobs(vllm_url, 
 
     on_base, on_adapter, served_name, names = run(go())
     assert served_name == "policy-v1" and "policy-v1" in names and on_adapter.policy_version == 1
-    base_gap = max(abs(a - b) for a, b in zip(on_base.logprobs, _peft_logprobs(None, on_base.token_ids), strict=True))
-    learner = _peft_logprobs(adapter, on_adapter.token_ids)
-    without = _peft_logprobs(None, on_adapter.token_ids)
+    (_, learner), (on_base_learner, without) = _peft_logprobs(adapter, [on_base.token_ids, on_adapter.token_ids])
+    base_gap = max(abs(a - b) for a, b in zip(on_base.logprobs, on_base_learner, strict=True))
     gaps = [abs(a - b) for a, b in zip(on_adapter.logprobs, learner, strict=True)]
     moved = max(abs(a - b) for a, b in zip(on_adapter.logprobs, without, strict=True))
     print(f"\nLoRA: |vLLM - learner| max {max(gaps):.4f}, mean {sum(gaps) / len(gaps):.4f} with the adapter, "
@@ -369,14 +376,31 @@ def test_versions_across_two_agent_processes_and_three_updates(vllm_url, tmp_pat
     _restore(vllm_url)
 
 
+def _generated_tokens(url: str) -> float:
+    """Tokens the engine has generated so far (its Prometheus counter; /metrics is open without the key)."""
+    import urllib.request
+
+    from rollway.bench.real import parse_metrics
+
+    with urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=30) as resp:
+        return parse_metrics(resp.read().decode(), ("vllm:generation_tokens_total",))["vllm:generation_tokens_total"]
+
+
 def test_abort_mode_resamples_cut_turns_on_the_new_version(vllm_url, modified_ckpt):
+    """The learner's pause (abort mode) cuts a turn mid-way: the client samples it again, whole, on the new
+    weights. The pause comes once the engine's counter shows the turn generating (not after a fixed sleep),
+    so it is mid-way on a machine busy or idle: 128 tokens leave it far from its end."""
     ckpt = modified_ckpt
 
     async def go():
         agent, learner = client_for(vllm_url), client_for(vllm_url, pause_mode="abort")
         try:
-            long_turn = asyncio.create_task(agent.generate(PROMPT, SamplingParams(max_tokens=400, seed=1, ignore_eos=True)))
-            await asyncio.sleep(0.5)  # the turn is queued or running: either way the pause aborts it
+            before = await asyncio.to_thread(_generated_tokens, vllm_url)
+            long_turn = asyncio.create_task(agent.generate(PROMPT, SamplingParams(max_tokens=128, seed=1, ignore_eos=True)))
+            deadline = time.monotonic() + 300
+            while await asyncio.to_thread(_generated_tokens, vllm_url) < before + 4:
+                assert not long_turn.done() and time.monotonic() < deadline, "the turn never started generating"
+                await asyncio.sleep(0.05)
             await learner.load_weights(str(ckpt), 7)
             return await long_turn, agent.aborted_retries
         finally:
@@ -384,7 +408,7 @@ def test_abort_mode_resamples_cut_turns_on_the_new_version(vllm_url, modified_ck
             await learner.close()
 
     gen, retries = run(go())
-    assert retries == 1 and gen.policy_version == 7 and len(gen.token_ids) == len(gen.logprobs)
+    assert retries == 1 and gen.policy_version == 7 and len(gen.token_ids) == len(gen.logprobs) == 128
     _restore(vllm_url)
 
 
