@@ -11,16 +11,16 @@ from collections.abc import Awaitable, Callable
 import msgspec
 import structlog
 
-from rollway.actors.episode import EpisodeState
 from rollway.actors.reward import refused_as_graded_0
 from rollway.actors.services import Services
 from rollway.actors.sink import belongs_to_run
 from rollway.actors.turn import TurnRunner
 from rollway.base.blame import AGENT_FAILURE, InfrastructureFailure, blame, failure_details, failure_reason
+from rollway.episode.state import EpisodeState
+from rollway.episode.stream import observation_messages
 from rollway.runtime.actor import Actor, MessageMeta, Output, OutputRefused, StaleMessage, failure_output
 from rollway.sandboxes.base import SandboxGone
 from rollway.schemas.messages import AgentStep, RewardRequest
-from rollway.schemas.tokens import observation_messages
 from rollway.topics import AGENT_STEPS, REWARD_REQUESTS
 
 log = structlog.get_logger()
@@ -217,7 +217,7 @@ class AgentActor(Actor):
     # -- harness episodes (actors/harness.py) -----------------------------------------------
     async def _harness_episode(self, state: EpisodeState) -> list[Output]:
         """Turn 0 of a harness episode is the whole episode: the program runs to its end or a limit."""
-        from rollway.actors.agent_time import agent_deadline
+        from rollway.episode.deadline import agent_deadline
 
         f = state.first
         task = self.s.taskset.get(f.task_id)

@@ -13,16 +13,16 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import structlog
 
-from rollway.actors.agent_time import AGENT_TIMEOUT, DeadlineSandbox, agent_deadline
-from rollway.actors.episode import EpisodeState
 from rollway.actors.gate import RankedGate
 from rollway.base.blame import AGENT_FAILURE, InferenceUnreachable, blame, failure_details, failure_reason
 from rollway.base.faults import fault_point
+from rollway.episode.deadline import AGENT_TIMEOUT, DeadlineSandbox, agent_deadline
+from rollway.episode.state import EpisodeState
+from rollway.episode.stream import observation_messages
 from rollway.policies.base import ChatFormat, InferenceClient, SamplingParams, episode_seed
 from rollway.runtime import metrics
 from rollway.sandboxes.base import Sandbox
 from rollway.schemas.messages import TurnRecord
-from rollway.schemas.tokens import observation_messages
 
 if TYPE_CHECKING:
     from rollway.actors.services import Services
@@ -223,7 +223,7 @@ class TurnRunner:
                                     self.taskset.require_tool_call)
 
     def _hints(self, state: EpisodeState, outcome: ToolTurn, turn: int, used: int, tools: Mapping[str, Any]) -> list[str]:
-        from rollway.tools.hints import HintEngine
+        from rollway.episode.hints import HintEngine
 
         previous = state.turns[-1] if state.turns else None
         prev_calls = [(o.tool, o.arguments) for o in previous.observations if o.tool] if previous else []

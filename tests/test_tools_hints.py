@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from rollway.episode.hints import HintEngine, render_hints
 from rollway.tools.base import ToolCall
 from rollway.tools.config import HintsConfig
-from rollway.tools.hints import HintEngine, render_hints
 
 LS = ToolCall("bash", {"command": "ls"}, call_id="a")
 LS_AGAIN = ToolCall("bash", {"command": "ls"}, call_id="b")

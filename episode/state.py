@@ -1,13 +1,13 @@
 """An episode's state as the agent rebuilds it from its event-sourced turn messages (its token stream:
-schemas/tokens.py)."""
+episode/stream.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollway.episode.stream import TokenStream
 from rollway.schemas.messages import AgentStep, TurnRecord
-from rollway.schemas.tokens import TokenStream
 
 
 @dataclass
