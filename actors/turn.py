@@ -16,6 +16,7 @@ import structlog
 from rollway.actors.gate import RankedGate
 from rollway.base.blame import AGENT_FAILURE, InferenceUnreachable, blame, failure_details, failure_reason
 from rollway.base.faults import fault_point
+from rollway.envs.base import Episode
 from rollway.episode.deadline import AGENT_TIMEOUT, DeadlineSandbox, agent_deadline
 from rollway.episode.state import EpisodeState
 from rollway.episode.stream import observation_messages
@@ -27,9 +28,8 @@ from rollway.schemas.messages import TurnRecord
 if TYPE_CHECKING:
     from rollway.actors.services import Services
     from rollway.config.run import AgentConfig
-    from rollway.envs.base import TaskSet
-    from rollway.tools.config import HintsConfig, ToolsConfig
-    from rollway.tools.registry import ToolTurn
+    from rollway.envs.base import Environment, Step, TaskSet
+    from rollway.tools.config import HintsConfig
 
 log = structlog.get_logger()
 
@@ -56,9 +56,8 @@ class TurnRunner:
     chat: ChatFormat
     inference: InferenceClient
     taskset: TaskSet
-    tools_for: Callable[[Any], dict[str, Any]]
-    """task -> its tools by the name the model calls."""
-    tools_cfg: ToolsConfig
+    environment: Callable[[Any, Sandbox], Environment]
+    """(task, sandbox) -> the episode's environment (TaskSet.environment with the worker's tools)."""
     hints_cfg: HintsConfig
     exec_timeout_s: float
     drift_count: int = 0
@@ -70,7 +69,7 @@ class TurnRunner:
 
     @classmethod
     def from_services(cls, s: Services) -> TurnRunner:
-        return cls(s.cfg.agent, s.chat, s.inference, s.taskset, s.tools_for, s.cfg.tools, s.cfg.hints,
+        return cls(s.cfg.agent, s.chat, s.inference, s.taskset, s.environment, s.cfg.hints,
                    s.cfg.sandbox.exec_timeout_s)
 
     async def run(self, state: EpisodeState, sandbox_for_turn: SandboxForTurn,
@@ -120,29 +119,28 @@ class TurnRunner:
         t1, gen_s, gen_started_at, gen_ended_at = times
         if deadline is not None:
             sandbox = DeadlineSandbox(sandbox, deadline, self.exec_timeout_s)
-        context = self._tool_context(state, task, turn)
-        outcome = await self._act(text, task, sandbox, context)
-        fault_point("agent.after_tools")
+        env, f = self.environment(task, sandbox), state.first
         used = state.tokens_used + len(gen.token_ids)
-        stop_reason = self._stop_reason(outcome.ends_episode, turn, used)
+        ends = self._stop_reason(False, turn, used)  # the framework's own end, whatever the environment says
+        episode = Episode(f.episode_id, f.attempt, task, list(state.messages), list(state.turns), dict(state.store), ends)
+        step = await env.step(text, episode)
+        fault_point("agent.after_tools")
+        stop_reason = "finish" if step.done == "finish" else ends
         if stop_reason is None and deadline is not None and time.time() >= deadline:
             stop_reason = AGENT_TIMEOUT
+        stop_reason = stop_reason or step.done
         record = TurnRecord(
             turn=turn, completion_ids=list(gen.token_ids), logprobs=list(gen.logprobs),
             policy_version=gen.policy_version, finish_reason=gen.finish_reason, assistant_text=text,
-            observations=outcome.observations, gen_seconds=gen_s, gen_started_at=gen_started_at,
-            gen_ended_at=gen_ended_at)
-        if stop_reason is None:
-            record.user_message, user_done = await self._next_user_message(state, context, record)
-            stop_reason = "user_done" if user_done else None
+            observations=step.observations, gen_seconds=gen_s, gen_started_at=gen_started_at,
+            gen_ended_at=gen_ended_at, user_message=step.user_message if stop_reason in (None, "user_done") else None)
         record.tool_seconds = time.perf_counter() - t1
         # Timestamps are read from the wall clock, never a wall start plus perf_counter durations: the two
         # clocks drift apart while the system clock is being slewed, and a computed end fell after the
         # stage's own record of the turn's end (8 ms in a suite run on a machine minutes after boot).
         record.tool_ended_at = time.time()
-        record.hints = [] if stop_reason else [*self._hints(state, outcome, turn, used, self.tools_for(task)),
-                                                     *self.taskset.observation_hints(task, outcome.observations)]
-        record.state = dict(context.state) if context.state != state.store else None
+        record.hints = [] if stop_reason else [*self._hints(state, step, turn, used, env.tools), *step.hints]
+        record.state = dict(episode.state) if episode.state != state.store else None
         if stop_reason is None:
             record.observation_ids = self._observation_ids(state, record, gen.token_ids)
             if used + len(record.observation_ids) >= self.agent.max_total_tokens:
@@ -180,26 +178,6 @@ class TurnRunner:
                         turn=record.turn, drift_count=self.drift_count)
         return ids
 
-    def _tool_context(self, state: EpisodeState, task: Any, turn: int):
-        from rollway.tools.base import ToolContext
-
-        f = state.first
-        return ToolContext(task=task, episode_id=f.episode_id, attempt=f.attempt, turn=turn, state=dict(state.store))
-
-    async def _next_user_message(self, state: EpisodeState, context, record: TurnRecord) -> tuple[str | None, bool]:
-        """The task set's `next_user_message` hook, seeing the episode with this turn in it: its
-        messages and its `turns` both end with the turn that just ran."""
-        from rollway.envs.base import Episode, UserTurn
-
-        pending = [{"role": "tool" if o.tool else "user", "content": o.content} for o in record.observations]
-        messages = [*state.messages, {"role": "assistant", "content": record.assistant_text}, *pending]
-        episode = Episode(episode_id=context.episode_id, attempt=context.attempt, task=context.task,
-                          messages=messages, turns=[*state.turns, record], state=context.state)
-        reply = await self.taskset.next_user_message(context.task, episode)
-        if isinstance(reply, UserTurn):
-            return reply.content, reply.ends_episode
-        return reply, False
-
     def _prompt_too_long(self, state: EpisodeState) -> TurnRecord:
         """The prompt alone fills agent.max_total_tokens: the episode ends before any model call, with a
         stop reason that says so (never a silent reward-0 `max_tokens`)."""
@@ -216,17 +194,12 @@ class TurnRunner:
         return TurnRecord(turn=state.next_turn, completion_ids=[], logprobs=[], policy_version=0,
                           finish_reason=AGENT_TIMEOUT, assistant_text="")
 
-    async def _act(self, text: str, task: Any, sandbox: Sandbox, context: Any) -> ToolTurn:
-        from rollway.tools.registry import run_tool_calls
-
-        return await run_tool_calls(text, self.tools_for(task), sandbox, self.tools_cfg, context,
-                                    self.taskset.require_tool_call)
-
-    def _hints(self, state: EpisodeState, outcome: ToolTurn, turn: int, used: int, tools: Mapping[str, Any]) -> list[str]:
+    def _hints(self, state: EpisodeState, step: Step, turn: int, used: int, tools: Mapping[str, Any]) -> list[str]:
         from rollway.episode.hints import HintEngine
 
         previous = state.turns[-1] if state.turns else None
         prev_calls = [(o.tool, o.arguments) for o in previous.observations if o.tool] if previous else []
         return HintEngine(self.hints_cfg).hints(
             turn=turn, max_turns=self.agent.max_turns, tokens_used=used, max_tokens=self.agent.max_total_tokens,
-            calls=outcome.call_pairs, previous_calls=prev_calls, errors=outcome.errors, tools=list(tools))
+            calls=step.calls, previous_calls=prev_calls, errors=sum(o.is_error for o in step.observations),
+            tools=list(tools))

@@ -29,7 +29,7 @@ log = structlog.get_logger()
 
 TOOLS = Registry("tool", "tools.enabled", "rollway.tools.base:Tool")
 """Tools by the name a task set or `tools.enabled` lists (the same Registry as every other component
-kind); `register_tool` adds more. A task set may also give Tool instances directly (`tools_for`)."""
+kind); `register_tool` adds more. A task set may also give Tool instances directly (`TaskSet.environment`)."""
 TOOLS.add("bash", BashTool)
 TOOLS.add("editor", EditorTool)
 TOOLS.add("search", SearchTool)
@@ -64,7 +64,7 @@ def tool_factory(ref: str) -> Callable[..., Tool]:
     except ValueError:
         raise ValueError(
             f"unknown tool {ref!r}; available tools: {', '.join(TOOLS.names())}, or your own Tool subclass "
-            "as python:MODULE:CLASS. Fix tools.enabled or the task set's tools (default_tools / tools_for); a tool "
+            "as python:MODULE:CLASS. Fix tools.enabled or the task set's tools (default_tools / environment); a tool "
             "registered with register_tool must be registered by a module the task set imports") from None
 
 
@@ -124,6 +124,21 @@ def build_tools(names: Sequence[str | Tool], cfg: ToolsConfig) -> dict[str, Tool
                              "tool names must be unique within an episode")
         tools[key] = tool
     return tools
+
+
+class Toolbox:
+    """A worker's tools with the run's tool settings: each distinct list built once (`tools.enabled`, when
+    set, replaces every list)."""
+
+    def __init__(self, cfg: ToolsConfig) -> None:
+        self.cfg, self._built = cfg, {}
+
+    def build(self, refs: Sequence[str | Tool]) -> dict[str, Tool]:
+        """The tools `refs` names (see `build_tools`), by the name the model calls."""
+        key = tuple(self.cfg.enabled or refs)
+        if key not in self._built:
+            self._built[key] = build_tools(key, self.cfg)
+        return self._built[key]
 
 
 def tool_specs(tools: Mapping[str, Tool]) -> list[dict[str, Any]]:
