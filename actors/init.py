@@ -54,7 +54,7 @@ class InitActor(Actor):
             metrics.SANDBOXES_LIVE.labels("init", engine).set(len(held))
 
     async def setup(self) -> None:
-        _ = self.s.taskset, self.s.sandboxes, self.s.chat, self.s.tools
+        _ = self.s.sandboxes, self.s.chat, self.s.toolbox.build(self.s.taskset.default_tools)
 
     async def close(self) -> None:
         await self.s.sandboxes.close()  # e.g. the docker sandbox's idle warm-pool containers

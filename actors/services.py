@@ -45,12 +45,6 @@ class Services:
 
         return Toolbox(self.cfg.tools)
 
-    @cached_property
-    def tools(self):
-        """The task set's default tools (every episode's when `tools.enabled` is set), by the name the model
-        calls. The task set is built first: the module that defines (and registers) its tools is imported."""
-        return self.toolbox.build(self.taskset.default_tools)
-
     def environment(self, task, sandbox=None):
         """`task`'s environment (`TaskSet.environment`) with this worker's tools, over `sandbox`."""
         return self.taskset.environment(task, sandbox, self.toolbox)

@@ -11,10 +11,10 @@ from typing import Any, ClassVar, NamedTuple
 from rollway.base.hooks import check_hook
 from rollway.sandboxes.base import Sandbox, SandboxProvider, SandboxSpec
 from rollway.sandboxes.config import SandboxConfig
-from rollway.schemas.messages import Observation, TurnRecord
+from rollway.schemas.messages import TurnRecord
 from rollway.tools.base import Tool, ToolContext
 from rollway.tools.config import ToolsConfig
-from rollway.tools.registry import Toolbox, run_tool_calls
+from rollway.tools.registry import Step, Toolbox, run_tool_calls
 
 
 @dataclass
@@ -54,8 +54,7 @@ class Episode:
     state: dict[str, Any] = field(default_factory=dict)
     """The episode's state store (what tools and hooks kept there, see ToolContext.state)."""
     stop_reason: str | None = None
-    """Why the agent stopped (in `grade`); in `step`, the framework's own reason to end the episode after
-    this turn whatever the environment answers (max_turns, max_tokens); None while the episode goes on."""
+    """Why the agent stopped (in `grade`); in `step`, the limit that ends it after this turn whatever the step says."""
 
     @classmethod
     def outside_run(cls, task: Task, episode_id: str = "") -> Episode:
@@ -65,12 +64,10 @@ class Episode:
 
 @dataclass
 class UserTurn:
-    """What the deprecated `next_user_message` hook may return besides a plain string."""
+    """What the deprecated `next_user_message` may return besides a string (ends_episode: stop reason `user_done`)."""
 
     content: str | None = None
-    """The next user message; None adds none."""
     ends_episode: bool = False
-    """End the episode after this turn (stop reason `user_done`)."""
 
 
 ReferenceAgent = Callable[[str, int], str]
@@ -109,17 +106,15 @@ class TaskSet(ABC):
     `tasks` section is validated against it (unknown keys fail) and passed to the constructor."""
 
     def environment(self, task: Task, sandbox: Sandbox | None, toolbox: Toolbox) -> Environment:
-        """This episode's environment, from its task, its tools and its sandbox (None outside a sandbox: the
-        init actor's tool specs, a test). The init actor calls it to start the episode, the agent every turn
-        (an episode may move between workers). Default: `environment_class` with `default_tools`; a task set
-        whose tools depend on the task builds them here (`toolbox.build([...])`: registered names,
-        `python:MODULE:CLASS`, or Tool instances made from the task's data, prefixed with your family's name)."""
+        """The episode's environment from its task, tools and sandbox (init calls it to start, the agent every
+        turn). Default: `environment_class` with `default_tools`; per-task tools are built here with
+        `toolbox.build([...])` (names, `python:MODULE:CLASS`, or Tool instances made from the task's data)."""
         if legacy := [h for h in LEGACY_HOOKS if hasattr(self, h)]:
             warnings.warn(f"{type(self).__name__} defines {', '.join(legacy)}: these TaskSet hooks are deprecated and "
                           "go in the next release; give the task set an `environment_class` (an Environment with "
                           "`start` and `step`) instead (docs/extending.md)", DeprecationWarning, stacklevel=2)
-            tools = self.tools_for(task) if hasattr(self, "tools_for") else self.default_tools
-            return HookedEnvironment(self, task, toolbox.build(tools), sandbox, toolbox.cfg)
+            tools = toolbox.build(self.tools_for(task) if hasattr(self, "tools_for") else self.default_tools)
+            return HookedEnvironment(self, task, tools, sandbox, toolbox.cfg)
         return self.environment_class(self, task, toolbox.build(self.default_tools), sandbox, toolbox.cfg)
 
     def reference_solution(self, task: Task) -> list[str] | ReferenceAgent | None:
@@ -171,54 +166,31 @@ class TaskSet(ABC):
         run). Every task set's `grade` takes these four arguments."""
 
 
-@dataclass
-class Step:
-    """What comes back after one model output (`Environment.step`)."""
-
-    observations: list[Observation]
-    """The tool calls' results (and call-format errors), one per call, in message order."""
-    calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
-    """(name, arguments) of each valid tool call, in order (the framework's repeated-call hint reads them)."""
-    user_message: str | None = None
-    """A simulated user's next message; None adds none."""
-    hints: list[str] = field(default_factory=list)
-    """The task's own hints, appended to what the model reads next (the framework adds its budget, error and
-    repeat hints); dropped, like the user message, when the episode ends."""
-    done: str | None = None
-    """Why the episode ends after this turn (`finish`: a tool ended it; `user_done`: the simulated user did);
-    None: it goes on."""
-
-
 class Environment:
-    """One episode's world, handed out by `TaskSet.environment`: its task, its tools, its sandbox. The init
-    actor calls `start` once (the first observation); the agent calls `step` with each turn's model output.
-    An episode may move between workers from one turn to the next and its environment is built again there:
-    keep what must outlast a turn in `episode.state` (it travels with the turn records) or in the sandbox."""
+    """One episode's world (`TaskSet.environment`): `start` gives the first observation, `step` answers each
+    model output. It is built again every turn (an episode may change worker): keep what must outlast a turn
+    in `episode.state` (it travels with the turn records) or in the sandbox."""
 
     def __init__(self, taskset: TaskSet, task: Task, tools: Mapping[str, Tool], sandbox: Sandbox | None,
                  tool_settings: ToolsConfig) -> None:
         self.taskset, self.task, self.tools, self.sandbox, self.tool_settings = taskset, task, tools, sandbox, tool_settings
 
     async def start(self, system_prompt: str | None = None) -> list[dict[str, Any]]:
-        """The chat the model reads first (`system_prompt`: agent.system_prompt when set). Default: the task
-        set's system prompt, then the task's."""
+        """The chat the model reads first (`system_prompt`: agent.system_prompt, when set)."""
         return [{"role": "system", "content": system_prompt or self.taskset.system_prompt},
                 {"role": "user", "content": self.task.prompt}]
 
     async def step(self, output: str, episode: Episode) -> Step:
-        """The model's output of turn `len(episode.turns)`: run its tool calls in the sandbox and say what
-        comes back. `episode`: the turns so far, and its state store (`episode.state`, also the tools'
-        `context.state`), which this turn may change. Default: the tool calls only."""
+        """Run the tool calls of turn `len(episode.turns)`'s output and say what comes back; `episode.state` (the
+        tools' `context.state`) may change. Default: the tool calls only."""
         return await self.run_tools(output, episode)
 
     async def run_tools(self, output: str, episode: Episode) -> Step:
-        """Run the tool calls of `output` in the sandbox, within `tools.*`'s limits; never raises for
-        anything the model or a tool does."""
+        """Run `output`'s tool calls in the sandbox within `tools.*`'s limits; never raises for the model or a tool."""
         context = ToolContext(task=self.task, episode_id=episode.episode_id, attempt=episode.attempt,
                               turn=len(episode.turns), state=episode.state)
-        ran = await run_tool_calls(output, self.tools, self.sandbox, self.tool_settings, context,
-                                   self.taskset.require_tool_call)
-        return Step(ran.observations, ran.call_pairs, done="finish" if ran.ends_episode else None)
+        return await run_tool_calls(output, self.tools, self.sandbox, self.tool_settings, context,
+                                    self.taskset.require_tool_call)
 
 
 TaskSet.environment_class = Environment
@@ -231,9 +203,8 @@ class HookedEnvironment(Environment):
     """A task set written against the hooks before `Environment` (LEGACY_HOOKS), served as one."""
 
     async def start(self, system_prompt: str | None = None) -> list[dict[str, Any]]:
-        if hasattr(self.taskset, "initial_messages"):
-            return self.taskset.initial_messages(self.task, system_prompt)
-        return await super().start(system_prompt)
+        hook = getattr(self.taskset, "initial_messages", None)
+        return hook(self.task, system_prompt) if hook else await super().start(system_prompt)
 
     async def step(self, output: str, episode: Episode) -> Step:
         step = await self.run_tools(output, episode)
@@ -242,14 +213,15 @@ class HookedEnvironment(Environment):
         if hasattr(self.taskset, "next_user_message"):  # it sees the episode with this turn in it
             record = TurnRecord(turn=len(episode.turns), completion_ids=[], logprobs=[], policy_version=0,
                                 finish_reason="", assistant_text=output, observations=step.observations)
-            pending = [{"role": "tool" if o.tool else "user", "content": o.content} for o in step.observations]
-            seen = Episode(episode.episode_id, episode.attempt, self.task, [*episode.messages, {
-                "role": "assistant", "content": output}, *pending], [*episode.turns, record], episode.state)
-            reply = await self.taskset.next_user_message(self.task, seen)
+            said = [{"role": "assistant", "content": output}, *({"role": "tool" if o.tool else "user",
+                                                                 "content": o.content} for o in step.observations)]
+            reply = await self.taskset.next_user_message(self.task, Episode(
+                episode.episode_id, episode.attempt, self.task, episode.messages + said, [*episode.turns, record],
+                episode.state))
             step.user_message, ends = (reply.content, reply.ends_episode) if isinstance(reply, UserTurn) else (reply, False)
             step.done = "user_done" if ends else None
-        if hasattr(self.taskset, "observation_hints"):
-            step.hints = list(self.taskset.observation_hints(self.task, step.observations))
+        hints = getattr(self.taskset, "observation_hints", lambda task, observations: [])
+        step.hints = list(hints(self.task, step.observations))
         return step
 
 
@@ -260,9 +232,6 @@ STEP_SIGNATURE = "async def step(self, output: str, episode: Episode) -> Step"
 def check_taskset(taskset: TaskSet | type[TaskSet]) -> None:
     """Refuse a task set whose hooks have another signature than rollway calls (HookSignatureError)."""
     check_hook(taskset, "grade", ("task", "sandbox", "provider", "episode"), GRADE_SIGNATURE)
-    if hasattr(taskset, "next_user_message"):
-        check_hook(taskset, "next_user_message", ("task", "episode"),
-                   "async def next_user_message(self, task, episode: Episode) -> str | UserTurn | None")
     check_hook(taskset.environment_class, "step", ("output", "episode"), STEP_SIGNATURE)
 
 

@@ -238,9 +238,8 @@ class BugLocEnvironment(Environment):
                 {"role": "user", "content": self.task.prompt}]
 
     async def step(self, output: str, episode: Episode) -> Step:
-        """With `text_answer`, a message without a tool call that writes `FILE::FUNCTION` is the answer: the
-        episode ends there (as locate ends it). With `definition_hints`, the hint after a printed definition
-        ends the observation (`observation`) or is the next user message (`user`)."""
+        """With `text_answer`, a message without a tool call that writes `FILE::FUNCTION` ends the episode (as
+        locate does); the hint after a printed definition ends the observation or is the next user message."""
         step, cfg = await self.run_tools(output, episode), self.taskset.cfg
         if step.done or episode.stop_reason:
             return step

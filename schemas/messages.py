@@ -70,7 +70,7 @@ class InitRequest(EpisodeMessage, kw_only=True):
 
 class Observation(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """What one tool call returned, as the model will read it: the one tool-outcome type from the
-    agent's tool run (`tools/registry.py` `ToolTurn`) to the trajectory. A tool itself returns a
+    agent's tool run (`tools/registry.py` `Step`) to the trajectory. A tool itself returns a
     `ToolResult` (its author-facing form); `run_call` makes the Observation from it."""
 
     tool: str = ""

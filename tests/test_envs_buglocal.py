@@ -323,23 +323,25 @@ def test_loose_locate_arguments_are_graded_on_their_normalised_values():
     assert judge("pkg/a.py", "Foo.bar", {"file": "pkg/a.py", "function": "pkg.b.Foo.bar"}).reward == 0.0
 
 
-@pytest.mark.slow
-def test_a_text_answer_ends_the_episode_and_definition_hints_come_as_configured(toolz_instances):
+def test_a_text_answer_ends_the_episode_and_definition_hints_come_as_configured():
     """The buglocal environment's step: a plain-text `FILE::FUNCTION` ends the episode (text_answer); the hint
     after a printed definition is the next user message (definition_hints=user) or ends the observation
-    (observation). Faked part: the tool run gives a fixed printed definition (the search tool needs a sandbox)."""
-    from rollway.envs.base import Step
-    from rollway.envs.buglocal import definition_hints
-    from rollway.tools.registry import Toolbox
+    (observation). Faked parts: the task set is its config alone, and the tool run gives a fixed printed
+    definition (the search tool needs a sandbox over a built task)."""
+    from types import SimpleNamespace
+
+    from rollway.envs.buglocal import BugLocEnvironment, definition_hints
+    from rollway.envs.config import BugLocTasksConfig
+    from rollway.tools.registry import Step
 
     printed = Observation(tool="search", arguments={}, content="toolz/itertoolz.py:60  function groupby: def groupby(")
 
     def step(output, observations=(), **cfg):
-        taskset = build_taskset(TasksConfig(type="buglocal", path=str(toolz_instances), **cfg))
-        env = taskset.environment(taskset.tasks()[0], None, Toolbox(ToolsConfig()))
+        taskset = SimpleNamespace(cfg=BugLocTasksConfig(type="buglocal", path="unused.jsonl", **cfg))
+        env = BugLocEnvironment(taskset, Task("t", "p"), {}, None, ToolsConfig())
 
         async def ran(output, episode):
-            return Step(list(observations))
+            return Step([], list(observations))
 
         env.run_tools = ran
         return asyncio.run(env.step(output, Episode("e", 0, env.task, [], [])))

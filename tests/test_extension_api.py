@@ -198,7 +198,7 @@ def test_enabled_plugin_tool_is_built_after_the_task_set_module_is_imported():
             "from rollway.config.run import load_config\nfrom pathlib import Path\n"
             "s = Services(load_config(None, ['tasks.type=calc', 'tools.enabled=[calculator,answer,finish]', "
             "'policy.script=[{when: \"\", turns: [hi]}]']), Path('.'))\n"
-            "asyncio.run(AgentActor(s).setup())\nprint(sorted(s.tools))\n")
+            "asyncio.run(AgentActor(s).setup())\nprint(sorted(s.toolbox.build(s.taskset.default_tools)))\n")
     out = run_with_progress([sys.executable, "-c", code], cwd=ROOT, env=cli_env())
     assert out.returncode == 0, out.stderr
     assert "['answer', 'calculator', 'finish']" in out.stdout

@@ -143,3 +143,12 @@ def test_the_episode_package_loads_neither_the_runtime_nor_the_config_root():
             "print(sorted({m.split('.')[1] for m in sys.modules if m.startswith('rollway.')}))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert modules and "'runtime'" not in loaded and "'config'" not in loaded, loaded
+
+
+def test_the_agent_turn_imports_only_the_packages_of_its_walk():
+    """docs/concepts.md, one message's walk: the agent actor and its turn code (actors/agent.py, actors/turn.py)
+    call into the episode package, the runtime (the model call's metrics) and the sandboxes (the turn's claim)
+    only; the environment with its tools, and the engine, are objects the worker built (actors/services.py). An
+    import of another package here adds a hop to the walk the page counts."""
+    used = imported_packages(ROOT / "actors" / "agent.py") | imported_packages(ROOT / "actors" / "turn.py")
+    assert used <= {"actors", "base", "episode", "runtime", "sandboxes", "schemas", "topics"}, sorted(used)
