@@ -1,26 +1,26 @@
-"""Agent actor: one message = one turn. The turn itself (generate, run tools in the sandbox, stop rules,
-hints, simulated users) is actors/turn.py; this actor delivers it: caches episodes, rebuilds them from
-the log, drops duplicates, claims each turn in its sandbox, emits the next turn or the finished episode."""
+"""Agent actor: one message = one turn. The turn itself (generate, step, record) is actors/turn.py over the
+episode package; this actor delivers it: caches episodes, rebuilds them from the log, drops duplicates,
+claims each turn in its sandbox, emits the next turn or the finished episode."""
 
 from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from functools import cached_property
 
 import msgspec
 import structlog
 
-from rollway.actors.episode import EpisodeState
 from rollway.actors.reward import refused_as_graded_0
 from rollway.actors.services import Services
 from rollway.actors.sink import belongs_to_run
 from rollway.actors.turn import TurnRunner
 from rollway.base.blame import AGENT_FAILURE, InfrastructureFailure, blame, failure_details, failure_reason
+from rollway.episode.state import EpisodeState
 from rollway.runtime.actor import Actor, MessageMeta, Output, OutputRefused, StaleMessage, failure_output
 from rollway.sandboxes.base import SandboxGone
 from rollway.schemas.messages import AgentStep, RewardRequest
-from rollway.schemas.tokens import observation_messages
 from rollway.topics import AGENT_STEPS, REWARD_REQUESTS
 
 log = structlog.get_logger()
@@ -41,21 +41,18 @@ class AgentActor(Actor):
         self.cache: OrderedDict[tuple[str, int], EpisodeState] = OrderedDict()
         self.final_wave = False
         """Set by the first final-wave message this worker sees: the run is draining."""
-        self._turns: TurnRunner | None = None
         self._harness = None
         """The harness runner and its gateway (actors/harness.py), started by the first harness episode."""
         self._harness_lock = asyncio.Lock()
 
-    @property
+    @cached_property
     def turns(self) -> TurnRunner:
         """The transport-free turn (actors/turn.py), built on first use from the services."""
-        if self._turns is None:
-            self._turns = TurnRunner.from_services(self.s)
-        return self._turns
+        return TurnRunner.from_services(self.s)
 
     async def setup(self) -> None:
         # Build now, task set first (it imports the module that defines its tools): fail fast on bad config.
-        _ = self.s.taskset, self.s.tools, self.s.inference, self.s.sandboxes
+        _ = self.s.toolbox.build(self.s.taskset.default_tools), self.s.inference, self.s.sandboxes
 
     async def _handle_turn(self, msg: AgentStep, meta: MessageMeta) -> list[Output]:
         state = await self._state_for(msg, meta)
@@ -65,11 +62,11 @@ class AgentActor(Actor):
             return await self._harness_episode(state)
         record, stop_reason, failure = await self.turns.run(state, lambda turn: self._sandbox_for_turn(state, turn),
                                                             lambda: self._rank(msg.turn))
-        state.apply(record, observation_messages(record))
+        state.apply(record)
         if stop_reason is None:
-            return [Output(AGENT_STEPS, msg.episode_id, self._next_step(state))]
+            return [Output(AGENT_STEPS, msg.episode_id, state.next_step())]
         self.cache.pop((msg.episode_id, msg.attempt), None)
-        return [Output(REWARD_REQUESTS, msg.episode_id, self._reward_request(state, stop_reason, failure))]
+        return [Output(REWARD_REQUESTS, msg.episode_id, state.reward_request(stop_reason, failure))]
 
     def priority(self, msg: AgentStep) -> float:
         """With a backlog, later turns first: finish running episodes (and free their sandboxes)
@@ -122,7 +119,7 @@ class AgentActor(Actor):
         self.cache.pop((msg.episode_id, msg.attempt), None)
         log.warning("episode failed after the agent's tool calls ran; graded 0", episode_id=msg.episode_id,
                     turn=msg.turn, error=failure_reason(err)[:300])
-        request = self._reward_request(state, AGENT_FAILURE, failure_details(err, self.name))
+        request = state.reward_request(AGENT_FAILURE, failure_details(err, self.name))
         # The last turn was not the final one: the observation tokens after it were never generated on.
         request.turns[-1] = msgspec.structs.replace(request.turns[-1], observation_ids=[])
         return [Output(REWARD_REQUESTS, msg.episode_id, request)]
@@ -142,7 +139,7 @@ class AgentActor(Actor):
         state = self.cache.pop((msg.episode_id, msg.attempt), None)
         refused = error.output.value if isinstance(error, OutputRefused) and error.output is not None else None
         if isinstance(refused, AgentStep) and state is not None:
-            refused = self._reward_request(state, AGENT_FAILURE)
+            refused = state.reward_request(AGENT_FAILURE)
         request = refused_as_graded_0(refused, error, self.name) if isinstance(refused, RewardRequest) else None
         if request is not None:
             return [Output(REWARD_REQUESTS, msg.episode_id, request)]
@@ -198,7 +195,7 @@ class AgentActor(Actor):
         state = EpisodeState.start(by_turn[0][1], by_turn[0][0])
         for turn in range(1, msg.turn + 1):
             step = by_turn[turn][1]
-            state.apply(step.last, observation_messages(step.last))
+            state.apply(step.last)
         log.info("episode rebuilt from log", episode_id=msg.episode_id, turn=msg.turn)
         return state
 
@@ -217,19 +214,15 @@ class AgentActor(Actor):
     # -- harness episodes (actors/harness.py) -----------------------------------------------
     async def _harness_episode(self, state: EpisodeState) -> list[Output]:
         """Turn 0 of a harness episode is the whole episode: the program runs to its end or a limit."""
-        from rollway.actors.agent_time import agent_deadline
-
         f = state.first
-        task = self.s.taskset.get(f.task_id)
+        state.begin(self.s.taskset.get(f.task_id))
         runner = await self._harness_runner()
         sandbox = await self._sandbox_for_turn(state, 0)  # claimed: a redelivery never starts it twice
-        outcome = await runner.play(f.episode, task.prompt, sandbox, list(f.prompt_ids or []),
-                                    agent_deadline(task.metadata, f.ready_at))
+        outcome = await runner.play(f.episode, state.task.prompt, sandbox, list(f.prompt_ids or []), state.deadline)
         self.cache.pop((f.episode_id, f.attempt), None)
-        request = RewardRequest(episode=f.episode, sandbox=f.sandbox, prompt_ids=outcome.prompt_ids,
-                                messages=outcome.messages or list(f.messages or []), turns=outcome.turns,
-                                stop_reason=outcome.stop_reason, side_calls=outcome.side_calls, deadline=f.deadline,
-                                failure=outcome.failure)
+        request = msgspec.structs.replace(state.reward_request(outcome.stop_reason, outcome.failure), turns=outcome.turns,
+                                          prompt_ids=outcome.prompt_ids, side_calls=outcome.side_calls,
+                                          messages=outcome.messages or list(f.messages or []))
         return [Output(REWARD_REQUESTS, f.episode_id, request)]
 
     async def _harness_runner(self):
@@ -246,20 +239,6 @@ class AgentActor(Actor):
         if self._harness is not None:
             await self._harness.close()
             self._harness = None
-
-    # -- outputs ----------------------------------------------------------------------------
-    def _next_step(self, state: EpisodeState) -> AgentStep:
-        f = state.first
-        return AgentStep(episode=f.episode, turn=state.next_turn, sandbox=f.sandbox,
-                         start_offset=state.start_offset, last=state.turns[-1], deadline=f.deadline,
-                         final_wave=f.final_wave)
-
-    def _reward_request(self, state: EpisodeState, stop_reason: str,
-                        failure: dict[str, str] | None = None) -> RewardRequest:
-        f = state.first
-        return RewardRequest(episode=f.episode, sandbox=f.sandbox, prompt_ids=list(f.prompt_ids or []),
-                             messages=list(f.messages or []), turns=list(state.turns), stop_reason=stop_reason,
-                             deadline=f.deadline, failure=failure)
 
 
 class TurnReplayed(InfrastructureFailure):

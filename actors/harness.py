@@ -10,19 +10,18 @@ import os
 import secrets
 import shlex
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import structlog
 
 from rollway.base.blame import AGENT_FAILURE, InfrastructureFailure, blame, failure_details, failure_reason
+from rollway.episode.calls import HarnessOutcome, outcome_of
 from rollway.gateway.config import INSTRUCTION_FILE, HarnessConfig
 from rollway.gateway.recorder import CallRecorder
 from rollway.gateway.server import EpisodeHandle, Gateway
-from rollway.gateway.trajectory import Segment, program_reply, rebuild_segments
 from rollway.sandboxes.base import Sandbox, SandboxError, open_workspace_folder, unlink_in_folder
-from rollway.schemas.messages import CapturedCall, EpisodeKey, TurnRecord
+from rollway.schemas.messages import CapturedCall, EpisodeKey
 
 log = structlog.get_logger()
 
@@ -92,23 +91,6 @@ class HarnessUnsupported(HarnessCrashed):
     cleanly. Graded 0 like any crash, never a failure without a grade: a command the model has the program
     run can ask the same (a way out of a 0). The gateway logs it once; a program that always asks it scores
     0 on every episode (`graded_failures`: `agent: HarnessUnsupported`)."""
-
-
-@dataclass
-class HarnessOutcome:
-    """What the agent stage emits for a harness episode (as a RewardRequest)."""
-
-    prompt_ids: list[int]
-    messages: list[dict[str, Any]]
-    turns: list[TurnRecord]
-    stop_reason: str
-    side_calls: list[dict[str, Any]]
-    failure: dict[str, str] | None = None
-    """The program's run failed after it started (base/blame.py: the agent's): grade details of the failure."""
-
-
-SIDE_CALL_CHARS = 500
-"""Characters of a side call's system prompt and text kept for viewers."""
 
 
 class KeepingRecorder(CallRecorder):
@@ -288,50 +270,6 @@ async def gateway_socket(sandbox: Sandbox) -> tuple[int, str]:
 
     parent, name = os.path.split(folder)  # made by the provider, root-owned, bound read-only: no link in it
     return open_workspace_folder(parent, (name,)), f"{GATEWAY_DIR}/{SOCKET_NAME}"
-
-
-def outcome_of(calls: list[CapturedCall], stop_reason: str, fallback_prompt: list[int]) -> HarnessOutcome:
-    """The episode's turns from its captured calls: one TurnRecord per kept call; observation ids are
-    the tokens the next call of the same segment added; a call that opened a later segment carries
-    that segment's prompt (`segment_prompt_ids`). No calls: one empty turn on `fallback_prompt`."""
-    side = [{"call_index": c.call_index, "name": c.side_call, "output_tokens": len(c.output_ids),
-             "system": next((str(m.get("content")) for m in c.new_messages if m.get("role") == "system"), "")[
-                 :SIDE_CALL_CHARS], "text": c.raw_text[:SIDE_CALL_CHARS]}
-            for c in sorted({c.call_index: c for c in calls}.values(), key=lambda c: c.call_index)
-            if c.side_call is not None]
-    segments = rebuild_segments(calls) if calls else []
-    if not segments:  # no call, or side calls only
-        empty = TurnRecord(turn=0, completion_ids=[], logprobs=[], policy_version=0, finish_reason=stop_reason,
-                           assistant_text="")
-        return HarnessOutcome(list(fallback_prompt), [], [empty], stop_reason, side)
-    by_index = {c.call_index: c for c in calls}
-    turns: list[TurnRecord] = []
-    for segment in segments:
-        turns += _segment_turns(segment, by_index, first_turn=len(turns), opens=segment.index > 0)
-    first = segments[0]
-    messages = list(by_index[first.call_indices[0]].new_messages)
-    return HarnessOutcome(first.token_ids[: first.turn_spans[0][0]], messages, turns, stop_reason, side)
-
-
-def _segment_turns(segment: Segment, by_index: dict[int, CapturedCall], first_turn: int, opens: bool) -> list[TurnRecord]:
-    ids, spans = segment.token_ids, segment.turn_spans
-    turns = []
-    for k, (start, end) in enumerate(spans):
-        call = by_index[segment.call_indices[k]]
-        nxt = spans[k + 1][0] if k + 1 < len(spans) else len(ids)
-        following = by_index[segment.call_indices[k + 1]] if k + 1 < len(spans) else None
-        observations, user_message = program_reply(call, following, by_index)  # for viewers and graders
-        turns.append(TurnRecord(
-            turn=first_turn + k, completion_ids=ids[start:end], logprobs=[float(x) for x in segment.logprobs[start:end]],
-            policy_version=segment.turn_policy_versions[k], finish_reason=call.finish_reason,
-            assistant_text=call.raw_text, observation_ids=ids[end:nxt], template_drift=call.template_drift,
-            segment_prompt_ids=ids[:start] if opens and k == 0 else None,
-            segment_reason=segment.reason if opens and k == 0 else None, call_index=call.call_index,
-            temperature=call.temperature, top_p=call.top_p,
-            call_attempt=call.episode.attempt,
-            segment_messages=list(call.new_messages) if opens and k == 0 else None,
-            observations=observations, user_message=user_message))
-    return turns
 
 
 async def start_harness_runner(services: Any, bootstrap: str | None) -> HarnessRunner:

@@ -54,7 +54,7 @@ class InitActor(Actor):
             metrics.SANDBOXES_LIVE.labels("init", engine).set(len(held))
 
     async def setup(self) -> None:
-        _ = self.s.taskset, self.s.sandboxes, self.s.chat, self.s.tools
+        _ = self.s.sandboxes, self.s.chat, self.s.toolbox.build(self.s.taskset.default_tools)
 
     async def close(self) -> None:
         await self.s.sandboxes.close()  # e.g. the docker sandbox's idle warm-pool containers
@@ -79,7 +79,7 @@ class InitActor(Actor):
             await self._discard(name)  # a half-built sandbox (or one whose creation was cancelled)
             raise
         try:
-            return [self._first_step(msg, task, sandbox)]
+            return [await self._first_step(msg, task, sandbox)]
         except BaseException:
             await self._discard(name, sandbox)
             raise
@@ -104,10 +104,11 @@ class InitActor(Actor):
             return
         log.info("sandbox of a failed init removed", sandbox=name)
 
-    def _first_step(self, msg: InitRequest, task, sandbox) -> Output:
+    async def _first_step(self, msg: InitRequest, task, sandbox) -> Output:
         ready_at = time.time()
-        messages = self.s.taskset.initial_messages(task, self.s.cfg.agent.system_prompt)
-        tools = [t.spec() for t in self.s.tools_for(task).values()] if self.s.taskset.describe_tools else []
+        env = self.s.environment(task, sandbox)
+        messages = await env.start(self.s.cfg.agent.system_prompt)
+        tools = [t.spec() for t in env.tools.values()] if self.s.taskset.describe_tools else []
         step = AgentStep(
             episode=msg.episode, turn=0, sandbox=sandbox.handle,
             prompt_ids=self.s.chat.initial(messages, tools), messages=messages, tools=tools,

@@ -14,11 +14,11 @@ from rollway.actors.services import Services
 from rollway.actors.sink import belongs_to_run
 from rollway.base.blame import AGENT_FAILURE, failure_details
 from rollway.base.faults import fault_point
+from rollway.episode.stream import TokenStream, final_state, transcript
 from rollway.runtime.actor import Actor, MessageMeta, Output, OutputRefused, failure_output
 from rollway.sandboxes.base import SandboxError
 from rollway.schemas.codec import decode, encode
 from rollway.schemas.messages import RewardRequest, Trajectory
-from rollway.schemas.tokens import TokenStream, final_state, transcript
 from rollway.topics import TRAJECTORIES
 
 log = structlog.get_logger()

@@ -38,29 +38,16 @@ class Services:
 
         return build_inference(self.cfg.policy, self.chat, self.taskset if self.cfg.policy.type == "gold" else None)
 
-    def tool_names(self, task=None) -> list[str]:
-        """The tools of `task`'s episodes (every episode's when `tools.enabled` is set); the task set's
-        default list when `task` is None. The task set is built first, so the module that defines
-        (and registers) its tools is always imported before a tool is looked up."""
-        taskset = self.taskset
-        if self.cfg.tools.enabled:
-            return list(self.cfg.tools.enabled)
-        return list(taskset.default_tools if task is None else taskset.tools_for(task))
-
     @cached_property
-    def tools(self):
-        """The tools of `tool_names()` (default list), by the name the model calls."""
-        return self.tools_for(None)
+    def toolbox(self):
+        """This worker's tools (each distinct list built once), with the run's tool settings."""
+        from rollway.tools.registry import Toolbox
 
-    def tools_for(self, task):
-        """`task`'s tools by the name the model calls; each distinct list is built once per worker."""
-        from rollway.tools.registry import build_tools
+        return Toolbox(self.cfg.tools)
 
-        names = tuple(self.tool_names(task))
-        cache = self.__dict__.setdefault("_tool_sets", {})
-        if names not in cache:
-            cache[names] = build_tools(names, self.cfg.tools)
-        return cache[names]
+    def environment(self, task, sandbox=None):
+        """`task`'s environment (`TaskSet.environment`) with this worker's tools, over `sandbox`."""
+        return self.taskset.environment(task, sandbox, self.toolbox)
 
     async def close(self) -> None:
         """Release what was built (the inference client's HTTP session); called once at worker exit."""

@@ -1,51 +1,32 @@
-"""The built-in agent loop, one turn at a time, free of any transport: over (episode state, task, policy,
-tools, sandbox) it generates, runs the tool calls, applies the stop rules, hints and simulated users,
-and returns the turn's record. The agent actor wraps it with delivery (caching, rebuilding from the log,
-duplicate detection); a test or another driver can call it directly."""
+"""The built-in agent loop, one turn at a time, free of any transport: generate (the engine), step (the
+episode's environment), record (episode/turn.py). The agent actor wraps it with delivery; a test can call it."""
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
-import structlog
-
-from rollway.actors.agent_time import AGENT_TIMEOUT, DeadlineSandbox, agent_deadline
-from rollway.actors.episode import EpisodeState
 from rollway.actors.gate import RankedGate
-from rollway.base.blame import AGENT_FAILURE, InferenceUnreachable, blame, failure_details, failure_reason
+from rollway.base.blame import InferenceUnreachable, blame
 from rollway.base.faults import fault_point
-from rollway.policies.base import ChatFormat, InferenceClient, SamplingParams, episode_seed
+from rollway.episode.state import EpisodeState
+from rollway.episode.turn import Turn, TurnRules
 from rollway.runtime import metrics
-from rollway.sandboxes.base import Sandbox
 from rollway.schemas.messages import TurnRecord
-from rollway.schemas.tokens import observation_messages
 
 if TYPE_CHECKING:
     from rollway.actors.services import Services
     from rollway.config.run import AgentConfig
-    from rollway.envs.base import TaskSet
-    from rollway.tools.config import HintsConfig, ToolsConfig
-    from rollway.tools.registry import ToolTurn
+    from rollway.envs.base import Environment, TaskSet
+    from rollway.policies.base import InferenceClient
+    from rollway.sandboxes.base import Sandbox
 
-log = structlog.get_logger()
-
-SandboxForTurn = Callable[[int], Awaitable[Sandbox]]
-"""turn -> the episode's sandbox, ready for that turn's tool calls. Called once per turn, after the
-model answered and before any tool runs: the agent actor attaches and claims the turn there, so a
+SandboxForTurn = Callable[[int], Awaitable["Sandbox"]]
+"""turn -> the episode's sandbox, claimed for that turn (after the model answered, before any tool runs), so a
 redelivered turn never runs its tool calls twice."""
-
-
-class Turn(NamedTuple):
-    record: TurnRecord
-    stop_reason: str | None
-    """Why the episode ends after this turn; None: it goes on."""
-    failure: dict[str, str] | None = None
-    """The turn failed after its tool calls started (base/blame.py: the agent's): grade details of the
-    failure; the episode ends here (stop reason agent_failure) and is graded 0."""
 
 
 @dataclass
@@ -53,15 +34,11 @@ class TurnRunner:
     """Runs one turn of an episode. Built once per worker (`from_services`) or from its parts."""
 
     agent: AgentConfig
-    chat: ChatFormat
     inference: InferenceClient
     taskset: TaskSet
-    tools_for: Callable[[Any], dict[str, Any]]
-    """task -> its tools by the name the model calls."""
-    tools_cfg: ToolsConfig
-    hints_cfg: HintsConfig
-    exec_timeout_s: float
-    drift_count: int = 0
+    environment: Callable[[Any, Sandbox], Environment]
+    """(task, sandbox) -> the episode's environment (`Services.environment`)."""
+    rules: TurnRules
 
     def __post_init__(self) -> None:
         self.model_slots = RankedGate(self.agent.concurrency) if self.agent.tool_overlap else None
@@ -70,163 +47,35 @@ class TurnRunner:
 
     @classmethod
     def from_services(cls, s: Services) -> TurnRunner:
-        return cls(s.cfg.agent, s.chat, s.inference, s.taskset, s.tools_for, s.cfg.tools, s.cfg.hints,
-                   s.cfg.sandbox.exec_timeout_s)
+        rules = TurnRules(s.cfg.agent, s.cfg.hints, s.chat, s.cfg.sandbox.exec_timeout_s)
+        return cls(s.cfg.agent, s.inference, s.taskset, s.environment, rules)
 
     async def run(self, state: EpisodeState, sandbox_for_turn: SandboxForTurn,
                   rank: Callable[[], float] = lambda: 0.0) -> Turn:
-        """Turn `state.next_turn`: generate, act in the sandbox, decide whether the episode stops."""
-        chat, turn, f = self.chat, state.next_turn, state.first
-        budget = self.agent.max_total_tokens - state.tokens_used
-        if budget <= 0:
-            return Turn(self._prompt_too_long(state), "prompt_too_long")
-        task = self.taskset.get(f.task_id)
-        deadline = agent_deadline(task.metadata, f.ready_at)
-        if deadline is not None and time.time() >= deadline:
-            return Turn(self._out_of_time(state), AGENT_TIMEOUT)
-        params = SamplingParams(temperature=self.agent.temperature, top_p=self.agent.top_p,
-                                max_tokens=max(1, min(self.agent.max_tokens_per_turn, budget)),
-                                stop_token_ids=chat.stop_token_ids,
-                                seed=episode_seed(f.episode_id, f.attempt) + turn, task_id=f.task_id, turn=turn)
-        async with self._model_slot(rank):
-            t0, gen_started_at = time.perf_counter(), time.time()
-            try:
-                gen = await metrics.generate(self.inference, state.token_ids, params, "agent")
-            except OSError as err:  # no connection, a timeout: the engine, never the agent
-                raise InferenceUnreachable(f"the inference engine did not answer: {err}") from err
-            gen_s, gen_ended_at = time.perf_counter() - t0, time.time()
-        # What the record carries must encode: ids that decode to lone surrogates (invalid UTF-8 from a
-        # byte-level model) become U+FFFD in the text; the token ids stay exactly as sampled.
-        text = chat.decode(gen.token_ids).encode("utf-8", "replace").decode("utf-8")
-        t1 = time.perf_counter()
-        sandbox = await sandbox_for_turn(turn)
+        """Turn `state.next_turn`: generate, step, record (none when the budget or the agent time is spent)."""
+        if state.task is None:  # the episode's first turn on this worker
+            state.begin(self.taskset.get(state.first.task_id))
+        if (ended := self.rules.ended(state)) is not None:
+            return ended
+        record = await self.generate(state, rank)
+        sandbox = await sandbox_for_turn(record.turn)
         try:
-            return await self._after_claim(state, task, turn, text, gen, sandbox, deadline,
-                                           (t1, gen_s, gen_started_at, gen_ended_at))
+            env, view = self.environment(state.task, self.rules.guard(state, sandbox)), self.rules.view(state, record)
+            step = await env.step(record.assistant_text, view)
+            fault_point("agent.after_tools")
+            return self.rules.record(state, record, step, view, list(env.tools))
         except Exception as err:
             if blame(err, agent_ran=True) == "infrastructure":
                 raise
-            log.warning("turn failed after its tool calls started; the episode is graded 0", episode_id=f.episode_id,
-                        turn=turn, error=failure_reason(err)[:300])
-            record = TurnRecord(turn=turn, completion_ids=list(gen.token_ids), logprobs=list(gen.logprobs),
-                                policy_version=gen.policy_version, finish_reason=gen.finish_reason,
-                                assistant_text=text, gen_seconds=gen_s, gen_started_at=gen_started_at,
-                                gen_ended_at=gen_ended_at)
-            return Turn(record, AGENT_FAILURE, failure_details(err, "agent"))
+            return self.rules.failed(state, record, err)
 
-    async def _after_claim(self, state: EpisodeState, task: Any, turn: int, text: str, gen: Any, sandbox: Sandbox,
-                           deadline: float | None, times: tuple[float, float, float, float]) -> Turn:
-        """The turn once its tool calls may start: act, stop rules, user message, hints, observation ids."""
-        t1, gen_s, gen_started_at, gen_ended_at = times
-        if deadline is not None:
-            sandbox = DeadlineSandbox(sandbox, deadline, self.exec_timeout_s)
-        context = self._tool_context(state, task, turn)
-        outcome = await self._act(text, task, sandbox, context)
-        fault_point("agent.after_tools")
-        used = state.tokens_used + len(gen.token_ids)
-        stop_reason = self._stop_reason(outcome.ends_episode, turn, used)
-        if stop_reason is None and deadline is not None and time.time() >= deadline:
-            stop_reason = AGENT_TIMEOUT
-        record = TurnRecord(
-            turn=turn, completion_ids=list(gen.token_ids), logprobs=list(gen.logprobs),
-            policy_version=gen.policy_version, finish_reason=gen.finish_reason, assistant_text=text,
-            observations=outcome.observations, gen_seconds=gen_s, gen_started_at=gen_started_at,
-            gen_ended_at=gen_ended_at)
-        if stop_reason is None:
-            record.user_message, user_done = await self._next_user_message(state, context, record)
-            stop_reason = "user_done" if user_done else None
-        record.tool_seconds = time.perf_counter() - t1
-        # Timestamps are read from the wall clock, never a wall start plus perf_counter durations: the two
-        # clocks drift apart while the system clock is being slewed, and a computed end fell after the
-        # stage's own record of the turn's end (8 ms in a suite run on a machine minutes after boot).
-        record.tool_ended_at = time.time()
-        record.hints = [] if stop_reason else [*self._hints(state, outcome, turn, used, self.tools_for(task)),
-                                                     *self.taskset.observation_hints(task, outcome.observations)]
-        record.state = dict(context.state) if context.state != state.store else None
-        if stop_reason is None:
-            record.observation_ids = self._observation_ids(state, record, gen.token_ids)
-            if used + len(record.observation_ids) >= self.agent.max_total_tokens:
-                record.observation_ids, stop_reason = [], "max_tokens"
-        return Turn(record, stop_reason)
-
-    @contextlib.asynccontextmanager
-    async def _model_slot(self, rank: Callable[[], float]) -> AsyncIterator[None]:
-        """Holds a model-call slot (with tool_overlap)."""
-        if self.model_slots is None:
-            yield
-            return
-        async with self.model_slots.slot(rank):
-            yield
-
-    def _stop_reason(self, finished: bool, turn: int, used: int) -> str | None:
-        if finished:
-            return "finish"
-        if turn + 1 >= self.agent.max_turns:
-            return "max_turns"
-        if used >= self.agent.max_total_tokens:
-            return "max_tokens"
-        return None
-
-    def _observation_ids(self, state: EpisodeState, record: TurnRecord, completion: list[int]) -> list[int]:
-        chat = self.chat
-        history = [*state.messages, {"role": "assistant", "content": record.assistant_text}]
-        ids = chat.continuation(history, observation_messages(record), state.tools)
-        if not completion or completion[-1] not in chat.stop_token_ids:
-            ids = [chat.stop_token_ids[0], *ids]  # truncated turn: close it (not a model token)
-        if chat.drift(history, state.tools, state.token_ids + completion):
-            record.template_drift = True
-            self.drift_count += 1
-            log.warning("chat template drift: history re-renders differently", episode_id=state.first.episode_id,
-                        turn=record.turn, drift_count=self.drift_count)
-        return ids
-
-    def _tool_context(self, state: EpisodeState, task: Any, turn: int):
-        from rollway.tools.base import ToolContext
-
-        f = state.first
-        return ToolContext(task=task, episode_id=f.episode_id, attempt=f.attempt, turn=turn, state=dict(state.store))
-
-    async def _next_user_message(self, state: EpisodeState, context, record: TurnRecord) -> tuple[str | None, bool]:
-        """The task set's `next_user_message` hook, seeing the episode with this turn in it: its
-        messages and its `turns` both end with the turn that just ran."""
-        from rollway.envs.base import Episode, UserTurn
-
-        pending = [{"role": "tool" if o.tool else "user", "content": o.content} for o in record.observations]
-        messages = [*state.messages, {"role": "assistant", "content": record.assistant_text}, *pending]
-        episode = Episode(episode_id=context.episode_id, attempt=context.attempt, task=context.task,
-                          messages=messages, turns=[*state.turns, record], state=context.state)
-        reply = await self.taskset.next_user_message(context.task, episode)
-        if isinstance(reply, UserTurn):
-            return reply.content, reply.ends_episode
-        return reply, False
-
-    def _prompt_too_long(self, state: EpisodeState) -> TurnRecord:
-        """The prompt alone fills agent.max_total_tokens: the episode ends before any model call, with a
-        stop reason that says so (never a silent reward-0 `max_tokens`)."""
-        log.warning("prompt longer than agent.max_total_tokens; episode ended without a model call",
-                    episode_id=state.first.episode_id, prompt_tokens=state.tokens_used,
-                    max_total_tokens=self.agent.max_total_tokens)
-        return TurnRecord(turn=state.next_turn, completion_ids=[], logprobs=[], policy_version=0,
-                          finish_reason="prompt_too_long", assistant_text="")
-
-    def _out_of_time(self, state: EpisodeState) -> TurnRecord:
-        """The task's agent time ran out before this turn's model call: the episode ends (graded as it
-        stands) with an empty turn."""
-        log.info("task's agent time is up; episode ends", episode_id=state.first.episode_id, turn=state.next_turn)
-        return TurnRecord(turn=state.next_turn, completion_ids=[], logprobs=[], policy_version=0,
-                          finish_reason=AGENT_TIMEOUT, assistant_text="")
-
-    async def _act(self, text: str, task: Any, sandbox: Sandbox, context: Any) -> ToolTurn:
-        from rollway.tools.registry import run_tool_calls
-
-        return await run_tool_calls(text, self.tools_for(task), sandbox, self.tools_cfg, context,
-                                    self.taskset.require_tool_call)
-
-    def _hints(self, state: EpisodeState, outcome: ToolTurn, turn: int, used: int, tools: Mapping[str, Any]) -> list[str]:
-        from rollway.tools.hints import HintEngine
-
-        previous = state.turns[-1] if state.turns else None
-        prev_calls = [(o.tool, o.arguments) for o in previous.observations if o.tool] if previous else []
-        return HintEngine(self.hints_cfg).hints(
-            turn=turn, max_turns=self.agent.max_turns, tokens_used=used, max_tokens=self.agent.max_total_tokens,
-            calls=outcome.call_pairs, previous_calls=prev_calls, errors=outcome.errors, tools=list(tools))
+    async def generate(self, state: EpisodeState, rank: Callable[[], float]) -> TurnRecord:
+        """The engine's answer to the episode's prompt, as the turn's record so far."""
+        async with self.model_slots.slot(rank) if self.model_slots else contextlib.nullcontext():  # tool_overlap
+            t0, started_at = time.perf_counter(), time.time()
+            try:
+                gen = await metrics.generate(self.inference, state.token_ids, self.rules.sampling(state), "agent")
+            except OSError as err:  # no connection, a timeout: the engine, never the agent
+                raise InferenceUnreachable(f"the inference engine did not answer: {err}") from err
+            seconds = time.perf_counter() - t0
+        return self.rules.completion(state, gen, started_at, seconds)

@@ -92,9 +92,9 @@ async def _run_worker(cfg: Any, run_dir: Path, bootstrap: str, turns: int, timer
     """One agent worker until it has handled `turns` turns; wall and CPU time of that stretch."""
     from rollway.actors.agent import AgentActor
     from rollway.actors.services import Services
+    from rollway.envs import base as environments
     from rollway.runners.stage import group_id, stage_concurrency, stage_prefetch
     from rollway.runtime import worker as stage_runtime
-    from rollway.tools import registry
 
     services = Services(cfg, run_dir)
     actor = AgentActor(services)
@@ -105,7 +105,7 @@ async def _run_worker(cfg: Any, run_dir: Path, bootstrap: str, turns: int, timer
     for name in ("initial", "continuation", "decode", "encode", "drift"):
         timers.wrap(services.chat, name, "tokenisation")
     timers.wrap(services.inference, "generate", "inference_round_trip")
-    timers.wrap(registry, "run_tool_calls", "tool_dispatch")
+    timers.wrap(environments, "run_tool_calls", "tool_dispatch")  # what Environment.run_tools calls
     timers.wrap(worker.sender, "produce", "produce")  # the broker round trip (encoding is timed apart)
     timers.wrap(worker, "commit", "commit")
     timers.wrap(actor, "handle", "handle")

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
@@ -11,6 +12,9 @@ from rollway.base.hooks import check_hook
 from rollway.sandboxes.base import Sandbox, SandboxProvider, SandboxSpec
 from rollway.sandboxes.config import SandboxConfig
 from rollway.schemas.messages import TurnRecord
+from rollway.tools.base import Tool, ToolContext
+from rollway.tools.config import ToolsConfig
+from rollway.tools.registry import Step, Toolbox, run_tool_calls
 
 
 @dataclass
@@ -37,7 +41,7 @@ class Grade:
 
 @dataclass
 class Episode:
-    """One episode as the task set's hooks see it (`next_user_message`, `grade`)."""
+    """One episode as its environment (`Environment.step`) and `TaskSet.grade` see it."""
 
     episode_id: str
     attempt: int
@@ -50,7 +54,7 @@ class Episode:
     state: dict[str, Any] = field(default_factory=dict)
     """The episode's state store (what tools and hooks kept there, see ToolContext.state)."""
     stop_reason: str | None = None
-    """Why the agent stopped (in `grade`); None while the episode runs."""
+    """Why the agent stopped (in `grade`); in `step`, the limit that ends it after this turn whatever the step says."""
 
     @classmethod
     def outside_run(cls, task: Task, episode_id: str = "") -> Episode:
@@ -60,12 +64,10 @@ class Episode:
 
 @dataclass
 class UserTurn:
-    """What `next_user_message` may return besides a plain string."""
+    """What the deprecated `next_user_message` may return besides a string (ends_episode: stop reason `user_done`)."""
 
     content: str | None = None
-    """The next user message; None adds none."""
     ends_episode: bool = False
-    """End the episode after this turn (stop reason `user_done`)."""
 
 
 ReferenceAgent = Callable[[str, int], str]
@@ -92,7 +94,9 @@ class TaskSet(ABC):
     talking is a turn (a simulated user answers it): such a turn has no observations."""
     describe_tools: bool = True
     """Render the tools' JSON specs into the prompt. Small models may do better with worked
-    examples in `initial_messages` instead."""
+    examples in the environment's first observation (`Environment.start`) instead."""
+    environment_class: ClassVar[type[Environment]]
+    """The class of this task set's environments (`environment`). Default: `Environment` (tool calls only)."""
     sandbox_config: SandboxConfig | None = None
     """The run's sandbox settings (type, image, HOME, workdir, env), set by the framework right after
     construction, so hooks can depend on them instead of repeating them in the task set's own section.
@@ -101,25 +105,17 @@ class TaskSet(ABC):
     """Your own config class (a `rollway.envs.config.TasksConfig` subclass with your fields): the
     `tasks` section is validated against it (unknown keys fail) and passed to the constructor."""
 
-    def tools_for(self, task: Task) -> Sequence[Any]:
-        """The tools this task's episodes get: registered names, `python:MODULE:CLASS`, or Tool instances
-        this task set built from its own data (no global registration; name them with a prefix of your
-        family, e.g. `desk.refund`, so they never meet a built-in's name). The init and agent actors
-        call it per episode, unless `tools.enabled` is set. Default: `default_tools`."""
-        return self.default_tools
-
-    async def next_user_message(self, task: Task, episode: Episode) -> str | UserTurn | None:
-        """Called by the agent actor after every turn that does not end the episode (after the turn's
-        tool calls ran): a string (or UserTurn) becomes the next user message the model reads
-        (multi-turn user simulation); None adds nothing. Default: None."""
-        return None
-
-    def observation_hints(self, task: Task, observations: Sequence[Any]) -> list[str]:
-        """Called by the agent loop after every turn that does not end the episode, with that turn's
-        observations (`schemas.Observation`: tool, arguments, content): hints to append to what the model
-        reads next, recorded with the turn's other hints (the reference recipe's task-aware hints, e.g.
-        "the definition is in FILE; answer with ..."). Default: none."""
-        return []
+    def environment(self, task: Task, sandbox: Sandbox | None, toolbox: Toolbox) -> Environment:
+        """The episode's environment from its task, tools and sandbox (init calls it to start, the agent every
+        turn). Default: `environment_class` with `default_tools`; per-task tools are built here with
+        `toolbox.build([...])` (names, `python:MODULE:CLASS`, or Tool instances made from the task's data)."""
+        if legacy := [h for h in LEGACY_HOOKS if hasattr(self, h)]:
+            warnings.warn(f"{type(self).__name__} defines {', '.join(legacy)}: these TaskSet hooks are deprecated and "
+                          "go in the next release; give the task set an `environment_class` (an Environment with "
+                          "`start` and `step`) instead (docs/extending.md)", DeprecationWarning, stacklevel=2)
+            tools = toolbox.build(self.tools_for(task) if hasattr(self, "tools_for") else self.default_tools)
+            return HookedEnvironment(self, task, tools, sandbox, toolbox.cfg)
+        return self.environment_class(self, task, toolbox.build(self.default_tools), sandbox, toolbox.cfg)
 
     def reference_solution(self, task: Task) -> list[str] | ReferenceAgent | None:
         """A known-good agent for this task: the assistant outputs (tool calls in the chat format's
@@ -128,11 +124,6 @@ class TaskSet(ABC):
         that turn's output. The `gold` policy plays it; `rollway tasks verify CONFIG` checks that it
         resolves every task and that doing nothing resolves none. None: unknown."""
         return None
-
-    def initial_messages(self, task: Task, system_prompt: str | None = None) -> list[dict[str, Any]]:
-        """The chat the model sees first (the init actor calls this). Default: system, then the task."""
-        return [{"role": "system", "content": system_prompt or self.system_prompt},
-                {"role": "user", "content": task.prompt}]
 
     @abstractmethod
     def tasks(self) -> list[Task]:
@@ -175,14 +166,73 @@ class TaskSet(ABC):
         run). Every task set's `grade` takes these four arguments."""
 
 
+class Environment:
+    """One episode's world (`TaskSet.environment`): `start` gives the first observation, `step` answers each
+    model output. It is built again every turn (an episode may change worker): keep what must outlast a turn
+    in `episode.state` (it travels with the turn records) or in the sandbox."""
+
+    def __init__(self, taskset: TaskSet, task: Task, tools: Mapping[str, Tool], sandbox: Sandbox | None,
+                 tool_settings: ToolsConfig) -> None:
+        self.taskset, self.task, self.tools, self.sandbox, self.tool_settings = taskset, task, tools, sandbox, tool_settings
+
+    async def start(self, system_prompt: str | None = None) -> list[dict[str, Any]]:
+        """The chat the model reads first (`system_prompt`: agent.system_prompt, when set)."""
+        return [{"role": "system", "content": system_prompt or self.taskset.system_prompt},
+                {"role": "user", "content": self.task.prompt}]
+
+    async def step(self, output: str, episode: Episode) -> Step:
+        """Run the tool calls of turn `len(episode.turns)`'s output and say what comes back; `episode.state` (the
+        tools' `context.state`) may change. Default: the tool calls only."""
+        return await self.run_tools(output, episode)
+
+    async def run_tools(self, output: str, episode: Episode) -> Step:
+        """Run `output`'s tool calls in the sandbox within `tools.*`'s limits; never raises for the model or a tool."""
+        context = ToolContext(task=self.task, episode_id=episode.episode_id, attempt=episode.attempt,
+                              turn=len(episode.turns), state=episode.state)
+        return await run_tool_calls(output, self.tools, self.sandbox, self.tool_settings, context,
+                                    self.taskset.require_tool_call)
+
+
+TaskSet.environment_class = Environment
+
+LEGACY_HOOKS = ("tools_for", "next_user_message", "observation_hints", "initial_messages")
+"""The TaskSet hooks an `Environment` replaced: still served, with a DeprecationWarning, for one release."""
+
+
+class HookedEnvironment(Environment):
+    """A task set written against the hooks before `Environment` (LEGACY_HOOKS), served as one."""
+
+    async def start(self, system_prompt: str | None = None) -> list[dict[str, Any]]:
+        hook = getattr(self.taskset, "initial_messages", None)
+        return hook(self.task, system_prompt) if hook else await super().start(system_prompt)
+
+    async def step(self, output: str, episode: Episode) -> Step:
+        step = await self.run_tools(output, episode)
+        if step.done or episode.stop_reason:
+            return step
+        if hasattr(self.taskset, "next_user_message"):  # it sees the episode with this turn in it
+            record = TurnRecord(turn=len(episode.turns), completion_ids=[], logprobs=[], policy_version=0,
+                                finish_reason="", assistant_text=output, observations=step.observations)
+            said = [{"role": "assistant", "content": output}, *({"role": "tool" if o.tool else "user",
+                                                                 "content": o.content} for o in step.observations)]
+            reply = await self.taskset.next_user_message(self.task, Episode(
+                episode.episode_id, episode.attempt, self.task, episode.messages + said, [*episode.turns, record],
+                episode.state))
+            step.user_message, ends = (reply.content, reply.ends_episode) if isinstance(reply, UserTurn) else (reply, False)
+            step.done = "user_done" if ends else None
+        hints = getattr(self.taskset, "observation_hints", lambda task, observations: [])
+        step.hints = list(hints(self.task, step.observations))
+        return step
+
+
 GRADE_SIGNATURE = "async def grade(self, task, sandbox, provider, episode: Episode) -> Grade"
+STEP_SIGNATURE = "async def step(self, output: str, episode: Episode) -> Step"
 
 
 def check_taskset(taskset: TaskSet | type[TaskSet]) -> None:
     """Refuse a task set whose hooks have another signature than rollway calls (HookSignatureError)."""
     check_hook(taskset, "grade", ("task", "sandbox", "provider", "episode"), GRADE_SIGNATURE)
-    check_hook(taskset, "next_user_message", ("task", "episode"),
-               "async def next_user_message(self, task, episode: Episode) -> str | UserTurn | None")
+    check_hook(taskset.environment_class, "step", ("output", "episode"), STEP_SIGNATURE)
 
 
 async def grade_after_agent(taskset: TaskSet, task: Task, sandbox: Sandbox, provider: SandboxProvider,

@@ -9,7 +9,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from rollway.envs.base import Episode, Grade, Task, TaskSet, UserTurn
+from rollway.envs.base import Environment, Episode, Grade, Step, Task, TaskSet
 from rollway.envs.config import BugLocTasksConfig
 from rollway.envs.swe import load_instances, prepare_buggy_copy
 from rollway.sandboxes.base import Sandbox, SandboxProvider, SandboxSpec
@@ -228,11 +228,36 @@ class _Printed:
         self.content = content
 
 
+class BugLocEnvironment(Environment):
+    """A worked example before the task; the hint after a printed definition; an answer in plain text."""
+
+    async def start(self, system_prompt: str | None = None) -> list[dict[str, Any]]:
+        cfg = self.taskset.cfg
+        example = worked_example(cfg.worked_example, cfg.definition_hints) if cfg.worked_example else []
+        return [{"role": "system", "content": system_prompt or self.taskset.system_prompt}, *example,
+                {"role": "user", "content": self.task.prompt}]
+
+    async def step(self, output: str, episode: Episode) -> Step:
+        """With `text_answer`, a message without a tool call that writes `FILE::FUNCTION` ends the episode (as
+        locate does); the hint after a printed definition ends the observation or is the next user message."""
+        step, cfg = await self.run_tools(output, episode), self.taskset.cfg
+        if step.done or episode.stop_reason:
+            return step
+        if cfg.text_answer and not any(o.tool for o in step.observations) and text_answer_of(output):
+            step.done = "user_done"
+        elif cfg.definition_hints == "user":
+            step.user_message = "\n".join(definition_hints(step.observations)) or None
+        elif cfg.definition_hints == "observation":
+            step.hints = definition_hints(step.observations)
+        return step
+
+
 class BugLocTaskSet(TaskSet):
     """One task per mutation instance; `repos`/`exclude_repos` split by library for held-out tests."""
 
     system_prompt = SYSTEM_PROMPT
     default_tools = ("bash", "search", "locate")
+    environment_class = BugLocEnvironment
 
     def __init__(self, cfg: BugLocTasksConfig) -> None:
         if not cfg.path:
@@ -263,15 +288,6 @@ class BugLocTaskSet(TaskSet):
     def tasks(self) -> list[Task]:
         return list(self._tasks)
 
-    def initial_messages(self, task: Task, system_prompt: str | None = None) -> list[dict[str, Any]]:
-        example = (worked_example(self.cfg.worked_example, self.cfg.definition_hints)
-                   if self.cfg.worked_example else [])
-        return [{"role": "system", "content": system_prompt or self.system_prompt}, *example,
-                {"role": "user", "content": task.prompt}]
-
-    def observation_hints(self, task: Task, observations: Sequence[Any]) -> list[str]:
-        return definition_hints(observations) if self.cfg.definition_hints == "observation" else []
-
     def sandbox_spec(self, task: Task) -> SandboxSpec:
         return SandboxSpec(source_dir=str(prepare_buggy_copy(self.instances[task.task_id], self.cfg.cache_dir)))
 
@@ -281,18 +297,6 @@ class BugLocTaskSet(TaskSet):
     async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider, episode: Episode) -> Grade:
         return judge(task.metadata["file"], task.metadata["function"], answer_of(episode, self.cfg.text_answer))
 
-    async def next_user_message(self, task: Task, episode: Episode) -> str | UserTurn | None:
-        """With `text_answer`, a message without a tool call that writes `FILE::FUNCTION` is the answer: the
-        episode ends there (as locate ends it). With `definition_hints: user`, the hint after a printed
-        definition is the next user message."""
-        last = episode.turns[-1] if episode.turns else None
-        if last is None:
-            return None
-        if self.cfg.text_answer and not any(o.tool for o in last.observations) and text_answer_of(last.assistant_text):
-            return UserTurn(None, ends_episode=True)
-        if self.cfg.definition_hints == "user":
-            return "\n".join(definition_hints(last.observations)) or None
-        return None
 
 
 def named_in_tests(instance: dict[str, Any]) -> bool:

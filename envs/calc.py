@@ -9,7 +9,7 @@ import operator
 import random
 from typing import Any
 
-from rollway.envs.base import Episode, Grade, Task, TaskSet
+from rollway.envs.base import Environment, Episode, Grade, Task, TaskSet
 from rollway.envs.config import CalcTasksConfig
 from rollway.sandboxes.base import Sandbox, SandboxError, SandboxProvider, SandboxSpec
 from rollway.tools.base import Tool, ToolContext, ToolResult
@@ -90,16 +90,19 @@ register_tool("calculator", CalculatorTool)
 register_tool("answer", AnswerTool)
 
 
+class CalcEnvironment(Environment):
+    async def start(self, system_prompt: str | None = None) -> list[dict[str, Any]]:
+        return [{"role": "system", "content": system_prompt or self.taskset.system_prompt}, *FEW_SHOT,
+                {"role": "user", "content": self.task.prompt}]
+
+
 class CalcTaskSet(TaskSet):
     """Task k: "What is a OP b?" with seeded operands; reward 1 when the reported answer is right."""
 
     system_prompt = SYSTEM_PROMPT
     default_tools = ("calculator", "answer")
     describe_tools = False  # a 135M model follows two worked examples better than JSON tool specs
-
-    def initial_messages(self, task: Task, system_prompt: str | None = None) -> list[dict[str, Any]]:
-        return [{"role": "system", "content": system_prompt or self.system_prompt}, *FEW_SHOT,
-                {"role": "user", "content": task.prompt}]
+    environment_class = CalcEnvironment
 
     def __init__(self, cfg: CalcTasksConfig, seed: int = 20261122):
         rng = random.Random(seed)

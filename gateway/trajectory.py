@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollway.schemas.messages import CapturedCall, Observation
+from rollway.schemas.messages import CapturedCall
 
 
 class CallLogError(ValueError):
@@ -101,29 +101,3 @@ def rebuild_segments(calls: Iterable[CapturedCall]) -> list[Segment]:
                                f"{call.continues_call}, which is not in its segment")
         segments[-1].add(call, kept)
     return segments
-
-
-def program_reply(call: CapturedCall, following: CapturedCall | None,
-                  by_index: dict[int, CapturedCall]) -> tuple[list[Observation], str | None]:
-    """What the program sent back after `call`'s reply, as a turn's observations and user message: the
-    tool results and user messages that `following` (the next kept call of the same segment) added. A
-    retry adds nothing of its own: the messages are on the call it repeats. Tool results are named by
-    the tool call of `call` they answer."""
-    source = following
-    while source is not None and source.retry_of is not None and not source.new_messages:
-        source = by_index.get(source.retry_of)
-    if source is None:
-        return [], None
-    asked = {c.get("id"): c for c in call.tool_calls}
-    observations, users = [], []
-    for message in source.new_messages:
-        if message.get("role") == "tool":
-            tool_call = asked.get(message.get("tool_call_id"), {})
-            arguments = tool_call.get("arguments")
-            observations.append(Observation(tool=tool_call.get("name") or message.get("name") or "tool",
-                                            arguments=arguments if isinstance(arguments, dict) else {},
-                                            content=str(message.get("content") or ""),
-                                            call_id=message.get("tool_call_id")))
-        elif message.get("role") == "user":
-            users.append(str(message.get("content") or ""))
-    return observations, "\n\n".join(users) if users else None

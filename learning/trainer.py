@@ -121,7 +121,7 @@ class Trainer:
     def add(self, traj: Trajectory) -> list[StepResult]:
         """Buffer one trajectory; run the updates its arrival makes possible (usually 0 or 1).
         An episode already trained (or buffered) is ignored and counted in `duplicates`."""
-        check_token_arrays(traj)  # the contract TokenStream built (schemas/tokens.py)
+        check_token_arrays(traj)  # the contract TokenStream built (episode/stream.py)
         self._refuse_if_broken()
         with self._book:
             fresh = traj.episode_id not in self._recent

@@ -126,7 +126,7 @@ def turn_panel(turn: dict[str, Any], max_chars: int, segment: int | None = None)
                   Text(_clip(obs["content"], max_chars), style="dim")]
     for hint in turn.get("hints", []):
         parts += [Text(""), Text(f"hint: {hint}", style="yellow")]
-    if turn.get("user_message") is not None:  # the task set's simulated user (next_user_message)
+    if turn.get("user_message") is not None:  # the environment's simulated user (Environment.step)
         parts += [Text(""), Text("user", style="bold blue"), Text(_clip(turn["user_message"], max_chars))]
     if turn.get("call_index") is not None:
         title = (f"call {turn['call_index']} · segment {segment if segment is not None else '?'} · turn {turn['turn']} · "

@@ -70,7 +70,7 @@ class InitRequest(EpisodeMessage, kw_only=True):
 
 class Observation(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """What one tool call returned, as the model will read it: the one tool-outcome type from the
-    agent's tool run (`tools/registry.py` `ToolTurn`) to the trajectory. A tool itself returns a
+    agent's tool run (`tools/registry.py` `Step`) to the trajectory. A tool itself returns a
     `ToolResult` (its author-facing form); `run_call` makes the Observation from it."""
 
     tool: str = ""
@@ -118,7 +118,7 @@ class TurnRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tool_ended_at: float = 0.0
     """Wall-clock time the turn's tool calls finished."""
     user_message: str | None = None
-    """A user message the task set injected after this turn (`TaskSet.next_user_message`); it follows
+    """A user message the environment gave after this turn (a simulated user: `Environment.step`); it follows
     the observations in the chat and its tokens are part of `observation_ids`. None: none."""
     state: dict[str, Any] | None = None
     """The episode's state store after this turn when the turn changed it (None: unchanged). The store

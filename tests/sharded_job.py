@@ -15,9 +15,11 @@ import sys
 import time
 from pathlib import Path
 
+from segmented import make_segmented_trajectory
+
 from rollway.learning.config import LearnerConfig
 from rollway.learning.distributed import RankDied, ShardedTrainer, build_trainer, world_from_env
-from rollway.learning.testing import make_segmented_trajectory, make_trajectory, tiny_model_factory
+from rollway.learning.testing import make_trajectory, tiny_model_factory
 
 
 def trajectories(group: str, start: int, segmented: bool = False) -> list:

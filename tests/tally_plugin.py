@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollway.envs.base import Episode, Grade, Task, TaskSet
+from rollway.envs.base import Environment, Episode, Grade, Task, TaskSet
 from rollway.sandboxes.base import Sandbox, SandboxProvider, SandboxSpec
 from rollway.tools.base import Tool, ToolContext, ToolResult
+from rollway.tools.registry import Toolbox
 
 
 class AddTool(Tool):
@@ -37,8 +38,8 @@ class TallyTaskSet(TaskSet):
     def tasks(self) -> list[Task]:
         return list(self._tasks)
 
-    def tools_for(self, task: Task) -> list[Any]:
-        return self._tools[task.task_id]
+    def environment(self, task: Task, sandbox: Sandbox | None, toolbox: Toolbox) -> Environment:
+        return Environment(self, task, toolbox.build(self._tools[task.task_id]), sandbox, toolbox.cfg)
 
     def sandbox_spec(self, task: Task) -> SandboxSpec:
         return SandboxSpec()

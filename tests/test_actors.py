@@ -366,8 +366,8 @@ def test_task_set_hints_end_the_observation_the_model_reads_next(tmp_path):
 def test_a_turn_runs_without_any_transport(tmp_path):
     """The built-in loop (actors/turn.py) plays a whole episode from the turn-0 message alone: no broker,
     no actor, no log; the scripted policy solves the toy task and the reward stage grades it 1."""
-    from rollway.actors.episode import EpisodeState
     from rollway.actors.turn import TurnRunner
+    from rollway.episode.state import EpisodeState
 
     s = services(tmp_path)
     init, reward = InitActor(s), RewardActor(s)

@@ -21,6 +21,7 @@ from rollway.envs.config import TasksConfig
 from rollway.envs.factory import build_taskset
 from rollway.envs.swe import load_instances
 from rollway.schemas.messages import Observation, TurnRecord
+from rollway.tools.config import ToolsConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -322,23 +323,35 @@ def test_loose_locate_arguments_are_graded_on_their_normalised_values():
     assert judge("pkg/a.py", "Foo.bar", {"file": "pkg/a.py", "function": "pkg.b.Foo.bar"}).reward == 0.0
 
 
-@pytest.mark.slow
-def test_a_text_answer_ends_the_episode_and_user_hints_come_as_the_next_user_message(toolz_instances):
-    from rollway.envs.base import UserTurn
-    from rollway.envs.buglocal import definition_hints
+def test_a_text_answer_ends_the_episode_and_definition_hints_come_as_configured():
+    """The buglocal environment's step: a plain-text `FILE::FUNCTION` ends the episode (text_answer); the hint
+    after a printed definition is the next user message (definition_hints=user) or ends the observation
+    (observation). Faked parts: the task set is its config alone, and the tool run gives a fixed printed
+    definition (the search tool needs a sandbox over a built task)."""
+    from types import SimpleNamespace
 
-    taskset = build_taskset(TasksConfig(type="buglocal", path=str(toolz_instances), text_answer=True))
-    task = taskset.tasks()[0]
-    reply = asyncio.run(taskset.next_user_message(task, _episode(_said("toolz/itertoolz.py::groupby"))))
-    assert isinstance(reply, UserTurn) and reply.ends_episode
-    assert asyncio.run(taskset.next_user_message(task, _episode(_said("let me look")))) is None
+    from rollway.envs.buglocal import BugLocEnvironment, definition_hints
+    from rollway.envs.config import BugLocTasksConfig
+    from rollway.tools.registry import Step
+
     printed = Observation(tool="search", arguments={}, content="toolz/itertoolz.py:60  function groupby: def groupby(")
-    hinted = build_taskset(TasksConfig(type="buglocal", path=str(toolz_instances), definition_hints="user"))
-    assert [asyncio.run(hinted.next_user_message(task, _episode(_said("", printed))))] == definition_hints([printed])
-    assert hinted.observation_hints(task, [printed]) == []
-    observed = build_taskset(TasksConfig(type="buglocal", path=str(toolz_instances), definition_hints="observation"))
-    assert asyncio.run(observed.next_user_message(task, _episode(_said("", printed)))) is None
-    assert observed.observation_hints(task, [printed]) == definition_hints([printed])
+
+    def step(output, observations=(), **cfg):
+        taskset = SimpleNamespace(cfg=BugLocTasksConfig(type="buglocal", path="unused.jsonl", **cfg))
+        env = BugLocEnvironment(taskset, Task("t", "p"), {}, None, ToolsConfig())
+
+        async def ran(output, episode):
+            return Step([], list(observations))
+
+        env.run_tools = ran
+        return asyncio.run(env.step(output, Episode("e", 0, env.task, [], [])))
+
+    assert step("toolz/itertoolz.py::groupby", text_answer=True).done == "user_done"
+    assert step("let me look", text_answer=True).done is None
+    user = step("", [printed], definition_hints="user")
+    assert [user.user_message] == definition_hints([printed]) and user.hints == []
+    observed = step("", [printed], definition_hints="observation")
+    assert observed.user_message is None and observed.hints == definition_hints([printed])
 
 
 def test_family_files_take_the_libraries_in_turn():

@@ -23,12 +23,13 @@ from rollway.actors.learner import LearnerActor
 from rollway.actors.services import Services
 from rollway.audit.verify import DO_NOTHING_SCRIPT, play_episode
 from rollway.config.run import ConfigError, RunConfig, config_secrets, load_config, resolved_config
+from rollway.envs.base import Episode
 from rollway.envs.factory import build_taskset
 from rollway.runtime.actor import MessageMeta
 from rollway.schemas import EpisodeKey, InitRequest
 from rollway.tools.base import Tool, ToolResult
 from rollway.tools.config import ToolsConfig
-from rollway.tools.registry import build_tools, register_tool, run_tool_calls
+from rollway.tools.registry import Toolbox, build_tools, register_tool, run_tool_calls
 
 
 def cli_env() -> dict[str, str]:
@@ -197,7 +198,7 @@ def test_enabled_plugin_tool_is_built_after_the_task_set_module_is_imported():
             "from rollway.config.run import load_config\nfrom pathlib import Path\n"
             "s = Services(load_config(None, ['tasks.type=calc', 'tools.enabled=[calculator,answer,finish]', "
             "'policy.script=[{when: \"\", turns: [hi]}]']), Path('.'))\n"
-            "asyncio.run(AgentActor(s).setup())\nprint(sorted(s.tools))\n")
+            "asyncio.run(AgentActor(s).setup())\nprint(sorted(s.toolbox.build(s.taskset.default_tools)))\n")
     out = run_with_progress([sys.executable, "-c", code], cwd=ROOT, env=cli_env())
     assert out.returncode == 0, out.stderr
     assert "['answer', 'calculator', 'finish']" in out.stdout
@@ -334,7 +335,7 @@ def test_a_tool_tested_outside_a_run_as_the_docs_show_gets_its_task():
 
     taskset = build_taskset(load_config(DESK_YAML).tasks)
     task, cfg = taskset.get("desk-ada"), ToolsConfig()
-    tools = build_tools(list(taskset.tools_for(task)), cfg)
+    tools = taskset.environment(task, None, Toolbox(cfg)).tools
     call = '<tool_call>{"name": "desk_lookup_order", "arguments": {"order_id": "A-17"}}</tool_call>'
     [found] = run(run_tool_calls(call, tools, None, cfg, outside_episode(task))).observations
     assert json.loads(found.content)["item"] == "kettle"
@@ -464,10 +465,11 @@ def test_task_selection_applies_to_plugin_task_sets():
 
 def test_a_task_set_gives_tools_built_from_its_data_without_registering_them(tmp_path):
     """A simulator's function docs become tools at run time (the BFCL case: 130 tools made with type()
-    before): the task set returns instances from tools_for, namespaced by its family; nothing global."""
+    before): the task set's environment gets instances, namespaced by its family; nothing global."""
+    from rollway.envs.base import Environment
     from rollway.envs.toy import ToyTaskSet
     from rollway.tools.base import Tool, ToolResult
-    from rollway.tools.registry import TOOLS, run_tool_calls
+    from rollway.tools.registry import TOOLS
 
     class LookupTool(Tool):
         def __init__(self, name: str, table: dict[str, str]) -> None:
@@ -483,18 +485,48 @@ def test_a_task_set_gives_tools_built_from_its_data_without_registering_them(tmp
             super().__init__(cfg)
             self.data_tools = [LookupTool(f"sim.{n}", {"a": f"{n}-A"}) for n in ("rates", "stock")]
 
-        def tools_for(self, task):
-            return [*self.data_tools, "finish"]
+        def environment(self, task, sandbox, toolbox):
+            return Environment(self, task, toolbox.build([*self.data_tools, "finish"]), sandbox, toolbox.cfg)
 
     s = Services(load_config(ROOT / "examples" / "smoke.yaml"), tmp_path)
     s.__dict__["taskset"] = DataToolsTaskSet(s.cfg.tasks)
     task = s.taskset.tasks()[0]
-    tools = s.tools_for(task)
-    assert list(tools) == ["sim.rates", "sim.stock", "finish"] and "sim.rates" not in TOOLS
-    assert s.tools_for(task) is tools  # built once per worker
+    env = s.environment(task)
+    assert list(env.tools) == ["sim.rates", "sim.stock", "finish"] and "sim.rates" not in TOOLS
+    assert s.environment(task).tools is env.tools  # built once per worker
     call = '<tool_call>{"name": "sim.stock", "arguments": {"key": "a"}}</tool_call>'
-    turn = run(run_tool_calls(call, tools, None, s.cfg.tools))
-    assert [(o.tool, o.content, o.is_error) for o in turn.observations] == [("sim.stock", "stock-A", False)]
+    step = run(env.step(call, Episode("e", 0, task, [], [])))
+    assert [(o.tool, o.content, o.is_error) for o in step.observations] == [("sim.stock", "stock-A", False)]
+
+
+def test_a_plugin_written_against_the_old_hooks_still_plays_and_is_warned(tmp_path):
+    """A task set of the release before `Environment` (tools_for, initial_messages, next_user_message,
+    observation_hints on the TaskSet) still plays a whole episode through the agent's turn: its tools, its
+    opening, its simulated user and its hints all reach the trajectory, and a DeprecationWarning names the
+    hooks and the way forward."""
+    from rollway.envs.toy import ToyTaskSet
+
+    class OldStyle(ToyTaskSet):
+        def tools_for(self, task):
+            return ["bash", "finish"]
+
+        def initial_messages(self, task, system_prompt=None):
+            return [{"role": "system", "content": "old opening"}, {"role": "user", "content": task.prompt}]
+
+        async def next_user_message(self, task, episode):
+            return f"user after turn {episode.turns[-1].turn}"
+
+        def observation_hints(self, task, observations):
+            return [f"hint after {len(observations)} observation(s)"]
+
+    cfg = load_config(ROOT / "examples" / "smoke.yaml")
+    s = Services(cfg, tmp_path)
+    s.__dict__["taskset"] = OldStyle(cfg.tasks)
+    with pytest.warns(DeprecationWarning, match="tools_for, next_user_message, observation_hints, initial_messages"):
+        traj = run(play_episode(cfg, tmp_path, s.taskset.tasks()[0].task_id, services=s))
+    assert traj.messages[0]["content"] == "old opening" and traj.reward == 1.0
+    assert [t.user_message for t in traj.turns[:-1]] == [f"user after turn {t.turn}" for t in traj.turns[:-1]]
+    assert all(t.hints[-1].startswith("hint after") for t in traj.turns[:-1]) and traj.num_turns > 1
 
 
 def test_a_task_set_reads_the_runs_sandbox_settings_and_a_workdir_may_be_a_users_home(tmp_path):

@@ -264,7 +264,7 @@ class _WithTitles(_Plain):
 
 @pytest.mark.parametrize("rules", ["shipped", "none"])
 def test_a_side_conversation_is_recorded_apart_and_the_episode_stream_goes_on(rules):
-    from rollway.actors.harness import outcome_of
+    from rollway.episode.calls import outcome_of
     from rollway.gateway.side import SHIPPED
 
     async def scenario():

@@ -10,8 +10,8 @@ import openai
 import pytest
 from conftest import run
 
-from rollway.actors.harness import outcome_of
 from rollway.actors.learner import sampling_mismatch
+from rollway.episode.calls import outcome_of
 from rollway.gateway import Gateway, MemoryRecorder, rebuild_segments
 from rollway.schemas.messages import EpisodeKey
 

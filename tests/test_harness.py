@@ -282,9 +282,9 @@ def test_calls_with_retries_and_a_rewrite_become_turns_that_reassemble_each_segm
 
     from test_gateway import SHELL, LoggedEngine, Program, _DictProgram, client_for, key, serve
 
-    from rollway.actors.harness import outcome_of
+    from rollway.episode.calls import outcome_of
+    from rollway.episode.stream import TokenStream
     from rollway.gateway import rebuild_segments
-    from rollway.schemas.tokens import TokenStream
 
     async def scenario():
         engine = LoggedEngine()

@@ -94,6 +94,7 @@ LAYERS = (
     ("topics",),
     ("runtime",),
     ("sandboxes", "tools", "envs", "policies", "learning", "gateway"),
+    ("episode",),
     ("config",),
     ("docgen",),
     ("actors",),
@@ -102,9 +103,10 @@ LAYERS = (
     ("bench",),
 )
 """Bottom to top: messages and the lowest helpers; the topics and the topology; the stream runtime; the
-domain packages; the config root (config); the generated docs (docgen); the actors; what reads a run back
-(reports) and the checks that play episodes through the actors (audit); processes and the CLI; benchmarks.
-A package imports only packages of its own layer or below (within a layer the graph must stay acyclic)."""
+domain packages; an episode's life (episode); the config root (config); the generated docs (docgen); the
+actors; what reads a run back (reports) and the checks that play episodes through the actors (audit);
+processes and the CLI; benchmarks. A package imports only packages of its own layer or below (within a layer
+the graph must stay acyclic)."""
 
 
 def test_packages_import_only_their_layer_or_below():
@@ -127,3 +129,26 @@ def test_the_stream_runtime_loads_no_domain_package():
             "print(sorted({m.split('.')[1] for m in sys.modules if m.startswith('rollway.')}), 'faust' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split("]")[0] + "]" == str(sorted(["base", "runtime", "schemas", "topics"])) and out.strip().endswith("False")
+
+
+def test_the_episode_package_loads_neither_the_runtime_nor_the_config_root():
+    """An episode's life (state, token stream, stop rules, budget, deadline, hints, turn records) is free of
+    any transport and of the run's config: importing every module of `rollway.episode` loads neither
+    `rollway.runtime` nor `rollway.config`."""
+    import subprocess
+    import sys
+
+    modules = sorted(f"rollway.episode.{p.stem}" for p in (ROOT / "episode").glob("*.py") if p.stem != "__init__")
+    code = (f"import sys, {', '.join(modules)}; "
+            "print(sorted({m.split('.')[1] for m in sys.modules if m.startswith('rollway.')}))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert modules and "'runtime'" not in loaded and "'config'" not in loaded, loaded
+
+
+def test_the_agent_turn_imports_only_the_packages_of_its_walk():
+    """docs/concepts.md, one message's walk: the agent actor and its turn code (actors/agent.py, actors/turn.py)
+    call into the episode package, the runtime (the model call's metrics) and the sandboxes (the turn's claim)
+    only; the environment with its tools, and the engine, are objects the worker built (actors/services.py). An
+    import of another package here adds a hop to the walk the page counts."""
+    used = imported_packages(ROOT / "actors" / "agent.py") | imported_packages(ROOT / "actors" / "turn.py")
+    assert used <= {"actors", "base", "episode", "runtime", "sandboxes", "schemas", "topics"}, sorted(used)

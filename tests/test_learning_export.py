@@ -56,7 +56,8 @@ def test_appending_writer(tmp_path: Path) -> None:
 def test_a_multi_segment_trajectory_keeps_its_segment_starts(tmp_path: Path) -> None:
     """Another trainer must split a harness episode where its program rewrote its history, as rollway's
     learner does: the segment starts travel with the rows (relative to response_ids) and come back."""
-    from rollway.learning.testing import make_segmented_trajectory
+    from segmented import make_segmented_trajectory
+
     from rollway.schemas.tokens import segment_bounds
 
     traj = make_segmented_trajectory("s", "g", [[[1, 2, 3], [10, 11], [5], [12]], [[1, 7], [13, 14]]], 1.0)

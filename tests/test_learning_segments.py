@@ -2,7 +2,7 @@
 per segment: each segment's tokens are conditioned on that segment's own prefix only, as the model saw
 them, with the episode's advantage on every segment and the episode counted once by the loss's
 normalisation. The reference gradients are computed here with plain torch on the tiny Llama of
-learning/testing.py, independently of the trainer's batching, packing and weighting code."""
+learning/testing.py (tests/segmented.py), independently of the trainer's batching, packing and weighting code."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+from segmented import make_segmented_trajectory
 
 from rollway.learning.advantages import build_advantage_estimator, group_advantages
 from rollway.learning.config import LearnerConfig
 from rollway.learning.losses import sequence_loss_weights
-from rollway.learning.testing import make_segmented_trajectory, make_trajectory, tiny_model_factory
+from rollway.learning.testing import make_trajectory, tiny_model_factory
 from rollway.learning.trainer import Trainer
 from rollway.schemas.tokens import check_token_arrays, segment_bounds
 

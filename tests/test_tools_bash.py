@@ -65,5 +65,5 @@ def test_finish_ends_the_turn(sandbox: Sandbox) -> None:
         '<tool_call>{"name": "finish", "arguments": {"message": "wrote b.txt"}}</tool_call>'
     )
     turn = asyncio.run(run_tool_calls(text, build_tools(["bash", "finish"], cfg), sandbox, cfg))
-    assert turn.ends_episode and [o.tool for o in turn.observations] == ["bash", "finish"]
+    assert turn.done == "finish" and [o.tool for o in turn.observations] == ["bash", "finish"]
     assert "+hi" in asyncio.run(sandbox.diff())

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from rollway.episode.hints import HintEngine
 from rollway.tools.base import ToolCall
 from rollway.tools.config import HintsConfig
-from rollway.tools.hints import HintEngine, render_hints
 
 LS = ToolCall("bash", {"command": "ls"}, call_id="a")
 LS_AGAIN = ToolCall("bash", {"command": "ls"}, call_id="b")
@@ -46,7 +46,6 @@ def test_error_hint_and_switches() -> None:
     assert "failed" in hints(errors=1)[0]
     off = HintsConfig(budget_reminders=False, repeat_action=False, after_tool_error=False)
     assert hints(off, turn=28, errors=2, calls=[LS], previous_calls=[LS], tokens_used=9_999) == []
-    assert render_hints(["a", "b"]) == "[hint] a\n[hint] b"
 
 
 def test_the_turn_budget_reminder_names_finish_only_where_the_family_has_it() -> None:

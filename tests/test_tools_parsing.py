@@ -11,7 +11,7 @@ import pytest
 from rollway.tools.base import Tool, ToolCall, ToolResult
 from rollway.tools.config import ToolsConfig
 from rollway.tools.parsing import CallError, parse_tool_calls
-from rollway.tools.registry import build_tools, run_tool_calls, tool_specs, truncate_observation
+from rollway.tools.registry import build_tools, run_tool_calls, truncate_observation
 from rollway.tools.schema import validate
 
 CFG = ToolsConfig()
@@ -164,7 +164,7 @@ def test_build_tools_unknown_name_lists_available() -> None:
     with pytest.raises(ValueError, match=r"available tools: (\w+, )*bash, (\w+, )*editor, (\w+, )*finish, "
                                          r"(\w+, )*search"):
         build_tools(["bash", "grep"], CFG)
-    assert [spec["function"]["name"] for spec in tool_specs(TOOLS)] == ["bash", "editor", "search", "finish"]
+    assert [spec["function"]["name"] for spec in [t.spec() for t in TOOLS.values()]] == ["bash", "editor", "search", "finish"]
 
 
 class _BrokenTool(Tool):
@@ -190,7 +190,7 @@ def test_run_tool_calls_survives_tool_bugs_and_stops_after_finish() -> None:
     assert unknown.is_error and unknown.tool == "nope"
     assert finish.ends_episode and "Summary: done" in finish.content
     assert "Not run" in skipped.content and not skipped.internal_error
-    assert turn.ends_episode and turn.errors == 2 and turn.internal_errors == 1
+    assert turn.done == "finish" and turn.errors == 2 and turn.internal_errors == 1
 
 
 def test_message_without_call_gets_format_reminder() -> None:

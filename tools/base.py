@@ -84,8 +84,3 @@ def check_tool(tool: Tool | type[Tool]) -> None:
 def outside_episode(task: Any = None) -> ToolContext:
     """The context of a call made outside a run's episode (a test, a replay without its episode)."""
     return ToolContext(task=task, episode_id="")
-
-
-async def call_tool(tool: Tool, arguments: dict[str, Any], sandbox: Sandbox, context: ToolContext | None) -> ToolResult:
-    """`tool.call`; a call outside an episode gets an empty context (`outside_episode`)."""
-    return await tool.call(arguments, sandbox, context if context is not None else outside_episode())

@@ -14,7 +14,7 @@ class ToolsConfig(StrictModel):
     enabled: list[str] | None = None
     """Tools offered to the model in every episode: built-in or registered names (`bash`, `editor`,
     `search`, `finish`) or your own Tool subclasses as `python:MODULE:CLASS`. None: each task's own list
-    (`TaskSet.tools_for(task)`, by default the task set's `default_tools`)."""
+    (`TaskSet.environment(task, ...)`'s, by default the task set's `default_tools`)."""
     settings: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Options of tools that declare their own config class (`config_class`), keyed by tool name, e.g.
     {lookup: {max_rows: 5}}; validated by that class when the config loads (unknown keys fail)."""

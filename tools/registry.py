@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -16,7 +16,7 @@ from rollway.base.registry import Registry
 from rollway.base.threads import BlockingTimeout
 from rollway.sandboxes.base import Sandbox
 from rollway.schemas.messages import Observation
-from rollway.tools.base import Tool, ToolCall, ToolContext, call_tool, check_tool
+from rollway.tools.base import Tool, ToolCall, ToolContext, check_tool, outside_episode
 from rollway.tools.bash import BashTool
 from rollway.tools.config import ToolsConfig
 from rollway.tools.editor import EditorTool
@@ -29,7 +29,7 @@ log = structlog.get_logger()
 
 TOOLS = Registry("tool", "tools.enabled", "rollway.tools.base:Tool")
 """Tools by the name a task set or `tools.enabled` lists (the same Registry as every other component
-kind); `register_tool` adds more. A task set may also give Tool instances directly (`tools_for`)."""
+kind); `register_tool` adds more. A task set may also give Tool instances directly (`TaskSet.environment`)."""
 TOOLS.add("bash", BashTool)
 TOOLS.add("editor", EditorTool)
 TOOLS.add("search", SearchTool)
@@ -64,7 +64,7 @@ def tool_factory(ref: str) -> Callable[..., Tool]:
     except ValueError:
         raise ValueError(
             f"unknown tool {ref!r}; available tools: {', '.join(TOOLS.names())}, or your own Tool subclass "
-            "as python:MODULE:CLASS. Fix tools.enabled or the task set's tools (default_tools / tools_for); a tool "
+            "as python:MODULE:CLASS. Fix tools.enabled or the task set's tools (default_tools / environment); a tool "
             "registered with register_tool must be registered by a module the task set imports") from None
 
 
@@ -126,30 +126,38 @@ def build_tools(names: Sequence[str | Tool], cfg: ToolsConfig) -> dict[str, Tool
     return tools
 
 
-def tool_specs(tools: Mapping[str, Tool]) -> list[dict[str, Any]]:
-    """The OpenAI `tools` list (also what chat templates render into the system prompt)."""
-    return [tool.spec() for tool in tools.values()]
+class Toolbox:
+    """A worker's tools and the run's tool settings: each list built once (`tools.enabled` replaces every list)."""
+
+    def __init__(self, cfg: ToolsConfig) -> None:
+        self.cfg, self._built = cfg, {}
+
+    def build(self, refs: Sequence[str | Tool]) -> dict[str, Tool]:
+        """The tools `refs` names (see `build_tools`), by the name the model calls."""
+        key = tuple(self.cfg.enabled or refs)
+        if key not in self._built:
+            self._built[key] = build_tools(key, self.cfg)
+        return self._built[key]
 
 
 @dataclass
-class ToolTurn:
-    """The outcome of running one model message's tool calls."""
+class Step:
+    """What comes back after a model output: its tool calls' outcome and (`Environment.step`) the rest."""
 
     calls: list[ToolCall]
     """Valid calls found in the message, in order (the ones that ran and any skipped)."""
     observations: list[Observation]
     """One per call or parse error, in message order."""
-    ends_episode: bool = False
-    """`finish` was called."""
+    done: str | None = None
+    """Why the episode ends after this turn (`finish`, `user_done`: the simulated user ended it); None: it goes on."""
+    user_message: str | None = None
+    """A simulated user's next message; None adds none."""
+    hints: list[str] = field(default_factory=list)
+    """The task's hints for the next turn (the episode adds its own); dropped, like the user message, at the end."""
 
     @property
     def errors(self) -> int:
         return sum(observation.is_error for observation in self.observations)
-
-    @property
-    def call_pairs(self) -> list[tuple[str, dict[str, Any]]]:
-        """(name, arguments) of each valid call, for the hints."""
-        return [(call.name, call.arguments) for call in self.calls]
 
     @property
     def internal_errors(self) -> int:
@@ -159,21 +167,21 @@ class ToolTurn:
 async def run_tool_calls(
     output: Any, tools: Mapping[str, Tool], sandbox: Sandbox, cfg: ToolsConfig, context: ToolContext | None = None,
     require_call: bool = True,
-) -> ToolTurn:
+) -> Step:
     """Parse `output` (assistant text, message dict or tool-call list), run each valid call in
     order, and return one observation per call. Never raises for anything the model or a tool does;
     calls after `finish` or past `cfg.max_calls_per_turn` are not run. `require_call`: the task set's
     `require_tool_call`."""
     parsed = parse_tool_calls(output, tools)
     if not parsed.items:
-        return ToolTurn([], [_no_call_observation(tools)] if require_call else [])
-    turn = ToolTurn(calls=parsed.calls, observations=[])
+        return Step([], [_no_call_observation(tools)] if require_call else [])
+    turn = Step(calls=parsed.calls, observations=[])
     for index, item in enumerate(parsed.items):
         observation = await _run_item(item, index, turn, tools, sandbox, cfg, context)
         observation.content, observation.truncated = truncate_observation(
             observation.content, cfg.max_observation_chars
         )
-        turn.ends_episode = turn.ends_episode or observation.ends_episode
+        turn.done = turn.done or ("finish" if observation.ends_episode else None)
         turn.observations.append(observation)
     return turn
 
@@ -181,7 +189,7 @@ async def run_tool_calls(
 async def _run_item(
     item: ToolCall | CallError,
     index: int,
-    turn: ToolTurn,
+    turn: Step,
     tools: Mapping[str, Tool],
     sandbox: Sandbox,
     cfg: ToolsConfig,
@@ -191,7 +199,7 @@ async def _run_item(
         # A tool name or id parsed from the model's JSON may hold lone surrogates: kept as valid text.
         return Observation(content=_text(item.message), tool=_text(item.name or ""),
                            call_id=_text(item.call_id) if item.call_id else None, is_error=True)
-    if turn.ends_episode:
+    if turn.done:
         return Observation(content="Not run: `finish` was called earlier in this message.", tool=item.name,
                            call_id=item.call_id, arguments=item.arguments)
     if index >= cfg.max_calls_per_turn:
@@ -209,7 +217,7 @@ async def run_call(call: ToolCall, tool: Tool, sandbox: Sandbox, context: ToolCo
     limit = asyncio.timeout(timeout_s)
     try:
         async with limit:
-            result = await call_tool(tool, call.arguments, sandbox, context)
+            result = await tool.call(call.arguments, sandbox, context or outside_episode())  # outside an episode: no task
     except Exception as error:  # noqa: BLE001 - deliberate: the worker must survive tool bugs
         if limit.expired() or isinstance(error, BlockingTimeout):
             log.warning("tool call timed out", tool=call.name, timeout_s=timeout_s, error=str(error))

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import shlex
-from collections.abc import Sequence
 
 from pydantic import Field
 
-from rollway.envs.base import Episode, Grade, Task, TaskSet
+from rollway.envs.base import Environment, Episode, Grade, Task, TaskSet
 from rollway.envs.config import TasksConfig
 from rollway.sandboxes.base import Sandbox, SandboxProvider, SandboxSpec
+from rollway.tools.registry import Toolbox
 
 TASKS = [
     {"id": "make-dir", "prompt": "Create a folder `out` holding a file `done.txt` whose only line is `ok`.",
@@ -62,8 +62,10 @@ class ShellTaskSet(TaskSet):
     def tasks(self) -> list[Task]:
         return list(self._tasks)
 
-    def tools_for(self, task: Task) -> Sequence[str]:
-        return task.metadata.get("tools", self.default_tools)
+    def environment(self, task: Task, sandbox: Sandbox | None, toolbox: Toolbox) -> Environment:
+        """A task may name its own tools (`tools` in its metadata)."""
+        return Environment(self, task, toolbox.build(task.metadata.get("tools", self.default_tools)), sandbox,
+                           toolbox.cfg)
 
     def sandbox_spec(self, task: Task) -> SandboxSpec:
         return SandboxSpec(files=dict(task.metadata["files"]))

@@ -1,7 +1,7 @@
 """A multi-turn task with simulator-backed tools and a simulated user: a support desk where a customer
 asks for a refund. The tools are methods of an in-process order-system simulator whose state lives in
-the episode's state store (so it survives a change of agent worker); the customer is simulated by
-`next_user_message`. One file, public API only.
+the episode's state store (so it survives a change of agent worker); the customer is simulated by the
+environment's `step`. One file, public API only.
 
 Run it: `rollway up examples/plugins/support_desk.yaml` (the `gold` policy plays the reference
 solution), or `rollway tasks verify examples/plugins/support_desk.yaml`."""
@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import Field
 
-from rollway.envs.base import Episode, Grade, Task, TaskSet, UserTurn
+from rollway.envs.base import Environment, Episode, Grade, Step, Task, TaskSet
 from rollway.envs.config import TasksConfig
 from rollway.sandboxes.base import Sandbox, SandboxProvider, SandboxSpec
 from rollway.tools.base import Tool, ToolContext, ToolResult
@@ -97,12 +97,30 @@ def tool_call(name: str, **arguments: object) -> str:
     return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
 
 
+class DeskEnvironment(Environment):
+    async def step(self, output: str, episode: Episode) -> Step:
+        """The tool calls, then the simulated customer: gives the order id once asked, says goodbye once refunded."""
+        step, want, state = await self.run_tools(output, episode), self.task.metadata["want"], episode.state
+        if step.done or episode.stop_reason:
+            return step
+        said = [m["content"] for m in episode.messages if m["role"] == "assistant"] + [output]
+        if want in state.get("refunded", []):
+            step.user_message, step.done = "Thank you, that's all!", "user_done"
+        elif any("order" in text.lower() for text in said) and not state.get("told"):
+            state["told"] = True
+            step.user_message = f"It's order {want}."
+        elif output and not step.observations:
+            step.user_message = "Can you help me?"
+        return step
+
+
 class SupportDeskTaskSet(TaskSet):
     config_class = SupportDeskConfig
     system_prompt = ("You are a support agent of a shop. Ask the customer what you need, use the desk tools, "
                      "and refund only what they ask for.")
     default_tools = TOOLS
     require_tool_call = False  # talking to the customer is a turn without a tool call
+    environment_class = DeskEnvironment
 
     def __init__(self, cfg: SupportDeskConfig) -> None:
         self._tasks = [Task(f"desk-{c['name'].lower()}", f"Hi, I'm {c['name']}. I want a refund, please.",
@@ -113,17 +131,6 @@ class SupportDeskTaskSet(TaskSet):
 
     def sandbox_spec(self, task: Task) -> SandboxSpec:
         return SandboxSpec()  # the tools talk to the simulator, not to the sandbox
-
-    async def next_user_message(self, task: Task, episode: Episode) -> str | UserTurn | None:
-        """The simulated customer: gives the order id once asked, says goodbye once refunded."""
-        if task.metadata["want"] in episode.state.get("refunded", []):
-            return UserTurn("Thank you, that's all!", ends_episode=True)
-        last = episode.messages[-1]["content"] if episode.messages[-1]["role"] == "assistant" else ""
-        asked = any(m["role"] == "assistant" and "order" in m["content"].lower() for m in episode.messages)
-        if asked and not episode.state.get("told"):
-            episode.state["told"] = True
-            return f"It's order {task.metadata['want']}."
-        return None if not last else "Can you help me?"
 
     def reference_solution(self, task: Task) -> list[str]:
         want = task.metadata["want"]

@@ -77,8 +77,3 @@ def _signature(calls: Sequence[CallLike]) -> Counter[str]:
     return Counter(
         f"{name}:{json.dumps(arguments, sort_keys=True, default=str)}" for name, arguments in pairs if name
     )
-
-
-def render_hints(hints: Sequence[str]) -> str:
-    """Hints as one block to append after the last observation of a turn ('' when none)."""
-    return "\n".join(f"[hint] {hint}" for hint in hints)

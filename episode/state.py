@@ -1,13 +1,14 @@
 """An episode's state as the agent rebuilds it from its event-sourced turn messages (its token stream:
-schemas/tokens.py)."""
+episode/stream.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollway.schemas.messages import AgentStep, TurnRecord
-from rollway.schemas.tokens import TokenStream
+from rollway.episode.deadline import agent_deadline
+from rollway.episode.stream import TokenStream, observation_messages
+from rollway.schemas.messages import AgentStep, RewardRequest, TurnRecord
 
 
 @dataclass
@@ -24,6 +25,10 @@ class EpisodeState:
     messages: list[dict[str, Any]] = field(default_factory=list)
     store: dict[str, Any] = field(default_factory=dict)
     """The episode's state store (ToolContext.state) after the last applied turn."""
+    task: Any = None
+    """The episode's task (`begin`: on its first turn on this worker)."""
+    deadline: float | None = None
+    """When the task's agent time ends (unix seconds); None: no limit."""
 
     @classmethod
     def start(cls, msg: AgentStep, offset: int) -> EpisodeState:
@@ -31,6 +36,9 @@ class EpisodeState:
             raise ValueError(f"episode {msg.episode_id}: turn-0 message without prompt_ids/messages")
         return cls(first=msg, start_offset=offset, stream=TokenStream.start(msg.prompt_ids),
                    messages=list(msg.messages))
+
+    def begin(self, task: Any) -> None:
+        self.task, self.deadline = task, agent_deadline(task.metadata, self.first.ready_at)
 
     @property
     def next_turn(self) -> int:
@@ -41,8 +49,9 @@ class EpisodeState:
     def tools(self) -> list[dict[str, Any]]:
         return self.first.tools or []
 
-    def apply(self, record: TurnRecord, new_messages: list[dict[str, Any]]) -> None:
-        """Append one finished turn: its completion, then the observation tokens."""
+    def apply(self, record: TurnRecord, new_messages: list[dict[str, Any]] | None = None) -> None:
+        """Append one finished turn: its completion, then the observation tokens (`new_messages`: the chat
+        messages the turn adds after the assistant's, by default those of its observations)."""
         if record.turn != self.next_turn:
             raise ValueError(f"episode {self.first.episode_id}: turn {record.turn} applied at {self.next_turn}")
         self.turns.append(record)
@@ -50,7 +59,20 @@ class EpisodeState:
             self.store = dict(record.state)
         self.stream.append(record, self.first.episode_id)
         self.messages.append({"role": "assistant", "content": record.assistant_text})
-        self.messages += new_messages
+        self.messages += observation_messages(record) if new_messages is None else new_messages
+
+    def next_step(self) -> AgentStep:
+        """The next turn's message: the last turn's record (a delta), and where turn 0 lies in the log."""
+        f = self.first
+        return AgentStep(episode=f.episode, turn=self.next_turn, sandbox=f.sandbox, start_offset=self.start_offset,
+                         last=self.turns[-1], deadline=f.deadline, final_wave=f.final_wave)
+
+    def reward_request(self, stop_reason: str, failure: dict[str, str] | None = None) -> RewardRequest:
+        """The finished episode, for the reward stage."""
+        f = self.first
+        return RewardRequest(episode=f.episode, sandbox=f.sandbox, prompt_ids=list(f.prompt_ids or []),
+                             messages=list(f.messages or []), turns=list(self.turns), stop_reason=stop_reason,
+                             deadline=f.deadline, failure=failure)
 
     @property
     def token_ids(self) -> list[int]:

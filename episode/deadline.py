@@ -23,42 +23,19 @@ def agent_deadline(task_metadata: dict[str, Any], ready_at: float) -> float | No
     return float(ready_at or time.time()) + float(limit)
 
 
-class DeadlineSandbox(Sandbox):
+class DeadlineSandbox:
     """The episode's sandbox as its tools see it: every command's time limit is cut to what is left of
     the agent's time (`default_timeout_s` is sandbox.exec_timeout_s, the limit of a command that names
-    none); with nothing left, commands do not run."""
+    none); with nothing left, commands do not run. Everything else is the inner sandbox's."""
 
     def __init__(self, inner: Sandbox, deadline: float, default_timeout_s: float) -> None:
         self.inner, self.deadline, self.default_timeout_s = inner, deadline, default_timeout_s
 
-    @property
-    def handle(self) -> dict[str, Any]:
-        return self.inner.handle
-
-    @property
-    def workspace_path(self) -> str | None:
-        return self.inner.workspace_path
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
     async def exec(self, command: str, timeout_s: float | None = None) -> ExecResult:
         left = self.deadline - time.time()
         if left <= 0.05:
             return ExecResult(exit_code=-1, output="[the task's agent time is up: command not run]\n", timed_out=True)
         return await self.inner.exec(command, min(timeout_s or self.default_timeout_s, left))
-
-    async def read_file(self, path: str) -> str:
-        return await self.inner.read_file(path)
-
-    async def write_file(self, path: str, content: str) -> None:
-        await self.inner.write_file(path, content)
-
-    async def write_bytes(self, path: str, data: bytes, executable: bool = False) -> None:
-        await self.inner.write_bytes(path, data, executable)
-
-    async def diff(self) -> str:
-        return await self.inner.diff()
-
-    async def destroy(self) -> None:
-        await self.inner.destroy()
-
-    async def claim_turn(self, key: str) -> bool:
-        return await self.inner.claim_turn(key)
