@@ -72,7 +72,7 @@ _WRAP_KEEPER = 'timeout -s KILL "$1" bash -c "$2"; rc=$?; printf %s "$3"; exit $
 _WRAP_AS = f'{JUDGE_BIN}/timeout -s KILL "$1" {JUDGE_BIN}/bash -c "$2"; rc=$?; printf %s "$3"; exit $rc'
 """`exec_as` another user (a Harbor [verifier] user): not dumpable either; its leftovers are the caller's to kill."""
 # "$3" is a trailer made afresh for each command and printed last: a stream without its trailer from a
-# wrapper that exited normally lost output on the way (the bytes http.client buffered with the upgrade's
+# wrapper that exited normally lost output on the way (the bytes the HTTP reader buffered with the upgrade's
 # headers, now read: buffered_stream_bytes; the engine's own race, moby#27289), not an empty result (a
 # grader would read "no tests passed" or "no marker" into it).
 _EXIT_WAIT_S = 10.0
@@ -387,7 +387,7 @@ def take_trailer(capture: OutputCapture, trailer: bytes) -> bool:
 
 
 def buffered_stream_bytes(sock: Any) -> bytes:
-    """The first bytes of a hijacked exec stream that http.client already read into the response's buffer
+    """The first bytes of a hijacked exec stream that the HTTP response's reader already took into its buffer
     with the upgrade's headers. Reads from the socket alone miss them: under load about 1 exec in 100 here,
     a short command's whole output, end marker included (it looked like the engine had lost the stream)."""
     fp = getattr(getattr(getattr(getattr(sock, "_response", None), "raw", None), "_fp", None), "fp", None)

@@ -22,7 +22,7 @@ import pytest
 import yaml
 from conftest import ROOT, wait_until
 
-from rollway.base.run_dir import read_trajectories
+from rollway.base.run_dir import RunDir, read_trajectories, worker_name
 from rollway.runtime.metrics import ALERT_RULES, DASHBOARD, write_scrape_config
 from rollway.runtime.telemetry import read_telemetry
 
@@ -196,7 +196,7 @@ def stall_scheduler(prom: Prometheus, run_dir: Path) -> dict:
     """SIGSTOP the scheduler process until Prometheus fires RollwayWorkerDown for its target, then SIGCONT."""
     status = [json.loads(p.read_text()) for p in (run_dir / "status").glob("scheduler-*.json")]
     pid = status[0]["pid"]
-    target = json.loads((run_dir / "prometheus" / "targets" / f"{pid}.json").read_text())[0]["targets"][0]
+    target = json.loads(RunDir(run_dir).metrics_target(worker_name(pid)).read_text())[0]["targets"][0]
     started = time.time()
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -338,7 +338,7 @@ def test_a_metrics_port_in_use_moves_to_the_next_free_one_and_announces_it(tmp_p
         server = MetricsServer.acquire(MetricsConfig(port=port), tmp_path, "run-x")
         try:
             assert server.port != port
-            (announced,) = json.loads((tmp_path / "prometheus" / "targets" / f"{os.getpid()}.json").read_text())
+            (announced,) = json.loads(RunDir(tmp_path).metrics_target(worker_name()).read_text())
             assert announced == {"targets": [f"127.0.0.1:{server.port}"], "labels": {"run": "run-x"}}
             body = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10).read().decode()
             assert "# TYPE rollway_consumer_lag_messages gauge" in body
@@ -348,7 +348,7 @@ def test_a_metrics_port_in_use_moves_to_the_next_free_one_and_announces_it(tmp_p
             httpd.server_close()
         finally:
             asyncio.run(server.release())
-    assert not (tmp_path / "prometheus" / "targets" / f"{os.getpid()}.json").exists()  # a clean stop withdraws it
+    assert not RunDir(tmp_path).metrics_target(worker_name()).exists()  # a clean stop withdraws it
 
 
 def test_every_metric_is_documented():

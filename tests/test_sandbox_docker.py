@@ -447,7 +447,7 @@ def test_smoke_job_in_containers_with_a_warm_pool_leaves_nothing(
     summary = json.loads((run_dir / "summary.json").read_text())
     assert proc.returncode == 0 and summary["episodes_completed"] == 8, proc.stderr[-3000:]
     # This run's pooled containers, by the init worker that started them (not every "pool-" container).
-    init_pids = {int(p.stem.rpartition("-")[2]) for p in (run_dir / "status").glob("init-*.json")}
+    init_pids = {json.loads(p.read_text())["pid"] for p in (run_dir / "status").glob("init-*.json")}
     assert init_pids and pooled_containers_of(init_pids) == []
 
 
