@@ -7,6 +7,7 @@ print to a terminal or export as HTML."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console, Group, RenderableType
@@ -170,3 +171,11 @@ def render_html(trajs: list[dict[str, Any]], episode: dict[str, Any], listing: b
     console = Console(record=True, width=130, file=io.StringIO(), force_terminal=True)
     render(trajs, episode, listing, max_chars, console, stage_seconds)
     return console.export_html(inline_styles=True, theme=None)
+
+
+def episode_stage_seconds(run_dir: Path, traj: dict) -> dict[str, float]:
+    """Seconds per stage the run folder's telemetry recorded for the attempt that made `traj`."""
+    from rollway.runtime.telemetry import attempt_records, read_telemetry, stage_seconds
+
+    key = traj["episode"]
+    return stage_seconds(attempt_records(read_telemetry(run_dir), key["episode_id"], key.get("attempt", 0)))

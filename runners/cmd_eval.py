@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-from rollway.base.redaction import redact_data
 from rollway.base.run_dir import RunDir, fresh_run_folder
 from rollway.runners.common import add_config_arguments, load_or_exit
 
@@ -41,51 +39,10 @@ def _record_learner(cfg) -> str:
     return "learner=" + json.dumps({**own, "type": "record"})
 
 
-def write_eval(run_dir: Path, cfg, task_ids: list[str] | None = None) -> dict:
-    """pass@k over every scheduled attempt (`attempts` per task of the task set, as the eval
-    overrides schedule them): a failed or unfinished attempt counts as incorrect, and the reasons
-    of the failed ones are reported."""
-    from collections import Counter
-
-    from rollway.actors.sink import belongs_to_run
-    from rollway.learning.passk import evaluate_scheduled
-
-    if task_ids is None:
-        from rollway.envs.factory import build_taskset
-
-        task_ids = [t.task_id for t in build_taskset(cfg.tasks).tasks()]
-    trajs = {t["episode"]["episode_id"]: t for t in read_jsonl(RunDir(run_dir).trajectories)
-             if belongs_to_run(t["episode"]["episode_id"], cfg.run.id)}
-    last_failure = {f["episode"]["episode_id"]: f for f in read_jsonl(RunDir(run_dir).failures)
-                    if belongs_to_run(f["episode"]["episode_id"], cfg.run.id)}
-    reasons = Counter(_reason(f)[:200] for eid, f in last_failure.items() if eid not in trajs)
-    ks = sorted({*cfg.eval.ks, cfg.eval.attempts})
-    completed = [(t["episode"]["task_id"], bool(t["resolved"])) for t in trajs.values()]
-    result = {"temperature": cfg.eval.temperature, "attempts_per_task": cfg.eval.attempts,
-              "reward_mean": round(sum(t["reward"] for t in trajs.values()) / len(trajs), 6) if trajs else None,
-              **evaluate_scheduled(dict.fromkeys(task_ids, cfg.eval.attempts), completed, ks),
-              "failure_reasons": dict(reasons.most_common())}
-    if cfg.tasks.type in ("swebench", "harbor"):
-        from rollway.reports.eval_outputs import write_atif, write_predictions
-
-        reasons_by_task = {f["episode"]["task_id"]: _reason(f) for eid, f in last_failure.items() if eid not in trajs}
-        report = write_predictions(run_dir, cfg, task_ids, list(trajs.values()), reasons_by_task)
-        result["swebench"] = {k: report[k] for k in ("resolved_instances", "unresolved_instances", "error_instances")}
-        result["atif_files"] = write_atif(run_dir, cfg, list(trajs.values()))
-    RunDir(run_dir).eval_result.write_text(json.dumps(redact_data(result), indent=1))
-    return result
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    from rollway.base.run_dir import read_records
-
-    return read_records(path)
-
-
 def run(args: argparse.Namespace) -> int:
-
     from rollway.actors.scheduler import new_run_id
     from rollway.config.run import load_config
+    from rollway.reports.eval_outputs import track_eval, write_eval
     from rollway.runners.cmd_up import prepare_run_dir
     from rollway.runners.up import JobFailed, parse_workers, run_job, write_run_files
     from rollway.runtime.broker import BrokerError, EmbeddedBroker
@@ -115,26 +72,3 @@ def run(args: argparse.Namespace) -> int:
     track_eval(run_dir, cfg, result)
     print(json.dumps({k: v for k, v in result.items() if k != "per_task"}))
     return 0
-
-
-def track_eval(run_dir: Path, cfg, result: dict) -> None:
-    """The evaluation's figures to `tracking.trackers` (the run's tracker run): `eval/pass_at_K` overall and
-    `eval/SOURCE/pass_at_K` per task source (learning/passk.py), `eval/reward_mean`."""
-    from rollway.config.run import dump_config
-    from rollway.learning.tracking import TrackingHub
-
-    hub = TrackingHub.for_run(cfg.tracking, run_dir, cfg.run.name, cfg.run.id, dump_config(cfg))
-    if hub is None:
-        return
-    figures = {"eval/reward_mean": result["reward_mean"]}
-    for prefix, row in [("eval", result), *((f"eval/{s}", r) for s, r in result["per_source"].items())]:
-        figures.update({f"{prefix}/{k.replace('@', '_at_')}": v for k, v in row.items() if k.startswith("pass@")})
-    hub.log(0, figures)
-    hub.close()
-
-
-def _reason(failure: dict) -> str:
-    """"stage: reason"; the scheduler's final verdict already names the stage the attempt failed in."""
-    from rollway.actors.scheduler import GIVE_UP_STAGE
-
-    return failure["reason"] if failure["stage"] == GIVE_UP_STAGE else f"{failure['stage']}: {failure['reason']}"

@@ -29,20 +29,12 @@ def load(args: argparse.Namespace) -> tuple[list[dict], str]:
     return load_run_dir(Path(args.run_dir)), str(args.run_dir)
 
 
-def episode_stage_seconds(run_dir: Path, traj: dict) -> dict[str, float]:
-    """Seconds per stage the run folder's telemetry recorded for the attempt that made `traj`."""
-    from rollway.runtime.telemetry import attempt_records, read_telemetry, stage_seconds
-
-    key = traj["episode"]
-    return stage_seconds(attempt_records(read_telemetry(run_dir), key["episode_id"], key.get("attempt", 0)))
-
-
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from rollway.base.redaction import redact
     from rollway.reports.episodes import EpisodeNotFound, find_episode
-    from rollway.reports.show import render, render_html
+    from rollway.reports.show import episode_stage_seconds, render, render_html
     from rollway.runtime.kafka import BrokerUnavailable
     from rollway.schemas.codec import DecodeError
 

@@ -435,9 +435,8 @@ def test_readers_of_trajectories_survive_a_torn_last_line(tmp_path):
     """A sink killed mid-write leaves half a line. Every reader of trajectories.jsonl skips it with a
     warning instead of crashing, and the restarted sink cuts it off before appending."""
     from rollway.actors.sink import export_parquet
-    from rollway.base.run_dir import read_trajectories
+    from rollway.base.run_dir import read_records, read_trajectories
     from rollway.reports.episodes import load_run_dir
-    from rollway.runners.cmd_eval import read_jsonl
     from rollway.runners.progress import RewardTail
     from rollway.schemas.codec import to_builtins
 
@@ -447,7 +446,7 @@ def test_readers_of_trajectories_survive_a_torn_last_line(tmp_path):
     good = [json.dumps(to_builtins(trajectory(f"rH-g0-s{i}"))) for i in range(2)]
     path.write_text("\n".join(good) + "\n" + good[0][: len(good[0]) // 2])
     assert [t["episode"]["episode_id"] for t in read_trajectories(s.run_dir)] == ["rH-g0-s0", "rH-g0-s1"]
-    assert len(load_run_dir(s.run_dir)) == 2 and len(read_jsonl(path)) == 2
+    assert len(load_run_dir(s.run_dir)) == 2 and len(read_records(path)) == 2
     assert export_parquet(path, tmp_path / "t.parquet") == 2
     tail = RewardTail(path)
     tail.poll()
