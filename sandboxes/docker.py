@@ -192,7 +192,7 @@ class DockerSandbox(Sandbox):
 
     async def close_gateway(self) -> None:
         """End the relay `gateway_dir` started (if any) and remove this host's folder for it."""
-        relay, self._relay = getattr(self, "_relay", None), None
+        relay, self._relay = self._relay, None
         if relay is not None:
             await asyncio.to_thread(relay.close)
             shutil.rmtree(os.path.dirname(relay.target), ignore_errors=True)

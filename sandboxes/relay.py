@@ -21,7 +21,7 @@ from typing import Any
 
 import structlog
 
-from rollway.sandboxes.docker import buffered_stream_bytes
+from rollway.sandboxes.docker import _close, buffered_stream_bytes
 
 log = structlog.get_logger()
 
@@ -115,9 +115,18 @@ class GatewayRelay:
         self.thread.start()
 
     def close(self) -> None:
+        """Ends the thread: woken through its pipe, or, when it is stuck writing to a relay that does not read
+        (a program that never reads its answer stalls the relay's stdin), by shutting the exec socket down
+        under it. The pipe's write end is this method's alone (the thread closes everything else), so no
+        write here can land in a descriptor number the process has since reused."""
         with suppress(OSError):
             os.write(self._wake_w, b"x")
-        self.thread.join(timeout=30)
+        self.thread.join(timeout=5)
+        if self.thread.is_alive():
+            with suppress(OSError):
+                self.raw.shutdown(socket.SHUT_RDWR)
+            self.thread.join(timeout=30)
+        os.close(self._wake_w)
 
     # ------------------------------------------------------------ the one thread
 
@@ -143,10 +152,8 @@ class GatewayRelay:
             for conn in self.conns.values():
                 conn.close()
             self.conns.clear()
-            from rollway.sandboxes.docker import _close
-
             _close(self.sock)
-            for fd in (self._wake_r, self._wake_w, self._folder):
+            for fd in (self._wake_r, self._folder):
                 os.close(fd)
 
     def _from_exec(self, sel: selectors.BaseSelector) -> bool:

@@ -10,7 +10,9 @@ import asyncio
 import os
 import shlex
 import socket
+import sys
 import threading
+import time
 import uuid
 
 import pytest
@@ -104,6 +106,55 @@ def test_a_program_in_a_container_of_another_hosts_engine_reaches_the_gateway_th
                                    "s.connect('/rollway-gateway/gateway.sock'); s.sendall(b'x'); "
                                    "s.shutdown(socket.SHUT_WR); print(repr(s.recv(10)))\"")
             assert "b'x'" not in after.output, after.output  # the relay is gone: nothing answers
+        finally:
+            await box.destroy()
+            await provider.close()
+
+    asyncio.run(scenario())
+    assert count_containers(name) == 0
+
+
+STALLER = r"""
+import socket, time
+s = socket.socket(socket.AF_UNIX); s.connect("/rollway-gateway/gateway.sock")
+s.sendall(b"x" * (16 << 20)); s.shutdown(socket.SHUT_WR)
+time.sleep(600)  # never reads the 16 MiB answer
+"""
+
+
+def test_a_program_that_never_reads_its_answer_cannot_keep_the_relay_after_the_episode(tmp_path):
+    """The program asks for a 16 MiB answer and never reads it: the relay in the container stops reading its
+    stdin, and the worker's relay thread blocks writing to it. Ending the episode's gateway must still end
+    that thread (a stuck thread and socket per such episode would pile up on the worker)."""
+    ensure_engine()
+    provider = DockerSandboxProvider(DockerSandboxConfig(gateway_root=str(tmp_path / "gw")))
+    provider.shares_host_folders = False
+    name = f"relay-{uuid.uuid4().hex[:8]}"
+
+    async def scenario() -> None:
+        box = await provider.create(SandboxSpec(), name)
+        try:
+            folder = await box.gateway_dir()
+            relay = box._relay
+            server = echo_server(folder)
+            program = asyncio.create_task(box.exec(f"python3 -c {shlex.quote(STALLER)}", timeout_s=600))
+            try:
+                def writing() -> bool:  # the relay thread is inside its write to the exec stream
+                    frame = sys._current_frames().get(relay.thread.ident)
+                    return frame is not None and frame.f_code.co_name == "_send"
+
+                deadline = time.monotonic() + 300
+                while not (writing() and await asyncio.sleep(2, True) and writing()):
+                    assert time.monotonic() < deadline, "the relay never blocked writing to the container"
+                    await asyncio.sleep(0.5)
+                started = time.monotonic()
+                await box.close_gateway()
+                assert not relay.thread.is_alive(), "the relay thread outlived the episode's gateway"
+                assert time.monotonic() - started < 30
+            finally:
+                server.close()
+                program.cancel()
+                await asyncio.gather(program, return_exceptions=True)
         finally:
             await box.destroy()
             await provider.close()
