@@ -6,12 +6,30 @@ bounds) and asks its `IssueStrategy` for these decisions."""
 from __future__ import annotations
 
 import statistics
-from typing import Any, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from rollway.config.run import RunConfig
-from rollway.envs.base import TaskCost
 
 T = TypeVar("T")
+
+
+class TaskCost(NamedTuple):
+    """A task's expected cost, as the scheduler's issue order sees it."""
+
+    init_s: float
+    """Sandbox start, seconds."""
+    grade_s: float
+    """Grading, seconds."""
+
+
+def task_cost(task: Any) -> TaskCost | None:
+    """Expected sandbox-start and grading seconds of a task, for `scheduler.order` (johnson, ends): its
+    metadata keys `expected_init_s` and `expected_grade_s` (a task builder writes them from its own timed
+    runs of the task); None when either is missing."""
+    init_s, grade_s = task.metadata.get("expected_init_s"), task.metadata.get("expected_grade_s")
+    if init_s is None or grade_s is None:
+        return None
+    return TaskCost(float(init_s), float(grade_s))
 
 
 def agent_worker_slots(cfg: RunConfig) -> int:
@@ -54,7 +72,7 @@ class IssueStrategy:
         """One epoch's tasks in issue order (after the seeded shuffle and num_tasks)."""
         if self.cfg.order == "given":
             return list(tasks)
-        costs = [taskset.cost_estimate(t) for t in tasks]
+        costs = [task_cost(t) for t in tasks]
         if self.cfg.order == "johnson":
             return johnson_order(tasks, costs)
         size = self.cfg.group_size

@@ -6,7 +6,7 @@ import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 from rollway.base.hooks import check_hook
 from rollway.sandboxes.base import Sandbox, SandboxProvider, SandboxSpec
@@ -75,15 +75,6 @@ ReferenceAgent = Callable[[str, int], str]
 to observations)."""
 
 
-class TaskCost(NamedTuple):
-    """A task's expected cost, as the scheduler's issue order sees it."""
-
-    init_s: float
-    """Sandbox start, seconds."""
-    grade_s: float
-    """Grading, seconds."""
-
-
 class TaskSet(ABC):
     """A family of tasks. Built once per worker by `build_taskset(config)`."""
 
@@ -140,15 +131,6 @@ class TaskSet(ABC):
         except KeyError:
             raise KeyError(f"task {task_id!r} is not in this {type(self).__name__} ({len(index)} tasks); "
                            "check tasks.* in the config (count, split, limit, path)") from None
-
-    def cost_estimate(self, task: Task) -> TaskCost | None:
-        """Expected sandbox-start and grading seconds of this task, for `scheduler.order` (johnson,
-        ends); None when unknown. Default: the metadata keys `expected_init_s` and `expected_grade_s`
-        (a task builder writes them from its own timed runs of the task)."""
-        init_s, grade_s = task.metadata.get("expected_init_s"), task.metadata.get("expected_grade_s")
-        if init_s is None or grade_s is None:
-            return None
-        return TaskCost(float(init_s), float(grade_s))
 
     async def prepare(self, task: Task) -> None:
         """Called by the init actor before `sandbox_spec`: make what the task's sandbox needs and may take

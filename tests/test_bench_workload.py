@@ -12,6 +12,7 @@ from conftest import ROOT, run
 
 from rollway.actors.agent import AgentActor
 from rollway.actors.scheduler import SchedulerActor, ends_order, johnson_order
+from rollway.actors.scheduling import TaskCost
 from rollway.actors.services import Services
 from rollway.bench.report import (
     agent_slot_phases,
@@ -31,7 +32,6 @@ from rollway.bench.workload import (
     write_plans,
 )
 from rollway.config.run import load_config
-from rollway.envs.base import TaskCost
 from rollway.policies.chat import IM_END, BytesChatML
 from rollway.runtime.actor import MessageMeta
 from rollway.runtime.queue import Backlog
