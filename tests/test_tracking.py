@@ -10,7 +10,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -77,6 +76,20 @@ def test_a_tracker_without_its_package_is_refused_at_start_up_naming_it():
     # Each built-in names the package it imports.
     assert {n: c.requires for n, c in TRACKERS.items()} == {"console": None, "tensorboard": "tensorboard",
                                                             "wandb": "wandb", "mlflow": "mlflow"}
+
+
+def test_mlflow_without_a_server_needs_the_full_package_and_says_so(monkeypatch):
+    """`rollway[mlflow]` installs MLflow's client only (the full package brings scikit-learn and scipy into every
+    model process); its local store needs SQLAlchemy. This environment has the client only (setup puts the
+    server in .venv-mlflow): mlflow without a URI is refused at start-up with what to do; with a URI it loads."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert importlib.util.find_spec("mlflow"), "MLflow's client is not installed: pip install -e '.[mlflow]'"
+    if importlib.util.find_spec("sqlalchemy") is None:
+        with pytest.raises(ConfigError, match=r"local store .*pip install mlflow.*tracking.mlflow_uri"):
+            load_config(None, ["tracking.trackers=[mlflow]"])
+    assert load_config(None, ["tracking.trackers=[mlflow]", "tracking.mlflow_uri=http://127.0.0.1:5000"])
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    assert load_config(None, ["tracking.trackers=[mlflow]"])
 
 
 def test_failing_or_hanging_trackers_never_hold_the_learner(tmp_path):
@@ -179,8 +192,10 @@ def test_mlflow_server_down_at_first_then_up_gets_every_update(tmp_path):
     h.log(1, {"reward_mean": 0.1, "loss": 2.0})
     h.log(2, {"reward_mean": 0.2, "loss": 1.0})
     assert time.perf_counter() - t0 < 0.1
+    server_exe = ROOT / ".venv-mlflow" / "bin" / "mlflow"
+    assert server_exe.exists(), "MLflow's server is not installed: run `make setup` (scripts/setup.sh puts it in .venv-mlflow)"
     server = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+        [str(server_exe), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
          "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}", "--default-artifact-root", str(tmp_path / "art")],
         stdout=(tmp_path / "mlflow.log").open("wb"), stderr=subprocess.STDOUT, env={**os.environ, "MLFLOW_LOGGING_LEVEL": "WARNING"})
     try:
