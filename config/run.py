@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib.metadata
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import (
+    BaseModel,
     Field,
     SecretStr,
     SerializeAsAny,
@@ -334,11 +336,28 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else ""
 
 
+def _section_model(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The model class of the config section at `loc` (None where it is not one fixed model)."""
+    model: Any = RunConfig
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        if field is None:
+            return None
+        model = field.annotation
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
 def _format_errors(err: ValidationError, source: str) -> str:
     lines = [f"invalid config ({source}):"]
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "config"
         msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden" and (section := _section_model(e["loc"][:-1])) is not None:
+            keys = sorted(section.model_fields)
+            near = difflib.get_close_matches(str(e["loc"][-1]), keys, n=1, cutoff=0.6)
+            msg = (f"not a key of {'.'.join(map(str, e['loc'][:-1])) or 'the config'}"
+                   + (f" (did you mean {near[0]!r}?)" if near else "") + f"; its keys: {', '.join(keys)} "
+                   "(docs/configuration.md)")
         sections = tuple(f"{name}." for name in RunConfig.model_fields)
         named = msg.startswith(f"{key}.") or (key == "config" and msg.startswith(sections))
         lines.append(f"  {msg}" if named else f"  {key}: {msg}")

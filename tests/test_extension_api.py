@@ -46,6 +46,18 @@ def _repo_root(monkeypatch):
     monkeypatch.chdir(ROOT)  # plugin file paths in the example configs are relative to the repository
 
 
+def test_an_unknown_key_in_a_fixed_section_names_the_sections_keys_and_the_nearest():
+    """A misspelt key and a key that left the config (tools.require_tool_call is a task set's attribute now)
+    say which section refused them, its keys and the closest one, not only pydantic's "extra inputs"."""
+    with pytest.raises(ConfigError, match=r"agent\.max_turn: not a key of agent \(did you mean 'max_turns'\?\); "
+                                          r"its keys: concurrency, .*max_turns"):
+        load_config(None, ["agent.max_turn=3"])
+    with pytest.raises(ConfigError, match=r"tools\.require_tool_call: not a key of tools; its keys: bash_timeout_s"):
+        load_config(None, ["tools.require_tool_call=false"])
+    with pytest.raises(ConfigError, match=r"schedular: not a key of the config \(did you mean 'scheduler'\?\)"):
+        load_config(None, ["schedular.num_tasks=2"])
+
+
 def test_plugin_config_class_validates_its_own_fields():
     cfg = load_config(None, [f"tasks.type={SHELL}", "tasks.only=[make-dir]", "tasks.check_timeout_s=3"])
     assert type(cfg.tasks).__name__ == "ShellTasksConfig" and cfg.tasks.check_timeout_s == 3
