@@ -31,7 +31,7 @@ class WorkloadConfig(StrictModel):
     episodes: int = Field(384, ge=1)
     """Episodes per mode: one RL step's batch (48 tasks x 8 samples, say). A rollout stream pays its
     start-up and drain once per run, not per batch; with fewer episodes here those one-off phases
-    weigh more (192 episodes: efficiency 0.83-0.88 against 0.90-0.94 at 384, docs/benchmarks.md)."""
+    weigh more (docs/benchmarks.md compares 192 and 384 episodes)."""
     turns_median: float = Field(4.0, gt=0)
     """Median model turns per episode (the last one calls finish)."""
     turns_sigma: float = Field(0.4, ge=0)
