@@ -128,7 +128,7 @@ async def rerun_episode(traj: dict[str, Any], cfg: RunConfig, normalize: Any) ->
     with tempfile.TemporaryDirectory(prefix="rollway-rerun-") as run_dir:
         s = Services(cfg, Path(run_dir))
         s.inference = RecordedOutputs(recorded)
-        replayed = await play_episode(cfg, s.run_dir, traj["episode"]["task_id"], s)
+        replayed = await play_episode(cfg, s.run_dir, traj["episode"]["task_id"], s, prefix="rerun")
     result = RerunResult(traj["episode"]["episode_id"], traj["episode"]["task_id"], len(replayed.turns),
                          recorded_reward=traj.get("reward"), replayed_reward=replayed.reward)
     for i in range(max(len(recorded), len(replayed.turns))):

@@ -23,14 +23,15 @@ DO_NOTHING_SCRIPT = "[{when: '', turns: ['I will not do anything.']}]"
 """The do-nothing policy: one reply without a tool call, every turn."""
 
 
-async def play_episode(cfg: RunConfig, run_dir: Path, task_id: str, services: Any = None) -> Trajectory:
-    """One episode of `task_id` through the rollout stages, in this process (no broker)."""
+async def play_episode(cfg: RunConfig, run_dir: Path, task_id: str, services: Any = None,
+                       prefix: str = "verify") -> Trajectory:
+    """One episode of `task_id` through the rollout stages, in this process (no broker); its id `PREFIX-HEX`."""
     async with InProcessDriver(services or Services(cfg, run_dir)) as driver:
-        return await driver.play(verify_key(task_id))
+        return await driver.play(verify_key(task_id, prefix))
 
 
-def verify_key(task_id: str) -> EpisodeKey:
-    episode_id = f"verify-{uuid.uuid4().hex[:8]}"
+def verify_key(task_id: str, prefix: str = "verify") -> EpisodeKey:
+    episode_id = f"{prefix}-{uuid.uuid4().hex[:8]}"
     return EpisodeKey(episode_id=episode_id, group_id=episode_id, task_id=task_id)
 
 
