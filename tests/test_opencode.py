@@ -3,8 +3,9 @@ as a harness episode in the local bubblewrap jail and in a docker container, and
 `log-top-ips` in its own image, through the gateway's chat completions, run by `rollway up`. Where its
 title agent is left on, the title call must be recorded as a side call and not trained.
 
-Real broker, real jail, real gateway, the real program (installed by scripts/setup-agents.sh, bound
-read-only into the jail; the test fails, never skips, without it); the scripted policy is the only fake:
+Real broker, real jail and docker engine, real gateway, the Harbor task's own verifier, the real program
+(installed by scripts/setup-agents.sh, bound read-only into the sandbox; a test fails, never skips,
+without it or without the docker engine); the scripted policy is the only fake:
 it is the model, answering opencode's title call with a title, then its `bash` tool, then a plain answer."""
 
 from __future__ import annotations
@@ -70,14 +71,23 @@ def bash(command: str) -> str:
     return "<tool_call>" + json.dumps({"name": "bash", "arguments": {"command": command, "description": "Run"}}) + "</tool_call>"
 
 
-@pytest.fixture(scope="module")
-def harbor_run(tmp_path_factory):
-    """One `rollway up` of two copies of `log-top-ips` as shipped (512 MB: the binary fits), title agent on:
-    the scripted model fixes the first and runs a command that fixes nothing in the second."""
+def assert_harbor_episode(t: dict, calls: dict, command: str) -> None:
+    """Two main calls captured token-exact in one segment, the title call beside them, recorded and
+    not trained, in the trajectory and in the run folder's copy of the episode's calls."""
+    assert t["stop_reason"] == "harness_exit" and t["num_turns"] == 2, t["grade"]
+    assert [(c["name"], c["text"]) for c in t["side_calls"]] == [("opencode-title", "Log report")], t["side_calls"]
+    assert_captured_tokens(t, [bash(command), "Done."], prompt_has=["opencode", "top404.txt"])
+    mine = calls[t["episode"]["episode_id"]]
+    assert sorted((c["side_call"] or "", c["segment"]) for c in mine) == [("", 0), ("", 0), ("opencode-title", -1)]
+
+
+def test_opencode_fixes_a_harbor_task_in_docker_with_rollway_up_and_scores_zero_where_it_does_not(tmp_path):
+    """One `rollway up` of two copies of `log-top-ips` as shipped (512 MB: the binary fits), title agent on,
+    side by side: the scripted model fixes the first and runs a command that fixes nothing in the second.
+    One test, not two sharing a fixture: pytest-xdist would give each its own worker and run it twice."""
     from docker_engine import count_containers, ensure_engine, remove_labelled
 
     ensure_engine()
-    tmp_path = tmp_path_factory.mktemp("opencode-harbor")
     tasks = tmp_path / "tasks"
     shutil.copytree(TASK, tasks / "log-top-ips")
     shutil.copytree(TASK, tasks / "log-top-ips-unfixed")
@@ -101,33 +111,14 @@ def harbor_run(tmp_path_factory):
         left = count_containers(f"{run_id}-")
     finally:
         remove_labelled(f"{run_id}-")
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     calls = {path.name.rsplit(".", 2)[0]: [json.loads(line) for line in path.read_text().splitlines()]
              for path in (tmp_path / "run" / "gateway-calls").glob("*.jsonl")}
-    return {t["episode"]["task_id"]: t for t in trajs}, calls, summary, left
-
-
-def assert_harbor_episode(t: dict, calls: dict, command: str) -> None:
-    """Two main calls captured token-exact in one segment, the title call beside them, recorded and
-    not trained, in the trajectory and in the run folder's copy of the episode's calls."""
-    assert t["stop_reason"] == "harness_exit" and t["num_turns"] == 2, t["grade"]
-    assert [(c["name"], c["text"]) for c in t["side_calls"]] == [("opencode-title", "Log report")], t["side_calls"]
-    assert_captured_tokens(t, [bash(command), "Done."], prompt_has=["opencode", "top404.txt"])
-    mine = calls[t["episode"]["episode_id"]]
-    assert sorted((c["side_call"] or "", c["segment"]) for c in mine) == [("", 0), ("", 0), ("opencode-title", -1)]
-
-
-def test_opencode_fixes_a_harbor_task_in_docker_with_rollway_up_and_its_title_call_is_not_trained(harbor_run):
-    trajs, calls, summary, left = harbor_run
-    t = trajs["log-top-ips"]
-    assert t["resolved"] and t["reward"] == 1.0, t["grade"]
-    assert_harbor_episode(t, calls, HARBOR_SOLVE)
-    # Every sandbox (the agent's container, the verifier's) was removed by its episode, none by the run's reaper.
+    by_task = {t["episode"]["task_id"]: t for t in trajs}
+    fixed, unfixed = by_task["log-top-ips"], by_task["log-top-ips-unfixed"]
+    assert fixed["resolved"] and fixed["reward"] == 1.0, fixed["grade"]
+    assert_harbor_episode(fixed, calls, HARBOR_SOLVE)
+    assert not unfixed["resolved"] and unfixed["reward"] == 0.0, unfixed["grade"]
+    assert_harbor_episode(unfixed, calls, NOT_SOLVE)
+    # Every sandbox (the agents' containers, the verifiers') was removed by its episode, none by the run's reaper.
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["sandboxes_reaped"] == 0 and left == 0
-
-
-def test_opencode_that_does_not_fix_a_harbor_task_scores_zero(harbor_run):
-    trajs, calls, summary, left = harbor_run
-    t = trajs["log-top-ips-unfixed"]
-    assert not t["resolved"] and t["reward"] == 0.0, t["grade"]
-    assert_harbor_episode(t, calls, NOT_SOLVE)
