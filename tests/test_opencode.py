@@ -1,18 +1,23 @@
 """opencode (the npm package opencode-ai 1.18, a self-contained binary we did not write) plays a toy task
-as a harness episode in the local bubblewrap jail, through the gateway's chat completions, run by
-`rollway up`. Its title agent is left on: the title call must be recorded as a side call and not trained.
+as a harness episode in the local bubblewrap jail and in a docker container, and the Harbor example
+`log-top-ips` in its own image, through the gateway's chat completions, run by `rollway up`. Where its
+title agent is left on, the title call must be recorded as a side call and not trained.
 
-Real broker, real jail, real gateway, the real program (installed by scripts/setup-agents.sh, bound
-read-only into the jail; the test fails, never skips, without it); the scripted policy is the only fake:
+Real broker, real jail and docker engine, real gateway, the Harbor task's own verifier, the real program
+(installed by scripts/setup-agents.sh, bound read-only into the sandbox; a test fails, never skips,
+without it or without the docker engine); the scripted policy is the only fake:
 it is the model, answering opencode's title call with a title, then its `bash` tool, then a plain answer."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import uuid
 
 import pytest
 from agent_programs import assert_captured_tokens, opencode, opencode_harness
-from test_qwen_code import run
+from test_qwen_code import NOT_SOLVE, TASK, run
+from test_qwen_code import SOLVE as HARBOR_SOLVE
 
 pytestmark = pytest.mark.e2e
 SOLVE = "awk '{print $1 + $2}' numbers.txt > answer.txt"
@@ -54,3 +59,66 @@ def test_opencode_with_its_title_agent_disabled_fixes_a_toy_task_in_a_docker_con
     assert t["stop_reason"] == "harness_exit" and t["num_turns"] == 2
     assert t["side_calls"] == []  # `agent.title.disable`: no title call at all
     assert_captured_tokens(t, [BASH, "Done."], prompt_has=["opencode", "numbers.txt"])
+
+
+# --- a Harbor task (docker only: its verifier runs in the task's image) -----------------------------------
+
+UNFIXED = "This copy is the unfixed one."
+"""Appended to a second copy's instruction: the scripted model tells the two copies apart by it."""
+
+
+def bash(command: str) -> str:
+    return "<tool_call>" + json.dumps({"name": "bash", "arguments": {"command": command, "description": "Run"}}) + "</tool_call>"
+
+
+def assert_harbor_episode(t: dict, calls: dict, command: str) -> None:
+    """Two main calls captured token-exact in one segment, the title call beside them, recorded and
+    not trained, in the trajectory and in the run folder's copy of the episode's calls."""
+    assert t["stop_reason"] == "harness_exit" and t["num_turns"] == 2, t["grade"]
+    assert [(c["name"], c["text"]) for c in t["side_calls"]] == [("opencode-title", "Log report")], t["side_calls"]
+    assert_captured_tokens(t, [bash(command), "Done."], prompt_has=["opencode", "top404.txt"])
+    mine = calls[t["episode"]["episode_id"]]
+    assert sorted((c["side_call"] or "", c["segment"]) for c in mine) == [("", 0), ("", 0), ("opencode-title", -1)]
+
+
+def test_opencode_fixes_a_harbor_task_in_docker_with_rollway_up_and_scores_zero_where_it_does_not(tmp_path):
+    """One `rollway up` of two copies of `log-top-ips` as shipped (512 MB: the binary fits), title agent on,
+    side by side: the scripted model fixes the first and runs a command that fixes nothing in the second.
+    One test, not two sharing a fixture: pytest-xdist would give each its own worker and run it twice."""
+    from docker_engine import count_containers, ensure_engine, remove_labelled
+
+    ensure_engine()
+    tasks = tmp_path / "tasks"
+    shutil.copytree(TASK, tasks / "log-top-ips")
+    shutil.copytree(TASK, tasks / "log-top-ips-unfixed")
+    instruction = tasks / "log-top-ips-unfixed" / "instruction.md"
+    instruction.write_text(instruction.read_text() + f"\n{UNFIXED}\n")
+    run_id = f"oc{uuid.uuid4().hex[:8]}"
+    harness = {**opencode_harness(opencode(), title=True), "time_limit_s": 400, "silence_limit_s": 300}
+    cfg = {
+        "run": {"name": "opencode-harbor", "id": run_id, "timeout_s": 560},
+        "tasks": {"type": "harbor", "path": str(tasks)},
+        "sandbox": {"type": "docker", "gateway_root": str(tmp_path / "gateway")},
+        "scheduler": {"group_size": 1, "max_inflight_episodes": 2, "episode_deadline_s": 500, "max_attempts": 1},
+        "agent": {"concurrency": 2, "harness": harness},
+        "policy": {"type": "scripted", "chat_format": "bytes-chatml",
+                   "script": [{"when": "You are a title generator", "turns": ["Log report"]},
+                              {"when": UNFIXED, "turns": [bash(NOT_SOLVE), "Done."]},
+                              {"when": "", "turns": [bash(HARBOR_SOLVE), "Done."]}]},
+    }
+    try:
+        out, trajs = run(tmp_path, "up", HARBOR_SOLVE, cfg, episodes=2)
+        left = count_containers(f"{run_id}-")
+    finally:
+        remove_labelled(f"{run_id}-")
+    calls = {path.name.rsplit(".", 2)[0]: [json.loads(line) for line in path.read_text().splitlines()]
+             for path in (tmp_path / "run" / "gateway-calls").glob("*.jsonl")}
+    by_task = {t["episode"]["task_id"]: t for t in trajs}
+    fixed, unfixed = by_task["log-top-ips"], by_task["log-top-ips-unfixed"]
+    assert fixed["resolved"] and fixed["reward"] == 1.0, fixed["grade"]
+    assert_harbor_episode(fixed, calls, HARBOR_SOLVE)
+    assert not unfixed["resolved"] and unfixed["reward"] == 0.0, unfixed["grade"]
+    assert_harbor_episode(unfixed, calls, NOT_SOLVE)
+    # Every sandbox (the agents' containers, the verifiers') was removed by its episode, none by the run's reaper.
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["sandboxes_reaped"] == 0 and left == 0

@@ -64,7 +64,8 @@ def job(tmp_path, command: str) -> dict:
     }
 
 
-def run(tmp_path, verb: str, command: str, cfg: dict | None = None) -> tuple[subprocess.CompletedProcess, list[dict]]:
+def run(tmp_path, verb: str, command: str, cfg: dict | None = None,
+        episodes: int = 1) -> tuple[subprocess.CompletedProcess, list[dict]]:
     cfg = cfg or job(tmp_path, command)
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(cfg))
     run_dir = tmp_path / "run"
@@ -75,7 +76,7 @@ def run(tmp_path, verb: str, command: str, cfg: dict | None = None) -> tuple[sub
     trajs = [json.loads(line) for line in trajs_file.read_text().splitlines()] if trajs_file.exists() else []
     failures = run_dir / "failures.jsonl"
     assert out.returncode == 0, out.stderr[-3000:]
-    assert len(trajs) == 1, failures.read_text()[-3000:] if failures.exists() else out.stderr[-3000:]
+    assert len(trajs) == episodes, failures.read_text()[-3000:] if failures.exists() else out.stderr[-3000:]
     return out, trajs
 
 
