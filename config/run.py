@@ -297,6 +297,16 @@ class RunConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _sandbox_the_tasks_run_in(self) -> RunConfig:
+        """A task set that runs only in some sandbox types (`TasksConfig.sandbox_types`) is refused once here, not
+        at every episode's init."""
+        allowed = type(self.tasks).sandbox_types
+        if allowed is not None and self.sandbox.type not in allowed:
+            raise ValueError(f"tasks.type={self.tasks.type} runs in sandbox.type={' or '.join(allowed)}, not "
+                             f"sandbox.type={self.sandbox.type}: set sandbox.type={allowed[0]}")
+        return self
+
+    @model_validator(mode="after")
     def _engine_gets_new_weights(self) -> RunConfig:
         """A training learner needs an engine it can send weights to; an in-process engine is one per
         worker process, out of the learner's reach."""

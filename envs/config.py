@@ -16,6 +16,8 @@ class TasksConfig(SectionConfig):
     class (below for built-ins, `config_class` for plugins); `tasks.KEY` of another type is an error."""
 
     registry: ClassVar[str | None] = "rollway.envs.factory:TASK_SETS"
+    sandbox_types: ClassVar[tuple[str, ...] | None] = None
+    """The `sandbox.type`s this task set runs in (None: any); another is refused when the config loads."""
 
     type: Literal["toy", "swe", "humaneval", "calc", "sim", "swebench", "harbor", "buglocal"] | PluginRef = "toy"
     """`toy`: small shell tasks made in memory (smoke job). `swe`: the SWE-bench rows `rollway tasks build
@@ -139,6 +141,7 @@ class HarborTasksConfig(ImageTasksConfig):
     """`tasks.type: harbor`; `path`: a folder of Harbor task folders (or one task folder)."""
 
     implementation = "harbor"
+    sandbox_types = ("docker",)  # a task's environment is its Dockerfile's image
 
 
 class SWEBenchTasksConfig(GradedTasksConfig, ImageTasksConfig):

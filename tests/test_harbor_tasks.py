@@ -12,10 +12,13 @@ import sys
 import uuid
 from pathlib import Path
 
+import pytest
 import yaml
 from docker_engine import ensure_engine
 from jobs import run_with_progress
 
+from rollway.base.config import ConfigError
+from rollway.config.run import load_config
 from rollway.envs.config import TasksConfig
 from rollway.envs.harbor import (
     HarborTaskSet,
@@ -36,6 +39,14 @@ def test_tasks_load_with_their_timeouts():
     assert [t.name for t in tasks] == ["file-permissions", "git-feature-branch", "log-top-ips", "process-timeout",
                                        "zipapp-build"]
     assert all(t.timeout("verifier", 0) == 60.0 and t.timeout("agent", 0) == 300.0 and t.has_solution for t in tasks)
+
+
+def test_harbor_tasks_with_the_local_sandbox_are_refused_when_the_config_loads():
+    """A Harbor task's environment is its Dockerfile's image: with the jail, every episode's init failed (as a
+    retryable setup error) instead of the run being refused once."""
+    with pytest.raises(ConfigError, match=r"tasks\.type=harbor runs in sandbox\.type=docker, not sandbox\.type=local"):
+        load_config(None, ["tasks.type=harbor", f"tasks.path={TASKS}", "sandbox.type=local"])
+    assert load_config(None, ["tasks.type=harbor", f"tasks.path={TASKS}", "sandbox.type=docker"]).sandbox.type == "docker"
 
 
 def test_from_lines_naming_missing_images_are_mapped_to_the_base():
