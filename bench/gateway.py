@@ -31,13 +31,17 @@ TOOL_OUTPUT = "x" * 48  # about 64 tokens with its chat markup
 
 
 class ZeroLatencyEngine(InferenceClient):
-    """Answers every prompt at once with the same reply (no model, no sleep)."""
+    """Answers every prompt with the same reply: at once (no model, no sleep), or after `latency_s` of waiting
+    that costs this process nothing (a real engine's time is spent on its own device)."""
 
-    def __init__(self) -> None:
+    def __init__(self, latency_s: float = 0.0) -> None:
         self.chat = BytesChatML()
         self.reply = self.chat.encode(REPLY) + list(self.chat.stop_token_ids)
+        self.latency_s = latency_s
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        if self.latency_s:
+            await asyncio.sleep(self.latency_s)
         return Generation(list(self.reply), [-0.1] * len(self.reply), "stop", 0)
 
 
@@ -47,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calls", type=int, default=8, help="calls per episode (the first renders in full)")
     parser.add_argument("--recorders", default="memory,kafka", help="memory, kafka (an embedded broker) or both")
     parser.add_argument("--apis", default="chat,responses,messages", help="chat, responses, messages (comma list)")
+    parser.add_argument("--engine-ms", default="0", help="the engine's time per call in ms (comma list); 0: answers at "
+                        "once, so every program always has a call in flight and the gateway runs saturated (its "
+                        "capacity); a real engine's time (hundreds of ms) gives the latency a program sees")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -56,30 +63,33 @@ def run(args: argparse.Namespace) -> int:
         lengths = [int(x) for x in args.prompt_tokens.split(",")]
         recorders = [r.strip() for r in args.recorders.split(",") if r.strip()]
         apis = [a.strip() for a in args.apis.split(",") if a.strip()]
-        if min(episodes) < 1 or min(lengths) < 64 or args.calls < 2 or not set(recorders) <= {"memory", "kafka"} \
+        engine_ms = [float(x) for x in args.engine_ms.split(",")]
+        if min(engine_ms) < 0 or min(episodes) < 1 or min(lengths) < 64 or args.calls < 2 or not set(recorders) <= {"memory", "kafka"} \
                 or not apis or not set(apis) <= set(_REQUESTS):
             raise ValueError
     except ValueError:
         print("rollway bench gateway: --episodes and --prompt-tokens are comma lists of positive integers "
               "(prompts of 64 tokens or more), --calls at least 2, --recorders memory and/or kafka, --apis chat, "
-              "responses and/or messages", file=sys.stderr)
+              "responses and/or messages, --engine-ms a comma list of milliseconds (0 or more)", file=sys.stderr)
         return 2
-    result = asyncio.run(measure_all(episodes, lengths, args.calls, recorders, apis))
+    result = asyncio.run(measure_all(episodes, lengths, args.calls, recorders, apis, engine_ms))
     print(dumps(result) if args.json else format_text(result))
     return 0
 
 
 async def measure_all(episodes: list[int], lengths: list[int], calls: int, recorders: list[str],
-                      apis: tuple[str, ...] | list[str] = ("chat",)) -> dict[str, Any]:
+                      apis: tuple[str, ...] | list[str] = ("chat",), engine_ms: list[float] | None = None) -> dict[str, Any]:
     rows = []
     for name in recorders:
         async with _recorder(name) as recorder:
-            for n in episodes:
-                for tokens in lengths:
-                    for api in apis:
-                        rows.append({"recorder": name, "api": api, "episodes": n, "prompt_tokens": tokens,
-                                     **await measure(recorder, n, tokens, calls, api)})
-    return {"engine": "in-process, zero latency", "chat_format": "BytesChatML", "calls_per_episode": calls,
+            for ms in engine_ms or [0.0]:
+                for n in episodes:
+                    for tokens in lengths:
+                        for api in apis:
+                            rows.append({"recorder": name, "api": api, "engine_ms": ms, "episodes": n,
+                                         "prompt_tokens": tokens,
+                                         **await measure(recorder, n, tokens, calls, api, ms / 1000)})
+    return {"engine": "in-process, a fixed reply after engine_ms", "chat_format": "BytesChatML", "calls_per_episode": calls,
             "cores": os.cpu_count(), "load_average": round(os.getloadavg()[0], 2), "rows": rows,
             "target": "added p50 <= 5 ms on continued calls with 16k-token histories"}
 
@@ -119,13 +129,14 @@ class _Discarding:
         return None
 
 
-async def measure(recorder: Any, episodes: int, prompt_tokens: int, calls: int, api: str = "chat") -> dict[str, Any]:
+async def measure(recorder: Any, episodes: int, prompt_tokens: int, calls: int, api: str = "chat",
+                  latency_s: float = 0.0) -> dict[str, Any]:
     """One setting: the episodes' programs run in a client process of their own (so their JSON work
     does not queue behind the gateway's in one event loop); the engine alone is timed here on the
     same prompts afterwards."""
     from rollway.gateway import Gateway
 
-    engine = ZeroLatencyEngine()
+    engine = ZeroLatencyEngine(latency_s)
     gateway = Gateway(engine, engine.chat, recorder)
     await gateway.start()
     try:
@@ -167,7 +178,7 @@ async def _direct_timings(engine: ZeroLatencyEngine, handles: list[Any], calls: 
     prompt = [0] * 16
     out = []
     for handle in handles:
-        del handle  # the zero-latency engine's time does not depend on the prompt's content
+        del handle  # the engine's time does not depend on the prompt's content
         times = []
         for _ in range(calls):
             start = time.perf_counter()
@@ -247,11 +258,11 @@ def _ms(seconds: float) -> float:
 def format_text(result: dict[str, Any]) -> str:
     lines = [f"gateway overhead ({result['engine']} engine, {result['chat_format']}, {result['calls_per_episode']} "
              f"calls per episode, {result['cores']} cores, load {result['load_average']})",
-             f"{'recorder':8} {'api':9} {'episodes':>8} {'prompt':>7} | {'continued: added p50':>20} {'p99':>8} | "
+             f"{'recorder':8} {'api':9} {'engine':>6} {'episodes':>8} {'prompt':>7} | {'continued: added p50':>20} {'p99':>8} | "
              f"{'first call: added p50':>21} {'p99':>8} | {'CPU/call':>9} {'calls/s':>8}"]
     for row in result["rows"]:
         c, f = row["continued"], row["first_call"]
-        lines.append(f"{row['recorder']:8} {row.get('api', 'chat'):9} {row['episodes']:>8} {row['prompt_tokens']:>7} | "
+        lines.append(f"{row['recorder']:8} {row.get('api', 'chat'):9} {row.get('engine_ms', 0):>4g}ms {row['episodes']:>8} {row['prompt_tokens']:>7} | "
                      f"{c['added_p50_ms']:>17} ms "
                      f"{c['added_p99_ms']:>5} ms | {f['added_p50_ms']:>18} ms {f['added_p99_ms']:>5} ms | "
                      f"{row['gateway_cpu_ms_per_call']:>6} ms {row['calls_per_s']:>8}")
