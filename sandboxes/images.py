@@ -51,3 +51,41 @@ def build_image(
         except SandboxError:
             raise
     return {"image": tag, "id": image.id, "size_mb": round(image.attrs["Size"] / 2**20)}
+
+
+def without_installed_copies(client: Any, image: str, names: list[str]) -> str:
+    """`image`, or when its interpreter holds any of the libraries `names` in its site-packages (a task
+    image with the task's library `pip install`ed), an image made FROM it without them: their files,
+    bytecode and dist-info removed (task_tree.INSTALLED_COPIES_SCRIPT finds them, in a container without
+    network or capabilities). Tagged by what went in, so it is built once per engine. A container cannot
+    hide them itself (its root file system is read-only): docs/security/task-data.md."""
+    import hashlib
+    import json
+
+    from rollway.sandboxes.docker import engine_errors
+    from rollway.sandboxes.task_tree import INSTALLED_COPIES_SCRIPT
+
+    with engine_errors(f"look for installed copies of {', '.join(names)} in {image}"):
+        found = client.images.get(image)
+        tag = f"rollway-hidden/{found.id.split(':')[-1][:12]}:{hashlib.sha256(' '.join(names).encode()).hexdigest()[:12]}"
+        if client.images.list(name=tag):
+            return tag
+        try:
+            out = client.containers.run(found.id, ["python3", "-I", "-c", INSTALLED_COPIES_SCRIPT, *names],
+                                        entrypoint=[], working_dir="/", user="65534:65534", remove=True,
+                                        network_disabled=True, network_mode="none", cap_drop=["ALL"],
+                                        read_only=True, security_opt=["no-new-privileges"], stderr=False)
+        except Exception as exc:
+            if type(exc).__name__ != "ContainerError":
+                raise
+            return image  # no python3 (or it failed): no interpreter finds a copy, nothing to hide
+        paths = json.loads(out or b"[]")
+        if not paths:
+            return image
+        user = found.attrs.get("Config", {}).get("User") or ""
+        lines = [f"FROM {found.id}", "USER root", "RUN rm -rf " + " ".join(shlex.quote(p) for p in paths),
+                 *([f"USER {user}"] if user else []), f"LABEL rollway.hidden={json.dumps(' '.join(names))}"]
+        with tempfile.TemporaryDirectory(prefix="rollway-hidden-") as ctx:
+            Path(ctx, "Dockerfile").write_text("\n".join(lines) + "\n")
+            client.images.build(path=ctx, tag=tag, network_mode="none", rm=True, pull=False)
+    return tag

@@ -35,3 +35,60 @@ def test_a_server_that_lives_on_but_answers_nothing_is_replaced(tmp_path, monkey
         assert not os.path.exists(f"/proc/{old_pid}") or open(f"/proc/{old_pid}/stat").read().split()[2] == "Z"
     finally:
         engine.stop()
+
+
+def _serving(pid: int, port: int) -> bool:
+    """Whether server `pid` holds a client's connection on `port` (a completion in flight: nothing else
+    talks to it here)."""
+    import psutil
+
+    return any(c.status == psutil.CONN_ESTABLISHED and c.laddr.port == port
+               for c in psutil.Process(pid).net_connections(kind="tcp"))
+
+
+def test_a_completion_cut_short_by_a_restart_of_the_engine_is_infrastructure(tmp_path):
+    """The real built-in engine (`rollway serve`, SmolLM2) killed while it generates a completion, as a
+    restart does. Not back within the client's retries: ConnectionError (an OSError, which the agent stage
+    and the gateway turn into a retried `InferenceUnreachable`, never a 0 for the episode: base/blame.py).
+    Restarted by the watchdog (`restart_dead`) while the client retries: the completion is answered. The raw
+    socket stand-in of tests/test_blame.py shows the same for a body cut in half."""
+    import asyncio
+    import threading
+
+    import pytest
+
+    from rollway.policies.base import SamplingParams
+    from rollway.policies.openai_client import OpenAICompletionsClient
+
+    engine = launch.launch_engine(PolicyConfig(type="openai", launch=True, engine="builtin", model="smollm2",
+                                               threads=1), tmp_path)
+    params = SamplingParams(max_tokens=200, ignore_eos=True)  # seconds of generation: killed in the middle
+
+    async def cut(retries: int, restart: bool):
+        (server,) = engine.servers
+        client = OpenAICompletionsClient(server.base_url, max_retries=retries, backoff_s=0.5,
+                                         api_key=engine.api_key)
+        try:
+            await client.model_name()
+            answer = asyncio.ensure_future(client.generate(list(range(10, 40)), params))
+            deadline = time.monotonic() + 120
+            while not _serving(server.proc.pid, server.port):
+                assert not answer.done() and time.monotonic() < deadline, "the completion never reached the engine"
+                await asyncio.sleep(0.02)
+            engine.kill(0)
+            if restart:
+                threading.Thread(target=engine.restart_dead, args=(None,), daemon=True).start()
+            return await answer
+        finally:
+            await client.close()
+
+    try:
+        with pytest.raises(ConnectionError, match="failed after 3 attempts") as caught:
+            asyncio.run(cut(retries=2, restart=False))
+        assert isinstance(caught.value, OSError)  # what actors/turn.py turns into InferenceUnreachable
+        engine.restart_dead(None)
+        # Retries spaced 0.5 s, 1 s, 2 s, ... (255 s in all): the restart (a model load) is back within them.
+        answer = asyncio.run(cut(retries=8, restart=True))
+        assert len(answer.token_ids) == 200 and len(answer.logprobs) == 200
+    finally:
+        engine.stop()

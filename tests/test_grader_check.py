@@ -316,3 +316,29 @@ def test_the_secrets_row_flags_a_launcher_spec_left_in_the_workspace():
     rows = asyncio.run(run_suite(opts, families=[family(LeftSpecTaskSet), family(ToyTaskSet)]))["rows"]
     assert [r["contained"] for r in rows] == [False, True], rows
     assert "launch-0123.json" in rows[0]["reason"]
+
+
+def test_the_oversize_row_flags_a_build_that_drops_an_episode_too_large_for_the_broker(monkeypatch):
+    """The row `episode_over_broker_limit`: the model's turns make its episode outgrow broker.max_message_bytes
+    after its code ran. Contained: graded 0 (OutputRefused) on the turns that fit. Two weakened builds are
+    flagged: one whose stages drop (or retry) the refused episode instead of grading it, and an in-process
+    driver that does not apply the broker's size check (the row would then measure nothing)."""
+    from rollway.actors import agent, reward
+    from rollway.runtime.worker import OutputSender
+
+    def play() -> dict:
+        report = asyncio.run(run_suite(Options(sandbox="local", families=("toy",), row_timeout_s=240,
+                                               attacks=("episode_over_broker_limit",))))
+        [row] = report["rows"]
+        return row
+
+    row = play()
+    assert row["contained"] and "OutputRefused" in row["reason"], row
+    with monkeypatch.context() as weakened:
+        for module in (agent, reward):
+            weakened.setattr(module, "refused_as_graded_0", lambda *a: None)
+        row = play()
+    assert not row["contained"] and "the attempt failed" in row["reason"], row
+    monkeypatch.setattr(OutputSender, "encode_all", lambda self, outputs: [])
+    row = play()
+    assert not row["contained"] and "not graded 0 for being over" in row["reason"], row
