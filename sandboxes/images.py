@@ -54,11 +54,12 @@ def build_image(
 
 
 def without_installed_copies(client: Any, image: str, names: list[str]) -> str:
-    """`image`, or when its interpreter holds any of the libraries `names` in its site-packages (a task
-    image with the task's library `pip install`ed), an image made FROM it without them: their files,
-    bytecode and dist-info removed (task_tree.INSTALLED_COPIES_SCRIPT finds them, in a container without
-    network or capabilities). Tagged by what went in, so it is built once per engine. A container cannot
-    hide them itself (its root file system is read-only): docs/security/task-data.md."""
+    """`image`, or when its interpreter holds any of the libraries `names` (names, or absolute folders of the
+    image whose libraries count) in its site-packages (a task image with the task's library `pip install`ed),
+    an image made FROM it without them: their files, bytecode and dist-info RECORD removed
+    (task_tree.INSTALLED_COPIES_SCRIPT finds them, run by the image's python3 in a container without network
+    or capabilities). Tagged by what went in, so it is built once per engine. A sandbox cannot hide them
+    itself (its root file system is read-only): docs/security/task-data.md."""
     import hashlib
     import json
 
@@ -67,7 +68,8 @@ def without_installed_copies(client: Any, image: str, names: list[str]) -> str:
 
     with engine_errors(f"look for installed copies of {', '.join(names)} in {image}"):
         found = client.images.get(image)
-        tag = f"rollway-hidden/{found.id.split(':')[-1][:12]}:{hashlib.sha256(' '.join(names).encode()).hexdigest()[:12]}"
+        key = hashlib.sha256("\0".join([INSTALLED_COPIES_SCRIPT, *names]).encode()).hexdigest()[:12]
+        tag = f"rollway-hidden/{found.id.split(':')[-1][:12]}:{key}"
         if client.images.list(name=tag):
             return tag
         try:
@@ -76,10 +78,11 @@ def without_installed_copies(client: Any, image: str, names: list[str]) -> str:
                                         network_disabled=True, network_mode="none", cap_drop=["ALL"],
                                         read_only=True, security_opt=["no-new-privileges"], stderr=False)
         except Exception as exc:
-            if type(exc).__name__ != "ContainerError":
+            if type(exc).__name__ != "ContainerError" and "executable file not found" not in str(exc):
                 raise
             return image  # no python3 (or it failed): no interpreter finds a copy, nothing to hide
-        paths = json.loads(out or b"[]")
+        # Only absolute one-line paths: the image's own interpreter printed them, and they enter a RUN line.
+        paths = [p for p in json.loads(out or b"[]") if isinstance(p, str) and p.startswith("/") and p.isprintable()]
         if not paths:
             return image
         user = found.attrs.get("Config", {}).get("User") or ""

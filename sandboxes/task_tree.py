@@ -5,6 +5,7 @@ image's build context) and again where a sandbox is made from one (docs/security
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
@@ -53,11 +54,22 @@ RUNNER_MODULES = frozenset({"pytest", "_pytest", "pluggy", "iniconfig", "packagi
 """Never hidden: the test runner imports them from the interpreter's path (a `pytest` started from its
 console script does not put the workspace first)."""
 
-INSTALLED_COPIES_SCRIPT = r"""
-import importlib.util, json, sys
-from pathlib import Path
+
+def library_names(workspace: str | os.PathLike[str], runner: frozenset[str] = RUNNER_MODULES) -> list[str]:
+    """The modules and packages at the top of a task tree (or under `src/`), less the test runner's. (Its
+    source is part of INSTALLED_COPIES_SCRIPT: it uses nothing but `Path`.)"""
+    root = Path(workspace)
+    names = {p.stem for p in [*root.glob("*.py"), *root.glob("src/*.py")] if p.name not in ("setup.py", "conftest.py")}
+    names |= {p.parent.name for p in [*root.glob("*/__init__.py"), *root.glob("src/*/__init__.py")]}
+    return sorted(n for n in names if n.isidentifier() and n not in runner)
+
+
+INSTALLED_COPIES_SCRIPT = ("from __future__ import annotations\nimport importlib.util, json, os, sys\n"
+                           "from pathlib import Path\n" + f"RUNNER_MODULES = frozenset({sorted(RUNNER_MODULES)!r})\n"
+                           + inspect.getsource(library_names) + r"""
+names = [n for arg in sys.argv[1:] for n in (library_names(arg) if arg.startswith("/") else [arg])]
 hidden = []
-for name in sys.argv[1:]:
+for name in names:
     path = Path(getattr(importlib.util.find_spec(name), "origin", None) or "")
     if not path.is_absolute() or not {"site-packages", "dist-packages"} & set(path.parts):
         continue
@@ -73,20 +85,13 @@ for name in sys.argv[1:]:
         except OSError:
             continue
         if any(line.startswith((name + "/", name + ".py,")) for line in lines):
-            hidden.append(str(record.parent))
+            hidden.append(str(record))
 print(json.dumps(sorted(set(hidden))))
-"""
-"""Run by a sandbox's interpreter (`python -I -c SCRIPT NAME...`, from `/`): the paths of what it holds in
-its site-packages of the libraries NAME... (the installed copy, its bytecode, the dist-info whose RECORD
-hashes its files), as JSON. Any of them names the file a task changed (docs/security/task-data.md)."""
-
-
-def library_names(workspace: str | os.PathLike[str]) -> list[str]:
-    """The modules and packages at the top of a task tree (or under `src/`), less the test runner's."""
-    root = Path(workspace)
-    names = {p.stem for p in [*root.glob("*.py"), *root.glob("src/*.py")] if p.name not in ("setup.py", "conftest.py")}
-    names |= {p.parent.name for p in [*root.glob("*/__init__.py"), *root.glob("src/*/__init__.py")]}
-    return sorted(n for n in names if n.isidentifier() and n not in RUNNER_MODULES)
+""")
+"""Run by a sandbox's interpreter (`python -I -c SCRIPT ARG...`, from `/`; an ARG is a library's name, or an
+absolute folder: the libraries of that tree, `library_names`): the paths of what it holds in its
+site-packages of those libraries (the installed copy, its bytecode, the dist-info RECORD that hashes its
+files), as JSON. Any of them names the file a task changed (docs/security/task-data.md)."""
 
 
 def installed_copies(workspace: str | os.PathLike[str], python: str) -> list[str]:

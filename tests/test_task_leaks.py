@@ -210,3 +210,35 @@ def test_a_clean_copy_of_the_library_in_a_docker_images_site_packages_is_hidden(
     report, seen = run(probe())
     assert leaking_channels(report, "leaky.py") == [], report["channels"]
     assert seen.split() == ["0", "-3"], seen  # nothing of the installed copy can be read; the workspace's is used
+
+
+@pytest.mark.slow
+def test_an_swe_rows_own_image_with_a_clean_copy_in_site_packages_hands_out_no_answer(toolz_swebench_row, tmp_path):
+    """An SWE row whose own image (`image_name`, found on the engine: rollway did not build it) holds the
+    repository at /testbed with the bug, as SWE-bench images do, and the fixed library installed in its
+    site-packages (a clean `pip install` of the project). Before the fix the probe's `site_packages` channel
+    named the changed file in the workspace copied from /testbed. Real engine, real image, real task set."""
+    import json
+    import shutil
+    import subprocess
+
+    from docker_engine import ensure_engine
+
+    from rollway.envs.swe_images import export_tree, find_repo
+
+    client = ensure_engine()
+    [row] = [json.loads(line) for line in (toolz_swebench_row / "rows.jsonl").read_text().splitlines()]
+    ctx = tmp_path / "ctx"
+    export_tree(find_repo(str(toolz_swebench_row / "mirror"), row["repo"]), row["base_commit"], ctx / "repo")
+    shutil.copytree(ctx / "repo", ctx / "fixed")
+    subprocess.run(["git", "apply", "-"], cwd=ctx / "fixed", input=row["patch"].encode(), check=True)
+    (ctx / "Dockerfile").write_text("FROM rollway-sandbox:bookworm\nCOPY repo/ /testbed/\n"
+                                    "COPY fixed/toolz/ /usr/local/lib/python3.11/dist-packages/toolz/\n")
+    image = f"rollway-test/swe-own-image:{row['instance_id'].lower().replace('_', '-')[:60]}"
+    client.images.build(path=str(ctx), tag=image, network_mode="none", rm=True, pull=False)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({**row, "image_name": image}) + "\n")
+    taskset = build_taskset(TasksConfig(type="swebench", path=str(rows), mirror=str(toolz_swebench_row / "mirror")),
+                            SandboxConfig(type="docker"))
+    [(task_id, probed)] = _probe_all(taskset, "docker")
+    assert len(probed["report"]["candidates"]) > 4 and probed["leaks"] == [], (task_id, probed["changed_file"], probed["report"]["channels"])
