@@ -859,6 +859,18 @@ TOOL_ATTACKS: dict[str, tuple[str, str]] = {
 """Tool-call rows: (what, the model's output). Played through the agent actor (parsing, tools), then the
 reward actor; each must end as an observation and a graded episode, never a failed attempt."""
 
+OVERSIZE_LIMIT = ["broker.max_message_bytes=65536", "agent.max_turns=6"]
+"""The oversize rows' settings: the smallest broker limit, six turns of the model's output."""
+OVERSIZE_ATTACKS: dict[str, tuple[str, str]] = {
+    "episode_over_broker_limit": ("six turns of 1,500-character tool calls: the episode outgrows "
+                                  "broker.max_message_bytes (64 KiB here) after the agent ran",
+                                  _call("bash", json.dumps({"command": "true #" + "x" * 1500}))),
+}
+"""Opt-out by size (issue 39 item 3): played as the tool-call rows are, every turn the model's output, with
+OVERSIZE_LIMIT. An episode the broker would refuse must come back graded 0 on the turns that fit
+(actors/reward.refused_as_graded_0), never a dropped or retried attempt; the in-process driver applies the
+stage workers' size check (runtime/inprocess.py)."""
+
 HARNESS_ATTACKS: dict[str, tuple[str, list[str]]] = {
     "harness_program_kills_all": ("the harness program runs kill -9 -1 (the launcher dies with it)",
                                   ["sh", "-c", "echo bye; kill -9 -1"]),

@@ -26,6 +26,8 @@ from rollway.audit.grader_attacks import (
     ATTACKS,
     GATEWAY_ATTACKS,
     HARNESS_ATTACKS,
+    OVERSIZE_ATTACKS,
+    OVERSIZE_LIMIT,
     TOOL_ATTACKS,
     Attack,
     AttackNotRun,
@@ -216,24 +218,33 @@ def verdict(grade: Grade, extra: str | None, timeout_expected: bool = False) -> 
     return True, f"reward 0: {why}"
 
 
-async def play_tool_call(name: str, output: str, opts: Options) -> tuple[bool, str]:
+async def play_tool_call(name: str, output: str, opts: Options, oversize: bool = False) -> tuple[bool, str]:
     """The model's output played through the agent actor (parsing, tools) on a toy task, then a
-    `finish`; graded by the reward actor. The episode must come back graded, not failed."""
+    `finish`; graded by the reward actor. The episode must come back graded, not failed. `oversize`: the
+    output every turn, under OVERSIZE_LIMIT; the episode must come back graded 0 for being over the limit."""
     from rollway.audit.verify import play_episode
     from rollway.config.run import load_config
 
-    script = [{"when": "", "turns": [output, '<tool_call>{"name": "finish", "arguments": {}}</tool_call>']}]
+    turns = [output] if oversize else [output, '<tool_call>{"name": "finish", "arguments": {}}</tool_call>']
     cfg = load_config(None, ["tasks.type=toy", "tasks.count=1", f"sandbox.type={opts.sandbox}",
                              'tools.enabled=["bash", "editor", "search", "finish"]', "agent.max_turns=3",
                              "agent.max_tokens_per_turn=1000000", "agent.max_total_tokens=4000000",
-                             "policy=" + json.dumps({"type": "scripted", "script": script})])
+                             *(OVERSIZE_LIMIT if oversize else []),
+                             "policy=" + json.dumps({"type": "scripted", "script": [{"when": "", "turns": turns}]})])
     with tempfile.TemporaryDirectory(prefix="rollway-grader-check-") as run_dir:
         try:
             traj = await play_episode(cfg, Path(run_dir), "toy-000")
         except RuntimeError as exc:
-            return False, f"the attempt failed instead of giving an observation: {str(exc)[:300]}"
+            return False, f"the attempt failed instead of {'a graded 0' if oversize else 'an observation'}: {str(exc)[:300]}"
     if traj.reward > 0:
         return False, f"scored reward {traj.reward:g}"
+    if oversize:
+        kind = traj.grade.get("failure_kind")
+        if kind != "OutputRefused" or not traj.num_turns:
+            return False, (f"ended with {traj.stop_reason} ({kind}), {traj.num_turns} turn(s) kept: not graded 0 for "
+                           "being over broker.max_message_bytes on the turns that fit")
+        stage = traj.grade.get("failure_stage")
+        return True, f"reward 0: {traj.stop_reason} (OutputRefused in {stage}), {traj.num_turns} turn(s) kept"
     first = traj.turns[0].observations if traj.turns else []
     shown = "; ".join(o.content[:80].replace("\n", " ") for o in first[:2]) or "no observation"
     more = f" (+{len(first) - 2} more)" if len(first) > 2 else ""
@@ -306,8 +317,8 @@ async def run_suite(opts: Options, families: list[Family] | None = None) -> dict
                   for a in ATTACKS if fam.name in a.families and _selected(a.name, opts)]
     broker = None
     if any(f.name == "toy" for f in families):
-        plays += [(name, "agent-tools", functools.partial(play_tool_call, name, output, opts), what)
-                  for name, (what, output) in TOOL_ATTACKS.items() if _selected(name, opts)]
+        plays += [(name, "agent-tools", functools.partial(play_tool_call, name, output, opts, name in OVERSIZE_ATTACKS),
+                   what) for name, (what, output) in (TOOL_ATTACKS | OVERSIZE_ATTACKS).items() if _selected(name, opts)]
         harness = {name: (*row, None) for name, row in HARNESS_ATTACKS.items() if _selected(name, opts)}
         harness |= {name: (*row, "harness_refused_limit") for name, row in GATEWAY_ATTACKS.items()
                     if _selected(name, opts)}

@@ -28,6 +28,7 @@ from rollway.envs.image_builds import KeyedLocks
 from rollway.envs.swe_rows import SWEInstance
 from rollway.envs.task_data import CONTAINER_DIR
 from rollway.sandboxes.base import SandboxError
+from rollway.sandboxes.images import without_installed_copies
 from rollway.sandboxes.task_tree import normalise_tree
 
 _HOST_CA = "/etc/ssl/certs/ca-certificates.crt"
@@ -201,9 +202,9 @@ class InstanceImages:
             if known:
                 return known
             for name in filter(None, [inst.image_name, template_name(self.template, inst)]):
-                if self._exists(name):
-                    self._known[ident] = name
-                    return name
+                if self._exists(name):  # not built here: a clean copy of the repository may be installed in it
+                    self._known[ident] = without_installed_copies(self.client, name, [inst.repo_dir])
+                    return self._known[ident]
             name = self._build(inst)
             self._known[ident] = name
             return name

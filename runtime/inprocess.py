@@ -1,5 +1,8 @@
 """Episodes played in this process, no broker: each message goes to the rollout stage that consumes its topic
-(topics/topology.py) until the trajectory comes out. `tasks verify`, the grader check and the benchmarks use it."""
+(topics/topology.py) until the trajectory comes out. `tasks verify`, the grader check and the benchmarks use it.
+Each output must be one the broker would take (encoded and measured as a stage worker's producer does): one it
+would refuse gets the actor's failure outputs instead, as in a stage worker (an episode too large for the
+broker is graded 0 on the turns that fit)."""
 
 from __future__ import annotations
 
@@ -10,9 +13,10 @@ from collections import defaultdict
 from typing import Any
 
 from rollway.base.registry import import_target
-from rollway.runtime.actor import MessageMeta, Output
+from rollway.runtime.actor import MessageMeta, Output, OutputRefused
 from rollway.runtime.kafka import topic_name
 from rollway.runtime.telemetry import TelemetryLog
+from rollway.runtime.worker import OutputSender, failure_outputs
 from rollway.schemas.messages import EpisodeKey, InitRequest, Trajectory
 from rollway.topics import INIT_REQUESTS, TRAJECTORIES
 from rollway.topics.topology import STAGES, check_output, drain_stages
@@ -30,6 +34,8 @@ class InProcessDriver:
         stages = [s for s in STAGES if not s.issues_work and s not in drain_stages()]
         self.actors = {s.name: import_target(s.actor)(services) for s in stages}
         self.reader = {t: s for s in stages for t in s.consumes}
+        self.senders = {s.name: OutputSender(s.name, services.cfg, None, {}) for s in stages}  # type: ignore[arg-type]
+        """Encoding only (nothing is produced): the size and encoding checks of a stage worker's producer."""
         self.offsets: defaultdict[Any, itertools.count] = defaultdict(itertools.count)
 
     async def __aenter__(self) -> InProcessDriver:
@@ -58,8 +64,12 @@ class InProcessDriver:
                                   stage=stage.name)
             if len(produced) != 1:  # init skips another run's episode
                 raise RuntimeError(f"task {key.task_id}: stage {stage.name} produced {len(produced)} messages, not 1")
+            check_output(stage.name, produced[0].topic)
+            try:
+                self.senders[stage.name].encode_all(produced)
+            except OutputRefused as err:  # as runtime/worker.deliver: the actor's failure outputs instead
+                produced = failure_outputs(self.actors[stage.name], out.value, err)
             out = produced[0]
-            check_output(stage.name, out.topic)
         if out.topic is not TRAJECTORIES:
             raise RuntimeError(f"task {key.task_id}: the episode failed: {out.value}")
         return out.value

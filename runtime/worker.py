@@ -127,18 +127,32 @@ class OutputSender:
                                 "(fewer turns, shorter outputs)")
         return topic_name(out.topic, self.cfg.topics), key, value
 
-    async def send(self, outputs: list[Output]) -> None:
+    def encode_all(self, outputs: list[Output]) -> list[tuple[str, bytes | None, bytes]]:
+        """Every output encoded, or OutputRefused for the first that cannot be a message (the in-process
+        driver checks its outputs with it too)."""
         encoded = []
-        try:
-            for out in outputs:  # all first: an unencodable output produces none
+        for out in outputs:
+            try:
                 encoded.append(self.encode(out))
-            for out, (topic, key, value) in zip(outputs, encoded, strict=True):  # noqa: B007 - `out` is read below
+            except OutputRefused as err:
+                self.refused(err, out)
+                raise
+        return encoded
+
+    def refused(self, err: OutputRefused, out: Output) -> None:
+        """`err` given the refused output and the room a message has here, for the actor's `on_error`."""
+        err.output, err.room = out, self.cfg.broker.max_message_bytes - RECORD_OVERHEAD_BYTES
+
+    async def send(self, outputs: list[Output]) -> None:
+        encoded = self.encode_all(outputs)  # all first: an unencodable output produces none
+        for out, (topic, key, value) in zip(outputs, encoded, strict=True):
+            try:
                 await self._produce(topic, key, value)
-                self.stats["produced"] += 1
-                metrics.PRODUCED.labels(self.stage).inc()
-        except OutputRefused as err:
-            err.output, err.room = out, self.cfg.broker.max_message_bytes - RECORD_OVERHEAD_BYTES
-            raise
+            except OutputRefused as err:
+                self.refused(err, out)
+                raise
+            self.stats["produced"] += 1
+            metrics.PRODUCED.labels(self.stage).inc()
 
     async def _produce(self, topic: str, key: bytes | None, value: bytes) -> None:
         delay = 0.2

@@ -29,9 +29,10 @@ from rollway.sandboxes.base import (
     SandboxSpec,
 )
 from rollway.sandboxes.config import DockerSandboxConfig
+from rollway.sandboxes.images import without_installed_copies
 from rollway.sandboxes.jail import JailLimits, OutputCapture
 from rollway.sandboxes.seccomp import docker_profile
-from rollway.sandboxes.task_tree import FIXED_TIME, NORMALISE_COMMAND
+from rollway.sandboxes.task_tree import FIXED_TIME, NORMALISE_COMMAND, library_names
 
 WORKSPACE = "/workspace"
 STATE = "/rollway"
@@ -471,6 +472,8 @@ class DockerSandboxProvider(SandboxProvider):
         self._pool: dict[str, list[tuple[str, str]]] = {}
         """image -> started, unused (container id, sandbox name) pairs (`warm_pool`)."""
         self._refills: dict[str, asyncio.Task[None]] = {}
+        self._hiding: dict[tuple[str, tuple[str, ...]], str] = {}
+        """(image, a task tree's libraries) -> the image its sandboxes start from (`without_installed_copies`)."""
         self._closing = False
         self._reaped = False
 
@@ -587,7 +590,13 @@ class DockerSandboxProvider(SandboxProvider):
     async def create(self, spec: SandboxSpec, name: str) -> DockerSandbox:
         """Start the container (or take one from the warm pool), copy the source and files in, run
         setup, snapshot the base with git."""
-        container_id, name = await self._container_for(spec.image or self.config.image, name, spec)
+        image = spec.image or self.config.image
+        libraries = tuple(library_names(spec.source_dir)) if spec.source_dir else ()
+        if libraries and (image, libraries) not in self._hiding:  # no clean copy of them readable in the image
+            self._require_image(image)
+            self._hiding[image, libraries] = await asyncio.to_thread(without_installed_copies, self.client, image,
+                                                                     list(libraries))
+        container_id, name = await self._container_for(self._hiding.get((image, libraries), image), name, spec)
         sandbox = DockerSandbox(self, container_id, name)
         try:
             await sandbox._run_checked(_TOOLS, "rollway's execute-only tools (the image needs bash and timeout)")

@@ -51,3 +51,44 @@ def build_image(
         except SandboxError:
             raise
     return {"image": tag, "id": image.id, "size_mb": round(image.attrs["Size"] / 2**20)}
+
+
+def without_installed_copies(client: Any, image: str, names: list[str]) -> str:
+    """`image`, or when its interpreter holds any of the libraries `names` (names, or absolute folders of the
+    image whose libraries count) in its site-packages (a task image with the task's library `pip install`ed),
+    an image made FROM it without them: their files, bytecode and dist-info RECORD removed
+    (task_tree.INSTALLED_COPIES_SCRIPT finds them, run by the image's python3 in a container without network
+    or capabilities). Tagged by what went in, so it is built once per engine. A sandbox cannot hide them
+    itself (its root file system is read-only): docs/security/task-data.md."""
+    import hashlib
+    import json
+
+    from rollway.sandboxes.docker import engine_errors
+    from rollway.sandboxes.task_tree import INSTALLED_COPIES_SCRIPT
+
+    with engine_errors(f"look for installed copies of {', '.join(names)} in {image}"):
+        found = client.images.get(image)
+        key = hashlib.sha256("\0".join([INSTALLED_COPIES_SCRIPT, *names]).encode()).hexdigest()[:12]
+        tag = f"rollway-hidden/{found.id.split(':')[-1][:12]}:{key}"
+        if client.images.list(name=tag):
+            return tag
+        try:
+            out = client.containers.run(found.id, ["python3", "-I", "-c", INSTALLED_COPIES_SCRIPT, *names],
+                                        entrypoint=[], working_dir="/", user="65534:65534", remove=True,
+                                        network_disabled=True, network_mode="none", cap_drop=["ALL"],
+                                        read_only=True, security_opt=["no-new-privileges"], stderr=False)
+        except Exception as exc:
+            if type(exc).__name__ != "ContainerError" and "executable file not found" not in str(exc):
+                raise
+            return image  # no python3 (or it failed): no interpreter finds a copy, nothing to hide
+        # Only absolute one-line paths: the image's own interpreter printed them, and they enter a RUN line.
+        paths = [p for p in json.loads(out or b"[]") if isinstance(p, str) and p.startswith("/") and p.isprintable()]
+        if not paths:
+            return image
+        user = found.attrs.get("Config", {}).get("User") or ""
+        lines = [f"FROM {found.id}", "USER root", "RUN rm -rf " + " ".join(shlex.quote(p) for p in paths),
+                 *([f"USER {user}"] if user else []), f"LABEL rollway.hidden={json.dumps(' '.join(names))}"]
+        with tempfile.TemporaryDirectory(prefix="rollway-hidden-") as ctx:
+            Path(ctx, "Dockerfile").write_text("\n".join(lines) + "\n")
+            client.images.build(path=ctx, tag=tag, network_mode="none", rm=True, pull=False)
+    return tag

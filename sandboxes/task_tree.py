@@ -5,6 +5,7 @@ image's build context) and again where a sandbox is made from one (docs/security
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
@@ -53,41 +54,52 @@ RUNNER_MODULES = frozenset({"pytest", "_pytest", "pluggy", "iniconfig", "packagi
 """Never hidden: the test runner imports them from the interpreter's path (a `pytest` started from its
 console script does not put the workspace first)."""
 
-_FIND_SPECS = ("import importlib.util as u, json, sys; "
-               "print(json.dumps([getattr(u.find_spec(n), 'origin', None) for n in sys.argv[1:]]))")
 
-
-def installed_copies(workspace: str | os.PathLike[str], python: str) -> list[str]:
-    """What the sandbox's interpreter `python` holds of a library the workspace holds too (a module or
-    package at the top, or under `src/`), in its site-packages: the installed copy, its bytecode and the
-    dist-info whose RECORD hashes its files. Any of them names the file a task changed
-    (docs/security/task-data.md); the local jail hides them. The standard library is never among them."""
+def library_names(workspace: str | os.PathLike[str], runner: frozenset[str] = RUNNER_MODULES) -> list[str]:
+    """The modules and packages at the top of a task tree (or under `src/`), less the test runner's. (Its
+    source is part of INSTALLED_COPIES_SCRIPT: it uses nothing but `Path`.)"""
     root = Path(workspace)
     names = {p.stem for p in [*root.glob("*.py"), *root.glob("src/*.py")] if p.name not in ("setup.py", "conftest.py")}
     names |= {p.parent.name for p in [*root.glob("*/__init__.py"), *root.glob("src/*/__init__.py")]}
-    names = sorted(n for n in names if n.isidentifier() and n not in RUNNER_MODULES)
+    return sorted(n for n in names if n.isidentifier() and n not in runner)
+
+
+INSTALLED_COPIES_SCRIPT = ("from __future__ import annotations\nimport importlib.util, json, os, sys\n"
+                           "from pathlib import Path\n" + f"RUNNER_MODULES = frozenset({sorted(RUNNER_MODULES)!r})\n"
+                           + inspect.getsource(library_names) + r"""
+names = [n for arg in sys.argv[1:] for n in (library_names(arg) if arg.startswith("/") else [arg])]
+hidden = []
+for name in names:
+    path = Path(getattr(importlib.util.find_spec(name), "origin", None) or "")
+    if not path.is_absolute() or not {"site-packages", "dist-packages"} & set(path.parts):
+        continue
+    if path.name == "__init__.py":  # a package: its folder
+        site = path.parent.parent
+        hidden.append(str(path.parent))
+    else:  # a module: its file and bytecode
+        site = path.parent
+        hidden += [str(path), *map(str, (site / "__pycache__").glob(name + ".*.pyc"))]
+    for record in site.glob("*.dist-info/RECORD"):
+        try:
+            lines = record.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        if any(line.startswith((name + "/", name + ".py,")) for line in lines):
+            hidden.append(str(record))
+print(json.dumps(sorted(set(hidden))))
+""")
+"""Run by a sandbox's interpreter (`python -I -c SCRIPT ARG...`, from `/`; an ARG is a library's name, or an
+absolute folder: the libraries of that tree, `library_names`): the paths of what it holds in its
+site-packages of those libraries (the installed copy, its bytecode, the dist-info RECORD that hashes its
+files), as JSON. Any of them names the file a task changed (docs/security/task-data.md)."""
+
+
+def installed_copies(workspace: str | os.PathLike[str], python: str) -> list[str]:
+    """What the sandbox's interpreter `python` holds in its site-packages of a library the workspace holds
+    too (INSTALLED_COPIES_SCRIPT): the local jail hides them. The standard library is never among them."""
+    names = library_names(workspace)
     if not names:
         return []
-    found = subprocess.run([python, "-I", "-c", _FIND_SPECS, *names], capture_output=True, text=True, cwd="/",
-                           timeout=120)
-    hidden: list[str] = []
-    for name, origin in zip(names, json.loads(found.stdout) if found.returncode == 0 else [], strict=False):
-        path = Path(origin or "")
-        if not path.is_absolute() or not {"site-packages", "dist-packages"} & set(path.parts):
-            continue
-        if path.name == "__init__.py":  # a package: its folder
-            site = path.parent.parent
-            hidden.append(str(path.parent))
-        else:  # a module: its file and bytecode
-            site = path.parent
-            hidden += [str(path), *map(str, (site / "__pycache__").glob(f"{name}.*.pyc"))]
-        hidden += [str(record.parent) for record in site.glob("*.dist-info/RECORD")
-                   if any(line.startswith((f"{name}/", f"{name}.py,")) for line in _lines(record))]
-    return sorted(set(hidden))
-
-
-def _lines(path: Path) -> list[str]:
-    try:
-        return path.read_text(errors="replace").splitlines()
-    except OSError:
-        return []
+    found = subprocess.run([python, "-I", "-c", INSTALLED_COPIES_SCRIPT, *names], capture_output=True, text=True,
+                           cwd="/", timeout=120)
+    return json.loads(found.stdout) if found.returncode == 0 else []

@@ -316,3 +316,70 @@ def test_the_secrets_row_flags_a_launcher_spec_left_in_the_workspace():
     rows = asyncio.run(run_suite(opts, families=[family(LeftSpecTaskSet), family(ToyTaskSet)]))["rows"]
     assert [r["contained"] for r in rows] == [False, True], rows
     assert "launch-0123.json" in rows[0]["reason"]
+
+
+def test_the_oversize_row_flags_a_build_that_drops_an_episode_too_large_for_the_broker(monkeypatch):
+    """The row `episode_over_broker_limit`: the model's turns make its episode outgrow broker.max_message_bytes
+    after its code ran. Contained: graded 0 (OutputRefused) on the turns that fit. Two weakened builds are
+    flagged: one whose stages drop (or retry) the refused episode instead of grading it, and an in-process
+    driver that does not apply the broker's size check (the row would then measure nothing)."""
+    from rollway.actors import agent, reward
+    from rollway.runtime.worker import OutputSender
+
+    def play() -> dict:
+        report = asyncio.run(run_suite(Options(sandbox="local", families=("toy",), row_timeout_s=240,
+                                               attacks=("episode_over_broker_limit",))))
+        [row] = report["rows"]
+        return row
+
+    row = play()
+    assert row["contained"] and "OutputRefused" in row["reason"], row
+    with monkeypatch.context() as weakened:
+        for module in (agent, reward):
+            weakened.setattr(module, "refused_as_graded_0", lambda *a: None)
+        row = play()
+    assert not row["contained"] and "the attempt failed" in row["reason"], row
+    monkeypatch.setattr(OutputSender, "encode_all", lambda self, outputs: [])
+    row = play()
+    assert not row["contained"] and "not graded 0 for being over" in row["reason"], row
+
+
+@pytest.mark.slow
+def test_the_leak_row_flags_a_docker_sandbox_that_shows_the_images_copy_of_the_library():
+    """The answer-leak row on Docker against a task built from a library the sandbox base image itself holds
+    (`zipp`, which Debian's pytest brings into /usr/lib/python3/dist-packages), one line of it changed:
+    contained by the real provider (it starts the sandbox from an image without that copy), not contained
+    once that is switched off (the weakened build), with `site_packages` naming the file."""
+    import tempfile
+    from pathlib import Path
+
+    from docker_engine import ensure_engine
+
+    from rollway.sandboxes.base import SandboxSpec
+
+    clean = ensure_engine().containers.run("rollway-sandbox:bookworm", ["cat", "/usr/lib/python3/dist-packages/zipp.py"],
+                                           remove=True, network_disabled=True).decode()
+    tree = Path(tempfile.mkdtemp(prefix="rollway-zipp-"))
+    changed = clean.replace("def __init__(", "def __init__(  # changed\n        ", 1)
+    assert changed != clean
+    (tree / "zipp.py").write_text(changed)
+    for i in range(6):
+        (tree / f"other{i}.py").write_text(f"x = {i}\n")
+
+    class ZippTaskSet(ToyTaskSet):
+        def sandbox_spec(self, task: Task) -> SandboxSpec:
+            return SandboxSpec(source_dir=str(tree))
+
+    def row() -> dict:
+        taskset = ZippTaskSet(ToyTasksConfig(type="toy", count=1))
+        fams = [Family("leaky", taskset, taskset.tasks()[0], Target("leaky", "zipp.py"))]
+        [played] = asyncio.run(run_suite(Options(sandbox="docker", attacks=("answer_leak_probe",), row_timeout_s=240),
+                                         families=fams))["rows"]
+        return played
+
+    played = row()
+    assert played["contained"], played
+    with pytest.MonkeyPatch.context() as weakened:
+        weakened.setattr("rollway.sandboxes.docker.without_installed_copies", lambda client, image, names: image)
+        played = row()
+    assert not played["contained"] and "'site_packages'" in played["reason"], played

@@ -158,3 +158,87 @@ def test_a_clean_copy_of_the_library_on_the_jails_interpreter_path_is_hidden(tmp
     report, seen = run(probe())
     assert leaking_channels(report, "leaky.py") == [], report["channels"]
     assert seen.split() == ["0", "-3"], seen  # nothing of the installed copy can be read; the workspace's is used
+
+
+def _leaky_tree(tmp_path: Path) -> tuple[str, Path]:
+    """A library module `leaky.py` (clean), and a task tree holding it with one line changed among others."""
+    source = "".join(f"def f{i}():\n    return {i}\n" for i in range(8))
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "leaky.py").write_text(source.replace("return 3", "return -3"))
+    for i in range(4):
+        (tree / f"other{i}.py").write_text(f"x = {i}\n")
+    return source, tree
+
+
+@pytest.mark.slow
+def test_a_clean_copy_of_the_library_in_a_docker_images_site_packages_is_hidden(tmp_path):
+    """A task image that holds the task's library in its interpreter's site-packages (a `pip install` of it,
+    here written in by hand: the module, its bytecode, a dist-info whose RECORD lists it) and a task whose
+    workspace holds that library with one function changed. Before the fix the probe's `site_packages`
+    channel named the changed file (the image's copy is readable in the container); now nothing of the
+    installed copy can be read and the workspace's copy is the one imported. Real engine, real image build."""
+    import base64
+    import hashlib
+
+    from docker_engine import ensure_engine
+
+    from rollway.sandboxes.config import DockerSandboxConfig
+    from rollway.sandboxes.docker import DockerSandboxProvider
+    from rollway.sandboxes.images import build_image
+
+    client = ensure_engine()
+    source, tree = _leaky_tree(tmp_path)
+    site = "/usr/local/lib/python3.11/dist-packages"
+    data = base64.b64encode(source.encode()).decode()
+    tag = f"rollway-test/leaky:{hashlib.sha256(source.encode()).hexdigest()[:12]}"
+    build_image(tag, [], [f"mkdir -p {site}/leaky-1.0.dist-info && echo {data} | base64 -d > {site}/leaky.py && "
+                          f"python3 -m py_compile {site}/leaky.py && echo 'leaky.py,sha256=x,1' > "
+                          f"{site}/leaky-1.0.dist-info/RECORD"], client=client)
+    provider = DockerSandboxProvider(DockerSandboxConfig(image=tag))
+
+    async def probe() -> tuple[dict, str]:
+        box = await provider.create(SandboxSpec(source_dir=str(tree)), f"leak-{uuid.uuid4().hex[:10]}")
+        try:
+            seen = await box.exec(f"cat {site}/leaky.py {site}/__pycache__/leaky* {site}/leaky-1.0.dist-info/* "
+                                  "2>/dev/null | wc -c; python3 -c 'import leaky; print(leaky.f3())'")
+            return await probe_sandbox(box), seen.output
+        finally:
+            await box.destroy()
+            await provider.close()
+
+    report, seen = run(probe())
+    assert leaking_channels(report, "leaky.py") == [], report["channels"]
+    assert seen.split() == ["0", "-3"], seen  # nothing of the installed copy can be read; the workspace's is used
+
+
+@pytest.mark.slow
+def test_an_swe_rows_own_image_with_a_clean_copy_in_site_packages_hands_out_no_answer(toolz_swebench_row, tmp_path):
+    """An SWE row whose own image (`image_name`, found on the engine: rollway did not build it) holds the
+    repository at /testbed with the bug, as SWE-bench images do, and the fixed library installed in its
+    site-packages (a clean `pip install` of the project). Before the fix the probe's `site_packages` channel
+    named the changed file in the workspace copied from /testbed. Real engine, real image, real task set."""
+    import json
+    import shutil
+    import subprocess
+
+    from docker_engine import ensure_engine
+
+    from rollway.envs.swe_images import export_tree, find_repo
+
+    client = ensure_engine()
+    [row] = [json.loads(line) for line in (toolz_swebench_row / "rows.jsonl").read_text().splitlines()]
+    ctx = tmp_path / "ctx"
+    export_tree(find_repo(str(toolz_swebench_row / "mirror"), row["repo"]), row["base_commit"], ctx / "repo")
+    shutil.copytree(ctx / "repo", ctx / "fixed")
+    subprocess.run(["git", "apply", "-"], cwd=ctx / "fixed", input=row["patch"].encode(), check=True)
+    (ctx / "Dockerfile").write_text("FROM rollway-sandbox:bookworm\nCOPY repo/ /testbed/\n"
+                                    "COPY fixed/toolz/ /usr/local/lib/python3.11/dist-packages/toolz/\n")
+    image = f"rollway-test/swe-own-image:{row['instance_id'].lower().replace('_', '-')[:60]}"
+    client.images.build(path=str(ctx), tag=image, network_mode="none", rm=True, pull=False)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({**row, "image_name": image}) + "\n")
+    taskset = build_taskset(TasksConfig(type="swebench", path=str(rows), mirror=str(toolz_swebench_row / "mirror")),
+                            SandboxConfig(type="docker"))
+    [(task_id, probed)] = _probe_all(taskset, "docker")
+    assert len(probed["report"]["candidates"]) > 4 and probed["leaks"] == [], (task_id, probed["changed_file"], probed["report"]["channels"])
