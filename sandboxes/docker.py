@@ -19,6 +19,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from rollway.sandboxes.base import (
+    EngineOutOfDisk,
     EngineUnreachable,
     ExecResult,
     OutputLost,
@@ -141,6 +142,10 @@ def engine_errors(what: str, name: str = "") -> Iterator[None]:
         if _status(exc) == 409 or "is not running" in text:
             raise SandboxError(f"{what}: {box} is not running (killed, out of memory, or its engine "
                                "restarted); the episode needs a new sandbox") from exc  # fmt: skip
+        if "no space left on device" in text.lower():
+            said = str(getattr(exc, "explanation", None) or text)[-200:]  # the engine's words, not the URL
+            raise EngineOutOfDisk(f"{what}: the Docker engine is out of disk ({said}); free space in its data root "
+                                  "(docker system prune, a bigger disk)") from exc
         if _status(exc) == 0:  # no HTTP answer at all: connection refused, reset, socket gone
             raise EngineUnreachable(f"{what}: Docker engine stopped answering ({text}); {_UNREACHABLE}") from exc
         raise SandboxError(f"{what}: Docker engine refused the request ({text})") from exc
