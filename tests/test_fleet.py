@@ -352,6 +352,30 @@ def test_an_ssh_engine_refuses_a_key_it_does_not_authorize_and_a_host_key_it_doe
         assert "PRIVATE KEY" not in str(err.value)
 
 
+def test_a_job_on_an_ssh_engine_completes_and_its_stage_workers_tunnels_end_with_them(fleet, sshd, tmp_path, broker):
+    """The smoke job with the ssh:// engine as the whole fleet, every stage its own process (DOCKER_HOST points
+    nowhere): each init, agent and reward worker opens its own tunnel and reattaches by the engine's id.
+    Judged from the topics; afterwards no ssh tunnel of those workers is left running."""
+    engine, _keys = sshd
+    verdict, seen = _job(fleet, tmp_path, broker, "tunnel", episodes_per_task=2, tasks=3,
+                         engines=[engine.model_dump(exclude_none=True)])
+    assert verdict["scheduled"] == 6 and verdict["completed"] == 6, verdict
+    assert verdict["lost"] == 0 and verdict["duplicated"] == 0 and verdict["graded_twice"] == 0, verdict
+    assert {e for e, names in seen.items() if names} == {"fleet-1"}, seen  # the ssh engine's daemon
+
+    def others_tunnels() -> list[str]:  # ssh tunnels not started by this test process (the workers' ones)
+        found = []
+        for proc in Path("/proc").glob("[0-9]*"):
+            with contextlib.suppress(OSError):
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+                parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                if argv[0] == b"ssh" and any(b"/rollway-ssh-" in a for a in argv) and parent != os.getpid():
+                    found.append(proc.name)
+        return found
+
+    wait_until(lambda: not others_tunnels(), timeout_s=60, what="the stage workers' ssh tunnels to end")
+
+
 # ---------------------------------------------------------------- an engine out of disk
 
 def test_an_engine_out_of_disk_loses_no_episode_and_the_fleet_status_says_so(fleet, tmp_path, broker):
@@ -399,7 +423,7 @@ def test_an_engine_out_of_disk_loses_no_episode_and_the_fleet_status_says_so(fle
 
 def _job(fleet, tmp_path, broker, name: str, episodes_per_task: int, tasks: int, watch=None,
          extra_engines: tuple[dict, ...] = (), init_workers: int = 1, init_concurrency: int | None = None,
-         ) -> tuple[dict, dict]:
+         engines: list[dict] | None = None) -> tuple[dict, dict]:
     """`rollway up` of the smoke job on the fleet, every stage its own process; DOCKER_HOST points at no
     engine, so the engines are reached only through their TCP endpoints. Returns (ledger verdict, the
     sandboxes each engine was seen holding)."""
@@ -414,7 +438,7 @@ def _job(fleet, tmp_path, broker, name: str, episodes_per_task: int, tasks: int,
     if init_concurrency is not None:
         cfg["init"]["concurrency"] = init_concurrency
     cfg["sandbox"] = fleet.config().model_dump(mode="json", exclude_defaults=True) | {"type": "docker"}
-    cfg["sandbox"]["engines"] += list(extra_engines)
+    cfg["sandbox"]["engines"] = (engines or cfg["sandbox"]["engines"]) + list(extra_engines)
     config = tmp_path / f"{name}.yaml"
     config.write_text(yaml.safe_dump(cfg))
     seen: dict[str, set[str]] = {}
