@@ -238,7 +238,11 @@ class DockerSandbox(Sandbox):
         if stopped and user == USER:
             self._kill_all(user)
         exit_code = self._exit_code(exec_id)
-        if not take_trailer(capture, trailer) and stopped is None and exit_code is not None and exit_code < 128:
+        ended = take_trailer(capture, trailer)
+        if not ended and stopped is None and exit_code is None:  # the stream ended, the command runs on
+            raise EngineUnreachable(f"exec in {self.name}: the connection to the engine ended while the command "
+                                    "ran (a cut TCP connection or ssh tunnel); its output is incomplete")
+        if not ended and stopped is None and exit_code is not None and exit_code < 128:
             # The wrapper ran to its end (a command that killed it would show 128+signal): the engine lost
             # the stream. The command may have done its work, so it is not run again; an engine failure.
             raise OutputLost(f"the Docker engine lost the output of a command in {self.name} (exit code "

@@ -352,6 +352,43 @@ def test_an_ssh_engine_refuses_a_key_it_does_not_authorize_and_a_host_key_it_doe
         assert "PRIVATE KEY" not in str(err.value)
 
 
+def test_an_ssh_tunnel_cut_while_a_command_streams_fails_the_attempt_as_infrastructure(fleet, sshd):
+    """The ssh process is killed while a command streams (the host's network cut): the stream ends without the
+    command's end while the command still runs. That is the connection's failure, not a result: the exec raises
+    EngineUnreachable (the attempt fails as infrastructure) well before the command's own end, never an
+    ordinary result a grader would score. Cut four times: the next request either meets the dead tunnel's
+    socket or (as often) already opens a new tunnel, and finds the command still running; before the fix
+    that second case returned exit code -1 with the output so far."""
+    engine, _keys = sshd
+    provider = FleetSandboxProvider(fleet.config().model_copy(update={"engines": [engine]}))
+    box = run(provider.create(SandboxSpec(), f"fleet-cut-{uuid.uuid4().hex[:6]}"))
+    try:
+        for _ in range(4):
+            marker = f"{random.randint(100, 999)}.{random.randint(1000, 9999)}"
+            result: dict = {}
+
+            def streaming(command=f"echo started; sleep {marker}", result=result):
+                start = time.monotonic()
+                try:
+                    result["value"] = run(box.exec(command, timeout_s=120))
+                except BaseException as err:  # noqa: BLE001 - the test inspects it
+                    result["error"] = err
+                result["elapsed"] = time.monotonic() - start
+
+            thread = threading.Thread(target=streaming)
+            thread.start()
+            wait_until(lambda m=marker: subprocess.run(["pgrep", "-f", f"sleep {m}"], capture_output=True).returncode
+                       == 0, timeout_s=60, what="the command running in the container")
+            os.kill(provider.engines["over-ssh"].provider.client.tunnel.proc.pid, signal.SIGKILL)
+            thread.join(timeout=150)
+            assert not thread.is_alive(), "the exec hung after its tunnel was cut"
+            assert isinstance(result.get("error"), EngineUnreachable), result
+            assert result["elapsed"] < float(marker), result
+        assert run(box.exec("echo fine")).output == "fine\n"  # the engine itself is fine: a new tunnel
+    finally:
+        run(box.destroy())
+
+
 def test_a_job_on_an_ssh_engine_completes_and_its_stage_workers_tunnels_end_with_them(fleet, sshd, tmp_path, broker):
     """The smoke job with the ssh:// engine as the whole fleet, every stage its own process (DOCKER_HOST points
     nowhere): each init, agent and reward worker opens its own tunnel and reattaches by the engine's id.
