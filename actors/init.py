@@ -46,7 +46,7 @@ class InitActor(Actor):
         from rollway.sandboxes.reaper import names_by_engine, run_prefix
 
         try:
-            names = await asyncio.to_thread(names_by_engine, self.s.sandboxes, run_prefix(self.s.cfg.run.id))
+            names = await asyncio.to_thread(names_by_engine, self.s.sandboxes, run_prefix(self.s.cfg.run.id), True)
         except Exception as err:  # noqa: BLE001 - a metric must never stop the stage
             log.debug("live sandboxes not counted", error=f"{type(err).__name__}: {err}")
             return

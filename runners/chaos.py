@@ -204,6 +204,7 @@ class FleetKiller:
     restarts: list[threading.Thread] = field(default_factory=list)
     restarted: list[dict[str, Any]] = field(default_factory=list)
     """Each restart's outcome: fleet-up.sh's exit code and the end of what it said."""
+    _fleet: Any = None
 
     def _pid_file(self, engine_id: str) -> Path | None:
         k = engine_id.removeprefix("fleet-")
@@ -211,25 +212,17 @@ class FleetKiller:
         return path if engine_id.startswith("fleet-") and k.isdigit() and path.exists() else None
 
     def busy(self) -> dict[str, list[str]]:
-        """Engine id -> the run's sandboxes it holds, for the fleet's engines that answer and hold some."""
-        from rollway.sandboxes.docker import LABEL
-        from rollway.sandboxes.fleet import engine_client
+        """Engine id -> the run's sandboxes it holds, for the fleet's engines that answer and hold some (the
+        reaper's listing: a restarted engine's stopped ones count until the run's init workers reap them)."""
+        from rollway.sandboxes.config import DockerSandboxConfig
+        from rollway.sandboxes.fleet import FleetSandboxProvider
+        from rollway.sandboxes.reaper import names_by_engine, run_prefix
 
-        found = {}
-        for engine in self.engines:
-            if self._pid_file(engine.id) is None:
-                continue
-            try:
-                client = engine_client(engine.model_copy(update={"timeout_s": 5.0}))
-                listed = client.api.containers(filters={"label": LABEL})
-                client.close()
-            except Exception:  # noqa: BLE001 - down (killed, restarting): not a candidate now
-                continue
-            names = sorted(n for c in listed if (n := (c.get("Labels") or {}).get(LABEL, "")).startswith(
-                f"{self.run_id}-"))
-            if names:
-                found[engine.id] = names
-        return found
+        if self._fleet is None:  # a short time limit: a daemon being killed must not stall the monkey
+            engines = [e.model_copy(update={"timeout_s": 5.0}) for e in self.engines if self._pid_file(e.id)]
+            self._fleet = FleetSandboxProvider(DockerSandboxConfig(engines=engines))
+        return {e: names for e, names in names_by_engine(self._fleet, run_prefix(self.run_id), skip_down=True).items()
+                if names}
 
     def kill(self, engine_id: str) -> None:
         path = self._pid_file(engine_id)

@@ -40,8 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="run id (summary.json's run_id); without it every episode sandbox of every run goes, "
                            "so run it only when no run is running here")
     reap.add_argument("--type", choices=["local", "docker"], default=None, help="override sandbox.type")
-    fleet = sub.add_parser("fleet", help="each docker engine of sandbox.engines: up/down, sandboxes by run, "
-                                         "capacity, images, round-trip latency")
+    fleet = sub.add_parser("fleet", help="each docker engine of sandbox.engines: up/down/out of disk, sandboxes by "
+                                         "run, capacity, images, round-trip latency")
     fleet.add_argument("config", nargs="?", default=None, help="run config YAML (its `sandbox:` section)")
     fleet.add_argument("overrides", nargs="*", default=[], help="dotted overrides, e.g. sandbox.engines=[...]")
     fleet.add_argument("--json", action="store_true", help="print the engines as JSON")
@@ -146,14 +146,14 @@ def _fleet(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
-        print(f"{'engine':<12} {'state':<5} {'sandboxes':>9} {'capacity':>8} {'latency':>9}  by run / images / reason")
+        print(f"{'engine':<12} {'state':<11} {'sandboxes':>9} {'capacity':>8} {'latency':>9}  reason / by run / images")
         for r in rows:
-            if r["state"] == "up":
-                detail = (", ".join(f"{k}: {v}" for k, v in r["by_run"].items()) or "-") + " | " + ", ".join(r["images"])
-                print(f"{r['id']:<12} {'up':<5} {r['sandboxes']:>9} {r['capacity'] or '-':>8} "
-                      f"{r['latency_ms']:>7.1f}ms  {detail}")
-            else:
-                print(f"{r['id']:<12} {'down':<5} {'-':>9} {r['capacity'] or '-':>8} {'-':>9}  {r['reason']}")
+            if r["state"] == "down":
+                print(f"{r['id']:<12} {'down':<11} {'-':>9} {r['capacity'] or '-':>8} {'-':>9}  {r['reason']}")
+                continue
+            detail = (", ".join(f"{k}: {v}" for k, v in r["by_run"].items()) or "-") + " | " + ", ".join(r["images"])
+            print(f"{r['id']:<12} {r['state']:<11} {r['sandboxes']:>9} {r['capacity'] or '-':>8} "
+                  f"{r['latency_ms']:>7.1f}ms  {r.get('reason', '') + ' | ' if 'reason' in r else ''}{detail}")
     return 0 if all(r["state"] == "up" for r in rows) else 1
 
 

@@ -143,6 +143,15 @@ class EngineUnreachable(SandboxError):
     """Observed from outside the sandbox: never the agent's doing (base/blame.py)."""
 
 
+class EngineOutOfDisk(SandboxError):
+    """The engine answers but cannot write to its data root ("no space left on device": a container's files,
+    an image's layers). The engine's problem, not the episode's (a sandbox's own writes go to tmpfs, never
+    there): the fleet places the sandbox on another engine and skips this one for a while; where it
+    reaches a stage, the attempt fails as infrastructure and is re-issued."""
+
+    infrastructure = True
+
+
 class SandboxGone(SandboxError):
     """The sandbox named by a handle no longer exists. rollway destroys a sandbox only when its
     attempt ends (graded, failed, or a duplicate), so a turn that finds it gone is a redelivery of

@@ -122,8 +122,9 @@ class EngineConfig(StrictModel):
     URL or credential): every worker of a run must give the same engine the same id."""
     endpoint: str | None = None
     """`unix:///PATH`, `tcp://HOST:PORT` (with the tls_* files; plain TCP only on a loopback address) or
-    `ssh://USER@HOST` (the docker CLI's ssh transport, keys from the ssh agent/config). None: the local
-    engine (DOCKER_HOST, else /var/run/docker.sock)."""
+    `ssh://USER@HOST[:PORT][/SOCKET]` (the engine's unix socket on that host, /var/run/docker.sock unless a
+    path is given, forwarded to a private socket here by the system's `ssh` client; ssh_key and ssh_known_hosts
+    below). None: the local engine (DOCKER_HOST, else /var/run/docker.sock)."""
     tls_ca: str | None = None
     """Path of the CA certificate that signed the engine's server certificate (verified on every
     connection). None with tls_cert: the system's CAs."""
@@ -132,6 +133,12 @@ class EngineConfig(StrictModel):
     tls_key: str | None = None
     """Path of this client's private key (PEM). A secret: keep the file private (mode 0600); only its
     path is ever written anywhere."""
+    ssh_key: str | None = None
+    """`ssh://` only: path of the private key ssh logs in with (no other key is tried). A secret like
+    tls_key: only its path is ever written anywhere. None: the ssh client's own keys (agent, ~/.ssh)."""
+    ssh_known_hosts: str | None = None
+    """`ssh://` only: path of a known_hosts file holding the engine host's key; a host whose key is not
+    there, or differs, is refused (never accepted on first use). None: the ssh client's own known_hosts."""
     capacity: int | None = Field(None, ge=1)
     """Sandboxes this engine may hold at once (counted from the engine's own list of rollway-labelled
     containers, warm-pool ones included). None: no limit (placement still balances by count)."""
@@ -149,6 +156,8 @@ class EngineConfig(StrictModel):
         if parts.scheme not in ("unix", "tcp", "https", "ssh", "npipe"):
             raise ValueError(f"engine {self.id!r}: endpoint scheme {parts.scheme!r} is not one of unix://, tcp://, "
                              "ssh://")
+        if (self.tls_ca or self.tls_cert) if parts.scheme == "ssh" else (self.ssh_key or self.ssh_known_hosts):
+            raise ValueError(f"engine {self.id!r}: tls_* settings go with tcp:// endpoints, ssh_* with ssh:// ones")
         if parts.scheme in ("tcp", "https") and self.tls_cert is None and not _is_loopback(parts.hostname or ""):
             raise ValueError(f"engine {self.id!r}: plain TCP to {parts.hostname} is refused (anyone on the network "
                              "could drive that engine, i.e. be root on its host): give tls_ca, tls_cert and tls_key "

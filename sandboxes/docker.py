@@ -19,6 +19,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from rollway.sandboxes.base import (
+    EngineOutOfDisk,
     EngineUnreachable,
     ExecResult,
     OutputLost,
@@ -142,6 +143,10 @@ def engine_errors(what: str, name: str = "") -> Iterator[None]:
         if _status(exc) == 409 or "is not running" in text:
             raise SandboxError(f"{what}: {box} is not running (killed, out of memory, or its engine "
                                "restarted); the episode needs a new sandbox") from exc  # fmt: skip
+        if "no space left on device" in text.lower():
+            said = str(getattr(exc, "explanation", None) or text)[-200:]  # the engine's words, not the URL
+            raise EngineOutOfDisk(f"{what}: the Docker engine is out of disk ({said}); free space in its data root "
+                                  "(docker system prune, a bigger disk)") from exc
         if _status(exc) == 0:  # no HTTP answer at all: connection refused, reset, socket gone
             raise EngineUnreachable(f"{what}: Docker engine stopped answering ({text}); {_UNREACHABLE}") from exc
         raise SandboxError(f"{what}: Docker engine refused the request ({text})") from exc
@@ -234,7 +239,11 @@ class DockerSandbox(Sandbox):
         if stopped and user == USER:
             self._kill_all(user)
         exit_code = self._exit_code(exec_id)
-        if not take_trailer(capture, trailer) and stopped is None and exit_code is not None and exit_code < 128:
+        ended = take_trailer(capture, trailer)
+        if not ended and stopped is None and exit_code is None:  # the stream ended, the command runs on
+            raise EngineUnreachable(f"exec in {self.name}: the connection to the engine ended while the command "
+                                    "ran (a cut TCP connection or ssh tunnel); its output is incomplete")
+        if not ended and stopped is None and exit_code is not None and exit_code < 128:
             # The wrapper ran to its end (a command that killed it would show 128+signal): the engine lost
             # the stream. The command may have done its work, so it is not run again; an engine failure.
             raise OutputLost(f"the Docker engine lost the output of a command in {self.name} (exit code "

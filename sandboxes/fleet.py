@@ -16,17 +16,32 @@ at most `capacity + (W - 1) * F` sandboxes (the bound stated in docs/deployment.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import re
+import shutil
+import subprocess
+import tempfile
 import threading
 import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import structlog
 
 from rollway.runtime import metrics
-from rollway.sandboxes.base import EngineUnreachable, Sandbox, SandboxError, SandboxProvider, SandboxSpec
+from rollway.sandboxes.base import (
+    EngineOutOfDisk,
+    EngineUnreachable,
+    Sandbox,
+    SandboxError,
+    SandboxProvider,
+    SandboxSpec,
+)
 from rollway.sandboxes.config import DockerSandboxConfig, EngineConfig
 from rollway.sandboxes.docker import _UNREACHABLE, LABEL, DockerSandbox, DockerSandboxProvider, engine_errors
 
@@ -43,8 +58,63 @@ _LIVE_STATES = ("created", "running", "restarting", "paused")
 _RUN_OF = re.compile(r"^(?P<run>.+?)-g\d+-")
 
 
+_TUNNEL_STARTER = ThreadPoolExecutor(1, thread_name_prefix="ssh-tunnels")
+"""Starts every ssh tunnel: a thread that lasts as long as this process, so the kernel's parent-death signal
+ends the tunnels with the process (a SIGKILLed worker's too) and never with a short-lived caller thread."""
+
+
+class SshTunnel:
+    """An `ssh://` engine's unix socket forwarded to a private socket of this host (a 0700 folder) by the
+    system's ssh client, which docker-py then reaches like a local engine: real sockets, so command streams
+    keep their deadlines. Host keys are checked strictly (an unknown or changed key is refused), only
+    `ssh_key` is offered, and no prompt can block. The key stays in its file: ssh is given its path. The ssh
+    process dies with this process; the engine's provider starts a new one when it has ended."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self.folder = tempfile.mkdtemp(prefix="rollway-ssh-")
+        self.socket = os.path.join(self.folder, "docker.sock")
+        self.proc: subprocess.Popen | None = None
+
+    def open(self) -> str:
+        """Start ssh and wait for the forwarded socket (made once ssh has logged in); its base_url."""
+        from rollway.base.process import _die_with_parent
+
+        parts = urlsplit(self.cfg.endpoint or "")
+        remote = parts.path if parts.path not in ("", "/") else "/var/run/docker.sock"
+        options = {"BatchMode": "yes", "StrictHostKeyChecking": "yes", "ExitOnForwardFailure": "yes",
+                   "ConnectTimeout": int(self.cfg.timeout_s), "ServerAliveInterval": 10, "ServerAliveCountMax": 3,
+                   **({"IdentityFile": self.cfg.ssh_key, "IdentitiesOnly": "yes"} if self.cfg.ssh_key else {}),
+                   **({"UserKnownHostsFile": self.cfg.ssh_known_hosts} if self.cfg.ssh_known_hosts else {})}
+        argv = ["ssh", "-N", "-T", *[a for k, v in options.items() for a in ("-o", f"{k}={v}")],
+                *(["-p", str(parts.port)] if parts.port else []), *(["-l", parts.username] if parts.username else []),
+                "-L", f"{self.socket}:{remote}", "--", parts.hostname or ""]
+        with open(os.path.join(self.folder, "ssh.err"), "wb") as err:
+            self.proc = _TUNNEL_STARTER.submit(subprocess.Popen, argv, stdin=subprocess.DEVNULL, stderr=err,
+                                               stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent).result()
+        deadline = time.monotonic() + self.cfg.timeout_s + 5
+        while not os.path.exists(self.socket):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                said = [x for x in Path(self.folder, "ssh.err").read_text(errors="replace").split("\n") if x.strip()]
+                self.close()  # its last two lines: the reason (above them, a changed host key's banner)
+                raise ConnectionError(f"ssh to {parts.hostname} ended: " + "; ".join(said[-2:] or ["timed out"]))
+            time.sleep(0.05)
+        return f"unix://{self.socket}"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
 def engine_client(cfg: EngineConfig) -> Any:
-    """A docker-py client of engine `cfg` (connects: raises when it does not answer)."""
+    """A docker-py client of engine `cfg` (connects: raises when it does not answer). An `ssh://` engine's
+    client holds its SshTunnel (`client.tunnel`), closed with the client."""
     import docker
 
     if cfg.endpoint is None:
@@ -53,12 +123,21 @@ def engine_client(cfg: EngineConfig) -> Any:
     if cfg.tls_cert or cfg.tls_ca:
         tls = docker.tls.TLSConfig(client_cert=(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None,
                                    ca_cert=cfg.tls_ca, verify=cfg.tls_ca or True)
-    client = docker.DockerClient(base_url=cfg.endpoint, tls=tls, timeout=int(cfg.timeout_s), version="1.24",
-                                 use_ssh_client=cfg.endpoint.startswith("ssh://"))
-    # requests lets REQUESTS_CA_BUNDLE (and proxy variables) override a session's own CA: the engine's CA
-    # must be the one that verifies it, and its API is never reached through a proxy.
-    client.api.trust_env = False
-    client.api._version = client.api._retrieve_server_version()  # what "auto" does, after the line above
+    tunnel = SshTunnel(cfg) if cfg.endpoint.startswith("ssh://") else None
+    try:
+        client = docker.DockerClient(base_url=tunnel.open() if tunnel else cfg.endpoint, tls=tls,
+                                     timeout=int(cfg.timeout_s), version="1.24")
+        # requests lets REQUESTS_CA_BUNDLE (and proxy variables) override a session's own CA: the engine's CA
+        # must be the one that verifies it, and its API is never reached through a proxy.
+        client.api.trust_env = False
+        client.api._version = client.api._retrieve_server_version()  # what "auto" does, after the line above
+    except BaseException:
+        if tunnel is not None:
+            tunnel.close()
+        raise
+    if tunnel is not None:
+        client.tunnel = tunnel
+        weakref.finalize(client, tunnel.close)
     return client
 
 
@@ -74,14 +153,22 @@ class EngineProvider(DockerSandboxProvider):
 
     @property
     def client(self) -> Any:
+        tunnel = getattr(self._client, "tunnel", None)
+        if self._connected and tunnel is not None and not tunnel.alive:  # ssh ended (its host gone): a new tunnel
+            self._client.close()
+            tunnel.close()
+            self._connected = False
         if not self._connected:
             try:
                 client = engine_client(self.engine)
                 client.ping()
             except Exception as exc:  # DockerException, requests' errors, ssl errors, FileNotFoundError
                 fix = (_UNREACHABLE if self.engine.endpoint is None else
-                       "check that its daemon runs and listens there and that the tls_* files are its "
-                       "certificates (docs/deployment.md, \"Sandboxes on several hosts\")")
+                       "check that its daemon runs and listens there and "
+                       + ("that ssh_key is authorized for that user, ssh_known_hosts holds the host's key and the "
+                          "user may open the engine's socket" if self.engine.endpoint.startswith("ssh://") else
+                          "that the tls_* files are its certificates")
+                       + ' (docs/deployment.md, "Sandboxes on several hosts")')
                 raise EngineUnreachable(f"engine {self.engine.id!r} ({self.engine.endpoint or 'local socket'}) "
                                         f"does not answer: {_reason(exc)}; {fix}") from exc
             self._client, self._connected = client, True
@@ -107,6 +194,8 @@ class Engine:
     """Placements of this process whose container may not be in the engine's list yet."""
     no_image: dict[str, float] = field(default_factory=dict)
     """image -> until when this engine is skipped for it (it lacks the image and could not get it)."""
+    out_of_disk: float = 0.0
+    """Until when placements skip this engine: a creation failed for want of disk (its sandboxes still run)."""
 
     @property
     def id(self) -> str:
@@ -161,6 +250,10 @@ class FleetSandboxProvider(SandboxProvider):
         """Up, or down with its probe due (the caller's request is the probe)."""
         return not engine.down_reason or time.monotonic() >= engine.next_probe
 
+    def _placeable(self, engine: Engine) -> bool:
+        """Usable, and not skipped for want of disk (the next placement after PROBE_BACKOFF_S[1] is the probe)."""
+        return self._usable(engine) and engine.out_of_disk <= time.monotonic()
+
     # ------------------------------------------------------------------ placement
     def used(self, engine: Engine) -> int:
         """Sandboxes `engine` holds now, by its own list (raises EngineUnreachable)."""
@@ -171,7 +264,7 @@ class FleetSandboxProvider(SandboxProvider):
         with self._lock:
             candidates = []
             for engine in self.engines.values():
-                if not self._usable(engine) or engine.no_image.get(image, 0.0) > time.monotonic():
+                if not self._placeable(engine) or engine.no_image.get(image, 0.0) > time.monotonic():
                     continue
                 try:
                     count = self.used(engine) if (len(self.engines) > 1 or engine.capacity) else 0
@@ -236,7 +329,7 @@ class FleetSandboxProvider(SandboxProvider):
                     self.mark_down(engine, err)
                 engine.pending -= 1
                 continue  # another engine, or (none left with room and the image) the checks below
-            up = [e for e in self.engines.values() if not e.down_reason]
+            up = [e for e in self.engines.values() if not e.down_reason and e.out_of_disk <= time.monotonic()]
             if up and all(e.no_image.get(image, 0.0) > time.monotonic() for e in up):
                 raise SandboxError(f"image {image!r} is on no engine of the fleet that answers, and none could "
                                    f"get it (sandbox.image_registry={self.config.image_registry!r}); last: "
@@ -255,19 +348,24 @@ class FleetSandboxProvider(SandboxProvider):
             wait = min(wait * 2, FULL_WAIT_S[1])
 
     def states(self) -> dict[str, str]:
-        return {e.id: ("down: " + e.down_reason[:80]) if e.down_reason else "up" for e in self.engines.values()}
+        return {e.id: ("down: " + e.down_reason[:80]) if e.down_reason else "out of disk"
+                if e.out_of_disk > time.monotonic() else "up" for e in self.engines.values()}
 
     # ------------------------------------------------------------------ the provider interface
     async def create(self, spec: SandboxSpec, name: str) -> DockerSandbox:
-        engine = await self._place(spec.image or self.config.image)
-        try:
-            with metrics.SANDBOXES_CREATING.labels("init", engine.id).track_inprogress():
-                return await engine.provider.create(spec, name)
-        except EngineUnreachable as err:
-            self.mark_down(engine, err)
-            raise EngineUnreachable(f"engine {engine.id!r}: {err}") from err
-        finally:
-            engine.pending -= 1
+        while True:
+            engine = await self._place(spec.image or self.config.image)
+            try:
+                with metrics.SANDBOXES_CREATING.labels("init", engine.id).track_inprogress():
+                    return await engine.provider.create(spec, name)  # removes what it made when it fails
+            except EngineOutOfDisk as err:  # the engine's problem: placed again, on another engine
+                engine.out_of_disk = time.monotonic() + PROBE_BACKOFF_S[1]
+                log.warning("sandbox engine out of disk; placements skip it", engine=engine.id, error=str(err)[:300])
+            except EngineUnreachable as err:
+                self.mark_down(engine, err)
+                raise EngineUnreachable(f"engine {engine.id!r}: {err}") from err
+            finally:
+                engine.pending -= 1
 
     def engine_of(self, handle: dict[str, Any]) -> Engine:
         """The engine a handle names; EngineUnreachable when this worker does not know it or it is down."""
@@ -339,6 +437,7 @@ class FleetSandboxProvider(SandboxProvider):
                 listed = engine.provider.listed(LABEL)
                 with engine_errors("list images"):
                     images = engine.provider.client.api.images()
+                disk = _disk_problem(engine.provider, images)
             except EngineUnreachable as err:
                 row.update(state="down", reason=str(err)[:300])
                 rows.append(row)
@@ -350,11 +449,32 @@ class FleetSandboxProvider(SandboxProvider):
                 run = "(warm pool)" if name.startswith("pool-") else (m.group("run") if (m := _RUN_OF.match(name))
                                                                        else "(other)")
                 by_run[run] = by_run.get(run, 0) + 1
-            row.update(state="up", sandboxes=len(live), stopped=len(listed) - len(live), by_run=by_run,
+            row.update(state="out of disk" if disk else "up", **({"reason": disk} if disk else {}),
+                       sandboxes=len(live), stopped=len(listed) - len(live), by_run=by_run,
                        full=engine.capacity is not None and len(live) >= engine.capacity,
                        images=sorted(t for i in images for t in (i.get("RepoTags") or []) if t != "<none>:<none>"))
             rows.append(row)
         return rows
+
+
+def _disk_problem(provider: EngineProvider, images: list[dict[str, Any]]) -> str:
+    """Why the engine cannot write a container's files to its data root ('' when it can, or has no image to
+    try with): a container created (never started) and removed, as a placement would."""
+    tag = next((t for i in images for t in (i.get("RepoTags") or []) if t != "<none>:<none>"), None)
+    if tag is None:
+        return ""
+    try:
+        with engine_errors("create a container (disk probe)"):
+            probe = provider.client.api.create_container(tag, ["true"], network_disabled=True,
+                                                         name=f"rollway-disk-probe-{random.getrandbits(40):010x}")
+            provider.client.api.remove_container(probe["Id"], force=True)
+    except EngineOutOfDisk as err:
+        return str(err)[:300]
+    except EngineUnreachable:
+        raise
+    except SandboxError:  # another refusal: not the disk's (placements will say what it is)
+        pass
+    return ""
 
 
 def check_engines(config: DockerSandboxConfig) -> dict[str, str]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import structlog
 
-from rollway.sandboxes.base import SandboxError, SandboxProvider
+from rollway.sandboxes.base import EngineUnreachable, SandboxError, SandboxProvider
 
 log = structlog.get_logger()
 
@@ -87,13 +87,21 @@ def leftover_names(provider: SandboxProvider, prefix: str) -> list[str]:
     return []
 
 
-def names_by_engine(provider: SandboxProvider, prefix: str) -> dict[str, list[str]]:
-    """`leftover_names` per engine: a fleet's engine ids, else `local`."""
+def names_by_engine(provider: SandboxProvider, prefix: str, skip_down: bool = False) -> dict[str, list[str]]:
+    """`leftover_names` per engine: a fleet's engine ids, else `local`. An engine that does not answer
+    raises EngineUnreachable, or (`skip_down`) is left out."""
     from rollway.sandboxes.fleet import FleetSandboxProvider
 
-    if isinstance(provider, FleetSandboxProvider):
-        return {e.id: _docker_names(e.provider, prefix) for e in provider.engines.values()}
-    return {"local": leftover_names(provider, prefix)}
+    if not isinstance(provider, FleetSandboxProvider):
+        return {"local": leftover_names(provider, prefix)}
+    found = {}
+    for engine in provider.engines.values():
+        try:
+            found[engine.id] = _docker_names(engine.provider, prefix)
+        except EngineUnreachable:
+            if not skip_down:
+                raise
+    return found
 
 
 async def remove_named(provider: SandboxProvider, name: str) -> None:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A fleet of Docker engines on this machine, for tests and for trying a multi-host setup on one host:
 #   N extra dockerd daemons (each its own data root, exec root, pid file, log), each listening with TLS
-#   (client certificates required) on a loopback port, plus an image registry (Debian's docker-registry)
+#   (client certificates required) on a loopback port and on a unix socket ($RUN/eK/docker.sock, what an
+#   ssh:// endpoint forwards), plus an image registry (Debian's docker-registry)
 #   holding the sandbox base image, which every engine pulls. Certificates are made here with openssl.
 # Prints the fleet's settings as `rollway` overrides, one per line (also written to $DIR/fleet.args, and
 # as a `sandbox:` YAML section to $DIR/fleet.yaml):
@@ -133,7 +134,8 @@ start_engine() {
     ip link set "$br" up
   fi
   setsid nohup dockerd --data-root "$root/data" --exec-root "$RUN/e$k" --pidfile "$root/dockerd.pid" \
-    -H "tcp://127.0.0.1:$port" --tlsverify --tlscacert "$CERTS/ca.pem" --tlscert "$CERTS/server.pem" \
+    -H "tcp://127.0.0.1:$port" -H "unix://$RUN/e$k/docker.sock" --tlsverify --tlscacert "$CERTS/ca.pem" \
+    --tlscert "$CERTS/server.pem" \
     --tlskey "$CERTS/server-key.pem" --bridge="$br" --iptables=false --ip-masq=false \
     >>"$root/dockerd.log" 2>&1 </dev/null &
 }

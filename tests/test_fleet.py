@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import pytest
 import yaml
 from conftest import ROOT, run, wait_until
 
+from rollway.base.process import free_port, port_open
 from rollway.config.run import load_config
 from rollway.runtime.metrics import REGISTRY
 from rollway.sandboxes.base import EngineUnreachable, SandboxError, SandboxSpec
@@ -114,6 +116,10 @@ def test_plain_tcp_off_loopback_is_refused_naming_the_engine():
         EngineConfig(id="far", endpoint="tcp://10.1.2.3:2376", tls_cert="/x/c.pem")
     with pytest.raises(ValueError, match="unique"):
         DockerSandboxConfig(engines=[EngineConfig(id="a"), EngineConfig(id="a")])
+    with pytest.raises(ValueError, match="engine 'x': tls_. settings go with tcp://"):
+        EngineConfig(id="x", endpoint="ssh://rollway@10.1.2.3", tls_ca="/x/ca.pem")
+    with pytest.raises(ValueError, match="engine 'y': tls_. settings go with tcp://"):
+        EngineConfig(id="y", endpoint="tcp://127.0.0.1:2375", ssh_key="/x/id_ed25519")
 
 
 def test_a_local_handle_from_another_machine_is_refused_never_matched_to_a_folder_here(tmp_path):
@@ -257,11 +263,204 @@ def test_an_engine_without_the_image_pulls_it_from_the_registry_and_one_that_can
     first.close()
 
 
+# ---------------------------------------------------------------- an engine over ssh
+
+@pytest.fixture(scope="module")
+def sshd(fleet, tmp_path_factory):
+    """A real sshd (Debian's openssh-server, installed when absent) on a loopback port, with a host key and an
+    authorized client key made here, logging root in: root may open fleet-1's unix socket, so the ssh://
+    engine is fleet-1's daemon reached as another host's would be. Yields (engine config, key folder)."""
+    if not Path("/usr/sbin/sshd").exists():
+        subprocess.run(["apt-get", "install", "-y", "-qq", "-o", "DPkg::Lock::Timeout=600", "openssh-server"],
+                       env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"}, check=True, capture_output=True,
+                       timeout=900)
+    keys = tmp_path_factory.mktemp("ssh")
+    for key in ("host", "client", "stranger"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(keys / key)], check=True)
+    (keys / "authorized_keys").write_text((keys / "client.pub").read_text())
+    port = free_port()
+    (keys / "sshd_config").write_text(
+        f"ListenAddress 127.0.0.1\nPort {port}\nHostKey {keys / 'host'}\n"
+        f"AuthorizedKeysFile {keys / 'authorized_keys'}\nPidFile {keys / 'sshd.pid'}\n"
+        "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\n"
+        "PermitRootLogin prohibit-password\nStrictModes no\n")
+    (keys / "known_hosts").write_text(f"[127.0.0.1]:{port} {(keys / 'host.pub').read_text()}")
+    os.makedirs("/run/sshd", exist_ok=True)  # its privilege separation folder
+    with open(keys / "sshd.log", "wb") as log:
+        sshd = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(keys / "sshd_config")], stderr=log)
+    try:
+        wait_until(lambda: port_open(port), timeout_s=60, what="sshd listening")
+        socket_path = f"/run/{fleet.folder.name}/e1/docker.sock"  # fleet-up.sh's unix socket of engine 1
+        yield EngineConfig(id="over-ssh", endpoint=f"ssh://root@127.0.0.1:{port}{socket_path}",
+                           ssh_key=str(keys / "client"), ssh_known_hosts=str(keys / "known_hosts")), keys
+    finally:
+        sshd.terminate()
+        sshd.wait(timeout=60)
+
+
+def test_an_ssh_engine_runs_sandboxes_through_a_real_sshd_and_shows_in_the_fleet_status(fleet, sshd, tmp_path):
+    """Create, exec, destroy on an ssh:// engine: its socket forwarded by the system's ssh client through a real
+    sshd, the container on fleet-1's daemon. A tunnel that ended (killed here) is started again at the next
+    request. `rollway sandbox fleet` shows the engine up. The key's contents are nowhere: not in the handle,
+    ssh's argv (its path only) or the status output."""
+    engine, keys = sshd
+    secret = (keys / "client").read_text().splitlines()[1]
+    provider = FleetSandboxProvider(fleet.config().model_copy(update={"engines": [engine]}))
+    box = run(provider.create(SandboxSpec(files={"a.txt": "over ssh"}), f"fleet-tunnel-{uuid.uuid4().hex[:6]}"))
+    try:
+        assert box.handle["engine"] == "over-ssh" and not any(k in json.dumps(box.handle) for k in ("ssh:", str(keys)))
+        assert box.name in fleet.live()["fleet-1"]  # the same daemon, seen through its TLS endpoint
+        tunnel = provider.engines["over-ssh"].provider.client.tunnel
+        argv = Path(f"/proc/{tunnel.proc.pid}/cmdline").read_text().split("\0")
+        assert f"IdentityFile={keys / 'client'}" in argv and not any(secret in a for a in argv), argv
+        assert run(box.exec("cat a.txt")).output == "over ssh"
+        os.kill(tunnel.proc.pid, signal.SIGKILL)
+        wait_until(lambda: not tunnel.alive, timeout_s=30, what="the killed ssh to be reaped")
+        assert run(box.exec("echo again")).output == "again\n"
+        assert provider.engines["over-ssh"].provider.client.tunnel is not tunnel and not os.path.exists(tunnel.folder)
+    finally:
+        run(box.destroy())
+    assert box.name not in fleet.live()["fleet-1"]
+    config = tmp_path / "ssh.yaml"
+    engines = [engine.model_dump(exclude_none=True)]
+    config.write_text(yaml.safe_dump({"sandbox": {"type": "docker", "engines": engines}}))
+    out = subprocess.run([sys.executable, "-m", "rollway.runners", "sandbox", "fleet", str(config), "--json"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    [row] = json.loads(out.stdout)
+    assert (row["id"], row["state"]) == ("over-ssh", "up") and "rollway-sandbox:bookworm" in row["images"], row
+    assert secret not in out.stdout + out.stderr
+
+
+def test_an_ssh_engine_refuses_a_key_it_does_not_authorize_and_a_host_key_it_does_not_know(fleet, sshd, tmp_path):
+    """A client key the host does not authorize, a host whose key is not in ssh_known_hosts, and one whose key
+    differs from the one there (a host spoofing the engine's): refused with the engine's id and ssh's reason,
+    no secret in the message, never a prompt or a key accepted on first use."""
+    engine, keys = sshd
+    (tmp_path / "empty").write_text("")
+    host_line = (keys / "known_hosts").read_text().split(" ")[0]
+    (tmp_path / "changed").write_text(f"{host_line} {(keys / 'stranger.pub').read_text()}")
+    cases = {"stranger": ({"ssh_key": str(keys / "stranger")}, r"Permission denied \(publickey\)"),
+             "unknown-host": ({"ssh_known_hosts": str(tmp_path / "empty")}, "Host key verification failed"),
+             "changed-host": ({"ssh_known_hosts": str(tmp_path / "changed")}, "Host key verification failed")}
+    for engine_id, (update, reason) in cases.items():
+        wrong = engine.model_copy(update={"id": engine_id, **update})
+        with pytest.raises(EngineUnreachable, match=f"engine '{engine_id}'.*{reason}") as err:
+            run(FleetSandboxProvider(DockerSandboxConfig(engines=[wrong])).check())
+        for key in ("client", "stranger", "host"):
+            assert (keys / key).read_text().splitlines()[1] not in str(err.value)
+        assert "PRIVATE KEY" not in str(err.value)
+
+
+def test_an_ssh_tunnel_cut_while_a_command_streams_fails_the_attempt_as_infrastructure(fleet, sshd):
+    """The ssh process is killed while a command streams (the host's network cut): the stream ends without the
+    command's end while the command still runs. That is the connection's failure, not a result: the exec raises
+    EngineUnreachable (the attempt fails as infrastructure) well before the command's own end, never an
+    ordinary result a grader would score. Cut four times: the next request either meets the dead tunnel's
+    socket or (as often) already opens a new tunnel, and finds the command still running; before the fix
+    that second case returned exit code -1 with the output so far."""
+    engine, _keys = sshd
+    provider = FleetSandboxProvider(fleet.config().model_copy(update={"engines": [engine]}))
+    box = run(provider.create(SandboxSpec(), f"fleet-cut-{uuid.uuid4().hex[:6]}"))
+    try:
+        for _ in range(4):
+            marker = f"{random.randint(100, 999)}.{random.randint(1000, 9999)}"
+            result: dict = {}
+
+            def streaming(command=f"echo started; sleep {marker}", result=result):
+                start = time.monotonic()
+                try:
+                    result["value"] = run(box.exec(command, timeout_s=120))
+                except BaseException as err:  # noqa: BLE001 - the test inspects it
+                    result["error"] = err
+                result["elapsed"] = time.monotonic() - start
+
+            thread = threading.Thread(target=streaming)
+            thread.start()
+            wait_until(lambda m=marker: subprocess.run(["pgrep", "-f", f"sleep {m}"], capture_output=True).returncode
+                       == 0, timeout_s=60, what="the command running in the container")
+            os.kill(provider.engines["over-ssh"].provider.client.tunnel.proc.pid, signal.SIGKILL)
+            thread.join(timeout=150)
+            assert not thread.is_alive(), "the exec hung after its tunnel was cut"
+            assert isinstance(result.get("error"), EngineUnreachable), result
+            assert result["elapsed"] < float(marker), result
+        assert run(box.exec("echo fine")).output == "fine\n"  # the engine itself is fine: a new tunnel
+    finally:
+        run(box.destroy())
+
+
+def test_a_job_on_an_ssh_engine_completes_and_its_stage_workers_tunnels_end_with_them(fleet, sshd, tmp_path, broker):
+    """The smoke job with the ssh:// engine as the whole fleet, every stage its own process (DOCKER_HOST points
+    nowhere): each init, agent and reward worker opens its own tunnel and reattaches by the engine's id.
+    Judged from the topics; afterwards no ssh tunnel of those workers is left running."""
+    engine, _keys = sshd
+    verdict, seen = _job(fleet, tmp_path, broker, "tunnel", episodes_per_task=2, tasks=3,
+                         engines=[engine.model_dump(exclude_none=True)])
+    assert verdict["scheduled"] == 6 and verdict["completed"] == 6, verdict
+    assert verdict["lost"] == 0 and verdict["duplicated"] == 0 and verdict["graded_twice"] == 0, verdict
+    assert {e for e, names in seen.items() if names} == {"fleet-1"}, seen  # the ssh engine's daemon
+
+    def others_tunnels() -> list[str]:  # ssh tunnels not started by this test process (the workers' ones)
+        found = []
+        for proc in Path("/proc").glob("[0-9]*"):
+            with contextlib.suppress(OSError):
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+                parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                if argv[0] == b"ssh" and any(b"/rollway-ssh-" in a for a in argv) and parent != os.getpid():
+                    found.append(proc.name)
+        return found
+
+    wait_until(lambda: not others_tunnels(), timeout_s=60, what="the stage workers' ssh tunnels to end")
+
+
+# ---------------------------------------------------------------- an engine out of disk
+
+def test_an_engine_out_of_disk_loses_no_episode_and_the_fleet_status_says_so(fleet, tmp_path, broker):
+    """A fourth engine (fleet-up.sh 4) whose data root is a small tmpfs, filled once it holds the image: it
+    answers, but cannot create a container ("no space left on device"). A job over it and fleet-1..3: every
+    episode completes on the others, none failed or re-issued for the disk (the fleet places the sandbox
+    again, elsewhere, and skips the engine); `rollway sandbox fleet` says it is out of disk."""
+    data = fleet.folder / "e4" / "data"
+    data.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1200m", "tmpfs", str(data)], check=True)
+    try:
+        out = subprocess.run(["bash", str(ROOT / "scripts" / "fleet-up.sh"), "4"], env=fleet.env, capture_output=True,
+                             text=True, timeout=900)
+        assert out.returncode == 0, out.stderr[-3000:]
+        engines = yaml.safe_load(out.stdout.splitlines()[0].split("=", 1)[1])
+        full = next(e for e in engines if e["id"] == "fleet-4")
+        subprocess.run(["dd", "if=/dev/zero", f"of={data}/filler", "bs=1M"], capture_output=True)  # to ENOSPC
+        verdict, seen = _job(fleet, tmp_path, broker, "disk", episodes_per_task=2, tasks=6, extra_engines=(full,))
+        assert verdict["scheduled"] == 12 and verdict["completed"] == 12, verdict
+        assert verdict["failed"] == 0 and verdict["lost"] == 0 and verdict["duplicated"] == 0, verdict
+        init_log = (tmp_path / "disk" / "logs" / "init.jsonl").read_text().splitlines()
+        skipped = [json.loads(line) for line in init_log if "out of disk; placements skip it" in line]
+        assert skipped and {e["engine"] for e in skipped} == {"fleet-4"}, init_log[-20:]
+        assert verdict["attempts"] == 12, verdict  # no attempt failed for the disk: nothing re-issued
+        config = tmp_path / "disk-fleet.yaml"
+        config.write_text(yaml.safe_dump({"sandbox": {"type": "docker", "engines": engines}}))
+        status = subprocess.run([sys.executable, "-m", "rollway.runners", "sandbox", "fleet", str(config), "--json"],
+                                cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert status.returncode == 1, status.stderr[-3000:]  # not every engine is usable
+        rows = {r["id"]: r for r in json.loads(status.stdout)}
+        assert {k: r["state"] for k, r in rows.items()} == {"fleet-1": "up", "fleet-2": "up", "fleet-3": "up",
+                                                            "fleet-4": "out of disk"}, rows
+        assert "no space left on device" in rows["fleet-4"]["reason"], rows["fleet-4"]
+    finally:  # engine 4 stopped and its tmpfs gone; fleet-up.sh 3 makes the settings the module's again
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError, ValueError):
+            pid = int((fleet.folder / "e4" / "dockerd.pid").read_text())
+            os.kill(pid, signal.SIGTERM)
+            wait_until(lambda: not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2]
+                       == "Z", timeout_s=120, what="engine 4's daemon to stop")
+        subprocess.run(["umount", "-l", str(data)], capture_output=True)
+        fleet.up()
+
+
 # ---------------------------------------------------------------- jobs: stages as separate processes
 
 def _job(fleet, tmp_path, broker, name: str, episodes_per_task: int, tasks: int, watch=None,
          extra_engines: tuple[dict, ...] = (), init_workers: int = 1, init_concurrency: int | None = None,
-         ) -> tuple[dict, dict]:
+         engines: list[dict] | None = None) -> tuple[dict, dict]:
     """`rollway up` of the smoke job on the fleet, every stage its own process; DOCKER_HOST points at no
     engine, so the engines are reached only through their TCP endpoints. Returns (ledger verdict, the
     sandboxes each engine was seen holding)."""
@@ -276,7 +475,7 @@ def _job(fleet, tmp_path, broker, name: str, episodes_per_task: int, tasks: int,
     if init_concurrency is not None:
         cfg["init"]["concurrency"] = init_concurrency
     cfg["sandbox"] = fleet.config().model_dump(mode="json", exclude_defaults=True) | {"type": "docker"}
-    cfg["sandbox"]["engines"] += list(extra_engines)
+    cfg["sandbox"]["engines"] = (engines or cfg["sandbox"]["engines"]) + list(extra_engines)
     config = tmp_path / f"{name}.yaml"
     config.write_text(yaml.safe_dump(cfg))
     seen: dict[str, set[str]] = {}
