@@ -91,6 +91,8 @@ def test_every_built_in_has_its_own_config_class_and_children_get_it_back():
     for section, registry in (("tasks", TASK_SETS), ("policy", POLICIES), ("sandbox", SANDBOXES)):
         for name in registry.names():
             extra = {"policy.base_url=http://127.0.0.1:9/v1"} if name == "openai" else set()
+            if section == "tasks" and name == "harbor":
+                extra = {"sandbox.type=docker"}  # Harbor tasks run in containers only
             cfg = load_config(None, [f"{section}.type={name}", *extra])
             own = getattr(cfg, section)
             assert type(own).implementation == name, (section, name, type(own))
