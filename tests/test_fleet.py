@@ -29,7 +29,7 @@ from rollway.runtime.metrics import REGISTRY
 from rollway.sandboxes.base import EngineUnreachable, SandboxError, SandboxSpec
 from rollway.sandboxes.config import DockerSandboxConfig, EngineConfig
 from rollway.sandboxes.docker import LABEL
-from rollway.sandboxes.fleet import FleetSandboxProvider, engine_client
+from rollway.sandboxes.fleet import FleetSandboxProvider, check_engines, engine_client
 from rollway.sandboxes.reaper import names_by_engine
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(os.geteuid() != 0, reason="starting Docker daemons needs root")]
@@ -167,6 +167,58 @@ def test_a_certificate_the_engine_did_not_sign_is_refused_naming_the_engine_with
     wrong_ca = good.model_copy(update={"id": "spoofed", "tls_ca": str(cert)})
     with pytest.raises(EngineUnreachable, match="engine 'spoofed'.*CERTIFICATE_VERIFY_FAILED"):
         run(FleetSandboxProvider(DockerSandboxConfig(engines=[wrong_ca])).check())
+
+
+def _client_certificate(fleet, folder: Path, name: str, valid_days: tuple[int, int]) -> tuple[Path, Path]:
+    """A client key and certificate signed by the fleet's own CA, valid from `valid_days[0]` to `valid_days[1]`
+    days from now (negative: in the past)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    certs = fleet.folder / "certs"
+    ca_key = serialization.load_pem_private_key((certs / "ca-key.pem").read_bytes(), None)
+    ca = x509.load_pem_x509_certificate((certs / "ca.pem").read_bytes())
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "rollway client")]))
+            .issuer_name(ca.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now + datetime.timedelta(days=valid_days[0]))
+            .not_valid_after(now + datetime.timedelta(days=valid_days[1]))
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    key_path, cert_path = folder / f"{name}-key.pem", folder / f"{name}-cert.pem"
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL,
+                                           serialization.NoEncryption()))
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return key_path, cert_path
+
+
+def test_an_expired_client_certificate_is_refused_naming_the_engine_without_secrets(fleet, tmp_path):
+    """The same CA, the same key type: a certificate inside its validity works, one past it is refused."""
+    good = fleet.config().engines[0]
+    key, cert = _client_certificate(fleet, tmp_path, "current", (-1, 1))
+    run(FleetSandboxProvider(DockerSandboxConfig(engines=[good.model_copy(
+        update={"id": "current", "tls_cert": str(cert), "tls_key": str(key)})])).check())
+    key, cert = _client_certificate(fleet, tmp_path, "expired", (-10, -1))
+    expired = good.model_copy(update={"id": "expired", "tls_cert": str(cert), "tls_key": str(key)})
+    with pytest.raises(EngineUnreachable, match="engine 'expired'") as err:
+        run(FleetSandboxProvider(DockerSandboxConfig(engines=[expired])).check())
+    assert key.read_text().splitlines()[1] not in str(err.value) and "PRIVATE KEY" not in str(err.value)
+
+
+def test_at_start_up_an_engine_that_does_not_answer_is_named_and_a_fleet_where_none_does_is_refused(fleet):
+    """What `rollway up` calls before it starts a fleet run: it starts with the engines that answer (and names
+    the one that does not), and refuses a run none of whose engines answers."""
+    engines = fleet.config().engines
+    dead = engines[0].model_copy(update={"id": "dead", "endpoint": f"tcp://127.0.0.1:{free_port()}"})
+    down = check_engines(DockerSandboxConfig(engines=[*engines, dead]))
+    assert list(down) == ["dead"] and "'dead'" in down["dead"]
+    with pytest.raises(EngineUnreachable, match="no engine of sandbox.engines answers: .*'dead'"):
+        check_engines(DockerSandboxConfig(engines=[dead]))
 
 
 def test_a_full_fleet_makes_init_wait_and_places_on_the_engine_that_frees_up(fleet):
