@@ -134,16 +134,11 @@ def test_a_clean_copy_of_the_library_on_the_jails_interpreter_path_is_hidden(tmp
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     [site] = list(venv.glob("lib/python3*/site-packages"))
-    source = "".join(f"def f{i}():\n    return {i}\n" for i in range(8))
+    source, tree = _leaky_tree(tmp_path)
     (site / "leaky.py").write_text(source)
     py_compile.compile(str(site / "leaky.py"), cfile=str(site / "__pycache__" / "leaky.cpython-311.pyc"))
     (site / "leaky-1.0.dist-info").mkdir()
     (site / "leaky-1.0.dist-info" / "RECORD").write_text("leaky.py,sha256=x,1\n")
-    tree = tmp_path / "tree"
-    tree.mkdir()
-    (tree / "leaky.py").write_text(source.replace("return 3", "return -3"))
-    for i in range(4):
-        (tree / f"other{i}.py").write_text(f"x = {i}\n")
     provider = LocalSandboxProvider(LocalSandboxConfig(root=str(tmp_path / "boxes"), python=str(venv / "bin" / "python")))
 
     async def probe() -> tuple[dict, str]:
