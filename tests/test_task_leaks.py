@@ -304,11 +304,15 @@ def test_a_swe_smith_rows_own_image_without_the_bug_starts_with_the_bug(toolz_sw
         finally:
             await provider.close()
 
-    seen, image_tree, graded, gold = run(do_nothing())
-    assert (graded.reward, gold.reward) == (0.0, 1.0), (graded.details, gold.details)  # doing nothing is no fix
-    assert seen == buggy, "the workspace starts without the row's bug"
-    assert "same" in image_tree and ".git" not in image_tree.split(), image_tree  # /testbed: the bug, no history
-    assert taskset.images.image_for(dataclasses.replace(inst, image_name=images["buggy"])) == images["buggy"]
-    junk = "diff --git a/README.rst b/README.rst\n--- a/README.rst\n+++ b/README.rst\n@@ -1 +1 @@\n-no such line\n+x\n"
-    with pytest.raises(EnvPrepError, match=inst.instance_id):
-        taskset.images.image_for(dataclasses.replace(inst, pre_patch=junk))
+    try:
+        seen, image_tree, graded, gold = run(do_nothing())
+        assert (graded.reward, gold.reward) == (0.0, 1.0), (graded.details, gold.details)  # doing nothing is no fix
+        assert seen == buggy, "the workspace starts without the row's bug"
+        assert "same" in image_tree and ".git" not in image_tree.split(), image_tree  # /testbed: the bug, no history
+        assert taskset.images.image_for(dataclasses.replace(inst, image_name=images["buggy"])) == images["buggy"]
+        junk = "diff --git a/README.rst b/README.rst\n--- a/README.rst\n+++ b/README.rst\n@@ -1 +1 @@\n-no such line\n+x\n"
+        with pytest.raises(EnvPrepError, match=inst.instance_id):
+            taskset.images.image_for(dataclasses.replace(inst, pre_patch=junk))
+    finally:  # the clean clone's image is new each run (file times): leave none of its images behind
+        for image in [*taskset.images.built, *images.values()]:
+            client.images.remove(image, force=True)
