@@ -164,7 +164,8 @@ class SWEBenchTasksConfig(GradedTasksConfig, ImageTasksConfig):
     default none (offline)."""
     image_template: str = "sweb.eval.x86_64.{id_docker}:latest"
     """Name of an instance's ready-made image, used when the engine has it (SWE-bench's naming; fields
-    {instance_id} {id_lower} {id_docker} {repo} {repo_docker} {commit}); else rollway builds one."""
+    {instance_id} {id_lower} {id_docker} {repo} {repo_docker} {commit}), with the row's `pre_patch` applied
+    in `repo_dir` when it is not there yet (docs/swe-and-harbor.md); else rollway builds one."""
     failure_outcomes: list[Literal["env_error"]] = Field(default_factory=lambda: ["env_error"])
     """Grading outcomes reported as failed attempts (retried, never a reward) instead of reward 0: only
     `env_error` (the environment failed before the agent's patch was applied). `patch_failed` and

@@ -2,11 +2,16 @@
 
 An instance's image holds its repository at `base_commit` (plus `pre_patch`) in `repo_dir` (/testbed, as
 SWE-bench's images do). The name comes from the row (`image_name`) or from `tasks.image_template`; when
-an image of that name is on the engine it is used as is. Otherwise rollway builds one FROM the base
-image (`tasks.base_image`, default the sandbox base `rollway-sandbox:bookworm`), never pulling: the tree
-is exported from the mirror with `git archive`, copied in, and the row's `install` command run in it.
-Built images are tagged `rollway-swe/ID:KEY`, KEY a hash of everything that went in, so a second
-request (another worker, another run) finds it and builds nothing.
+an image of that name is on the engine it is used, with the row's `pre_patch` (a SWE-smith row's bug:
+its image holds the repository without it) applied in `repo_dir` unless it is there already (it applies
+in reverse): an image made FROM it (`rollway-prepatched/IMAGE:KEY`), or EnvPrepError naming the instance
+when it applies neither way; then without installed copies of the repository (sandboxes/images.py).
+Otherwise rollway builds one FROM the base image (`tasks.base_image`, default the sandbox base
+`rollway-sandbox:bookworm`), never pulling: the tree is exported from the mirror with `git archive`,
+copied in, and the row's `install` command run in it. Built images are tagged `rollway-swe/ID:KEY`, KEY a
+hash of everything that went in, so a second request (another worker, another run) finds it and builds
+nothing. Every build runs without network unless `tasks.build_network` says otherwise (rows' install
+commands only; a derived image's build is always without).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -28,8 +34,8 @@ from rollway.envs.image_builds import KeyedLocks
 from rollway.envs.swe_rows import SWEInstance
 from rollway.envs.task_data import CONTAINER_DIR
 from rollway.sandboxes.base import SandboxError
-from rollway.sandboxes.images import without_installed_copies
-from rollway.sandboxes.task_tree import normalise_tree
+from rollway.sandboxes.images import derive_image, without_installed_copies
+from rollway.sandboxes.task_tree import NORMALISE_COMMAND, normalise_tree
 
 _HOST_CA = "/etc/ssl/certs/ca-certificates.crt"
 BUILD_NETWORKS = ("none", "bridge", "host")
@@ -99,12 +105,32 @@ def export_tree(repo_path: Path, commit: str, dest: Path, pre_patch: str = "") -
                                 "fetch it into the mirror (git -C REPO fetch --all)")
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
     if pre_patch.strip():
-        env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(dest.parent)}
-        done = subprocess.run(["git", "apply", "--whitespace=nowarn", "-"], cwd=dest, input=pre_patch.encode(),
-                              capture_output=True, env=env)
+        done = apply_patch(dest, pre_patch)
         if done.returncode != 0:
             raise EnvPrepError(f"the row's bug patch does not apply to {commit}: {done.stderr.decode()[-300:]}")
     normalise_tree(dest)  # `git apply` rewrote the changed files only: their times would name them
+
+
+def apply_patch(tree: Path, patch: str, *flags: str) -> subprocess.CompletedProcess[bytes]:
+    """`git apply FLAGS` of `patch` in the folder `tree` (no repository: git looks no higher than it)."""
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(tree.parent)}
+    return subprocess.run(["git", "apply", "--whitespace=nowarn", *flags, "-"], cwd=tree, input=patch.encode(),
+                          capture_output=True, env=env)
+
+
+def patch_paths(patch: str) -> list[str]:
+    """The files `patch` touches (each file's new name, else its old one, and the old name of a rename or
+    copy), relative to the tree; EnvPrepError for one that leaves it or is not a plain printable name."""
+    listed = subprocess.run(["git", "apply", "--numstat", "-z", "-"], input=patch.encode(), capture_output=True,
+                            env={**os.environ, "GIT_CEILING_DIRECTORIES": "/"}, cwd="/")
+    names = [entry.split(b"\t", 2)[-1] for entry in listed.stdout.split(b"\0") if entry]
+    names += [line.split(b" ", 2)[2] for line in patch.encode().splitlines()
+              if line.startswith((b"rename from ", b"copy from "))]
+    paths = sorted({name.decode(errors="replace") for name in names})
+    for path in paths:
+        if not path.isprintable() or path.startswith("/") or ".." in path.split("/") or '"' in path:
+            raise EnvPrepError(f"the bug patch names the file {path!r}: not a plain path inside the repository")
+    return paths
 
 
 def prepared_tree(inst: SWEInstance, mirror: str | None, cache_dir: str | None = None,
@@ -142,18 +168,22 @@ def dockerfile(base: str, repo_dir: str, install: str, has_ca: bool, labels: dic
     """The instance image's Dockerfile. Row data enters it only as checked names (`repo_dir`, a plain
     folder) and JSON-quoted label values; the install command stays in INSTALL_SCRIPT, so a newline in it
     cannot start an instruction of its own."""
-    if not CONTAINER_DIR.fullmatch(repo_dir) or ".." in repo_dir:
-        raise EnvPrepError(f"repo_dir {repo_dir!r} is not a plain absolute folder; fix the row")
     lines = [f"FROM {base}"]
     if has_ca:
         lines += ["COPY ca-certificates.crt /etc/ssl/certs/rollway-build-ca.crt",
                   "ENV PIP_CERT=/etc/ssl/certs/rollway-build-ca.crt"]
-    lines += [f"COPY repo/ {repo_dir}/", f"WORKDIR {repo_dir}"]
+    lines += [f"COPY repo/ {checked_dir(repo_dir)}/", f"WORKDIR {repo_dir}"]
     if install.strip():
         lines += [f"COPY {INSTALL_SCRIPT} /tmp/{INSTALL_SCRIPT}", f"RUN sh /tmp/{INSTALL_SCRIPT}"]
     lines.append(f"RUN chmod -R a+rX {repo_dir}")
     lines += [f"LABEL {k}={json.dumps(v)}" for k, v in labels.items()]
     return "\n".join(lines) + "\n"
+
+
+def checked_dir(repo_dir: str) -> str:
+    if not CONTAINER_DIR.fullmatch(repo_dir) or ".." in repo_dir:
+        raise EnvPrepError(f"repo_dir {repo_dir!r} is not a plain absolute folder; fix the row")
+    return repo_dir
 
 
 class InstanceImages:
@@ -196,14 +226,15 @@ class InstanceImages:
         (TaskSet.prepare does). One lock per instance: a second caller for it waits for the first
         one's build; other instances are not held up."""
         ident = (inst.instance_id, inst.base_commit, hashlib.sha256(inst.pre_patch.encode()).hexdigest(),
-                 inst.install)
+                 inst.install, inst.image_name)
         with self._locks.lock(ident):
             known = self._known.get(ident)
             if known:
                 return known
             for name in filter(None, [inst.image_name, template_name(self.template, inst)]):
                 if self._exists(name):  # not built here: a clean copy of the repository may be installed in it
-                    self._known[ident] = without_installed_copies(self.client, name, [inst.repo_dir])
+                    image = self._with_pre_patch(inst, name) if inst.pre_patch.strip() else name
+                    self._known[ident] = without_installed_copies(self.client, image, [inst.repo_dir])
                     return self._known[ident]
             name = self._build(inst)
             self._known[ident] = name
@@ -236,6 +267,66 @@ class InstanceImages:
                 raise EnvPrepError(f"building the image of {inst.instance_id} failed: {exc}; check the row's "
                                         "install command") from exc
         return tag
+
+    def _with_pre_patch(self, inst: SWEInstance, name: str) -> str:
+        """The found image `name` with the row's `pre_patch` in `repo_dir`: `name` itself when the patch is
+        already applied there (it applies in reverse), else an image made FROM it with the patched files
+        copied in, `repo_dir/.git` removed (it would diff against the clean commit) and the tree retimed
+        and without bytecode (NORMALISE_COMMAND). The files the patch touches are read out of the image and
+        patched here with git, so the image needs no tool. A patch that applies neither way is an
+        EnvPrepError: an episode never starts on a tree without the bug."""
+        from rollway.sandboxes.docker import engine_errors
+
+        repo_dir = checked_dir(inst.repo_dir)
+        with engine_errors(f"read {inst.repo_dir} of image {name} for the bug patch of {inst.instance_id}"):
+            found = self.client.images.get(name)
+            key = hashlib.sha256("\0".join([inst.pre_patch, inst.repo_dir, NORMALISE_COMMAND]).encode()).hexdigest()
+            tag = f"rollway-prepatched/{found.id.split(':')[-1][:12]}:{key[:12]}"
+            if self._exists(tag):
+                return tag
+            with tempfile.TemporaryDirectory(prefix="rollway-pre-patch-") as ctx:
+                tree, paths = Path(ctx, "repo"), patch_paths(inst.pre_patch)
+                tree.mkdir()
+                copy_out(self.client, found.id, inst.repo_dir, paths, tree)
+                if apply_patch(tree, inst.pre_patch, "--check", "-R").returncode == 0:
+                    return name  # the image holds the bug already
+                done = apply_patch(tree, inst.pre_patch)
+                if done.returncode != 0:
+                    raise EnvPrepError(f"{inst.instance_id}: the row's pre_patch (its bug) applies neither way to "
+                                       f"{inst.repo_dir} of image {name}: {done.stderr.decode()[-300:]}; fix the "
+                                       "row, or give it an image of the repository at its base_commit")
+                gone = " ".join(shlex.quote(p) for p in paths if not (tree / p).exists())
+                self.built.append(tag)
+                try:
+                    derive_image(self.client, found, tag, ctx, [
+                        f"COPY repo/ {repo_dir}/", f"RUN cd {repo_dir} && rm -rf .git {gone} && "
+                        f"{NORMALISE_COMMAND}", f"LABEL rollway.swe.instance={json.dumps(inst.instance_id)}"])
+                except Exception as exc:
+                    raise EnvPrepError(f"applying the bug patch of {inst.instance_id} to image {name} failed: "
+                                       f"{exc}") from exc
+        return tag
+
+
+def copy_out(client: Any, image: str, folder: str, paths: list[str], dest: Path) -> None:
+    """The files `paths` (relative to `folder`) of `image` copied into `dest`, those it lacks skipped; links
+    and names that would leave `dest` are refused by tarfile's data filter."""
+    import io
+    import tarfile
+
+    box = client.containers.create(image, ["true"], entrypoint=[], network_disabled=True)
+    try:
+        for path in paths:
+            try:
+                stream, _stat = box.get_archive(f"{folder.rstrip('/')}/{path}")
+            except Exception as exc:
+                if type(exc).__name__ in ("NotFound", "ImageNotFound"):
+                    continue  # a file the patch creates
+                raise
+            (dest / path).parent.mkdir(parents=True, exist_ok=True)
+            with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
+                tar.extractall(dest / path.rpartition("/")[0], filter="data")
+    finally:
+        box.remove(force=True)
 
 
 def copy_repo_command(repo_dir: str) -> str:

@@ -85,10 +85,16 @@ def without_installed_copies(client: Any, image: str, names: list[str]) -> str:
         paths = [p for p in json.loads(out or b"[]") if isinstance(p, str) and p.startswith("/") and p.isprintable()]
         if not paths:
             return image
-        user = found.attrs.get("Config", {}).get("User") or ""
-        lines = [f"FROM {found.id}", "USER root", "RUN rm -rf " + " ".join(shlex.quote(p) for p in paths),
-                 *([f"USER {user}"] if user else []), f"LABEL rollway.hidden={json.dumps(' '.join(names))}"]
         with tempfile.TemporaryDirectory(prefix="rollway-hidden-") as ctx:
-            Path(ctx, "Dockerfile").write_text("\n".join(lines) + "\n")
-            client.images.build(path=ctx, tag=tag, network_mode="none", rm=True, pull=False)
+            derive_image(client, found, tag, ctx, ["RUN rm -rf " + " ".join(shlex.quote(p) for p in paths),
+                                                   f"LABEL rollway.hidden={json.dumps(' '.join(names))}"])
     return tag
+
+
+def derive_image(client: Any, found: Any, tag: str, ctx: str | os.PathLike[str], steps: list[str]) -> None:
+    """Build `tag` FROM the engine image `found` with Dockerfile `steps` run as root (the image's own user
+    restored after them), from the build context folder `ctx`, without network and never pulling."""
+    user = found.attrs.get("Config", {}).get("User") or ""
+    lines = [f"FROM {found.id}", "USER root", *steps, *([f"USER {user}"] if user else [])]
+    Path(ctx, "Dockerfile").write_text("\n".join(lines) + "\n")
+    client.images.build(path=str(ctx), tag=tag, network_mode="none", rm=True, pull=False)

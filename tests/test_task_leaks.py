@@ -237,3 +237,77 @@ def test_an_swe_rows_own_image_with_a_clean_copy_in_site_packages_hands_out_no_a
                             SandboxConfig(type="docker"))
     [(task_id, probed)] = _probe_all(taskset, "docker")
     assert len(probed["report"]["candidates"]) > 4 and probed["leaks"] == [], (task_id, probed["changed_file"], probed["report"]["channels"])
+
+
+@pytest.mark.slow
+def test_a_swe_smith_rows_own_image_without_the_bug_starts_with_the_bug(toolz_swebench_row, tmp_path):
+    """A SWE-smith row (its bug-introducing patch is `pre_patch`) whose own image (`image_name`, found on the
+    engine) holds the repository WITHOUT the bug at /testbed, with its .git, as SWE-smith's images do. Before
+    the fix the image was used as is: the workspace started clean and doing nothing was graded resolved
+    (reward 1). Now the workspace and the image's /testbed hold the bug and no .git, doing nothing scores 0,
+    the gold patch 1; an image that already holds the bug is used unchanged; a bug patch that applies
+    neither way fails the task's preparation, naming the instance. Real engine, images and task set."""
+    import dataclasses
+    import json
+    import subprocess
+
+    from docker_engine import ensure_engine
+
+    from rollway.envs.base import Episode
+    from rollway.envs.swe_export import as_variant
+    from rollway.envs.swe_images import EnvPrepError, export_tree, find_repo
+
+    client = ensure_engine()
+    [row] = [json.loads(line) for line in (toolz_swebench_row / "rows.jsonl").read_text().splitlines()]
+    repo = find_repo(str(toolz_swebench_row / "mirror"), row["repo"])
+    tag = row["instance_id"].lower().replace("_", "-")[:60]
+    images = {}
+    for kind, commit in (("clean", row["environment_setup_commit"]), ("buggy", row["base_commit"])):
+        ctx = tmp_path / kind
+        if kind == "clean":  # a clone, .git and all, at the commit before the bug
+            subprocess.run(["git", "clone", "-q", "--no-checkout", str(repo), str(ctx / "repo")], check=True)
+            subprocess.run(["git", "-C", str(ctx / "repo"), "checkout", "-q", commit], check=True)
+        else:
+            export_tree(repo, commit, ctx / "repo")
+        (ctx / "Dockerfile").write_text("FROM rollway-sandbox:bookworm\nCOPY repo/ /testbed/\n")
+        images[kind] = f"rollway-test/swe-smith-{kind}:{tag}"
+        client.images.build(path=str(ctx), tag=images[kind], network_mode="none", rm=True, pull=False)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({**as_variant(row, "swe-smith"), "image_name": images["clean"]}) + "\n")
+    taskset = build_taskset(TasksConfig(type="swebench", path=str(rows), mirror=str(toolz_swebench_row / "mirror"),
+                                        test_timeout_s=600), SandboxConfig(type="docker"))
+    [task] = taskset.tasks()
+    inst = taskset.instances[task.task_id]
+    assert inst.source_format == "swe-smith" and inst.pre_patch.strip()
+    changed = inst.patch.split(" b/", 1)[1].split("\n", 1)[0]
+    buggy = subprocess.run(["git", "-C", str(repo), "show", f"{row['base_commit']}:{changed}"], capture_output=True,
+                           text=True, check=True).stdout
+    provider = build_sandbox_provider(SandboxConfig(type="docker"))
+
+    async def do_nothing():
+        try:
+            await taskset.prepare(task)
+            box = await provider.create(taskset.sandbox_spec(task), f"prepatch-{uuid.uuid4().hex[:8]}")
+            try:
+                seen = await box.read_file(changed)
+                image_tree = await box.exec(f"cmp /testbed/{changed} {changed} && echo same; ls -a /testbed")
+                graded = await taskset.grade(task, box, provider, Episode.outside_run(task))
+            finally:
+                await box.destroy()
+            gold = await taskset.grade_patch(inst, inst.patch, provider)
+            return seen, image_tree.output, graded, gold
+        finally:
+            await provider.close()
+
+    try:
+        seen, image_tree, graded, gold = run(do_nothing())
+        assert (graded.reward, gold.reward) == (0.0, 1.0), (graded.details, gold.details)  # doing nothing is no fix
+        assert seen == buggy, "the workspace starts without the row's bug"
+        assert "same" in image_tree and ".git" not in image_tree.split(), image_tree  # /testbed: the bug, no history
+        assert taskset.images.image_for(dataclasses.replace(inst, image_name=images["buggy"])) == images["buggy"]
+        junk = "diff --git a/README.rst b/README.rst\n--- a/README.rst\n+++ b/README.rst\n@@ -1 +1 @@\n-no such line\n+x\n"
+        with pytest.raises(EnvPrepError, match=inst.instance_id):
+            taskset.images.image_for(dataclasses.replace(inst, pre_patch=junk))
+    finally:  # the clean clone's image is new each run (file times): leave none of its images behind
+        for image in [*taskset.images.built, *images.values()]:
+            client.images.remove(image, force=True)
