@@ -5,7 +5,9 @@ SWE-bench's images do). The name comes from the row (`image_name`) or from `task
 an image of that name is on the engine it is used, with the row's `pre_patch` (a SWE-smith row's bug:
 its image holds the repository without it) applied in `repo_dir` unless it is there already (it applies
 in reverse): an image made FROM it (`rollway-prepatched/IMAGE:KEY`), or EnvPrepError naming the instance
-when it applies neither way; then without installed copies of the repository (sandboxes/images.py).
+when it applies neither way; else an image without `repo_dir/.git` (`rollway-nohistory/IMAGE:KEY`: its
+history holds the commits around `base_commit`); then without installed copies of the repository
+(sandboxes/images.py).
 Otherwise rollway builds one FROM the base image (`tasks.base_image`, default the sandbox base
 `rollway-sandbox:bookworm`), never pulling: the tree is exported from the mirror with `git archive`,
 copied in, and the row's `install` command run in it. Built images are tagged `rollway-swe/ID:KEY`, KEY a
@@ -234,6 +236,8 @@ class InstanceImages:
             for name in filter(None, [inst.image_name, template_name(self.template, inst)]):
                 if self._exists(name):  # not built here: a clean copy of the repository may be installed in it
                     image = self._with_pre_patch(inst, name) if inst.pre_patch.strip() else name
+                    if image == name:  # used as found: its repository's history is still there
+                        image = self._without_history(inst, name)
                     self._known[ident] = without_installed_copies(self.client, image, [inst.repo_dir])
                     return self._known[ident]
             name = self._build(inst)
@@ -266,6 +270,27 @@ class InstanceImages:
             except Exception as exc:
                 raise EnvPrepError(f"building the image of {inst.instance_id} failed: {exc}; check the row's "
                                         "install command") from exc
+        return tag
+
+    def _without_history(self, inst: SWEInstance, name: str) -> str:
+        """The found image `name` without `repo_dir/.git`, made once per image. The workspace is a copy without
+        it, but the image's own folder stays readable in the sandbox, and its history holds the commits around
+        `base_commit` (the clean parent of an injected bug, or a later fix in a full clone)."""
+        from rollway.sandboxes.docker import engine_errors
+
+        repo_dir = checked_dir(inst.repo_dir)
+        with engine_errors(f"remove the history in {inst.repo_dir} of image {name} for {inst.instance_id}"):
+            found = self.client.images.get(name)
+            tag = f"rollway-nohistory/{found.id.split(':')[-1][:12]}:{hashlib.sha256(repo_dir.encode()).hexdigest()[:12]}"
+            if self._exists(tag):
+                return tag
+            self.built.append(tag)
+            with tempfile.TemporaryDirectory(prefix="rollway-no-history-") as ctx:
+                try:
+                    derive_image(self.client, found, tag, ctx, [f"RUN rm -rf {repo_dir}/.git"])
+                except Exception as exc:
+                    raise EnvPrepError(f"removing {inst.repo_dir}/.git from image {name} for {inst.instance_id} "
+                                       f"failed: {exc}") from exc
         return tag
 
     def _with_pre_patch(self, inst: SWEInstance, name: str) -> str:

@@ -255,7 +255,7 @@ def test_a_swe_smith_rows_own_image_without_the_bug_starts_with_the_bug(toolz_sw
 
     from rollway.envs.base import Episode
     from rollway.envs.swe_export import as_variant
-    from rollway.envs.swe_images import EnvPrepError, export_tree, find_repo
+    from rollway.envs.swe_images import EnvPrepError, find_repo
 
     client = ensure_engine()
     [row] = [json.loads(line) for line in (toolz_swebench_row / "rows.jsonl").read_text().splitlines()]
@@ -263,12 +263,9 @@ def test_a_swe_smith_rows_own_image_without_the_bug_starts_with_the_bug(toolz_sw
     tag = row["instance_id"].lower().replace("_", "-")[:60]
     images = {}
     for kind, commit in (("clean", row["environment_setup_commit"]), ("buggy", row["base_commit"])):
-        ctx = tmp_path / kind
-        if kind == "clean":  # a clone, .git and all, at the commit before the bug
-            subprocess.run(["git", "clone", "-q", "--no-checkout", str(repo), str(ctx / "repo")], check=True)
-            subprocess.run(["git", "-C", str(ctx / "repo"), "checkout", "-q", commit], check=True)
-        else:
-            export_tree(repo, commit, ctx / "repo")
+        ctx = tmp_path / kind  # a clone, .git and all, at the commit before the bug / at the bug
+        subprocess.run(["git", "clone", "-q", "--no-checkout", str(repo), str(ctx / "repo")], check=True)
+        subprocess.run(["git", "-C", str(ctx / "repo"), "checkout", "-q", commit], check=True)
         (ctx / "Dockerfile").write_text("FROM rollway-sandbox:bookworm\nCOPY repo/ /testbed/\n")
         images[kind] = f"rollway-test/swe-smith-{kind}:{tag}"
         client.images.build(path=str(ctx), tag=images[kind], network_mode="none", rm=True, pull=False)
@@ -304,7 +301,14 @@ def test_a_swe_smith_rows_own_image_without_the_bug_starts_with_the_bug(toolz_sw
         assert (graded.reward, gold.reward) == (0.0, 1.0), (graded.details, gold.details)  # doing nothing is no fix
         assert seen == buggy, "the workspace starts without the row's bug"
         assert "same" in image_tree and ".git" not in image_tree.split(), image_tree  # /testbed: the bug, no history
-        assert taskset.images.image_for(dataclasses.replace(inst, image_name=images["buggy"])) == images["buggy"]
+        # An image that holds the bug already (the patch applies in reverse), or a row without a bug patch
+        # (SWE-bench's, SWE-Gym's): used as found, but without its history, whose parent commit is the fix.
+        for variant in (dataclasses.replace(inst, image_name=images["buggy"]),
+                        dataclasses.replace(inst, image_name=images["buggy"], pre_patch="")):
+            derived = taskset.images.image_for(variant)
+            listing = client.containers.run(derived, ["sh", "-c", f"ls -a /testbed; cat /testbed/{changed}"],
+                                            entrypoint=[], network_disabled=True, remove=True).decode()
+            assert derived != images["buggy"] and ".git" not in listing.split() and buggy in listing, listing
         junk = "diff --git a/README.rst b/README.rst\n--- a/README.rst\n+++ b/README.rst\n@@ -1 +1 @@\n-no such line\n+x\n"
         with pytest.raises(EnvPrepError, match=inst.instance_id):
             taskset.images.image_for(dataclasses.replace(inst, pre_patch=junk))
