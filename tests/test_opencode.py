@@ -82,15 +82,18 @@ def assert_harbor_episode(t: dict, calls: dict, command: str) -> None:
 
 
 def test_opencode_fixes_a_harbor_task_in_docker_with_rollway_up_and_scores_zero_where_it_does_not(tmp_path):
-    """One `rollway up` of two copies of `log-top-ips` as shipped (512 MB: the binary fits), title agent on,
+    """One `rollway up` of two copies of `log-top-ips` with 1,536 MB instead of the shipped 512 (in a full test run
+    opencode was killed by the 512 MB limit at 507 MB resident, exit 137), title agent on,
     side by side: the scripted model fixes the first and runs a command that fixes nothing in the second.
     One test, not two sharing a fixture: pytest-xdist would give each its own worker and run it twice."""
     from docker_engine import count_containers, ensure_engine, remove_labelled
 
     ensure_engine()
     tasks = tmp_path / "tasks"
-    shutil.copytree(TASK, tasks / "log-top-ips")
-    shutil.copytree(TASK, tasks / "log-top-ips-unfixed")
+    for name in ("log-top-ips", "log-top-ips-unfixed"):
+        shutil.copytree(TASK, tasks / name)
+        toml = tasks / name / "task.toml"
+        toml.write_text(toml.read_text().replace("memory_mb = 512", "memory_mb = 1536"))
     instruction = tasks / "log-top-ips-unfixed" / "instruction.md"
     instruction.write_text(instruction.read_text() + f"\n{UNFIXED}\n")
     run_id = f"oc{uuid.uuid4().hex[:8]}"
