@@ -248,6 +248,7 @@ def test_a_swe_smith_rows_own_image_without_the_bug_starts_with_the_bug(toolz_sw
     the gold patch 1; an image that already holds the bug is used unchanged; a bug patch that applies
     neither way fails the task's preparation, naming the instance. Real engine, images and task set."""
     import dataclasses
+    import hashlib
     import json
     import subprocess
 
@@ -306,9 +307,10 @@ def test_a_swe_smith_rows_own_image_without_the_bug_starts_with_the_bug(toolz_sw
         for variant in (dataclasses.replace(inst, image_name=images["buggy"]),
                         dataclasses.replace(inst, image_name=images["buggy"], pre_patch="")):
             derived = taskset.images.image_for(variant)
-            listing = client.containers.run(derived, ["sh", "-c", f"ls -a /testbed; cat /testbed/{changed}"],
+            listing = client.containers.run(derived, ["sh", "-c", f"ls -a /testbed; sha256sum /testbed/{changed}"],
                                             entrypoint=[], network_disabled=True, remove=True).decode()
-            assert derived != images["buggy"] and ".git" not in listing.split() and buggy in listing, listing
+            assert derived != images["buggy"] and ".git" not in listing.split(), listing
+            assert hashlib.sha256(buggy.encode()).hexdigest() in listing, listing  # the tree as found: the bug
         junk = "diff --git a/README.rst b/README.rst\n--- a/README.rst\n+++ b/README.rst\n@@ -1 +1 @@\n-no such line\n+x\n"
         with pytest.raises(EnvPrepError, match=inst.instance_id):
             taskset.images.image_for(dataclasses.replace(inst, pre_patch=junk))
