@@ -140,19 +140,21 @@ def test_a_clean_copy_of_the_library_on_the_jails_interpreter_path_is_hidden(tmp
     (site / "leaky-1.0.dist-info").mkdir()
     (site / "leaky-1.0.dist-info" / "RECORD").write_text("leaky.py,sha256=x,1\n")
     provider = LocalSandboxProvider(LocalSandboxConfig(root=str(tmp_path / "boxes"), python=str(venv / "bin" / "python")))
-
-    async def probe() -> tuple[dict, str]:
-        box = await provider.create(SandboxSpec(source_dir=str(tree)), f"leak-{uuid.uuid4().hex[:10]}")
-        try:
-            seen = await box.exec(f"cat {site}/leaky.py {site}/__pycache__/* {site}/leaky-1.0.dist-info/* 2>/dev/null"
-                                  " | wc -c; python -c 'import leaky; print(leaky.f3())'")
-            return await probe_sandbox(box), seen.output
-        finally:
-            await box.destroy()
-
-    report, seen = run(probe())
+    report, seen = run(_probe_installed_copy(provider, tree, site, "python"))
     assert leaking_channels(report, "leaky.py") == [], report["channels"]
     assert seen.split() == ["0", "-3"], seen  # nothing of the installed copy can be read; the workspace's is used
+
+
+async def _probe_installed_copy(provider, tree: Path, site: str | Path, python: str) -> tuple[dict, str]:
+    """A sandbox of `tree`: the leak probe's report, and the bytes it reads of the installed copy of `leaky` in
+    `site` (module, bytecode, dist-info) with what `import leaky` gives (the workspace's copy: f3() is -3)."""
+    box = await provider.create(SandboxSpec(source_dir=str(tree)), f"leak-{uuid.uuid4().hex[:10]}")
+    try:
+        seen = await box.exec(f"cat {site}/leaky.py {site}/__pycache__/leaky* {site}/leaky-1.0.dist-info/* 2>/dev/null"
+                              f" | wc -c; {python} -c 'import leaky; print(leaky.f3())'")
+        return await probe_sandbox(box), seen.output
+    finally:
+        await box.destroy()
 
 
 def _leaky_tree(tmp_path: Path) -> tuple[str, Path]:
@@ -193,13 +195,9 @@ def test_a_clean_copy_of_the_library_in_a_docker_images_site_packages_is_hidden(
     provider = DockerSandboxProvider(DockerSandboxConfig(image=tag))
 
     async def probe() -> tuple[dict, str]:
-        box = await provider.create(SandboxSpec(source_dir=str(tree)), f"leak-{uuid.uuid4().hex[:10]}")
         try:
-            seen = await box.exec(f"cat {site}/leaky.py {site}/__pycache__/leaky* {site}/leaky-1.0.dist-info/* "
-                                  "2>/dev/null | wc -c; python3 -c 'import leaky; print(leaky.f3())'")
-            return await probe_sandbox(box), seen.output
+            return await _probe_installed_copy(provider, tree, site, "python3")
         finally:
-            await box.destroy()
             await provider.close()
 
     report, seen = run(probe())
