@@ -311,8 +311,9 @@ def test_scheduler_runs_at_most_max_policy_lag_updates_ahead_of_a_training_learn
 
 
 def test_next_user_message_sees_the_turn_that_just_ran(tmp_path):
-    """The hook's episode ends with the turn that just ran, in `turns` as in `messages` (a simulated
-    user reading `turns` advanced one turn early when the record was added after the call)."""
+    """The old hook (served by `HookedEnvironment`, with its deprecation warning): its episode ends with the turn
+    that just ran, in `turns` as in `messages` (a simulated user reading `turns` advanced one turn early when
+    the record was added after the call)."""
     s = services(tmp_path)
     seen = []
 
@@ -323,7 +324,8 @@ def test_next_user_message_sees_the_turn_that_just_ran(tmp_path):
         return None
 
     s.taskset.next_user_message = record_view
-    traj = run(play_episode(s))
+    with pytest.warns(DeprecationWarning, match="defines next_user_message"):
+        traj = run(play_episode(s))
     assert [n for n, *_ in seen] == [turn + 1 for _, turn, *_ in seen]
     assert [turn for _, turn, *_ in seen] == list(range(len(seen))) and len(seen) == traj.num_turns - 1
     assert all(same for _, _, same, _ in seen)
@@ -333,12 +335,18 @@ def test_next_user_message_sees_the_turn_that_just_ran(tmp_path):
 def test_the_scripted_policy_goes_on_with_its_script_after_a_simulated_user_message(tmp_path):
     """`turns[k]` is the episode's turn k: a simulated user's message between turns does not restart
     the script (it did: the policy counted assistant turns since the last user message)."""
+    from rollway.envs.base import Environment
+
     s = services(tmp_path)
 
-    async def user_after_each_turn(task, episode):
-        return "Please go on."
+    class UserAfterEachTurn(Environment):
+        async def step(self, output, episode):
+            step = await super().step(output, episode)
+            if not (step.done or episode.stop_reason):
+                step.user_message = "Please go on."
+            return step
 
-    s.taskset.next_user_message = user_after_each_turn
+    s.taskset.environment_class = UserAfterEachTurn
     traj = run(play_episode(s))
     script = s.cfg.policy.script[0].turns
     assert [t.assistant_text for t in traj.turns] == script[:len(traj.turns)]
@@ -346,16 +354,24 @@ def test_the_scripted_policy_goes_on_with_its_script_after_a_simulated_user_mess
 
 
 def test_task_set_hints_end_the_observation_the_model_reads_next(tmp_path):
-    """The task set's `observation_hints` hook sees each turn's observations; what it returns is recorded as
-    the turn's hints and ends the observation the next turn's prompt carries (scripted policy: the fake model)."""
+    """The environment's hints (`Step.hints`) after each turn's observations are recorded as the turn's hints and
+    end the observation the next turn's prompt carries (scripted policy: the fake model)."""
+    from rollway.envs.base import Environment
+
     s = services(tmp_path, "hints.budget_reminders=false")
     seen = []
 
-    def hint_tools(task, observations):
-        seen.append([o.tool for o in observations])
-        return [f"hint after {observations[0].tool}"] if observations and observations[0].tool else []
+    class HintAfterTools(Environment):
+        async def step(self, output, episode):
+            step = await super().step(output, episode)
+            if step.done or episode.stop_reason:
+                return step
+            observations = step.observations
+            seen.append([o.tool for o in observations])
+            step.hints = [f"hint after {observations[0].tool}"] if observations and observations[0].tool else []
+            return step
 
-    s.taskset.observation_hints = hint_tools
+    s.taskset.environment_class = HintAfterTools
     traj = run(play_episode(s))
     assert seen == [[o.tool for o in u.observations] for u in traj.turns[:-1]]
     first = traj.turns[0]

@@ -71,21 +71,24 @@ def _services(tmp_path):
 
 
 def test_a_turn_that_fails_after_its_tool_calls_ran_is_graded_0_with_its_completion(tmp_path):
-    """A task-set hook that fails on what the agent's tools left (replaced here by one that raises at the
-    second turn): the episode ends there, graded 0 with the reason, the failing turn's completion in the
-    token-exact trajectory (trained on with reward 0)."""
+    """An environment that fails on what the agent's tools left (one that raises at the second turn): the
+    episode ends there, graded 0 with the reason, the failing turn's completion in the token-exact trajectory
+    (trained on with reward 0)."""
     from rollway.audit.verify import play_episode
+    from rollway.envs.base import Environment
 
     cfg, s = _services(tmp_path)
     seen = []
 
-    def hints(task, observations):
-        seen.append(observations)
-        if len(seen) == 2:
-            raise ValueError("the hint hook choked on the agent's output")
-        return []
+    class ChokesOnTheSecondTurn(Environment):
+        async def step(self, output, episode):
+            step = await super().step(output, episode)
+            seen.append(step.observations)
+            if len(seen) == 2:
+                raise ValueError("the environment choked on the agent's output")
+            return step
 
-    s.taskset.observation_hints = hints
+    s.taskset.environment_class = ChokesOnTheSecondTurn
     traj = asyncio.run(play_episode(cfg, tmp_path, "toy-000", services=s))
     assert (traj.reward, traj.resolved, traj.stop_reason) == (0.0, False, "agent_failure")
     assert traj.grade["failure_kind"] == "ValueError" and "choked" in traj.grade["failure"]
