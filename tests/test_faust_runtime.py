@@ -41,6 +41,16 @@ async def start_worker(actor: Forward, cfg, bootstrap: str, group: str, run_dir:
     return task, stop
 
 
+def faust_state(stage) -> str:
+    """Where a worker that handles nothing stands: its partitions and its tables' recovery."""
+    try:
+        recovery = stage.app.tables.recovery
+        return (f"assigned={sorted(str(tp) for tp in stage.app.consumer.assignment())} "
+                f"in_recovery={recovery.in_recovery} active_remaining={recovery.active_remaining_total()}")
+    except Exception as err:  # noqa: BLE001 - a diagnostic only
+        return f"(faust state unreadable: {err!r})"
+
+
 async def wait_for(predicate, timeout_s: float = 150.0, state=lambda: "") -> None:
     # Generous: a restarted member waits out the old one on Tansu (about 8 s idle, more under load; in
     # one full-suite run on a fresh clone the restarted worker got nothing for 48 s, past the old 60 s).
@@ -92,7 +102,7 @@ def test_dedup_table_survives_a_worker_restart(broker, topic_prefix, tmp_path):
         task = asyncio.create_task(stage.run(stop))
         await produce(cfg, broker.bootstrap, INIT_REQUESTS, [(m.episode_id.encode(), encode(m)) for m in items])
         await wait_for(lambda: len(actor.seen) >= expect_seen and stage.stats["skipped_duplicates"] >= expect_skipped,
-                       state=lambda: f"seen={actor.seen} stats={stage.stats}")
+                       state=lambda: f"seen={actor.seen} stats={stage.stats} {faust_state(stage)}")
         stop.set()
         await task
         return stage
@@ -137,7 +147,7 @@ def test_a_table_whose_changelog_entries_share_one_batch_comes_back_whole(broker
         task = asyncio.create_task(stage.run(stop))
         try:
             await wait_for(lambda: stage.stats["skipped_duplicates"] + stage.stats["handled"] >= 3,
-                           state=lambda: f"seen={actor.seen} stats={stage.stats}")
+                           state=lambda: f"seen={actor.seen} stats={stage.stats} {faust_state(stage)}")
         finally:
             stop.set()
             await task
