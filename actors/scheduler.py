@@ -103,7 +103,7 @@ class SchedulerActor(Actor):
             order = list(tasks)
             if self.cfg.shuffle:
                 rng.shuffle(order)
-            order = self.strategy.order(order[: self.cfg.num_tasks or len(order)], self.s.taskset)
+            order = self.strategy.order(order[: self.cfg.num_tasks or len(order)])
             for task in order:
                 gid = f"{self.run_id}-g{len(self.groups):05d}"
                 self.groups.append([Ticket(f"{gid}-s{i}", gid, task.task_id, i) for i in range(self.cfg.group_size)])

@@ -68,7 +68,7 @@ class IssueStrategy:
         """The look-ahead bound needs to see episodes leave the agent stage."""
         return self.pre_reward_bound is not None
 
-    def order(self, tasks: list[Any], taskset: Any) -> list[Any]:
+    def order(self, tasks: list[Any]) -> list[Any]:
         """One epoch's tasks in issue order (after the seeded shuffle and num_tasks)."""
         if self.cfg.order == "given":
             return list(tasks)

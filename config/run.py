@@ -69,8 +69,8 @@ class SchedulerConfig(StrictModel):
     """Issue order within an epoch. `given`: the task set's order (shuffled if `shuffle`). `johnson`:
     Johnson's rule on the tasks' expected sandbox-start and grading times (the task metadata keys
     `expected_init_s` and `expected_grade_s`): first the tasks that start faster than they grade,
-    shortest start first (agent slots fill sooner), then the rest by start + grading descending (the run ends with its cheapest tasks, so
-    its tail is short). `ends`: order only the ends by those estimates: the first burst of issues
+    shortest start first (agent slots fill sooner), then the rest by start + grading descending (the
+    run ends with its cheapest tasks, so its tail is short). `ends`: order only the ends by those estimates: the first burst of issues
     (min(max_inflight_episodes, agent_slots + init_lookahead) episodes) fastest start first, the last
     max_inflight_episodes cheapest in start + grading, and the given order between (sorting the middle
     lines up slow-starting sandboxes, which a bounded init_lookahead cannot hide). Tasks without an
