@@ -284,14 +284,9 @@ class InstanceImages:
             tag = f"rollway-nohistory/{found.id.split(':')[-1][:12]}:{hashlib.sha256(repo_dir.encode()).hexdigest()[:12]}"
             if self._exists(tag):
                 return tag
-            self.built.append(tag)
             with tempfile.TemporaryDirectory(prefix="rollway-no-history-") as ctx:
-                try:
-                    derive_image(self.client, found, tag, ctx, [f"RUN rm -rf {repo_dir}/.git"])
-                except Exception as exc:
-                    raise EnvPrepError(f"removing {inst.repo_dir}/.git from image {name} for {inst.instance_id} "
-                                       f"failed: {exc}") from exc
-        return tag
+                return self._derive(found, tag, ctx, [f"RUN rm -rf {repo_dir}/.git"],
+                                    f"removing {inst.repo_dir}/.git from image {name} for {inst.instance_id}")
 
     def _with_pre_patch(self, inst: SWEInstance, name: str) -> str:
         """The found image `name` with the row's `pre_patch` in `repo_dir`: `name` itself when the patch is
@@ -321,14 +316,19 @@ class InstanceImages:
                                        f"{inst.repo_dir} of image {name}: {done.stderr.decode()[-300:]}; fix the "
                                        "row, or give it an image of the repository at its base_commit")
                 gone = " ".join(shlex.quote(p) for p in paths if not (tree / p).exists())
-                self.built.append(tag)
-                try:
-                    derive_image(self.client, found, tag, ctx, [
-                        f"COPY repo/ {repo_dir}/", f"RUN cd {repo_dir} && rm -rf .git {gone} && "
-                        f"{NORMALISE_COMMAND}", f"LABEL rollway.swe.instance={json.dumps(inst.instance_id)}"])
-                except Exception as exc:
-                    raise EnvPrepError(f"applying the bug patch of {inst.instance_id} to image {name} failed: "
-                                       f"{exc}") from exc
+                return self._derive(found, tag, ctx, [
+                    f"COPY repo/ {repo_dir}/", f"RUN cd {repo_dir} && rm -rf .git {gone} && {NORMALISE_COMMAND}",
+                    f"LABEL rollway.swe.instance={json.dumps(inst.instance_id)}"],
+                    f"applying the bug patch of {inst.instance_id} to image {name}")
+
+    def _derive(self, found: Any, tag: str, ctx: str, steps: list[str], what: str) -> str:
+        """`tag` built FROM the found image with `steps` (sandboxes/images.derive_image); EnvPrepError saying
+        `what` failed."""
+        self.built.append(tag)
+        try:
+            derive_image(self.client, found, tag, ctx, steps)
+        except Exception as exc:
+            raise EnvPrepError(f"{what} failed: {exc}") from exc
         return tag
 
 
