@@ -259,6 +259,46 @@ def test_instance_images_build_without_network_unless_opted_in(tmp_path: Path) -
         InstanceImages(None, "x", "b", client=client, network="bridge; rm")
 
 
+def _patch(old: str, new: str, body: str = "@@ -1 +1 @@\n-x\n+y\n") -> str:
+    return f"diff --git a/{old} b/{new}\n--- a/{old}\n+++ b/{new}\n{body}"
+
+
+@pytest.mark.parametrize("pre_patch", [
+    _patch("../escape.py", "../escape.py"),
+    _patch("/tmp/abs.py", "/tmp/abs.py"),
+    "diff --git a/m.py b/../moved.py\nsimilarity index 100%\nrename from m.py\nrename to ../moved.py\n",
+    "diff --git a/../new.py b/../new.py\nnew file mode 100644\n--- /dev/null\n+++ b/../new.py\n@@ -0,0 +1 @@\n+y\n",
+    _patch('q"x.py', 'q"x.py'),
+])
+def test_a_bug_patch_naming_files_outside_the_repository_is_refused_before_any_image_is_read(pre_patch, tmp_path):
+    """A row's `pre_patch` over an image found on the engine: the files it names are read out of the image and
+    patched on this host, then copied in by a derived build whose RUN line names the deleted ones. A name that
+    leaves the tree (.., absolute, a rename's target) or could break out of that line is refused, naming the
+    instance's bug patch, before a container is made or an image built; nothing is written beside the tree."""
+    import dataclasses
+
+    from docker_engine import ensure_engine
+
+    from rollway.envs.swe_images import EnvPrepError, InstanceImages, apply_patch, patch_paths
+
+    client = ensure_engine()
+    inst = dataclasses.replace(normalise_row(_swebench_row(instance_id=f"owner__name-{uuid.uuid4().hex[:8]}")),
+                               image_name="rollway-sandbox:bookworm", repo_dir="/testbed", pre_patch=pre_patch)
+    images = InstanceImages(None, "x", "rollway-sandbox:bookworm", client=client)
+    before = {c.id for c in client.containers.list(all=True)}
+    with pytest.raises(EnvPrepError, match="the bug patch names the file .*not a plain path inside the repository"):
+        images.image_for(inst)
+    assert images.built == [] and {c.id for c in client.containers.list(all=True)} <= before
+    with pytest.raises(EnvPrepError):
+        patch_paths(pre_patch)
+    tree = tmp_path / "repo"  # and git itself, the second line, writes nothing beside the tree either way
+    tree.mkdir()
+    (tree / "m.py").write_text("x\n")
+    for flags in ((), ("-R",)):
+        apply_patch(tree, pre_patch, *flags)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["repo", "repo/m.py"]
+
+
 # ---------------------------------------------------------------- `rollway tasks build swe`: the archive's tests
 
 
