@@ -40,6 +40,7 @@ import shutil
 import tempfile
 import tomllib
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -406,9 +407,17 @@ class HarborTaskSet(TaskSet):
         return await verify(harbor_task, sandbox, provider, spec, harbor_task.files("tests"))
 
 
-async def check_task(task: HarborTask, provider: SandboxProvider, spec: SandboxSpec, oracle: bool) -> Grade:
+async def check_task(task: HarborTask, provider: SandboxProvider, spec: SandboxSpec, oracle: bool,
+                     on_lost: Callable[[OutputLost], None] | None = None) -> Grade:
     """One verification run in a fresh sandbox: the solution first when `oracle`, else nothing (the
-    empty run); the sandbox is always destroyed."""
+    empty run); the sandbox is always destroyed. Played again in another fresh sandbox while the engine
+    loses a command's output (a task's verdict must not be an accident of the engine, moby#27289);
+    `on_lost` is told of each loss played again."""
+    return await again_while_output_lost(functools.partial(_check_once, task, provider, spec, oracle),
+                                         on_lost or (lambda lost: None))
+
+
+async def _check_once(task: HarborTask, provider: SandboxProvider, spec: SandboxSpec, oracle: bool) -> Grade:
     # A fresh name each run: two verifications of one task at once (two `tasks verify`, two tests) must not
     # share a container (a fixed name made the second remove the first's mid-run).
     sandbox = await provider.create(spec, f"verify-{re.sub(r'[^A-Za-z0-9_.-]', '_', task.name)[:40]}-"
@@ -422,9 +431,8 @@ async def check_task(task: HarborTask, provider: SandboxProvider, spec: SandboxS
 
 
 async def _check_row(task: HarborTask, provider: SandboxProvider, spec: SandboxSpec, kind: str) -> dict[str, Any]:
-    """One check's fields of its task's row: the reward and outcome, or None and the error; played again in a
-    fresh sandbox while the engine loses a command's output (a task's verdict must not be an accident of the
-    engine, moby#27289), `KIND_tries` then saying how many plays it took."""
+    """One check's fields of its task's row: the reward and outcome, or None and the error; `KIND_tries`
+    says how many plays it took when the engine lost a command's output (check_task)."""
     lost: list[OutputLost] = []
 
     def note(err: OutputLost) -> None:
@@ -433,8 +441,7 @@ async def _check_row(task: HarborTask, provider: SandboxProvider, spec: SandboxS
                     check=kind, error=str(err)[:300])
 
     try:
-        grade = await again_while_output_lost(
-            functools.partial(check_task, task, provider, spec, oracle=kind == "oracle"), note)
+        grade = await check_task(task, provider, spec, oracle=kind == "oracle", on_lost=note)
         fields = {f"{kind}_reward": grade.reward, f"{kind}_outcome": grade.details.get("outcome")}
     except SandboxError as exc:
         fields = {f"{kind}_reward": None, f"{kind}_outcome": f"env_error: {exc}"[:300]}
