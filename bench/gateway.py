@@ -22,7 +22,7 @@ from asyncio.subprocess import PIPE
 from typing import Any
 
 from rollway.base.figures import dumps
-from rollway.policies.base import Generation, InferenceClient, SamplingParams
+from rollway.policies.base import ChatFormat, Generation, InferenceClient, SamplingParams
 from rollway.policies.chat import BytesChatML
 from rollway.schemas.messages import EpisodeKey
 
@@ -34,8 +34,8 @@ class ZeroLatencyEngine(InferenceClient):
     """Answers every prompt with the same reply: at once (no model, no sleep), or after `latency_s` of waiting
     that costs this process nothing (a real engine's time is spent on its own device)."""
 
-    def __init__(self, latency_s: float = 0.0) -> None:
-        self.chat = BytesChatML()
+    def __init__(self, latency_s: float = 0.0, chat: ChatFormat | None = None) -> None:
+        self.chat = chat or BytesChatML()
         self.reply = self.chat.encode(REPLY) + list(self.chat.stop_token_ids)
         self.latency_s = latency_s
 
@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-ms", default="0", help="the engine's time per call in ms (comma list); 0: answers at "
                         "once, so every program always has a call in flight and the gateway runs saturated (its "
                         "capacity); a real engine's time (hundreds of ms) gives the latency a program sees")
+    parser.add_argument("--chat-formats", default="smollm2", help="the chat formats the gateway renders with "
+                        "(comma list): smollm2 (the bundled model's tokenizer and template, as a run uses them) "
+                        "and/or bytes (one token per byte, no tokenizer: the gateway's cost without tokenising)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -64,32 +67,58 @@ def run(args: argparse.Namespace) -> int:
         recorders = [r.strip() for r in args.recorders.split(",") if r.strip()]
         apis = [a.strip() for a in args.apis.split(",") if a.strip()]
         engine_ms = [float(x) for x in args.engine_ms.split(",")]
+        formats = [f.strip() for f in args.chat_formats.split(",") if f.strip()]
+        if not formats or not set(formats) <= {"smollm2", "bytes"}:
+            raise ValueError
         if min(engine_ms) < 0 or min(episodes) < 1 or min(lengths) < 64 or args.calls < 2 or not set(recorders) <= {"memory", "kafka"} \
                 or not apis or not set(apis) <= set(_REQUESTS):
             raise ValueError
     except ValueError:
         print("rollway bench gateway: --episodes and --prompt-tokens are comma lists of positive integers "
               "(prompts of 64 tokens or more), --calls at least 2, --recorders memory and/or kafka, --apis chat, "
-              "responses and/or messages, --engine-ms a comma list of milliseconds (0 or more)", file=sys.stderr)
+              "responses and/or messages, --engine-ms a comma list of milliseconds (0 or more), --chat-formats smollm2 "
+              "and/or bytes", file=sys.stderr)
         return 2
-    result = asyncio.run(measure_all(episodes, lengths, args.calls, recorders, apis, engine_ms))
+    result = _run_loop(measure_all(episodes, lengths, args.calls, recorders, apis, engine_ms, formats))
     print(dumps(result) if args.json else format_text(result))
     return 0
 
 
+def _run_loop(main: Any) -> Any:
+    """Run `main` on uvloop when installed, as the stage processes that hold the gateway do."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+def _chat_format(name: str) -> ChatFormat:
+    if name == "bytes":
+        return BytesChatML()
+    from rollway.policies.hf_chat import HFChatFormat
+    from rollway.policies.model_loading import load_tokenizer
+
+    return HFChatFormat(load_tokenizer())
+
+
 async def measure_all(episodes: list[int], lengths: list[int], calls: int, recorders: list[str],
-                      apis: tuple[str, ...] | list[str] = ("chat",), engine_ms: list[float] | None = None) -> dict[str, Any]:
+                      apis: tuple[str, ...] | list[str] = ("chat",), engine_ms: list[float] | None = None,
+                      formats: tuple[str, ...] | list[str] = ("bytes",)) -> dict[str, Any]:
     rows = []
-    for name in recorders:
-        async with _recorder(name) as recorder:
-            for ms in engine_ms or [0.0]:
-                for n in episodes:
-                    for tokens in lengths:
-                        for api in apis:
-                            rows.append({"recorder": name, "api": api, "engine_ms": ms, "episodes": n,
-                                         "prompt_tokens": tokens,
-                                         **await measure(recorder, n, tokens, calls, api, ms / 1000)})
-    return {"engine": "in-process, a fixed reply after engine_ms", "chat_format": "BytesChatML", "calls_per_episode": calls,
+    for fmt in formats:
+        chat = await asyncio.to_thread(_chat_format, fmt)
+        for name in recorders:
+            async with _recorder(name) as recorder:
+                for ms in engine_ms or [0.0]:
+                    for n in episodes:
+                        for tokens in lengths:
+                            for api in apis:
+                                rows.append({"chat_format": fmt, "recorder": name, "api": api, "engine_ms": ms,
+                                             "episodes": n, "prompt_tokens": tokens,
+                                             **await measure(recorder, n, tokens, calls, api, ms / 1000, chat)})
+    loop = type(asyncio.get_running_loop()).__module__.split(".")[0]
+    return {"engine": "in-process, a fixed reply after engine_ms", "event_loop": loop, "calls_per_episode": calls,
             "cores": os.cpu_count(), "load_average": round(os.getloadavg()[0], 2), "rows": rows,
             "target": "added p50 <= 5 ms on continued calls with 16k-token histories"}
 
@@ -130,19 +159,20 @@ class _Discarding:
 
 
 async def measure(recorder: Any, episodes: int, prompt_tokens: int, calls: int, api: str = "chat",
-                  latency_s: float = 0.0) -> dict[str, Any]:
+                  latency_s: float = 0.0, chat: ChatFormat | None = None) -> dict[str, Any]:
     """One setting: the episodes' programs run in a client process of their own (so their JSON work
     does not queue behind the gateway's in one event loop); the engine alone is timed here on the
     same prompts afterwards."""
     from rollway.gateway import Gateway
 
-    engine = ZeroLatencyEngine(latency_s)
+    engine = ZeroLatencyEngine(latency_s, chat)
     gateway = Gateway(engine, engine.chat, recorder)
     await gateway.start()
     try:
-        await _run_clients(gateway, 1, 256, 2, api)  # warm-up: connections, code paths
+        await _run_clients(gateway, 1, _filler(engine.chat, 256), 2, api)  # warm-up: connections, code paths
+        filler = await asyncio.to_thread(_filler, engine.chat, prompt_tokens)
         cpu = time.process_time()
-        handles, timings, wall = await _run_clients(gateway, episodes, prompt_tokens, calls, api)
+        handles, timings, wall = await _run_clients(gateway, episodes, filler, calls, api)
         cpu = time.process_time() - cpu
     finally:
         await gateway.stop()
@@ -156,12 +186,21 @@ async def measure(recorder: Any, episodes: int, prompt_tokens: int, calls: int, 
             "gateway_cpu_ms_per_call": _ms(cpu / total)}
 
 
-async def _run_clients(gateway: Any, episodes: int, prompt_tokens: int, calls: int,
+FILLER = ("Traceback (most recent call last):\n  File \"src/app/models.py\", line 218, in save\n"
+          "    self.full_clean(exclude=exclude)\nValueError: the field 'name' must not be empty; got ''\n")
+
+
+def _filler(chat: ChatFormat, tokens: int) -> str:
+    """Text of about `tokens` tokens in `chat` less the markup (log-like lines, as a first prompt holds)."""
+    per = max(1, len(chat.encode(FILLER)))
+    return (FILLER * (max(1, tokens - 40) // per + 1))[: max(1, (tokens - 40) * len(FILLER) // per)]
+
+
+async def _run_clients(gateway: Any, episodes: int, filler: str, calls: int,
                        api: str) -> tuple[list, list, float]:
     handles = [gateway.open_episode(EpisodeKey(episode_id=f"e{i}", group_id="bench", task_id="bench"))
                for i in range(episodes)]
-    spec = json.dumps({"urls": [h.base_url for h in handles], "prompt_tokens": prompt_tokens, "calls": calls,
-                       "api": api})
+    spec = json.dumps({"urls": [h.base_url for h in handles], "filler": filler, "calls": calls, "api": api})
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "rollway.bench.gateway", stdin=PIPE,
                                                 stdout=PIPE, stderr=PIPE)
     out, err = await proc.communicate(spec.encode())
@@ -195,13 +234,12 @@ async def client_main(spec: dict[str, Any]) -> dict[str, Any]:
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
         start = time.perf_counter()
-        timings = await asyncio.gather(*(_episode(http, url, spec["prompt_tokens"], spec["calls"], spec["api"])
+        timings = await asyncio.gather(*(_episode(http, url, spec["filler"], spec["calls"], spec["api"])
                                          for url in spec["urls"]))
         return {"timings": list(timings), "wall_s": time.perf_counter() - start}
 
 
-async def _episode(http: Any, base_url: str, prompt_tokens: int, calls: int, api: str = "chat") -> list[float]:
-    filler = "y" * (prompt_tokens - 40)  # BytesChatML: one token per byte, plus the markup
+async def _episode(http: Any, base_url: str, filler: str, calls: int, api: str = "chat") -> list[float]:
     path, first, add = _REQUESTS[api]
     history: list[Any] = [first(filler)]
     out = []
@@ -256,14 +294,15 @@ def _ms(seconds: float) -> float:
 
 
 def format_text(result: dict[str, Any]) -> str:
-    lines = [f"gateway overhead ({result['engine']} engine, {result['chat_format']}, {result['calls_per_episode']} "
-             f"calls per episode, {result['cores']} cores, load {result['load_average']})",
-             f"{'recorder':8} {'api':9} {'engine':>6} {'episodes':>8} {'prompt':>7} | {'continued: added p50':>20} {'p99':>8} | "
-             f"{'first call: added p50':>21} {'p99':>8} | {'CPU/call':>9} {'calls/s':>8}"]
+    lines = [f"gateway overhead ({result['engine']} engine, {result['event_loop']} event loop, "
+             f"{result['calls_per_episode']} calls per episode, {result['cores']} cores, load {result['load_average']})",
+             f"{'format':7} {'recorder':8} {'api':9} {'engine':>6} {'episodes':>8} {'prompt':>7} | "
+             f"{'continued: added p50':>20} {'p99':>8} | {'first call: added p50':>21} {'p99':>8} | "
+             f"{'CPU/call':>9} {'calls/s':>8}"]
     for row in result["rows"]:
         c, f = row["continued"], row["first_call"]
-        lines.append(f"{row['recorder']:8} {row.get('api', 'chat'):9} {row.get('engine_ms', 0):>4g}ms {row['episodes']:>8} {row['prompt_tokens']:>7} | "
-                     f"{c['added_p50_ms']:>17} ms "
+        lines.append(f"{row['chat_format']:7} {row['recorder']:8} {row['api']:9} {row['engine_ms']:>4g}ms "
+                     f"{row['episodes']:>8} {row['prompt_tokens']:>7} | {c['added_p50_ms']:>17} ms "
                      f"{c['added_p99_ms']:>5} ms | {f['added_p50_ms']:>18} ms {f['added_p99_ms']:>5} ms | "
                      f"{row['gateway_cpu_ms_per_call']:>6} ms {row['calls_per_s']:>8}")
     lines.append(f"target: {result['target']}")
@@ -271,4 +310,4 @@ def format_text(result: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":  # the client process of `measure`
-    print(json.dumps(asyncio.run(client_main(json.loads(sys.stdin.read())))))
+    print(json.dumps(_run_loop(client_main(json.loads(sys.stdin.read())))))

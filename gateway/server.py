@@ -250,15 +250,17 @@ class Gateway:
         t0 = time.perf_counter()
         try:
             handle = self._episode(request)
-            body = await self._off_loop(_json_body, await request.read())
-            try:
-                parsed = await self._off_loop(_PARSERS[api], body)
-            except RequestError as err:
-                self._mark_unsupported(handle, err)
-                raise
+            raw = await request.read()
             async with handle.lock:
                 self._check_open(handle)
-                result = await self._call(handle, api, parsed)
+                capture = handle.capture
+                assert capture is not None  # open episodes keep theirs
+                try:  # one hop off the loop for all the work that grows with what the program sent
+                    parsed, plan, parse_tools = await self._off_loop(self._prepare, capture, api, raw)
+                except RequestError as err:
+                    self._mark_unsupported(handle, err)
+                    raise
+                result = await self._call(handle, api, parsed, plan, parse_tools)
         except RequestError as err:
             return self._error(err, api)
         response = await self._respond(request, api, parsed, *result)
@@ -300,10 +302,10 @@ class Gateway:
             raise RequestError(f"episode {handle.episode.episode_id} reached its limit of {handle.max_trained_tokens} "
                                "sampled tokens", None, 409, "token_limit_reached")
 
-    async def _call(self, handle: EpisodeHandle, api: str, parsed: Any) -> tuple[str, Reply, dict[str, int]]:
+    async def _call(self, handle: EpisodeHandle, api: str, parsed: Any, plan: Plan,
+                    parse_tools: bool) -> tuple[str, Reply, dict[str, int]]:
         capture = handle.capture
-        assert capture is not None  # open episodes keep theirs
-        plan, parse_tools = await self._off_loop(self._storable_plan, capture, api, parsed)
+        assert capture is not None
         if plan.segment_reason not in (None, "start") and handle.max_segments is not None \
                 and capture.segment + 1 >= handle.max_segments:
             handle.stop_reason = "segment_limit"
@@ -313,18 +315,26 @@ class Gateway:
         used = self._params(parsed.sampling, plan)
         if handle.max_trained_tokens is not None and plan.side is None:  # no more than the episode has left
             used = replace(used, max_tokens=min(used.max_tokens, handle.max_trained_tokens - handle.trained_tokens))
+        # The drift check (a from-scratch render) needs only the plan: it runs while the engine generates,
+        # not after it; the capture it reads changes only at commit, under the episode's lock held here.
+        drift = asyncio.get_running_loop().run_in_executor(self._pool, capture.drifted, plan) \
+            if self.check_drift else None
         try:
             generation = await metrics.generate(self.engine, plan.prompt_ids, used, "agent")
-        except OSError as err:  # no connection, a timeout: the engine's failure, never the program's
-            handle.infrastructure_failure = f"the inference engine did not answer: {err}"[:500]
+        except BaseException as err:
+            if drift is not None:
+                drift.add_done_callback(_retrieved)  # a call that fails here never reads it
+            if isinstance(err, OSError):  # no connection, a timeout: the engine's failure, never the program's
+                handle.infrastructure_failure = f"the inference engine did not answer: {err}"[:500]
             raise
+        drifted = drift is not None and await drift
         output, reply = await self._off_loop(self._reply, generation, parsed.sampling, parse_tools)
         call = self._record_of(handle, api, plan, generation, output, reply)
         call.temperature, call.top_p = used.temperature, used.top_p
         if plan.side is not None:
             call.side_call, call.segment, call.tools = plan.side, -1, plan.tools
         call.sampling_overridden = (used.temperature, used.top_p) != (parsed.sampling.temperature, parsed.sampling.top_p)
-        if self.check_drift and await self._off_loop(capture.drifted, plan):
+        if drifted:
             call.template_drift = True
             log.info("template drift: the conversation re-renders differently", episode_id=handle.episode.episode_id,
                      call=call.call_index)
@@ -341,10 +351,13 @@ class Gateway:
                  "total_tokens": len(plan.prompt_ids) + len(output)}
         return f"{handle.episode.episode_id}-{call.call_index}", reply, usage
 
-    def _storable_plan(self, capture: EpisodeCapture, api: str, parsed: Any) -> tuple[Plan, bool]:
+    def _prepare(self, capture: EpisodeCapture, api: str, raw: bytes) -> tuple[Any, Plan, bool]:
+        """The request parsed and planned (off the loop): the parsed request, where the call goes in the
+        episode's stream and whether to parse tool calls from its output."""
+        parsed = _PARSERS[api](_json_body(raw))
         plan, parse_tools = self._plan(capture, api, parsed)
         _check_storable(plan)
-        return plan, parse_tools
+        return parsed, plan, parse_tools
 
     def _plan(self, capture: EpisodeCapture, api: str, parsed: Any) -> tuple[Plan, bool]:
         """Where the call goes in the episode's stream, and whether to parse tool calls from its output."""
@@ -473,6 +486,12 @@ def _bound_unix_socket(path: str) -> socket.socket:
     finally:
         os.close(folder)
     return sock
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    """Read a finished future's outcome, so an error nobody awaits is not reported as lost."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _json_body(raw: bytes) -> Any:

@@ -3,12 +3,33 @@
 from __future__ import annotations
 
 import json
+import re
+import threading
+from array import array
+from collections import OrderedDict
 from typing import Any
 
 from rollway.policies.base import ChatFormat
 
 _PROBE_USER = {"role": "user", "content": "x"}
 _PROBE_REPLY = "\u2063rollway-probe\u2063"  # a string no template adds on its own
+RENDERS_KEPT = 8
+"""Renders kept by content (HFChatFormat.render)."""
+PIECE_CHARS_KEPT = 32 * 2**20
+"""Characters of tokenised text kept with their ids (HFChatFormat.encode_special), for all episodes of the
+process: 64 episodes with 64k-token histories (about 256 KiB of text each) fit twice."""
+
+
+def _render_key(messages: list[dict[str, Any]], tools: list[dict[str, Any]], generation_prompt: bool) -> Any:
+    """A hashable key for a render's inputs; None when a message holds something unhashable (the render is
+    then not kept). Equal keys mean equal inputs: every field of every message, the tools as JSON."""
+    try:
+        key = (tuple(tuple(sorted(m.items())) for m in messages),
+               json.dumps(tools, sort_keys=True) if tools else "", generation_prompt)
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def hermes_tools_note(tools: list[dict[str, Any]]) -> str:
@@ -33,6 +54,11 @@ class HFChatFormat(ChatFormat):
         if not self.template:
             raise ValueError("the tokenizer has no chat template: use a chat model or pass chat_template")
         self.native_tools = "tools" in self.template
+        self._lock = threading.Lock()  # the caches below are shared by a gateway's threads
+        self._renders: OrderedDict[Any, str] = OrderedDict()
+        self._pieces: OrderedDict[str, array] = OrderedDict()
+        self._pieces_chars = 0
+        self._splitter = self._piece_splitter()
         self._stop_text = self._probe_stop_text()
         self._stop_ids = tuple(self.encode_special(self._stop_text))
         self._header_ids = tuple(self._probe_header_ids())
@@ -41,7 +67,24 @@ class HFChatFormat(ChatFormat):
     # -- rendering ------------------------------------------------------------------------------
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], generation_prompt: bool) -> str:
-        """The template's text for `messages` (tools inlined into the system message if needed)."""
+        """The template's text for `messages` (tools inlined into the system message if needed). The last
+        few renders are kept by content: a gateway call's drift check renders what its continuation just
+        rendered."""
+        key = _render_key(messages, tools, generation_prompt)
+        if key is not None:
+            with self._lock:
+                text = self._renders.get(key)
+            if text is not None:
+                return text
+        text = self._render(messages, tools, generation_prompt)
+        if key is not None:
+            with self._lock:
+                self._renders[key] = text
+                while len(self._renders) > RENDERS_KEPT:
+                    self._renders.popitem(last=False)
+        return text
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], generation_prompt: bool) -> str:
         if tools and not self.native_tools:
             messages = self._with_tools_in_system(messages, tools)
         return self.tokenizer.apply_chat_template(
@@ -55,8 +98,56 @@ class HFChatFormat(ChatFormat):
         return [{"role": "system", "content": note}, *messages]
 
     def encode_special(self, text: str) -> list[int]:
-        """Token ids of rendered template text (special-token strings become special tokens)."""
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        """Token ids of rendered template text (special-token strings become special tokens). The text
+        between added tokens is tokenised piece by piece, each piece's ids kept (up to PIECE_CHARS_KEPT
+        characters in all): a conversation re-rendered call after call tokenises only what is new.
+        Exact where the tokenizer tokenises those pieces on their own (checked at start-up, else the
+        whole text is tokenised each time)."""
+        if self._splitter is None:
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        ids: list[int] = []
+        for i, piece in enumerate(self._splitter.split(text)):
+            if i % 2:  # an added token's text
+                ids.append(self._added[piece])
+            elif piece:
+                ids += self._piece_ids(piece)
+        return ids
+
+    def _piece_ids(self, piece: str) -> array:
+        with self._lock:
+            kept = self._pieces.get(piece)
+            if kept is not None:
+                self._pieces.move_to_end(piece)
+                return kept
+        kept = array("l", self.tokenizer.encode(piece, add_special_tokens=False))
+        if len(piece) <= PIECE_CHARS_KEPT // 4:
+            with self._lock:
+                if piece not in self._pieces:
+                    self._pieces[piece] = kept
+                    self._pieces_chars += len(piece)
+                while self._pieces_chars > PIECE_CHARS_KEPT:
+                    self._pieces_chars -= len(self._pieces.popitem(last=False)[0])
+        return kept
+
+    def _piece_splitter(self) -> re.Pattern[str] | None:
+        """A pattern splitting text at the tokenizer's added tokens, when tokenising the pieces between
+        them one by one gives exactly the whole text's ids: a fast tokenizer whose added tokens take no
+        neighbouring whitespace and are matched before normalisation, checked on a rendered probe."""
+        added = getattr(self.tokenizer, "added_tokens_decoder", None)
+        if not getattr(self.tokenizer, "is_fast", False) or not added:
+            return None
+        if any(getattr(t, flag, True) for t in added.values() for flag in ("lstrip", "rstrip", "single_word", "normalized")):
+            return None
+        self._added = {t.content: i for i, t in added.items() if t.content}
+        splitter = re.compile("(" + "|".join(re.escape(c) for c in sorted(self._added, key=len, reverse=True)) + ")")
+        probe = self._render([{"role": "system", "content": " a  b\n"}, _PROBE_USER,
+                              {"role": "assistant", "content": _PROBE_REPLY + " x\n\n"}, {"role": "user", "content": "\ty"}],
+                             [], True)
+        whole = self.tokenizer.encode(probe, add_special_tokens=False)
+        pieces = [self._added[p] if i % 2 else self.tokenizer.encode(p, add_special_tokens=False)
+                  for i, p in enumerate(splitter.split(probe)) if p]
+        flat = [x for p in pieces for x in ([p] if isinstance(p, int) else p)]
+        return splitter if flat == whole else None
 
     def _probe_stop_text(self) -> str:
         # The text right after an assistant reply up to its first special token is the turn end.

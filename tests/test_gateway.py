@@ -611,16 +611,16 @@ def test_completions_stream_and_tool_choice_none():
 
 def test_bench_gateway_command_reports_the_added_time_as_json():
     """`rollway bench gateway --json` runs end to end (tiny settings; the gateway's own figures are not checked):
-    each API side by side, with an engine that answers at once and one that takes 50 ms a call, whose time is
-    in the direct calls (so the added time leaves it out)."""
+    each API side by side, with the bundled model's tokenizer and the byte format, an engine that answers at
+    once and one that takes 50 ms a call, whose time is in the direct calls (so the added time leaves it out)."""
 
     out = run_with_progress([sys.executable, "-m", "rollway.runners", "bench", "gateway", "--json", "--episodes", "2",
-                          "--prompt-tokens", "128", "--calls", "2", "--recorders", "memory", "--engine-ms", "0,50"],
-                         cwd=ROOT)
+                             "--prompt-tokens", "128", "--calls", "2", "--recorders", "memory", "--engine-ms", "0,50",
+                             "--chat-formats", "smollm2,bytes"], cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads(out.stdout.splitlines()[-1])["rows"]
-    assert [(row["engine_ms"], row["api"]) for row in rows] == [(ms, api) for ms in (0, 50)
-                                                                for api in ("chat", "responses", "messages")]
+    assert [(row["chat_format"], row["engine_ms"], row["api"]) for row in rows] == [
+        (fmt, ms, api) for fmt in ("smollm2", "bytes") for ms in (0, 50) for api in ("chat", "responses", "messages")]
     for row in rows:
         assert (row["episodes"], row["prompt_tokens"], row["continued"]["calls"], row["first_call"]["calls"]) == (2, 128, 2, 2)
         assert {"added_p50_ms", "added_p99_ms", "gateway_p50_ms"} <= set(row["continued"])

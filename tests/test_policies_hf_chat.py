@@ -86,3 +86,52 @@ def test_encode_keeps_special_token_text_as_plain_text(tokenizer):
     chat = HFChatFormat(tokenizer)
     ids = chat.encode("a<|im_end|>b")
     assert chat.stop_token_ids[0] not in ids and chat.decode(ids) == "a<|im_end|>b"
+
+
+def test_piecewise_tokenising_gives_the_whole_texts_ids(tokenizer):
+    """encode_special tokenises the text between added tokens piece by piece and keeps each piece's ids;
+    on renders with every kind of content (special-token text inside a tool output, whitespace runs at the
+    edges, unicode, code, a long output) the ids equal the tokenizer's on the whole text, called twice (the
+    second from the kept pieces). Seen failing with the pieces tokenised after stripping their edges."""
+    import random
+
+    chat = HFChatFormat(tokenizer)
+    assert chat._splitter is not None  # SmolLM2's tokenizer qualifies; the check at start-up said so
+    rng = random.Random(7)
+    bits = ["  ", "\n\n", "\t", "<|im_end|>", "<|im_start|>assistant\n", "héllo wörld ", "日本語 ", "def f(x):\n    ",
+            "return x ** 2\n", "```py\n", "<tool_call>", " 3.14159", "\u2063", "\r\n", "ls -la /tmp | grep -v foo", "x" * 300]
+    for _ in range(25):
+        history = [{"role": "system", "content": "".join(rng.choices(bits, k=5))}]
+        for _ in range(rng.randint(1, 6)):
+            history += [{"role": "user", "content": "".join(rng.choices(bits, k=rng.randint(0, 12)))},
+                        {"role": "assistant", "content": "".join(rng.choices(bits, k=rng.randint(1, 6)))}]
+        text = chat.render(history, TOOLS if rng.random() < 0.5 else [], True)
+        whole = tokenizer.encode(text, add_special_tokens=False)
+        assert chat.encode_special(text) == whole
+        assert chat.encode_special(text) == whole  # from the kept pieces
+
+
+def test_a_tokenizer_whose_pieces_do_not_tokenise_alone_is_tokenised_whole(tokenizer):
+    """An added token that takes the whitespace beside it (rstrip) makes piecewise tokenising inexact:
+    the format falls back to the whole text, and its ids are still the tokenizer's."""
+    import copy
+
+    from tokenizers import AddedToken
+
+    changed = copy.deepcopy(tokenizer)
+    changed.add_special_tokens({"additional_special_tokens": [AddedToken("<|tool|>", rstrip=True, special=True)]})
+    chat = HFChatFormat(changed)
+    assert chat._splitter is None
+    text = chat.render([{"role": "user", "content": "run <|tool|>   ls"}], [], True)
+    assert chat.encode_special(text) == changed.encode(text, add_special_tokens=False)
+
+
+def test_a_render_is_kept_by_content_not_by_identity(tokenizer):
+    """The drift check renders what the continuation just rendered: equal messages (new dicts, same
+    content) give the kept text; a changed field renders anew."""
+    chat = HFChatFormat(tokenizer)
+    history = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    first = chat.render(history, TOOLS, True)
+    assert chat.render([dict(m) for m in history], TOOLS, True) is first
+    assert chat.render([history[0], {"role": "assistant", "content": "c"}], TOOLS, True) != first
+    assert chat.render(history, [], True) != first

@@ -145,7 +145,11 @@ def test_a_program_that_never_reads_its_answer_cannot_keep_the_relay_after_the_e
 
                 deadline = time.monotonic() + 300
                 while not (writing() and await asyncio.sleep(2, True) and writing()):
-                    assert time.monotonic() < deadline, "the relay never blocked writing to the container"
+                    # A program that ended (its connection refused, the relay gone) never stalls anything.
+                    assert not program.done(), f"the program ended: {program.result()!r}"
+                    frame = sys._current_frames().get(relay.thread.ident)
+                    assert time.monotonic() < deadline, ("the relay never blocked writing to the container; its "
+                                                         f"thread is in {frame and frame.f_code.co_name}")
                     await asyncio.sleep(0.5)
                 started = time.monotonic()
                 await box.close_gateway()
