@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rollway.base.figures import fmt, put, ratio, scaled
+from rollway.base.loop import run_async
 from rollway.base.run_dir import RunDir
 from rollway.bench.bench_dir import BenchDir
 from rollway.bench.workload import WorkloadConfig, plan_workload, write_plans
@@ -169,12 +170,7 @@ def measure(wl: WorkloadConfig, out: Path, bootstrap: str, server_url: str, name
 
 
 def _run_in_loop(cfg: Any, run_dir: Path, bootstrap: str, turns: int, timers: CallTimers) -> dict[str, float]:
-    try:
-        import uvloop
-
-        return uvloop.run(_run_worker(cfg, run_dir, bootstrap, turns, timers))
-    except ImportError:
-        return asyncio.run(_run_worker(cfg, run_dir, bootstrap, turns, timers))
+    return run_async(_run_worker(cfg, run_dir, bootstrap, turns, timers))
 
 
 def run_ceiling_bench(wl: WorkloadConfig, out: Path, profile: bool = False, say=print) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from asyncio.subprocess import PIPE
 from typing import Any
 
 from rollway.base.figures import dumps
+from rollway.base.loop import run_async
 from rollway.policies.base import ChatFormat, Generation, InferenceClient, SamplingParams
 from rollway.policies.chat import BytesChatML
 from rollway.schemas.messages import EpisodeKey
@@ -79,18 +80,9 @@ def run(args: argparse.Namespace) -> int:
               "responses and/or messages, --engine-ms a comma list of milliseconds (0 or more), --chat-formats smollm2 "
               "and/or bytes", file=sys.stderr)
         return 2
-    result = _run_loop(measure_all(episodes, lengths, args.calls, recorders, apis, engine_ms, formats))
+    result = run_async(measure_all(episodes, lengths, args.calls, recorders, apis, engine_ms, formats))
     print(dumps(result) if args.json else format_text(result))
     return 0
-
-
-def _run_loop(main: Any) -> Any:
-    """Run `main` on uvloop when installed, as the stage processes that hold the gateway do."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main)
-    return uvloop.run(main)
 
 
 def _chat_format(name: str) -> ChatFormat:
@@ -311,4 +303,4 @@ def format_text(result: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":  # the client process of `measure`
-    print(json.dumps(_run_loop(client_main(json.loads(sys.stdin.read())))))
+    print(json.dumps(run_async(client_main(json.loads(sys.stdin.read())))))

@@ -626,3 +626,31 @@ def test_bench_gateway_command_reports_the_added_time_as_json():
         assert {"added_p50_ms", "added_p99_ms", "gateway_p50_ms"} <= set(row["continued"])
         if row["engine_ms"]:
             assert row["continued"]["direct_p50_ms"] >= 50 and row["continued"]["gateway_p50_ms"] >= 50
+
+
+def test_a_command_on_uvloop_stops_on_sigterm():
+    """SIGTERM to `rollway bench gateway` (its coroutine on uvloop) while it measures: the command unwinds and
+    exits 143 long before its work would end. uvloop ran the CLI's SIGTERM handler inside a loop callback,
+    which only logged the exception it raised, and the command went on to exit 0 (seen before
+    base/loop.run_async)."""
+    import signal
+    import subprocess
+
+    from conftest import wait_until
+
+    proc = subprocess.Popen([sys.executable, "-m", "rollway.runners", "bench", "gateway", "--episodes", "2",
+                             "--prompt-tokens", "128", "--calls", "400", "--recorders", "memory", "--apis", "chat",
+                             "--engine-ms", "500", "--chat-formats", "bytes"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        def measuring() -> bool:  # its client process runs the programs (the warm-up's, then the measured ones)
+            assert proc.poll() is None, proc.communicate()
+            return bool(Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split())
+
+        wait_until(measuring, timeout_s=300, what="the bench's client process")
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=300)  # 400 calls of 500 ms would take 200 s more
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, (proc.returncode, out[-500:], err[-2000:])
+    assert "gateway overhead" not in out
