@@ -17,7 +17,8 @@ RENDERS_KEPT = 8
 """Renders kept by content (HFChatFormat.render)."""
 PIECE_CHARS_KEPT = 32 * 2**20
 """Characters of tokenised text kept with their ids (HFChatFormat.encode_special), for all episodes of the
-process: 64 episodes with 64k-token histories (about 256 KiB of text each) fit twice."""
+process: 64 episodes with 64k-token histories (about 256 KiB of text each) fit twice. At most about 32-128 MiB
+of text (1-4 bytes a character) and 32 MiB of ids (4 bytes each, about 4 characters a token)."""
 
 
 def _render_key(messages: list[dict[str, Any]], tools: list[dict[str, Any]], generation_prompt: bool) -> Any:
@@ -119,7 +120,7 @@ class HFChatFormat(ChatFormat):
             if kept is not None:
                 self._pieces.move_to_end(piece)
                 return kept
-        kept = array("l", self.tokenizer.encode(piece, add_special_tokens=False))
+        kept = array("i", self.tokenizer.encode(piece, add_special_tokens=False))
         if len(piece) <= PIECE_CHARS_KEPT // 4:
             with self._lock:
                 if piece not in self._pieces:
