@@ -4,6 +4,8 @@ differently stay exactly as sampled, and the drift is recorded. The scripted pol
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import openai
@@ -41,6 +43,20 @@ class SplittingEngine(LoggedEngine):
             generation = Generation(ids, [-0.25] * len(ids), generation.finish_reason, generation.policy_version)
         self.log.append((list(prompt_ids), generation))
         return generation
+
+
+@contextlib.asynccontextmanager
+async def served(chat: HFChatFormat) -> AsyncIterator[tuple[LoggedEngine, Gateway, openai.AsyncOpenAI]]:
+    """The scripted engine in `chat`, a gateway over it with one episode open, and that episode's client."""
+    engine = LoggedEngine(SCRIPT)
+    engine.inner.chat = chat
+    gateway = Gateway(engine, chat, MemoryRecorder())
+    await gateway.start()
+    handle = gateway.open_episode(key())
+    try:
+        yield engine, gateway, openai.AsyncOpenAI(base_url=handle.base_url, api_key="x", max_retries=0)
+    finally:
+        await gateway.stop()
 
 
 def test_sampled_ids_stay_as_sampled_with_a_real_tokenizer(chat):
@@ -97,17 +113,9 @@ def test_a_completions_prompt_written_in_the_template_gets_its_special_tokens(ch
     engine would parse, not the characters of '<|im_start|>'."""
 
     async def scenario():
-        engine = LoggedEngine(SCRIPT)
-        engine.inner.chat = chat
-        gateway = Gateway(engine, chat, MemoryRecorder())
-        await gateway.start()
-        handle = gateway.open_episode(key())
-        client = openai.AsyncOpenAI(base_url=handle.base_url, api_key="x", max_retries=0)
-        try:
+        async with served(chat) as (engine, gateway, client):
             await client.completions.create(model="m", prompt="<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
                                             max_tokens=4)
-        finally:
-            await gateway.stop()
         return gateway.recorder.calls
 
     [call] = run(scenario())
@@ -172,23 +180,15 @@ def test_a_continued_call_tokenises_its_new_text_not_the_whole_history():
     long = "Traceback (most recent call last): File 'app.py', line 12, in main\n" * 600
 
     async def scenario() -> tuple[list[int], list[Any]]:
-        engine = LoggedEngine(SCRIPT)
-        engine.inner.chat = chat
-        gateway = Gateway(engine, chat, MemoryRecorder())
-        await gateway.start()
-        handle = gateway.open_episode(key())
-        client = openai.AsyncOpenAI(base_url=handle.base_url, api_key="x", max_retries=0)
         messages: list[dict[str, Any]] = [{"role": "system", "content": "You fix bugs."}, {"role": "user", "content": long}]
         tokenised = []
-        try:
+        async with served(chat) as (_engine, gateway, client):
             for i in range(4):
                 before = counting.chars
                 reply = await client.chat.completions.create(model="m", messages=messages)  # type: ignore[arg-type]
                 tokenised.append(counting.chars - before)
                 messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""},
                              {"role": "user", "content": f"output {i}: ok"}]
-        finally:
-            await gateway.stop()
         return tokenised, gateway.recorder.calls
 
     tokenised, calls = run(scenario())
