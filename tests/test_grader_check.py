@@ -371,15 +371,21 @@ def test_the_leak_row_flags_a_docker_sandbox_that_shows_the_images_copy_of_the_l
             return SandboxSpec(source_dir=str(tree))
 
     def row() -> dict:
-        taskset = ZippTaskSet(ToyTasksConfig(type="toy", count=1))
-        fams = [Family("leaky", taskset, taskset.tasks()[0], Target("leaky", "zipp.py"))]
-        [played] = asyncio.run(run_suite(Options(sandbox="docker", attacks=("answer_leak_probe",), row_timeout_s=240),
-                                         families=fams))["rows"]
+        """The row's verdict; a row that got none (it raised: a failed attempt, or no verdict in time) is played
+        again, up to three times, as a run re-issues a failed attempt (seen once in a full run: not contained,
+        its reason not shown)."""
+        for _ in range(3):
+            taskset = ZippTaskSet(ToyTasksConfig(type="toy", count=1))
+            fams = [Family("leaky", taskset, taskset.tasks()[0], Target("leaky", "zipp.py"))]
+            [played] = asyncio.run(run_suite(Options(sandbox="docker", attacks=("answer_leak_probe",),
+                                                     row_timeout_s=240), families=fams))["rows"]
+            if not played["reason"].startswith(("raised ", "wedged", "the attack could not be set up")):
+                break
         return played
 
     played = row()
-    assert played["contained"], played
+    assert played["contained"], f"not contained: {played['reason']}"[:3000]
     with pytest.MonkeyPatch.context() as weakened:
         weakened.setattr("rollway.sandboxes.docker.without_installed_copies", lambda client, image, names: image)
         played = row()
-    assert not played["contained"] and "'site_packages'" in played["reason"], played
+    assert not played["contained"] and "'site_packages'" in played["reason"], f"{played['reason']}"[:3000]
