@@ -59,6 +59,7 @@ class HFChatFormat(ChatFormat):
         self._renders: OrderedDict[Any, str] = OrderedDict()
         self._pieces: OrderedDict[str, array] = OrderedDict()
         self._pieces_chars = 0
+        self._splitter: re.Pattern[str] | None = None
         self._splitter = self._piece_splitter()
         self._stop_text = self._probe_stop_text()
         self._stop_ids = tuple(self.encode_special(self._stop_text))
@@ -140,15 +141,13 @@ class HFChatFormat(ChatFormat):
         if any(getattr(t, flag, True) for t in added.values() for flag in ("lstrip", "rstrip", "single_word", "normalized")):
             return None
         self._added = {t.content: i for i, t in added.items() if t.content}
-        splitter = re.compile("(" + "|".join(re.escape(c) for c in sorted(self._added, key=len, reverse=True)) + ")")
+        self._splitter = re.compile("(" + "|".join(re.escape(c) for c in sorted(self._added, key=len, reverse=True))
+                                    + ")")  # tried on the probe through encode_special itself
         probe = self._render([{"role": "system", "content": " a  b\n"}, _PROBE_USER,
                               {"role": "assistant", "content": _PROBE_REPLY + " x\n\n"}, {"role": "user", "content": "\ty"}],
                              [], True)
-        whole = self.tokenizer.encode(probe, add_special_tokens=False)
-        pieces = [self._added[p] if i % 2 else self.tokenizer.encode(p, add_special_tokens=False)
-                  for i, p in enumerate(splitter.split(probe)) if p]
-        flat = [x for p in pieces for x in ([p] if isinstance(p, int) else p)]
-        return splitter if flat == whole else None
+        exact = self.encode_special(probe) == self.tokenizer.encode(probe, add_special_tokens=False)
+        return self._splitter if exact else None
 
     def _probe_stop_text(self) -> str:
         # The text right after an assistant reply up to its first special token is the turn end.
