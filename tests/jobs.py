@@ -76,8 +76,12 @@ def wait_with_progress(proc: subprocess.Popen, *, name: str | None = None, watch
     started = last_progress = walked = time.monotonic()
     seen = (size(), _tree_signature(watched), _tree_cpu(proc.pid))
     cpu_mark = seen[2]
-    while proc.poll() is None:
-        time.sleep(0.5)
+    while True:
+        try:  # returns the moment the job ends (a job of 0.1 s is not held to a polling period)
+            proc.wait(0.5)
+            break
+        except subprocess.TimeoutExpired:
+            pass
         now = time.monotonic()
         out, files, cpu = size(), seen[1], seen[2]
         # A walk of a run folder or of /proc (every process on the machine: about 10 ms) costs CPU, paid by the
