@@ -247,3 +247,36 @@ def test_url_credentials_become_basic_auth_and_leave_the_url():
     keyed = build_inference(PolicyConfig(type="openai", engine="vllm", base_url="http://u:p@h:1/v1", api_key="sk-1"),
                             chat=None)
     assert keyed.roots == ["http://h:1"] and keyed.headers == {"Authorization": "Bearer sk-1"}
+
+
+def test_a_launched_cpu_engines_readers_spin_a_tenth_of_a_second_not_a_second():
+    """In vLLM's own interpreter with the launch environment (its plugin folder on PYTHONPATH, so
+    sitecustomize runs first): the shared-memory readers between vLLM's engine core and its worker spin
+    0.1 s after a read on this CPU platform, not vLLM's 1 s (two cores spun a second after every answer);
+    ROLLWAY_VLLM_SPIN_S sets it; writers are left alone."""
+    import os
+    import subprocess
+
+    from rollway.policies.vllm import vllm_python
+
+    python = vllm_python()
+    assert python is not None, "scripts/setup-vllm.sh builds .venv-vllm; the setup must have run it"
+    probe = ("import zmq\n"
+             "from vllm.distributed.device_communicators.shm_broadcast import SpinCondition\n"
+             "ctx = zmq.Context()\n"
+             "reader = SpinCondition(True, ctx, 'inproc://n')\n"
+             "writer = SpinCondition(False, ctx, 'inproc://w')\n"
+             "print(reader.busy_loop_s, writer.busy_loop_s)\n")
+
+    def spins(**extra: str) -> list[str]:
+        env = {**{k: v for k, v in os.environ.items() if k != "ROLLWAY_VLLM_SPIN_S"}, **vllm_serve_env(), **extra}
+        out = subprocess.run([str(python), "-c", probe], env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.split()
+
+    assert spins() == ["0.1", "0"]
+    assert spins(ROLLWAY_VLLM_SPIN_S="0.5") == ["0.5", "0"]
+    # Without the plugin folder (a server rollway did not launch): vLLM's own second.
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "ROLLWAY_VLLM_SPIN_S")}
+    out = subprocess.run([str(python), "-c", probe], env=env, capture_output=True, text=True, timeout=600)
+    assert out.stdout.split() == ["1", "0"], out.stderr[-2000:]
