@@ -263,6 +263,41 @@ def _patch(old: str, new: str, body: str = "@@ -1 +1 @@\n-x\n+y\n") -> str:
     return f"diff --git a/{old} b/{new}\n--- a/{old}\n+++ b/{new}\n{body}"
 
 
+class _CreationsSeen:
+    """A Docker client that passes everything through to the real one and keeps each container or image it
+    was asked to create or build."""
+
+    def __init__(self, client) -> None:
+        self._client, self.created = client, []
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+    @property
+    def containers(self):
+        return _Recorded(self._client.containers, "create", self.created)
+
+    @property
+    def images(self):
+        return _Recorded(self._client.images, "build", self.created)
+
+
+class _Recorded:
+    def __init__(self, collection, verb: str, seen: list) -> None:
+        self._collection, self._verb, self._seen = collection, verb, seen
+
+    def __getattr__(self, name):
+        attr = getattr(self._collection, name)
+        if name != self._verb:
+            return attr
+
+        def recorded(*args, **kwargs):
+            self._seen.append((name, args, kwargs))
+            return attr(*args, **kwargs)
+
+        return recorded
+
+
 @pytest.mark.parametrize("pre_patch", [
     _patch("../escape.py", "../escape.py"),
     _patch("/tmp/abs.py", "/tmp/abs.py"),
@@ -281,14 +316,14 @@ def test_a_bug_patch_naming_files_outside_the_repository_is_refused_before_any_i
 
     from rollway.envs.swe_images import EnvPrepError, InstanceImages, apply_patch, patch_paths
 
-    client = ensure_engine()
+    client = _CreationsSeen(ensure_engine())  # the real engine; what this code asks it to make is kept
     inst = dataclasses.replace(normalise_row(_swebench_row(instance_id=f"owner__name-{uuid.uuid4().hex[:8]}")),
                                image_name="rollway-sandbox:bookworm", repo_dir="/testbed", pre_patch=pre_patch)
     images = InstanceImages(None, "x", "rollway-sandbox:bookworm", client=client)
-    before = {c.id for c in client.containers.list(all=True)}
     with pytest.raises(EnvPrepError, match="the bug patch names the file .*not a plain path inside the repository"):
         images.image_for(inst)
-    assert images.built == [] and {c.id for c in client.containers.list(all=True)} <= before
+    # Counted at this code's own calls, not over the engine's whole list: other tests make containers beside it.
+    assert images.built == [] and client.created == []
     with pytest.raises(EnvPrepError):
         patch_paths(pre_patch)
     tree = tmp_path / "repo"  # and git itself, the second line, writes nothing beside the tree either way
