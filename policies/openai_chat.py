@@ -51,6 +51,8 @@ class OpenAIChatClient(OpenAICompletionsClient):
                                 "top_p": params.top_p}
         if params.seed is not None:
             body["seed"] = params.seed
+        if params.ignore_eos:  # never dropped: an endpoint that does not know the field says so
+            body["ignore_eos"] = True
         return body
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:

@@ -45,6 +45,8 @@ def completion_payload(model: str, prompt_ids: list[int], params: SamplingParams
     }
     if params.seed is not None:
         body["seed"] = params.seed
+    if params.ignore_eos:  # vLLM's and the built-in engine's extension; sent only when asked for
+        body["ignore_eos"] = True
     return body
 
 

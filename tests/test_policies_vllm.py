@@ -88,6 +88,23 @@ def test_completion_payload_asks_for_token_ids_and_logprobs():
     assert body["prompt"] == [1, 2, 3] and body["logprobs"] == 0 and body["stop_token_ids"] == [2]
     assert body["return_tokens_as_token_ids"] and body["return_token_ids"] and body["seed"] == 4
     assert (body["temperature"], body["top_p"], body["max_tokens"]) == (0.8, 0.9, 32)
+    assert "ignore_eos" not in body  # a plain OpenAI endpoint may refuse a field it does not know
+
+
+def test_completion_payload_carries_ignore_eos():
+    """Asked to generate past the end-of-sequence token (a fixed-length turn: benchmarks, a test that needs
+    seconds of generation), the completions client says so: it used to drop the flag, so such a turn ended
+    at the model's first EOS (a watchdog test got 17 of its 64 tokens)."""
+    from rollway.policies.chat import BytesChatML
+    from rollway.policies.openai_chat import OpenAIChatClient
+
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    body = completion_payload("m", [1, 2, 3], params)
+    assert body["ignore_eos"] is True and body["max_tokens"] == 64
+    chat = OpenAIChatClient("http://127.0.0.1:9/v1", BytesChatML(), "m")
+    prompt = [256, *b"user\nhi", 257, *b"\n", 256, *b"assistant\n"]  # ChatML in BytesChatML's ids
+    assert chat.payload("m", prompt, params)["ignore_eos"] is True
+    assert "ignore_eos" not in chat.payload("m", prompt, SamplingParams())
 
 
 def test_parse_completion_reads_vllm_shapes():
