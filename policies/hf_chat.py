@@ -59,8 +59,8 @@ class HFChatFormat(ChatFormat):
         self._renders: OrderedDict[Any, str] = OrderedDict()
         self._pieces: OrderedDict[str, array] = OrderedDict()
         self._pieces_chars = 0
-        self._splitter: re.Pattern[str] | None = None
-        self._splitter = self._piece_splitter()
+        self._splitter: re.Pattern[str] | None = None  # whole-text tokenising unless the check below allows pieces
+        self._split_at_added_tokens_if_exact()
         self._stop_text = self._probe_stop_text()
         self._stop_ids = tuple(self.encode_special(self._stop_text))
         self._header_ids = tuple(self._probe_header_ids())
@@ -131,23 +131,23 @@ class HFChatFormat(ChatFormat):
                     self._pieces_chars -= len(self._pieces.popitem(last=False)[0])
         return kept
 
-    def _piece_splitter(self) -> re.Pattern[str] | None:
-        """A pattern splitting text at the tokenizer's added tokens, when tokenising the pieces between
+    def _split_at_added_tokens_if_exact(self) -> None:
+        """Sets the pattern splitting text at the tokenizer's added tokens, when tokenising the pieces between
         them one by one gives exactly the whole text's ids: a fast tokenizer whose added tokens take no
         neighbouring whitespace and are matched before normalisation, checked on a rendered probe."""
         added = getattr(self.tokenizer, "added_tokens_decoder", None)
         if not getattr(self.tokenizer, "is_fast", False) or not added:
-            return None
+            return
         if any(getattr(t, flag, True) for t in added.values() for flag in ("lstrip", "rstrip", "single_word", "normalized")):
-            return None
+            return
         self._added = {t.content: i for i, t in added.items() if t.content}
         self._splitter = re.compile("(" + "|".join(re.escape(c) for c in sorted(self._added, key=len, reverse=True))
                                     + ")")  # tried on the probe through encode_special itself
         probe = self._render([{"role": "system", "content": " a  b\n"}, _PROBE_USER,
                               {"role": "assistant", "content": _PROBE_REPLY + " x\n\n"}, {"role": "user", "content": "\ty"}],
                              [], True)
-        exact = self.encode_special(probe) == self.tokenizer.encode(probe, add_special_tokens=False)
-        return self._splitter if exact else None
+        if self.encode_special(probe) != self.tokenizer.encode(probe, add_special_tokens=False):
+            self._splitter = None
 
     def _probe_stop_text(self) -> str:
         # The text right after an assistant reply up to its first special token is the turn end.

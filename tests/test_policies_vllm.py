@@ -293,6 +293,10 @@ def test_a_launched_cpu_engines_readers_spin_a_tenth_of_a_second_not_a_second():
 
     assert spins() == ["0.1", "0"]
     assert spins(ROLLWAY_VLLM_SPIN_S="0.5") == ["0.5", "0"]
+    for bad in ("-1", "nan", "soon"):  # refused, naming the variable, not a server that stalls or a bare float error
+        env = {**os.environ, **vllm_serve_env(), "ROLLWAY_VLLM_SPIN_S": bad}
+        out = subprocess.run([str(python), "-c", probe], env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode != 0 and f"ROLLWAY_VLLM_SPIN_S must be seconds, 0 or more: {bad!r}" in out.stderr
     # Without the plugin folder (a server rollway did not launch): vLLM's own second.
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "ROLLWAY_VLLM_SPIN_S")}
     out = subprocess.run([str(python), "-c", probe], env=env, capture_output=True, text=True, timeout=600)

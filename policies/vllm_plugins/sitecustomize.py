@@ -58,8 +58,15 @@ def spin_seconds() -> float | None:
     platform, else None (vLLM's own)."""
     import os
 
-    if os.environ.get("ROLLWAY_VLLM_SPIN_S"):
-        return float(os.environ["ROLLWAY_VLLM_SPIN_S"])
+    raw = os.environ.get("ROLLWAY_VLLM_SPIN_S")
+    if raw:
+        try:
+            seconds = float(raw)
+        except ValueError:
+            seconds = -1.0
+        if not 0 <= seconds < float("inf"):  # negative or NaN: readers that never spin miss wake-ups
+            raise ValueError(f"ROLLWAY_VLLM_SPIN_S must be seconds, 0 or more: {raw!r}")
+        return seconds
     from vllm.platforms import current_platform
 
     return CPU_SPIN_S if current_platform.is_cpu() else None
