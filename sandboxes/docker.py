@@ -67,16 +67,18 @@ _GRACE_S = 3.0
 """How long past its timeout a command's output may stay open (processes that escaped `timeout`)."""
 # Inside the container: `timeout` ends the command's process group; then every process left of the
 # sandbox user (setsid'd or double-forked ones) is killed, so no process outlives its command (as
-# in the local jail, where each command has its own pid namespace).
-_WRAP = (f'{JUDGE_BIN}/timeout -s KILL "$1" {JUDGE_BIN}/bash -c "$2"; rc=$?; kill -9 -1 2>/dev/null; '
-         'printf %s "$3"; exit $rc')
-_WRAP_KEEPER = 'timeout -s KILL "$1" bash -c "$2"; rc=$?; printf %s "$3"; exit $rc'  # must not kill the keeper
-_WRAP_AS = f'{JUDGE_BIN}/timeout -s KILL "$1" {JUDGE_BIN}/bash -c "$2"; rc=$?; printf %s "$3"; exit $rc'
+# in the local jail, where each command has its own pid namespace). The wrapper then prints its end
+# marker on stdout and on stderr (see EndMarks); the marker comes in its environment, which it takes
+# out of the command's, and a wrapper started from JUDGE_BIN is not dumpable: no process of the sandbox
+# user can read it (argv could be read, from /proc/PID/cmdline).
+_END_ENV = "ROLLWAY_END"
+_TAKE_END = f'm=${_END_ENV}; unset {_END_ENV}; '
+_PRINT_END = 'printf %s "$m"; printf %s "$m" >&2; exit $rc'
+_WRAP = (f'{_TAKE_END}{JUDGE_BIN}/timeout -s KILL "$1" {JUDGE_BIN}/bash -c "$2"; rc=$?; kill -9 -1 2>/dev/null; '
+         f'{_PRINT_END}')
+_WRAP_KEEPER = f'{_TAKE_END}timeout -s KILL "$1" bash -c "$2"; rc=$?; {_PRINT_END}'  # must not kill the keeper
+_WRAP_AS = f'{_TAKE_END}{JUDGE_BIN}/timeout -s KILL "$1" {JUDGE_BIN}/bash -c "$2"; rc=$?; {_PRINT_END}'
 """`exec_as` another user (a Harbor [verifier] user): not dumpable either; its leftovers are the caller's to kill."""
-# "$3" is a trailer made afresh for each command and printed last: a stream without its trailer from a
-# wrapper that exited normally lost output on the way (the bytes the HTTP reader buffered with the upgrade's
-# headers, now read: buffered_stream_bytes; the engine's own race, moby#27289), not an empty result (a
-# grader would read "no tests passed" or "no marker" into it).
 _EXIT_WAIT_S = 10.0
 """How long an exec whose output stream has ended may still show as running before its exit code is given
 up on (-1): a heavily loaded engine can take more than the second this used to allow to record an end."""
@@ -220,17 +222,17 @@ class DockerSandbox(Sandbox):
         start = time.monotonic()
         api = self._provider.client.api
         wrap = _WRAP if user == USER else _WRAP_KEEPER if user == KEEPER else _WRAP_AS
-        trailer = f"\n[rollway-end {uuid.uuid4().hex}]".encode()
+        marks = EndMarks(f"[rollway-end {uuid.uuid4().hex}]".encode(), OutputCapture(limits.max_output_bytes))
         # Every user but the keeper starts from the execute-only bash: not dumpable (see JUDGE).
         shell = "bash" if user == KEEPER else f"{JUDGE_BIN}/bash"
-        argv = [shell, "-c", wrap, "rollway", f"{limits.timeout_s:g}", command, trailer.decode()]
+        argv = [shell, "-c", wrap, "rollway", f"{limits.timeout_s:g}", command]
         with engine_errors("exec", self.name):
-            env = {"HOME": "/tmp", **self._provider.config.env} if user == USER else _KEEPER_ENV
+            env = {"HOME": "/tmp", **self._provider.config.env} if user == USER else dict(_KEEPER_ENV)
+            env[_END_ENV] = marks.marker.decode()
             exec_id = api.exec_create(self.container_id, argv, user=user, workdir=WORKSPACE, environment=env)["Id"]
             sock = api.exec_start(exec_id, socket=True)
-        capture = marked_capture(limits.max_output_bytes, trailer)
         try:
-            stopped = _pump(sock, capture, limits.output_kill_bytes, start + limits.timeout_s + _GRACE_S)
+            stopped = _pump(sock, marks, limits.output_kill_bytes, start + limits.timeout_s + _GRACE_S)
         except OSError as exc:  # reset, TLS alert: the engine (or its host) went away mid-stream
             raise EngineUnreachable(f"exec in {self.name}: the engine's connection broke while the command ran "
                                     f"({type(exc).__name__}: {exc})") from exc
@@ -239,11 +241,11 @@ class DockerSandbox(Sandbox):
         if stopped and user == USER:
             self._kill_all(user)
         exit_code = self._exit_code(exec_id)
-        ended = take_trailer(capture, trailer)
-        if not ended and stopped is None and exit_code is None:  # the stream ended, the command runs on
+        capture = marks.finish()
+        if not marks.ended and stopped is None and exit_code is None:  # the stream ended, the command runs on
             raise EngineUnreachable(f"exec in {self.name}: the connection to the engine ended while the command "
                                     "ran (a cut TCP connection or ssh tunnel); its output is incomplete")
-        if not ended and stopped is None and exit_code is not None and exit_code < 128:
+        if not marks.ended and stopped is None and exit_code is not None and exit_code < 128:
             # The wrapper ran to its end (a command that killed it would show 128+signal): the engine lost
             # the stream. The command may have done its work, so it is not run again; an engine failure.
             raise OutputLost(f"the Docker engine lost the output of a command in {self.name} (exit code "
@@ -372,28 +374,62 @@ class DockerSandbox(Sandbox):
         await asyncio.to_thread(self._provider.remove, self.container_id, self.name)
 
 
-def marked_capture(limit: int, trailer: bytes) -> OutputCapture:
-    """An OutputCapture of `limit` whose tail has room for the end marker as well, so that taking the
-    marker off leaves what a capture of the output alone would hold."""
-    capture = OutputCapture(limit)
-    capture.tail_limit += len(trailer)
-    return capture
+class EndMarks:
+    """Tells a command's whole output from a stream the engine cut short (moby#27289: now and then an
+    exec's output, or the last of it, never arrives, which a grader would read as "no test passed").
+    The wrapper prints a fresh marker last on stdout and last on stderr; each stream comes in order, so a
+    stream whose marker arrived is whole, and the output is ended once both markers came. What a stream
+    carries after its marker is not the command's output and is dropped: a process that outlived the
+    wrapper (a fork bomb's child caught mid-write by its kill, a [verifier] user's leftover) cannot turn
+    the command into a lost stream. The marker is unknown to the command (see _WRAP), so it cannot end its
+    own output early either. Frames are fed in the order they come; the bytes of a stream are held back
+    only while they may be the start of its marker."""
 
+    STREAMS = (1, 2)
+    """The multiplexed stream's stdout and stderr."""
 
-def take_trailer(capture: OutputCapture, trailer: bytes) -> bool:
-    """Remove the wrapper's end marker from the end of a marked_capture (it may straddle the kept head and
-    tail when nothing was omitted); False when the output does not end with it. Either way the capture
-    then holds what a capture of the output alone would."""
-    whole = capture.tail if capture.omitted > 0 else capture.head + capture.tail
-    found = whole.endswith(trailer)
-    if found:
-        from_tail = min(len(trailer), len(capture.tail))
-        del capture.tail[len(capture.tail) - from_tail:]
-        del capture.head[len(capture.head) - (len(trailer) - from_tail):]
-        capture.total -= len(trailer)
-    capture.tail_limit -= len(trailer)
-    del capture.tail[:max(0, len(capture.tail) - capture.tail_limit)]
-    return found
+    def __init__(self, marker: bytes, capture: OutputCapture) -> None:
+        self.marker = marker
+        self.capture = capture
+        self._held = {n: b"" for n in self.STREAMS}
+        self._seen: set[int] = set()
+
+    @property
+    def ended(self) -> bool:
+        return self._seen.issuperset(self.STREAMS)
+
+    def feed(self, stream: int, payload: bytes) -> None:
+        if stream not in self._held or stream in self._seen:
+            return  # stdin's number, or past this stream's marker
+        data = self._held[stream] + payload
+        at = data.find(self.marker)
+        if at >= 0:
+            self.capture.feed(data[:at])
+            self._held[stream] = b""
+            self._seen.add(stream)
+            return
+        keep = self._marker_start(data)
+        self.capture.feed(data[:len(data) - keep])
+        self._held[stream] = data[len(data) - keep:]
+
+    def _marker_start(self, data: bytes) -> int:
+        """How many of `data`'s last bytes are the start of the marker (at most its length - 1)."""
+        first = self.marker[:1]
+        low = max(0, len(data) - len(self.marker) + 1)
+        at = data.rfind(first, low)
+        while at >= 0:
+            if self.marker.startswith(data[at:]):
+                return len(data) - at
+            at = data.rfind(first, low, at)
+        return 0
+
+    def finish(self) -> OutputCapture:
+        """The capture, with what a stream without its marker still held back (its output after all)."""
+        for stream in self.STREAMS:
+            if stream not in self._seen:
+                self.capture.feed(self._held[stream])
+            self._held[stream] = b""
+        return self.capture
 
 
 def buffered_stream_bytes(sock: Any) -> bytes:
@@ -414,29 +450,34 @@ def buffered_stream_bytes(sock: Any) -> bytes:
         raw.settimeout(timeout)
 
 
-def _pump(sock: Any, capture: OutputCapture, kill_bytes: int, deadline: float) -> str | None:
-    """Read the exec's multiplexed stream (8-byte frame headers) until EOF; "flood" once more than
-    `kill_bytes` came, "overrun" when the deadline passes with the stream still open."""
+def _pump(sock: Any, marks: EndMarks, kill_bytes: int, deadline: float) -> str | None:
+    """Read the exec's multiplexed stream (8-byte frame headers) to its end; "flood" once more than
+    `kill_bytes` came, "overrun" when the deadline passes with it still open. Once both end markers came,
+    the command is over and neither is said: the engine ends the stream two seconds after the wrapper
+    exits at most, and reading it to that end (not closing it at the markers) keeps the exec's exit code
+    (Docker records 126 for an exec whose client left while its output was still open)."""
     raw = getattr(sock, "_sock", sock)
     pending = bytearray(buffered_stream_bytes(sock))
+    received = 0
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            return "overrun"
+            return None if marks.ended else "overrun"
         raw.settimeout(remaining)
         try:
             header = _read_exactly(sock, 8, pending)
             if header is None:
                 return None
-            size = struct.unpack(">BxxxL", header)[1]
+            stream, size = struct.unpack(">BxxxL", header)
             payload = _read_exactly(sock, size, pending) if size else b""
         except TimeoutError:
-            return "overrun"
+            return None if marks.ended else "overrun"
         if payload is None:
             return None
-        capture.feed(payload)
-        if capture.total > kill_bytes:
-            return "flood"
+        marks.feed(stream, payload)
+        received += size
+        if received > kill_bytes:
+            return None if marks.ended else "flood"
 
 
 def _read_exactly(sock: Any, n: int, pending: bytearray) -> bytes | None:

@@ -118,33 +118,46 @@ def test_timeout_and_what_outlives_it(box: DockerSandbox) -> None:
     assert "sleep" not in run(box.exec("ps -eo user,comm | grep nobody")).output  # no process outlived it
 
 
-def test_a_lost_exec_stream_is_told_from_an_empty_output_by_its_end_marker() -> None:
+def test_a_lost_exec_stream_is_told_from_an_empty_output_by_its_end_markers() -> None:
     """The engine now and then drops an exec's whole output (moby#27289; reproduced here once in 400
     `echo` commands beside a benchmark: exit code 0, no bytes), which graders read as "no marker" or "no
-    test passed". The wrapper prints a fresh marker last; this checks the marker's removal on captures fed
-    by hand (the engine's loss cannot be provoked on demand), whatever the head/tail split."""
-    from rollway.sandboxes.docker import marked_capture, take_trailer
+    test passed". The wrapper prints a fresh marker last on stdout and on stderr; this checks EndMarks on
+    frames fed by hand (the engine's loss cannot be provoked on demand): a marker split across frames, a
+    frame ending in what might start one, stderr that comes after stdout's marker, and bytes past a marker."""
+    from rollway.sandboxes.docker import EndMarks
     from rollway.sandboxes.jail import OutputCapture
 
-    trailer = b"\n[rollway-end 0123abcd]"
+    marker = b"[rollway-end 0123abcd]"
 
-    def captured(data: bytes, limit: int = 64, marked: bool = True) -> OutputCapture:
-        capture = marked_capture(limit, trailer) if marked else OutputCapture(limit)
-        for i in range(0, len(data), 7):  # in frames, as the stream comes
-            capture.feed(data[i:i + 7])
-        return capture
+    def fed(frames: list[tuple[int, bytes]], limit: int = 64) -> EndMarks:
+        marks = EndMarks(marker, OutputCapture(limit))
+        for stream, data in frames:
+            for i in range(0, len(data), 7):  # in small frames, as the stream may come
+                marks.feed(stream, data[i:i + 7])
+        return marks
 
-    for body in (b"", b"x", b"hi\n", b"a" * 20, b"a" * 40, b"a" * 500):  # in the head, straddling, in the tail
-        capture = captured(body + trailer)
-        assert take_trailer(capture, trailer), body
-        whole = captured(body, marked=False)  # the output alone, as the agent would have seen it before
-        assert (capture.text(), capture.total, capture.omitted) == (whole.text(), whole.total, whole.omitted)
-    assert not take_trailer(captured(b""), trailer)  # the loss: nothing came
-    assert not take_trailer(captured(b"hi\n"), trailer)
-    flood = captured(b"b" * 500)  # killed before its marker: cut to the limit all the same
-    assert not take_trailer(flood, trailer) and flood.text() == captured(b"b" * 500, marked=False).text()
-    forged = captured(b"hi" + b"\n[rollway-end ffffffff]")  # another command's marker is output, not an end
-    assert not take_trailer(forged, trailer) and forged.text().endswith("[rollway-end ffffffff]")
+    for body in (b"", b"x", b"hi\n", b"a" * 20, b"a" * 40, b"a" * 500, b"[rollway-end 0123", b"x[r"):
+        marks = fed([(1, body + marker), (2, marker)])
+        whole = OutputCapture(64)
+        whole.feed(body)  # the output alone
+        capture = marks.finish()
+        assert marks.ended and (capture.text(), capture.total, capture.omitted) == (whole.text(), whole.total,
+                                                                                    whole.omitted), body
+    late_err = fed([(1, b"out\n" + marker), (2, b"err\n"), (2, marker)])  # stderr's copy came later: whole
+    assert late_err.ended and late_err.finish().text() == "out\nerr\n"
+    after = fed([(1, b"a" + marker + b"late"), (2, marker + b"late" * 100)])  # past the markers: not output
+    assert after.ended and after.finish().text() == "a"
+    for lost in ([], [(1, b"hi\n")], [(1, b"hi\n" + marker)], [(2, marker)], [(1, b"x[rollway-end 01")]):
+        marks = fed(lost)
+        assert not marks.ended, lost
+    held = fed([(1, b"x[rollway-end 01")])  # no marker came: what was held back is output after all
+    assert held.finish().text() == "x[rollway-end 01"
+    forged = fed([(1, b"hi[rollway-end ffffffff]"), (2, b"[rollway-end ffffffff]")])  # not this command's marker
+    assert not forged.ended and forged.finish().text() == "hi[rollway-end ffffffff][rollway-end ffffffff]"
+    interleaved = EndMarks(marker, OutputCapture(64))
+    for stream, data in [(1, b"a\n"), (2, b"b\n"), (1, b"c\n"), (1, marker), (2, marker)]:
+        interleaved.feed(stream, data)
+    assert interleaved.finish().text() == "a\nb\nc\n"  # nothing held back that is not a marker's start
 
 
 def test_outputs_keep_their_exact_bytes_and_a_command_that_kills_its_wrapper_is_not_an_engine_loss(
@@ -155,15 +168,33 @@ def test_outputs_keep_their_exact_bytes_and_a_command_that_kills_its_wrapper_is_
     assert run(box.exec("printf x")).output == "x"
     assert run(box.exec("printf 'a\\n\\n'")).output == "a\n\n"
     assert run(box.exec("true")).output == ""
+    both = run(box.exec("echo out; echo err >&2; exit 3"))
+    assert (both.exit_code, sorted(both.output.splitlines())) == (3, ["err", "out"]), both
     killed = run(box.exec("kill -9 -1; sleep 5"))
     assert killed.exit_code == 137 and "rollway-end" not in killed.output
-    # The marker is in the wrapper's argv, which the command can read: printed early it is only output (the
-    # real one still comes last and is the one taken off).
-    steal = ("w=$(cut -d' ' -f4 /proc/$PPID/stat); m=$(tr '\\0' '\\n' < /proc/$w/cmdline | tail -n1); "
-             "printf '%s\\n' \"$m\"; echo after")
-    stolen = run(box.exec(steal))
-    assert stolen.exit_code == 0 and stolen.output.startswith("[rollway-end ") and stolen.output.endswith("]\nafter\n")
     assert run(box.exec("echo after")).output == "after\n"
+
+
+def test_output_written_after_the_end_marker_is_no_engine_loss(box: DockerSandbox) -> None:
+    """A process that outlives its command and writes after the wrapper's end marker (a fork bomb's child
+    caught mid-write by the wrapper's kill, seen once in CI; a [verifier] user's leftover, never killed by
+    the wrapper) made the output not *end* with the marker: read as the engine losing it (OutputLost), an
+    error the agent caused. The marker seen is the end; what comes after it is not the command's output."""
+    late = run(box.exec_as("root", "(sleep 1; echo late; echo late >&2) & echo early"))
+    assert (late.exit_code, late.output) == (0, "early\n"), late
+    flood = run(box.exec_as("root", "(sleep 1; head -c 5000 /dev/zero | tr '\\0' x) & echo early"))
+    assert (flood.exit_code, flood.output, flood.truncated) == (0, "early\n", False), flood
+
+
+def test_the_end_marker_cannot_be_read_by_the_command(box: DockerSandbox) -> None:
+    """The marker is what tells the command's end from a lost stream: a command that could read it could
+    print it early and have the rest of its output (a grader's failing tests) taken as after its end.
+    It is in no process's argv and not in the command's environment; the wrapper that holds it is not
+    dumpable, so its environment cannot be read either."""
+    look = ("grep -sa '[r]ollway-end' /proc/[0-9]*/cmdline /proc/[0-9]*/environ; "
+            "env | grep '[r]ollway-end'; echo looked")
+    for seen in (run(box.exec(look)), run(box.exec_as("root", look))):
+        assert (seen.exit_code, seen.output) == (0, "looked\n"), seen
 
 
 def test_output_flood_stops_the_exec_and_frees_its_socket(box: DockerSandbox, config: SandboxConfig) -> None:
