@@ -278,26 +278,33 @@ def test_a_launched_cpu_engines_readers_spin_a_tenth_of_a_second_not_a_second():
 
     python = vllm_python()
     assert python is not None, "scripts/setup-vllm.sh builds .venv-vllm; the setup must have run it"
-    probe = ("import zmq\n"
+    # One interpreter per environment (vLLM's import costs about 9 core-seconds): the spin is read from
+    # os.environ when a reader is made, so the probe sets ROLLWAY_VLLM_SPIN_S itself between readers.
+    probe = ("import os, sys, zmq\n"
              "from vllm.distributed.device_communicators.shm_broadcast import SpinCondition\n"
              "ctx = zmq.Context()\n"
-             "reader = SpinCondition(True, ctx, 'inproc://n')\n"
-             "writer = SpinCondition(False, ctx, 'inproc://w')\n"
-             "print(reader.busy_loop_s, writer.busy_loop_s)\n")
+             "for i, value in enumerate(sys.argv[1:]):\n"
+             "    os.environ.pop('ROLLWAY_VLLM_SPIN_S', None)\n"
+             "    if value != '-':\n"
+             "        os.environ['ROLLWAY_VLLM_SPIN_S'] = value\n"
+             "    try:\n"
+             "        reader = SpinCondition(True, ctx, f'inproc://r{i}')\n"
+             "    except ValueError as exc:\n"
+             "        print(f'refused:{exc}')\n"
+             "        continue\n"
+             "    writer = SpinCondition(False, ctx, f'inproc://w{i}')\n"
+             "    print(f'{reader.busy_loop_s}/{writer.busy_loop_s}')\n")
 
-    def spins(**extra: str) -> list[str]:
-        env = {**{k: v for k, v in os.environ.items() if k != "ROLLWAY_VLLM_SPIN_S"}, **vllm_serve_env(), **extra}
-        out = subprocess.run([str(python), "-c", probe], env=env, capture_output=True, text=True, timeout=600)
+    def spins(env: dict[str, str], *values: str) -> list[str]:
+        env = {k: v for k, v in env.items() if k != "ROLLWAY_VLLM_SPIN_S"}
+        out = subprocess.run([str(python), "-c", probe, *values], env=env, capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stderr[-2000:]
-        return out.stdout.split()
+        return out.stdout.splitlines()
 
-    assert spins() == ["0.1", "0"]
-    assert spins(ROLLWAY_VLLM_SPIN_S="0.5") == ["0.5", "0"]
-    for bad in ("-1", "nan", "soon"):  # refused, naming the variable, not a server that stalls or a bare float error
-        env = {**os.environ, **vllm_serve_env(), "ROLLWAY_VLLM_SPIN_S": bad}
-        out = subprocess.run([str(python), "-c", probe], env=env, capture_output=True, text=True, timeout=600)
-        assert out.returncode != 0 and f"ROLLWAY_VLLM_SPIN_S must be seconds, 0 or more: {bad!r}" in out.stderr
+    launched = spins({**os.environ, **vllm_serve_env()}, "-", "0.5", "-1", "nan", "soon")
+    assert launched[:2] == ["0.1/0", "0.5/0"], launched
+    # refused, naming the variable, not a server that stalls or a bare float error
+    assert launched[2:] == [f"refused:ROLLWAY_VLLM_SPIN_S must be seconds, 0 or more: {bad!r}"
+                            for bad in ("-1", "nan", "soon")], launched
     # Without the plugin folder (a server rollway did not launch): vLLM's own second.
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "ROLLWAY_VLLM_SPIN_S")}
-    out = subprocess.run([str(python), "-c", probe], env=env, capture_output=True, text=True, timeout=600)
-    assert out.stdout.split() == ["1", "0"], out.stderr[-2000:]
+    assert spins({k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "-") == ["1/0"]
