@@ -10,7 +10,9 @@
 # Idempotent: engines already answering are kept. Remove everything with scripts/fleet-down.sh.
 # Settings (environment): ROLLWAY_FLEET_DIR (default /var/lib/rollway-fleet), ROLLWAY_FLEET_PORT (first
 # engine's port - 1, default 23760), ROLLWAY_REGISTRY_PORT (23750), ROLLWAY_FLEET_CAPACITY (sandboxes per
-# engine, 8), ROLLWAY_SANDBOX_IMAGE (rollway-sandbox:bookworm; built by scripts/setup-docker.sh).
+# engine, 8), ROLLWAY_SANDBOX_IMAGE (rollway-sandbox:bookworm; built by scripts/setup-docker.sh),
+# ROLLWAY_REGISTRY_DIR (the registry's storage, default $DIR/registry; one outside $DIR outlives
+# fleet-down.sh, so a later fleet pushes only what changed).
 set -euo pipefail
 
 N=${1:?usage: fleet-up.sh N (number of engines)}
@@ -21,6 +23,7 @@ REG_PORT=${ROLLWAY_REGISTRY_PORT:-23750}
 CAPACITY=${ROLLWAY_FLEET_CAPACITY:-8}
 IMAGE=${ROLLWAY_SANDBOX_IMAGE:-rollway-sandbox:bookworm}
 REGISTRY=127.0.0.1:$REG_PORT
+STORE=${ROLLWAY_REGISTRY_DIR:-$DIR/registry}
 CERTS=$DIR/certs
 say() { echo "fleet-up: $*" >&2; }
 
@@ -66,12 +69,12 @@ make_certs() {
 # ---- the registry (plain HTTP on loopback: Docker trusts 127.0.0.0/8 registries without TLS by default).
 start_registry() {
   if curl -fsS "http://$REGISTRY/v2/" >/dev/null 2>&1; then return 0; fi
-  mkdir -p "$DIR/registry"
+  mkdir -p "$STORE"
   cat > "$DIR/registry.yml" <<EOF
 version: 0.1
 storage:
   filesystem:
-    rootdirectory: $DIR/registry
+    rootdirectory: $STORE
   delete:
     enabled: true
 http:
@@ -84,10 +87,18 @@ EOF
   say "the registry did not answer; $DIR/registry.log ends with:"; tail -5 "$DIR/registry.log" >&2; exit 1
 }
 
+image_id() {  # the main engine's image id: the digest of its config, which a pull keeps
+  docker image inspect --format '{{.Id}}' "$IMAGE"
+}
+
 push_image() {
-  # Pushed once: the registry keeps the layers, every engine pulls them (docs/deployment.md, "Images").
-  if curl -fsS "http://$REGISTRY/v2/${IMAGE%%:*}/manifests/${IMAGE##*:}" \
-      -H 'Accept: application/vnd.docker.distribution.manifest.v2+json' >/dev/null 2>&1; then return 0; fi
+  # Pushed once: the registry keeps the layers, every engine pulls them (docs/deployment.md, "Images"). The
+  # tag alone is not enough: an image rebuilt since (scripts/setup-docker.sh) would leave the old one there.
+  local held
+  held=$(curl -fsS "http://$REGISTRY/v2/${IMAGE%%:*}/manifests/${IMAGE##*:}" \
+      -H 'Accept: application/vnd.docker.distribution.manifest.v2+json' 2>/dev/null \
+    | python3 -c 'import json, sys; print(json.load(sys.stdin)["config"]["digest"])' 2>/dev/null || true)
+  [ "$held" = "$(image_id)" ] && return 0
   say "pushing $IMAGE to $REGISTRY"
   docker tag "$IMAGE" "$REGISTRY/$IMAGE"
   docker push "$REGISTRY/$IMAGE" >/dev/null
@@ -147,9 +158,9 @@ wait_engine() {
   tail -20 "$DIR/e$k/dockerd.log" >&2; exit 1
 }
 
-load_image() {
+load_image() {  # the engine's image must be the main engine's, not only carry its tag
   local k=$1
-  engine_cli "$k" image inspect "$IMAGE" >/dev/null 2>&1 && return 0
+  [ "$(engine_cli "$k" image inspect --format '{{.Id}}' "$IMAGE" 2>/dev/null)" = "$(image_id)" ] && return 0
   engine_cli "$k" pull -q "$REGISTRY/$IMAGE" >/dev/null
   engine_cli "$k" tag "$REGISTRY/$IMAGE" "$IMAGE"
 }
