@@ -269,8 +269,9 @@ def test_url_credentials_become_basic_auth_and_leave_the_url():
 def test_a_launched_cpu_engines_readers_spin_a_tenth_of_a_second_not_a_second():
     """In vLLM's own interpreter with the launch environment (its plugin folder on PYTHONPATH, so
     sitecustomize runs first): the shared-memory readers between vLLM's engine core and its worker spin
-    0.1 s after a read on this CPU platform, not vLLM's 1 s (two cores spun a second after every answer);
-    ROLLWAY_VLLM_SPIN_S sets it; writers are left alone."""
+    0.1 s after a read on this CPU platform, not vLLM's 1 s (two cores spun a second after every answer),
+    and look every 0.5 ms with a sleep, not sched_yield; ROLLWAY_VLLM_SPIN_S sets the seconds; writers are
+    left alone."""
     import os
     import subprocess
 
@@ -281,7 +282,10 @@ def test_a_launched_cpu_engines_readers_spin_a_tenth_of_a_second_not_a_second():
     # One interpreter per environment (vLLM's import costs about 9 core-seconds): the spin is read from
     # os.environ when a reader is made, so the probe sets ROLLWAY_VLLM_SPIN_S itself between readers.
     probe = ("import os, sys, zmq\n"
+             "from vllm.distributed.device_communicators import shm_broadcast\n"
              "from vllm.distributed.device_communicators.shm_broadcast import SpinCondition\n"
+             "yields = []\n"
+             "shm_broadcast.sched_yield = lambda: yields.append(1)  # counts the spins a wait makes\n"
              "ctx = zmq.Context()\n"
              "for i, value in enumerate(sys.argv[1:]):\n"
              "    os.environ.pop('ROLLWAY_VLLM_SPIN_S', None)\n"
@@ -293,7 +297,12 @@ def test_a_launched_cpu_engines_readers_spin_a_tenth_of_a_second_not_a_second():
              "        print(f'refused:{exc}')\n"
              "        continue\n"
              "    writer = SpinCondition(False, ctx, f'inproc://w{i}')\n"
-             "    print(f'{reader.busy_loop_s}/{writer.busy_loop_s}')\n")
+             "    poll = [getattr(c, '_rollway_poll_s', '-') for c in (reader, writer)]\n"
+             "    yields.clear()\n"
+             "    reader.record_read()\n"
+             "    for _ in range(5):\n"
+             "        reader.wait(timeout_ms=1)  # within the spin: a look, no message\n"
+             "    print(f'{reader.busy_loop_s}/{writer.busy_loop_s} poll {poll[0]}/{poll[1]} yields {len(yields)}')\n")
 
     def spins(env: dict[str, str], *values: str) -> list[str]:
         env = {k: v for k, v in env.items() if k != "ROLLWAY_VLLM_SPIN_S"}
@@ -302,9 +311,9 @@ def test_a_launched_cpu_engines_readers_spin_a_tenth_of_a_second_not_a_second():
         return out.stdout.splitlines()
 
     launched = spins({**os.environ, **vllm_serve_env()}, "-", "0.5", "-1", "nan", "soon")
-    assert launched[:2] == ["0.1/0", "0.5/0"], launched
+    assert launched[:2] == ["0.1/0 poll 0.0005/None yields 0", "0.5/0 poll 0.0005/None yields 0"], launched
     # refused, naming the variable, not a server that stalls or a bare float error
     assert launched[2:] == [f"refused:ROLLWAY_VLLM_SPIN_S must be seconds, 0 or more: {bad!r}"
                             for bad in ("-1", "nan", "soon")], launched
     # Without the plugin folder (a server rollway did not launch): vLLM's own second.
-    assert spins({k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "-") == ["1/0"]
+    assert spins({k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "-") == ["1/0 poll -/- yields 5"]
