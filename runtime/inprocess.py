@@ -37,6 +37,7 @@ class InProcessDriver:
         self.senders = {s.name: OutputSender(s.name, services.cfg, None, {}) for s in stages}  # type: ignore[arg-type]
         """Encoding only (nothing is produced): the size and encoding checks of a stage worker's producer."""
         self.offsets: defaultdict[Any, itertools.count] = defaultdict(itertools.count)
+        self.sandboxes = services.sandboxes
 
     async def __aenter__(self) -> InProcessDriver:
         for actor in self.actors.values():
@@ -53,23 +54,36 @@ class InProcessDriver:
         manager, wraps each handling of a message (the benchmarks' gates; tests see the messages so)."""
         now = time.time()
         out = Output(INIT_REQUESTS, key.episode_id, InitRequest(episode=key, issued_at=now, deadline=0.0))
-        while out.topic in self.reader:
-            stage = self.reader[out.topic]
-            meta = MessageMeta(topic_name(out.topic, self.topics), 0, next(self.offsets[out.topic]), int(now * 1000))
-            async with around(stage, out.value, meta) if around else contextlib.nullcontext():
-                started = time.time()  # after any wait for a free slot, as the stage runtimes record it
-                produced = await self.actors[stage.name].handle(out.value, meta)
-            now = time.time()
-            self.telemetry.record(meta.topic, 0, meta.offset, meta.timestamp_ms, None, out.value, started, now,
-                                  stage=stage.name)
-            if len(produced) != 1:  # init skips another run's episode
-                raise RuntimeError(f"task {key.task_id}: stage {stage.name} produced {len(produced)} messages, not 1")
-            check_output(stage.name, produced[0].topic)
-            try:
-                self.senders[stage.name].encode_all(produced)
-            except OutputRefused as err:  # as runtime/worker.deliver: the actor's failure outputs instead
-                produced = failure_outputs(self.actors[stage.name], out.value, err)
-            out = produced[0]
-        if out.topic is not TRAJECTORIES:
-            raise RuntimeError(f"task {key.task_id}: the episode failed: {out.value}")
+        sandbox: dict[str, Any] | None = None  # the attempt's, from the first stage that hands it on
+        try:
+            while out.topic in self.reader:
+                stage = self.reader[out.topic]
+                meta = MessageMeta(topic_name(out.topic, self.topics), 0, next(self.offsets[out.topic]), int(now * 1000))
+                async with around(stage, out.value, meta) if around else contextlib.nullcontext():
+                    started = time.time()  # after any wait for a free slot, as the stage runtimes record it
+                    produced = await self.actors[stage.name].handle(out.value, meta)
+                now = time.time()
+                self.telemetry.record(meta.topic, 0, meta.offset, meta.timestamp_ms, None, out.value, started, now,
+                                      stage=stage.name)
+                if len(produced) != 1:  # init skips another run's episode
+                    raise RuntimeError(f"task {key.task_id}: stage {stage.name} produced {len(produced)} messages, not 1")
+                check_output(stage.name, produced[0].topic)
+                try:
+                    self.senders[stage.name].encode_all(produced)
+                except OutputRefused as err:  # as runtime/worker.deliver: the actor's failure outputs instead
+                    produced = failure_outputs(self.actors[stage.name], out.value, err)
+                out = produced[0]
+                sandbox = sandbox or getattr(out.value, "sandbox", None)
+            if out.topic is not TRAJECTORIES:
+                raise RuntimeError(f"task {key.task_id}: the episode failed: {out.value}")
+        except BaseException:
+            await self._discard(sandbox)
+            raise
         return out.value
+
+    async def _discard(self, handle: dict[str, Any] | None) -> None:
+        """A failed attempt's sandbox, which no run's reaper removes after an in-process play (a stage worker's
+        failure leaves it to one). The stage that failed may have removed it already."""
+        if handle:
+            with contextlib.suppress(Exception):
+                await (await self.sandboxes.attach(handle)).destroy()

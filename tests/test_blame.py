@@ -214,3 +214,27 @@ def test_an_episode_too_large_for_the_broker_is_graded_0_with_the_turns_that_fit
     assert t["num_turns"] == 1 and t["turns"][0]["assistant_text"] == long_call[:2000]
     assert len(t["token_ids"]) == len(t["loss_mask"]) == len(t["logprobs"]) > 30_000
     assert summary["graded_failures"] == {f"{stage}: OutputRefused": 1}
+
+
+def test_an_in_process_episode_that_fails_leaves_no_sandbox(tmp_path, monkeypatch):
+    """`tasks verify`, the grader check and the benchmarks play episodes in one process, with no run reaper
+    after them: an attempt that ends failed must not leave its sandbox (a folder and a mounted workspace per
+    attempt; one was left by every whole test run). Made to fail here as an episode does whose message the
+    broker cannot take and that cannot be cut to fit (its prompt alone too large): `refused_as_graded_0`
+    gives None, and the agent stage's failure output carries no trajectory."""
+    from rollway.actors import agent, reward
+    from rollway.actors.services import Services
+    from rollway.audit.verify import play_episode
+    from rollway.config.run import load_config
+
+    boxes = tmp_path / "boxes"
+    call = '<tool_call>{"name": "bash", "arguments": {"command": "true #' + "x" * 1500 + '"}}</tool_call>'
+    cfg = load_config(None, ["tasks.type=toy", "tasks.count=1", "sandbox.type=local", f"sandbox.root={boxes}",
+                             "broker.max_message_bytes=65536", "agent.max_turns=6", "agent.max_tokens_per_turn=100000",
+                             "agent.max_total_tokens=4000000", 'tools.enabled=["bash", "finish"]',
+                             "policy=" + json.dumps({"type": "scripted", "script": [{"when": "", "turns": [call]}]})])
+    for module in (agent, reward):
+        monkeypatch.setattr(module, "refused_as_graded_0", lambda *a: None)
+    with pytest.raises(RuntimeError, match="the episode failed"):
+        asyncio.run(play_episode(cfg, tmp_path / "run", "toy-000", services=Services(cfg, tmp_path / "run")))
+    assert boxes.is_dir() and not any(boxes.iterdir()), sorted(p.name for p in boxes.iterdir())
