@@ -37,7 +37,7 @@ class InProcessDriver:
         self.senders = {s.name: OutputSender(s.name, services.cfg, None, {}) for s in stages}  # type: ignore[arg-type]
         """Encoding only (nothing is produced): the size and encoding checks of a stage worker's producer."""
         self.offsets: defaultdict[Any, itertools.count] = defaultdict(itertools.count)
-        self.sandboxes = services.sandboxes
+        self.services = services
 
     async def __aenter__(self) -> InProcessDriver:
         for actor in self.actors.values():
@@ -86,4 +86,4 @@ class InProcessDriver:
         failure leaves it to one). The stage that failed may have removed it already."""
         if handle:
             with contextlib.suppress(Exception):
-                await (await self.sandboxes.attach(handle)).destroy()
+                await (await self.services.sandboxes.attach(handle)).destroy()
