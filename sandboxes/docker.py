@@ -238,6 +238,8 @@ class DockerSandbox(Sandbox):
                                     f"({type(exc).__name__}: {exc})") from exc
         finally:
             _close(sock)
+        if marks.ended:  # the command was over: a flood or an overrun after both markers is not its own
+            stopped = None
         if stopped and user == USER:
             self._kill_all(user)
         exit_code = self._exit_code(exec_id)
@@ -452,17 +454,17 @@ def buffered_stream_bytes(sock: Any) -> bytes:
 
 def _pump(sock: Any, marks: EndMarks, kill_bytes: int, deadline: float) -> str | None:
     """Read the exec's multiplexed stream (8-byte frame headers) to its end; "flood" once more than
-    `kill_bytes` came, "overrun" when the deadline passes with it still open. Once both end markers came,
-    the command is over and neither is said: the engine ends the stream two seconds after the wrapper
-    exits at most, and reading it to that end (not closing it at the markers) keeps the exec's exit code
-    (Docker records 126 for an exec whose client left while its output was still open)."""
+    `kill_bytes` came, "overrun" when the deadline passes with it still open. It reads on past both end
+    markers: the engine ends the stream two seconds after the wrapper exits at most, and reading it to that
+    end (not closing it at the markers) keeps the exec's exit code (Docker records 126 for an exec whose
+    client left while its output was still open)."""
     raw = getattr(sock, "_sock", sock)
     pending = bytearray(buffered_stream_bytes(sock))
     received = 0
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            return None if marks.ended else "overrun"
+            return "overrun"
         raw.settimeout(remaining)
         try:
             header = _read_exactly(sock, 8, pending)
@@ -471,13 +473,13 @@ def _pump(sock: Any, marks: EndMarks, kill_bytes: int, deadline: float) -> str |
             stream, size = struct.unpack(">BxxxL", header)
             payload = _read_exactly(sock, size, pending) if size else b""
         except TimeoutError:
-            return None if marks.ended else "overrun"
+            return "overrun"
         if payload is None:
             return None
         marks.feed(stream, payload)
         received += size
         if received > kill_bytes:
-            return None if marks.ended else "flood"
+            return "flood"
 
 
 def _read_exactly(sock: Any, n: int, pending: bytearray) -> bytes | None:
