@@ -185,17 +185,22 @@ class DockerSandbox(Sandbox):
         bound = next((m["Source"] for m in info.get("Mounts", []) if m.get("Destination") == GATEWAY_DIR), None)
         if bound is not None or GATEWAY_DIR not in ((info.get("HostConfig") or {}).get("Tmpfs") or {}):
             return bound
-        from rollway.sandboxes.relay import RELAY, GatewayRelay
+        from rollway.sandboxes.relay import RELAY, RELAY_START_S, GatewayRelay
 
         await self.close_gateway()
         folder = self._provider.gateway_folder(self.name)
         api = self._provider.client.api
-        with engine_errors("exec", self.name):
+        with engine_errors("exec", self.name):  # isolated, from the keeper's folder: see sandboxes/relay.py
             exec_id = (await asyncio.to_thread(
-                api.exec_create, self.container_id, ["python3", "-c", RELAY, f"{GATEWAY_DIR}/gateway.sock"],
-                user=KEEPER, stdin=True, environment=_KEEPER_ENV))["Id"]
+                api.exec_create, self.container_id, ["python3", "-I", "-c", RELAY, f"{GATEWAY_DIR}/gateway.sock"],
+                user=KEEPER, stdin=True, environment=_KEEPER_ENV, workdir=GATEWAY_DIR))["Id"]
             sock = await asyncio.to_thread(api.exec_start, exec_id, socket=True)
         self._relay = GatewayRelay(sock, os.path.join(folder, "gateway.sock"), self.name)
+        if not await asyncio.to_thread(self._relay.wait_listening, RELAY_START_S):
+            said = self._relay.said
+            await self.close_gateway()
+            raise SandboxError(f"gateway: the relay in container rollway-{self.name} did not start listening in "
+                               f"{RELAY_START_S:g} s" + (f" (it said: {said})" if said else ""))
         return folder
 
     async def close_gateway(self) -> None:

@@ -4,7 +4,13 @@ engine's exec stream, which the worker already reaches: a relay run in the conta
 keeper-owned folder the agent cannot write) listens on the socket programs use, and carries each
 connection's bytes over its stdin/stdout to the worker, which opens a connection to the gateway's socket
 for each. Frames both ways: kind (1 byte: O open, D data, C no more data this way), connection id (4),
-length (4), data. A connection is dropped once both ways said C.
+length (4), data. A connection is dropped once both ways said C. The relay says R once its socket listens
+(the folder is handed out only then: a program started at once must find it), and takes the socket with it
+when it ends.
+
+The relay is the keeper's python, and the keeper owns the container's judge folder: it runs isolated
+(`python3 -I`: no current folder on its module path, no PYTHON* variables, no user site) from the keeper's
+own folder, so nothing the agent writes in the workspace is imported by it.
 
 The worker's side is one thread (`GatewayRelay`): the exec socket may be TLS, and an SSL socket must not
 be read and written from two threads at once."""
@@ -29,6 +35,9 @@ FRAME = struct.Struct(">cII")
 MAX_OPEN = 64
 """Connections a program may hold open through one relay; more are closed at once (the gateway's bound on
 idle connections, per episode, as for a local socket)."""
+RELAY_START_S = 120.0
+"""How long the worker waits for the relay to say it listens (a python start: a fraction of a second, or
+seconds on a loaded machine); past it the episode's gateway fails as the sandbox's error."""
 MAX_DATA = 1 << 20
 """Largest frame the worker accepts from the relay (the relay sends at most 64 KiB): a larger length is a
 broken or forged stream, and the relay is ended."""
@@ -46,6 +55,12 @@ out, lock, conns, shut = sys.stdout.buffer, threading.Lock(), {}, {}
 def send(kind, cid, data=b""):
     with lock:
         out.write(F.pack(kind, cid, len(data)) + data); out.flush()
+def end():
+    try:
+        os.unlink(path)
+    finally:
+        os._exit(0)
+send(b"R", 0)
 def half(cid):
     shut[cid] = shut.get(cid, 0) + 1
     if shut[cid] == 2:
@@ -72,13 +87,13 @@ inp = sys.stdin.buffer
 def read(n):
     b = inp.read(n)
     if b is None or len(b) < n:
-        os._exit(0)
+        end()
     return b
 while True:
     kind, cid, size = F.unpack(read(F.size))
     data = read(size) if size else b""
     if kind == b"Q":
-        os._exit(0)
+        end()
     with lock:
         c = conns.get(cid)
         if c is None:
@@ -111,8 +126,19 @@ class GatewayRelay:
         self._inbox = bytearray(buffered_stream_bytes(sock))  # engine frames not yet parsed
         self._frames = bytearray()  # the relay's stdout, not yet parsed
         self._wake_r, self._wake_w = os.pipe()
+        self._said = threading.Event()
+        """Set when the relay said it listens (R), or when the relay ended before it did."""
+        self.listening = False
+        self.said = ""
+        """The end of what the relay wrote on stderr (a traceback, when it could not start)."""
         self.thread = threading.Thread(target=self._loop, name=f"relay-{name}", daemon=True)
         self.thread.start()
+
+    def wait_listening(self, timeout_s: float) -> bool:
+        """True once the relay in the container listens on the programs' socket; False if it ended first, or
+        said nothing in `timeout_s` (a generous bound: a loaded machine starts a python slowly)."""
+        self._said.wait(timeout_s)
+        return self.listening
 
     def close(self) -> None:
         """Ends the thread: woken through its pipe, or, when it is stuck writing to a relay that does not read
@@ -148,6 +174,7 @@ class GatewayRelay:
         except (OSError, ValueError) as exc:
             log.warning("gateway relay ended", sandbox=self.name, error=f"{type(exc).__name__}: {exc}"[:300])
         finally:
+            self._said.set()
             sel.close()
             for conn in self.conns.values():
                 conn.close()
@@ -174,6 +201,7 @@ class GatewayRelay:
             if stream == 1:
                 self._frames += payload
             else:
+                self.said = (self.said + payload.decode(errors="replace"))[-300:]
                 log.warning("gateway relay says", sandbox=self.name, text=payload[-300:].decode(errors="replace"))
         while len(self._frames) >= FRAME.size:
             kind, cid, size = FRAME.unpack(self._frames[:FRAME.size])
@@ -187,6 +215,10 @@ class GatewayRelay:
         return True
 
     def _frame(self, sel: selectors.BaseSelector, kind: bytes, cid: int, data: bytes) -> None:
+        if kind == b"R":
+            self.listening = True
+            self._said.set()
+            return
         if kind == b"O":
             if len(self.conns) >= MAX_OPEN or cid in self.conns:
                 self._send(b"C", cid)

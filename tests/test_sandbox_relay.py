@@ -165,3 +165,94 @@ def test_a_program_that_never_reads_its_answer_cannot_keep_the_relay_after_the_e
 
     asyncio.run(scenario())
     assert count_containers(name) == 0
+
+
+
+ONE_CALL = r"""
+import socket
+s = socket.socket(socket.AF_UNIX); s.connect("/rollway-gateway/gateway.sock"); s.sendall(b"ping")
+s.shutdown(socket.SHUT_WR)
+print(s.recv(100).decode())
+"""
+
+
+def test_a_program_started_the_moment_the_gateway_is_handed_out_finds_it_listening(tmp_path):
+    """`gateway_dir` hands the folder out only once the relay in the container listens: the harness starts the
+    program at once, and a program's first connect found no socket in a whole run under load (the relay's
+    python still starting). Here the container has a twentieth of a core, so the relay's python takes far
+    longer to start than the program's shell to look; and ten hand-outs on one container, each followed at
+    once by a call (the previous relay's socket must not be left to refuse it)."""
+    ensure_engine()
+    provider = DockerSandboxProvider(DockerSandboxConfig(gateway_root=str(tmp_path / "gw"), cpus=0.05))
+    provider.shares_host_folders = False
+    name = f"relay-{uuid.uuid4().hex[:8]}"
+
+    async def scenario() -> None:
+        box = await provider.create(SandboxSpec(), name)
+        try:
+            for attempt in range(10):
+                folder = await box.gateway_dir()
+                server = echo_server(folder)
+                try:
+                    if attempt == 0:
+                        result = await box.exec(f"test -S {GATEWAY_DIR}/gateway.sock && echo listening", timeout_s=300)
+                        assert result.output.strip() == "listening", result.output
+                    result = await box.exec(f"python3 -c {shlex.quote(ONE_CALL)}", timeout_s=300)
+                finally:
+                    server.close()
+                assert result.exit_code == 0 and result.output.strip() == "gnip", (attempt, result.output[-1500:])
+            await box.close_gateway()
+            gone = await box.exec(f"test -e {GATEWAY_DIR}/gateway.sock && echo left || echo gone")
+            assert gone.output.strip() == "gone", gone.output  # an ended relay takes its socket with it
+        finally:
+            await box.destroy()
+            await provider.close()
+
+    asyncio.run(scenario())
+    assert count_containers(name) == 0
+
+
+PLANTED = r"""
+import os, sys
+with open("/tmp/planted-ran-as", "a") as f:
+    f.write(f"{os.getuid()}\n")
+# then hand over the real module, so that whoever imported this one goes on working
+sys.path = [p for p in sys.path if p not in ("", os.getcwd())]
+del sys.modules[__name__]
+import importlib
+sys.modules[__name__] = importlib.import_module(__name__)
+"""
+
+
+def test_the_relay_runs_no_module_the_agent_planted_in_the_workspace(tmp_path):
+    """Attack: the relay is the keeper's python, and the keeper owns the container's judge folder (the
+    execute-only bash every command runs under, a Harbor task's tests and verdict). Started in the workspace,
+    `python3 -c` looks there first for the modules it imports: the agent writes `socket.py`, `struct.py` and
+    `threading.py` there, and whatever they do runs as the keeper when the next episode's gateway is handed
+    out. Each planted module records who ran it and then hands over the real one."""
+    ensure_engine()
+    provider = DockerSandboxProvider(DockerSandboxConfig(gateway_root=str(tmp_path / "gw")))
+    provider.shares_host_folders = False
+    name = f"relay-{uuid.uuid4().hex[:8]}"
+
+    async def scenario() -> None:
+        box = await provider.create(SandboxSpec(), name)
+        try:
+            plant = " && ".join(f"printf %s {shlex.quote(PLANTED)} > {module}.py"
+                                for module in ("socket", "struct", "threading", "selectors"))
+            assert (await box.exec(plant)).exit_code == 0
+            folder = await box.gateway_dir()
+            server = echo_server(folder)
+            try:
+                result = await box.exec(f"cd / && python3 -c {shlex.quote(ONE_CALL)}", timeout_s=300)
+            finally:
+                server.close()
+            assert result.output.strip() == "gnip", result.output[-1500:]
+            ran = await box.exec("cat /tmp/planted-ran-as 2>/dev/null; true")
+            assert ran.output.strip() == "", f"the agent's module ran in the relay, as uid {ran.output.split()}"
+        finally:
+            await box.destroy()
+            await provider.close()
+
+    asyncio.run(scenario())
+    assert count_containers(name) == 0
