@@ -281,7 +281,7 @@ def test_example_tasks_pass_harbor_lint():
 def _python_312() -> str | None:
     """A Python 3.12 that runs: pyenv's own build first (its `python3.12` shim on PATH fails unless 3.12 is
     a selected version, and a shim that fails made the lint test skip where 3.12 was installed)."""
-    root = Path.home() / ".pyenv" / "versions"
+    root = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv") / "versions"  # pyenv's own rule
     found = [str(p) for p in sorted(root.glob("3.12*/bin/python3.12"), reverse=True)] if root.is_dir() else []
     for python in [*found, shutil.which("python3.12")]:
         if python and subprocess.run([python, "--version"], capture_output=True).returncode == 0:

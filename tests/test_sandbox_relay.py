@@ -256,3 +256,38 @@ def test_the_relay_runs_no_module_the_agent_planted_in_the_workspace(tmp_path):
 
     asyncio.run(scenario())
     assert count_containers(name) == 0
+
+
+def test_a_relay_that_cannot_start_fails_the_hand_out_and_says_so(tmp_path):
+    """An image without python3 (the relay's interpreter): the hand-out fails at once with a sandbox error
+    naming the relay, not after its start limit and not with a folder no relay serves."""
+    from rollway.sandboxes.base import SandboxError
+
+    client = ensure_engine()
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "Dockerfile").write_text("FROM rollway-sandbox:bookworm\nRUN rm -f /usr/bin/python3* /usr/bin/python\n")
+    image = f"rollway-test/no-python:{uuid.uuid4().hex[:8]}"
+    client.images.build(path=str(ctx), tag=image, network_mode="none", rm=True, pull=False)
+    provider = DockerSandboxProvider(DockerSandboxConfig(gateway_root=str(tmp_path / "gw")))
+    provider.shares_host_folders = False
+    name = f"relay-{uuid.uuid4().hex[:8]}"
+
+    async def scenario() -> None:
+        box = await provider.create(SandboxSpec(image=image), name)
+        try:
+            started = time.monotonic()
+            with pytest.raises(SandboxError, match="relay in container .* did not start listening"):
+                await box.gateway_dir()
+            assert time.monotonic() - started < 60  # it ended: no wait for the start limit
+            gw = tmp_path / "gw"
+            assert box._relay is None and not (gw.exists() and os.listdir(gw))  # nothing handed out, nothing left
+        finally:
+            await box.destroy()
+            await provider.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        client.images.remove(image, force=True)
+    assert count_containers(name) == 0
