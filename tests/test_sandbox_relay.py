@@ -72,46 +72,56 @@ def echo_server(folder: str) -> socket.socket:
     return srv
 
 
-def test_a_program_in_a_container_of_another_hosts_engine_reaches_the_gateway_through_the_relay(tmp_path):
+def on_a_remote_engine(tmp_path, body, spec: SandboxSpec | None = None, gateway_root=None, **config) -> None:
+    """`await body(box)` on a container of this engine taken to be another host's (what a fleet engine reached
+    over TCP is): nothing of this host is bound into it, and its gateway folder is relayed. Removed after."""
     ensure_engine()
-    # A socket path past the 107 bytes a socket address holds (seen: a relay that connected by path refused
-    # every connection of a run whose gateway_root was a test's deep tmp folder).
-    root = tmp_path / ("g" * 80)
-    provider = DockerSandboxProvider(DockerSandboxConfig(gateway_root=str(root)))
-    provider.shares_host_folders = False  # as a fleet engine reached over TCP
+    provider = DockerSandboxProvider(DockerSandboxConfig(gateway_root=str(gateway_root or tmp_path / "gw"), **config))
+    provider.shares_host_folders = False
     name = f"relay-{uuid.uuid4().hex[:8]}"
 
     async def scenario() -> None:
-        box = await provider.create(SandboxSpec(), name)
+        box = await provider.create(spec or SandboxSpec(), name)
         try:
-            info = await asyncio.to_thread(provider.client.api.inspect_container, box.container_id)
-            assert not [m for m in info["Mounts"] if m["Type"] == "bind"], info["Mounts"]  # nothing of this host
-            folder = await box.gateway_dir()
-            assert folder is not None and folder.startswith(str(root))
-            server = echo_server(folder)
-            try:
-                result = await box.exec(f"python3 -c {shlex.quote(CLIENT)}", timeout_s=300)
-                assert result.exit_code == 0 and result.output.strip() == "ok", result.output[-2000:]
-                # The sandbox user cannot replace the socket, write beside it, or stop the keeper's relay.
-                hostile = await box.exec(f"rm -f {GATEWAY_DIR}/gateway.sock; touch {GATEWAY_DIR}/x; "
-                                         "kill -9 -1; pkill -9 -u 65533; ls -l " + GATEWAY_DIR)
-                assert "gateway.sock" in hostile.output and " x\n" not in hostile.output, hostile.output
-                again = await box.exec(f"python3 -c {shlex.quote(CLIENT)}", timeout_s=300)
-                assert again.output.strip() == "ok", again.output[-2000:]
-            finally:
-                server.close()
-            await box.close_gateway()
-            assert not os.path.exists(folder)
-            after = await box.exec("python3 -c \"import socket; s = socket.socket(socket.AF_UNIX); "
-                                   "s.connect('/rollway-gateway/gateway.sock'); s.sendall(b'x'); "
-                                   "s.shutdown(socket.SHUT_WR); print(repr(s.recv(10)))\"")
-            assert "b'x'" not in after.output, after.output  # the relay is gone: nothing answers
+            await body(box)
         finally:
             await box.destroy()
             await provider.close()
 
     asyncio.run(scenario())
     assert count_containers(name) == 0
+
+
+def test_a_program_in_a_container_of_another_hosts_engine_reaches_the_gateway_through_the_relay(tmp_path):
+    # A socket path past the 107 bytes a socket address holds (seen: a relay that connected by path refused
+    # every connection of a run whose gateway_root was a test's deep tmp folder).
+    root = tmp_path / ("g" * 80)
+
+    async def body(box) -> None:
+        info = await asyncio.to_thread(box._provider.client.api.inspect_container, box.container_id)
+        assert not [m for m in info["Mounts"] if m["Type"] == "bind"], info["Mounts"]  # nothing of this host
+        folder = await box.gateway_dir()
+        assert folder is not None and folder.startswith(str(root))
+        server = echo_server(folder)
+        try:
+            result = await box.exec(f"python3 -c {shlex.quote(CLIENT)}", timeout_s=300)
+            assert result.exit_code == 0 and result.output.strip() == "ok", result.output[-2000:]
+            # The sandbox user cannot replace the socket, write beside it, or stop the keeper's relay.
+            hostile = await box.exec(f"rm -f {GATEWAY_DIR}/gateway.sock; touch {GATEWAY_DIR}/x; "
+                                     "kill -9 -1; pkill -9 -u 65533; ls -l " + GATEWAY_DIR)
+            assert "gateway.sock" in hostile.output and " x\n" not in hostile.output, hostile.output
+            again = await box.exec(f"python3 -c {shlex.quote(CLIENT)}", timeout_s=300)
+            assert again.output.strip() == "ok", again.output[-2000:]
+        finally:
+            server.close()
+        await box.close_gateway()
+        assert not os.path.exists(folder)
+        after = await box.exec("python3 -c \"import socket; s = socket.socket(socket.AF_UNIX); "
+                               "s.connect('/rollway-gateway/gateway.sock'); s.sendall(b'x'); "
+                               "s.shutdown(socket.SHUT_WR); print(repr(s.recv(10)))\"")
+        assert "b'x'" not in after.output, after.output  # the relay is gone: nothing answers
+
+    on_a_remote_engine(tmp_path, body, gateway_root=root)
 
 
 STALLER = r"""
@@ -126,46 +136,35 @@ def test_a_program_that_never_reads_its_answer_cannot_keep_the_relay_after_the_e
     """The program asks for a 16 MiB answer and never reads it: the relay in the container stops reading its
     stdin, and the worker's relay thread blocks writing to it. Ending the episode's gateway must still end
     that thread (a stuck thread and socket per such episode would pile up on the worker)."""
-    ensure_engine()
-    provider = DockerSandboxProvider(DockerSandboxConfig(gateway_root=str(tmp_path / "gw")))
-    provider.shares_host_folders = False
-    name = f"relay-{uuid.uuid4().hex[:8]}"
 
-    async def scenario() -> None:
-        box = await provider.create(SandboxSpec(), name)
+    async def body(box) -> None:
+        folder = await box.gateway_dir()
+        relay = box._relay
+        server = echo_server(folder)
+        program = asyncio.create_task(box.exec(f"python3 -c {shlex.quote(STALLER)}", timeout_s=600))
         try:
-            folder = await box.gateway_dir()
-            relay = box._relay
-            server = echo_server(folder)
-            program = asyncio.create_task(box.exec(f"python3 -c {shlex.quote(STALLER)}", timeout_s=600))
-            try:
-                def writing() -> bool:  # the relay thread is inside its write to the exec stream
-                    frame = sys._current_frames().get(relay.thread.ident)
-                    return frame is not None and frame.f_code.co_name == "_send"
+            def writing() -> bool:  # the relay thread is inside its write to the exec stream
+                frame = sys._current_frames().get(relay.thread.ident)
+                return frame is not None and frame.f_code.co_name == "_send"
 
-                deadline = time.monotonic() + 300
-                while not (writing() and await asyncio.sleep(2, True) and writing()):
-                    # A program that ended (its connection refused, the relay gone) never stalls anything.
-                    assert not program.done(), f"the program ended: {program.result()!r}"
-                    frame = sys._current_frames().get(relay.thread.ident)
-                    assert time.monotonic() < deadline, ("the relay never blocked writing to the container; its "
-                                                         f"thread is in {frame and frame.f_code.co_name}")
-                    await asyncio.sleep(0.5)
-                started = time.monotonic()
-                await box.close_gateway()
-                assert not relay.thread.is_alive(), "the relay thread outlived the episode's gateway"
-                assert time.monotonic() - started < 30
-            finally:
-                server.close()
-                program.cancel()
-                await asyncio.gather(program, return_exceptions=True)
+            deadline = time.monotonic() + 300
+            while not (writing() and await asyncio.sleep(2, True) and writing()):
+                # A program that ended (its connection refused, the relay gone) never stalls anything.
+                assert not program.done(), f"the program ended: {program.result()!r}"
+                frame = sys._current_frames().get(relay.thread.ident)
+                assert time.monotonic() < deadline, ("the relay never blocked writing to the container; its "
+                                                     f"thread is in {frame and frame.f_code.co_name}")
+                await asyncio.sleep(0.5)
+            started = time.monotonic()
+            await box.close_gateway()
+            assert not relay.thread.is_alive(), "the relay thread outlived the episode's gateway"
+            assert time.monotonic() - started < 30
         finally:
-            await box.destroy()
-            await provider.close()
+            server.close()
+            program.cancel()
+            await asyncio.gather(program, return_exceptions=True)
 
-    asyncio.run(scenario())
-    assert count_containers(name) == 0
-
+    on_a_remote_engine(tmp_path, body)
 
 
 ONE_CALL = r"""
@@ -182,34 +181,24 @@ def test_a_program_started_the_moment_the_gateway_is_handed_out_finds_it_listeni
     python still starting). Here the container has a twentieth of a core, so the relay's python takes far
     longer to start than the program's shell to look; and ten hand-outs on one container, each followed at
     once by a call (the previous relay's socket must not be left to refuse it)."""
-    ensure_engine()
-    provider = DockerSandboxProvider(DockerSandboxConfig(gateway_root=str(tmp_path / "gw"), cpus=0.05))
-    provider.shares_host_folders = False
-    name = f"relay-{uuid.uuid4().hex[:8]}"
 
-    async def scenario() -> None:
-        box = await provider.create(SandboxSpec(), name)
-        try:
-            for attempt in range(10):
-                folder = await box.gateway_dir()
-                server = echo_server(folder)
-                try:
-                    if attempt == 0:
-                        result = await box.exec(f"test -S {GATEWAY_DIR}/gateway.sock && echo listening", timeout_s=300)
-                        assert result.output.strip() == "listening", result.output
-                    result = await box.exec(f"python3 -c {shlex.quote(ONE_CALL)}", timeout_s=300)
-                finally:
-                    server.close()
-                assert result.exit_code == 0 and result.output.strip() == "gnip", (attempt, result.output[-1500:])
-            await box.close_gateway()
-            gone = await box.exec(f"test -e {GATEWAY_DIR}/gateway.sock && echo left || echo gone")
-            assert gone.output.strip() == "gone", gone.output  # an ended relay takes its socket with it
-        finally:
-            await box.destroy()
-            await provider.close()
+    async def body(box) -> None:
+        for attempt in range(10):
+            folder = await box.gateway_dir()
+            server = echo_server(folder)
+            try:
+                if attempt == 0:
+                    result = await box.exec(f"test -S {GATEWAY_DIR}/gateway.sock && echo listening", timeout_s=300)
+                    assert result.output.strip() == "listening", result.output
+                result = await box.exec(f"python3 -c {shlex.quote(ONE_CALL)}", timeout_s=300)
+            finally:
+                server.close()
+            assert result.exit_code == 0 and result.output.strip() == "gnip", (attempt, result.output[-1500:])
+        await box.close_gateway()
+        gone = await box.exec(f"test -e {GATEWAY_DIR}/gateway.sock && echo left || echo gone")
+        assert gone.output.strip() == "gone", gone.output  # an ended relay takes its socket with it
 
-    asyncio.run(scenario())
-    assert count_containers(name) == 0
+    on_a_remote_engine(tmp_path, body, cpus=0.05)
 
 
 PLANTED = r"""
@@ -230,32 +219,22 @@ def test_the_relay_runs_no_module_the_agent_planted_in_the_workspace(tmp_path):
     `python3 -c` looks there first for the modules it imports: the agent writes `socket.py`, `struct.py` and
     `threading.py` there, and whatever they do runs as the keeper when the next episode's gateway is handed
     out. Each planted module records who ran it and then hands over the real one."""
-    ensure_engine()
-    provider = DockerSandboxProvider(DockerSandboxConfig(gateway_root=str(tmp_path / "gw")))
-    provider.shares_host_folders = False
-    name = f"relay-{uuid.uuid4().hex[:8]}"
 
-    async def scenario() -> None:
-        box = await provider.create(SandboxSpec(), name)
+    async def body(box) -> None:
+        plant = " && ".join(f"printf %s {shlex.quote(PLANTED)} > {module}.py"
+                            for module in ("socket", "struct", "threading", "selectors"))
+        assert (await box.exec(plant)).exit_code == 0
+        folder = await box.gateway_dir()
+        server = echo_server(folder)
         try:
-            plant = " && ".join(f"printf %s {shlex.quote(PLANTED)} > {module}.py"
-                                for module in ("socket", "struct", "threading", "selectors"))
-            assert (await box.exec(plant)).exit_code == 0
-            folder = await box.gateway_dir()
-            server = echo_server(folder)
-            try:
-                result = await box.exec(f"cd / && python3 -c {shlex.quote(ONE_CALL)}", timeout_s=300)
-            finally:
-                server.close()
-            assert result.output.strip() == "gnip", result.output[-1500:]
-            ran = await box.exec("cat /tmp/planted-ran-as 2>/dev/null; true")
-            assert ran.output.strip() == "", f"the agent's module ran in the relay, as uid {ran.output.split()}"
+            result = await box.exec(f"cd / && python3 -c {shlex.quote(ONE_CALL)}", timeout_s=300)
         finally:
-            await box.destroy()
-            await provider.close()
+            server.close()
+        assert result.output.strip() == "gnip", result.output[-1500:]
+        ran = await box.exec("cat /tmp/planted-ran-as 2>/dev/null; true")
+        assert ran.output.strip() == "", f"the agent's module ran in the relay, as uid {ran.output.split()}"
 
-    asyncio.run(scenario())
-    assert count_containers(name) == 0
+    on_a_remote_engine(tmp_path, body)
 
 
 def test_a_relay_that_cannot_start_fails_the_hand_out_and_says_so(tmp_path):
@@ -269,25 +248,16 @@ def test_a_relay_that_cannot_start_fails_the_hand_out_and_says_so(tmp_path):
     (ctx / "Dockerfile").write_text("FROM rollway-sandbox:bookworm\nRUN rm -f /usr/bin/python3* /usr/bin/python\n")
     image = f"rollway-test/no-python:{uuid.uuid4().hex[:8]}"
     client.images.build(path=str(ctx), tag=image, network_mode="none", rm=True, pull=False)
-    provider = DockerSandboxProvider(DockerSandboxConfig(gateway_root=str(tmp_path / "gw")))
-    provider.shares_host_folders = False
-    name = f"relay-{uuid.uuid4().hex[:8]}"
 
-    async def scenario() -> None:
-        box = await provider.create(SandboxSpec(image=image), name)
-        try:
-            started = time.monotonic()
-            with pytest.raises(SandboxError, match="relay in container .* did not start listening"):
-                await box.gateway_dir()
-            assert time.monotonic() - started < 60  # it ended: no wait for the start limit
-            gw = tmp_path / "gw"
-            assert box._relay is None and not (gw.exists() and os.listdir(gw))  # nothing handed out, nothing left
-        finally:
-            await box.destroy()
-            await provider.close()
+    async def body(box) -> None:
+        started = time.monotonic()
+        with pytest.raises(SandboxError, match="relay in container .* did not start listening"):
+            await box.gateway_dir()
+        assert time.monotonic() - started < 60  # it ended: no wait for the start limit
+        gw = tmp_path / "gw"
+        assert box._relay is None and not (gw.exists() and os.listdir(gw))  # nothing handed out, nothing left
 
     try:
-        asyncio.run(scenario())
+        on_a_remote_engine(tmp_path, body, spec=SandboxSpec(image=image))
     finally:
         client.images.remove(image, force=True)
-    assert count_containers(name) == 0
