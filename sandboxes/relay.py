@@ -51,13 +51,15 @@ path = sys.argv[1]
 if os.path.lexists(path):
     os.unlink(path)
 srv = socket.socket(socket.AF_UNIX); srv.bind(path); os.chmod(path, 0o666); srv.listen(64)
+mine = os.lstat(path).st_ino
 out, lock, conns, shut = sys.stdout.buffer, threading.Lock(), {}, {}
 def send(kind, cid, data=b""):
     with lock:
         out.write(F.pack(kind, cid, len(data)) + data); out.flush()
 def end():
-    try:
-        os.unlink(path)
+    try:  # only its own socket: the next hand-out's relay may have bound the path before this one got Q
+        if os.lstat(path).st_ino == mine:
+            os.unlink(path)
     finally:
         os._exit(0)
 send(b"R", 0)
@@ -126,7 +128,7 @@ class GatewayRelay:
         self._inbox = bytearray(buffered_stream_bytes(sock))  # engine frames not yet parsed
         self._frames = bytearray()  # the relay's stdout, not yet parsed
         self._wake_r, self._wake_w = os.pipe()
-        self._said = threading.Event()
+        self._answered = threading.Event()
         """Set when the relay said it listens (R), or when the relay ended before it did."""
         self.listening = False
         self.said = ""
@@ -137,7 +139,7 @@ class GatewayRelay:
     def wait_listening(self, timeout_s: float) -> bool:
         """True once the relay in the container listens on the programs' socket; False if it ended first, or
         said nothing in `timeout_s` (a generous bound: a loaded machine starts a python slowly)."""
-        self._said.wait(timeout_s)
+        self._answered.wait(timeout_s)
         return self.listening
 
     def close(self) -> None:
@@ -174,7 +176,7 @@ class GatewayRelay:
         except (OSError, ValueError) as exc:
             log.warning("gateway relay ended", sandbox=self.name, error=f"{type(exc).__name__}: {exc}"[:300])
         finally:
-            self._said.set()
+            self._answered.set()
             sel.close()
             for conn in self.conns.values():
                 conn.close()
@@ -217,7 +219,7 @@ class GatewayRelay:
     def _frame(self, sel: selectors.BaseSelector, kind: bytes, cid: int, data: bytes) -> None:
         if kind == b"R":
             self.listening = True
-            self._said.set()
+            self._answered.set()
             return
         if kind == b"O":
             if len(self.conns) >= MAX_OPEN or cid in self.conns:
