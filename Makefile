@@ -16,7 +16,7 @@ run: $(VENV)/.ready            ## a short learning run (4 groups x 8 episodes, 2
 smoke: $(VENV)/.ready          ## the smoke job: 8 scripted episodes through the whole pipeline
 	$(ROLLWAY) up examples/smoke.yaml
 
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 4
 test: $(VENV)/.ready           ## the whole test suite, TEST_WORKERS tests side by side (most of its time is waiting)
 	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --durations=25 tests
 

@@ -20,17 +20,13 @@ from rollway.sandboxes.base import ExecResult, Sandbox
 ROOT = Path(__file__).resolve().parent.parent
 
 
-# Longest-first scheduling: with `pytest -n N` these start before the many short tests, so no worker
-# begins a multi-minute test when the others are nearly done. From `--durations` of a whole run (the
-# slowest 25 there; a test missing here only runs later, never not at all).
-LONGEST_FIRST = (
-    "test_vllm_server.py", "test_grader_check.py::test_every_grader_contains_every_attack",
-    "test_vllm_pipeline.py", "test_learning_distributed.py", "test_bench_real.py", "test_chaos.py",
-    "test_compose.py", "test_fleet.py", "test_harness_chaos.py", "test_envs_swe.py", "test_swebench_tasks.py",
-    "test_harness.py", "test_qwen_code.py", "test_cli_e2e.py", "test_learner_actor.py", "test_envs_buglocal.py",
-    "test_harness_views.py", "test_sandbox_docker.py", "test_rerun.py", "test_faust_runtime.py",
-    "test_bench_pipeline.py", "test_bench_training.py", "test_grading_tamper.py",
-)
+DURATIONS = Path(__file__).with_name("durations.txt")
+"""Seconds each test of a second or more took in a whole run (`--store-durations` rewrites the file): with
+`pytest -n N` the units of work (a test, or the tests of one `SAME_WORKER` module) go out longest first, so no
+worker begins a multi-minute unit when the others are nearly done, and long waits (a run's timeout, a stage's
+grace) overlap the CPU-bound runs instead of gathering at the end. A test missing from the file counts as a
+second: it runs after the known slow ones, never not at all."""
+UNKNOWN_S = 1.0
 
 
 SAME_WORKER = {"test_vllm_server.py": "vllm_url", "test_policies_engine.py": "engine", "test_harness_views.py": "run",
@@ -41,18 +37,61 @@ SAME_WORKER = {"test_vllm_server.py": "vllm_url", "test_policies_engine.py": "en
 made once (a session fixture used by tests on three workers is made three times)."""
 
 
-def pytest_collection_modifyitems(config, items):
-    def rank(item) -> int:
-        nodeid = item.nodeid.split("/")[-1]
-        return next((i for i, name in enumerate(LONGEST_FIRST) if nodeid.startswith(name)), len(LONGEST_FIRST))
+def _unit(nodeid: str) -> str:
+    """The scheduler's unit of work a test belongs to: its module's shared fixture, or the test alone."""
+    return SAME_WORKER.get(Path(nodeid.split("::", 1)[0]).name, nodeid)
 
-    items.sort(key=rank)  # stable: the order within a rank is the collection order
+
+def _durations() -> dict[str, float]:
+    known = {}
+    if DURATIONS.exists():
+        for line in DURATIONS.read_text().splitlines():
+            seconds, _, nodeid = line.partition(" ")
+            if nodeid and not line.startswith("#"):
+                known[nodeid] = float(seconds)
+    return known
+
+
+def pytest_addoption(parser):
+    parser.addoption("--store-durations", action="store_true",
+                     help=f"write each test's seconds (setup, call and teardown) to {DURATIONS.name} for the scheduling")
+
+
+def pytest_collection_modifyitems(config, items):
+    known = _durations()
+    units: dict[str, float] = {}
+    for item in items:
+        units[_unit(item.nodeid)] = units.get(_unit(item.nodeid), 0.0) + known.get(item.nodeid, UNKNOWN_S)
+    items.sort(key=lambda item: -units[_unit(item.nodeid)])  # stable: a unit's tests keep their collection order
+
+
+_taken: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    _taken[report.nodeid] = _taken.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """With --store-durations, the process that saw every test (xdist's controller, or the only one) updates
+    the file with the tests it ran (others keep their entries); a run with a failure changes nothing."""
+    config = session.config
+    if not config.getoption("--store-durations") or hasattr(config, "workerinput"):
+        return
+    if exitstatus != 0:
+        print(f"\n{DURATIONS.name} not written: the run failed")
+        return
+    known = {**_durations(), **_taken}
+    lines = [f"{seconds:.1f} {nodeid}" for nodeid, seconds in sorted(known.items(), key=lambda kv: -kv[1])
+             if seconds >= UNKNOWN_S]
+    DURATIONS.write_text("# written by `pytest --store-durations`: seconds per test (1 s or more)\n"
+                         + "\n".join(lines) + "\n")
 
 
 @pytest.hookimpl(optionalhook=True)  # a pytest without xdist loads this file too
 def pytest_xdist_make_scheduler(config, log):
     """pytest-xdist's scheduler for this suite: each test is its own unit of work, except the tests of a
-    `SAME_WORKER` fixture, which are one unit; units go out in collection order (longest first). (xdist's
+    `SAME_WORKER` fixture, which are one unit; units go out in collection order (longest first, from `DURATIONS`). (xdist's
     own `xdist_group` marks do nothing under pytest 9: the worker renames `item._nodeid`, which pytest 9
     no longer reads.)"""
     from xdist.scheduler import LoadScopeScheduling
