@@ -159,8 +159,9 @@ class MetricsConfig(StrictModel):
     """Prometheus metrics of the stage processes (runtime/metrics.py, docs/observability.md)."""
 
     enabled: bool = True
-    """Every stage process serves `/metrics` in the Prometheus text format and announces its address in the
-    run folder (prometheus/targets/HOST.PID.json), which the run's prometheus/prometheus.yml scrapes."""
+    """Every stage process serves its metrics in the Prometheus text format at a path of its own
+    (`/metrics/ID`) and announces address and path in the run folder (prometheus/targets/HOST.PID.json), which
+    the run's prometheus/prometheus.yml scrapes."""
     host: str = "127.0.0.1"
     """Address the endpoint listens on; `0.0.0.0` to let another machine's Prometheus scrape it (it is
     then announced under this machine's host name)."""

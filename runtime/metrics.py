@@ -15,6 +15,7 @@ import json
 import socket
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -197,11 +198,15 @@ class MetricsServer:
 
     def __init__(self, cfg: MetricsConfig, run_dir: Path | None, run_id: str | None) -> None:
         self.cfg, self.users = cfg, 0
-        self.httpd, self.thread, self.port = serve(cfg.host, cfg.port)
-        self.url = f"http://{announced_host(cfg.host)}:{self.port}/metrics"
+        # A path of this process's own: a crashed worker's announcement stays (its target must read as down),
+        # and another run's process soon listens on its port (every run starts at metrics.port); at another
+        # path that process answers 404, so a scrape never files its figures under this run's target.
+        path = f"/metrics/{uuid.uuid4().hex}"
+        self.httpd, self.thread, self.port = serve(cfg.host, cfg.port, path)
+        self.url = f"http://{announced_host(cfg.host)}:{self.port}{path}"
         self.target: Path | None = None
         if run_dir is not None:
-            labels = {"run": run_id} if run_id else {}
+            labels = {"__metrics_path__": path, **({"run": run_id} if run_id else {})}
             self.target = announce(run_dir, worker_name(), f"{announced_host(cfg.host)}:{self.port}", labels)
         log.info("metrics served", url=self.url, announced=str(self.target) if self.target else None)
 
@@ -242,20 +247,45 @@ class MetricsServer:
         self.httpd.server_close()
 
 
-def serve(host: str, first: int) -> tuple[Any, threading.Thread, int]:
-    """An HTTP server of REGISTRY on `first`, or on the next free port above it (0, or none free in
-    PORT_SEARCH: a port the operating system picks); (server, thread, port)."""
-    from prometheus_client import start_http_server
-
+def serve(host: str, first: int, path: str = "/metrics") -> tuple[Any, threading.Thread, int]:
+    """An HTTP server of REGISTRY at `path` only (any other path: 404) on `first`, or on the next free port
+    above it (0, or none free in PORT_SEARCH: a port the operating system picks); (server, thread, port)."""
     for port in [*(range(first, first + PORT_SEARCH) if first else ()), 0]:
         try:
-            httpd, thread = start_http_server(port, host, registry=REGISTRY)
+            httpd = _metrics_server(host, port, path)
         except OSError as err:
             if err.errno != errno.EADDRINUSE or port == 0:
                 raise
             continue
+        thread = threading.Thread(target=httpd.serve_forever, name="metrics", daemon=True)
+        thread.start()
         return httpd, thread, httpd.server_port
     raise AssertionError("unreachable")
+
+
+def _metrics_server(host: str, port: int, path: str) -> Any:
+    from socketserver import ThreadingMixIn
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+    from prometheus_client import make_wsgi_app
+
+    metrics = make_wsgi_app(REGISTRY)
+
+    def app(environ: dict[str, Any], start_response: Any) -> Any:
+        if environ.get("PATH_INFO") != path:
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"not this process's metrics path\n"]
+        return metrics(environ, start_response)
+
+    class Server(ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, *args: Any) -> None:  # a line per scrape on stderr otherwise
+            pass
+
+    return make_server(host, port, app, Server, handler_class=Quiet)
 
 
 def announce(run_dir: Path, name: str, address: str, labels: dict[str, str]) -> Path:

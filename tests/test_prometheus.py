@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -339,8 +340,10 @@ def test_a_metrics_port_in_use_moves_to_the_next_free_one_and_announces_it(tmp_p
         try:
             assert server.port != port
             (announced,) = json.loads(RunDir(tmp_path).metrics_target(worker_name()).read_text())
+            path = announced["labels"].pop("__metrics_path__")
             assert announced == {"targets": [f"127.0.0.1:{server.port}"], "labels": {"run": "run-x"}}
-            body = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10).read().decode()
+            assert server.url == f"http://127.0.0.1:{server.port}{path}"
+            body = urllib.request.urlopen(server.url, timeout=10).read().decode()
             assert "# TYPE rollway_consumer_lag_messages gauge" in body
             httpd, _, second = serve("127.0.0.1", server.port)  # and the port after a taken one is free
             assert second not in (port, server.port)
@@ -438,3 +441,59 @@ def test_gateway_and_engine_series_from_a_real_scrape(tmp_path):
     finally:
         prom.stop()
         asyncio.run(server.release(clean=False))
+
+
+def _scrape_announced(target: Path) -> tuple[int, str]:
+    """What Prometheus reads from an announced target: its address and path (`__metrics_path__`, else /metrics)."""
+    (group,) = json.loads(target.read_text())
+    url = f"http://{group['targets'][0]}{group['labels'].get('__metrics_path__', '/metrics')}"
+    try:
+        with urllib.request.urlopen(url, timeout=10) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, ""
+
+
+def test_a_crashed_workers_target_never_reads_the_figures_of_a_process_that_took_its_port(tmp_path):
+    """Attack (seen in a whole run: one run's Prometheus held another run's topics under its own `run` label):
+    a crashed stage's announcement stays (its target must read as down), and every run's processes start at
+    the same `metrics.port`, so another run's process soon listens there. A scrape of the dead worker's target
+    must not get that process's figures; the new process's own target must."""
+    import signal
+    import textwrap
+
+    worker = textwrap.dedent("""
+        import sys, time
+        from pathlib import Path
+        from rollway.config.run import MetricsConfig
+        from rollway.runtime.metrics import MetricsServer, CONSUMER_LAG
+        server = MetricsServer.acquire(MetricsConfig(port=int(sys.argv[1])), Path(sys.argv[2]), sys.argv[3])
+        CONSUMER_LAG.labels(sys.argv[3], sys.argv[3] + "-topic", "0").set(7)
+        print("PORT", server.port, flush=True)
+        time.sleep(600)
+    """)
+    port = free_port()
+    runs = {name: tmp_path / name for name in ("first", "second")}
+    procs = {}
+    try:
+        for name in ("first", "second"):
+            procs[name] = subprocess.Popen([sys.executable, "-c", worker, str(port), str(runs[name]), name],
+                                           cwd=ROOT, stdout=subprocess.PIPE, text=True)
+            line = ""
+            while not line.startswith("PORT "):  # its log lines come first
+                line = procs[name].stdout.readline()
+                assert line, f"the {name} worker ended before serving"
+            assert int(line.split()[1]) == port  # each in turn got the configured port
+            if name == "first":  # crashes: no clean stop, its announcement stays
+                procs[name].send_signal(signal.SIGKILL)
+                procs[name].wait()
+        (dead,) = (runs["first"] / "prometheus" / "targets").glob("*.json")
+        (live,) = (runs["second"] / "prometheus" / "targets").glob("*.json")
+        status, body = _scrape_announced(dead)
+        assert status != 200 and "second-topic" not in body, f"the dead worker's target read {status}: {body[-300:]}"
+        status, body = _scrape_announced(live)
+        assert status == 200 and 'topic="second-topic"' in body
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
