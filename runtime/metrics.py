@@ -250,24 +250,9 @@ class MetricsServer:
 def serve(host: str, first: int, path: str = "/metrics") -> tuple[Any, threading.Thread, int]:
     """An HTTP server of REGISTRY at `path` only (any other path: 404) on `first`, or on the next free port
     above it (0, or none free in PORT_SEARCH: a port the operating system picks); (server, thread, port)."""
-    for port in [*(range(first, first + PORT_SEARCH) if first else ()), 0]:
-        try:
-            httpd = _metrics_server(host, port, path)
-        except OSError as err:
-            if err.errno != errno.EADDRINUSE or port == 0:
-                raise
-            continue
-        thread = threading.Thread(target=httpd.serve_forever, name="metrics", daemon=True)
-        thread.start()
-        return httpd, thread, httpd.server_port
-    raise AssertionError("unreachable")
+    from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-
-def _metrics_server(host: str, port: int, path: str) -> Any:
-    from socketserver import ThreadingMixIn
-    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
-
-    from prometheus_client import make_wsgi_app
+    from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 
     metrics = make_wsgi_app(REGISTRY)
 
@@ -277,15 +262,27 @@ def _metrics_server(host: str, port: int, path: str) -> Any:
             return [b"not this process's metrics path\n"]
         return metrics(environ, start_response)
 
-    class Server(ThreadingMixIn, WSGIServer):
-        daemon_threads = True
-        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # The address family of `host` (an IPv6 address or a name that resolves to one), as start_http_server chose it.
+    family, _, _, _, sockaddr = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+
+    class Server(ThreadingWSGIServer):
+        address_family = family
 
     class Quiet(WSGIRequestHandler):
         def log_message(self, *args: Any) -> None:  # a line per scrape on stderr otherwise
             pass
 
-    return make_server(host, port, app, Server, handler_class=Quiet)
+    for port in [*(range(first, first + PORT_SEARCH) if first else ()), 0]:
+        try:
+            httpd = make_server(sockaddr[0], port, app, Server, handler_class=Quiet)
+        except OSError as err:
+            if err.errno != errno.EADDRINUSE or port == 0:
+                raise
+            continue
+        thread = threading.Thread(target=httpd.serve_forever, name="metrics", daemon=True)
+        thread.start()
+        return httpd, thread, httpd.server_port
+    raise AssertionError("unreachable")
 
 
 def announce(run_dir: Path, name: str, address: str, labels: dict[str, str]) -> Path:

@@ -61,7 +61,8 @@ def pytest_collection_modifyitems(config, items):
     known = _durations()
     units: dict[str, float] = {}
     for item in items:
-        units[_unit(item.nodeid)] = units.get(_unit(item.nodeid), 0.0) + known.get(item.nodeid, UNKNOWN_S)
+        unit = _unit(item.nodeid)
+        units[unit] = units.get(unit, 0.0) + known.get(item.nodeid, UNKNOWN_S)
     items.sort(key=lambda item: -units[_unit(item.nodeid)])  # stable: a unit's tests keep their collection order
 
 
