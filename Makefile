@@ -17,8 +17,10 @@ smoke: $(VENV)/.ready          ## the smoke job: 8 scripted episodes through the
 	$(ROLLWAY) up examples/smoke.yaml
 
 TEST_WORKERS ?= 4
+# PYTHONDONTWRITEBYTECODE= : the suite starts about a thousand Python processes; where the environment sets that
+# variable (some images do) each one compiled rollway's modules again and every worker rewrote each test module.
 test: $(VENV)/.ready           ## the whole test suite, TEST_WORKERS tests side by side (most of its time is waiting)
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --durations=25 tests
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --durations=25 tests
 
 bench: $(VENV)/.ready          ## pipelined vs bounded-batch rollout on the simulated workload (about 6 minutes)
 	$(ROLLWAY) bench pipeline
