@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -49,6 +51,9 @@ class ServerProcess:
         self.secrets = secrets
         """Handed over a pipe at each start (`Child.secrets`), not in the server's environment."""
         self.proc: Child | None = None
+        self.tmp_dir: str | None = None
+        """The server's own temporary folder (its TMPDIR), made at start and removed at stop: vLLM leaves its
+        ZeroMQ sockets and distributed-init files in the temporary folder when it exits."""
         self._probed_at = 0.0
         self.failed_probes = 0
         """Health probes failed in a row (`healthy`)."""
@@ -58,9 +63,16 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def start(self) -> ServerProcess:
-        self.proc = Child(self.argv, self.log_path, self.env, name="the engine",
+        self._remove_tmp()
+        self.tmp_dir = tempfile.mkdtemp(prefix="rollway-engine-")  # mode 0700
+        self.proc = Child(self.argv, self.log_path, {**self.env, "TMPDIR": self.tmp_dir}, name="the engine",
                           die_with_parent=self.die_with_parent, secrets=self.secrets).start()
         return self
+
+    def _remove_tmp(self) -> None:
+        if self.tmp_dir is not None:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+            self.tmp_dir = None
 
     def wait_ready(self, timeout_s: float) -> None:
         assert self.proc is not None
@@ -81,8 +93,10 @@ class ServerProcess:
         return self.failed_probes < HEALTH_FAILURES
 
     def stop(self) -> None:
+        """Stop it (a killed one too) and remove its temporary folder."""
         if self.proc is not None:
             self.proc.stop(grace_s=20)
+        self._remove_tmp()
 
 
 class LaunchedEngine:
@@ -113,6 +127,7 @@ class LaunchedEngine:
             if old.alive():  # alive but not answering: a restart needs its port
                 why = f"stopped answering /health ({old.failed_probes} probes in a row)"
                 old.proc.kill()
+            old.stop()  # reaps it and removes its temporary folder
             cfg = self.cfg if checkpoint is None else self.cfg.model_copy(update={"model": checkpoint})
             if self.engine == "vllm":  # same served name as before: the clients keep naming it
                 from rollway.policies.model_loading import resolve_model_folder
