@@ -7,7 +7,9 @@ children of the job in their own process groups, stopped with it."""
 
 from __future__ import annotations
 
+import getpass
 import os
+import re
 import secrets
 import shutil
 import sys
@@ -38,6 +40,16 @@ def resolve_engine(cfg: OpenAIPolicyConfig) -> str:
     return "vllm" if cfg.engine == "vllm" or (cfg.engine == "auto" and has_vllm) else "builtin"
 
 
+def _inductor_cache_dir() -> str:
+    """torch's default compile cache (`torch._inductor` puts it at <temporary folder>/torchinductor_<user>),
+    unless TORCHINDUCTOR_CACHE_DIR names another."""
+    try:
+        user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
+
+
 class ServerProcess:
     """One server child: argv, extra environment, port and log file; started, awaited and stopped by
     the launcher (base/process.py) in its own process group."""
@@ -65,7 +77,11 @@ class ServerProcess:
     def start(self) -> ServerProcess:
         self._remove_tmp()
         self.tmp_dir = tempfile.mkdtemp(prefix="rollway-engine-")  # mode 0700
-        self.proc = Child(self.argv, self.log_path, {**self.env, "TMPDIR": self.tmp_dir}, name="the engine",
+        # torch's compile cache stays where it was (by default in the temporary folder): a fresh one per start
+        # recompiled what vLLM compiles (a start 25 -> 27.5 core-seconds, a learning run with weight updates
+        # much more)
+        env = {"TORCHINDUCTOR_CACHE_DIR": _inductor_cache_dir(), **self.env, "TMPDIR": self.tmp_dir}
+        self.proc = Child(self.argv, self.log_path, env, name="the engine",
                           die_with_parent=self.die_with_parent, secrets=self.secrets).start()
         return self
 
