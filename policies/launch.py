@@ -7,13 +7,9 @@ children of the job in their own process groups, stopped with it."""
 
 from __future__ import annotations
 
-import getpass
 import os
-import re
 import secrets
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -40,16 +36,6 @@ def resolve_engine(cfg: OpenAIPolicyConfig) -> str:
     return "vllm" if cfg.engine == "vllm" or (cfg.engine == "auto" and has_vllm) else "builtin"
 
 
-def _inductor_cache_dir() -> str:
-    """torch's default compile cache (`torch._inductor` puts it at <temporary folder>/torchinductor_<user>),
-    unless TORCHINDUCTOR_CACHE_DIR names another."""
-    try:
-        user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
-    except (KeyError, OSError):
-        user = str(os.getuid())
-    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
-
-
 class ServerProcess:
     """One server child: argv, extra environment, port and log file; started, awaited and stopped by
     the launcher (base/process.py) in its own process group."""
@@ -63,9 +49,6 @@ class ServerProcess:
         self.secrets = secrets
         """Handed over a pipe at each start (`Child.secrets`), not in the server's environment."""
         self.proc: Child | None = None
-        self.tmp_dir: str | None = None
-        """The server's own temporary folder (its TMPDIR), made at start and removed at stop: vLLM leaves its
-        ZeroMQ sockets and distributed-init files in the temporary folder when it exits."""
         self._probed_at = 0.0
         self.failed_probes = 0
         """Health probes failed in a row (`healthy`)."""
@@ -75,20 +58,9 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def start(self) -> ServerProcess:
-        self._remove_tmp()
-        self.tmp_dir = tempfile.mkdtemp(prefix="rollway-engine-")  # mode 0700
-        # torch's compile cache stays where it was (by default in the temporary folder): a fresh one per start
-        # recompiled what vLLM compiles (a start 25 -> 27.5 core-seconds, a learning run with weight updates
-        # much more)
-        env = {"TORCHINDUCTOR_CACHE_DIR": _inductor_cache_dir(), **self.env, "TMPDIR": self.tmp_dir}
-        self.proc = Child(self.argv, self.log_path, env, name="the engine",
+        self.proc = Child(self.argv, self.log_path, self.env, name="the engine",
                           die_with_parent=self.die_with_parent, secrets=self.secrets).start()
         return self
-
-    def _remove_tmp(self) -> None:
-        if self.tmp_dir is not None:
-            shutil.rmtree(self.tmp_dir, ignore_errors=True)
-            self.tmp_dir = None
 
     def wait_ready(self, timeout_s: float) -> None:
         assert self.proc is not None
@@ -109,10 +81,8 @@ class ServerProcess:
         return self.failed_probes < HEALTH_FAILURES
 
     def stop(self) -> None:
-        """Stop it (a killed one too) and remove its temporary folder."""
         if self.proc is not None:
             self.proc.stop(grace_s=20)
-        self._remove_tmp()
 
 
 class LaunchedEngine:
@@ -143,7 +113,6 @@ class LaunchedEngine:
             if old.alive():  # alive but not answering: a restart needs its port
                 why = f"stopped answering /health ({old.failed_probes} probes in a row)"
                 old.proc.kill()
-            old.stop()  # reaps it and removes its temporary folder
             cfg = self.cfg if checkpoint is None else self.cfg.model_copy(update={"model": checkpoint})
             if self.engine == "vllm":  # same served name as before: the clients keep naming it
                 from rollway.policies.model_loading import resolve_model_folder

@@ -95,31 +95,6 @@ def test_the_key_is_not_in_argv_and_dev_routes_refuse_requests_without_it(vllm_u
     assert status("/weight_info", API_KEY, "GET") == 200 and status("/health", None, "GET") == 200
 
 
-def test_the_servers_sockets_are_in_a_folder_of_its_own(vllm_url):
-    """vLLM leaves its ZeroMQ sockets in the temporary folder when it exits (hundreds of `/tmp/<uuid>` after
-    a day of runs): a launched server's TMPDIR is a folder of its own that its stop removes
-    (tests/test_engine_tmp.py); here, the real server's sockets are in it."""
-    import tempfile
-
-    if os.environ.get("ROLLWAY_TEST_VLLM_URL"):
-        pytest.skip("a server this session did not launch")
-    port = vllm_url.removesuffix("/v1").rsplit(":", 1)[1]
-    pids = [p.name for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline(p).count(f"--port\0{port}\0")
-            and "vllm.entrypoints.openai.api_server" in _cmdline(p)]
-    assert len(pids) == 1, pids
-    env = dict(item.split("=", 1) for item in Path(f"/proc/{pids[0]}/environ").read_text().split("\0") if "=" in item)
-    folder = Path(env["TMPDIR"])
-    assert folder.parent == Path(tempfile.gettempdir()) and folder.name.startswith("rollway-engine-"), folder
-    assert any(f.is_socket() for f in folder.iterdir()), sorted(folder.iterdir())
-
-
-def _cmdline(proc: Path) -> str:
-    try:
-        return (proc / "cmdline").read_text() + "\0"
-    except OSError:
-        return ""
-
-
 def client_for(url: str, **kw) -> VLLMClient:
     return build_inference(PolicyConfig(type="openai", engine="vllm", base_url=url, **kw), chat=None)
 
