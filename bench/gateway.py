@@ -42,7 +42,11 @@ class ZeroLatencyEngine(InferenceClient):
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         if self.latency_s:
-            await asyncio.sleep(self.latency_s)
+            # uvloop's timers count whole milliseconds: a sleep woken by another call's event can end up to
+            # 1 ms early, so wait on this clock until the time is really spent
+            deadline = time.perf_counter() + self.latency_s
+            while (left := deadline - time.perf_counter()) > 0:
+                await asyncio.sleep(left)
         return Generation(list(self.reply), [-0.1] * len(self.reply), "stop", 0)
 
 

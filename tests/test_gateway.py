@@ -609,6 +609,33 @@ def test_completions_stream_and_tool_choice_none():
     assert calls[1].new_messages[0]["role"] == "system"
 
 
+def test_the_bench_engine_never_answers_before_its_time_under_uvloop():
+    """The bench's engine stands for one that takes `latency_s` a call; uvloop's timers count whole
+    milliseconds, so a plain sleep woken by other calls' events returned up to 1 ms early (49.1 ms for 50),
+    and the bench's direct time fell under the engine's own. Forty staggered callers, three calls each."""
+    import time
+
+    import uvloop
+
+    from rollway.bench.gateway import ZeroLatencyEngine
+
+    engine = ZeroLatencyEngine(0.05)
+    took: list[float] = []
+
+    async def one(i: int) -> None:
+        await asyncio.sleep(i * 0.0003)
+        for _ in range(3):
+            start = time.perf_counter()
+            await engine.generate([1], SamplingParams())
+            took.append(time.perf_counter() - start)
+
+    async def main() -> None:
+        await asyncio.gather(*(one(i) for i in range(40)))
+
+    uvloop.run(main())
+    assert len(took) == 120 and min(took) >= 0.05, sorted(took)[:5]
+
+
 def test_bench_gateway_command_reports_the_added_time_as_json():
     """`rollway bench gateway --json` runs end to end (tiny settings; the gateway's own figures are not checked):
     each API side by side, with the bundled model's tokenizer and the byte format, an engine that answers at
