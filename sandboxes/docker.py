@@ -551,8 +551,10 @@ class DockerSandboxProvider(SandboxProvider):
     def volume_options(self, name: str, spec: SandboxSpec | None = None) -> dict[str, Any]:
         """The workspace volume: a tmpfs owned by the sandbox user (a fresh disk volume would be
         root-owned, and with every capability dropped nothing in the container could chown it).
-        Its size is the workspace cap; its pages count against the container's memory."""
-        opts = f"size={self.limits(spec)[2]}m,uid=65534,gid=65534,mode=0755"
+        Its size is the workspace cap; its pages count against the container's memory. Mounted `noatime`:
+        the base snapshot's `git add` reads every file in path order, and with access times kept each first
+        read would leave the clock's tick on the file, an order the agent could read (task_tree.retime_tree)."""
+        opts = f"size={self.limits(spec)[2]}m,uid=65534,gid=65534,mode=0755,noatime"
         return {"name": f"rollway-{name}", "driver": "local",
                 "driver_opts": {"type": "tmpfs", "device": "tmpfs", "o": opts},
                 "labels": {LABEL: name}}  # fmt: skip
@@ -847,17 +849,19 @@ def tar_files(files: dict[str, bytes], executable: set[str] | frozenset[str] = f
     are widened: the sandbox user (65534) must be able to edit what the framework put there.
     (Executable bits of source files are not carried over; `chmod +x` in setup_commands if needed.)"""
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
+    fixed = {"atime": str(FIXED_TIME)}  # else the engine gives folders the access time 0 and files their mtime
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
         dirs = sorted(
             {str(parent) for rel in files for parent in PurePosixPath(rel).parents if str(parent) != "."}
         )
         for d in dirs:
             info = tarfile.TarInfo(d)
-            info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o777, FIXED_TIME
+            info.type, info.mode, info.mtime, info.pax_headers = tarfile.DIRTYPE, 0o777, FIXED_TIME, fixed
             tar.addfile(info)
         for rel, data in files.items():
             info = tarfile.TarInfo(rel)
             info.size, info.mode = len(data), 0o777 if rel in executable else 0o666
             info.mtime = FIXED_TIME  # one time for all: none names the file a task's builder changed
+            info.pax_headers = fixed
             tar.addfile(info, io.BytesIO(data))
     return buf.getvalue()

@@ -29,7 +29,7 @@ from rollway.sandboxes.base import (
 )
 from rollway.sandboxes.config import LocalSandboxConfig
 from rollway.sandboxes.jail import JailLimits, JailRunner
-from rollway.sandboxes.task_tree import installed_copies, normalise_tree
+from rollway.sandboxes.task_tree import installed_copies, normalise_tree, retime_tree
 
 DEFAULT_ROOT = "/tmp/rollway-sandboxes"
 """Stable, so every worker process on this machine finds the workspaces the others created."""
@@ -308,6 +308,7 @@ class LocalSandboxProvider(SandboxProvider):
         (git_dir / "info" / "exclude").write_text(_EXCLUDES)
         run_git(git_dir, workspace, ["add", "--all", "."])
         run_git(git_dir, workspace, ["commit", "--quiet", "--allow-empty", "--no-verify", "-m", "base"])
+        retime_tree(workspace)  # `git add` read every file in path order: its reads leave no access times
         (box_dir / _READY).touch()
 
     async def attach(self, handle: dict[str, Any]) -> LocalSandbox:

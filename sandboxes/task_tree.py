@@ -44,6 +44,14 @@ def normalise_tree(root: str | os.PathLike[str]) -> None:
             if name.endswith(CACHE_SUFFIXES):
                 os.unlink(os.path.join(here, name))
     # Deepest first: retiming an entry never touches its folder's time, but removing one did above.
+    retime_tree(root)
+
+
+def retime_tree(root: str | os.PathLike[str]) -> None:
+    """Every entry under `root` (links themselves, never their targets) and `root` to FIXED_TIME. Run again
+    after the base snapshot: `git add` reads each file in path order and a first read moves its access time
+    to the current clock tick, so the files read after a tick boundary would be the newest (an order the
+    agent could read, naming the tree's last files). Containers mount the workspace `noatime` instead."""
     for here, folders, files in os.walk(root, topdown=False, followlinks=False):
         for name in [*files, *folders]:
             os.utime(os.path.join(here, name), (FIXED_TIME, FIXED_TIME), follow_symlinks=False)

@@ -65,6 +65,37 @@ def test_no_channel_names_the_changed_file_of_an_swe_row(toolz_swebench_row):
     assert probed is not None and probed["leaks"] == [], (task_id, probed)
 
 
+@pytest.mark.parametrize("sandbox_type", ["local", "docker"])
+def test_a_fresh_workspace_has_one_access_time_after_the_base_snapshot(tmp_path, sandbox_type):
+    """The base snapshot (`git add`) reads every file in path order, and each first read moved that file's
+    access time to the clock's current tick: the files read after a tick boundary were the newest, so the
+    atime channel named the tree's last files (a changed `zipp.py` after six `other*.py`, one Docker run in
+    three). Nothing the agent can see may say in what order anything was read: every entry keeps FIXED_TIME
+    (on Docker, below the workspace's root: the volume's own root keeps the time of the copy, as in every task)."""
+    if sandbox_type == "docker":
+        from docker_engine import ensure_engine
+
+        ensure_engine()
+    tree = tmp_path / "tree"
+    (tree / "pkg").mkdir(parents=True)
+    for i in range(40):
+        (tree / "pkg" / f"m{i:02d}.py").write_text(f"x = {i}\n" * 2000)
+    provider = build_sandbox_provider(SandboxConfig(type=sandbox_type))  # type: ignore[arg-type]
+
+    async def go() -> str:
+        box = await provider.create(SandboxSpec(source_dir=str(tree)), f"atime-{uuid.uuid4().hex[:10]}")
+        try:
+            return (await box.exec("find . -path ./.rollway -prune -o -printf '%A@ %p\\n'")).output
+        finally:
+            await box.destroy()
+            await provider.close()
+
+    listed = [line.split(" ", 1) for line in run(go()).splitlines() if line.strip()]
+    assert len(listed) >= 42, listed
+    moved = sorted(path for when, path in listed if float(when) != FIXED_TIME and (sandbox_type, path) != ("docker", "."))
+    assert moved == [], f"{len(moved)} of {len(listed)} entries were read after the tree was retimed: {moved[:8]}"
+
+
 def test_probe_names_a_changed_file_by_time_bytecode_and_git(tmp_path):
     """The probe itself finds each channel when it is open (a tree made as the builder made it before:
     the mutated file written last, its bytecode compiled from the original, a git repository), so a probe
@@ -150,9 +181,10 @@ async def _probe_installed_copy(provider, tree: Path, site: str | Path, python: 
     `site` (module, bytecode, dist-info) with what `import leaky` gives (the workspace's copy: f3() is -3)."""
     box = await provider.create(SandboxSpec(source_dir=str(tree)), f"leak-{uuid.uuid4().hex[:10]}")
     try:
+        report = await probe_sandbox(box)  # first: the import below reads leaky.py, which moves its access time
         seen = await box.exec(f"cat {site}/leaky.py {site}/__pycache__/leaky* {site}/leaky-1.0.dist-info/* 2>/dev/null"
                               f" | wc -c; {python} -c 'import leaky; print(leaky.f3())'")
-        return await probe_sandbox(box), seen.output
+        return report, seen.output
     finally:
         await box.destroy()
 
