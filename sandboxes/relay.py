@@ -163,6 +163,9 @@ class GatewayRelay:
         sel.register(self.raw, selectors.EVENT_READ, "exec")
         sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         try:
+            # What the HTTP reader already took may hold the relay's R, and nothing more may come on the socket
+            # until a program connects: parse it before waiting for the socket
+            self._parse_exec(sel)
             while True:
                 ready = [key.data for key, _ in sel.select()]
                 if "wake" in ready:
@@ -194,6 +197,11 @@ class GatewayRelay:
             self._inbox += chunk
             if not getattr(self.raw, "pending", lambda: 0)():
                 break
+        self._parse_exec(sel)
+        return True
+
+    def _parse_exec(self, sel: selectors.BaseSelector) -> None:
+        """Every whole engine frame in the inbox, and every whole relay frame in them, handled."""
         while len(self._inbox) >= 8:
             stream, size = struct.unpack(">BxxxL", self._inbox[:8])
             if len(self._inbox) < 8 + size:
@@ -214,7 +222,6 @@ class GatewayRelay:
             data = bytes(self._frames[FRAME.size:FRAME.size + size])
             del self._frames[:FRAME.size + size]
             self._frame(sel, kind, cid, data)
-        return True
 
     def _frame(self, sel: selectors.BaseSelector, kind: bytes, cid: int, data: bytes) -> None:
         if kind == b"R":

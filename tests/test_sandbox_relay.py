@@ -261,3 +261,31 @@ def test_a_relay_that_cannot_start_fails_the_hand_out_and_says_so(tmp_path):
         on_a_remote_engine(tmp_path, body, spec=SandboxSpec(image=image))
     finally:
         client.images.remove(image, force=True)
+
+
+def test_a_ready_frame_the_http_reader_already_buffered_is_seen_without_more_bytes(tmp_path):
+    """Seen once in a whole run: the relay said R at once, the HTTP reader took it into its buffer with the
+    upgrade's headers, and nothing more came on the socket (the relay waits for connections), so the worker
+    never parsed what it had recovered and the hand-out failed after 120 s. Here the exec socket is faked (a
+    socket pair standing in for the hijacked stream, its response reader holding the engine-framed R): what
+    is tested is the worker's parsing, which the real engine reaches only by that race."""
+    import struct
+    from types import SimpleNamespace
+
+    from rollway.sandboxes.relay import FRAME, GatewayRelay
+
+    frame = FRAME.pack(b"R", 0, 0)
+    buffered = struct.pack(">BxxxL", 1, len(frame)) + frame
+
+    class Reader:
+        def read1(self, n: int) -> bytes:
+            return buffered
+
+    ours, theirs = socket.socketpair()
+    sock = SimpleNamespace(_sock=ours, _response=SimpleNamespace(raw=SimpleNamespace(_fp=SimpleNamespace(fp=Reader()))))
+    relay = GatewayRelay(sock, str(tmp_path / "gateway.sock"), "buffered")
+    try:
+        assert relay.wait_listening(20), "the buffered R frame was never parsed"
+    finally:
+        relay.close()
+        theirs.close()
