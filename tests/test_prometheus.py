@@ -398,7 +398,17 @@ def test_gateway_and_engine_series_from_a_real_scrape(tmp_path):
     prom_config = write_scrape_config(run_dir, scrape_interval_s=0.5)
     server = MetricsServer.acquire(MetricsConfig(port=0), run_dir, "run-gw")
     prom = Prometheus(prom_config, tmp_path / "data")
-    engine = LoggedEngine(SCRIPT * 2)
+    class SlowEngine(LoggedEngine):
+        """Takes 50 ms a call, as an engine does. The scripted policy answers in about a tenth of a
+        millisecond, and once busy came to 0.18 ms of 1.72 ms of calls in a whole run: most likely a call
+        blocked on the busy counter's lock while a scrape's thread held it waiting for the GIL (a call is timed
+        from before that lock, counted busy from after it), which only instant calls notice."""
+
+        async def generate(self, prompt_ids, params):
+            await asyncio.sleep(0.05)
+            return await super().generate(prompt_ids, params)
+
+    engine = SlowEngine(SCRIPT * 2)
     secret: list[str] = []
 
     async def episode() -> None:
