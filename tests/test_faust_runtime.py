@@ -44,9 +44,12 @@ async def start_worker(actor: Forward, cfg, bootstrap: str, group: str, run_dir:
 def faust_state(stage) -> str:
     """Where a worker that handles nothing stands: its partitions and its tables' recovery."""
     try:
-        recovery = stage.app.tables.recovery
-        return (f"assigned={sorted(str(tp) for tp in stage.app.consumer.assignment())} "
-                f"in_recovery={recovery.in_recovery} active_remaining={recovery.active_remaining_total()}")
+        recovery, consumer = stage.app.tables.recovery, stage.app.consumer
+        return (f"assigned={sorted(str(tp) for tp in consumer.assignment())} "
+                f"in_recovery={recovery.in_recovery} active_remaining={recovery.active_remaining_total()} "
+                f"paused={sorted(str(tp) for tp in consumer._paused_partitions)} "
+                f"active={sorted(str(tp) for tp in (consumer._active_partitions or ()))} "
+                f"flow_active={consumer.flow_active} can_resume_flow={consumer.can_resume_flow.is_set()}")
     except Exception as err:  # noqa: BLE001 - a diagnostic only
         return f"(faust state unreadable: {err!r})"
 
