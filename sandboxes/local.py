@@ -29,7 +29,7 @@ from rollway.sandboxes.base import (
 )
 from rollway.sandboxes.config import LocalSandboxConfig
 from rollway.sandboxes.jail import JailLimits, JailRunner
-from rollway.sandboxes.task_tree import installed_copies, normalise_tree, retime_tree
+from rollway.sandboxes.task_tree import drop_caches, installed_copies, retime_tree
 
 DEFAULT_ROOT = "/tmp/rollway-sandboxes"
 """Stable, so every worker process on this machine finds the workspaces the others created."""
@@ -240,8 +240,9 @@ class LocalSandboxProvider(SandboxProvider):
                         f"setup command {command!r} failed (exit {result.exit_code}, timed out: "
                         f"{result.timed_out}); fix the task's setup_commands. Output:\n{result.output[-2000:]}"
                     )
-            # No agent command has run yet: the tree is the task's, and its times and caches say nothing.
-            await asyncio.to_thread(normalise_tree, box_dir / "workspace")
+            # No agent command has run yet: the tree is the task's, and its caches and (retimed once the
+            # snapshot has read every file) its times say nothing.
+            await asyncio.to_thread(drop_caches, box_dir / "workspace")
             await asyncio.to_thread(self._snapshot, box_dir)
         except BaseException:
             await sandbox.destroy()
@@ -308,7 +309,7 @@ class LocalSandboxProvider(SandboxProvider):
         (git_dir / "info" / "exclude").write_text(_EXCLUDES)
         run_git(git_dir, workspace, ["add", "--all", "."])
         run_git(git_dir, workspace, ["commit", "--quiet", "--allow-empty", "--no-verify", "-m", "base"])
-        retime_tree(workspace)  # `git add` read every file in path order: its reads leave no access times
+        retime_tree(workspace)  # after `git add`, which read every file in path order (access times)
         (box_dir / _READY).touch()
 
     async def attach(self, handle: dict[str, Any]) -> LocalSandbox:

@@ -31,7 +31,12 @@ commands): files the sandbox user may not retime keep the fixed time the copy ga
 def normalise_tree(root: str | os.PathLike[str]) -> None:
     """Remove interpreter caches under `root` and give every entry (links themselves, never their targets)
     FIXED_TIME. Nothing is followed out of `root`: folders are walked without following links."""
-    root = Path(root)
+    drop_caches(root)
+    retime_tree(root)  # after the removals, which touched their folders' times
+
+
+def drop_caches(root: str | os.PathLike[str]) -> None:
+    """Remove interpreter caches (CACHE_FOLDERS, CACHE_SUFFIXES) under `root`, following no link out of it."""
     for here, folders, files in os.walk(root, topdown=True, followlinks=False):
         for name in [f for f in folders if f in CACHE_FOLDERS]:
             folders.remove(name)
@@ -43,15 +48,14 @@ def normalise_tree(root: str | os.PathLike[str]) -> None:
         for name in files:
             if name.endswith(CACHE_SUFFIXES):
                 os.unlink(os.path.join(here, name))
-    # Deepest first: retiming an entry never touches its folder's time, but removing one did above.
-    retime_tree(root)
 
 
 def retime_tree(root: str | os.PathLike[str]) -> None:
-    """Every entry under `root` (links themselves, never their targets) and `root` to FIXED_TIME. Run again
-    after the base snapshot: `git add` reads each file in path order and a first read moves its access time
-    to the current clock tick, so the files read after a tick boundary would be the newest (an order the
-    agent could read, naming the tree's last files). Containers mount the workspace `noatime` instead."""
+    """Every entry under `root` (links themselves, never their targets) and `root` to FIXED_TIME, deepest
+    first (retiming an entry never touches its folder's time). The jail runs it after the base snapshot:
+    `git add` reads each file in path order and a first read moves its access time to the current clock
+    tick, so the files read after a tick boundary would be the newest (an order the agent could read, naming
+    the tree's last files). Containers mount the workspace `noatime` instead."""
     for here, folders, files in os.walk(root, topdown=False, followlinks=False):
         for name in [*files, *folders]:
             os.utime(os.path.join(here, name), (FIXED_TIME, FIXED_TIME), follow_symlinks=False)
