@@ -12,7 +12,9 @@ runs one suite against both engines):
   worker gets it again. On a rebalance held and queued messages are dropped unacked (their next
   owner reads them again), so Faust's wait for in-flight messages never waits on them.
 - Rebalance: when one starts, running handlers are cancelled (so none produces after its partition
-  moved) and their events, with the held and queued ones, go back to the log unacked.
+  moved) and their events, with the held and queued ones, go back to the log unacked. A batch
+  Faust's fetch loop drops because the flow stopped is read again: a partition with no committed
+  offset goes back to the log's start (`_seek_committed_or_earliest`).
 - Ordering: one Faust agent (concurrency 1) takes events in log order and starts a task per message,
   up to the stage's concurrency; a per-key lock taken in arrival order keeps one key's messages in
   log order, as in the aiokafka worker.
@@ -247,6 +249,8 @@ class FaustStage:
         self.bootstrap = bootstrap
         self.probe: AIOKafkaConsumer | None = None
         self.app.consumer.highwaters = self._changelog_ends  # what table recovery reads up to
+        self._seek_to_committed = self.app.consumer.seek_to_committed
+        self.app.consumer.seek_to_committed = self._seek_committed_or_earliest
         self.app.before_rebalance = self._drop_unfinished
         self.specs: dict[str, TopicSpec] = {topic_name(t, cfg.topics): t for t in actor.inputs}
         self.tables: dict[str, Any] = {} if actor.name in NO_DEDUP_STAGES else {
@@ -282,11 +286,31 @@ class FaustStage:
         that task cancelled)."""
         if not tps:
             return {}
+        ends = await log_end_offsets(await self._probe(), [TopicPartition(tp.topic, tp.partition) for tp in tps])
+        return {tp: ends[TopicPartition(tp.topic, tp.partition)] for tp in tps}
+
+    async def _probe(self) -> AIOKafkaConsumer:
         if self.probe is None:
             self.probe = AIOKafkaConsumer(**client_kwargs(self.cfg.broker, self.bootstrap), enable_auto_commit=False)
             await self.probe.start()
-        ends = await log_end_offsets(self.probe, [TopicPartition(tp.topic, tp.partition) for tp in tps])
-        return {tp: ends[TopicPartition(tp.topic, tp.partition)] for tp in tps}
+        return self.probe
+
+    async def _seek_committed_or_earliest(self) -> dict[Any, int | None]:
+        """Faust seeks every partition to its committed offset after a table recovery, and when its
+        fetch loop drops a batch because the flow stopped (a rebalance began while the fetch waited:
+        the batch may already come from the new assignment). aiokafka's seek skips a partition with
+        no committed offset (or 0), so a fresh group's partition stayed past the dropped batch and
+        its messages were never handled. Here such an input partition goes back to the start of
+        the log, where `auto_offset_reset=earliest` put it in the first place: to the offset the
+        broker names, not by an offset reset, whose moment without a position crashed Faust's
+        livelock check (it reads every assigned partition's position)."""
+        committed = await self._seek_to_committed()
+        fresh = [TopicPartition(tp.topic, tp.partition) for tp, offset in committed.items()
+                 if not offset and tp.topic in self.specs]
+        if fresh:
+            starts = await (await self._probe()).beginning_offsets(fresh)
+            await self.app.consumer._thread.seek_wait(starts)
+        return committed
 
     def _register(self) -> None:
         source = self.app.topic(*self.specs, key_type=bytes, value_type=bytes)
