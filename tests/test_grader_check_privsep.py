@@ -54,7 +54,7 @@ def test_verifier_program_rows_flag_a_weakened_verifier(monkeypatch):
     report = asyncio.run(run_suite(Options(sandbox="docker", families=("harbor",), attacks=HARBOR_ROWS,
                                            name_prefix=prefix)))
     assert sorted(r["attack"] for r in report["rows"]) == sorted(HARBOR_ROWS)
-    assert [r["attack"] for r in report["rows"] if r["contained"]] == [], report["rows"]
+    assert [r for r in report["rows"] if r["contained"]] == []
     assert count_containers(prefix) == 0
 
 
