@@ -82,6 +82,17 @@ async def wait_for(predicate, timeout_s: float = 150.0, state=lambda: "") -> Non
         await asyncio.sleep(0.1)
 
 
+async def run_until(stage, stop: asyncio.Event, predicate, timeout_s: float = 150.0, state=lambda: "") -> None:
+    """Runs the stage until `predicate` holds, then stops it; a stall reports the stage's state."""
+    task = asyncio.create_task(stage.run(stop))
+    try:
+        await wait_for(predicate, timeout_s, state=lambda: f"{state()} seen={stage.actor.seen} stats={stage.stats} "
+                                                            f"{faust_state(stage)}")
+    finally:
+        stop.set()
+        await task
+
+
 def test_faust_worker_forwards_and_dead_letters_garbage(broker, topic_prefix, tmp_path):
     cfg = config(topic_prefix)
 
@@ -166,13 +177,7 @@ def test_a_table_whose_changelog_entries_share_one_batch_comes_back_whole(broker
             await producer.stop()
         actor, stop = Forward(), asyncio.Event()
         stage = FaustStage(actor, cfg, broker.bootstrap, 2, group, tmp_path)
-        task = asyncio.create_task(stage.run(stop))
-        try:
-            await wait_for(lambda: stage.stats["skipped_duplicates"] + stage.stats["handled"] >= 3,
-                           state=lambda: f"seen={actor.seen} stats={stage.stats} {faust_state(stage)}")
-        finally:
-            stop.set()
-            await task
+        await run_until(stage, stop, lambda: stage.stats["skipped_duplicates"] + stage.stats["handled"] >= 3)
         return offsets, stage
 
     offsets, stage = run(scenario())
@@ -209,13 +214,8 @@ def test_a_batch_dropped_as_the_flow_stops_is_read_again_by_a_group_with_no_comm
             return records, active
 
         consumer._wait_next_records = fetch_then_revoke
-        task = asyncio.create_task(stage.run(stop))
-        try:
-            await wait_for(lambda: stage.stats["handled"] >= len(items), timeout_s=60.0,
-                           state=lambda: f"dropped={dropped} seen={actor.seen} {faust_state(stage)}")
-        finally:
-            stop.set()
-            await task
+        await run_until(stage, stop, lambda: stage.stats["handled"] >= len(items), timeout_s=60.0,
+                        state=lambda: f"dropped={dropped}")
         return dropped, actor
 
     dropped, actor = run(scenario())
