@@ -149,10 +149,14 @@ def test_sigterm_stops_bench_learn_and_the_phase_it_runs(tmp_path):
     try:
         wait_until(lambda: len(list((run_dir / "before" / "status").glob("*.json"))) >= 6, timeout_s=90,
                    what="the evaluation's stage processes writing their status")
-        phase, broker = pids_with(f"--run-dir {run_dir}/before"), pids_with(f"tcp://127.0.0.1:{port}")
-        # Descendants include sandbox commands that end on their own (a tool call's bubblewrap); only the
-        # long-lived ones must be running now (a CI run under load saw one exit between the two looks).
-        started = phase | broker | {kid for p in phase for kid in descendants(p)}
+        # The long-lived processes, which must be running now: the stage workers that wrote the status files
+        # and the broker. A command-line match also finds short-lived ones (a child forked by the phase, before
+        # its exec, carries the phase's command line: a CI run saw one end between the two looks), and the
+        # descendants include sandbox commands that end on their own; they are only waited for below.
+        phase = {json.loads(p.read_text())["pid"] for p in (run_dir / "before" / "status").glob("*.json")}
+        broker = pids_with(f"tcp://127.0.0.1:{port}")
+        matched = pids_with(f"--run-dir {run_dir}/before")
+        started = phase | broker | matched | {kid for p in phase | matched for kid in descendants(p)}
         assert phase and broker and all(alive(p) for p in phase | broker)
         bench.send_signal(signal.SIGTERM)
         assert wait_with_progress(bench, watch=[run_dir]) == 143
