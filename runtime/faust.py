@@ -55,6 +55,7 @@ from typing import Any
 import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import IllegalStateError
 
 from rollway.base.broker import BrokerConfig, unsupported_settings
 from rollway.base.config import ConfigError
@@ -309,7 +310,10 @@ class FaustStage:
                  if not offset and tp.topic in self.specs]
         if fresh:
             starts = await (await self._probe()).beginning_offsets(fresh)
-            await self.app.consumer._thread.seek_wait(starts)
+            try:
+                await self.app.consumer._thread.seek_wait(starts)
+            except IllegalStateError:  # a rebalance took a partition meanwhile: its next owner seeks it
+                log.info("faust seek skipped: partitions moved meanwhile", stage=self.actor.name)
         return committed
 
     def _register(self) -> None:
