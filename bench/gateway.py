@@ -7,14 +7,17 @@ its response parsed: through the gateway (render, engine, capture, record, HTTP)
 on the same prompts. Reported as p50/p99 over the continued calls (incremental rendering) and over the
 first calls (a full render) for 1 and 64 concurrent episodes, with the in-memory recorder (the
 gateway's own cost) and the Kafka recorder on an embedded broker (adds the log's acknowledgement), for
-each API (`--apis`: chat completions, Responses, Anthropic Messages) side by side."""
+each API (`--apis`: chat completions, Responses, Anthropic Messages) side by side. With `--tool-ms` the
+programs wait between calls as agents do while a tool runs, so the episodes' calls stop arriving together."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import math
 import os
+import random
 import statistics
 import sys
 import time
@@ -59,6 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-ms", default="0", help="the engine's time per call in ms (comma list); 0: answers at "
                         "once, so every program always has a call in flight and the gateway runs saturated (its "
                         "capacity); a real engine's time (hundreds of ms) gives the latency a program sees")
+    parser.add_argument("--tool-ms", default="0", help="the programs' time between a response and their next call in ms "
+                        "(comma list), drawn per call uniformly from 0 to twice it, as a tool's run varies; 0, the "
+                        "default, keeps the episodes' calls in step (with --engine-ms, all of them arrive together: "
+                        "the worst case); a real agent's tool time spreads them")
     parser.add_argument("--chat-formats", default="smollm2", help="the chat formats the gateway renders with "
                         "(comma list): smollm2 (the bundled model's tokenizer and template, as a run uses them) "
                         "and/or bytes (one token per byte, no tokenizer: the gateway's cost without tokenising)")
@@ -72,19 +79,21 @@ def run(args: argparse.Namespace) -> int:
         recorders = [r.strip() for r in args.recorders.split(",") if r.strip()]
         apis = [a.strip() for a in args.apis.split(",") if a.strip()]
         engine_ms = [float(x) for x in args.engine_ms.split(",")]
+        tool_ms = [float(x) for x in args.tool_ms.split(",")]
         formats = [f.strip() for f in args.chat_formats.split(",") if f.strip()]
         if not formats or not set(formats) <= {"smollm2", "bytes"}:
             raise ValueError
-        if min(engine_ms) < 0 or min(episodes) < 1 or min(lengths) < 64 or args.calls < 2 or not set(recorders) <= {"memory", "kafka"} \
+        if not all(math.isfinite(x) and x >= 0 for x in (*engine_ms, *tool_ms)) or min(episodes) < 1 or min(lengths) < 64 or args.calls < 2 or not set(recorders) <= {"memory", "kafka"} \
                 or not apis or not set(apis) <= set(_REQUESTS):
             raise ValueError
     except ValueError:
         print("rollway bench gateway: --episodes and --prompt-tokens are comma lists of positive integers "
               "(prompts of 64 tokens or more), --calls at least 2, --recorders memory and/or kafka, --apis chat, "
-              "responses and/or messages, --engine-ms a comma list of milliseconds (0 or more), --chat-formats smollm2 "
+              "responses and/or messages, --engine-ms and --tool-ms comma lists of milliseconds (0 or more), "
+              "--chat-formats smollm2 "
               "and/or bytes", file=sys.stderr)
         return 2
-    result = run_async(measure_all(episodes, lengths, args.calls, recorders, apis, engine_ms, formats))
+    result = run_async(measure_all(episodes, lengths, args.calls, recorders, apis, engine_ms, formats, tool_ms))
     print(dumps(result) if args.json else format_text(result))
     return 0
 
@@ -100,19 +109,22 @@ def _chat_format(name: str) -> ChatFormat:
 
 async def measure_all(episodes: list[int], lengths: list[int], calls: int, recorders: list[str],
                       apis: tuple[str, ...] | list[str] = ("chat",), engine_ms: list[float] | None = None,
-                      formats: tuple[str, ...] | list[str] = ("bytes",)) -> dict[str, Any]:
+                      formats: tuple[str, ...] | list[str] = ("bytes",),
+                      tool_ms: list[float] | None = None) -> dict[str, Any]:
     rows = []
     for fmt in formats:
         chat = await asyncio.to_thread(_chat_format, fmt)
         for name in recorders:
             async with _recorder(name) as recorder:
                 for ms in engine_ms or [0.0]:
-                    for n in episodes:
-                        for tokens in lengths:
-                            for api in apis:
-                                rows.append({"chat_format": fmt, "recorder": name, "api": api, "engine_ms": ms,
-                                             "episodes": n, "prompt_tokens": tokens,
-                                             **await measure(recorder, n, tokens, calls, api, ms / 1000, chat)})
+                    for tool in tool_ms or [0.0]:
+                        for n in episodes:
+                            for tokens in lengths:
+                                for api in apis:
+                                    rows.append({"chat_format": fmt, "recorder": name, "api": api, "engine_ms": ms,
+                                                 "tool_ms": tool, "episodes": n, "prompt_tokens": tokens,
+                                                 **await measure(recorder, n, tokens, calls, api, ms / 1000, chat,
+                                                                 tool / 1000)})
     loop = type(asyncio.get_running_loop()).__module__.split(".")[0]
     return {"engine": "in-process, a fixed reply after engine_ms", "event_loop": loop, "calls_per_episode": calls,
             "cores": os.cpu_count(), "load_average": round(os.getloadavg()[0], 2), "rows": rows,
@@ -155,20 +167,20 @@ class _Discarding:
 
 
 async def measure(recorder: Any, episodes: int, prompt_tokens: int, calls: int, api: str = "chat",
-                  latency_s: float = 0.0, chat: ChatFormat | None = None) -> dict[str, Any]:
+                  latency_s: float = 0.0, chat: ChatFormat | None = None, tool_s: float = 0.0) -> dict[str, Any]:
     """One setting: the episodes' programs run in a client process of their own (so their JSON work
-    does not queue behind the gateway's in one event loop); the engine alone is timed here on the
-    same prompts afterwards."""
+    does not queue behind the gateway's in one event loop), waiting about `tool_s` between calls; the
+    engine alone is timed here on the same prompts afterwards."""
     from rollway.gateway import Gateway
 
     engine = ZeroLatencyEngine(latency_s, chat)
     gateway = Gateway(engine, engine.chat, recorder)
     await gateway.start()
     try:
-        await _run_clients(gateway, 1, _filler(engine.chat, 256), 2, api)  # warm-up: connections, code paths
+        await _run_clients(gateway, 1, _filler(engine.chat, 256), 2, api, 0.0)  # warm-up: connections, code paths
         filler = await asyncio.to_thread(_filler, engine.chat, prompt_tokens)
         cpu = time.process_time()
-        handles, timings, wall = await _run_clients(gateway, episodes, filler, calls, api)
+        handles, timings, wall = await _run_clients(gateway, episodes, filler, calls, api, tool_s)
         cpu = time.process_time() - cpu
     finally:
         await gateway.stop()
@@ -193,10 +205,11 @@ def _filler(chat: ChatFormat, tokens: int) -> str:
 
 
 async def _run_clients(gateway: Any, episodes: int, filler: str, calls: int,
-                       api: str) -> tuple[list, list, float]:
+                       api: str, tool_s: float) -> tuple[list, list, float]:
     handles = [gateway.open_episode(EpisodeKey(episode_id=f"e{i}", group_id="bench", task_id="bench"))
                for i in range(episodes)]
-    spec = json.dumps({"urls": [h.base_url for h in handles], "filler": filler, "calls": calls, "api": api})
+    spec = json.dumps({"urls": [h.base_url for h in handles], "filler": filler, "calls": calls, "api": api,
+                       "tool_s": tool_s})
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "rollway.bench.gateway", stdin=PIPE,
                                                 stdout=PIPE, stderr=PIPE)
     out, err = await proc.communicate(spec.encode())
@@ -231,16 +244,20 @@ async def client_main(spec: dict[str, Any]) -> dict[str, Any]:
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
         start = time.perf_counter()
-        timings = await asyncio.gather(*(_episode(http, url, spec["filler"], spec["calls"], spec["api"])
-                                         for url in spec["urls"]))
+        timings = await asyncio.gather(*(_episode(http, url, spec["filler"], spec["calls"], spec["api"],
+                                                  random.Random(i), spec["tool_s"])
+                                         for i, url in enumerate(spec["urls"])))
         return {"timings": list(timings), "wall_s": time.perf_counter() - start}
 
 
-async def _episode(http: Any, base_url: str, filler: str, calls: int, api: str = "chat") -> list[float]:
+async def _episode(http: Any, base_url: str, filler: str, calls: int, api: str, rng: random.Random,
+                   tool_s: float) -> list[float]:
     path, first, add = _REQUESTS[api]
     history: list[Any] = [first(filler)]
-    out = []
+    out: list[float] = []
     for _ in range(calls):
+        if out and tool_s:
+            await asyncio.sleep(rng.uniform(0, 2 * tool_s))  # the tool the last answer asked for runs
         body = json.dumps(_body(api, history)).encode()
         start = time.perf_counter()
         async with http.post(f"{base_url}/{path}", data=body, headers={"Content-Type": "application/json"}) as response:
@@ -293,12 +310,12 @@ def _ms(seconds: float) -> float:
 def format_text(result: dict[str, Any]) -> str:
     lines = [f"gateway overhead ({result['engine']} engine, {result['event_loop']} event loop, "
              f"{result['calls_per_episode']} calls per episode, {result['cores']} cores, load {result['load_average']})",
-             f"{'format':7} {'recorder':8} {'api':9} {'engine':>6} {'episodes':>8} {'prompt':>7} | "
+             f"{'format':7} {'recorder':8} {'api':9} {'engine':>6} {'tools':>6} {'episodes':>8} {'prompt':>7} | "
              f"{'continued: added p50':>20} {'p99':>8} | {'first call: added p50':>21} {'p99':>8} | "
              f"{'CPU/call':>9} {'calls/s':>8}"]
     for row in result["rows"]:
         c, f = row["continued"], row["first_call"]
-        lines.append(f"{row['chat_format']:7} {row['recorder']:8} {row['api']:9} {row['engine_ms']:>4g}ms "
+        lines.append(f"{row['chat_format']:7} {row['recorder']:8} {row['api']:9} {row['engine_ms']:>4g}ms {row['tool_ms']:>4g}ms "
                      f"{row['episodes']:>8} {row['prompt_tokens']:>7} | {c['added_p50_ms']:>17} ms "
                      f"{c['added_p99_ms']:>5} ms | {f['added_p50_ms']:>18} ms {f['added_p99_ms']:>5} ms | "
                      f"{row['gateway_cpu_ms_per_call']:>6} ms {row['calls_per_s']:>8}")

@@ -639,20 +639,36 @@ def test_the_bench_engine_never_answers_before_its_time_under_uvloop():
 def test_bench_gateway_command_reports_the_added_time_as_json():
     """`rollway bench gateway --json` runs end to end (tiny settings; the gateway's own figures are not checked):
     each API side by side, with the bundled model's tokenizer and the byte format, an engine that answers at
-    once and one that takes 50 ms a call, whose time is in the direct calls (so the added time leaves it out)."""
+    once and one that takes 50 ms a call, whose time is in the direct calls (so the added time leaves it out);
+    the programs wait a tool's time between calls."""
 
     out = run_with_progress([sys.executable, "-m", "rollway.runners", "bench", "gateway", "--json", "--episodes", "2",
                              "--prompt-tokens", "128", "--calls", "2", "--recorders", "memory", "--engine-ms", "0,50",
-                             "--chat-formats", "smollm2,bytes"], cwd=ROOT)
+                             "--tool-ms", "20", "--chat-formats", "smollm2,bytes"], cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads(out.stdout.splitlines()[-1])["rows"]
-    assert [(row["chat_format"], row["engine_ms"], row["api"]) for row in rows] == [
-        (fmt, ms, api) for fmt in ("smollm2", "bytes") for ms in (0, 50) for api in ("chat", "responses", "messages")]
+    assert [(row["chat_format"], row["engine_ms"], row["tool_ms"], row["api"]) for row in rows] == [
+        (fmt, ms, 20, api) for fmt in ("smollm2", "bytes") for ms in (0, 50) for api in ("chat", "responses", "messages")]
     for row in rows:
         assert (row["episodes"], row["prompt_tokens"], row["continued"]["calls"], row["first_call"]["calls"]) == (2, 128, 2, 2)
         assert {"added_p50_ms", "added_p99_ms", "gateway_p50_ms"} <= set(row["continued"])
         if row["engine_ms"]:
             assert row["continued"]["direct_p50_ms"] >= 50 and row["continued"]["gateway_p50_ms"] >= 50
+
+
+@pytest.mark.parametrize("option", [["--tool-ms", "nan"], ["--tool-ms", "-1"], ["--engine-ms", "inf"],
+                                    ["--engine-ms", "50,nan"], ["--calls", "1"]])
+def test_bench_gateway_refuses_times_that_are_not_finite_milliseconds(option, capsys):
+    """A NaN or infinite engine or tool time would make the bench's programs wait for ever (or not at all):
+    refused with the usage line, exit 2, before anything starts."""
+    import argparse
+
+    from rollway.bench import gateway as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert bench.run(parser.parse_args(option)) == 2
+    assert "--engine-ms and --tool-ms comma lists of milliseconds" in capsys.readouterr().err
 
 
 def test_a_command_on_uvloop_stops_on_sigterm():
