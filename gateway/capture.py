@@ -74,21 +74,32 @@ class EpisodeCapture:
 
     # -- chat ---------------------------------------------------------------------------------------
 
-    def plan_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Plan:
+    def plan_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
+                  render_limit: int | None = None) -> Plan | None:
+        """Where the request goes. With `render_limit`, None instead of a plan that would tokenise more
+        than about that many characters of the request (the caller plans it again off its event loop)."""
         if self.api == "chat" and tools == self.tools:
             retried = self._retried(messages)
             if retried is not None:
                 return self._retry_plan(retried, [])
             if len(messages) > len(self.conversation) and _same_prefix(self.conversation, messages):
-                return self._extension_plan(messages[len(self.conversation):], tools)
+                new = messages[len(self.conversation):]
+                return None if _over(render_limit, new) else self._extension_plan(new, tools)
             for answer in reversed(self.superseded):
                 head = [*self.conversation[: answer.n_messages], answer.assistant]
                 if len(messages) > len(head) and _same_prefix(head, messages):
-                    return self._continuation_of(answer, messages[len(head):], tools)
+                    new = messages[len(head):]
+                    return None if _over(render_limit, [answer.assistant, *new]) \
+                        else self._continuation_of(answer, new, tools)
+        if _over(render_limit, messages, tools):
+            return None
         prompt = self.chat.initial(self._render(messages), tools)
         return Plan(prompt, prompt, 0, self._reason(messages, tools), None, list(messages), 0, tools)
 
-    def plan_side(self, name: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Plan:
+    def plan_side(self, name: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
+                  render_limit: int | None = None) -> Plan | None:
+        if _over(render_limit, messages, tools):
+            return None
         prompt = self.chat.initial(self._render(messages), tools)
         return Plan(prompt, prompt, 0, None, None, list(messages), 0, tools, side=name)
 
@@ -252,6 +263,19 @@ def _same(recorded: dict[str, Any], sent: dict[str, Any]) -> bool:
     return (recorded["content"].strip() == sent["content"].strip()
             and [(c["name"], c["arguments"]) for c in recorded["tool_calls"]]
             == [(c["name"], c["arguments"]) for c in sent["tool_calls"]])
+
+
+def _over(limit: int | None, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> bool:
+    """Whether rendering `messages` (and `tools`) tokenises more than about `limit` characters (None: no limit):
+    their text, tool calls and tool specs as the request gave them."""
+    if limit is None:
+        return False
+    size = len(json.dumps(tools)) if tools else 0
+    for m in messages:
+        size += len(m["content"]) + sum(len(c["name"]) + len(str(c["arguments"])) for c in m.get("tool_calls") or ())
+        if size > limit:
+            return True
+    return size > limit
 
 
 def _same_prefix(recorded: list[dict[str, Any]], sent: list[dict[str, Any]]) -> bool:

@@ -52,6 +52,16 @@ from rollway.schemas.messages import CapturedCall, EpisodeKey
 
 log = structlog.get_logger()
 
+INLINE_REQUEST_BYTES = 1 << 20
+"""A call's request up to this size is parsed on the event loop (about 1 ms of JSON at most) and, when its
+plan tokenises no more than INLINE_RENDER_CHARS, planned there too: a thread hop and the GIL's hand-overs
+cost more than such work (64 episodes whose calls arrive together waited about twice as long). Larger work
+(a first call's full render, a long tool output) goes off the loop in one hop, as everything did before."""
+INLINE_RENDER_CHARS = 8192
+"""Characters a call's plan may tokenise on the event loop (about 2 ms at most with a real tokenizer)."""
+INLINE_OUTPUT_TOKENS = 1024
+"""Output ids decoded into the reply on the event loop; a longer output is decoded off it."""
+
 
 @dataclass
 class EpisodeHandle:
@@ -255,8 +265,11 @@ class Gateway:
                 self._check_open(handle)
                 capture = handle.capture
                 assert capture is not None  # open episodes keep theirs
-                try:  # one hop off the loop for all the work that grows with what the program sent
-                    parsed, plan, parse_tools = await self._off_loop(self._prepare, capture, api, raw)
+                try:  # small work on the loop, or one hop off it for all that grows with what the program sent
+                    parsed, plan, parse_tools = (self._prepare(capture, api, raw, None, INLINE_RENDER_CHARS)
+                                                 if len(raw) <= INLINE_REQUEST_BYTES else (None, None, False))
+                    if plan is None:
+                        parsed, plan, parse_tools = await self._off_loop(self._prepare, capture, api, raw, parsed)
                 except RequestError as err:
                     self._mark_unsupported(handle, err)
                     raise
@@ -328,7 +341,9 @@ class Gateway:
                 handle.infrastructure_failure = f"the inference engine did not answer: {err}"[:500]
             raise
         drifted = drift is not None and await drift
-        output, reply = await self._off_loop(self._reply, generation, parsed.sampling, parse_tools)
+        output, reply = (self._reply(generation, parsed.sampling, parse_tools)
+                         if len(generation.token_ids) <= INLINE_OUTPUT_TOKENS
+                         else await self._off_loop(self._reply, generation, parsed.sampling, parse_tools))
         call = self._record_of(handle, api, plan, generation, output, reply)
         call.temperature, call.top_p = used.temperature, used.top_p
         if plan.side is not None:
@@ -351,23 +366,31 @@ class Gateway:
                  "total_tokens": len(plan.prompt_ids) + len(output)}
         return f"{handle.episode.episode_id}-{call.call_index}", reply, usage
 
-    def _prepare(self, capture: EpisodeCapture, api: str, raw: bytes) -> tuple[Any, Plan, bool]:
-        """The request parsed and planned (off the loop): the parsed request, where the call goes in the
-        episode's stream and whether to parse tool calls from its output."""
-        parsed = _PARSERS[api](_json_body(raw))
-        plan, parse_tools = self._plan(capture, api, parsed)
-        _check_storable(plan)
+    def _prepare(self, capture: EpisodeCapture, api: str, raw: bytes, parsed: Any = None,
+                 render_limit: int | None = None) -> tuple[Any, Plan | None, bool]:
+        """The request parsed (unless `parsed` is given) and planned: the parsed request, where the call goes
+        in the episode's stream and whether to parse tool calls from its output. With `render_limit` (on the
+        event loop) the plan is None when it would tokenise more than that: plan it again off the loop."""
+        if parsed is None:
+            parsed = _PARSERS[api](_json_body(raw))
+        plan, parse_tools = self._plan(capture, api, parsed, render_limit)
+        if plan is not None:
+            _check_storable(plan)
         return parsed, plan, parse_tools
 
-    def _plan(self, capture: EpisodeCapture, api: str, parsed: Any) -> tuple[Plan, bool]:
-        """Where the call goes in the episode's stream, and whether to parse tool calls from its output."""
+    def _plan(self, capture: EpisodeCapture, api: str, parsed: Any,
+              render_limit: int | None = None) -> tuple[Plan | None, bool]:
+        """Where the call goes in the episode's stream (None: over `render_limit`), and whether to parse
+        tool calls from its output."""
         if api == "completions":
+            if render_limit is not None and not isinstance(parsed.prompt, list):
+                return None, False  # a text prompt is tokenised whole
             prompt = parsed.prompt if isinstance(parsed.prompt, list) else self._encode_prompt(parsed.prompt)
             return capture.plan_completion(prompt), False
         side = side_call_of(parsed.messages, self.side_rules)
         try:
-            plan = (capture.plan_side(side, parsed.messages, parsed.tools) if side is not None
-                    else capture.plan_chat(parsed.messages, parsed.tools))
+            plan = (capture.plan_side(side, parsed.messages, parsed.tools, render_limit) if side is not None
+                    else capture.plan_chat(parsed.messages, parsed.tools, render_limit))
         except Exception as err:  # noqa: BLE001 - a template's own checks (raise_exception) and its errors
             # Rendering depends only on the request: a template that refuses these messages (roles out
             # of the order it allows, a role it lacks) is the request's problem, said as the template says it.

@@ -586,6 +586,46 @@ def test_concurrent_calls_of_one_episode_are_serialised_and_episodes_stay_apart(
     assert rebuild_segments(recorder.of("one"))[0].call_indices == [1]
 
 
+def test_small_calls_are_planned_on_the_loop_large_ones_off_it_and_both_record_the_same(monkeypatch):
+    """A call whose plan tokenises little is parsed and planned on the event loop (no thread hop), one that
+    tokenises more (a 20,000-character tool output) in one hop off it; the records are the same as when
+    every call goes off the loop, and each matches what the engine received."""
+    from rollway.gateway import server
+
+    async def episode() -> tuple[list[CapturedCall], list[str], LoggedEngine]:
+        engine = LoggedEngine()
+        gateway, recorder = await serve(engine)
+        hops: list[str] = []
+        off_loop = gateway._off_loop
+
+        async def counted(fn: Any, *args: Any) -> Any:
+            hops.append(fn.__name__)
+            return await off_loop(fn, *args)
+
+        gateway._off_loop = counted
+        handle = gateway.open_episode(key())
+        program = Program(client_for(gateway, handle))
+        messages: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": "What does a.txt say?"}]
+        try:
+            for output in ("a.txt", "hello " * 3400):
+                reply = as_dict(await program.call(messages, [SHELL]))
+                messages += [reply, {"role": "tool", "tool_call_id": reply["tool_calls"][0]["id"], "content": output}]
+            await program.call(messages, [SHELL])
+        finally:
+            await gateway.stop()
+        return recorder.of("ep-1"), [h for h in hops if h == "_prepare"], engine
+
+    calls, hops, engine = run(episode())
+    assert hops == ["_prepare"]  # only the call with the long tool output
+    check_against_engine(calls, engine)
+    monkeypatch.setattr(server, "INLINE_REQUEST_BYTES", -1)  # every call off the loop, as before
+    off_calls, off_hops, _ = run(episode())
+    assert off_hops == ["_prepare"] * 3
+    fields = ("call_index", "segment", "segment_reason", "prompt_start", "prompt_ids", "output_ids")
+    assert [[getattr(c, f) for f in fields] for c in calls] == [[getattr(c, f) for f in fields] for c in off_calls]
+
+
 def test_completions_stream_and_tool_choice_none():
     async def scenario():
         engine = LoggedEngine()
