@@ -53,14 +53,20 @@ from rollway.schemas.messages import CapturedCall, EpisodeKey
 log = structlog.get_logger()
 
 INLINE_REQUEST_BYTES = 1 << 20
-"""A call's request up to this size is parsed on the event loop (about 1 ms of JSON at most) and, when its
+INLINE_REQUEST_OBJECTS = 1024
+"""A call's request of at most INLINE_REQUEST_BYTES holding at most this many JSON objects (counted as its
+`{` bytes, strings included: an upper bound) is parsed on the event loop (a few ms at most) and, when its
 plan tokenises no more than INLINE_RENDER_CHARS, planned there too: a thread hop and the GIL's hand-overs
 cost more than such work (64 episodes whose calls arrive together waited about twice as long). Larger work
-(a first call's full render, a long tool output) goes off the loop in one hop, as everything did before."""
+(a first call's full render, a long tool output, a request of many small messages: 34,000 of them in 1 MiB
+took 225 ms to check) goes off the loop in one hop, as everything did before."""
 INLINE_RENDER_CHARS = 8192
 """Characters a call's plan may tokenise on the event loop (about 2 ms at most with a real tokenizer)."""
 INLINE_OUTPUT_TOKENS = 1024
 """Output ids decoded into the reply on the event loop; a longer output is decoded off it."""
+INLINE_COMMIT_MESSAGES = 256
+"""New messages a recorded call applies to its episode's conversation on the event loop; more (each is
+put in render form) are applied off it."""
 
 
 @dataclass
@@ -267,7 +273,9 @@ class Gateway:
                 assert capture is not None  # open episodes keep theirs
                 try:  # small work on the loop, or one hop off it for all that grows with what the program sent
                     parsed, plan, parse_tools = (self._prepare(capture, api, raw, None, INLINE_RENDER_CHARS)
-                                                 if len(raw) <= INLINE_REQUEST_BYTES else (None, None, False))
+                                                 if len(raw) <= INLINE_REQUEST_BYTES
+                                                 and raw.count(b"{") <= INLINE_REQUEST_OBJECTS
+                                                 else (None, None, False))
                     if plan is None:
                         parsed, plan, parse_tools = await self._off_loop(self._prepare, capture, api, raw, parsed)
                 except RequestError as err:
@@ -408,7 +416,10 @@ class Gateway:
                                  reply: Reply) -> None:
         await self.recorder.record(call)
         assert handle.capture is not None
-        handle.capture.commit(plan, api, call.output_ids, reply)
+        if len(plan.new_messages) <= INLINE_COMMIT_MESSAGES:
+            handle.capture.commit(plan, api, call.output_ids, reply)
+        else:
+            await self._off_loop(handle.capture.commit, plan, api, call.output_ids, reply)
         handle.calls += 1
         handle.trained_tokens += len(call.output_ids) if call.side_call is None else 0
         handle.last_call_at = time.monotonic()
