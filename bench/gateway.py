@@ -217,8 +217,9 @@ async def _run_clients(gateway: Any, episodes: int, filler: str, calls: int,
     handles = [gateway.open_episode(EpisodeKey(episode_id=f"e{i}", group_id="bench", task_id="bench"))
                for i in range(episodes)]
 
-    async def start(urls: list[str]) -> Any:
-        spec = json.dumps({"urls": urls, "filler": filler, "calls": calls, "api": api, "tool_s": tool_s})
+    async def start(first: int, urls: list[str]) -> Any:
+        spec = json.dumps({"urls": urls, "first": first, "filler": filler, "calls": calls, "api": api,
+                           "tool_s": tool_s})
         proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "rollway.bench.gateway", stdin=PIPE,
                                                     stdout=PIPE, stderr=PIPE)
         proc.stdin.write(spec.encode() + b"\n")
@@ -234,8 +235,17 @@ async def _run_clients(gateway: Any, episodes: int, filler: str, calls: int,
         return json.loads(out)
 
     n = -(-episodes // EPISODES_PER_CLIENT)
-    procs = await asyncio.gather(*(start([h.base_url for h in handles[i::n]]) for i in range(n)))
-    results = await asyncio.gather(*(finish(proc) for proc in procs))
+    started = [asyncio.ensure_future(start(i * EPISODES_PER_CLIENT, [h.base_url for h in handles[i::n]]))
+               for i in range(n)]
+    try:
+        procs = await asyncio.gather(*started)
+        results = await asyncio.gather(*(finish(proc) for proc in procs))
+    finally:  # a client that failed leaves none of the others waiting for their go
+        for task in started:
+            if not task.done():
+                task.cancel()
+            elif not task.cancelled() and task.exception() is None and task.result().returncode is None:
+                task.result().kill()
     timings: list[Any] = [None] * episodes
     for i, result in enumerate(results):
         timings[i::n] = result["timings"]
@@ -270,7 +280,7 @@ async def client_main(spec: dict[str, Any]) -> dict[str, Any]:
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # the bench's go
         start = time.perf_counter()
         timings = await asyncio.gather(*(_episode(http, url, spec["filler"], spec["calls"], spec["api"],
-                                                  random.Random(i), spec["tool_s"])
+                                                  random.Random(spec["first"] + i), spec["tool_s"])
                                          for i, url in enumerate(spec["urls"])))
         return {"timings": list(timings), "wall_s": time.perf_counter() - start}
 
