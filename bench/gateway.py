@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import math
 import os
@@ -114,6 +115,7 @@ async def measure_all(episodes: list[int], lengths: list[int], calls: int, recor
     rows = []
     for fmt in formats:
         chat = await asyncio.to_thread(_chat_format, fmt)
+        gc.freeze()  # as a stage worker does after its setup (runtime.faust)
         for name in recorders:
             async with _recorder(name) as recorder:
                 for ms in engine_ms or [0.0]:

@@ -5,6 +5,7 @@ produced, go to dead-letters, so no input wedges its partition."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import time
 from collections import defaultdict
@@ -341,6 +342,7 @@ class StageWorker:
             else:
                 self.consumer.subscribe(list(self.specs), listener=_Rebalance(self))
             await self.actor.setup()
+            gc.freeze()  # see runtime.faust: full collections skip what imports and setup made
             log.info("stage worker started", stage=self.actor.name, group=self.group_id,
                      topics=list(self.specs), concurrency=self.concurrency)
             await self._loop(stop)
