@@ -626,9 +626,18 @@ def test_small_calls_are_planned_on_the_loop_large_ones_off_it_and_both_record_t
     assert [[getattr(c, f) for f in fields] for c in calls] == [[getattr(c, f) for f in fields] for c in off_calls]
 
 
-def test_a_request_of_many_tiny_messages_does_not_hold_the_event_loop():
-    """Attack: a program sends a request of 31,000 empty messages (just under 1 MiB). Little text to tokenise, but
-    parsing and checking that many objects costs a few hundred milliseconds of CPU: done on the event loop,
+BULKY_REQUESTS = {  # just under 1 MiB each, little text, many JSON values: (path, body, the answer's status)
+    "messages": ("chat/completions", {"model": "m", "messages": [{"role": "user", "content": ""}] * 31000}, 200),
+    "empty lists": ("chat/completions", {"model": "m", "messages": [[]] * 250000}, 400),
+    "token ids": ("completions", {"model": "m", "prompt": [7] * 300000}, 200),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(BULKY_REQUESTS))
+def test_a_request_of_many_tiny_values_does_not_hold_the_event_loop(shape):
+    """Attack: a program sends a request of 31,000 empty messages, 250,000 empty lists or 300,000 token ids
+    (each just under 1 MiB). Little text to tokenise, but parsing and checking that many values costs tens to
+    hundreds of milliseconds of CPU: done on the event loop,
     it would stop every other episode of the worker meanwhile (the first version of the on-the-loop planning
     did). A ticker on the loop measures the CPU the loop's own thread spends between two of its ticks; the
     longest such stretch must be a small part of the CPU the call costs the process (CPU, not wall time:
@@ -644,7 +653,8 @@ def test_a_request_of_many_tiny_messages_does_not_hold_the_event_loop():
     async def scenario() -> tuple[float, float]:
         gateway, _ = await serve(ZeroLatencyEngine())
         handle = gateway.open_episode(key())
-        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": ""}] * 31000}).encode()
+        path, request, status = BULKY_REQUESTS[shape]
+        body = json.dumps(request).encode()
         assert len(body) < 1 << 20  # within what the loop would parse by size alone
         bursts: list[float] = []
         running = True
@@ -661,12 +671,12 @@ def test_a_request_of_many_tiny_messages_does_not_hold_the_event_loop():
         try:
             async with aiohttp.ClientSession() as http:
                 cpu = time.process_time()
-                async with http.post(f"{gateway.url}/v1/chat/completions", data=body,
+                async with http.post(f"{gateway.url}/v1/{path}", data=body,
                                      headers={"Authorization": f"Bearer {handle.api_key}",
                                               "Content-Type": "application/json"}) as response:
                     await response.read()
                     cpu = time.process_time() - cpu
-                    assert response.status == 200, await response.text()
+                    assert response.status == status, await response.text()
         finally:
             running = False
             await task
