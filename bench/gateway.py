@@ -8,7 +8,9 @@ on the same prompts. Reported as p50/p99 over the continued calls (incremental r
 first calls (a full render) for 1 and 64 concurrent episodes, with the in-memory recorder (the
 gateway's own cost) and the Kafka recorder on an embedded broker (adds the log's acknowledgement), for
 each API (`--apis`: chat completions, Responses, Anthropic Messages) side by side. With `--tool-ms` the
-programs wait between calls as agents do while a tool runs, so the episodes' calls stop arriving together."""
+programs wait between calls as agents do while a tool runs, so the episodes' calls stop arriving together.
+Each row also gives the time a call waited to be recorded (p50/p99 over all its calls): the part of the
+added time that is the log's acknowledgement."""
 
 from __future__ import annotations
 
@@ -176,11 +178,13 @@ async def measure(recorder: Any, episodes: int, prompt_tokens: int, calls: int, 
     from rollway.gateway import Gateway
 
     engine = ZeroLatencyEngine(latency_s, chat)
-    gateway = Gateway(engine, engine.chat, recorder)
+    timed = _TimedRecorder(recorder)
+    gateway = Gateway(engine, engine.chat, timed)
     await gateway.start()
     try:
         await _run_clients(gateway, 1, _filler(engine.chat, 256), 2, api, 0.0)  # warm-up: connections, code paths
         filler = await asyncio.to_thread(_filler, engine.chat, prompt_tokens)
+        timed.seconds.clear()
         cpu = time.process_time()
         handles, timings, wall = await _run_clients(gateway, episodes, filler, calls, api, tool_s)
         cpu = time.process_time() - cpu
@@ -192,8 +196,25 @@ async def measure(recorder: Any, episodes: int, prompt_tokens: int, calls: int, 
     total = episodes * calls
     # CPU of this process (the gateway, its recorder's client, the engine) per call: what bounds the
     # calls/s one gateway process serves, whatever the machine's other load.
+    recorded = sorted(timed.seconds)
     return {"continued": _summary(later), "first_call": _summary(first), "calls_per_s": round(total / wall, 1),
-            "gateway_cpu_ms_per_call": _ms(cpu / total)}
+            "gateway_cpu_ms_per_call": _ms(cpu / total),
+            "record_p50_ms": _ms(_pct(recorded, 50)), "record_p99_ms": _ms(_pct(recorded, 99))}
+
+
+class _TimedRecorder:
+    """The recorder with each call's time to be recorded kept (`seconds`): with the Kafka recorder, the log's
+    acknowledgement, which every call waits for before its answer (a share of its added time)."""
+
+    def __init__(self, inner: Any):
+        self.inner, self.seconds = inner, []
+
+    async def record(self, call: Any) -> None:
+        start = time.perf_counter()
+        try:
+            await self.inner.record(call)
+        finally:
+            self.seconds.append(time.perf_counter() - start)
 
 
 FILLER = ("Traceback (most recent call last):\n  File \"src/app/models.py\", line 218, in save\n"
@@ -349,12 +370,13 @@ def format_text(result: dict[str, Any]) -> str:
              f"{result['calls_per_episode']} calls per episode, {result['cores']} cores, load {result['load_average']})",
              f"{'format':7} {'recorder':8} {'api':9} {'engine':>6} {'tools':>6} {'episodes':>8} {'prompt':>7} | "
              f"{'continued: added p50':>20} {'p99':>8} | {'first call: added p50':>21} {'p99':>8} | "
-             f"{'CPU/call':>9} {'calls/s':>8}"]
+             f"{'recorded p50':>12} {'p99':>8} | {'CPU/call':>9} {'calls/s':>8}"]
     for row in result["rows"]:
         c, f = row["continued"], row["first_call"]
         lines.append(f"{row['chat_format']:7} {row['recorder']:8} {row['api']:9} {row['engine_ms']:>4g}ms {row['tool_ms']:>4g}ms "
                      f"{row['episodes']:>8} {row['prompt_tokens']:>7} | {c['added_p50_ms']:>17} ms "
                      f"{c['added_p99_ms']:>5} ms | {f['added_p50_ms']:>18} ms {f['added_p99_ms']:>5} ms | "
+                     f"{row['record_p50_ms']:>9} ms {row['record_p99_ms']:>5} ms | "
                      f"{row['gateway_cpu_ms_per_call']:>6} ms {row['calls_per_s']:>8}")
     lines.append(f"target: {result['target']}")
     return "\n".join(lines)

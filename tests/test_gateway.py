@@ -754,6 +754,7 @@ def test_bench_gateway_command_reports_the_added_time_as_json():
     for row in rows:
         assert (row["episodes"], row["prompt_tokens"], row["continued"]["calls"], row["first_call"]["calls"]) == (2, 128, 2, 2)
         assert {"added_p50_ms", "added_p99_ms", "gateway_p50_ms"} <= set(row["continued"])
+        assert 0 <= row["record_p50_ms"] <= row["record_p99_ms"] < row["continued"]["gateway_p99_ms"]
         if row["engine_ms"]:
             assert row["continued"]["direct_p50_ms"] >= 50 and row["continued"]["gateway_p50_ms"] >= 50
 
