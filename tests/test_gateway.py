@@ -111,6 +111,19 @@ async def serve(engine: LoggedEngine, recorder: Any = None, **kw: Any) -> tuple[
     return gateway, recorder
 
 
+def hops_of(gateway: Gateway) -> list[str]:
+    """The names of the functions the gateway sends off its event loop from now on, in order."""
+    hops: list[str] = []
+    off_loop = gateway._off_loop
+
+    async def counted(fn: Any, *args: Any) -> Any:
+        hops.append(fn.__name__)
+        return await off_loop(fn, *args)
+
+    gateway._off_loop = counted  # type: ignore[method-assign]
+    return hops
+
+
 def client_for(gateway: Gateway, handle: Any) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=handle.api_key, max_retries=0)
 
@@ -595,14 +608,7 @@ def test_small_calls_are_planned_on_the_loop_large_ones_off_it_and_both_record_t
     async def episode() -> tuple[list[CapturedCall], list[str], LoggedEngine]:
         engine = LoggedEngine()
         gateway, recorder = await serve(engine)
-        hops: list[str] = []
-        off_loop = gateway._off_loop
-
-        async def counted(fn: Any, *args: Any) -> Any:
-            hops.append(fn.__name__)
-            return await off_loop(fn, *args)
-
-        gateway._off_loop = counted
+        hops = hops_of(gateway)
         handle = gateway.open_episode(key())
         program = Program(client_for(gateway, handle))
         messages: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."},
@@ -667,14 +673,7 @@ def test_a_call_adding_many_prompt_ids_is_applied_off_the_event_loop():
 
     async def episode(prompts: list[list[int]]) -> tuple[list[str], list[int]]:
         gateway, _ = await serve(LoggedEngine())
-        hops: list[str] = []
-        off_loop = gateway._off_loop
-
-        async def counted(fn: Any, *args: Any) -> Any:
-            hops.append(fn.__name__)
-            return await off_loop(fn, *args)
-
-        gateway._off_loop = counted
+        hops = hops_of(gateway)
         handle = gateway.open_episode(key())
         client = client_for(gateway, handle)
         try:
