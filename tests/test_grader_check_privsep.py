@@ -43,6 +43,14 @@ def test_the_rows_exist():
     assert len(HARBOR_ROWS) >= 5 and set(SWE_ROWS) <= {a.name for a in ATTACKS}
 
 
+RACING_ROWS = ("verifier_program_rewrites_after",)
+"""Rows whose attack races the weakened verifier: the process left behind must rewrite the reward between
+test.sh's write and the grader's read, and on a loaded machine a woken process may not run in time (lost
+twice in whole-suite runs, 2026-11 and 2026-11-30). Such a row is played again, up to twice more, when
+contained: one win shows the verifier is open to it; the real verifier must contain it every time
+(tests/test_grader_check.py)."""
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_verifier_program_rows_flag_a_weakened_verifier(monkeypatch):
@@ -54,7 +62,15 @@ def test_verifier_program_rows_flag_a_weakened_verifier(monkeypatch):
     report = asyncio.run(run_suite(Options(sandbox="docker", families=("harbor",), attacks=HARBOR_ROWS,
                                            name_prefix=prefix)))
     assert sorted(r["attack"] for r in report["rows"]) == sorted(HARBOR_ROWS)
-    assert [r for r in report["rows"] if r["contained"]] == []
+    contained = [r for r in report["rows"] if r["contained"]]
+    for _ in range(2):
+        again = tuple(r["attack"] for r in contained if r["attack"] in RACING_ROWS)
+        if not again:
+            break
+        replay = asyncio.run(run_suite(Options(sandbox="docker", families=("harbor",), attacks=again,
+                                               name_prefix=prefix)))
+        contained = [r for r in contained if r["attack"] not in again] + [r for r in replay["rows"] if r["contained"]]
+    assert contained == []
     assert count_containers(prefix) == 0
 
 
