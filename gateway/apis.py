@@ -15,6 +15,7 @@ from rollway.gateway.protocol import (
     _check_fields,
     _expect,
     _sampling,
+    _text_part,
     _tool,
     _tool_choice,
 )
@@ -49,8 +50,8 @@ def parse_responses_request(body: Any) -> ChatRequest:
         if name in body and body[name] != neutral:
             raise RequestError(f"unsupported option {name}={json.dumps(body[name])[:80]}: leave it out or send "
                                f"{json.dumps(neutral)}", name, code="unsupported_option")
-    text_format = ((body.get("text") or {}).get("format") or {}).get("type", "text") \
-        if isinstance(body.get("text"), dict) else "text"
+    text = _expect(body.get("text", {}), dict, "text", "an object")
+    text_format = _expect(text.get("format") or {}, dict, "text.format", "an object").get("type", "text")
     if text_format != "text":
         raise RequestError(f"text.format type {json.dumps(text_format)[:60]} is not supported (no constrained "
                            "decoding): leave text.format out", "text.format", code="unsupported_option")
@@ -92,14 +93,7 @@ def _responses_text(content: Any, param: str, kinds: tuple[str, ...]) -> str:
     if isinstance(content, str):
         return content
     parts = _expect(content, list, param, "a string or a list of content parts")
-    out = []
-    for i, part in enumerate(parts):
-        if not (isinstance(part, dict) and part.get("type") in kinds and isinstance(part.get("text"), str)):
-            kind = part.get("type") if isinstance(part, dict) else None
-            raise RequestError(f"{param}[{i}]: content part type {json.dumps(kind)[:40]} is not supported; this "
-                               f"gateway reads {', '.join(kinds)} parts", f"{param}[{i}]", code="unsupported_option")
-        out.append(part["text"])
-    return "".join(out)
+    return "".join(_text_part(part, f"{param}[{i}]", kinds) for i, part in enumerate(parts))
 
 
 def _responses_item(item: Any, param: str, messages: list[dict[str, Any]]) -> None:
@@ -109,7 +103,7 @@ def _responses_item(item: Any, param: str, messages: list[dict[str, Any]]) -> No
         raise RequestError(f"{param} must be an object", param)
     kind = item.get("type", "message")
     if kind == "message":
-        role = _ROLE_OF.get(item.get("role"))
+        role = _ROLE_OF.get(item["role"]) if isinstance(item.get("role"), str) else None
         if role is None:
             raise RequestError(f"{param}.role must be user, assistant, system or developer", f"{param}.role")
         kinds = ("output_text", "refusal") if role == "assistant" else ("input_text", "output_text")
@@ -253,7 +247,8 @@ def parse_messages_request(body: Any) -> ChatRequest:
              if isinstance(t, dict) and t.get("type", "custom") == "custom"]
     choice = body.get("tool_choice") or {"type": "auto"}
     _expect(choice, dict, "tool_choice", "an object")
-    chat_choice = {"auto": "auto", "any": "required", "none": "none"}.get(choice.get("type"))
+    kind = choice.get("type")
+    chat_choice = {"auto": "auto", "any": "required", "none": "none"}.get(kind) if isinstance(kind, str) else None
     if choice.get("type") == "tool":
         chat_choice = {"type": "function", "function": {"name": choice.get("name")}}
     if chat_choice is None:
@@ -271,13 +266,7 @@ def _anthropic_text(content: Any, param: str) -> str:
     if isinstance(content, str):
         return content
     blocks = _expect(content, list, param, "a string or a list of text blocks")
-    out = []
-    for i, block in enumerate(blocks):
-        if not (isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str)):
-            raise RequestError(f"{param}[{i}]: only text blocks are supported here", f"{param}[{i}]",
-                               code="unsupported_option")
-        out.append(block["text"])
-    return "".join(out)
+    return "".join(_text_part(block, f"{param}[{i}]", ("text",), "content block") for i, block in enumerate(blocks))
 
 
 def _anthropic_message(raw: Any, param: str, messages: list[dict[str, Any]]) -> None:
@@ -289,9 +278,9 @@ def _anthropic_message(raw: Any, param: str, messages: list[dict[str, Any]]) -> 
     text, calls = [], []
     for i, block in enumerate(blocks):
         where = f"{param}.content[{i}]"
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text" and isinstance(block.get("text"), str):
-            text.append(block["text"])
+        kind = _expect(block, dict, where, "a content block object").get("type")
+        if kind == "text":
+            text.append(_expect(block.get("text"), str, f"{where}.text", "a string"))
         elif kind == "tool_use" and raw["role"] == "assistant":
             if not (isinstance(block.get("id"), str) and isinstance(block.get("name"), str)):
                 raise RequestError(f"{where}: a tool_use block needs string id and name", where)

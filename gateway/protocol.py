@@ -156,14 +156,19 @@ def _text(content: Any, param: str) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = []
-        for i, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise RequestError(f"{param}[{i}]: only text parts ({{'type': 'text', 'text': ...}}) are supported",
-                                   f"{param}[{i}]", code="unsupported_option")
-            parts.append(part["text"])
-        return "".join(parts)
+        return "".join(_text_part(part, f"{param}[{i}]", ("text",)) for i, part in enumerate(content))
     raise RequestError(f"{param} must be a string or a list of text parts", param)
+
+
+def _text_part(part: Any, param: str, kinds: tuple[str, ...], what: str = "content part") -> str:
+    """The text of one content part of a type in `kinds`. A part of another type is unsupported (named by its
+    type); a malformed one (not an object, or its text not a string) is a bad request naming the field."""
+    if not isinstance(part, dict):
+        raise RequestError(f"{param} must be an object, got {json.dumps(part)[:60]}", param)
+    if part.get("type") not in kinds:
+        raise RequestError(f"{param}: {what} type {json.dumps(part.get('type'))[:40]} is not supported here; this "
+                           f"gateway reads {', '.join(kinds)}", param, code="unsupported_option")
+    return _expect(part.get("text"), str, f"{param}.text", "a string")
 
 
 def _message(raw: Any, param: str) -> dict[str, Any]:
