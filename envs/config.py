@@ -142,6 +142,11 @@ class HarborTasksConfig(ImageTasksConfig):
 
     implementation = "harbor"
     sandbox_types = ("docker",)  # a task's environment is its Dockerfile's image
+    max_timeout_s: float = Field(3600.0, gt=0, le=7 * 24 * 3600)
+    """Ceiling on every time limit a task.toml sets ([agent] and [verifier] timeout_sec, [environment]
+    build_timeout_sec): a longer one is cut to this (logged once at load, naming each), as Harbor's own
+    `max_timeout_sec` does. A task's author decides how long its verifier may hold a reward worker only up to
+    here. A limit that is not a finite number above 0 refuses the task."""
 
 
 class SWEBenchTasksConfig(GradedTasksConfig, ImageTasksConfig):

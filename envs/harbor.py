@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import math
 import os
 import re
 import shutil
@@ -82,6 +83,10 @@ class HarborTaskError(ValueError):
     """A task folder is not in Harbor's format; the message names the file."""
 
 
+TIMEOUTS = (("agent", "timeout_sec"), ("verifier", "timeout_sec"), ("environment", "build_timeout_sec"))
+"""The time limits a task.toml sets: each a finite number of seconds above 0, at most `tasks.max_timeout_s`."""
+
+
 @dataclass
 class HarborTask:
     name: str
@@ -89,21 +94,32 @@ class HarborTask:
     instruction: str
     config: dict[str, Any] = field(default_factory=dict)
     verifier: VerifierSettings = field(default_factory=VerifierSettings)
+    max_timeout_s: float = 3600.0
+    """The operator's ceiling on every time limit the task sets (`tasks.max_timeout_s`)."""
 
-    def timeout(self, section: str, default: float) -> float:
-        return float(self.config.get(section, {}).get("timeout_sec", default))
+    def table(self, section: str) -> dict[str, Any]:
+        """The task.toml table `section` ({} when absent); HarborTaskError when it is not a table."""
+        return _table(self.config.get(section), f"task {self.name}: [{section}]")
+
+    def timeout(self, section: str, default: float, key: str = "timeout_sec") -> float:
+        """[section] `key` in seconds (checked at load: a finite number above 0), at most `max_timeout_s`."""
+        return min(float(self.table(section).get(key, default)), self.max_timeout_s)
 
     def resources(self, env: dict[str, Any] | None = None) -> dict[str, Any]:
         """The [environment] limits (or those of `env`, e.g. [verifier.environment]) as SandboxSpec fields
         (memory_mb, cpus, workspace_mb), None where the task sets none. Harbor spells them `cpus`,
         `memory_mb`, `storage_mb`; the older `memory` and `storage` ("4G", "512M", or MB) are read too."""
-        env = self.config.get("environment", {}) if env is None else env
-        memory = env.get("memory_mb", env.get("memory"))
-        storage = env.get("storage_mb", env.get("storage"))
+        where = "[verifier.environment]" if env is not None else "[environment]"
+        env = self.table("environment") if env is None else env
+
+        def size(name: str) -> int | None:
+            key = f"{name}_mb" if f"{name}_mb" in env else name
+            return None if env.get(key) is None else _megabytes(env[key], self.name, f"{where} {key}")
+
         cpus = env.get("cpus")
-        return {"memory_mb": None if memory is None else _megabytes(memory, self.name, "memory"),
-                "cpus": None if cpus is None else float(cpus),
-                "workspace_mb": None if storage is None else _megabytes(storage, self.name, "storage")}
+        return {"memory_mb": size("memory"),
+                "cpus": None if cpus is None else _positive(cpus, f"task {self.name}: {where} cpus"),
+                "workspace_mb": size("storage")}
 
     @property
     def has_solution(self) -> bool:
@@ -119,14 +135,30 @@ class HarborTask:
 
 def _megabytes(value: Any, task: str, key: str) -> int:
     """A size in MB from a number (MB) or a string with a unit (K, M, G, T; optional trailing B or i)."""
-    if isinstance(value, int | float):
-        return max(1, int(value))
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)i?B?\s*", str(value), re.IGNORECASE)
-    if not match:
-        raise HarborTaskError(f"task {task}: [environment] {key} = {value!r} is not a size; write e.g. 2048 "
-                              f"({key}_mb) or \"2G\"")
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return max(1, int(_positive(value, f"task {task}: {key}")))
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([KMGT]?)i?B?\s*", value if isinstance(value, str) else "",
+                         re.IGNORECASE)
+    if not match or float(match.group(1)) <= 0:
+        raise HarborTaskError(f"task {task}: {key} = {value!r} is not a size; write e.g. 2048 (in MB) or \"2G\"")
     scale = {"": 1, "K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}[match.group(2).upper()]
     return max(1, int(float(match.group(1)) * scale))
+
+
+def _positive(value: Any, what: str) -> float:
+    """`value` as a float when it is a finite number above 0 (not a boolean or a string); else
+    HarborTaskError naming `what` (`task NAME: [section] key`)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise HarborTaskError(f"{what} = {value!r} must be a finite number above 0")
+    return float(value)
+
+
+def _table(value: Any, what: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise HarborTaskError(f"{what} must be a table, got {value!r}"[:300])
+    return value
 
 
 def load_task(root: Path) -> HarborTask:
@@ -138,7 +170,9 @@ def load_task(root: Path) -> HarborTask:
         config = tomllib.loads((root / "task.toml").read_text())
     except tomllib.TOMLDecodeError as exc:
         raise HarborTaskError(f"{root / 'task.toml'}: {exc}") from exc
-    name = str(config.get("task", {}).get("name") or root.name)
+    name = _table(config.get("task"), f"{root}: [task]").get("name") or root.name
+    if not isinstance(name, str):
+        raise HarborTaskError(f"{root}: [task] name must be a string, got {name!r}"[:300])
     if not _SAFE_NAME.fullmatch(name) or ".." in name:
         raise HarborTaskError(f"{root}: [task] name (or the folder's name) {name!r} may hold only letters, digits "
                               "and _.@/+- (it names images and containers); rename the task")
@@ -182,11 +216,18 @@ def check_config(task: HarborTask) -> None:
     workdir and skills_dir; artifact destinations) checked before any of them is used."""
     _container_path(workdir_of((task.root / "environment" / "Dockerfile").read_text()), task.name,
                     "WORKDIR (the last one in environment/Dockerfile)")
-    env = task.config.get("environment", {})
+    for section, key in TIMEOUTS:
+        if task.table(section).get(key) is not None:
+            _positive(task.table(section)[key], f"task {task.name}: [{section}] {key}")
+    task.resources()  # checked: finite sizes and CPUs above 0
+    env = task.table("environment")
     for key in ("workdir", "skills_dir"):
         if env.get(key) is not None:
             _container_path(env[key], task.name, f"[environment] {key}")
-    for i, artifact in enumerate(task.config.get("artifacts", []) or []):
+    artifacts = task.config.get("artifacts") or []
+    if not isinstance(artifacts, list):
+        raise HarborTaskError(f"task {task.name}: artifacts must be an array of tables ([[artifacts]])")
+    for i, artifact in enumerate(artifacts):
         dest = artifact.get("destination") if isinstance(artifact, dict) else None
         if dest is not None and (PurePosixPath(str(dest)).is_absolute() or ".." in PurePosixPath(str(dest)).parts):
             raise HarborTaskError(f"task {task.name}: [[artifacts]] #{i} destination {dest!r} must be relative, "
@@ -195,12 +236,13 @@ def check_config(task: HarborTask) -> None:
 
 def verifier_settings(task: HarborTask) -> VerifierSettings:
     """[verifier] environment_mode (rollway's default: separate), user, env and environment, checked."""
-    section = task.config.get("verifier", {})
+    section = task.table("verifier")
     mode = section.get("environment_mode") or "separate"
     if mode not in ("separate", "shared"):
         raise HarborTaskError(f"task {task.name}: [verifier] environment_mode = {mode!r} must be \"separate\" "
                               "or \"shared\"")
-    environment = section.get("environment")
+    environment = _table(section.get("environment"), f"task {task.name}: [verifier.environment]") \
+        if section.get("environment") is not None else None
     if environment is not None and mode == "shared":
         raise HarborTaskError(f"task {task.name}: [verifier] environment_mode = \"shared\" cannot have "
                               "[verifier.environment]; remove one")
@@ -345,7 +387,7 @@ class HarborImages:
             try:
                 self.client.images.build(path=ctx, tag=tag, network_mode=self.network, rm=True, forcerm=True,
                                          pull=False,
-                                         timeout=int(task.config.get("environment", {}).get("build_timeout_sec", 600)))
+                                         timeout=math.ceil(task.timeout("environment", 600.0, "build_timeout_sec")))
             except Exception as exc:
                 raise SandboxError(f"building the image of Harbor task {task.name} failed: {exc}; its FROM lines are "
                                    f"mapped to {self.base_image} (tasks.base_image) when the engine lacks them") from exc
@@ -372,6 +414,14 @@ class HarborTaskSet(TaskSet):
             raise ValueError("tasks.type=harbor needs tasks.path, a Harbor task folder or a folder of them")
         self.cfg = cfg
         self.by_name = {t.name: t for t in load_tasks(cfg.path)}
+        cut = []
+        for task in self.by_name.values():
+            task.max_timeout_s = cfg.max_timeout_s
+            cut += [f"{task.name} [{section}] {key}" for section, key in TIMEOUTS
+                    if float(task.table(section).get(key, 0)) > cfg.max_timeout_s]
+        if cut:  # the operator's ceiling wins; said once, naming each limit it shortened
+            log.warning("task time limits cut to tasks.max_timeout_s", max_timeout_s=cfg.max_timeout_s,
+                        limits=cut[:20], more=max(0, len(cut) - 20))
         if cfg.build_network != "none":  # an explicit opt-in, said out loud
             reach = "this host's loopback (broker, vLLM, learner)" if cfg.build_network == "host" else "the internet"
             log.warning("harbor task images build with network", network=cfg.build_network,
