@@ -124,19 +124,35 @@ def detect_format(row: dict[str, Any]) -> str:
     return "swebench"
 
 
-def _tests(value: Any) -> list[str]:
-    """A test list stored as a list or as a JSON string (SWE-bench keeps JSON strings)."""
+def _row_name(row: dict[str, Any]) -> str:
+    return str(row.get("instance_id") or row.get("repo_name") or "?")[:200]
+
+
+def _tests(row: dict[str, Any], key: str) -> list[str]:
+    """A test list stored as a list or as a JSON string (SWE-bench keeps JSON strings) of test ids."""
+    value = row.get(key)
     if value is None or value == "":
         return []
     if isinstance(value, str):
-        value = json.loads(value)
-    return [str(v) for v in value]
+        value = _json(row, key, value)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise RowError(f"row {_row_name(row)}: {key} must be a list of test ids (strings), or JSON text of one")
+    return value
 
 
-def _need(row: dict[str, Any], key: str, fmt: str) -> Any:
+def _json(row: dict[str, Any], key: str, text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        raise RowError(f"row {_row_name(row)}: {key} is not valid JSON text") from None
+
+
+def _need(row: dict[str, Any], key: str, fmt: str, kind: type = object) -> Any:
     if row.get(key) in (None, ""):
-        raise RowError(f"row {row.get('instance_id') or row.get('repo_name') or '?'} ({fmt} format) has no "
-                       f"{key!r}; add it or pass tasks.row_format to read the row as another format")
+        raise RowError(f"row {_row_name(row)} ({fmt} format) has no {key!r}; add it or pass tasks.row_format to "
+                       "read the row as another format")
+    if not isinstance(row[key], kind):
+        raise RowError(f"row {_row_name(row)} ({fmt} format): {key} must be a {kind.__name__}")
     return row[key]
 
 
@@ -177,6 +193,8 @@ def check_swe_instance(inst: SWEInstance) -> SWEInstance:
 
 def normalise_row(row: dict[str, Any], fmt: str = "auto") -> SWEInstance:
     """One row of any supported format as an SWEInstance, its fields checked (`check_swe_instance`)."""
+    if not isinstance(row, dict):
+        raise RowError(f"a row must be a JSON object, got {type(row).__name__}")
     return check_swe_instance(_normalise(row, fmt))
 
 
@@ -187,7 +205,7 @@ def _normalise(row: dict[str, Any], fmt: str) -> SWEInstance:
             instance_id=_need(row, "instance_id", fmt), repo=_need(row, "repo", fmt),
             base_commit=_need(row, "base_commit", fmt), problem_statement=row.get("problem_statement") or "",
             patch=row.get("patch") or "", test_patch=row.get("test_patch") or "",
-            fail_to_pass=_tests(row.get("FAIL_TO_PASS")), pass_to_pass=_tests(row.get("PASS_TO_PASS")),
+            fail_to_pass=_tests(row, "FAIL_TO_PASS"), pass_to_pass=_tests(row, "PASS_TO_PASS"),
             hints_text=row.get("hints_text") or "", version=str(row.get("version") or ""),
             environment_setup_commit=row.get("environment_setup_commit") or "", source_format=fmt,
             **_extensions(row))
@@ -199,25 +217,29 @@ def _normalise(row: dict[str, Any], fmt: str) -> SWEInstance:
 
 
 def _swe_smith(row: dict[str, Any]) -> SWEInstance:
-    repo = _need(row, "repo", "swe-smith")
+    repo = _need(row, "repo", "swe-smith", str)
     # swesmith/OWNER__NAME.COMMIT8: the mirror of OWNER/NAME, cut at that commit.
     match = re.fullmatch(r"(?:swesmith/)?(.+?)\.([0-9a-f]{7,40})", repo)
     base = row.get("base_commit") or (match.group(2) if match else None)
     if not base:
         raise RowError(f"row {row.get('instance_id')} (swe-smith): repo {repo!r} does not end in .COMMIT and the "
                        "row has no base_commit")
-    bug = _need(row, "patch", "swe-smith")
+    bug = _need(row, "patch", "swe-smith", str)
     ext = _extensions(row)
     return SWEInstance(
         instance_id=_need(row, "instance_id", "swe-smith"), repo=match.group(1) if match else repo,
         base_commit=base, problem_statement=row.get("problem_statement") or "", patch=reverse_patch(bug),
-        pre_patch=bug, fail_to_pass=_tests(row.get("FAIL_TO_PASS")), pass_to_pass=_tests(row.get("PASS_TO_PASS")),
+        pre_patch=bug, fail_to_pass=_tests(row, "FAIL_TO_PASS"), pass_to_pass=_tests(row, "PASS_TO_PASS"),
         source_format="swe-smith", **ext)
 
 
-def _json_field(row: dict[str, Any], key: str) -> Any:
+def _json_field(row: dict[str, Any], key: str) -> dict[str, Any]:
+    """An object stored as one or as JSON text ({} when absent)."""
     value = row.get(key)
-    return json.loads(value) if isinstance(value, str) and value.strip() else (value or {})
+    value = _json(row, key, value) if isinstance(value, str) and value.strip() else (value or {})
+    if not isinstance(value, dict):
+        raise RowError(f"row {_row_name(row)}: {key} must be a JSON object")
+    return value
 
 
 def _r2e_gym(row: dict[str, Any]) -> SWEInstance:
@@ -228,7 +250,14 @@ def _r2e_gym(row: dict[str, Any]) -> SWEInstance:
                        "no old_commit_hash (the commit the task starts from)")
     expected = _json_field(row, "expected_output_json")
     must_pass = sorted(name for name, status in expected.items() if str(status).upper() in ("PASSED", "PASS"))
-    gold, tests = patch_from_file_diffs(commit.get("file_diffs") or [])
+    diffs = commit.get("file_diffs") or []
+    if not isinstance(diffs, list):
+        raise RowError(f"row {_row_name(row)}: parsed_commit_content.file_diffs must be a list")
+    try:  # the structured diffs are the row author's: any shape other than R2E-Gym's is this row's error
+        gold, tests = patch_from_file_diffs(diffs)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError) as err:
+        raise RowError(f"row {_row_name(row)}: parsed_commit_content.file_diffs is not in R2E-Gym's layout "
+                       f"({type(err).__name__}: {str(err)[:100]})") from None
     patch = row.get("patch") or gold
     name = _need(row, "repo_name", "r2e-gym")
     ext = _extensions(row)
@@ -238,8 +267,8 @@ def _r2e_gym(row: dict[str, Any]) -> SWEInstance:
         instance_id=row.get("instance_id") or f"{name}__{row.get('commit_hash', base)}", repo=name,
         base_commit=base, problem_statement=row.get("problem_statement") or "", patch=patch,
         test_patch=row.get("test_patch") or ("" if row.get("patch") else tests),
-        fail_to_pass=_tests(row.get("FAIL_TO_PASS")) or must_pass,
-        pass_to_pass=_tests(row.get("PASS_TO_PASS")), source_format="r2e-gym", **ext)
+        fail_to_pass=_tests(row, "FAIL_TO_PASS") or must_pass,
+        pass_to_pass=_tests(row, "PASS_TO_PASS"), source_format="r2e-gym", **ext)
 
 
 def load_swe_instances(path: str | os.PathLike[str], fmt: str = "auto") -> list[SWEInstance]:

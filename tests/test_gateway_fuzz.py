@@ -19,6 +19,7 @@ import traceback
 from typing import Any
 
 import aiohttp
+import generated
 from conftest import run
 from test_gateway import SCRIPT, LoggedEngine, key, serve
 
@@ -62,41 +63,19 @@ SEEDS: dict[str, dict[str, Any]] = {
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
                                           "content": [{"type": "text", "text": "a.txt"}]}]}]},
 }
-VALUES: list[Any] = [
-    None, True, False, 0, -1, 1, 2**63, 2**70, 1.5, 1e308, float("nan"), float("inf"), "", "x", "auto", "none",
-    "\ud800", "a" * 3000, [], {}, [None], [{}], [[]], [1, 2], {"a": {"b": []}}, {"type": "text"}, {"type": None},
-    {"type": "function"}, {"type": "text", "text": 5}, "user", "assistant", "tool", "system", "developer", "text",
-    "input_text", "output_text", "tool_use", "tool_result", "function_call", "function_call_output", "message"]
+VALUES: list[Any] = [*generated.VALUES, {"type": "text"}, {"type": None}, {"type": "function"},
+                     {"type": "text", "text": 5}, "user", "assistant", "tool", "system", "developer", "text",
+                     "input_text", "output_text", "tool_use", "tool_result", "function_call", "function_call_output",
+                     "message"]
+"""Besides every JSON type: the names of roles, part and item types the APIs read, and parts of those types."""
 KEYS = ["type", "role", "content", "text", "name", "id", "arguments", "input", "output", "format", "cache_control"]
 ANSWERS = (200, 400, 404, 409, 413, 422)
 """What a served call or a named refusal is answered with (409: the episode's refused requests ran out)."""
 
 
-def _paths(value: Any, at: tuple = ()) -> list[tuple]:
-    out = [at] if at else []
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for name, inner in items:
-        out += _paths(inner, (*at, name))
-    return out
-
-
 def mutated(body: dict[str, Any], rng: random.Random) -> dict[str, Any]:
-    """`body` with one to three fields replaced, deleted, repeated or given an extra key, at any depth."""
-    body = copy.deepcopy(body)
-    for _ in range(rng.choice((1, 1, 2, 3))):
-        path = rng.choice(_paths(body))
-        parent = body
-        for name in path[:-1]:
-            parent = parent[name]
-        last, roll = path[-1], rng.random()
-        if roll < 0.6:
-            parent[last] = copy.deepcopy(rng.choice(VALUES))
-        elif roll < 0.75:
-            del parent[last]
-        elif roll < 0.85 and isinstance(parent, list):
-            parent.insert(last, copy.deepcopy(parent[last]))
-        elif isinstance(parent[last], dict):
-            parent[last][rng.choice(KEYS)] = copy.deepcopy(rng.choice(VALUES))
+    """`body` with fields replaced, deleted or repeated (tests/generated.py), and sometimes asked to stream."""
+    body = generated.mutated(body, rng, VALUES, KEYS)
     if rng.random() < 0.3:
         body["stream"] = rng.choice((True, True, 1, "yes"))
     return body
