@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
@@ -226,8 +227,15 @@ async def grade_after_agent(taskset: TaskSet, task: Task, sandbox: Sandbox, prov
     from rollway.base.blame import AGENT_FAILURE, blame, failure_details
 
     try:
-        return await taskset.grade(task, sandbox, provider, episode)
+        grade = await taskset.grade(task, sandbox, provider, episode)
     except Exception as err:
         if blame(err, agent_ran=True) == "infrastructure":
             raise
         return Grade(0.0, False, stop_reason=AGENT_FAILURE, details=failure_details(err, "reward"))
+    reward = grade.reward
+    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+        # What a grader reads can come from the agent's code (a test that prints a score): nan or inf would
+        # reach every advantage of the episode's group, so such a reward is a 0 that says why.
+        return Grade(0.0, False, grade.stop_reason, {**grade.details, "outcome": "bad_reward",
+                                                     "error": f"the grader gave reward {reward!r}, not a finite number"})
+    return grade

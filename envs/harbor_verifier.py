@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import math
 import re
 import shlex
 import tarfile
@@ -293,9 +294,12 @@ async def _read_reward(box: DockerSandbox, written: list[str]) -> float | None:
             continue
         text = (await box.keeper_exec(f"head -c 4096 {VERDICT}/logs/verifier/{name}", f"read {name}")).output.strip()
         try:
-            return float(json.loads(text)["reward"]) if name.endswith(".json") else float(text)
+            reward = float(json.loads(text)["reward"]) if name.endswith(".json") else float(text)
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{name} holds {text[:100]!r}, not a number") from exc
+        if not math.isfinite(reward):  # nan or inf would reach every advantage of its group
+            raise ValueError(f"{name} holds {text[:100]!r}, not a finite number")
+        return reward
     return None
 
 

@@ -389,3 +389,27 @@ def test_the_leak_row_flags_a_docker_sandbox_that_shows_the_images_copy_of_the_l
         weakened.setattr("rollway.sandboxes.docker.without_installed_copies", lambda client, image, names: image)
         played = row()
     assert not played["contained"] and "'site_packages'" in played["reason"], f"{played['reason']}"[:3000]
+
+
+class NonFiniteTaskSet(ToyTaskSet):
+    """A grader that hands back what it read (a score a test printed from the agent's code): nan, inf, text."""
+
+    reward: object = float("nan")
+
+    async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider, episode: Episode) -> Grade:
+        return Grade(self.reward, False, details={"score_line": "printed by the tests"})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("reward", [float("nan"), float("inf"), -float("inf"), "1", None, True])
+def test_a_grader_reward_that_is_not_a_finite_number_is_graded_zero(reward):
+    """Any task set's grade passes one door (grade_after_agent, the reward stage's and `rollway grader
+    check`'s): a reward that is not a finite number becomes 0 with outcome bad_reward, the grader's details
+    kept. The sandbox is not used by this grader (None stands in for it)."""
+    from rollway.envs.base import grade_after_agent
+
+    taskset = NonFiniteTaskSet(ToyTasksConfig())
+    taskset.reward = reward
+    task = taskset.tasks()[0]
+    grade = asyncio.run(grade_after_agent(taskset, task, None, None, Episode("e", 0, task, [])))
+    assert (grade.reward, grade.resolved, grade.details["outcome"]) == (0.0, False, "bad_reward")
+    assert grade.details["score_line"] == "printed by the tests" and repr(reward) in grade.details["error"]

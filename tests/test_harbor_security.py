@@ -287,3 +287,15 @@ def _python_312() -> str | None:
         if python and subprocess.run([python, "--version"], capture_output=True).returncode == 0:
             return python
     return None
+
+
+def test_a_reward_that_is_not_a_finite_number_is_a_zero(tmp_path):
+    """test.sh (whose score can come from the agent's code) writes nan to reward.txt, or Infinity in
+    reward.json (Python's JSON reads both): float() took them, and a nan reward reaches every advantage of
+    its group. Each is graded 0 with outcome bad_reward, naming what was written."""
+    ensure_engine()
+    for name, test_sh in (("nan-txt", "echo nan > /logs/verifier/reward.txt\n"),
+                          ("inf-json", "echo '{\"reward\": Infinity}' > /logs/verifier/reward.json\n")):
+        grade = _grade(_task(tmp_path, name, "true\n", test_sh))
+        assert (grade.reward, grade.resolved, grade.details["outcome"]) == (0.0, False, "bad_reward"), grade.details
+        assert "not a finite number" in grade.details["error"]
