@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
@@ -233,9 +232,16 @@ async def grade_after_agent(taskset: TaskSet, task: Task, sandbox: Sandbox, prov
             raise
         return Grade(0.0, False, stop_reason=AGENT_FAILURE, details=failure_details(err, "reward"))
     reward = grade.reward
-    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
-        # What a grader reads can come from the agent's code (a test that prints a score): nan or inf would
-        # reach every advantage of the episode's group, so such a reward is a 0 that says why.
-        return Grade(0.0, False, grade.stop_reason, {**grade.details, "outcome": "bad_reward",
-                                                     "error": f"the grader gave reward {reward!r}, not a finite number"})
+    if isinstance(reward, bool) or not isinstance(reward, int | float) or not abs(reward) <= MAX_REWARD:
+        # What a grader reads can come from the agent's code (a test that prints a score): nan, inf or a huge
+        # number would reach every advantage of the episode's group, so such a reward is a 0 that says why.
+        return Grade(0.0, False, grade.stop_reason, {
+            **grade.details, "outcome": "bad_reward",
+            "error": f"the grader gave reward {reward!r}, not a finite number within ±{MAX_REWARD:g}"})
     return grade
+
+
+MAX_REWARD = 1e6
+"""Largest reward magnitude a grade may give (a score of 0-1, 0-100 or 0-1000 fits). Past it a reward is an
+overflow waiting: Dr.GRPO's advantage is r - mean, and a gradient's squared norm in float32 overflows near
+1e19 per element, after which clipping turns every weight to nan."""
