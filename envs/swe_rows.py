@@ -125,7 +125,9 @@ def detect_format(row: dict[str, Any]) -> str:
 
 
 def _row_name(row: dict[str, Any]) -> str:
-    return str(row.get("instance_id") or row.get("repo_name") or "?")[:200]
+    """The row's id for an error message, quoted: control characters in it are shown escaped, not sent to a
+    terminal (the rows file is not checked yet when it is named)."""
+    return repr(str(row.get("instance_id") or row.get("repo_name") or "?")[:200])
 
 
 def _tests(row: dict[str, Any], key: str) -> list[str]:
@@ -222,7 +224,7 @@ def _swe_smith(row: dict[str, Any]) -> SWEInstance:
     match = re.fullmatch(r"(?:swesmith/)?(.+?)\.([0-9a-f]{7,40})", repo)
     base = row.get("base_commit") or (match.group(2) if match else None)
     if not base:
-        raise RowError(f"row {row.get('instance_id')} (swe-smith): repo {repo!r} does not end in .COMMIT and the "
+        raise RowError(f"row {_row_name(row)} (swe-smith): repo {repo!r} does not end in .COMMIT and the "
                        "row has no base_commit")
     bug = _need(row, "patch", "swe-smith", str)
     ext = _extensions(row)
@@ -246,7 +248,7 @@ def _r2e_gym(row: dict[str, Any]) -> SWEInstance:
     commit = _json_field(row, "parsed_commit_content")
     base = row.get("base_commit") or commit.get("old_commit_hash")
     if not base:
-        raise RowError(f"R2E-Gym row {row.get('repo_name')}@{row.get('commit_hash')}: parsed_commit_content has "
+        raise RowError(f"R2E-Gym row {_row_name(row)}@{str(row.get('commit_hash'))[:40]!r}: parsed_commit_content has "
                        "no old_commit_hash (the commit the task starts from)")
     expected = _json_field(row, "expected_output_json")
     must_pass = sorted(name for name, status in expected.items() if str(status).upper() in ("PASSED", "PASS"))
