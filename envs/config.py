@@ -137,12 +137,16 @@ class ImageTasksConfig(FileTasksConfig):
     loopback); `host`: the host's own network. Either of the last two is logged as a warning."""
 
 
+MAX_TASK_TIMEOUT_S = 3600.0
+"""Default of `tasks.max_timeout_s` for Harbor tasks."""
+
+
 class HarborTasksConfig(ImageTasksConfig):
     """`tasks.type: harbor`; `path`: a folder of Harbor task folders (or one task folder)."""
 
     implementation = "harbor"
     sandbox_types = ("docker",)  # a task's environment is its Dockerfile's image
-    max_timeout_s: float = Field(3600.0, gt=0, le=7 * 24 * 3600)
+    max_timeout_s: float = Field(MAX_TASK_TIMEOUT_S, gt=0, le=7 * 24 * 3600)
     """Ceiling on every time limit a task.toml sets ([agent] and [verifier] timeout_sec, [environment]
     build_timeout_sec): a longer one is cut to this (logged once at load, naming each), as Harbor's own
     `max_timeout_sec` does. A task's author decides how long its verifier may hold a reward worker only up to

@@ -49,7 +49,7 @@ from typing import Any
 import structlog
 
 from rollway.envs.base import Episode, Grade, Task, TaskSet
-from rollway.envs.config import HarborTasksConfig
+from rollway.envs.config import MAX_TASK_TIMEOUT_S, HarborTasksConfig
 from rollway.envs.harbor_verifier import HARBOR_DIR, LINKS, VerifierSettings, copy_folder, verify
 from rollway.envs.harbor_verifier import HarborEnvError as HarborEnvError  # re-exported: raised by grade
 from rollway.envs.image_builds import KeyedLocks, build_all
@@ -94,7 +94,7 @@ class HarborTask:
     instruction: str
     config: dict[str, Any] = field(default_factory=dict)
     verifier: VerifierSettings = field(default_factory=VerifierSettings)
-    max_timeout_s: float = 3600.0
+    max_timeout_s: float = MAX_TASK_TIMEOUT_S
     """The operator's ceiling on every time limit the task sets (`tasks.max_timeout_s`)."""
 
     def table(self, section: str) -> dict[str, Any]:
@@ -137,7 +137,7 @@ def _megabytes(value: Any, task: str, key: str) -> int:
     """A size in MB from a number (MB) or a string with a unit (K, M, G, T; optional trailing B or i)."""
     if isinstance(value, int | float) and not isinstance(value, bool):
         return max(1, int(_positive(value, f"task {task}: {key}")))
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([KMGT]?)i?B?\s*", value if isinstance(value, str) else "",
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([KMGT]?)i?B?\s*", value if isinstance(value, str) else "",
                          re.IGNORECASE)
     if not match or float(match.group(1)) <= 0:
         raise HarborTaskError(f"task {task}: {key} = {value!r} is not a size; write e.g. 2048 (in MB) or \"2G\"")
