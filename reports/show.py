@@ -7,6 +7,7 @@ print to a terminal or export as HTML."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -155,8 +156,25 @@ def episode_view(t: dict[str, Any], max_chars: int = 2000, stage_seconds: dict[s
                  Text(f"end: {t['stop_reason']}, reward {t['reward']:g}", style="bold"))
 
 
+_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(value: Any) -> Any:
+    """`value` (recorded data, any depth) with every control character but newline and tab written as
+    \\xNN. What the model, its tools and the task wrote is shown to a terminal, which would act on an
+    escape sequence (clear the screen, rewrite a line, set the title or the clipboard)."""
+    if isinstance(value, str):
+        return _CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}", value)
+    if isinstance(value, dict):
+        return {k: printable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [printable(v) for v in value]
+    return value
+
+
 def render(trajs: list[dict[str, Any]], episode: dict[str, Any], listing: bool, max_chars: int,
            console: Console, stage_seconds: dict[str, float] | None = None) -> None:
+    trajs, episode = printable(trajs), printable(episode)
     if listing:
         console.print(episode_list(trajs))
         console.print()

@@ -77,3 +77,30 @@ def test_show_displays_the_simulated_users_messages():
     console.print(turn_panel(turn, 2000))
     text = console.export_text()
     assert "What is your order?" in text and "It's order A-17." in text and "user" in text
+
+
+HOSTILE = "\x1b[2J\x1b]52;c;cm0gLXJmIH4=\x07\x1b]0;pwned\x07\rhidden\x9b31m"
+"""A clear-screen, a clipboard write (OSC 52), a title change, a carriage return and an 8-bit CSI."""
+
+
+def test_show_prints_what_the_model_and_its_tools_wrote_without_terminal_controls(smoke_run, show, tmp_path):
+    """The model's output, a tool's output, a tool name the model chose and a task id reach the terminal in
+    `rollway show`: rich passes escape sequences through, so a model could clear the operator's screen,
+    rewrite lines or set the clipboard. Every control character but newline and tab is shown escaped."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(smoke_run.run_dir, run_dir)
+    trajs = episodes(run_dir)
+    t = trajs[0]
+    t["episode"]["task_id"] += HOSTILE
+    turn = t["turns"][0]
+    turn["assistant_text"] += HOSTILE
+    turn["observations"][0]["content"] += HOSTILE
+    turn["observations"][0]["tool"] = "bash" + HOSTILE
+    (run_dir / "trajectories.jsonl").write_text("".join(json.dumps(x) + "\n" for x in trajs))
+    for args in ((str(run_dir),), (str(run_dir), "--episode", t["episode"]["episode_id"])):
+        out = show(*args)
+        assert out.returncode == 0, out.stderr
+        assert not any(c in out.stdout for c in "\x1b\x07\r\x9b"), repr(out.stdout[-600:])
+        assert "\\x1b]52;c;cm0gLXJmIH4=" in out.stdout and "\\x9b31m" in out.stdout  # shown, escaped
