@@ -28,7 +28,10 @@ def mutated(value: Any, rng: random.Random, values: list[Any] = VALUES, keys: li
     or, in an object, given a key of `keys` set to one of `values`."""
     value = copy.deepcopy(value)
     for _ in range(rng.choice((1, 1, 2, 3))):
-        path = rng.choice(paths(value))
+        found = paths(value)
+        if not found:  # everything deleted already
+            break
+        path = rng.choice(found)
         parent = value
         for name in path[:-1]:
             parent = parent[name]
