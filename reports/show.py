@@ -166,7 +166,7 @@ def printable(value: Any) -> Any:
     if isinstance(value, str):
         return _CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}", value)
     if isinstance(value, dict):
-        return {k: printable(v) for k, v in value.items()}
+        return {printable(k): printable(v) for k, v in value.items()}  # keys too: argument names are the model's
     if isinstance(value, list):
         return [printable(v) for v in value]
     return value

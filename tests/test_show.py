@@ -98,6 +98,7 @@ def test_show_prints_what_the_model_and_its_tools_wrote_without_terminal_control
     turn["assistant_text"] += HOSTILE
     turn["observations"][0]["content"] += HOSTILE
     turn["observations"][0]["tool"] = "bash" + HOSTILE
+    turn["observations"][0]["arguments"] = {"command" + HOSTILE: "ls"}  # a key the model chose
     (run_dir / "trajectories.jsonl").write_text("".join(json.dumps(x) + "\n" for x in trajs))
     for args in ((str(run_dir),), (str(run_dir), "--episode", t["episode"]["episode_id"])):
         out = show(*args)
