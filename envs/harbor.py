@@ -54,6 +54,7 @@ from rollway.envs.harbor_verifier import HARBOR_DIR, LINKS, VerifierSettings, co
 from rollway.envs.harbor_verifier import HarborEnvError as HarborEnvError  # re-exported: raised by grade
 from rollway.envs.image_builds import KeyedLocks, build_all
 from rollway.envs.split import select_tasks
+from rollway.envs.task_data import TaskDataError, read_task_text
 from rollway.sandboxes.base import (
     OutputLost,
     Sandbox,
@@ -167,7 +168,7 @@ def load_task(root: Path) -> HarborTask:
         if not (root / rel).is_file():
             raise HarborTaskError(f"{root} is not a Harbor task folder: {rel} is missing")
     try:
-        config = tomllib.loads((root / "task.toml").read_text())
+        config = tomllib.loads(_text(root / "task.toml"))
     except tomllib.TOMLDecodeError as exc:
         raise HarborTaskError(f"{root / 'task.toml'}: {exc}") from exc
     name = _table(config.get("task"), f"{root}: [task]").get("name") or root.name
@@ -177,10 +178,18 @@ def load_task(root: Path) -> HarborTask:
         raise HarborTaskError(f"{root}: [task] name (or the folder's name) {name!r} may hold only letters, digits "
                               "and _.@/+- (it names images and containers); rename the task")
     check_folder(root, name)
-    task = HarborTask(name=name, root=root, instruction=(root / "instruction.md").read_text(), config=config)
+    task = HarborTask(name=name, root=root, instruction=_text(root / "instruction.md"), config=config)
     check_config(task)
     task.verifier = verifier_settings(task)
     return task
+
+
+def _text(path: Path) -> str:
+    """A task file's text; HarborTaskError naming the file when it is not UTF-8."""
+    try:
+        return read_task_text(path)
+    except TaskDataError as err:
+        raise HarborTaskError(str(err)) from None
 
 
 def check_folder(root: Path, name: str) -> None:
@@ -214,7 +223,7 @@ def _container_path(value: Any, task: str, key: str) -> str:
 def check_config(task: HarborTask) -> None:
     """Paths the task gives (the Dockerfile's WORKDIR, which rollway writes into a RUN line; [environment]
     workdir and skills_dir; artifact destinations) checked before any of them is used."""
-    _container_path(workdir_of((task.root / "environment" / "Dockerfile").read_text()), task.name,
+    _container_path(workdir_of(_text(task.root / "environment" / "Dockerfile")), task.name,
                     "WORKDIR (the last one in environment/Dockerfile)")
     for section, key in TIMEOUTS:
         if task.table(section).get(key) is not None:

@@ -24,6 +24,8 @@ from rollway.envs.task_data import (
     check_row_size,
     check_tests,
     check_text,
+    parse_row_json,
+    read_task_text,
     refuse,
     resolve_in_tree,
 )
@@ -47,10 +49,10 @@ def load_instances(path: str | os.PathLike[str],
         raise FileNotFoundError(f"instances file {file} does not exist; create it with "
                                 "`rollway tasks build swe --sdist NAME==VERSION --out FILE`")
     rows = []
-    for number, line in enumerate(file.read_text().splitlines(), start=1):
+    for number, line in enumerate(read_task_text(file).splitlines(), start=1):
         if line.strip():
             check_row_size(f"{file} line {number}", line)
-            rows.append(json.loads(line))
+            rows.append(parse_row_json(f"{file} line {number}", line))
     if not rows:
         raise ValueError(f"{file} holds no instances; rebuild it with `rollway tasks build swe`")
     seen: set[str] = set()

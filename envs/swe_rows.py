@@ -41,6 +41,8 @@ from rollway.envs.task_data import (
     check_row_size,
     check_tests,
     check_text,
+    parse_row_json,
+    read_task_text,
 )
 
 FORMATS = ("swebench", "swe-gym", "swe-smith", "r2e-gym")
@@ -98,13 +100,15 @@ def read_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
         rows = pq.read_table(file).to_pylist()
     elif file.suffix == ".json":
-        rows = json.loads(file.read_text())
+        rows = parse_row_json(str(file), read_task_text(file))
+        if not isinstance(rows, list):
+            raise RowError(f"{file} must hold a JSON list of rows")
     else:
         rows = []
-        for number, line in enumerate(file.read_text().splitlines(), start=1):
+        for number, line in enumerate(read_task_text(file).splitlines(), start=1):
             if line.strip():
                 check_row_size(f"{file} line {number}", line)
-                rows.append(json.loads(line))
+                rows.append(parse_row_json(f"{file} line {number}", line))
     if file.suffix in (".parquet", ".json"):
         for number, row in enumerate(rows, start=1):
             check_row_size(f"{file} row {number}", json.dumps(row, default=str))

@@ -10,6 +10,7 @@ Dockerfile instruction) with a TaskDataError naming the task and the field, so `
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path, PurePosixPath
@@ -113,6 +114,22 @@ def resolve_in_tree(task: str, field: str, root: Path, rel: str) -> Path:
     if os.path.islink(os.path.join(real_root, clean)):
         raise refuse(task, field, f"{clean!r} is a symlink; the file itself must be in the tree")
     return Path(real)
+
+
+def read_task_text(path: Path) -> str:
+    """A task data file's text (a rows file, a task folder's file); TaskDataError naming it when not UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise TaskDataError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+def parse_row_json(where: str, text: str) -> Any:
+    """JSON text of a rows file (`where`: the file, and the line); TaskDataError naming it when invalid."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise TaskDataError(f"{where} is not valid JSON ({str(exc)[:100]})") from None
 
 
 def check_row_size(where: str, line: str) -> None:

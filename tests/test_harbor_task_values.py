@@ -10,6 +10,7 @@ import copy
 import json
 import math
 import random
+import re
 import shutil
 import tomllib
 from pathlib import Path
@@ -139,4 +140,14 @@ def test_a_non_finite_or_non_positive_number_is_refused_naming_it(tmp_path, sect
     config[section][key] = value
     task = _task_copy(tmp_path, "bad-number", config)
     with pytest.raises(HarborTaskError, match=rf"task bad-number: \[{section}\] {key}"):
+        load_tasks(task)
+
+
+@pytest.mark.parametrize("name", ["instruction.md", "task.toml", "environment/Dockerfile"])
+def test_a_task_file_that_is_not_utf8_is_refused_naming_it(tmp_path, name):
+    """A UnicodeDecodeError named no file; now the task's error names the one that is not text."""
+    task = tmp_path / "binary"
+    shutil.copytree(EXAMPLE, task)
+    (task / name).write_bytes((task / name).read_bytes() + b"\n\xff\xfe\n")
+    with pytest.raises(HarborTaskError, match=re.escape(f"{task / name} is not UTF-8 text")):
         load_tasks(task)

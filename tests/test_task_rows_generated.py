@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from typing import Any
 
 import generated
@@ -53,3 +54,21 @@ def test_generated_rows_load_or_are_refused_by_name(fmt):
             crashes.append(f"row {n}: {type(err).__name__}: {err} for {json.dumps(row, default=repr)[:300]}")
     assert not crashes, "\n".join(crashes[:10])
     assert loaded >= 60 and refused >= 60, (loaded, refused)
+
+
+@pytest.mark.parametrize(("name", "content", "says"), [
+    ("rows.jsonl", b'{"instance_id": "a"}\n{bad\n', "rows.jsonl line 2 is not valid JSON"),
+    ("rows.jsonl", b'{"instance_id": "a"}\n\xff\xfe\n', "rows.jsonl is not UTF-8 text"),
+    ("rows.json", b'{"instance_id": "a"}', "rows.json must hold a JSON list of rows"),
+])  # fmt: skip
+def test_a_rows_file_that_is_not_json_lines_is_refused_naming_file_and_line(tmp_path, name, content, says):
+    """A bare JSONDecodeError or UnicodeDecodeError named neither the file nor the line."""
+    from rollway.envs.swe import load_instances
+    from rollway.envs.swe_rows import read_rows
+
+    path = tmp_path / name
+    path.write_bytes(content)
+    readers = (read_rows, load_instances) if name.endswith(".jsonl") else (read_rows,)
+    for read in readers:
+        with pytest.raises((RowError, TaskDataError), match=re.escape(says)):
+            read(path)
