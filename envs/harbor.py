@@ -226,8 +226,8 @@ def check_config(task: HarborTask) -> None:
     _container_path(workdir_of(_text(task.root / "environment" / "Dockerfile")), task.name,
                     "WORKDIR (the last one in environment/Dockerfile)")
     for section, key in TIMEOUTS:
-        if task.table(section).get(key) is not None:
-            _positive(task.table(section)[key], f"task {task.name}: [{section}] {key}")
+        if (seconds := task.table(section).get(key)) is not None:
+            _positive(seconds, f"task {task.name}: [{section}] {key}")
     task.resources()  # checked: finite sizes and CPUs above 0
     env = task.table("environment")
     for key in ("workdir", "skills_dir"):

@@ -21,11 +21,9 @@ from rollway.envs.task_data import (
     check_line,
     check_name,
     check_rel_path,
-    check_row_size,
     check_tests,
     check_text,
-    parse_row_json,
-    read_task_text,
+    read_json_lines,
     refuse,
     resolve_in_tree,
 )
@@ -48,11 +46,7 @@ def load_instances(path: str | os.PathLike[str],
     if not file.is_file():
         raise FileNotFoundError(f"instances file {file} does not exist; create it with "
                                 "`rollway tasks build swe --sdist NAME==VERSION --out FILE`")
-    rows = []
-    for number, line in enumerate(read_task_text(file).splitlines(), start=1):
-        if line.strip():
-            check_row_size(f"{file} line {number}", line)
-            rows.append(parse_row_json(f"{file} line {number}", line))
+    rows = read_json_lines(file)
     if not rows:
         raise ValueError(f"{file} holds no instances; rebuild it with `rollway tasks build swe`")
     seen: set[str] = set()

@@ -42,6 +42,7 @@ from rollway.envs.task_data import (
     check_tests,
     check_text,
     parse_row_json,
+    read_json_lines,
     read_task_text,
 )
 
@@ -104,11 +105,7 @@ def read_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         if not isinstance(rows, list):
             raise RowError(f"{file} must hold a JSON list of rows")
     else:
-        rows = []
-        for number, line in enumerate(read_task_text(file).splitlines(), start=1):
-            if line.strip():
-                check_row_size(f"{file} line {number}", line)
-                rows.append(parse_row_json(f"{file} line {number}", line))
+        rows = read_json_lines(file)
     if file.suffix in (".parquet", ".json"):
         for number, row in enumerate(rows, start=1):
             check_row_size(f"{file} row {number}", json.dumps(row, default=str))
@@ -140,17 +137,10 @@ def _tests(row: dict[str, Any], key: str) -> list[str]:
     if value is None or value == "":
         return []
     if isinstance(value, str):
-        value = _json(row, key, value)
+        value = parse_row_json(f"row {_row_name(row)}: {key}", value)
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise RowError(f"row {_row_name(row)}: {key} must be a list of test ids (strings), or JSON text of one")
     return value
-
-
-def _json(row: dict[str, Any], key: str, text: str) -> Any:
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError):
-        raise RowError(f"row {_row_name(row)}: {key} is not valid JSON text") from None
 
 
 def _need(row: dict[str, Any], key: str, fmt: str, kind: type = object) -> Any:
@@ -242,7 +232,8 @@ def _swe_smith(row: dict[str, Any]) -> SWEInstance:
 def _json_field(row: dict[str, Any], key: str) -> dict[str, Any]:
     """An object stored as one or as JSON text ({} when absent)."""
     value = row.get(key)
-    value = _json(row, key, value) if isinstance(value, str) and value.strip() else (value or {})
+    value = parse_row_json(f"row {_row_name(row)}: {key}", value) if isinstance(value, str) and value.strip() \
+        else (value or {})
     if not isinstance(value, dict):
         raise RowError(f"row {_row_name(row)}: {key} must be a JSON object")
     return value

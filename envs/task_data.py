@@ -132,6 +132,17 @@ def parse_row_json(where: str, text: str) -> Any:
         raise TaskDataError(f"{where} is not valid JSON ({str(exc)[:100]})") from None
 
 
+def read_json_lines(path: Path) -> list[Any]:
+    """The rows of a JSON Lines file (blank lines skipped), each checked for size and parsed; TaskDataError
+    naming the file and the line of the first that is too long or not JSON."""
+    rows = []
+    for number, line in enumerate(read_task_text(path).splitlines(), start=1):
+        if line.strip():
+            check_row_size(f"{path} line {number}", line)
+            rows.append(parse_row_json(f"{path} line {number}", line))
+    return rows
+
+
 def check_row_size(where: str, line: str) -> None:
     if len(line) > MAX_ROW_CHARS:
         raise TaskDataError(f"{where}: a row of {len(line)} characters (at most {MAX_ROW_CHARS}); split or trim it")
