@@ -69,12 +69,20 @@ class Program:
 def check_against_engine(calls: list[CapturedCall], engine: LoggedEngine) -> None:
     """Each record's output ids and logprobs are what the engine returned, and the prompt rebuilt from
     the records is the prompt the engine received."""
+    check_against_log(calls, engine.log)
+
+
+def check_against_log(calls: list[CapturedCall], log: list[tuple[list[int], Generation]],
+                      cut_at_stop: bool = False) -> None:
+    """check_against_engine for the engine's (prompt, generation) entries of these calls; `cut_at_stop`: an
+    output may end early where a stop string the program asked for cut it (finish reason stop)."""
     calls = sorted(calls, key=lambda c: c.call_index)
-    assert len(calls) == len(engine.log)
+    assert len(calls) == len(log)
     streams: dict[int, list[int]] = {}
-    for call, (prompt, generation) in zip(calls, engine.log, strict=True):
-        assert call.output_ids == generation.token_ids
-        assert call.logprobs == generation.logprobs
+    for call, (prompt, generation) in zip(calls, log, strict=True):
+        kept = len(call.output_ids) if cut_at_stop else len(generation.token_ids)
+        assert call.output_ids == generation.token_ids[:kept] and call.logprobs == generation.logprobs[:kept]
+        assert kept == len(generation.token_ids) or call.finish_reason == "stop"
         stream = [] if call.segment_reason else streams[call.segment]
         stream = stream[: call.prompt_start] + call.prompt_ids
         assert stream == prompt, f"call {call.call_index}: the recorded prompt is not what the engine saw"

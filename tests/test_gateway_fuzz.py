@@ -21,11 +21,10 @@ from typing import Any
 import aiohttp
 import generated
 from conftest import run
-from test_gateway import SCRIPT, LoggedEngine, key, serve
+from test_gateway import LoggedEngine, check_against_log, key, serve
 
 from rollway.gateway import rebuild_segments
 from rollway.policies.base import Generation, SamplingParams
-from rollway.schemas.messages import CapturedCall
 
 SHELL = {"type": "function", "function": {"name": "shell", "description": "Run a command.",
                                           "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}}
@@ -121,7 +120,7 @@ class _Numbered(LoggedEngine):
     """The engine's log with the episode each prompt came from (episodes here run one at a time)."""
 
     def __init__(self) -> None:
-        super().__init__(SCRIPT * 1)
+        super().__init__()
         self.episode = ""
         self.of: list[str] = []
 
@@ -167,8 +166,8 @@ async def _fuzz(seed: int, episodes: int) -> tuple[dict[tuple[str, int], int], l
                 calls = recorder.of(f"fuzz-{n}")
                 if calls:
                     rebuild_segments(calls)
-                    _check_exact(calls, [entry for entry, of in zip(engine.log, engine.of, strict=True)
-                                         if of == f"fuzz-{n}"])
+                    check_against_log(calls, [entry for entry, of in zip(engine.log, engine.of, strict=True)
+                                              if of == f"fuzz-{n}"], cut_at_stop=True)
             # still serving: a valid call of a new episode is answered
             handle = gateway.open_episode(key("after"))
             async with http.post(f"{gateway.url}/v1/chat/completions", json=SEEDS["chat/completions"],
@@ -179,21 +178,6 @@ async def _fuzz(seed: int, episodes: int) -> tuple[dict[tuple[str, int], int], l
         await gateway.stop()
     return answered, problems + [f"logged an error: {e}" for e in errors.seen]
 
-
-def _check_exact(calls: list[CapturedCall], log: list[tuple[list[int], Generation]]) -> None:
-    """Each record's prompt, rebuilt from the records, is what the engine received, and its output is what the
-    engine returned, up to where a stop string the program asked for cut it."""
-    calls = sorted(calls, key=lambda c: c.call_index)
-    assert len(calls) == len(log)
-    streams: dict[int, list[int]] = {}
-    for call, (prompt, generation) in zip(calls, log, strict=True):
-        kept = len(call.output_ids)
-        assert call.output_ids == generation.token_ids[:kept] and call.logprobs == generation.logprobs[:kept]
-        assert kept == len(generation.token_ids) or call.finish_reason == "stop"
-        stream = [] if call.segment_reason else streams[call.segment]
-        stream = stream[: call.prompt_start] + call.prompt_ids
-        assert stream == prompt, f"call {call.call_index}: the recorded prompt is not what the engine saw"
-        streams[call.segment] = stream + call.output_ids
 
 
 def test_malformed_requests_are_answered_by_name_and_served_calls_stay_exact():

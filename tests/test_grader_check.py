@@ -400,28 +400,28 @@ class NonFiniteTaskSet(ToyTaskSet):
         return Grade(self.reward, False, details={"score_line": "printed by the tests"})  # type: ignore[arg-type]
 
 
+def _graded_as(reward: object) -> Grade:
+    """What grade_after_agent makes of a grader that gives `reward` (its sandbox is never touched: None)."""
+    from rollway.envs.base import grade_after_agent
+
+    taskset = NonFiniteTaskSet(ToyTasksConfig())
+    taskset.reward = reward
+    task = taskset.tasks()[0]
+    return asyncio.run(grade_after_agent(taskset, task, None, None, Episode("e", 0, task, [])))
+
+
 @pytest.mark.parametrize("reward", [float("nan"), float("inf"), -float("inf"), 1e300, -2e6, "1", None, True])
 def test_a_grader_reward_that_is_not_a_finite_number_is_graded_zero(reward):
     """Any task set's grade passes one door (grade_after_agent, the reward stage's and `rollway grader
     check`'s): a reward that is not a finite number becomes 0 with outcome bad_reward, the grader's details
     kept; so is one past ±1e6 (1e300 under Dr.GRPO is an advantage of 1e300, inf in float32). The sandbox is not
     used by this grader (None stands in for it)."""
-    from rollway.envs.base import grade_after_agent
-
-    taskset = NonFiniteTaskSet(ToyTasksConfig())
-    taskset.reward = reward
-    task = taskset.tasks()[0]
-    grade = asyncio.run(grade_after_agent(taskset, task, None, None, Episode("e", 0, task, [])))
+    grade = _graded_as(reward)
     assert (grade.reward, grade.resolved, grade.details["outcome"]) == (0.0, False, "bad_reward")
     assert grade.details["score_line"] == "printed by the tests" and repr(reward) in grade.details["error"]
 
 
 @pytest.mark.parametrize("reward", [0.0, 1.0, 0.25, -1.0, 100, 1e6])
 def test_a_grader_reward_within_range_stands(reward):
-    from rollway.envs.base import grade_after_agent
-
-    taskset = NonFiniteTaskSet(ToyTasksConfig())
-    taskset.reward = reward
-    task = taskset.tasks()[0]
-    grade = asyncio.run(grade_after_agent(taskset, task, None, None, Episode("e", 0, task, [])))
+    grade = _graded_as(reward)
     assert grade.reward == reward and "outcome" not in grade.details
