@@ -115,7 +115,7 @@ class HarnessConfig(StrictModel):
     up to the bound. None: no bound."""
     silence_limit_s: float = Field(120.0, gt=0)
     """Time without a model call (from the start) after which the program is killed and the episode
-    ends with `harness_silence`."""
+    ends with `harness_silence`. A call being served (waiting on the engine) is not silence."""
     side_calls: SideCallsConfig = Field(default_factory=SideCallsConfig)
     """Side conversations (a title or memory call with its own system prompt): recorded, shown, not trained."""
     sampling: Literal["enforce", "record"] = "enforce"

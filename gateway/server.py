@@ -46,7 +46,14 @@ from rollway.gateway.protocol import (
 )
 from rollway.gateway.recorder import CallRecorder, RecordFailed, RecordTooLarge
 from rollway.gateway.side import SideCallRule, side_call_of
-from rollway.policies.base import ChatFormat, Generation, InferenceClient, SamplingParams
+from rollway.policies.base import (
+    ChatFormat,
+    Generation,
+    InferenceClient,
+    InferenceRequestError,
+    InferenceSettingsRefused,
+    SamplingParams,
+)
 from rollway.runtime import metrics
 from rollway.schemas.messages import CapturedCall, EpisodeKey
 
@@ -146,7 +153,7 @@ class Gateway:
         self.episodes: dict[str, EpisodeHandle] = {}
         """By token; closed episodes stay (their calls get 409, not 401)."""
         self._runner: web.AppRunner | None = None
-        self._unsupported_said: set[str] = set()
+        self._said_once: set[str] = set()
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -258,8 +265,8 @@ class Gateway:
     def _mark_unsupported(self, handle: EpisodeHandle, err: RequestError) -> None:
         if err.code in ("unsupported_option", "unsupported_endpoint") and handle.unsupported is None:
             handle.unsupported = str(err)
-            if str(err) not in self._unsupported_said:  # every episode of the program asks alike: said once
-                self._unsupported_said.add(str(err))
+            if str(err) not in self._said_once:  # every episode of the program asks alike: said once
+                self._said_once.add(str(err))
                 log.warning("a program asked for what the gateway does not serve", error=str(err))
 
     @staticmethod
@@ -338,6 +345,14 @@ class Gateway:
         used = self._params(parsed.sampling, plan)
         if handle.max_trained_tokens is not None and plan.side is None:  # no more than the episode has left
             used = replace(used, max_tokens=min(used.max_tokens, handle.max_trained_tokens - handle.trained_tokens))
+        context = await self.engine.context_tokens()
+        if context is not None:  # a prompt the engine cannot hold is told as programs expect, to compact on
+            if len(plan.prompt_ids) >= context:
+                raise RequestError(
+                    f"prompt is too long: {len(plan.prompt_ids)} tokens > {context - 1} maximum. This model's maximum "
+                    f"context length is {context} tokens, prompt and output together: shorten or compact the "
+                    "conversation", _PROMPT_FIELD[api], 400, "context_length_exceeded")
+            used = replace(used, max_tokens=min(used.max_tokens, context - len(plan.prompt_ids)))
         # The drift check (a from-scratch render) needs only the plan: it runs while the engine generates,
         # not after it; the capture it reads changes only at commit, under the episode's lock held here.
         drift = asyncio.get_running_loop().run_in_executor(self._pool, capture.drifted, plan) \
@@ -349,6 +364,8 @@ class Gateway:
                 drift.add_done_callback(_retrieved)  # a call that fails here never reads it
             if isinstance(err, OSError):  # no connection, a timeout: the engine's failure, never the program's
                 handle.infrastructure_failure = f"the inference engine did not answer: {err}"[:500]
+            if isinstance(err, InferenceRequestError):
+                raise self._refused(handle, err) from None
             raise
         drifted = drift is not None and await drift
         output, reply = (self._reply(generation, parsed.sampling, parse_tools)
@@ -375,6 +392,20 @@ class Gateway:
         usage = {"prompt_tokens": len(plan.prompt_ids), "completion_tokens": len(output),
                  "total_tokens": len(plan.prompt_ids) + len(output)}
         return f"{handle.episode.episode_id}-{call.call_index}", reply, usage
+
+    def _refused(self, handle: EpisodeHandle, err: InferenceRequestError) -> RequestError:
+        """What the program is told when the engine refused its call: for what the call holds, a 400 in the
+        engine's words (the program's doing: graded, not retried); for the gateway's own key, route or model
+        (the operator's settings, which no program chooses), a 502 and the attempt the infrastructure's."""
+        if not isinstance(err, InferenceSettingsRefused):
+            return RequestError(f"the inference engine refused this call: {err.reason}", None, 400, "engine_refused")
+        handle.infrastructure_failure = f"the inference engine refused the gateway's request: {err}"[:500]
+        if str(err) not in self._said_once:  # every episode meets it alike: said once
+            self._said_once.add(str(err))
+            log.warning("the inference engine refuses the gateway's requests: check policy.model, policy.base_url "
+                        "and the engine's API key", error=str(err))
+        return RequestError(f"the inference engine refused the gateway's request ({err.status}); this is not the "
+                            "program's doing", None, 502, "engine_refused")
 
     def _prepare(self, capture: EpisodeCapture, api: str, raw: bytes, parsed: Any = None,
                  render_limit: int | None = None) -> tuple[Any, Plan | None, bool]:
@@ -504,6 +535,8 @@ class Gateway:
         return response
 
 
+_PROMPT_FIELD = {"chat": "messages", "completions": "prompt", "responses": "input", "messages": "messages"}
+"""The request field each API holds its conversation in."""
 _PARSERS = {"chat": parse_chat_request, "completions": parse_completion_request,
             "responses": parse_responses_request, "messages": parse_messages_request}
 

@@ -64,8 +64,38 @@ class InferenceClient(ABC):
         cannot say (then agents in other processes cannot know which policy produced a turn)."""
         return None
 
+    async def context_tokens(self) -> int | None:
+        """Prompt and output tokens the engine holds per sequence (its `max_model_len`); None when it
+        cannot say. The gateway refuses a longer prompt with the error programs compact on, and cuts a
+        call's max_tokens to the room left, before the engine sees it."""
+        return None
+
     async def close(self) -> None:
         """Release connections."""
+
+
+class InferenceRequestError(RuntimeError):
+    """The engine refused a request (4xx) for what it holds (a prompt too long, an id outside the
+    vocabulary): retrying will not help, and the prompt is the agent's doing (base/blame.py)."""
+
+    def __init__(self, message: str, status: int = 400, reason: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.reason = str(message if reason is None else reason)[:500]
+        """The engine's own words, without the engine's address (what a program may be told)."""
+
+
+class InferenceSettingsRefused(InferenceRequestError):
+    """The engine refused who asked or for what model (401, 403, 404, 405: the client's key, route or model
+    name, the operator's settings, or an adapter a weight update unloaded): no agent can cause it."""
+
+    infrastructure = True
+
+
+def inference_refusal(message: str, status: int, reason: str | None = None) -> InferenceRequestError:
+    """The error for an engine's 4xx answer of `status`."""
+    kind = InferenceSettingsRefused if status in (401, 403, 404, 405) else InferenceRequestError
+    return kind(message, status, reason)
 
 
 class PolicyVersionUnknown(RuntimeError):

@@ -29,6 +29,11 @@ import torch.nn.functional as F
 from rollway.policies.base import SamplingParams
 
 
+class RequestRefused(ValueError):
+    """A request the engine cannot serve for what it holds (empty, an id outside the vocabulary, longer than
+    the context): the client's error, raised by `BatchEngine.check` and `generate`."""
+
+
 @dataclass(frozen=True)
 class EngineRequest:
     """One completion request; `prompt_ids` are validated by `BatchEngine.check`."""
@@ -135,20 +140,21 @@ class BatchEngine:
         self._thread.join(timeout=30)
 
     def check(self, request: EngineRequest) -> None:
-        """Raise ValueError (a client error) if the request cannot be served."""
+        """Raise RequestRefused (a client error) if the request cannot be served."""
         ids = request.prompt_ids
         if not ids:
-            raise ValueError("prompt is empty: send at least one token id")
+            raise RequestRefused("prompt is empty: send at least one token id")
         bad = [t for t in [*ids, *request.params.stop_token_ids] if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"token ids out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
+            raise RequestRefused(f"token ids out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
         total = len(ids) + request.params.max_tokens
         if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({request.params.max_tokens}) = {total} "
+            raise RequestRefused(f"prompt ({len(ids)} tokens) + max_tokens ({request.params.max_tokens}) = {total} "
                              f"exceeds the engine's max_model_len {self.max_model_len}: shorten the prompt "
                              "or lower max_tokens")
 
     async def generate(self, request: EngineRequest) -> EngineOutput:
+        """The request's output; RequestRefused, before it is queued, when it cannot be served."""
         self.check(request)
         loop = asyncio.get_running_loop()
         seed = request.params.seed if request.params.seed is not None else random.getrandbits(63)

@@ -213,18 +213,16 @@ class EngineServer:
             raise RequestError(f"the request body is not valid JSON: {err}") from err
 
     async def completions(self, request: web.Request) -> web.Response:
-        from rollway.policies.batching import EngineRequest
+        from rollway.policies.batching import EngineRequest, RequestRefused
 
         try:
             prompt, params, extras, opts = parse_completion(await self._json(request), self.served_model)
-            engine_request = EngineRequest(prompt, params, **extras)
             try:
-                self.engine.check(engine_request)
-            except ValueError as err:
+                out = await self.engine.generate(EngineRequest(prompt, params, **extras))
+            except RequestRefused as err:
                 raise RequestError(str(err), "prompt") from err
         except RequestError as err:
             return error_response(err)
-        out = await self.engine.generate(engine_request)
         body = self.renderer.render(prompt, out, opts)
         return web.json_response(body, headers={VERSION_HEADER: str(out.policy_version)})
 

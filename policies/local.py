@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rollway.policies.base import Generation, InferenceClient, SamplingParams
+from rollway.policies.base import Generation, InferenceClient, InferenceRequestError, SamplingParams
 from rollway.policies.config import LocalPolicyConfig
 
 
@@ -32,9 +32,12 @@ class LocalEngineClient(InferenceClient):
         return self.engine.policy_version
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        from rollway.policies.batching import EngineRequest
+        from rollway.policies.batching import EngineRequest, RequestRefused
 
-        out = await self.engine.generate(EngineRequest(list(prompt_ids), params))
+        try:
+            out = await self.engine.generate(EngineRequest(list(prompt_ids), params))
+        except RequestRefused as err:  # what was asked (a prompt too long, an id outside the vocabulary)
+            raise InferenceRequestError(str(err)) from None
         return Generation(out.token_ids, out.logprobs, out.finish_reason, out.policy_version)
 
     supports_weight_sync = True
@@ -45,6 +48,9 @@ class LocalEngineClient(InferenceClient):
 
     async def served_version(self) -> int | None:
         return self.engine.policy_version
+
+    async def context_tokens(self) -> int | None:
+        return self.engine.max_model_len
 
     async def close(self) -> None:
         self.engine.stop()

@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import aiohttp
 import msgspec
 
-from rollway.policies.base import Generation, InferenceClient, SamplingParams
+from rollway.policies.base import (
+    Generation,
+    InferenceClient,
+    InferenceRequestError,
+    SamplingParams,
+    inference_refusal,
+)
 
 VERSION_HEADER = "X-Policy-Version"
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -30,8 +37,10 @@ standard library's json encoded at about a third of the agent worker's CPU per t
 ceiling --profile`); msgspec encodes and decodes them several times faster, to the same JSON."""
 
 
-class InferenceRequestError(RuntimeError):
-    """The server rejected a request (4xx): retrying will not help."""
+_UNREAD = object()
+"""`OpenAICompletionsClient._context` before /v1/models was read."""
+CONTEXT_RETRY_S = 30.0
+"""After /v1/models could not be read, how long the context stays unknown before it is asked again."""
 
 
 def completion_payload(model: str, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:
@@ -108,6 +117,8 @@ class OpenAICompletionsClient(InferenceClient):
         self.max_retries, self.backoff_s = max_retries, backoff_s
         self.policy_version = policy_version
         self._session: aiohttp.ClientSession | None = None
+        self._context: object = _UNREAD
+        self._context_retry_at = 0.0
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -128,7 +139,8 @@ class OpenAICompletionsClient(InferenceClient):
                         return (_decode_json(raw) if raw.strip() else {}), resp.headers
                     text = await resp.text()
                     if resp.status < 500:
-                        raise InferenceRequestError(f"{method} {url} -> {resp.status}: {_message(text)}")
+                        reason = _message(text)
+                        raise inference_refusal(f"{method} {url} -> {resp.status}: {reason}", resp.status, reason)
                     error: Exception = RuntimeError(f"{method} {url} -> {resp.status}: {_message(text)}")
             except (TimeoutError, aiohttp.ClientError) as err:  # the connection or the body cut short: the engine
                 error = err
@@ -142,6 +154,26 @@ class OpenAICompletionsClient(InferenceClient):
             body, _ = await self._request("GET", f"{self.base_url}/models")
             self.model = body["data"][0]["id"]
         return self.model
+
+    async def context_tokens(self) -> int | None:
+        """The served model's `max_model_len` from /v1/models (vLLM and `rollway serve` report it), read
+        once; None when the server does not report it, or cannot be reached now (asked again after
+        CONTEXT_RETRY_S, so calls meanwhile do not each wait on a server that is down)."""
+        if self._context is _UNREAD and time.monotonic() >= self._context_retry_at:
+            try:
+                body, _ = await self._request("GET", self._models_url(), retries=0)
+            except (ConnectionError, InferenceRequestError):
+                self._context_retry_at = time.monotonic() + CONTEXT_RETRY_S
+                return None
+            cards = [c for c in body.get("data") or [] if isinstance(c, dict)] if isinstance(body, dict) else []
+            named = [c for c in cards if c.get("id") == self.model and "max_model_len" in c]
+            reported = named or [c for c in cards if "max_model_len" in c]
+            length = reported[0]["max_model_len"] if reported else None
+            self._context = length if isinstance(length, int) and not isinstance(length, bool) and length > 0 else None
+        return None if self._context is _UNREAD else self._context  # type: ignore[return-value]
+
+    def _models_url(self) -> str:
+        return f"{self.base_url}/models"
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         payload = completion_payload(await self.model_name(), prompt_ids, params)

@@ -224,7 +224,7 @@ class VLLMClient(OpenAICompletionsClient):
 
     async def model_name(self) -> str:
         """The configured model, else the first model the first reachable replica serves."""
-        for root in [r for r in self.roots if self._dead_until[r] <= time.monotonic()] or self.roots:
+        for root in self._alive():
             if self.model is not None:
                 break
             try:
@@ -236,9 +236,17 @@ class VLLMClient(OpenAICompletionsClient):
             raise ConnectionError(f"no vLLM replica answers /v1/models: {self.roots}")
         return self.model
 
-    def _pick(self, prompt_ids: list[int] | None = None) -> str:
+    def _alive(self) -> list[str]:
+        """The replicas not marked dead, in order (all of them when every one is)."""
         now = time.monotonic()
-        alive = [r for r in self.roots if self._dead_until[r] <= now] or self.roots
+        return [r for r in self.roots if self._dead_until[r] <= now] or self.roots
+
+    def _models_url(self) -> str:
+        """/v1/models of a replica not marked dead (the first, when all are)."""
+        return f"{self._alive()[0]}/v1/models"
+
+    def _pick(self, prompt_ids: list[int] | None = None) -> str:
+        alive = self._alive()
         least = min(alive, key=lambda r: self._inflight[r])
         if len(alive) > 1 and prompt_ids:
             sticky = self.affinity.find(prompt_ids)
@@ -336,8 +344,7 @@ class VLLMClient(OpenAICompletionsClient):
     async def served_version(self) -> int | None:
         """The version every replica serves now (they must agree)."""
         labels = set()
-        now = time.monotonic()
-        for root in [r for r in self.roots if self._dead_until[r] <= now] or self.roots:
+        for root in self._alive():
             body, _ = await self._request("GET", f"{root}/weight_info")
             labels.add(version_of(body.get("weight_version")))
         if len(labels) != 1:

@@ -124,6 +124,41 @@ def test_a_seeded_request_prefilled_in_chunks_keeps_the_engine_alive(vllm_url):
     assert len(after.token_ids) == 4  # the engine still serves
 
 
+def test_the_gateway_reads_vllms_context_and_passes_its_refusals_to_the_program_as_400s(vllm_url):
+    """A program's history past vLLM's context is refused as programs compact on, before vLLM sees it; an
+    id outside the vocabulary, which vLLM refuses, reaches the program as a 400 in vLLM's words (before:
+    both were the gateway's 500, which SDKs retry), and neither is counted as the infrastructure's."""
+    import openai
+
+    from rollway.gateway import Gateway, MemoryRecorder
+    from rollway.policies.hf_chat import HFChatFormat
+    from rollway.policies.model_loading import load_tokenizer
+    from rollway.schemas.messages import EpisodeKey
+
+    async def go():
+        gateway = Gateway(client_for(vllm_url), HFChatFormat(load_tokenizer("smollm2")), MemoryRecorder())
+        await gateway.start()
+        try:
+            assert await gateway.engine.context_tokens() == 4096  # vLLM's own /v1/models says so
+            handle = gateway.open_episode(EpisodeKey(episode_id="e", group_id="g", task_id="t"))
+            program = openai.AsyncOpenAI(base_url=handle.base_url, api_key="unused", max_retries=0)
+            with pytest.raises(openai.BadRequestError) as caught:
+                await program.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": " ".join(["apple"] * 4200)}])
+            assert caught.value.body["code"] == "context_length_exceeded", caught.value.body
+            with pytest.raises(openai.BadRequestError, match="out of vocabulary") as caught:
+                await program.completions.create(model="m", prompt=[1, 10**6], max_tokens=2)
+            assert "127.0.0.1" not in str(caught.value.body)  # the engine's words, not its address
+            ok = await program.completions.create(model="m", prompt=PROMPT, max_tokens=2, temperature=0)
+            assert ok.usage.completion_tokens >= 1
+            assert handle.infrastructure_failure is None and handle.unsupported is None
+        finally:
+            await gateway.stop()
+            await gateway.engine.close()
+
+    run(go())
+
+
 def test_token_ids_and_logprobs_round_trip(vllm_url):
     params = SamplingParams(temperature=1.0, max_tokens=12, stop_token_ids=(2,), seed=11)
     first = run(_generate(client_for(vllm_url), params))
