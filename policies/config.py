@@ -57,6 +57,9 @@ class ScriptedPolicyConfig(PolicyConfig):
     implementation = "scripted"
     script: list[ScriptRule] = Field(default_factory=list)
     """Scripted policy: the first rule whose `when` matches the prompt plays its turns."""
+    max_model_len: int | None = Field(None, ge=2)
+    """The context the stand-in model declares, prompt and output tokens (None: unbounded): a longer
+    prompt is refused as an engine refuses it, to see what a program does at its context's end."""
 
 
 class GoldPolicyConfig(PolicyConfig):

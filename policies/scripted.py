@@ -5,7 +5,13 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from rollway.policies.base import ChatFormat, Generation, InferenceClient, SamplingParams
+from rollway.policies.base import (
+    ChatFormat,
+    Generation,
+    InferenceClient,
+    InferenceRequestError,
+    SamplingParams,
+)
 from rollway.policies.config import ScriptRule
 
 SCRIPTED_LOGPROB = -0.01
@@ -20,14 +26,19 @@ class ScriptedPolicy(InferenceClient):
 
     @classmethod
     def from_config(cls, cfg: Any, chat: ChatFormat, taskset: Any = None) -> ScriptedPolicy:
-        return cls(cfg.script, chat)
+        return cls(cfg.script, chat, max_model_len=cfg.max_model_len)
 
-    def __init__(self, rules: list[ScriptRule], chat: ChatFormat, policy_version: int = 0):
+    def __init__(self, rules: list[ScriptRule], chat: ChatFormat, policy_version: int = 0,
+                 max_model_len: int | None = None):
         if not rules:
             raise ValueError("policy.script is empty: give at least one rule with `turns` for the scripted policy")
         self.rules = [(re.compile(r.when), [r.turns, *r.alternatives]) for r in rules]
         self.chat = chat
         self.policy_version = policy_version
+        self.max_model_len = max_model_len
+
+    async def context_tokens(self) -> int | None:
+        return self.max_model_len
 
     def _scripts_for(self, prompt_text: str) -> list[list[str]]:
         for pattern, scripts in self.rules:
@@ -36,6 +47,9 @@ class ScriptedPolicy(InferenceClient):
         raise LookupError("no policy.script rule matches this prompt; add a rule with when: ''")
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        if self.max_model_len is not None and len(prompt_ids) >= self.max_model_len:
+            raise InferenceRequestError(f"the prompt ({len(prompt_ids)} tokens) does not fit the context of "
+                                        f"{self.max_model_len} tokens")
         scripts = self._scripts_for(self.chat.decode(prompt_ids))
         k = params.turn or self.chat.turns_since_user(prompt_ids)
         turns = scripts[0]

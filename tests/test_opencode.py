@@ -61,6 +61,33 @@ def test_opencode_with_its_title_agent_disabled_fixes_a_toy_task_in_a_docker_con
     assert_captured_tokens(t, [BASH, "Done."], prompt_has=["opencode", "numbers.txt"])
 
 
+def test_opencode_told_its_history_is_past_the_engines_context_compacts_and_fixes_the_task(tmp_path):
+    """opencode believes its model holds a million tokens (so it never compacts on its own); the engine holds
+    28,000 (the scripted model declares it as an engine does). The first command's output pushes the next
+    call past it: the gateway refuses that call with `context_length_exceeded`, and opencode, reading that
+    code, runs its compaction agent and goes on from the summary to fix the task. Before, the gateway answered
+    a prompt the engine refused with a 500, which opencode retried five times and then gave up on.
+    opencode 1.18 still exits 1 after such a recovery (the session saw an error), and a program that exits
+    non-zero is the agent's failure (graded 0, never retried): what `limit.context` set to the engine's
+    context avoids (docs/harness.md)."""
+    summary = "Summary: sum the two columns of numbers.txt into answer.txt; seq was run, nothing else done."
+    harness = {**opencode_harness(opencode(), context=1_000_000), "time_limit_s": 400, "silence_limit_s": 300}
+    cfg = job(harness, {"type": "local", "memory_mb": 2048, "root": str(tmp_path / "boxes")})
+    cfg["policy"] = {"type": "scripted", "chat_format": "bytes-chatml", "max_model_len": 28000,
+                     "script": [{"when": "You are a context summarization agent", "turns": [summary]},
+                                {"when": "seq was run", "turns": [BASH, "Done."]},
+                                {"when": "", "turns": [bash("seq 1 6000")]}]}
+    out, [t] = run(tmp_path, "up", SOLVE, cfg)
+    texts = [turn["assistant_text"] for turn in t["turns"]]
+    assert texts == [bash("seq 1 6000"), summary, BASH, "Done."], texts  # compacted, then went on to the fix
+    assert t["reward"] == 0.0 and t["grade"]["failure_kind"] == "HarnessCrashed", t["grade"]
+    assert "context length is 28000 tokens" in t["grade"]["failure"], t["grade"]  # what it was told, in its output
+    # The refused call left no record; every recorded prompt fits the engine's context.
+    [path] = (tmp_path / "run" / "gateway-calls").glob("*.jsonl")
+    calls = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(calls) == 4 and all(c["prompt_start"] + len(c["prompt_ids"]) < 28000 for c in calls)
+
+
 # --- a Harbor task (docker only: its verifier runs in the task's image) -----------------------------------
 
 UNFIXED = "This copy is the unfixed one."
