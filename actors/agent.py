@@ -215,7 +215,7 @@ class AgentActor(Actor):
     async def _harness_episode(self, state: EpisodeState) -> list[Output]:
         """Turn 0 of a harness episode is the whole episode: the program runs to its end or a limit."""
         f = state.first
-        state.begin(self.s.taskset.get(f.task_id))
+        state.begin(self.s.taskset.get(f.task_id), self.s.cfg.scheduler.agent_time_s)
         runner = await self._harness_runner()
         sandbox = await self._sandbox_for_turn(state, 0)  # claimed: a redelivery never starts it twice
         outcome = await runner.play(f.episode, state.task.prompt, sandbox, list(f.prompt_ids or []), state.deadline)

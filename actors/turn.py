@@ -47,14 +47,15 @@ class TurnRunner:
 
     @classmethod
     def from_services(cls, s: Services) -> TurnRunner:
-        rules = TurnRules(s.cfg.agent, s.cfg.hints, s.chat, s.cfg.sandbox.exec_timeout_s)
+        rules = TurnRules(s.cfg.agent, s.cfg.hints, s.chat, s.cfg.sandbox.exec_timeout_s, s.cfg.scheduler.agent_time_s)
         return cls(s.cfg.agent, s.inference, s.taskset, s.environment, rules)
 
     async def run(self, state: EpisodeState, sandbox_for_turn: SandboxForTurn,
                   rank: Callable[[], float] = lambda: 0.0) -> Turn:
         """Turn `state.next_turn`: generate, step, record (none when the budget or the agent time is spent)."""
         if state.task is None:  # the episode's first turn on this worker
-            state.begin(self.taskset.get(state.first.task_id))
+            state.begin(self.taskset.get(state.first.task_id), self.rules.agent_time_s)
+        self.rules.context = await self.inference.context_tokens()  # read once by the client, then kept
         if (ended := self.rules.ended(state)) is not None:
             return ended
         record = await self.generate(state, rank)

@@ -28,7 +28,8 @@ class EpisodeState:
     task: Any = None
     """The episode's task (`begin`: on its first turn on this worker)."""
     deadline: float | None = None
-    """When the task's agent time ends (unix seconds); None: no limit."""
+    """When the agent phase ends (unix seconds): the task's agent time or the scheduler's agent time
+    (scheduler.agent_time_s), from the sandbox being ready; None: no limit."""
 
     @classmethod
     def start(cls, msg: AgentStep, offset: int) -> EpisodeState:
@@ -37,8 +38,11 @@ class EpisodeState:
         return cls(first=msg, start_offset=offset, stream=TokenStream.start(msg.prompt_ids),
                    messages=list(msg.messages))
 
-    def begin(self, task: Any) -> None:
-        self.task, self.deadline = task, agent_deadline(task.metadata, self.first.ready_at)
+    def begin(self, task: Any, agent_time_s: float | None = None) -> None:
+        """Start the episode on this worker: its task, and when its agent phase ends (episode/deadline.py;
+        `agent_time_s`, scheduler.agent_time_s, bounds an episode the scheduler issued with a deadline)."""
+        self.task = task
+        self.deadline = agent_deadline(task.metadata, self.first.ready_at, agent_time_s if self.first.deadline else None)
 
     @property
     def next_turn(self) -> int:

@@ -42,13 +42,26 @@ class TurnRules:
     chat: ChatFormat
     exec_timeout_s: float
     """sandbox.exec_timeout_s: a command's limit when it names none (cut to the agent time left)."""
+    agent_time_s: float | None = None
+    """scheduler.agent_time_s: the longest an issued episode's agent phase runs from its sandbox being ready."""
     drift_count: int = 0
+    context: int | None = None
+    """The engine's context (`InferenceClient.context_tokens`; None: it does not say): an episode's tokens
+    stay within it as within agent.max_total_tokens, so a prompt the engine would refuse is never sent."""
+
+    @property
+    def budget(self) -> int:
+        """Tokens an episode may hold: agent.max_total_tokens, or the engine's context when smaller."""
+        total = self.agent.max_total_tokens
+        return total if self.context is None else min(total, self.context)
 
     def ended(self, state: EpisodeState) -> Turn | None:
-        """The episode ends before the model call: its prompt fills agent.max_total_tokens (`prompt_too_long`,
-        never a silent reward-0 `max_tokens`), or the task's agent time is up (graded as it stands)."""
-        if self.agent.max_total_tokens - state.tokens_used <= 0:
-            reason, say = "prompt_too_long", "prompt longer than agent.max_total_tokens; episode ended without a model call"
+        """The episode ends before the model call: its prompt fills agent.max_total_tokens or the engine's
+        context (`prompt_too_long`, never a silent reward-0 `max_tokens`, graded as it stands like the agent's
+        time being up), or the task's agent time is up."""
+        if self.budget - state.tokens_used <= 0:
+            reason, say = "prompt_too_long", ("prompt as long as agent.max_total_tokens or the engine's context; "
+                                              "episode ended without a model call")
         elif state.deadline is not None and time.time() >= state.deadline:
             reason, say = AGENT_TIMEOUT, "task's agent time is up; episode ends"
         else:
@@ -62,7 +75,7 @@ class TurnRules:
         """This turn's sampling: seeded by episode, attempt and turn; at most the budget left."""
         f, agent, turn = state.first, self.agent, state.next_turn
         return SamplingParams(temperature=agent.temperature, top_p=agent.top_p, stop_token_ids=self.chat.stop_token_ids,
-                              max_tokens=max(1, min(agent.max_tokens_per_turn, agent.max_total_tokens - state.tokens_used)),
+                              max_tokens=max(1, min(agent.max_tokens_per_turn, self.budget - state.tokens_used)),
                               seed=episode_seed(f.episode_id, f.attempt) + turn, task_id=f.task_id, turn=turn)
 
     def completion(self, state: EpisodeState, gen: Generation, started_at: float, seconds: float) -> TurnRecord:

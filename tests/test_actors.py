@@ -63,6 +63,19 @@ async def play_episode(s: Services, task_id: str = "toy-001", episode_id: str = 
     return traj
 
 
+@pytest.mark.parametrize(("context", "reward"), [(1720, 1.0), (1530, 0.0)])
+def test_an_episode_at_the_engines_context_ends_graded_as_it_stands(tmp_path, context, reward):
+    """The scripted model declares a context as an engine does (policy.max_model_len) and refuses a longer
+    prompt as an engine does. toy-001's fourth prompt is 1,730 tokens, its third 1,559: the episode ends
+    before the prompt the engine would refuse (`prompt_too_long`) and is graded as it stands: resolved when
+    the answer was written (1720), not when it was not yet (1530), never the agent's failure. Before, the
+    refused call failed the turn: graded 0 as `agent_failure` even with the answer written."""
+    traj = run(play_episode(services(tmp_path, f"policy.max_model_len={context}")))
+    assert traj.stop_reason == "prompt_too_long" and traj.reward == reward, traj.grade
+    assert "outcome" not in traj.grade  # no failure
+    # It ended before the call the engine would refuse (the trajectory holds that prompt, never sent).
+    assert traj.turns[-1].completion_ids == [] and len(traj.token_ids) >= context
+
 def test_scripted_episode_solves_toy_task_token_exact(tmp_path):
     s = services(tmp_path)
     traj = run(play_episode(s))
