@@ -132,7 +132,7 @@ class HarnessRunner:
     async def play(self, episode: EpisodeKey, instruction: str, sandbox: Sandbox, fallback_prompt: list[int],
                    deadline: float | None = None) -> HarnessOutcome:
         """Run the program to its end or a limit in `sandbox`; the episode's turns from its calls.
-        `deadline`: the task's own end of agent time (unix seconds), when it has one."""
+        `deadline`: when the agent phase ends (unix seconds; episode/deadline.py), when it has an end."""
         folder, sandbox_socket = await gateway_socket(sandbox)
         failure = None
         try:
@@ -209,9 +209,14 @@ class HarnessRunner:
         return "harness_exit"
 
     async def _watch(self, handle: EpisodeHandle, run: asyncio.Task) -> str | None:
-        """Wait for the program; a stop reason when a limit ends it first (None: it exited)."""
+        """Wait for the program; a stop reason when a limit ends it first (None: it exited). Silence is time
+        without a model call of the program's being served: while one is (the gateway holds the episode's
+        lock until it is recorded), the program waits on the engine, whose speed is not the agent's doing."""
+        served_at = 0.0
         while not run.done():
-            since = handle.last_call_at or handle.opened_at
+            if handle.lock.locked():
+                served_at = time.monotonic()
+            since = max(handle.last_call_at or handle.opened_at, served_at)
             silent_for = time.monotonic() - since
             if silent_for >= self.cfg.silence_limit_s:
                 return "harness_silence"

@@ -55,7 +55,14 @@ class SchedulerConfig(StrictModel):
     max_inflight_episodes: int = Field(16, ge=1)
     """Episodes scheduled but not yet finished; new groups wait while this many are out."""
     episode_deadline_s: float = Field(300.0, gt=0)
-    """An episode not finished this long after it was issued is re-issued (same id, next attempt)."""
+    """An episode not finished this long after it was issued is re-issued (same id, next attempt): for
+    lost work (a worker gone), so the agent's own time ends before it (`grading_reserve_s`)."""
+    grading_reserve_s: float | None = Field(None, ge=0)
+    """Time kept for starting the sandbox and grading within an episode's deadline: the agent's phase
+    (built-in turns or a harness program) ends `episode_deadline_s` less this after its sandbox is ready,
+    with stop reason `agent_timeout`, graded as it stands. An agent that could outlast the deadline (slow
+    tool calls, long generations) would otherwise be re-issued and finally recorded failed: no 0 for it.
+    None: a fifth of `episode_deadline_s`."""
     max_attempts: int = Field(3, ge=1)
     """Attempts per episode before it is recorded failed."""
     max_policy_lag: int | None = Field(None, ge=0)
@@ -90,6 +97,20 @@ class SchedulerConfig(StrictModel):
     agent_slots: int | None = Field(None, ge=1)
     """Turns the agent stage runs at once across its workers (workers x (agent.concurrency +
     agent.tool_overlap)), for init_lookahead. None: one agent worker's."""
+
+    @property
+    def agent_time_s(self) -> float:
+        """The longest an episode's agent phase runs from its sandbox being ready: the deadline less
+        `grading_reserve_s` (default a fifth of it)."""
+        reserve = self.episode_deadline_s / 5 if self.grading_reserve_s is None else self.grading_reserve_s
+        return self.episode_deadline_s - reserve
+
+    @model_validator(mode="after")
+    def _reserve_within_deadline(self) -> SchedulerConfig:
+        if self.agent_time_s <= 0:
+            raise ValueError(f"scheduler.grading_reserve_s={self.grading_reserve_s:g} must be under "
+                             f"scheduler.episode_deadline_s={self.episode_deadline_s:g}: the agent would have no time")
+        return self
 
 
 class AgentConfig(StageConfig):

@@ -1,4 +1,5 @@
-"""A task's agent time limit (Harbor's [agent] timeout_sec): when the agent phase of an episode ends.
+"""When the agent phase of an episode ends: a task's agent time limit (Harbor's [agent] timeout_sec), or the
+scheduler's deadline less the time kept for the sandbox's start and grading, whichever is shorter.
 
 The clock starts when the episode's sandbox is ready (the turn-0 message's `ready_at`) and counts every
 turn's model call and tool calls. Past it, the episode ends with stop reason `agent_timeout` and is
@@ -15,12 +16,13 @@ AGENT_TIMEOUT = "agent_timeout"
 """The stop reason of an episode whose task's agent time ran out."""
 
 
-def agent_deadline(task_metadata: dict[str, Any], ready_at: float) -> float | None:
-    """Wall-clock time the agent phase ends at, from the task's `agent_timeout_s` metadata; None: no limit."""
-    limit = task_metadata.get("agent_timeout_s")
-    if not limit:
-        return None
-    return float(ready_at or time.time()) + float(limit)
+def agent_deadline(task_metadata: dict[str, Any], ready_at: float, scheduled_time_s: float | None = None) -> float | None:
+    """Wall-clock time the agent phase ends at: the task's `agent_timeout_s`, or `scheduled_time_s` (an
+    episode the scheduler issued with a deadline: scheduler.agent_time_s), after `ready_at`, whichever comes
+    first; None: no limit. The scheduler re-issues an attempt past its deadline as lost work, so the agent
+    must not be able to outlast it; the time left of it is for the sandbox's start and the grading."""
+    limits = [float(x) for x in (task_metadata.get("agent_timeout_s"), scheduled_time_s) if x]
+    return float(ready_at or time.time()) + min(limits) if limits else None
 
 
 class DeadlineSandbox:

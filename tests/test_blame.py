@@ -16,6 +16,7 @@ from rollway.base.blame import InferenceUnreachable, blame, found_before_agent_c
 from rollway.envs.swe_grading import GradingEnvError
 from rollway.envs.swe_images import EnvPrepError
 from rollway.gateway.recorder import RecordFailed, RecordTooLarge
+from rollway.policies.base import inference_refusal
 from rollway.runtime.kafka import BrokerUnavailable
 from rollway.sandboxes.base import EngineUnreachable, OutputLost, SandboxError, SandboxGone
 
@@ -36,6 +37,10 @@ def _caused(error: BaseException, cause: BaseException) -> BaseException:
     (RecordTooLarge("the program's call encodes past the broker's limit"), "agent"),  # its size is the program's
     (TurnReplayed("replayed"), "infrastructure"),
     (InferenceUnreachable("no connection"), "infrastructure"),
+    (inference_refusal("prompt longer than the context", 400), "agent"),  # the agent's observations made it
+    (inference_refusal("token id out of vocabulary", 422), "agent"),
+    (inference_refusal("the model `policy-v3` does not exist", 404), "infrastructure"),  # the operator's settings
+    (inference_refusal("Unauthorized", 401), "infrastructure"),
     (GradingEnvError("env_error: runner broken on the unpatched tree"), "infrastructure"),
     (EnvPrepError("image cannot be built"), "infrastructure"),
     (found_before_agent_code(SandboxError("verifier did not start")), "infrastructure"),
@@ -174,7 +179,8 @@ def test_an_engine_killed_while_it_answers_is_infrastructure(deaths):
             asyncio.run(play())
 
 
-def _up(tmp_path, script: list[dict], max_turns: int, **broker) -> tuple[dict, list[dict], list[dict]]:
+def _up(tmp_path, script: list[dict], max_turns: int, scheduler: dict | None = None,
+        **broker) -> tuple[dict, list[dict], list[dict]]:
     """`rollway up` of one toy episode in the local jail (real broker, the scripted policy as the model):
     summary, trajectories and failures."""
     import subprocess
@@ -185,7 +191,7 @@ def _up(tmp_path, script: list[dict], max_turns: int, **broker) -> tuple[dict, l
 
     job = {"run": {"name": "refused", "timeout_s": 300}, "tasks": {"type": "toy", "count": 1},
            "sandbox": {"type": "local"}, "broker": broker, "tools": {"enabled": ["bash", "finish"]},
-           "scheduler": {"group_size": 1, "max_attempts": 2, "episode_deadline_s": 200},
+           "scheduler": {"group_size": 1, "max_attempts": 2, "episode_deadline_s": 200, **(scheduler or {})},
            "agent": {"max_turns": max_turns, "max_tokens_per_turn": 400_000, "max_total_tokens": 1_000_000},
            "policy": {"type": "scripted", "chat_format": "bytes-chatml", "script": script}}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
@@ -214,6 +220,21 @@ def test_an_episode_too_large_for_the_broker_is_graded_0_with_the_turns_that_fit
     assert t["num_turns"] == 1 and t["turns"][0]["assistant_text"] == long_call[:2000]
     assert len(t["token_ids"]) == len(t["loss_mask"]) == len(t["logprobs"]) > 30_000
     assert summary["graded_failures"] == {f"{stage}: OutputRefused": 1}
+
+
+@pytest.mark.e2e
+def test_an_agent_that_would_outlast_its_deadline_is_graded_as_it_stands_not_reissued(tmp_path):
+    """Each turn's tool call sleeps 8 s, six turns, against a 20 s episode deadline. The scheduler re-issues an
+    attempt past its deadline as lost work, and records the episode failed after the last attempt: nothing
+    graded, no 0 for an agent that is merely slow (before: `deadline: not finished within 20s after 2
+    attempts`, no trajectory). The agent's phase now ends the deadline less a fifth of it
+    (`scheduler.grading_reserve_s`) after its sandbox is ready: `agent_timeout`, graded as it stands."""
+    sleep = '<tool_call>{"name": "bash", "arguments": {"command": "sleep 8"}}</tool_call>'
+    summary, trajs, failures = _up(tmp_path, [{"when": "", "turns": [sleep]}], 6, scheduler={"episode_deadline_s": 20})
+    assert failures == [] and len(trajs) == 1, (summary, failures)
+    [t] = trajs
+    assert (t["stop_reason"], t["reward"]) == ("agent_timeout", 0.0) and "outcome" not in t["grade"], t["grade"]
+    assert 1 <= t["num_turns"] <= 2  # 16 s of agent time: the second sleep is cut to what is left
 
 
 def test_an_in_process_episode_that_fails_leaves_no_sandbox(tmp_path, monkeypatch):

@@ -167,6 +167,61 @@ def test_a_silent_program_stops_at_the_silence_limit(tmp_path):
     assert all(t["stop_reason"] == "harness_silence" for t in trajs) and len(trajs) == 2
 
 
+def test_a_call_the_engine_is_slow_to_answer_is_not_the_programs_silence(tmp_path):
+    """The engine answers the program's second call after 20 s (the scripted model behind a wait: a stand-in
+    for an engine under load; the only fake) and the silence limit is 15 s (room for the program's start on a
+    busy machine). A program that makes two calls and exits is waiting on the engine, not silent: it ends
+    `harness_exit` with both calls. Before, the clock ran while a call was being
+    served: `harness_silence`, graded as it stands, a 0 the infrastructure caused. A program silent between
+    its calls still stops (test above). Real gateway, bubblewrap jail and program, in one process."""
+    import asyncio
+
+    from test_harness_chaos import CALLER
+
+    from rollway.actors.harness import HarnessRunner, KeepingRecorder
+    from rollway.gateway import Gateway, MemoryRecorder
+    from rollway.gateway.config import HarnessConfig
+    from rollway.policies.base import InferenceClient
+    from rollway.policies.config import ScriptedPolicyConfig
+    from rollway.policies.factory import build_chat_format, build_inference
+    from rollway.sandboxes.base import SandboxSpec
+    from rollway.sandboxes.config import SandboxConfig
+    from rollway.sandboxes.local import LocalSandboxProvider
+    from rollway.schemas.messages import EpisodeKey
+
+    policy = ScriptedPolicyConfig(script=[{"when": "", "turns": ["ok"]}])
+    chat = build_chat_format(policy)
+
+    class Slow(InferenceClient):
+        def __init__(self):
+            self.inner, self.calls = build_inference(policy, chat), 0
+
+        async def generate(self, prompt_ids, params):
+            self.calls += 1
+            if self.calls == 2:
+                await asyncio.sleep(20.0)
+            return await self.inner.generate(prompt_ids, params)
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "README.md").write_text("demo\n")
+
+    async def main():
+        recorder = KeepingRecorder(MemoryRecorder())
+        gateway = Gateway(Slow(), chat, recorder)
+        await gateway.start()
+        runner = HarnessRunner(HarnessConfig(command=["python3", "-c", CALLER, "2", "0", "hello"], time_limit_s=120,
+                                             silence_limit_s=15), gateway, recorder)
+        box = await LocalSandboxProvider(SandboxConfig(root=str(tmp_path / "boxes"))).create(
+            SandboxSpec(source_dir=str(tmp_path / "src")), "slow")
+        try:
+            return await runner.play(EpisodeKey(episode_id="r-slow-g0-s0", group_id="g0", task_id="t"), "go", box, [])
+        finally:
+            await box.destroy()
+            await runner.close()
+
+    outcome = asyncio.run(main())
+    assert outcome.stop_reason == "harness_exit" and len(outcome.turns) == 2, (outcome.stop_reason, outcome.failure)
+
 PROBE = r"""
 import json, os, socket, sys, urllib.request
 req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/models",
