@@ -76,7 +76,7 @@ class TurnRunner:
             t0, started_at = time.perf_counter(), time.time()
             try:
                 gen = await metrics.generate(self.inference, state.token_ids, self.rules.sampling(state), "agent")
-            except OSError as err:  # no connection, a timeout: the engine, never the agent
-                raise InferenceUnreachable(f"the inference engine did not answer: {err}") from err
+            except OSError as err:  # no connection, an answer it cannot read: the engine, never the agent
+                raise InferenceUnreachable(f"the inference engine failed: {err}") from err
             seconds = time.perf_counter() - t0
         return self.rules.completion(state, gen, started_at, seconds)

@@ -362,8 +362,8 @@ class Gateway:
         except BaseException as err:
             if drift is not None:
                 drift.add_done_callback(_retrieved)  # a call that fails here never reads it
-            if isinstance(err, OSError):  # no connection, a timeout: the engine's failure, never the program's
-                handle.infrastructure_failure = f"the inference engine did not answer: {err}"[:500]
+            if isinstance(err, OSError):  # no connection, an answer it cannot read: the engine's, never the program's
+                handle.infrastructure_failure = f"the inference engine failed: {err}"[:500]
             if isinstance(err, InferenceRequestError):
                 raise self._refused(handle, err) from None
             raise

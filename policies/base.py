@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +91,29 @@ class InferenceSettingsRefused(InferenceRequestError):
     name, the operator's settings, or an adapter a weight update unloaded): no agent can cause it."""
 
     infrastructure = True
+
+
+class EngineAnswerUnreadable(ConnectionError):
+    """The engine answered with a success status and a body the client cannot read (not JSON, no choices,
+    token ids that are not ids, fewer logprobs than tokens). No program or model shapes that JSON, so it is
+    the engine's or its settings' failure (an OSError: infrastructure, base/blame.py), never the agent's; the
+    client does not send it again (the engine would answer alike)."""
+
+
+def read_answer(what: str, parse: Callable[..., Generation], *args: Any) -> Generation:
+    """`parse(*args)`, the engine's answer to `what` read as a Generation, with what it cannot read and a
+    Generation that is not one (ids that are not non-negative ints, logprobs of another length) raised
+    as EngineAnswerUnreadable."""
+    try:
+        gen = parse(*args)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as err:
+        raise EngineAnswerUnreadable(f"could not read the inference engine's answer to {what}: {err!r}") from None
+    ids_ok = all(type(t) is int and t >= 0 for t in gen.token_ids)
+    if not ids_ok or len(gen.logprobs) != len(gen.token_ids) or type(gen.policy_version) is not int:
+        raise EngineAnswerUnreadable(f"could not read the inference engine's answer to {what}: "
+                                     f"{len(gen.token_ids)} token ids (all ints: {ids_ok}), {len(gen.logprobs)} "
+                                     f"logprobs, policy version {gen.policy_version!r}")
+    return gen
 
 
 def inference_refusal(message: str, status: int, reason: str | None = None) -> InferenceRequestError:

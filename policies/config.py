@@ -127,7 +127,10 @@ class OpenAIPolicyConfig(EnginePolicyConfig):
     start_timeout_s: float = Field(900.0, gt=0)
     """How long a launched engine may take to answer /health."""
     request_timeout_s: float = Field(300.0, gt=0)
-    """Per-request timeout to the inference server."""
+    """Per-request timeout to the inference server. A generation is not given up for being long (its length
+    is the model's and the program's doing): each time this passes without its answer, the server is asked
+    GET /v1/models, and the generation is given up (the engine's failure, retried) only when that goes
+    unanswered too."""
     max_retries: int = Field(5, ge=0)
     """Retries (exponential backoff from 0.5 s) on connection errors and 5xx answers."""
 

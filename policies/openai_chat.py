@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from rollway.policies.base import ChatFormat, Generation, SamplingParams
+from rollway.policies.base import ChatFormat, Generation, SamplingParams, read_answer
 from rollway.policies.openai_client import OpenAICompletionsClient
 
 NOT_TRAINABLE_VERSION = -1
@@ -56,10 +56,16 @@ class OpenAIChatClient(OpenAICompletionsClient):
         return body
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        body, _ = await self._request("POST", f"{self.base_url}/chat/completions",
-                                      self.payload(await self.model_name(), prompt_ids, params))
+        url = f"{self.base_url}/chat/completions"
+        body, _ = await self._request("POST", url, self.payload(await self.model_name(), prompt_ids, params),
+                                      alive_url=self._models_url())
+        return read_answer(f"POST {url}", self._generation, body)
+
+    def _generation(self, body: Any) -> Generation:
         choice = body["choices"][0]
         text = (choice.get("message") or {}).get("content") or ""
+        if not isinstance(text, str):
+            raise TypeError(f"message.content is {type(text).__name__}, not text")
         finish = "stop" if choice.get("finish_reason") == "stop" else "length"
         ids = self.chat.encode(text) + (list(self.chat.stop_token_ids[:1]) if finish == "stop" else [])
         return Generation(ids, [0.0] * len(ids), finish, NOT_TRAINABLE_VERSION)

@@ -12,11 +12,13 @@ import aiohttp
 import msgspec
 
 from rollway.policies.base import (
+    EngineAnswerUnreadable,
     Generation,
     InferenceClient,
     InferenceRequestError,
     SamplingParams,
     inference_refusal,
+    read_answer,
 )
 
 VERSION_HEADER = "X-Policy-Version"
@@ -36,6 +38,9 @@ def _decode_json(raw: bytes) -> Any:
 standard library's json encoded at about a third of the agent worker's CPU per turn (`rollway bench
 ceiling --profile`); msgspec encodes and decodes them several times faster, to the same JSON."""
 
+
+ALIVE_TIMEOUT_S = 30.0
+"""How long a generation's engine may take to answer the check that it is alive (`_exchange`)."""
 
 _UNREAD = object()
 """`OpenAICompletionsClient._context` before /v1/models was read."""
@@ -69,7 +74,7 @@ def builtin_weight_update_calls(checkpoint: str, version: int) -> list[tuple[str
     ]
 
 
-def parse_completion(body: dict[str, Any], fallback_version: int) -> Generation:
+def parse_completion(body: dict[str, Any], fallback_version: int | str) -> Generation:
     """A Generation from a completions response; the version comes from the body when the server says."""
     choice = body["choices"][0]
     logprobs = choice.get("logprobs") or {}
@@ -125,23 +130,23 @@ class OpenAICompletionsClient(InferenceClient):
             self._session = aiohttp.ClientSession(timeout=self.timeout, headers=self.headers)
         return self._session
 
-    async def _request(self, method: str, url: str, body: Any = None, retries: int | None = None) -> tuple[dict, Any]:
+    async def _request(self, method: str, url: str, body: Any = None, retries: int | None = None,
+                       alive_url: str | None = None) -> tuple[dict, Any]:
         """JSON answer and headers; retries transport failures (no connection, a body cut short by an engine
         restart) and 5xx with exponential backoff, then raises ConnectionError: an OSError, the engine's failure
-        (base/blame.py), never the agent's."""
+        (base/blame.py), never the agent's. `alive_url`: see `_exchange`."""
         retries = self.max_retries if retries is None else retries
         for attempt in range(retries + 1):
             try:
                 data = None if body is None else _encode_json(body)
-                async with self._http().request(method, url, data=data, headers=JSON_HEADERS) as resp:
-                    if resp.status < 400:
-                        raw = await resp.read()  # some routes (vLLM's /health) answer with no body
-                        return (_decode_json(raw) if raw.strip() else {}), resp.headers
-                    text = await resp.text()
-                    if resp.status < 500:
-                        reason = _message(text)
-                        raise inference_refusal(f"{method} {url} -> {resp.status}: {reason}", resp.status, reason)
-                    error: Exception = RuntimeError(f"{method} {url} -> {resp.status}: {_message(text)}")
+                status, raw, headers = await self._exchange(method, url, data, alive_url)
+                if status < 400:  # some routes (vLLM's /health) answer with no body
+                    return _read_json(f"{method} {url}", raw), headers
+                text = raw.decode("utf-8", "replace")
+                if status < 500:
+                    reason = _message(text)
+                    raise inference_refusal(f"{method} {url} -> {status}: {reason}", status, reason)
+                error: Exception = RuntimeError(f"{method} {url} -> {status}: {_message(text)}")
             except (TimeoutError, aiohttp.ClientError) as err:  # the connection or the body cut short: the engine
                 error = err
             if attempt < retries:
@@ -149,10 +154,46 @@ class OpenAICompletionsClient(InferenceClient):
         raise ConnectionError(f"{method} {url} failed after {retries + 1} attempts: {error!r}; "
                               "is the inference server running (rollway serve / vllm serve)?") from error
 
+    async def _exchange(self, method: str, url: str, data: bytes | None,
+                        alive_url: str | None) -> tuple[int, bytes, Any]:
+        """Status, body and headers of one request. Without `alive_url`, given up after the client's timeout
+        (`policy.request_timeout_s`). With it (a generation), never for being long: how long a generation runs
+        is the program's and the model's doing (max_tokens, a reply that never stops), and a timeout would turn
+        it into a retried infrastructure failure that is never graded. Each time the timeout passes without an
+        answer the engine is asked `alive_url` instead; the request is given up (TimeoutError) only when that
+        is not answered either. The episode's own deadline still bounds the wait."""
+        async def exchange(**timeout: aiohttp.ClientTimeout) -> tuple[int, bytes, Any]:
+            async with self._http().request(method, url, data=data, headers=JSON_HEADERS, **timeout) as resp:
+                return resp.status, await resp.read(), resp.headers
+
+        if alive_url is None:
+            return await exchange()
+        call = asyncio.ensure_future(exchange(timeout=aiohttp.ClientTimeout(sock_connect=self.timeout.total)))
+        try:
+            while True:
+                done, _ = await asyncio.wait({call}, timeout=self.timeout.total)
+                if done:
+                    return call.result()
+                if not await self._answers(alive_url):
+                    raise TimeoutError(f"no answer in {self.timeout.total:g} s (policy.request_timeout_s), and "
+                                       f"the engine did not answer GET {alive_url} either")
+        finally:
+            call.cancel()
+
+    async def _answers(self, url: str) -> bool:
+        """Whether the server answers GET `url` at all (any HTTP status under 500) within the timeout (at most
+        ALIVE_TIMEOUT_S)."""
+        try:
+            async with self._http().get(url, timeout=aiohttp.ClientTimeout(min(self.timeout.total, ALIVE_TIMEOUT_S))) as resp:
+                return resp.status < 500
+        except (TimeoutError, aiohttp.ClientError):
+            return False
+
     async def model_name(self) -> str:
         if self.model is None:
-            body, _ = await self._request("GET", f"{self.base_url}/models")
-            self.model = body["data"][0]["id"]
+            url = f"{self.base_url}/models"
+            body, _ = await self._request("GET", url)
+            self.model = _model_id(url, body)
         return self.model
 
     async def context_tokens(self) -> int | None:
@@ -177,9 +218,9 @@ class OpenAICompletionsClient(InferenceClient):
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         payload = completion_payload(await self.model_name(), prompt_ids, params)
-        body, headers = await self._request("POST", f"{self.base_url}/completions", payload)
-        version = int(headers.get(VERSION_HEADER, self.policy_version))
-        return parse_completion(body, version)
+        url = f"{self.base_url}/completions"
+        body, headers = await self._request("POST", url, payload, alive_url=self._models_url())
+        return read_answer(f"POST {url}", parse_completion, body, headers.get(VERSION_HEADER, self.policy_version))
 
     supports_weight_sync = True
 
@@ -221,6 +262,28 @@ def _split_credentials(url: str, api_key: str | None) -> tuple[str, dict[str, st
         pair = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}".encode()
         headers = {"Authorization": "Basic " + base64.b64encode(pair).decode()}
     return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2])), headers
+
+
+def _model_id(url: str, body: Any) -> str:
+    """The first model a /v1/models answer names."""
+    try:
+        name = body["data"][0]["id"]
+    except (KeyError, IndexError, TypeError) as err:
+        raise EngineAnswerUnreadable(f"could not read the inference engine's answer to GET {url}: {err!r}") from None
+    if not isinstance(name, str) or not name:
+        raise EngineAnswerUnreadable(f"the inference engine's GET {url} names no model: {name!r}")
+    return name
+
+
+def _read_json(what: str, raw: bytes) -> Any:
+    """A success answer's JSON body ({} for none); one that is not JSON is the engine's failure."""
+    if not raw.strip():
+        return {}
+    try:
+        return _decode_json(raw)
+    except ValueError:
+        raise EngineAnswerUnreadable(f"could not read the inference engine's answer to {what}: not JSON: "
+                                     f"{raw[:200]!r}") from None
 
 
 def _message(text: str) -> str:

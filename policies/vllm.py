@@ -48,8 +48,8 @@ from typing import Any
 
 import structlog
 
-from rollway.policies.base import Generation, SamplingParams
-from rollway.policies.openai_client import OpenAICompletionsClient, _split_credentials
+from rollway.policies.base import Generation, SamplingParams, read_answer
+from rollway.policies.openai_client import OpenAICompletionsClient, _model_id, _split_credentials
 
 log = structlog.get_logger()
 
@@ -229,7 +229,7 @@ class VLLMClient(OpenAICompletionsClient):
                 break
             try:
                 body, _ = await self._request("GET", f"{root}/v1/models", retries=1)
-                self.model = body["data"][0]["id"]
+                self.model = _model_id(f"{root}/v1/models", body)
             except ConnectionError:
                 self._dead_until[root] = time.monotonic() + self.dead_for_s
         if self.model is None:
@@ -260,7 +260,8 @@ class VLLMClient(OpenAICompletionsClient):
             root = self._pick(prompt_ids)
             self._inflight[root] += 1
             try:
-                body, _ = await self._request("POST", f"{root}/inference/v1/generate", payload, retries=0)
+                body, _ = await self._request("POST", f"{root}/inference/v1/generate", payload, retries=0,
+                                              alive_url=f"{root}/v1/models")
             except ConnectionError:
                 self._dead_until[root] = time.monotonic() + self.dead_for_s
                 self.replica_failures += 1
@@ -270,7 +271,7 @@ class VLLMClient(OpenAICompletionsClient):
                 continue
             finally:
                 self._inflight[root] -= 1
-            gen = parse_generate(body)
+            gen = read_answer(f"POST {root}/inference/v1/generate", parse_generate, body)
             if gen.finish_reason != "abort":
                 if len(self.roots) > 1:
                     self.affinity.remember(list(prompt_ids) + gen.token_ids, root)

@@ -138,6 +138,7 @@ class _DyingEngine:
 
     def __init__(self, deaths: int):
         self.deaths, self.requests = deaths, 0
+        self.lines: list[bytes] = []
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
@@ -145,6 +146,7 @@ class _DyingEngine:
                        if line.lower().startswith(b"content-length:")), 0)
         await reader.readexactly(length)
         self.requests += 1
+        self.lines.append(head.split(b"\r\n")[0])
         body = self.BODY if self.requests > self.deaths else self.BODY[:len(self.BODY) // 2]
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(self.BODY), body))
@@ -177,6 +179,65 @@ def test_an_engine_killed_while_it_answers_is_infrastructure(deaths):
     else:
         with pytest.raises(ConnectionError, match="failed after 3 attempts"):
             asyncio.run(play())
+
+
+class _GarbledEngine(_DyingEngine):
+    """An HTTP server standing in for an inference engine (fake: a raw socket server, no model) that answers
+    every request 200 with `body`, whole."""
+
+    def __init__(self, body: bytes):
+        super().__init__(0)
+        self.BODY = body
+
+
+_ONE_CHOICE = {"token_ids": [1, 2], "logprobs": {"token_logprobs": [-0.1, -0.2]}, "finish_reason": "stop"}
+
+
+@pytest.mark.parametrize("body", [
+    b"<html>502 Bad Gateway</html>",  # a proxy's page with a 200
+    json.dumps({"choices": []}).encode(),
+    json.dumps({"object": "error"}).encode(),
+    json.dumps({"choices": [{**_ONE_CHOICE, "logprobs": {"token_logprobs": [-0.1]}}]}).encode(),  # not token ids
+    json.dumps({"choices": [{**_ONE_CHOICE, "token_ids": ["a", "b"]}]}).encode(),
+    json.dumps([1, 2]).encode(),
+], ids=["not-json", "no-choices", "no-choices-key", "logprobs-short", "ids-not-ints", "a-list"])
+def test_an_engine_answer_the_client_cannot_read_is_infrastructure(body):
+    """What the engine answers is the engine's (or its settings') doing: no program and no model shapes its
+    JSON. An answer the client cannot read must be the OSError the agent stage and the gateway take for the
+    engine's failure (retried), not a ValueError or KeyError graded as the agent's 0; and it is not sent
+    again (the engine would answer the same). The gateway says so to the program as a 502."""
+    import openai
+
+    from rollway.gateway import Gateway, MemoryRecorder
+    from rollway.policies.base import SamplingParams
+    from rollway.policies.chat import BytesChatML
+    from rollway.policies.openai_client import OpenAICompletionsClient
+    from rollway.schemas.messages import EpisodeKey
+
+    async def play():
+        engine = _GarbledEngine(body)
+        server = await asyncio.start_server(engine.serve, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+        client = OpenAICompletionsClient(url, model="m", max_retries=2, backoff_s=0.01)
+        gateway = Gateway(OpenAICompletionsClient(url, model="m", max_retries=0), BytesChatML(), MemoryRecorder())
+        await gateway.start()
+        try:
+            with pytest.raises(ConnectionError, match="could not read"):
+                await client.generate([1, 2, 3], SamplingParams(max_tokens=2))
+            handle = gateway.open_episode(EpisodeKey(episode_id="e", group_id="g", task_id="t"))
+            program = openai.AsyncOpenAI(base_url=handle.base_url, api_key="unused", max_retries=0)
+            with pytest.raises(openai.APIStatusError) as caught:
+                await program.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+            assert caught.value.status_code >= 500, caught.value
+            assert "could not read" in (handle.infrastructure_failure or ""), handle.infrastructure_failure
+        finally:
+            await gateway.stop()
+            await client.close()
+            server.close()
+        return engine.lines
+
+    assert [line for line in asyncio.run(play()) if line.startswith(b"POST")] == [b"POST /v1/completions HTTP/1.1"] * 2
+    # one each from the client and the gateway: neither sent again
 
 
 def _up(tmp_path, script: list[dict], max_turns: int, scheduler: dict | None = None,

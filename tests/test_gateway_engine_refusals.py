@@ -146,3 +146,35 @@ def test_a_server_that_cannot_say_its_context_leaves_it_unknown_and_calls_go_to_
 
     asyncio.run(go())
 
+
+def test_a_long_generation_on_a_live_engine_is_waited_for_and_a_silent_engine_is_infrastructure(engine_url):
+    """A call is not the engine's failure because it is long: the program (or the model, rambling to its
+    max_tokens) decides how long a generation runs, so a timeout on the whole call would let a policy turn its
+    own episode into a retried "infrastructure failure" and never be graded 0 (base/blame.py). A call past
+    `policy.request_timeout_s` is given up only when the engine also stops answering /v1/models. Real parts:
+    the built-in engine generating 300 tokens with a 0.5 s timeout; a socket that accepts and never answers
+    stands in for a hung engine."""
+    import socket
+
+    from rollway.policies.base import SamplingParams
+
+    hung = socket.create_server(("127.0.0.1", 0))
+
+    async def go():
+        live = OpenAICompletionsClient(engine_url, timeout=0.5, max_retries=0)
+        silent = OpenAICompletionsClient(f"http://127.0.0.1:{hung.getsockname()[1]}/v1", model="m", timeout=0.5,
+                                         max_retries=0)
+        try:
+            long = SamplingParams(temperature=1.0, max_tokens=300, ignore_eos=True, seed=1)
+            gen = await live.generate([1, 2, 3, 4], long)
+            assert len(gen.token_ids) == 300 and gen.finish_reason == "length"
+            with pytest.raises(ConnectionError, match="did not answer"):
+                await asyncio.wait_for(silent.generate([1, 2, 3], long), timeout=60)
+        finally:
+            await live.close()
+            await silent.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        hung.close()
