@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 
+import pytest
 from agent_programs import codex_cli
 from conftest import run
 from test_gateway import LoggedEngine, check_against_engine, key, serve
@@ -59,6 +60,68 @@ def test_codex_cli_plays_a_tool_episode_through_the_responses_api(tmp_path):
     check_against_engine(calls, engine)
     [segment] = rebuild_segments(calls)
     assert segment.token_ids == engine.log[-1][0] + engine.log[-1][1].token_ids
+
+
+LONG_OUTPUT = ('<tool_call>\n{"name": "exec_command", "arguments": {"cmd": "yes the quick brown fox jumps over the '
+               'lazy dog | head -800"}}\n</tool_call>')
+COMPACTED = "Summary: the text was printed; hi is still to be written into out.txt."
+
+
+@pytest.mark.parametrize("told_context", [False, True], ids=["context-unknown", "context-and-compaction-set"])
+def test_codex_cli_at_the_end_of_the_engines_context_compacts_only_when_told_the_context(tmp_path, told_context):
+    """A command's output (about 2,400 tokens of what Codex keeps of it) takes the conversation past the
+    engine's 8,000-token context (SmolLM2's tokenizer; Codex's own prompt is about 6,400 tokens). Not told the
+    context, Codex sends the call, is refused with `context_length_exceeded` (the gateway's 400) and exits 1:
+    graded 0 as a crash. Told it (`model_context_window`, `model_auto_compact_token_limit`), it compacts
+    first (its "CONTEXT CHECKPOINT COMPACTION" call, recorded and trained as a segment of its own) and goes
+    on to finish the task. docs/harness.md names both settings."""
+    from rollway.gateway import Gateway, MemoryRecorder
+    from rollway.policies.hf_chat import HFChatFormat
+    from rollway.policies.model_loading import load_tokenizer
+
+    codex = codex_cli() / "node_modules" / ".bin" / "codex"
+    work, home = tmp_path / "work", tmp_path / "codex-home"
+    work.mkdir()
+    home.mkdir()
+    settings = "model_context_window = 8000\nmodel_auto_compact_token_limit = 7000\n" if told_context else ""
+    chat = HFChatFormat(load_tokenizer("smollm2"))
+
+    async def scenario():
+        engine = LoggedEngine([ScriptRule(when="CONTEXT CHECKPOINT COMPACTION", turns=[COMPACTED]),
+                               ScriptRule(when=COMPACTED, turns=[EXEC, DONE]),
+                               ScriptRule(turns=[LONG_OUTPUT, EXEC, DONE])], max_model_len=8000, chat=chat)
+        recorder = MemoryRecorder()
+        gateway = Gateway(engine, chat, recorder)
+        await gateway.start()
+        handle = gateway.open_episode(key())
+        (home / "config.toml").write_text(
+            f'model = "rollway-policy"\nmodel_provider = "rollway"\n{settings}[model_providers.rollway]\n'
+            f'name = "rollway"\nbase_url = "{gateway.url}/v1"\nenv_key = "ROLLWAY_KEY"\nwire_api = "responses"\n')
+        env = {**os.environ, "CODEX_HOME": str(home), "ROLLWAY_KEY": handle.api_key}
+        proc = await asyncio.create_subprocess_exec(
+            str(codex), "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
+            "Write hi into out.txt", cwd=work, env=env, stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        try:
+            # Bounded: a compaction limit under Codex's own prompt would have it compact after every call.
+            out, _ = await asyncio.wait_for(proc.communicate(), timeout=600)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+            await gateway.stop()
+        return proc.returncode, out.decode(), engine, recorder.of("ep-1")
+
+    code, out, engine, calls = run(scenario())
+    assert all(len(prompt) + len(gen.token_ids) <= 8000 for prompt, gen in engine.log)  # nothing past it served
+    if not told_context:
+        assert code == 1 and "ran out of room in the model's context window" in out, out[-3000:]
+        assert len(calls) == 1 and not (work / "out.txt").exists()  # the refused call left no record
+        return
+    assert code == 0 and (work / "out.txt").read_text() == "hi\n", out[-3000:]
+    texts = [c.raw_text for c in calls]
+    assert texts == [LONG_OUTPUT, COMPACTED, EXEC, DONE], texts
+    assert [c.segment for c in calls] == [0, 1, 2, 2] and calls[1].side_call is None  # trained, a segment apart
+    check_against_engine(calls, engine)
 
 
 # As a harness episode: Codex runs inside the local jail (no network but the gateway's socket), from the

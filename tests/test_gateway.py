@@ -37,9 +37,12 @@ SCRIPT = [ScriptRule(turns=[LS, CAT, "The file says hello. Done."])]
 class LoggedEngine(InferenceClient):
     """The scripted policy (the fake model), with a log of each prompt it got and what it returned."""
 
-    def __init__(self, rules: list[ScriptRule] = SCRIPT):
-        self.inner = ScriptedPolicy(rules, BytesChatML())
+    def __init__(self, rules: list[ScriptRule] = SCRIPT, max_model_len: int | None = None, chat: Any = None):
+        self.inner = ScriptedPolicy(rules, chat or BytesChatML(), max_model_len=max_model_len)
         self.log: list[tuple[list[int], Generation]] = []
+
+    async def context_tokens(self) -> int | None:
+        return await self.inner.context_tokens()
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         generation = await self.inner.generate(prompt_ids, params)
