@@ -3,6 +3,7 @@ episode's environment), record (episode/turn.py). The agent actor wraps it with 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
@@ -59,6 +60,8 @@ class TurnRunner:
         if (ended := self.rules.ended(state)) is not None:
             return ended
         record = await self.generate(state, rank)
+        if record is None:
+            return self.rules.timed_out(state)
         sandbox = await sandbox_for_turn(record.turn)
         try:
             env, view = self.environment(state.task, self.rules.guard(state, sandbox)), self.rules.view(state, record)
@@ -70,13 +73,19 @@ class TurnRunner:
                 raise
             return self.rules.failed(state, record, err)
 
-    async def generate(self, state: EpisodeState, rank: Callable[[], float]) -> TurnRecord:
-        """The engine's answer to the episode's prompt, as the turn's record so far."""
-        async with self.model_slots.slot(rank) if self.model_slots else contextlib.nullcontext():  # tool_overlap
-            t0, started_at = time.perf_counter(), time.time()
-            try:
+    async def generate(self, state: EpisodeState, rank: Callable[[], float]) -> TurnRecord | None:
+        """The engine's answer to the episode's prompt, as the turn's record so far; None when the episode's
+        agent time ran out first (the request is cancelled): how long a generation runs is the model's doing
+        (it rambles to max_tokens), and one that ran past the episode's deadline would be re-issued, ungraded."""
+        left = None if state.deadline is None else state.deadline - time.time()
+        limit = asyncio.timeout(left)
+        try:
+            async with limit, self.model_slots.slot(rank) if self.model_slots else contextlib.nullcontext():
+                t0, started_at = time.perf_counter(), time.time()
                 gen = await metrics.generate(self.inference, state.token_ids, self.rules.sampling(state), "agent")
-            except OSError as err:  # no connection, an answer it cannot read: the engine, never the agent
-                raise InferenceUnreachable(f"the inference engine failed: {err}") from err
-            seconds = time.perf_counter() - t0
+                seconds = time.perf_counter() - t0
+        except OSError as err:  # no connection, an answer it cannot read: the engine, never the agent
+            if limit.expired():
+                return None
+            raise InferenceUnreachable(f"the inference engine failed: {err}") from err
         return self.rules.completion(state, gen, started_at, seconds)

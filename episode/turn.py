@@ -60,14 +60,21 @@ class TurnRules:
         context (`prompt_too_long`, never a silent reward-0 `max_tokens`, graded as it stands like the agent's
         time being up), or the task's agent time is up."""
         if self.budget - state.tokens_used <= 0:
-            reason, say = "prompt_too_long", ("prompt as long as agent.max_total_tokens or the engine's context; "
-                                              "episode ended without a model call")
-        elif state.deadline is not None and time.time() >= state.deadline:
-            reason, say = AGENT_TIMEOUT, "task's agent time is up; episode ends"
-        else:
-            return None
-        (log.info if reason == AGENT_TIMEOUT else log.warning)(say, episode_id=state.first.episode_id, turn=state.next_turn,
-                                                               prompt_tokens=state.tokens_used)
+            log.warning("prompt as long as agent.max_total_tokens or the engine's context; episode ended without a "
+                        "model call", episode_id=state.first.episode_id, turn=state.next_turn,
+                        prompt_tokens=state.tokens_used)
+            return self.without_output(state, "prompt_too_long")
+        if state.deadline is not None and time.time() >= state.deadline:
+            return self.timed_out(state)
+        return None
+
+    def timed_out(self, state: EpisodeState) -> Turn:
+        """The episode's end when its agent time is up before this turn's model answered (or was asked)."""
+        log.info("task's agent time is up; episode ends", episode_id=state.first.episode_id, turn=state.next_turn,
+                 prompt_tokens=state.tokens_used)
+        return self.without_output(state, AGENT_TIMEOUT)
+
+    def without_output(self, state: EpisodeState, reason: str) -> Turn:
         return Turn(TurnRecord(turn=state.next_turn, completion_ids=[], logprobs=[], policy_version=0,
                                finish_reason=reason, assistant_text=""), reason)
 

@@ -117,6 +117,8 @@ class EpisodeHandle:
     cannot work here, so the attempt fails for good (not retried)."""
     capture: EpisodeCapture | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    generating: asyncio.Future | None = None
+    """The engine call of the call being served, while the engine generates (`close_episode` cancels it)."""
 
     @property
     def api_key(self) -> str:
@@ -222,7 +224,11 @@ class Gateway:
         return handle
 
     async def close_episode(self, handle: EpisodeHandle) -> None:
-        """End the episode: waits for a call in progress to be recorded; later calls get 409."""
+        """End the episode: a call the engine is still generating is abandoned (its engine request cancelled,
+        the call answered 409 and not recorded), so an episode's end never waits on how long a generation the
+        program asked for runs; a call being recorded is waited for; later calls get 409."""
+        if handle.generating is not None:
+            handle.generating.cancel()
         async with handle.lock:
             handle.closed = True
             handle.capture = None  # the record is in the log; free the token stream
@@ -357,16 +363,22 @@ class Gateway:
         # not after it; the capture it reads changes only at commit, under the episode's lock held here.
         drift = asyncio.get_running_loop().run_in_executor(self._pool, capture.drifted, plan) \
             if self.check_drift else None
+        handle.generating = asyncio.ensure_future(metrics.generate(self.engine, plan.prompt_ids, used, "agent"))
         try:
-            generation = await metrics.generate(self.engine, plan.prompt_ids, used, "agent")
+            generation = await handle.generating
         except BaseException as err:
             if drift is not None:
                 drift.add_done_callback(_retrieved)  # a call that fails here never reads it
+            if isinstance(err, asyncio.CancelledError) and not _being_cancelled():  # close_episode's doing
+                raise RequestError("the episode ended while this call was generating", None, 409,
+                                   "episode_closed") from None
             if isinstance(err, OSError):  # no connection, an answer it cannot read: the engine's, never the program's
                 handle.infrastructure_failure = f"the inference engine failed: {err}"[:500]
             if isinstance(err, InferenceRequestError):
                 raise self._refused(handle, err) from None
             raise
+        finally:
+            handle.generating = None
         drifted = drift is not None and await drift
         output, reply = (self._reply(generation, parsed.sampling, parse_tools)
                          if len(generation.token_ids) <= INLINE_OUTPUT_TOKENS
@@ -585,6 +597,12 @@ def _bound_unix_socket(path: str) -> socket.socket:
     finally:
         os.close(folder)
     return sock
+
+
+def _being_cancelled() -> bool:
+    """Whether the running task itself is being cancelled (not only something it awaited)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _retrieved(future: asyncio.Future) -> None:

@@ -24,6 +24,9 @@ class ScriptRule(StrictModel):
     """Other scripts for the same prompts. With temperature > 0 each episode plays `turns` or one of
     these with equal probability, chosen by the episode's request seed (so samples of one group can
     differ, deterministically)."""
+    seconds: float = Field(0.0, ge=0, le=3600)
+    """How long each answer of this rule takes, as a slow engine or a model that rambles to its token limit
+    would (tests of time limits)."""
 
 
 class PolicyConfig(SectionConfig):

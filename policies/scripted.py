@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 from typing import Any
 
@@ -32,7 +33,7 @@ class ScriptedPolicy(InferenceClient):
                  max_model_len: int | None = None):
         if not rules:
             raise ValueError("policy.script is empty: give at least one rule with `turns` for the scripted policy")
-        self.rules = [(re.compile(r.when), [r.turns, *r.alternatives]) for r in rules]
+        self.rules = [(re.compile(r.when), [r.turns, *r.alternatives], r.seconds) for r in rules]
         self.chat = chat
         self.policy_version = policy_version
         self.max_model_len = max_model_len
@@ -40,17 +41,19 @@ class ScriptedPolicy(InferenceClient):
     async def context_tokens(self) -> int | None:
         return self.max_model_len
 
-    def _scripts_for(self, prompt_text: str) -> list[list[str]]:
-        for pattern, scripts in self.rules:
+    def _scripts_for(self, prompt_text: str) -> tuple[list[list[str]], float]:
+        for pattern, scripts, seconds in self.rules:
             if pattern.search(prompt_text):
-                return scripts
+                return scripts, seconds
         raise LookupError("no policy.script rule matches this prompt; add a rule with when: ''")
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         if self.max_model_len is not None and len(prompt_ids) >= self.max_model_len:
             raise InferenceRequestError(f"the prompt ({len(prompt_ids)} tokens) does not fit the context of "
                                         f"{self.max_model_len} tokens")
-        scripts = self._scripts_for(self.chat.decode(prompt_ids))
+        scripts, seconds = self._scripts_for(self.chat.decode(prompt_ids))
+        if seconds:
+            await asyncio.sleep(seconds)
         k = params.turn or self.chat.turns_since_user(prompt_ids)
         turns = scripts[0]
         if len(scripts) > 1 and params.temperature > 0 and params.seed is not None:

@@ -240,7 +240,7 @@ def test_an_engine_answer_the_client_cannot_read_is_infrastructure(body):
     # one each from the client and the gateway: neither sent again
 
 
-def _up(tmp_path, script: list[dict], max_turns: int, scheduler: dict | None = None,
+def _up(tmp_path, script: list[dict], max_turns: int, scheduler: dict | None = None, agent: dict | None = None,
         **broker) -> tuple[dict, list[dict], list[dict]]:
     """`rollway up` of one toy episode in the local jail (real broker, the scripted policy as the model):
     summary, trajectories and failures."""
@@ -253,7 +253,8 @@ def _up(tmp_path, script: list[dict], max_turns: int, scheduler: dict | None = N
     job = {"run": {"name": "refused", "timeout_s": 300}, "tasks": {"type": "toy", "count": 1},
            "sandbox": {"type": "local"}, "broker": broker, "tools": {"enabled": ["bash", "finish"]},
            "scheduler": {"group_size": 1, "max_attempts": 2, "episode_deadline_s": 200, **(scheduler or {})},
-           "agent": {"max_turns": max_turns, "max_tokens_per_turn": 400_000, "max_total_tokens": 1_000_000},
+           "agent": {"max_turns": max_turns, "max_tokens_per_turn": 400_000, "max_total_tokens": 1_000_000,
+                     **(agent or {})},
            "policy": {"type": "scripted", "chat_format": "bytes-chatml", "script": script}}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     run_dir = tmp_path / "run"
@@ -296,6 +297,28 @@ def test_an_agent_that_would_outlast_its_deadline_is_graded_as_it_stands_not_rei
     [t] = trajs
     assert (t["stop_reason"], t["reward"]) == ("agent_timeout", 0.0) and "outcome" not in t["grade"], t["grade"]
     assert 1 <= t["num_turns"] <= 2  # 16 s of agent time: the second sleep is cut to what is left
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("driver", ["turns", "harness"])
+def test_a_generation_that_would_outlast_the_deadline_ends_at_the_agents_time_and_is_graded(tmp_path, driver):
+    """The model takes 60 s to answer (the scripted model's `seconds`: a policy that rambles to its token
+    limit on a busy engine) against a 20 s episode deadline, in built-in turns and for a call of a harness
+    program (its time limit 15 s). Before, nothing bounded a generation by the agent's time: the built-in turn waited for it, and a
+    harness program killed at its time had its episode's end wait for the call in flight; either ran past
+    the deadline, was re-issued and finally recorded failed, never graded. Now the generation is cancelled
+    when the agent's time (16 s) is up, and the episode is graded as it stands."""
+    from conftest import ROOT
+
+    harness = {"harness": {"command": ["python3", f"{ROOT}/examples/agent_program.py", "{instruction}"],
+                           "install": {"type": "host_dir", "path": str(ROOT / "examples")},
+                           "time_limit_s": 15, "silence_limit_s": 15}}
+    summary, trajs, failures = _up(tmp_path, [{"when": "", "turns": ["Let me think."], "seconds": 60}], 6,
+                                   scheduler={"episode_deadline_s": 20}, agent=harness if driver == "harness" else None)
+    assert failures == [] and len(trajs) == 1, (summary, failures)
+    [t] = trajs
+    stop = "agent_timeout" if driver == "turns" else "harness_time_limit"
+    assert (t["stop_reason"], t["reward"]) == (stop, 0.0) and "outcome" not in t["grade"], t["grade"]
 
 
 def test_an_in_process_episode_that_fails_leaves_no_sandbox(tmp_path, monkeypatch):
