@@ -211,3 +211,25 @@ def test_every_top_level_definition_is_found(module) -> None:
             if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                 kind = "class" if isinstance(node, ast.ClassDef) else "function"
                 assert f"\n{kind} {node.name}  [{node.lineno}-" in text, (relative, node.name)
+
+
+@pytest.mark.parametrize("action", ["references", "definition"])
+def test_a_file_as_large_as_search_reads_is_answered_within_a_call_limit(tmp_path: Path, action: str) -> None:
+    """The workspace is the agent's: one file at search's size limit (about 2 MB) holding 45,000 definitions
+    named `f` that each use `f`. Each hit's line used to be found by splitting the whole file again, so the
+    time grew with hits x size: about 90 s for this file on an idle 2-core machine, longer than a call's limit
+    (`tools.call_timeout_s`), eight such calls per turn, and the thread still parsing after its call was
+    given up. Linear now: well under a second idle; 30 s allows for a loaded machine."""
+    import time
+
+    from rollway.tools.search import MAX_FILE_BYTES
+
+    body = "".join(f"def f(x{i}):\n    return f(x{i}) + {i}\n" for i in range(45_000))
+    assert len(body) < MAX_FILE_BYTES  # read, not skipped
+    (tmp_path / "big.py").write_text(body)
+    started = time.monotonic()
+    result = search_folder(str(tmp_path), action, "f")
+    elapsed = time.monotonic() - started
+    assert not result.metadata.get("not_found"), result.content[:300]
+    assert "45000" in result.content.splitlines()[0], result.content.splitlines()[0]
+    assert elapsed < 30, f"{action} took {elapsed:.0f} s"

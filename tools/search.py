@@ -247,10 +247,19 @@ def _file_rank(path: str) -> tuple:
     return (_is_test(path), path.count("/"), len(path), path)
 
 
-def _line_text(data: bytes, line: int) -> str:
-    lines = data.split(b"\n")
-    text = lines[line - 1].decode("utf-8", "replace").strip() if 0 < line <= len(lines) else ""
-    return text if len(text) <= 120 else text[:117] + "..."
+class _Lines:
+    """A file's lines, split once: a search's hits in one file read many of them (splitting the file again
+    for each hit made a search's time grow with hits x size)."""
+
+    def __init__(self) -> None:
+        self._split: dict[int, list[bytes]] = {}
+
+    def text(self, data: bytes, line: int) -> str:
+        lines = self._split.get(id(data))
+        if lines is None:
+            lines = self._split[id(data)] = data.split(b"\n")
+        text = lines[line - 1].decode("utf-8", "replace").strip() if 0 < line <= len(lines) else ""
+        return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _bounded(hits: list[_Hit], limit: int, narrow: str) -> str:
@@ -290,8 +299,9 @@ def _definitions(
         note = f"No exact match for `{query}`; showing definitions named `{query.rsplit('.', 1)[-1]}`.\n"
     if show_source:
         return note + _source(indexed, found)
+    lines = _Lines()
     hits = [
-        _Hit(rank, path, s.line, f"{s.kind} {s.qualname}: {_line_text(indexed[path][1], s.line)}")
+        _Hit(rank, path, s.line, f"{s.kind} {s.qualname}: {lines.text(indexed[path][1], s.line)}")
         for rank, path, s in found
     ]
     header = f"{len(found)} definition{'s' if len(found) > 1 else ''} of `{query}` (best match first):"
@@ -335,10 +345,10 @@ def _suggestions(files: dict[str, bytes], query: str) -> str:
 
 def _reference_hits(indexed: dict[str, tuple[FileIndex, bytes]], query: str) -> list[_Hit]:
     name = query.rsplit(".", 1)[-1]
-    hits = []
+    hits, lines = [], _Lines()
     for path, (_, data) in indexed.items():
         for line in find_uses(data, language_of(path), name):
-            text = _line_text(data, line)
+            text = lines.text(data, line)
             # For `Class.method`, lines spelling the qualified name out are the likeliest uses.
             qualified_miss = "." in query and query not in text
             hits.append(_Hit((qualified_miss, *_file_rank(path), line), path, line, text))
