@@ -13,10 +13,12 @@ from typing import TYPE_CHECKING, Any
 from rollway.actors.gate import RankedGate
 from rollway.base.blame import InferenceUnreachable, blame
 from rollway.base.faults import fault_point
+from rollway.episode.deadline import AGENT_TIMEOUT
 from rollway.episode.state import EpisodeState
 from rollway.episode.turn import Turn, TurnRules
 from rollway.runtime import metrics
 from rollway.schemas.messages import TurnRecord
+from rollway.tools.registry import Step
 
 if TYPE_CHECKING:
     from rollway.actors.services import Services
@@ -63,12 +65,20 @@ class TurnRunner:
         if record is None:
             return self.rules.timed_out(state)
         sandbox = await sandbox_for_turn(record.turn)
+        # The tools end with the agent's time too, not only their commands: a tool can take long on the host
+        # over what the agent made (a search over a workspace it filled), and a step past the deadline would
+        # be re-issued, ungraded. Cut, the turn keeps the model's message and ends `agent_timeout`.
+        limit = asyncio.timeout(None if state.deadline is None else state.deadline - time.time())
         try:
             env, view = self.environment(state.task, self.rules.guard(state, sandbox)), self.rules.view(state, record)
-            step = await env.step(record.assistant_text, view)
+            async with limit:
+                step = await env.step(record.assistant_text, view)
             fault_point("agent.after_tools")
             return self.rules.record(state, record, step, view, list(env.tools))
         except Exception as err:
+            if limit.expired():
+                return self.rules.record(state, record, Step(calls=[], observations=[], done=AGENT_TIMEOUT), view,
+                                         list(env.tools))
             if blame(err, agent_ran=True) == "infrastructure":
                 raise
             return self.rules.failed(state, record, err)

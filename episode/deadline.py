@@ -3,7 +3,8 @@ scheduler's deadline less the time kept for the sandbox's start and grading, whi
 
 The clock starts when the episode's sandbox is ready (the turn-0 message's `ready_at`) and counts every
 turn's model call and tool calls. Past it, the episode ends with stop reason `agent_timeout` and is
-graded as it stands; a command still running at that moment is killed at the limit."""
+graded as it stands; a command still running at that moment is killed at the limit, and a model call or a
+turn's tool calls still running are cancelled (actors/turn.py)."""
 
 from __future__ import annotations
 

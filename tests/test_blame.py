@@ -241,7 +241,7 @@ def test_an_engine_answer_the_client_cannot_read_is_infrastructure(body):
 
 
 def _up(tmp_path, script: list[dict], max_turns: int, scheduler: dict | None = None, agent: dict | None = None,
-        **broker) -> tuple[dict, list[dict], list[dict]]:
+        tools: list[str] | None = None, **broker) -> tuple[dict, list[dict], list[dict]]:
     """`rollway up` of one toy episode in the local jail (real broker, the scripted policy as the model):
     summary, trajectories and failures."""
     import subprocess
@@ -251,7 +251,7 @@ def _up(tmp_path, script: list[dict], max_turns: int, scheduler: dict | None = N
     from conftest import ROOT
 
     job = {"run": {"name": "refused", "timeout_s": 300}, "tasks": {"type": "toy", "count": 1},
-           "sandbox": {"type": "local"}, "broker": broker, "tools": {"enabled": ["bash", "finish"]},
+           "sandbox": {"type": "local"}, "broker": broker, "tools": {"enabled": tools or ["bash", "finish"]},
            "scheduler": {"group_size": 1, "max_attempts": 2, "episode_deadline_s": 200, **(scheduler or {})},
            "agent": {"max_turns": max_turns, "max_tokens_per_turn": 400_000, "max_total_tokens": 1_000_000,
                      **(agent or {})},
@@ -319,6 +319,22 @@ def test_a_generation_that_would_outlast_the_deadline_ends_at_the_agents_time_an
     [t] = trajs
     stop = "agent_timeout" if driver == "turns" else "harness_time_limit"
     assert (t["stop_reason"], t["reward"]) == (stop, 0.0) and "outcome" not in t["grade"], t["grade"]
+
+
+@pytest.mark.e2e
+def test_tool_calls_that_would_outlast_the_deadline_end_at_the_agents_time_and_are_graded(tmp_path):
+    """Three calls in one message to a tool that runs no command (tests/plugins/slow_tool.py, standing in for
+    a search over a workspace the agent filled), 25 s each, against a 20 s episode deadline. Each is within
+    its own limit (`tools.call_timeout_s`), and only commands were cut to the agent's time: the turn's tools
+    ran past the deadline, the attempt was re-issued and the episode finally recorded failed, never graded.
+    Now a turn's tool calls end when the agent's time (16 s) is up, and the episode is graded as it stands."""
+    ponder = "".join('<tool_call>{"name": "ponder", "arguments": {"seconds": 25}}</tool_call>' for _ in range(3))
+    summary, trajs, failures = _up(tmp_path, [{"when": "", "turns": [ponder]}], 6, scheduler={"episode_deadline_s": 20},
+                                   tools=["python:tests/plugins/slow_tool.py:Ponder", "finish"])
+    assert failures == [] and len(trajs) == 1, (summary, failures)
+    [t] = trajs
+    assert (t["stop_reason"], t["reward"]) == ("agent_timeout", 0.0) and "outcome" not in t["grade"], t["grade"]
+    assert t["num_turns"] == 1 and t["turns"][0]["assistant_text"] == ponder  # the model's message is kept
 
 
 def test_an_in_process_episode_that_fails_leaves_no_sandbox(tmp_path, monkeypatch):
