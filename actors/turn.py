@@ -13,12 +13,10 @@ from typing import TYPE_CHECKING, Any
 from rollway.actors.gate import RankedGate
 from rollway.base.blame import InferenceUnreachable, blame
 from rollway.base.faults import fault_point
-from rollway.episode.deadline import AGENT_TIMEOUT
 from rollway.episode.state import EpisodeState
 from rollway.episode.turn import Turn, TurnRules
 from rollway.runtime import metrics
 from rollway.schemas.messages import TurnRecord
-from rollway.tools.registry import Step
 
 if TYPE_CHECKING:
     from rollway.actors.services import Services
@@ -77,8 +75,7 @@ class TurnRunner:
             return self.rules.record(state, record, step, view, list(env.tools))
         except Exception as err:
             if limit.expired():
-                return self.rules.record(state, record, Step(calls=[], observations=[], done=AGENT_TIMEOUT), view,
-                                         list(env.tools))
+                return self.rules.tools_timed_out(state, record, view, list(env.tools))
             if blame(err, agent_ran=True) == "infrastructure":
                 raise
             return self.rules.failed(state, record, err)

@@ -74,6 +74,11 @@ class TurnRules:
                  prompt_tokens=state.tokens_used)
         return self.without_output(state, AGENT_TIMEOUT)
 
+    def tools_timed_out(self, state: EpisodeState, record: TurnRecord, view: Episode, tools: list[str]) -> Turn:
+        """The turn's end when the agent's time ran out while its tool calls ran (they were cut): the model's
+        message kept, no observations, `agent_timeout` whatever the wall clock says to the microsecond."""
+        return self.record(state, record, Step(calls=[], observations=[], done=AGENT_TIMEOUT), view, tools)
+
     def without_output(self, state: EpisodeState, reason: str) -> Turn:
         return Turn(TurnRecord(turn=state.next_turn, completion_ids=[], logprobs=[], policy_version=0,
                                finish_reason=reason, assistant_text=""), reason)

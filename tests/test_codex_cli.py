@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+from pathlib import Path
+from typing import Any
 
 import pytest
 from agent_programs import codex_cli
@@ -22,29 +24,42 @@ EXEC = '<tool_call>\n{"name": "exec_command", "arguments": {"cmd": "echo hi > ou
 DONE = "Done: wrote out.txt."
 
 
-def test_codex_cli_plays_a_tool_episode_through_the_responses_api(tmp_path):
-    codex = codex_cli() / "node_modules" / ".bin" / "codex"
+async def codex_exec(gateway: Any, handle: Any, tmp_path: Path, settings: str = "") -> tuple[int, str]:
+    """The real Codex CLI's `exec` of "Write hi into out.txt" in `tmp_path/work`, its config.toml (in
+    `tmp_path/codex-home`) naming the gateway's episode `handle` as its Responses API provider, with the lines
+    `settings` added: exit code and output. Bounded (a compaction limit under Codex's own prompt would have it
+    compact after every call)."""
     work, home = tmp_path / "work", tmp_path / "codex-home"
-    work.mkdir()
-    home.mkdir()
+    work.mkdir(exist_ok=True)
+    home.mkdir(exist_ok=True)
+    (home / "config.toml").write_text(
+        f'model = "rollway-policy"\nmodel_provider = "rollway"\n{settings}[model_providers.rollway]\n'
+        f'name = "rollway"\nbase_url = "{gateway.url}/v1"\nenv_key = "ROLLWAY_KEY"\nwire_api = "responses"\n')
+    env = {**os.environ, "CODEX_HOME": str(home), "ROLLWAY_KEY": handle.api_key}
+    proc = await asyncio.create_subprocess_exec(
+        str(codex_cli() / "node_modules" / ".bin" / "codex"), "exec", "--skip-git-repo-check",
+        "--dangerously-bypass-approvals-and-sandbox", "Write hi into out.txt", cwd=work, env=env,
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout=600)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+    return proc.returncode, out.decode()
+
+
+def test_codex_cli_plays_a_tool_episode_through_the_responses_api(tmp_path):
+    work = tmp_path / "work"
 
     async def scenario():
         engine = LoggedEngine([ScriptRule(turns=[EXEC, DONE])])
         gateway, recorder = await serve(engine)
         handle = gateway.open_episode(key())
-        (home / "config.toml").write_text(
-            'model = "rollway-policy"\nmodel_provider = "rollway"\n[model_providers.rollway]\nname = "rollway"\n'
-            f'base_url = "{gateway.url}/v1"\nenv_key = "ROLLWAY_KEY"\nwire_api = "responses"\n')
-        env = {**os.environ, "CODEX_HOME": str(home), "ROLLWAY_KEY": handle.api_key}
-        proc = await asyncio.create_subprocess_exec(
-            str(codex), "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
-            "Write hi into out.txt", cwd=work, env=env, stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
         try:
-            out, _ = await proc.communicate()  # Codex ends after the model's final answer
+            code, out = await codex_exec(gateway, handle, tmp_path)  # Codex ends after the model's final answer
         finally:
             await gateway.stop()
-        return proc.returncode, out.decode(), engine, recorder.of("ep-1"), handle
+        return code, out, engine, recorder.of("ep-1"), handle
 
     code, out, engine, calls, handle = run(scenario())
     assert code == 0, out[-3000:]
@@ -79,10 +94,7 @@ def test_codex_cli_at_the_end_of_the_engines_context_compacts_only_when_told_the
     from rollway.policies.hf_chat import HFChatFormat
     from rollway.policies.model_loading import load_tokenizer
 
-    codex = codex_cli() / "node_modules" / ".bin" / "codex"
-    work, home = tmp_path / "work", tmp_path / "codex-home"
-    work.mkdir()
-    home.mkdir()
+    work = tmp_path / "work"
     settings = "model_context_window = 8000\nmodel_auto_compact_token_limit = 7000\n" if told_context else ""
     chat = HFChatFormat(load_tokenizer("smollm2"))
 
@@ -93,23 +105,11 @@ def test_codex_cli_at_the_end_of_the_engines_context_compacts_only_when_told_the
         recorder = MemoryRecorder()
         gateway = Gateway(engine, chat, recorder)
         await gateway.start()
-        handle = gateway.open_episode(key())
-        (home / "config.toml").write_text(
-            f'model = "rollway-policy"\nmodel_provider = "rollway"\n{settings}[model_providers.rollway]\n'
-            f'name = "rollway"\nbase_url = "{gateway.url}/v1"\nenv_key = "ROLLWAY_KEY"\nwire_api = "responses"\n')
-        env = {**os.environ, "CODEX_HOME": str(home), "ROLLWAY_KEY": handle.api_key}
-        proc = await asyncio.create_subprocess_exec(
-            str(codex), "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
-            "Write hi into out.txt", cwd=work, env=env, stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
         try:
-            # Bounded: a compaction limit under Codex's own prompt would have it compact after every call.
-            out, _ = await asyncio.wait_for(proc.communicate(), timeout=600)
+            code, out = await codex_exec(gateway, gateway.open_episode(key()), tmp_path, settings)
         finally:
-            if proc.returncode is None:
-                proc.kill()
             await gateway.stop()
-        return proc.returncode, out.decode(), engine, recorder.of("ep-1")
+        return code, out, engine, recorder.of("ep-1")
 
     code, out, engine, calls = run(scenario())
     assert all(len(prompt) + len(gen.token_ids) <= 8000 for prompt, gen in engine.log)  # nothing past it served
