@@ -892,3 +892,36 @@ def test_a_command_on_uvloop_stops_on_sigterm():
         proc.kill()
     assert proc.returncode == 143, (proc.returncode, out[-500:], err[-2000:])
     assert "gateway overhead" not in out
+
+
+def test_closing_an_episode_cancels_a_call_the_engine_is_still_generating():
+    """A harness program killed at its time limit may leave a call in flight, as long as the model takes (the
+    scripted model's `seconds`: 60 s here). Closing the episode used to wait for that call to be answered and
+    recorded, so the episode's end, and its grade, waited on a generation the model made long, past the
+    episode's deadline (re-issued, ungraded). Now the engine call is cancelled: the program is answered 409
+    `episode_closed`, nothing is recorded, and the close returns at once."""
+    import time
+
+    async def scenario():
+        engine = LoggedEngine([ScriptRule(turns=["late"], seconds=60)])
+        gateway, recorder = await serve(engine)
+        handle = gateway.open_episode(key())
+        program = openai.AsyncOpenAI(base_url=handle.base_url, api_key=handle.api_key, max_retries=0)
+        call = asyncio.create_task(program.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}]))
+        while not handle.lock.locked() and not call.done():  # the call is being served
+            await asyncio.sleep(0.01)
+        started = time.monotonic()
+        await gateway.close_episode(handle)
+        closed_in = time.monotonic() - started
+        try:
+            with pytest.raises(openai.APIStatusError) as caught:
+                await call
+        finally:
+            await gateway.stop()
+        return closed_in, caught.value, recorder.of("ep-1"), engine.log
+
+    closed_in, refused, calls, log = run(scenario())
+    assert refused.status_code == 409 and "episode_closed" in str(refused.body), refused.body
+    assert calls == [] and log == []  # the generation never finished: nothing recorded, nothing to train
+    assert closed_in < 30, closed_in  # not the 60 s the engine would have taken
