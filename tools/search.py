@@ -247,19 +247,11 @@ def _file_rank(path: str) -> tuple:
     return (_is_test(path), path.count("/"), len(path), path)
 
 
-class _Lines:
-    """A file's lines, split once: a search's hits in one file read many of them (splitting the file again
-    for each hit made a search's time grow with hits x size)."""
-
-    def __init__(self) -> None:
-        self._split: dict[int, list[bytes]] = {}
-
-    def text(self, data: bytes, line: int) -> str:
-        lines = self._split.get(id(data))
-        if lines is None:
-            lines = self._split[id(data)] = data.split(b"\n")
-        text = lines[line - 1].decode("utf-8", "replace").strip() if 0 < line <= len(lines) else ""
-        return text if len(text) <= 120 else text[:117] + "..."
+def _line_text(lines: list[bytes], line: int) -> str:
+    """Line `line` (1-based) of a file split once into `lines` by its caller: a search's hits in one file
+    read many of its lines (splitting the file again for each hit made a search's time grow with hits x size)."""
+    text = lines[line - 1].decode("utf-8", "replace").strip() if 0 < line <= len(lines) else ""
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _bounded(hits: list[_Hit], limit: int, narrow: str) -> str:
@@ -299,9 +291,9 @@ def _definitions(
         note = f"No exact match for `{query}`; showing definitions named `{query.rsplit('.', 1)[-1]}`.\n"
     if show_source:
         return note + _source(indexed, found)
-    lines = _Lines()
+    lines = {path: indexed[path][1].split(b"\n") for path in {path for _, path, _ in found}}
     hits = [
-        _Hit(rank, path, s.line, f"{s.kind} {s.qualname}: {lines.text(indexed[path][1], s.line)}")
+        _Hit(rank, path, s.line, f"{s.kind} {s.qualname}: {_line_text(lines[path], s.line)}")
         for rank, path, s in found
     ]
     header = f"{len(found)} definition{'s' if len(found) > 1 else ''} of `{query}` (best match first):"
@@ -345,10 +337,11 @@ def _suggestions(files: dict[str, bytes], query: str) -> str:
 
 def _reference_hits(indexed: dict[str, tuple[FileIndex, bytes]], query: str) -> list[_Hit]:
     name = query.rsplit(".", 1)[-1]
-    hits, lines = [], _Lines()
+    hits = []
     for path, (_, data) in indexed.items():
+        lines = data.split(b"\n")
         for line in find_uses(data, language_of(path), name):
-            text = lines.text(data, line)
+            text = _line_text(lines, line)
             # For `Class.method`, lines spelling the qualified name out are the likeliest uses.
             qualified_miss = "." in query and query not in text
             hits.append(_Hit((qualified_miss, *_file_rank(path), line), path, line, text))
