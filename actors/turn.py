@@ -66,7 +66,7 @@ class TurnRunner:
         # The tools end with the agent's time too, not only their commands: a tool can take long on the host
         # over what the agent made (a search over a workspace it filled), and a step past the deadline would
         # be re-issued, ungraded. Cut, the turn keeps the model's message and ends `agent_timeout`.
-        limit = asyncio.timeout(None if state.deadline is None else state.deadline - time.time())
+        limit = asyncio.timeout(state.agent_time_left())
         try:
             env, view = self.environment(state.task, self.rules.guard(state, sandbox)), self.rules.view(state, record)
             async with limit:
@@ -84,8 +84,7 @@ class TurnRunner:
         """The engine's answer to the episode's prompt, as the turn's record so far; None when the episode's
         agent time ran out first (the request is cancelled): how long a generation runs is the model's doing
         (it rambles to max_tokens), and one that ran past the episode's deadline would be re-issued, ungraded."""
-        left = None if state.deadline is None else state.deadline - time.time()
-        limit = asyncio.timeout(left)
+        limit = asyncio.timeout(state.agent_time_left())
         try:
             async with limit, self.model_slots.slot(rank) if self.model_slots else contextlib.nullcontext():
                 t0, started_at = time.perf_counter(), time.time()

@@ -3,6 +3,7 @@ episode/stream.py)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,10 @@ class EpisodeState:
         `agent_time_s`, scheduler.agent_time_s, bounds an episode the scheduler issued with a deadline)."""
         self.task = task
         self.deadline = agent_deadline(task.metadata, self.first.ready_at, agent_time_s if self.first.deadline else None)
+
+    def agent_time_left(self) -> float | None:
+        """Seconds until `deadline` (negative once past it); None: no limit."""
+        return None if self.deadline is None else self.deadline - time.time()
 
     @property
     def next_turn(self) -> int:

@@ -191,7 +191,7 @@ class OpenAICompletionsClient(InferenceClient):
 
     async def model_name(self) -> str:
         if self.model is None:
-            url = f"{self.base_url}/models"
+            url = self._models_url()
             body, _ = await self._request("GET", url)
             self.model = _model_id(url, body)
         return self.model
