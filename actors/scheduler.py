@@ -2,11 +2,13 @@
 ones, and holds back new groups while the pipeline is full or the policy lag is too large.
 
 Its state is rebuilt from the log after a restart: the plan is deterministic (seeded), what was
-issued is on `init-requests`, what ended is on `trajectories` and `episode-failures` (where the
-scheduler also writes its own final verdict when it gives an episode up)."""
+issued is on `init-requests`, what reached its grading on `reward-requests`, what ended is on
+`trajectories` and `episode-failures` (where the scheduler also writes its own final verdict when it
+gives an episode up)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import time
@@ -14,6 +16,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import msgspec
 import structlog
 
 from rollway.actors.scheduling import IssueStrategy, ends_order, johnson_order
@@ -23,6 +26,7 @@ from rollway.base.run_dir import RunDir
 from rollway.runtime import metrics
 from rollway.runtime.actor import Actor, MessageMeta, Output
 from rollway.schemas.messages import (
+    SCHEMA_VERSION,
     EpisodeFailure,
     EpisodeKey,
     InitRequest,
@@ -30,7 +34,7 @@ from rollway.schemas.messages import (
     RewardRequest,
     Trajectory,
 )
-from rollway.topics import EPISODE_FAILURES, INIT_REQUESTS, POLICY_VERSIONS, TRAJECTORIES
+from rollway.topics import EPISODE_FAILURES, INIT_REQUESTS, POLICY_VERSIONS, REWARD_REQUESTS, TRAJECTORIES
 
 log = structlog.get_logger()
 __all__ = ["GIVE_UP_STAGE", "SchedulerActor", "Ticket", "ends_order", "johnson_order", "new_run_id"]
@@ -56,13 +60,31 @@ class Ticket:
     reason: str = ""
     reward: float | None = None
     at_reward: bool = False
-    """This attempt has left the agent stage (seen on reward-requests; only with init_lookahead)."""
+    """This attempt has left the agent stage (seen on reward-requests): its deadline is then its grading's."""
 
     @property
     def key(self) -> EpisodeKey:
         """The identity of this ticket's current attempt, as its messages carry it."""
         return EpisodeKey(episode_id=self.episode_id, group_id=self.group_id, task_id=self.task_id,
                           attempt=self.attempt, sample_index=self.sample_index)
+
+
+class _AtReward(msgspec.Struct, kw_only=True):
+    """A reward request read back for its episode alone (its turns are skipped, not decoded)."""
+
+    schema_version: int = SCHEMA_VERSION
+    episode: EpisodeKey
+
+    @property
+    def episode_id(self) -> str:
+        return self.episode.episode_id
+
+    @property
+    def attempt(self) -> int:
+        return self.episode.attempt
+
+
+_REACHED_REWARD = dataclasses.replace(REWARD_REQUESTS, value=_AtReward)
 
 
 def new_run_id() -> str:
@@ -109,6 +131,7 @@ class SchedulerActor(Actor):
                 self.groups.append([Ticket(f"{gid}-s{i}", gid, task.task_id, i) for i in range(self.cfg.group_size)])
         for group in self.groups:
             self.tickets.update({t.episode_id: t for t in group})
+        self.tasks = {t.task_id: t for t in tasks}
         log.info("scheduler planned", run_id=self.run_id, groups=len(self.groups), episodes=len(self.tickets))
         if self._scan_log is not None:
             await self._rebuild()
@@ -130,6 +153,11 @@ class SchedulerActor(Actor):
                 self.next_group = max(self.next_group, group_index[m.group_id] + 1)
                 earliest = m.issued_at if earliest is None else min(earliest, m.issued_at)
         self._check_retention(earliest, "its first episode on init-requests")
+        now = time.time()
+        async for m in self._scan_log(_REACHED_REWARD):  # when is not on the record: the grading's time from now
+            t = self.tickets.get(m.episode_id)
+            if t is not None and t.state == "inflight" and m.attempt == t.attempt:
+                self._reached_reward(t, now)
         async for m in self._scan_log(TRAJECTORIES):
             t = self.tickets.get(m.episode_id)
             if t is not None and t.state == "inflight":
@@ -177,7 +205,9 @@ class SchedulerActor(Actor):
         if ticket is None or ticket.state != "inflight":
             return []  # another run's episode, or a late duplicate of a finished one
         if isinstance(msg, RewardRequest):
-            ticket.at_reward = ticket.at_reward or msg.attempt == ticket.attempt
+            if msg.attempt == ticket.attempt and not ticket.at_reward:
+                sent = meta.timestamp_ms / 1000
+                self._reached_reward(ticket, min(sent, time.time()) if sent > 0 else time.time())
             return []
         if isinstance(msg, Trajectory):
             ticket.state, ticket.reward = "completed", msg.reward
@@ -191,6 +221,25 @@ class SchedulerActor(Actor):
             return [self._issue(ticket, ticket.attempt + 1)]
         return [self._fail(ticket, f"{msg.stage}: {msg.reason}")]
 
+    def _reached_reward(self, t: Ticket, at: float) -> None:
+        """The attempt's agent phase is over and its grading begins: from here its deadline is its grading's,
+        counted from `at`, never earlier than the episode's. A grading runs the agent's work, which can make
+        it as slow as the grader's own limits (`TaskSet.grading_time_limit_s`), and the gradings already
+        waiting for the reward stage go first: one cut by the episode's deadline would be re-issued and its
+        0 never counted (the agent playing again for nothing, or escaping its 0 when the episode is finally
+        recorded failed). So it gets its own grading's time plus its share of those ahead of it: with
+        `reward.concurrency` gradings at once on the worker that has them all, it starts before they are
+        done (each grading's time: its limits plus `grading_reserve_s` for its sandbox's start)."""
+        ahead = sum(self._grading_s(u) for u in self.tickets.values() if u.at_reward and u.state == "inflight")
+        t.at_reward, self._dirty = True, True
+        t.deadline = max(t.deadline, at + self._grading_s(t) + ahead / self.s.cfg.reward.concurrency)
+
+    def _grading_s(self, t: Ticket) -> float:
+        """The longest `t`'s grading may take: its task's grading limits and the grading reserve."""
+        task = self.tasks.get(t.task_id)
+        limit = self.s.taskset.grading_time_limit_s(task) if task is not None else 0.0
+        return limit + self.cfg.episode_deadline_s - self.cfg.agent_time_s
+
     # -- issuing ----------------------------------------------------------------------------
     async def tick(self) -> list[Output]:
         if self._gate is not None and not os.path.exists(self._gate):
@@ -199,9 +248,13 @@ class SchedulerActor(Actor):
         outputs = []
         for t in self.tickets.values():
             if t.state == "inflight" and now > t.deadline:
+                lost = "grading" if t.at_reward else "episode"
                 if t.attempt + 1 < self.cfg.max_attempts:
-                    log.warning("episode past its deadline, re-issuing", episode_id=t.episode_id, attempt=t.attempt)
+                    log.warning(f"{lost} past its deadline, re-issuing", episode_id=t.episode_id, attempt=t.attempt)
                     outputs.append(self._issue(t, t.attempt + 1))
+                elif t.at_reward:
+                    outputs.append(self._fail(t, f"deadline: not graded within its grading's limits and "
+                                                 f"scheduler.grading_reserve_s after {self.cfg.max_attempts} attempts"))
                 else:
                     outputs.append(self._fail(t, f"deadline: not finished within {self.cfg.episode_deadline_s}s "
                                                  f"after {self.cfg.max_attempts} attempts"))

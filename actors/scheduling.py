@@ -42,12 +42,6 @@ def agent_slots(cfg: RunConfig) -> int:
     return cfg.scheduler.agent_slots or agent_worker_slots(cfg)
 
 
-def reads_reward_requests(cfg: RunConfig) -> bool:
-    """The scheduler consumes reward-requests too (topics/topology.py): with an init look-ahead bound it
-    must see episodes leave the agent stage."""
-    return IssueStrategy(cfg).reads_reward_requests
-
-
 class InflightEpisode(Protocol):
     at_reward: bool
     """This attempt has left the agent stage."""
@@ -62,11 +56,6 @@ class IssueStrategy:
         self.pre_reward_bound: int | None = (
             agent_slots(cfg) + self.cfg.init_lookahead if self.cfg.init_lookahead is not None else None)
         """Episodes issued but not yet at the reward stage that may exist at once (None: unbounded)."""
-
-    @property
-    def reads_reward_requests(self) -> bool:
-        """The look-ahead bound needs to see episodes leave the agent stage."""
-        return self.pre_reward_bound is not None
 
     def order(self, tasks: list[Any]) -> list[Any]:
         """One epoch's tasks in issue order (after the seeded shuffle and num_tasks)."""

@@ -56,13 +56,17 @@ class SchedulerConfig(StrictModel):
     """Episodes scheduled but not yet finished; new groups wait while this many are out."""
     episode_deadline_s: float = Field(300.0, gt=0)
     """An episode not finished this long after it was issued is re-issued (same id, next attempt): for
-    lost work (a worker gone), so the agent's own time ends before it (`grading_reserve_s`)."""
+    lost work (a worker gone), so the agent's own time ends before it (`grading_reserve_s`). Once an
+    attempt's reward request is on the log, its deadline is its grading's instead: the task set's grading
+    limits (`TaskSet.grading_time_limit_s`) plus `grading_reserve_s` after that, and its share of the
+    gradings waiting ahead of it (their time over `reward.concurrency`), never earlier than this."""
     grading_reserve_s: float | None = Field(None, ge=0)
     """Time kept for starting the sandbox and grading within an episode's deadline: the agent's phase
     (built-in turns or a harness program) ends `episode_deadline_s` less this after its sandbox is ready,
     with stop reason `agent_timeout`, graded as it stands. An agent that could outlast the deadline (slow
     tool calls, long generations) would otherwise be re-issued and finally recorded failed: no 0 for it.
-    None: a fifth of `episode_deadline_s`."""
+    The grading then has this plus its own limits (`episode_deadline_s`). None: a fifth of
+    `episode_deadline_s`."""
     max_attempts: int = Field(3, ge=1)
     """Attempts per episode before it is recorded failed."""
     max_policy_lag: int | None = Field(None, ge=0)
@@ -85,8 +89,8 @@ class SchedulerConfig(StrictModel):
     init_lookahead: int | None = Field(None, ge=0)
     """Bound on sandboxes started ahead of agent capacity: new episodes wait while the episodes issued
     but not yet handed to the reward stage (initialising, waiting for or in the agent) number
-    `agent_slots + init_lookahead`. The scheduler then also reads reward-requests to see episodes
-    leave the agent. None: no such bound (only max_inflight_episodes)."""
+    `agent_slots + init_lookahead` (the scheduler sees episodes leave the agent on reward-requests).
+    None: no such bound (only max_inflight_episodes)."""
     final_wave: bool = False
     """Drain fast. Once every episode not yet issued fits within max_inflight_episodes (the final
     wave), issue them all without waiting for init_lookahead, so the last sandboxes are ready when

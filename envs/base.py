@@ -141,6 +141,15 @@ class TaskSet(ABC):
     def sandbox_spec(self, task: Task) -> SandboxSpec:
         """How the init actor builds this task's sandbox."""
 
+    def grading_time_limit_s(self, task: Task) -> float:
+        """The longest `grade` may run what the agent made for `task`: the sum of the time limits of its
+        grading steps (each command it runs under a timeout), not counting a grading sandbox's start. Once
+        an attempt reaches the reward stage the scheduler waits this long plus `scheduler.grading_reserve_s`
+        for its grade (instead of the episode's deadline): an agent can make a grading as slow as these
+        limits, and a grading cut by a deadline would be re-issued and its 0 never counted. Default: one
+        command's limit (`sandbox.exec_timeout_s`); override it where grading runs longer."""
+        return self.sandbox_config.exec_timeout_s if self.sandbox_config is not None else 0.0
+
     @abstractmethod
     async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider, episode: Episode) -> Grade:
         """Called by the reward actor once per episode, before the sandbox is destroyed. `episode`: the

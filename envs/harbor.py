@@ -50,7 +50,14 @@ import structlog
 
 from rollway.envs.base import Episode, Grade, Task, TaskSet
 from rollway.envs.config import MAX_TASK_TIMEOUT_S, HarborTasksConfig
-from rollway.envs.harbor_verifier import HARBOR_DIR, LINKS, VerifierSettings, copy_folder, verify
+from rollway.envs.harbor_verifier import (
+    HARBOR_DIR,
+    LINKS,
+    VERIFIER_TIMEOUT_S,
+    VerifierSettings,
+    copy_folder,
+    verify,
+)
 from rollway.envs.harbor_verifier import HarborEnvError as HarborEnvError  # re-exported: raised by grade
 from rollway.envs.image_builds import KeyedLocks, build_all
 from rollway.envs.split import select_tasks
@@ -441,6 +448,9 @@ class HarborTaskSet(TaskSet):
 
     def tasks(self) -> list[Task]:
         return list(self._tasks)
+
+    def grading_time_limit_s(self, task: Task) -> float:
+        return self.by_name[task.task_id].timeout("verifier", VERIFIER_TIMEOUT_S)
 
     def spec_for(self, task: HarborTask) -> SandboxSpec:
         return SandboxSpec(image=self.images.image_for(task), **task.resources(), setup_commands=[

@@ -52,6 +52,8 @@ LINKS = {"/tests": f"{VERDICT}/tests", "/logs": f"{VERDICT}/logs", "/solution": 
 CARRY = ".rollway/carry.tar"
 SANDBOX_UID = 65534
 """Owner of every carried file (the docker sandbox's user)."""
+VERIFIER_TIMEOUT_S = 600.0
+"""test.sh's time limit when task.toml sets no [verifier] timeout_sec (Harbor's default)."""
 
 
 class HarborEnvError(SandboxError):
@@ -228,7 +230,7 @@ async def run_tests(task: HarborTask, box: Sandbox, tests: list[tuple[str, Path]
     await box.keeper_exec(_prepare_script(stage), "the Harbor verifier's folders")
     await box.exec(f"rm -rf {stage}")
     settings: VerifierSettings = task.verifier
-    timeout_s = task.timeout("verifier", 600.0)
+    timeout_s = task.timeout("verifier", VERIFIER_TIMEOUT_S)
     command = test_command(settings)
     if settings.user is None:
         ran = await box.exec(command, timeout_s=timeout_s)

@@ -152,6 +152,9 @@ class HumanEvalTaskSet(TaskSet):
     def sandbox_spec(self, task: Task) -> SandboxSpec:
         return SandboxSpec(files={SOLUTION_FILE: self.problems[task.task_id]["prompt"]})
 
+    def grading_time_limit_s(self, task: Task) -> float:
+        return self.cfg.test_timeout_s  # one run of the check
+
     async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider, episode: Episode) -> Grade:
         try:
             solution = await sandbox.read_file(SOLUTION_FILE)

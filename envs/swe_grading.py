@@ -148,11 +148,21 @@ def answer_patch(patch: str, protected: set[str], runner_files: frozenset[str] =
 # ---------------------------------------------------------------- grading
 
 
+APPLY_TIMEOUT_S = 60.0
+"""Time limit of applying one patch (the model's, then the tests')."""
+
+
 @dataclass
 class GradeSettings:
     timeout_s: float = 120.0
     all_failed: bool = False
     """List every failed expected test in the details (default: the first 20)."""
+
+    @property
+    def time_limit_s(self) -> float:
+        """The most one grading can run under its steps' limits: the runner's check on the unpatched tree,
+        two patches applied, the graded run."""
+        return 2 * self.timeout_s + 2 * APPLY_TIMEOUT_S
 
 
 def _apply(path: str) -> str:
@@ -181,13 +191,13 @@ async def grade_in_sandbox(sandbox: Sandbox, inst: SWEInstance, patch: str, sett
         return Grade(0.0, False, stop_reason=SUSPECTED_HACK, details=details)
     if diff.patch.strip():
         await sandbox.write_file(f"{GRADE_DIR}/model.patch", diff.patch)
-        applied = await sandbox.exec(_apply(f"{GRADE_DIR}/model.patch"), timeout_s=60)
+        applied = await sandbox.exec(_apply(f"{GRADE_DIR}/model.patch"), timeout_s=APPLY_TIMEOUT_S)
         if applied.exit_code != 0:
             details["apply_output"] = tail(applied.output, 2000)
             return _typed("patch_failed", details, settings, applied.output[-300:])
     if inst.test_patch.strip():
         await sandbox.write_file(f"{GRADE_DIR}/test.patch", inst.test_patch)
-        applied = await sandbox.exec(_apply(f"{GRADE_DIR}/test.patch"), timeout_s=60)
+        applied = await sandbox.exec(_apply(f"{GRADE_DIR}/test.patch"), timeout_s=APPLY_TIMEOUT_S)
         if applied.exit_code != 0:
             raise GradingEnvError(f"env_error: test_patch of {inst.instance_id} does not apply to its base: "
                                   f"{applied.output[-300:]}")

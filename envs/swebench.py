@@ -79,6 +79,9 @@ class SWEBenchTaskSet(TaskSet):
     def tasks(self) -> list[Task]:
         return list(self._tasks)
 
+    def grading_time_limit_s(self, task: Task) -> float:
+        return self.settings.time_limit_s
+
     def uses_images(self, provider: SandboxProvider | None = None) -> bool:
         return uses_images(provider, self.sandbox_config)
 

@@ -517,15 +517,13 @@ async def consumer_lag(cfg: RunConfig, bootstrap: str, stages: tuple[str, ...]) 
         topic_name,
         topic_partitions,
     )
-    from rollway.topics.topology import stage_inputs
-
     # Its fetches only probe the high watermark at each end: a broker answers them after fetch_max_wait.
     probe = cfg.broker.model_copy(update={"fetch_max_wait_ms": 10})
     consumer = await make_consumer(probe, bootstrap, group_id=None)
     admin = AIOKafkaAdminClient(**client_kwargs(cfg.broker, bootstrap))
     try:
         await start_with_retry(admin, cfg.broker, "admin")
-        names = {stage: {topic_name(t, cfg.topics) for t in stage_inputs(get_stage(stage), cfg)} for stage in stages}
+        names = {stage: {topic_name(t, cfg.topics) for t in get_stage(stage).consumes} for stage in stages}
         every = await topic_partitions(consumer, sorted(set().union(*names.values())))
         inputs = {stage: [tp for tp in every if tp.topic in names[stage]] for stage in stages}
         ends = await log_end_offsets(consumer, every)

@@ -39,15 +39,12 @@ class _FromStage:
         self.attr = attr
 
     def __get__(self, obj: Any, owner: type) -> Any:
-        from rollway.topics.topology import stage_inputs, stage_of_actor
+        from rollway.topics.topology import stage_of_actor
 
         stage = stage_of_actor(owner)
         if stage is None:
             raise AttributeError(f"{owner.__name__} is not a stage in topics/topology.py: give it `name` and `inputs`")
-        if self.attr == "name":
-            return stage.name
-        services = getattr(obj, "s", None)  # a pipeline actor's Services; None on the class itself
-        return stage_inputs(stage, getattr(services, "cfg", None))
+        return stage.name if self.attr == "name" else stage.consumes
 
 
 class Actor(ABC):

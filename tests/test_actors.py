@@ -180,6 +180,48 @@ def test_scheduler_groups_inflight_bound_deadlines_and_failures(tmp_path):
     run(scenario())
 
 
+def test_scheduler_waits_for_a_grading_once_the_attempt_reached_the_reward_stage(tmp_path):
+    """Past the episode's deadline an attempt is re-issued, unless its reward request is on the log: from then
+    its deadline is its grading's (the task set's grading limits, here one command's 30 s, plus the reserve),
+    so a grading the agent made slow is waited for and its 0 counted; one that reaches the reward stage behind
+    it waits for it too (one grading at a time here). A request of an older attempt moves nothing, and a
+    restarted scheduler reads the requests back (their turns skipped, not decoded)."""
+    from rollway.schemas.codec import decode, encode
+
+    s = services(tmp_path, "tasks.count=3", "scheduler.group_size=1", "scheduler.episode_deadline_s=0.3",
+                 "scheduler.max_attempts=2", "reward.concurrency=1", "run.id=rG")
+
+    def request(key: EpisodeKey) -> RewardRequest:
+        return RewardRequest(episode=key, sandbox={}, prompt_ids=[1] * 1000, messages=[], turns=[], stop_reason="finish")
+
+    async def scenario():
+        sched = SchedulerActor(s)
+        await sched.setup()
+        graded, lost, queued = [o.value for o in await sched.tick()]
+        await sched.handle(request(graded.episode), MessageMeta("reward-requests", 0, 0, int(time.time() * 1000)))
+        await sched.handle(request(queued.episode), MessageMeta("reward-requests", 0, 1, int(time.time() * 1000)))
+        assert sched.tickets[queued.episode_id].deadline >= time.time() + 59  # its 30 s after the other's
+        stale = msgspec.structs.replace(lost.episode, attempt=lost.attempt + 5)
+        await sched.handle(request(stale), meta())
+        time.sleep(0.35)
+        [again] = await sched.tick()
+        assert (again.value.episode_id, again.value.attempt) == (lost.episode_id, 1)
+        assert sched.tickets[graded.episode_id].deadline >= time.time() + 29
+
+        async def scan(spec):
+            for m in {"init-requests": [graded, lost], "reward-requests": [request(graded.episode)]}.get(spec.name, []):
+                yield decode(encode(m), spec.value)
+
+        restarted = SchedulerActor(s, scan)
+        await restarted.setup()
+        assert restarted.tickets[graded.episode_id].at_reward and not restarted.tickets[lost.episode_id].at_reward
+        assert not restarted.tickets[queued.episode_id].at_reward  # its request is not in this log
+        time.sleep(0.35)
+        assert [o.value.episode_id for o in await restarted.tick()] == [lost.episode_id, queued.episode_id]
+
+    run(scenario())
+
+
 def test_scheduler_holds_back_groups_beyond_policy_lag(tmp_path):
     s = services(tmp_path, "tasks.count=4", "scheduler.group_size=1", "scheduler.max_inflight_episodes=10",
                  "scheduler.max_policy_lag=1")

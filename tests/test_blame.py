@@ -241,16 +241,16 @@ def test_an_engine_answer_the_client_cannot_read_is_infrastructure(body):
 
 
 def _up(tmp_path, script: list[dict], max_turns: int, scheduler: dict | None = None, agent: dict | None = None,
-        tools: list[str] | None = None, **broker) -> tuple[dict, list[dict], list[dict]]:
-    """`rollway up` of one toy episode in the local jail (real broker, the scripted policy as the model):
-    summary, trajectories and failures."""
+        tools: list[str] | None = None, tasks: dict | None = None, **broker) -> tuple[dict, list[dict], list[dict]]:
+    """`rollway up` of one episode (a toy task unless `tasks`) in the local jail (real broker, the scripted
+    policy as the model): summary, trajectories and failures."""
     import subprocess
     import sys
 
     import yaml
     from conftest import ROOT
 
-    job = {"run": {"name": "refused", "timeout_s": 300}, "tasks": {"type": "toy", "count": 1},
+    job = {"run": {"name": "refused", "timeout_s": 300}, "tasks": tasks or {"type": "toy", "count": 1},
            "sandbox": {"type": "local"}, "broker": broker, "tools": {"enabled": tools or ["bash", "finish"]},
            "scheduler": {"group_size": 1, "max_attempts": 2, "episode_deadline_s": 200, **(scheduler or {})},
            "agent": {"max_turns": max_turns, "max_tokens_per_turn": 400_000, "max_total_tokens": 1_000_000,
@@ -335,6 +335,24 @@ def test_tool_calls_that_would_outlast_the_deadline_end_at_the_agents_time_and_a
     [t] = trajs
     assert (t["stop_reason"], t["reward"]) == ("agent_timeout", 0.0) and "outcome" not in t["grade"], t["grade"]
     assert t["num_turns"] == 1 and t["turns"][0]["assistant_text"] == ponder  # the model's message is kept
+
+
+@pytest.mark.e2e
+def test_a_grading_the_agent_made_slow_is_waited_for_and_its_0_counted(tmp_path):
+    """The agent writes a HumanEval solution that sleeps on import: the real grader runs it until its test time
+    limit (`tasks.test_timeout_s`, 30 s), longer than the whole episode's deadline (20 s). The scheduler re-issued
+    an attempt past its deadline however far it had got, so this attempt was given up (with one attempt
+    allowed: recorded failed, `deadline: not finished within 20s after 1 attempts`) and the grader's late 0
+    ignored: a 0 the agent escapes by making its grading slow. Once an attempt reaches the reward stage its
+    deadline is now its grading's (the task set's grading limits and the reserve), and the 0 is counted."""
+    write = ('<tool_call>{"name": "bash", "arguments": {"command": '
+             '"printf \'import time\\ntime.sleep(600)\\n\' > solution.py"}}</tool_call>')
+    summary, trajs, failures = _up(tmp_path, [{"when": "", "turns": [write, FINISH]}], 4,
+                                   scheduler={"episode_deadline_s": 20, "grading_reserve_s": 8, "max_attempts": 1},
+                                   tasks={"type": "humaneval", "limit": 1, "test_timeout_s": 30})
+    assert failures == [] and len(trajs) == 1, (summary, failures)
+    [t] = trajs
+    assert (t["stop_reason"], t["reward"], t["episode"]["attempt"]) == ("test_timeout", 0.0, 0), t["grade"]
 
 
 def test_an_in_process_episode_that_fails_leaves_no_sandbox(tmp_path, monkeypatch):

@@ -43,10 +43,6 @@ class Stage:
     dedup: Dedup
     concurrency: str | None
     """Dotted config field holding messages handled at once per worker (None: one at a time)."""
-    optional_consumes: tuple[TopicSpec, ...] = ()
-    """Inputs consumed only when `optional_when` says so for the run's config."""
-    optional_when: str | None = None
-    """`module:function` of the run config: True when the stage consumes `optional_consumes` too."""
     reads_log: Literal["no", "history", "stream"] = "no"
     """How it reads the log back: `history` gets a log reader (rebuilds from an offset), `stream` a
     scanner that streams its own inputs back on restart (runtime/scan.py); `no`: neither."""
@@ -62,8 +58,8 @@ class Stage:
 
 STAGES: tuple[Stage, ...] = (
     Stage("scheduler", "rollway.actors.scheduler:SchedulerActor",
-          consumes=(TRAJECTORIES, EPISODE_FAILURES, POLICY_VERSIONS), produces=(INIT_REQUESTS, EPISODE_FAILURES),
-          optional_consumes=(REWARD_REQUESTS,), optional_when="rollway.actors.scheduling:reads_reward_requests",
+          consumes=(TRAJECTORIES, EPISODE_FAILURES, POLICY_VERSIONS, REWARD_REQUESTS),
+          produces=(INIT_REQUESTS, EPISODE_FAILURES),
           dedup="tickets", concurrency=None, reads_log="stream", single=True, issues_work=True),
     Stage("init", "rollway.actors.init:InitActor", consumes=(INIT_REQUESTS,),
           produces=(AGENT_STEPS, EPISODE_FAILURES), dedup="sandbox", concurrency="init.concurrency"),
@@ -88,16 +84,6 @@ def stage_of_actor(actor_class: type) -> Stage | None:
     """The stage whose `actor` is this class or one of its bases (None: not a pipeline actor)."""
     paths = {f"{c.__module__}:{c.__qualname__}": c for c in actor_class.__mro__}
     return next((s for s in STAGES if s.actor in paths), None)
-
-
-def stage_inputs(stage: Stage, cfg: object | None) -> tuple[TopicSpec, ...]:
-    """What `stage` consumes in a run with config `cfg`: its inputs, and its optional ones where its
-    `optional_when` says so (None: no config, the declared inputs only)."""
-    if cfg is None or stage.optional_when is None:
-        return stage.consumes
-    from rollway.base.registry import import_target
-
-    return stage.consumes + stage.optional_consumes if import_target(stage.optional_when)(cfg) else stage.consumes
 
 
 def issuing_stage() -> Stage:
@@ -138,8 +124,8 @@ def start_order() -> tuple[str, ...]:
 
 
 def readers_of(topics: tuple[TopicSpec, ...]) -> list[Stage]:
-    """Stages that consume any of `topics` (optional inputs included)."""
-    return [s for s in STAGES if set(topics) & set(s.consumes + s.optional_consumes)]
+    """Stages that consume any of `topics`."""
+    return [s for s in STAGES if set(topics) & set(s.consumes)]
 
 
 def check_output(stage: str, topic: TopicSpec) -> None:
@@ -166,8 +152,6 @@ def text_diagram() -> str:
     lines = []
     for s in STAGES:
         reads = ", ".join(t.name for t in s.consumes)
-        if s.optional_consumes:
-            reads += " (+ " + ", ".join(t.name for t in s.optional_consumes) + ")"
         runs = s.concurrency or "1 at a time"
         lines += [f"{s.name.ljust(width)}  reads   {reads}",
                   f"{''.ljust(width)}  writes  {', '.join(t.name for t in s.produces) or '(run folder only)'}",
@@ -191,6 +175,5 @@ def mermaid() -> str:
     for s in STAGES:
         for t in s.produces:
             for r in readers_of((t,)):
-                dotted = "-.->" if t in r.optional_consumes else "-->"
-                lines.append(f"    {s.name} {dotted}|{t.name}| {r.name}")
+                lines.append(f"    {s.name} -->|{t.name}| {r.name}")
     return "\n".join(lines)
