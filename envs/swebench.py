@@ -80,7 +80,8 @@ class SWEBenchTaskSet(TaskSet):
         return list(self._tasks)
 
     def grading_time_limit_s(self, task: Task) -> float:
-        return self.settings.time_limit_s
+        diff = self.sandbox_config.keeper_timeout_s if self.sandbox_config is not None else 0.0
+        return diff + self.settings.time_limit_s  # the workspace's diff, then the grading sandbox's steps
 
     def uses_images(self, provider: SandboxProvider | None = None) -> bool:
         return uses_images(provider, self.sandbox_config)

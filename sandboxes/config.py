@@ -28,6 +28,12 @@ class SandboxConfig(SectionConfig):
     """Folder under which episode workspaces are created; default a temp folder shared by workers."""
     exec_timeout_s: float = Field(30.0, gt=0)
     """Default wall-time limit for one command in the sandbox."""
+
+    @property
+    def keeper_timeout_s(self) -> float:
+        """Wall-time limit of rollway's own commands in a sandbox (the workspace's diff, a copy out of it):
+        longer than a command's, as the agent may have filled the workspace up to `workspace_mb`."""
+        return self.exec_timeout_s * 4
     memory_mb: int = Field(1024, ge=16)
     """Memory of one sandbox as a whole (all its processes, and its tmpfs pages): the container's
     memory limit for `docker`, a memory cgroup for `local` (where cgroups are writable; where they are

@@ -370,7 +370,7 @@ class DockerSandbox(Sandbox):
 
     async def _run_checked(self, script: str, what: str) -> ExecResult:
         cfg = self._provider.config  # a diff must never be truncated
-        big = replace(JailLimits.from_config(cfg), timeout_s=cfg.exec_timeout_s * 4,
+        big = replace(JailLimits.from_config(cfg), timeout_s=cfg.keeper_timeout_s,
                       max_output_bytes=1 << 30, output_kill_bytes=1 << 30)  # fmt: skip
         result = await asyncio.to_thread(self._exec, script, big, KEEPER)
         if result.exit_code != 0:
