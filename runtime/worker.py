@@ -50,6 +50,9 @@ COMMIT_INTERVAL_S = 0.5
 TICK_INTERVAL_S = 0.2
 TOPIC_CHECK_INTERVAL_S = 5.0
 STATUS_INTERVAL_S = 0.5
+LATE_READ_S = 30.0
+"""How long a stage whose work is done (the scheduler once every episode ended) goes on reading its inputs to
+where they ended then, so a finished run leaves none of them unread."""
 LAG_INTERVAL_S = 1.0
 """How often a worker asks the broker for its partitions' log end offsets (the consumer lag metric)."""
 LAG_TIMEOUT_S = 2.0
@@ -361,7 +364,12 @@ class StageWorker:
     async def _loop(self, stop: asyncio.Event) -> None:
         last_commit = last_tick = last_lag = 0.0
         last_topic_check = time.monotonic()
-        while not stop.is_set() and not self.actor.done:
+        finish: tuple[float, dict[TopicPartition, int]] | None = None
+        while not stop.is_set():
+            if self.actor.done:
+                finish = finish or (time.monotonic() + LATE_READ_S, await self._input_ends())
+                if await self._read_up_to(*finish):
+                    break
             if self.fatal is not None:
                 raise self.fatal
             free = self.concurrency + self.prefetch - len(self.tasks) - len(self.backlog)
@@ -397,6 +405,30 @@ class StageWorker:
                 last_lag = now
             self.metrics.loop(len(self.tasks), len(self.backlog), free <= 0, len(self.consumer.assignment()))
             self.write_status()
+
+    async def _input_ends(self) -> dict[TopicPartition, int]:
+        tps = sorted(self.consumer.assignment())
+        try:
+            return await asyncio.wait_for(self.consumer.end_offsets(tps), LAG_TIMEOUT_S) if tps else {}
+        except Exception:  # noqa: BLE001 - a broker away: nothing more is read
+            return {}
+
+    async def _read_up_to(self, until: float, ends: dict[TopicPartition, int]) -> bool:
+        """Whether a done stage has handled its inputs up to `ends` (or `until` has passed). The messages it
+        reads after its work is done are late ones about that work (reward requests of episodes already
+        graded, for the scheduler): handled as any, they change nothing, and once committed the stage's
+        inputs show no lag at the run's end, and a restart is handed none of them again."""
+        if time.monotonic() > until:
+            return True
+        if self.tasks or self.backlog:
+            return False
+        for tp, end in ends.items():
+            try:
+                if tp in self.consumer.assignment() and await self.consumer.position(tp) < end:
+                    return False
+            except Exception:  # noqa: BLE001 - a partition given away meanwhile: its new owner reads it
+                continue
+        return True
 
     async def _assign_all(self) -> None:
         """Own every partition of the inputs (the topics exist: `ensure_topics` ran before)."""

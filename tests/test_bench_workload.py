@@ -260,8 +260,6 @@ def test_scheduler_init_lookahead_bounds_episodes_before_the_reward_stage(tmp_pa
                       reward=1.0, resolved=True, stop_reason="finish", num_turns=0, prompt_length=0)
     run(s.handle(traj, MessageMeta("trajectories", 0, 0)))
     assert run(s.tick()) == [], "a graded episode was already past the agent: no new place"
-    default = scheduler(tmp_path)
-    assert all(t.name != "reward-requests" for t in default.inputs), "off by default"
 
 
 def test_johnson_order_starts_with_fast_sandboxes_and_ends_with_fast_ones():

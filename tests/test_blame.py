@@ -340,15 +340,15 @@ def test_tool_calls_that_would_outlast_the_deadline_end_at_the_agents_time_and_a
 @pytest.mark.e2e
 def test_a_grading_the_agent_made_slow_is_waited_for_and_its_0_counted(tmp_path):
     """The agent writes a HumanEval solution that sleeps on import: the real grader runs it until its test time
-    limit (`tasks.test_timeout_s`, 30 s), longer than the whole episode's deadline (20 s). The scheduler re-issued
+    limit (`tasks.test_timeout_s`, 30 s), longer than the whole episode's deadline (24 s). The scheduler re-issued
     an attempt past its deadline however far it had got, so this attempt was given up (with one attempt
-    allowed: recorded failed, `deadline: not finished within 20s after 1 attempts`) and the grader's late 0
+    allowed: recorded failed, `deadline: not finished within 24s after 1 attempts`) and the grader's late 0
     ignored: a 0 the agent escapes by making its grading slow. Once an attempt reaches the reward stage its
     deadline is now its grading's (the task set's grading limits and the reserve), and the 0 is counted."""
     write = ('<tool_call>{"name": "bash", "arguments": {"command": '
              '"printf \'import time\\ntime.sleep(600)\\n\' > solution.py"}}</tool_call>')
     summary, trajs, failures = _up(tmp_path, [{"when": "", "turns": [write, FINISH]}], 4,
-                                   scheduler={"episode_deadline_s": 20, "grading_reserve_s": 8, "max_attempts": 1},
+                                   scheduler={"episode_deadline_s": 24, "grading_reserve_s": 12, "max_attempts": 1},
                                    tasks={"type": "humaneval", "limit": 1, "test_timeout_s": 30})
     assert failures == [] and len(trajs) == 1, (summary, failures)
     [t] = trajs

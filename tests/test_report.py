@@ -130,7 +130,8 @@ def test_utilisation_counts_overlapping_generations_once():
 
 def test_runtimes_record_each_stage_of_each_episode_once_in_order(smoke_run):
     """The telemetry the stage runtimes wrote: every message of every episode handled exactly once (no
-    failures in the smoke run), stages in order, each turn's generation inside its agent handling."""
+    failures in the smoke run; the scheduler reads its reward request and its trajectory), stages in order,
+    each turn's generation inside its agent handling."""
     from rollway.runtime.telemetry import attempt_records, read_telemetry
 
     telemetry = read_telemetry(smoke_run.run_dir)
@@ -143,13 +144,16 @@ def test_runtimes_record_each_stage_of_each_episode_once_in_order(smoke_run):
             assert r.outcome == "handled"
             by_stage.setdefault(r.stage, []).append(r)
         assert {s: len(v) for s, v in by_stage.items()} == {"init": 1, "agent": t["num_turns"], "reward": 1,
-                                                            "scheduler": 1, "learner": 1, "sink": 1}
+                                                            "scheduler": 2, "learner": 1, "sink": 1}
         [init], agent, [reward] = by_stage["init"], by_stage["agent"], by_stage["reward"]
         assert [r.turn for r in agent] == list(range(t["num_turns"]))
         assert init.ended_at <= agent[0].produced_at + 0.001 and agent[-1].ended_at <= reward.produced_at + 0.001
         for r, turn in zip(agent, t["turns"], strict=True):
             assert r.started_at <= turn["gen_started_at"] <= turn["gen_ended_at"] <= turn["tool_ended_at"] <= r.ended_at
-        assert reward.ended_at <= min(by_stage[s][0].produced_at for s in ("scheduler", "learner", "sink")) + 0.001
+        graded = [r for r in by_stage["scheduler"] if r.topic.endswith("trajectories")] + by_stage["learner"] + by_stage["sink"]
+        assert len(graded) == 3 and reward.ended_at <= min(r.produced_at for r in graded) + 0.001
+        [asked] = [r for r in by_stage["scheduler"] if r.topic.endswith("reward-requests")]
+        assert (asked.offset, asked.partition) == (reward.offset, reward.partition)  # the same message as the reward stage's
 
 
 def test_up_shows_progress_per_stage_and_logs_with_stage_and_episode(smoke_run):

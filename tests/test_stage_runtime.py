@@ -6,7 +6,7 @@ import asyncio
 import time
 
 import pytest
-from aiokafka import AIOKafkaConsumer
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from conftest import run
 
 from rollway.actors.agent import AgentActor
@@ -134,6 +134,42 @@ def test_two_workers_split_the_partitions_and_commits_survive_restart(broker, to
     assert ids_a and ids_b, "one worker got no partitions"
     assert not {p for _, p in seen_a} & {p for _, p in seen_b}
     assert [e for e, _ in seen_c] == ["e99"]
+
+
+class DoneAfterFirst(Forward):
+    """A stage whose work is done once it has handled one message (as the scheduler once every episode ended)."""
+
+    @property
+    def done(self) -> bool:
+        return bool(self.seen)
+
+
+def test_a_stage_done_with_its_work_reads_its_inputs_to_their_end_before_it_stops(broker, topic_prefix):
+    """The scheduler is done when every episode has ended, and reward-requests it reads may still be arriving
+    then (requests of episodes already graded). Stopping at once left them unread: consumer lag at the run's
+    end (a Prometheus check saw the scheduler's reward-requests lag above 0), and a restart handed them again.
+    The worker now reads its inputs to where they ended when its work was done, and commits them."""
+    cfg = config(topic_prefix, partitions=2)
+    group = f"{topic_prefix}done"
+
+    async def scenario():
+        await ensure_topics(cfg.broker, cfg.topics, broker.bootstrap)
+        await produce(cfg, broker.bootstrap, INIT_REQUESTS, [(f"e{i}".encode(), encode(init_request(i))) for i in range(20)])
+        actor = DoneAfterFirst()
+        await asyncio.wait_for(StageWorker(actor, cfg, broker.bootstrap, 1, group, sole_worker=True).run(asyncio.Event()),
+                               120)
+        consumer = AIOKafkaConsumer(bootstrap_servers=broker.bootstrap, group_id=group, enable_auto_commit=False)
+        await consumer.start()
+        try:
+            name = topic_name(INIT_REQUESTS, cfg.topics)
+            committed = [await consumer.committed(tp) for tp in [TopicPartition(name, p) for p in range(2)]]
+        finally:
+            await consumer.stop()
+        return actor.seen, committed
+
+    seen, committed = run(scenario())
+    assert sorted(e for e, _ in seen) == sorted(f"e{i}" for i in range(20))
+    assert sum(c or 0 for c in committed) == 20, committed
 
 
 def test_log_reader_returns_one_episodes_messages(broker, topic_prefix):
