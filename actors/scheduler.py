@@ -16,7 +16,6 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import msgspec
 import structlog
 
 from rollway.actors.scheduling import IssueStrategy, ends_order, johnson_order
@@ -26,9 +25,9 @@ from rollway.base.run_dir import RunDir
 from rollway.runtime import metrics
 from rollway.runtime.actor import Actor, MessageMeta, Output
 from rollway.schemas.messages import (
-    SCHEMA_VERSION,
     EpisodeFailure,
     EpisodeKey,
+    EpisodeMessage,
     InitRequest,
     PolicyVersion,
     RewardRequest,
@@ -69,19 +68,8 @@ class Ticket:
                           attempt=self.attempt, sample_index=self.sample_index)
 
 
-class _AtReward(msgspec.Struct, kw_only=True):
+class _AtReward(EpisodeMessage, forbid_unknown_fields=False):
     """A reward request read back for its episode alone (its turns are skipped, not decoded)."""
-
-    schema_version: int = SCHEMA_VERSION
-    episode: EpisodeKey
-
-    @property
-    def episode_id(self) -> str:
-        return self.episode.episode_id
-
-    @property
-    def attempt(self) -> int:
-        return self.episode.attempt
 
 
 _REACHED_REWARD = dataclasses.replace(REWARD_REQUESTS, value=_AtReward)
