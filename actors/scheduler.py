@@ -141,11 +141,6 @@ class SchedulerActor(Actor):
                 self.next_group = max(self.next_group, group_index[m.group_id] + 1)
                 earliest = m.issued_at if earliest is None else min(earliest, m.issued_at)
         self._check_retention(earliest, "its first episode on init-requests")
-        now = time.time()
-        async for m in self._scan_log(_REACHED_REWARD):  # when is not on the record: the grading's time from now
-            t = self.tickets.get(m.episode_id)
-            if t is not None and t.state == "inflight" and m.attempt == t.attempt:
-                self._reached_reward(t, now)
         async for m in self._scan_log(TRAJECTORIES):
             t = self.tickets.get(m.episode_id)
             if t is not None and t.state == "inflight":
@@ -154,6 +149,11 @@ class SchedulerActor(Actor):
             t = self.tickets.get(m.episode_id)
             if t is not None and m.stage == GIVE_UP_STAGE and t.state != "completed":
                 t.state, t.reason = "failed", m.reason
+        now = time.time()  # the episodes still in flight: when they reached grading is not on the record
+        async for m in self._scan_log(_REACHED_REWARD):
+            t = self.tickets.get(m.episode_id)
+            if t is not None and t.state == "inflight" and m.attempt == t.attempt:
+                self._reached_reward(t, now)
         async for m in self._scan_log(POLICY_VERSIONS):
             self.policy_version = max(self.policy_version, m.version)
             self.learner_episodes = max(self.learner_episodes, m.episodes_trained)
