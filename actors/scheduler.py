@@ -120,9 +120,26 @@ class SchedulerActor(Actor):
         for group in self.groups:
             self.tickets.update({t.episode_id: t for t in group})
         self.tasks = {t.task_id: t for t in tasks}
+        self._check_group_timeout()
         log.info("scheduler planned", run_id=self.run_id, groups=len(self.groups), episodes=len(self.tickets))
         if self._scan_log is not None:
             await self._rebuild()
+
+    def _check_group_timeout(self) -> None:
+        """Refuse a training learner's `group_timeout_s` shorter than an episode may take to be graded: its
+        group would be trained without a member that is merely slow, and that member's 0 left out of the
+        update (a policy can be slow on purpose, in its agent phase or by making its grading slow)."""
+        learner = self.s.cfg.learner
+        if learner.group_timeout_s is None or not learner.trains:
+            return
+        longest = self.cfg.episode_deadline_s + max(self.s.taskset.grading_time_limit_s(t) for t in self.tasks.values())
+        if learner.group_timeout_s < longest:
+            raise ValueError(
+                f"learner.group_timeout_s={learner.group_timeout_s:g} is shorter than an episode may take to be graded "
+                f"(scheduler.episode_deadline_s={self.cfg.episode_deadline_s:g} plus the task set's longest grading "
+                f"limit, {longest - self.cfg.episode_deadline_s:g}s): a group would be trained without a member that is "
+                f"merely slow, leaving its 0 out (a policy can be slow on purpose). Set it to at least {longest:g}, or "
+                "leave it unset (the scheduler re-issues lost episodes)")
 
     async def _rebuild(self) -> None:
         """Restore the tickets from what the log says this run's scheduler did and saw, one message

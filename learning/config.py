@@ -81,9 +81,10 @@ class LearnerConfig(StrictModel):
     group_timeout_s: float | None = Field(None, gt=0)
     """A group still incomplete this long after its first episode arrived is trained with what it
     has (when at least 2 episodes) or dropped. The learner's own updates do not count (it reads nothing
-    meanwhile), and a member arriving after its group was taken is consumed without training: keep it
-    above the gradings' time (an agent can make its grading as slow as the task's grading limits, and a
-    0 left out of its group is a 0 escaped). None: wait (the scheduler re-issues lost episodes)."""
+    meanwhile), and a member arriving after its group was taken is consumed without training. At least
+    `scheduler.episode_deadline_s` plus the task set's longest grading limit when the learner trains (a
+    shorter one is refused when the run starts: a member that is merely slow, as a policy can be on purpose,
+    would have its 0 left out). None: wait (the scheduler re-issues lost episodes)."""
     micro_batch_tokens: int = Field(4096, ge=1)
     """Token budget (rows x padded length) of one forward/backward; gradients are accumulated
     over micro-batches. A longer single episode still gets its own micro-batch."""

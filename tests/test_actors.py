@@ -222,6 +222,18 @@ def test_scheduler_waits_for_a_grading_once_the_attempt_reached_the_reward_stage
     run(scenario())
 
 
+def test_scheduler_refuses_a_group_timeout_that_would_leave_a_slow_member_out(tmp_path):
+    """A training learner's group timeout shorter than an episode may take (its deadline plus the task set's
+    longest grading limit) trains a group without a member that is merely slow: a 0 a policy escapes by being
+    slow. Refused when the run starts, naming the least value; one at least that long is taken."""
+    base = ("tasks.count=2", "scheduler.episode_deadline_s=100", "learner.type=ppo")
+    short = SchedulerActor(services(tmp_path, *base, "learner.group_timeout_s=60"))
+    with pytest.raises(ValueError, match=r"group_timeout_s=60 .* at least 130"):
+        run(short.setup())  # 100 s + one command's 30 s, the toy task set's grading limit
+    run(SchedulerActor(services(tmp_path, *base, "learner.group_timeout_s=130")).setup())
+    run(SchedulerActor(services(tmp_path, *base[:2], "learner.group_timeout_s=60")).setup())  # no training: no group
+
+
 def test_scheduler_holds_back_groups_beyond_policy_lag(tmp_path):
     s = services(tmp_path, "tasks.count=4", "scheduler.group_size=1", "scheduler.max_inflight_episodes=10",
                  "scheduler.max_policy_lag=1")
