@@ -73,6 +73,9 @@ class ShellTaskSet(TaskSet):
     def reference_solution(self, task: Task) -> list[str]:
         return [*(tool_call("bash", command=c) for c in task.metadata["solution"]), tool_call("finish")]
 
+    def grading_time_limit_s(self, task: Task) -> float:
+        return self.cfg.check_timeout_s  # the one check below: the scheduler waits this long for a grade
+
     async def grade(self, task: Task, sandbox: Sandbox, provider: SandboxProvider, episode: Episode) -> Grade:
         check = await sandbox.exec(f"sh -c {shlex.quote(task.metadata['check'])}", timeout_s=self.cfg.check_timeout_s)
         ok = check.exit_code == 0
