@@ -132,7 +132,7 @@ class SchedulerActor(Actor):
         learner = self.s.cfg.learner
         if learner.group_timeout_s is None or not learner.trains:
             return
-        longest = self.cfg.episode_deadline_s + max(self.s.taskset.grading_time_limit_s(t) for t in self.tasks.values())
+        longest = self.cfg.agent_time_s + max(self._grading_s(task_id) for task_id in self.tasks)
         if learner.group_timeout_s < longest:
             raise ValueError(
                 f"learner.group_timeout_s={learner.group_timeout_s:g} is shorter than an episode may take to be graded "
@@ -235,15 +235,14 @@ class SchedulerActor(Actor):
         recorded failed). So it gets its own grading's time plus its share of those ahead of it: with
         `reward.concurrency` gradings at once on the worker that has them all, it starts before they are
         done (each grading's time: its limits plus `grading_reserve_s` for its sandbox's start)."""
-        ahead = sum(self._grading_s(u) for u in self.tickets.values() if u.at_reward and u.state == "inflight")
+        ahead = sum(self._grading_s(u.task_id) for u in self.tickets.values() if u.at_reward and u.state == "inflight")
         t.at_reward, self._dirty = True, True
-        t.deadline = max(t.deadline, at + self._grading_s(t) + ahead / self.s.cfg.reward.concurrency)
+        t.deadline = max(t.deadline, at + self._grading_s(t.task_id) + ahead / self.s.cfg.reward.concurrency)
 
-    def _grading_s(self, t: Ticket) -> float:
-        """The longest `t`'s grading may take: its task's grading limits and the grading reserve."""
-        task = self.tasks.get(t.task_id)
-        limit = self.s.taskset.grading_time_limit_s(task) if task is not None else 0.0
-        return limit + self.cfg.episode_deadline_s - self.cfg.agent_time_s
+    def _grading_s(self, task_id: str) -> float:
+        """The longest a grading of this task may take: its grading limits and the grading reserve."""
+        task = self.tasks.get(task_id)
+        return (self.s.taskset.grading_time_limit_s(task) if task is not None else 0.0) + self.cfg.reserve_s
 
     # -- issuing ----------------------------------------------------------------------------
     async def tick(self) -> list[Output]:

@@ -103,11 +103,15 @@ class SchedulerConfig(StrictModel):
     agent.tool_overlap)), for init_lookahead. None: one agent worker's."""
 
     @property
+    def reserve_s(self) -> float:
+        """`grading_reserve_s`, or its default, a fifth of the deadline."""
+        return self.episode_deadline_s / 5 if self.grading_reserve_s is None else self.grading_reserve_s
+
+    @property
     def agent_time_s(self) -> float:
-        """The longest an episode's agent phase runs from its sandbox being ready: the deadline less
-        `grading_reserve_s` (default a fifth of it)."""
-        reserve = self.episode_deadline_s / 5 if self.grading_reserve_s is None else self.grading_reserve_s
-        return self.episode_deadline_s - reserve
+        """The longest an episode's agent phase runs from its sandbox being ready: the deadline less the
+        grading reserve."""
+        return self.episode_deadline_s - self.reserve_s
 
     @model_validator(mode="after")
     def _reserve_within_deadline(self) -> SchedulerConfig:
