@@ -10,7 +10,9 @@ gateway's own cost) and the Kafka recorder on an embedded broker (adds the log's
 each API (`--apis`: chat completions, Responses, Anthropic Messages) side by side. With `--tool-ms` the
 programs wait between calls as agents do while a tool runs, so the episodes' calls stop arriving together.
 Each row also gives the time a call waited to be recorded (p50/p99 over all its calls): the part of the
-added time that is the log's acknowledgement."""
+added time that is the log's acknowledgement. With `--plain-server` each row also times the same programs
+against a plain HTTP server in the same process that parses each request and answers from the same engine
+(no rendering, capture or record): the part of the added time any HTTP server in Python costs on the machine."""
 
 from __future__ import annotations
 
@@ -72,6 +74,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat-formats", default="smollm2", help="the chat formats the gateway renders with "
                         "(comma list): smollm2 (the bundled model's tokenizer and template, as a run uses them) "
                         "and/or bytes (one token per byte, no tokenizer: the gateway's cost without tokenising)")
+    parser.add_argument("--plain-server", action="store_true", help="also time the same programs against a plain "
+                        "HTTP server that parses each request and answers from the same engine, without the gateway's "
+                        "rendering, capture and record (each setting then takes twice as long): the part of the added "
+                        "time that is HTTP and the machine's other processes, not the gateway")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -96,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
               "--chat-formats smollm2 "
               "and/or bytes", file=sys.stderr)
         return 2
-    result = run_async(measure_all(episodes, lengths, args.calls, recorders, apis, engine_ms, formats, tool_ms))
+    result = run_async(measure_all(episodes, lengths, args.calls, recorders, apis, engine_ms, formats, tool_ms,
+                                   args.plain_server))
     print(dumps(result) if args.json else format_text(result))
     return 0
 
@@ -113,7 +120,7 @@ def _chat_format(name: str) -> ChatFormat:
 async def measure_all(episodes: list[int], lengths: list[int], calls: int, recorders: list[str],
                       apis: tuple[str, ...] | list[str] = ("chat",), engine_ms: list[float] | None = None,
                       formats: tuple[str, ...] | list[str] = ("bytes",),
-                      tool_ms: list[float] | None = None) -> dict[str, Any]:
+                      tool_ms: list[float] | None = None, plain: bool = False) -> dict[str, Any]:
     rows = []
     for fmt in formats:
         chat = await asyncio.to_thread(_chat_format, fmt)
@@ -128,7 +135,7 @@ async def measure_all(episodes: list[int], lengths: list[int], calls: int, recor
                                     rows.append({"chat_format": fmt, "recorder": name, "api": api, "engine_ms": ms,
                                                  "tool_ms": tool, "episodes": n, "prompt_tokens": tokens,
                                                  **await measure(recorder, n, tokens, calls, api, ms / 1000, chat,
-                                                                 tool / 1000)})
+                                                                 tool / 1000, plain)})
     loop = type(asyncio.get_running_loop()).__module__.split(".")[0]
     return {"engine": "in-process, a fixed reply after engine_ms", "event_loop": loop, "calls_per_episode": calls,
             "cores": os.cpu_count(), "load_average": round(os.getloadavg()[0], 2), "rows": rows,
@@ -171,10 +178,12 @@ class _Discarding:
 
 
 async def measure(recorder: Any, episodes: int, prompt_tokens: int, calls: int, api: str = "chat",
-                  latency_s: float = 0.0, chat: ChatFormat | None = None, tool_s: float = 0.0) -> dict[str, Any]:
+                  latency_s: float = 0.0, chat: ChatFormat | None = None, tool_s: float = 0.0,
+                  plain: bool = False) -> dict[str, Any]:
     """One setting: the episodes' programs run in client processes of their own (so their JSON work
     does not queue behind the gateway's in one event loop), waiting about `tool_s` between calls; the
-    engine alone is timed here on the same prompts afterwards."""
+    engine alone is timed here on the same prompts afterwards. With `plain`, the same programs (the same
+    tool times) are then timed against a plain HTTP server on the same engine (`plain_continued`)."""
     from rollway.gateway import Gateway
 
     engine = ZeroLatencyEngine(latency_s, chat)
@@ -190,6 +199,15 @@ async def measure(recorder: Any, episodes: int, prompt_tokens: int, calls: int, 
         cpu = time.process_time() - cpu
     finally:
         await gateway.stop()
+    plain_timings = None
+    if plain:
+        server = _PlainServer(engine, api)
+        await server.start()
+        try:
+            await _run_clients(server, 1, _filler(engine.chat, 256), 2, api, 0.0)
+            _, plain_timings, _ = await _run_clients(server, episodes, filler, calls, api, tool_s)
+        finally:
+            await server.stop()
     direct = await _direct_timings(engine, handles, calls)
     first = [(t[0], d) for t, d in zip(timings, direct, strict=True)]
     later = [(x, d) for t, d in zip(timings, direct, strict=True) for x in t[1:]]
@@ -197,9 +215,56 @@ async def measure(recorder: Any, episodes: int, prompt_tokens: int, calls: int, 
     # CPU of this process (the gateway, its recorder's client, the engine) per call: what bounds the
     # calls/s one gateway process serves, whatever the machine's other load.
     recorded = sorted(timed.seconds)
-    return {"continued": _summary(later), "first_call": _summary(first), "calls_per_s": round(total / wall, 1),
-            "gateway_cpu_ms_per_call": _ms(cpu / total),
-            "record_p50_ms": _ms(_pct(recorded, 50)), "record_p99_ms": _ms(_pct(recorded, 99))}
+    result = {"continued": _summary(later), "first_call": _summary(first), "calls_per_s": round(total / wall, 1),
+              "gateway_cpu_ms_per_call": _ms(cpu / total),
+              "record_p50_ms": _ms(_pct(recorded, 50)), "record_p99_ms": _ms(_pct(recorded, 99))}
+    if plain_timings is not None:
+        result["plain_continued"] = _summary([(x, d) for t, d in zip(plain_timings, direct, strict=True) for x in t[1:]])
+    return result
+
+
+class _PlainServer:
+    """An HTTP server with none of the gateway's work: it reads and parses each request (as any server of the
+    API does), waits for the engine and answers with the engine's reply text in the API's shape. The programs
+    reach it as they reach the gateway (`open_episode(...).base_url`), so what they see of it is the time
+    HTTP and the machine's other processes add, with nothing rendered, captured or recorded."""
+
+    def __init__(self, engine: ZeroLatencyEngine, api: str):
+        self.engine, self.api, self.runner, self.url = engine, api, None, ""
+
+    async def start(self) -> None:
+        from aiohttp import web
+
+        app = web.Application(client_max_size=64 * 2**20)
+        app.router.add_post("/v1/" + _REQUESTS[self.api][0], self._serve)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}/v1"
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+    def open_episode(self, episode: EpisodeKey) -> Any:
+        return argparse.Namespace(base_url=self.url)
+
+    async def close_episode(self, handle: Any) -> None:
+        return None
+
+    async def _serve(self, request: Any) -> Any:
+        from aiohttp import web
+
+        json.loads(await request.read())
+        await self.engine.generate([0] * 16, SamplingParams())
+        if self.api == "responses":
+            body = {"object": "response", "status": "completed", "output": [
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": REPLY}]}]}
+        elif self.api == "messages":
+            body = {"type": "message", "role": "assistant", "content": [{"type": "text", "text": REPLY}]}
+        else:
+            body = {"object": "chat.completion", "choices": [
+                {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": REPLY}}]}
+        return web.json_response(body)
 
 
 class _TimedRecorder:
@@ -369,13 +434,14 @@ def format_text(result: dict[str, Any]) -> str:
     lines = [f"gateway overhead ({result['engine']} engine, {result['event_loop']} event loop, "
              f"{result['calls_per_episode']} calls per episode, {result['cores']} cores, load {result['load_average']})",
              f"{'format':7} {'recorder':8} {'api':9} {'engine':>6} {'tools':>6} {'episodes':>8} {'prompt':>7} | "
-             f"{'continued: added p50':>20} {'p99':>8} | {'first call: added p50':>21} {'p99':>8} | "
+             f"{'continued: added p50':>20} {'p99':>8} {'plain p50':>9} | {'first call: added p50':>21} {'p99':>8} | "
              f"{'recorded p50':>12} {'p99':>8} | {'CPU/call':>9} {'calls/s':>8}"]
     for row in result["rows"]:
         c, f = row["continued"], row["first_call"]
+        plain = f"{row['plain_continued']['added_p50_ms']} ms" if "plain_continued" in row else "-"
         lines.append(f"{row['chat_format']:7} {row['recorder']:8} {row['api']:9} {row['engine_ms']:>4g}ms {row['tool_ms']:>4g}ms "
                      f"{row['episodes']:>8} {row['prompt_tokens']:>7} | {c['added_p50_ms']:>17} ms "
-                     f"{c['added_p99_ms']:>5} ms | {f['added_p50_ms']:>18} ms {f['added_p99_ms']:>5} ms | "
+                     f"{c['added_p99_ms']:>5} ms {plain:>9} | {f['added_p50_ms']:>18} ms {f['added_p99_ms']:>5} ms | "
                      f"{row['record_p50_ms']:>9} ms {row['record_p99_ms']:>5} ms | "
                      f"{row['gateway_cpu_ms_per_call']:>6} ms {row['calls_per_s']:>8}")
     lines.append(f"target: {result['target']}")

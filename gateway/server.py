@@ -616,6 +616,8 @@ def _json_body(raw: bytes) -> Any:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):
         raise RequestError("the request body is not valid JSON (or nests deeper than the parser reads)", None) from None
+
+
 def _chmod_socket(folder: int, name: str) -> None:
     """Mode 0666 on the socket just bound as `name` in `folder` (the sandbox's user is not the gateway's),
     never on what a link put there in its place points to: the entry is opened without following it and

@@ -834,11 +834,12 @@ def test_bench_gateway_command_reports_the_added_time_as_json():
     """`rollway bench gateway --json` runs end to end (tiny settings; the gateway's own figures are not checked):
     each API side by side, with the bundled model's tokenizer and the byte format, an engine that answers at
     once and one that takes 50 ms a call, whose time is in the direct calls (so the added time leaves it out);
-    the programs wait a tool's time between calls."""
+    the programs wait a tool's time between calls. With --plain-server the same programs are also timed against
+    a plain HTTP server on the same engine: its calls took the engine's time too, so they reached it."""
 
     out = run_with_progress([sys.executable, "-m", "rollway.runners", "bench", "gateway", "--json", "--episodes", "2",
                              "--prompt-tokens", "128", "--calls", "2", "--recorders", "memory", "--engine-ms", "0,50",
-                             "--tool-ms", "20", "--chat-formats", "smollm2,bytes"], cwd=ROOT)
+                             "--tool-ms", "20", "--chat-formats", "smollm2,bytes", "--plain-server"], cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads(out.stdout.splitlines()[-1])["rows"]
     assert [(row["chat_format"], row["engine_ms"], row["tool_ms"], row["api"]) for row in rows] == [
@@ -847,8 +848,10 @@ def test_bench_gateway_command_reports_the_added_time_as_json():
         assert (row["episodes"], row["prompt_tokens"], row["continued"]["calls"], row["first_call"]["calls"]) == (2, 128, 2, 2)
         assert {"added_p50_ms", "added_p99_ms", "gateway_p50_ms"} <= set(row["continued"])
         assert 0 <= row["record_p50_ms"] <= row["record_p99_ms"] < row["continued"]["gateway_p99_ms"]
+        assert row["plain_continued"]["calls"] == 2
         if row["engine_ms"]:
             assert row["continued"]["direct_p50_ms"] >= 50 and row["continued"]["gateway_p50_ms"] >= 50
+            assert row["plain_continued"]["gateway_p50_ms"] >= 50
 
 
 @pytest.mark.parametrize("option", [["--tool-ms", "nan"], ["--tool-ms", "-1"], ["--engine-ms", "inf"],
