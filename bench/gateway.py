@@ -135,7 +135,14 @@ async def measure_all(episodes: list[int], lengths: list[int], calls: int, recor
                                     rows.append({"chat_format": fmt, "recorder": name, "api": api, "engine_ms": ms,
                                                  "tool_ms": tool, "episodes": n, "prompt_tokens": tokens,
                                                  **await measure(recorder, n, tokens, calls, api, ms / 1000, chat,
-                                                                 tool / 1000, plain)})
+                                                                 tool / 1000)})
+        # After every gateway setting of the format, so that the gateway's figures are taken exactly as without it.
+        for row in (r for r in rows if plain and r["chat_format"] == fmt and r["recorder"] == recorders[0]):
+            summary = await measure_plain(row["episodes"], row["prompt_tokens"], calls, row["api"],
+                                          row["engine_ms"] / 1000, chat, row["tool_ms"] / 1000)
+            for same in rows:
+                if all(same[k] == row[k] for k in ("chat_format", "api", "engine_ms", "tool_ms", "episodes", "prompt_tokens")):
+                    same["plain_continued"] = summary
     loop = type(asyncio.get_running_loop()).__module__.split(".")[0]
     return {"engine": "in-process, a fixed reply after engine_ms", "event_loop": loop, "calls_per_episode": calls,
             "cores": os.cpu_count(), "load_average": round(os.getloadavg()[0], 2), "rows": rows,
@@ -178,12 +185,10 @@ class _Discarding:
 
 
 async def measure(recorder: Any, episodes: int, prompt_tokens: int, calls: int, api: str = "chat",
-                  latency_s: float = 0.0, chat: ChatFormat | None = None, tool_s: float = 0.0,
-                  plain: bool = False) -> dict[str, Any]:
+                  latency_s: float = 0.0, chat: ChatFormat | None = None, tool_s: float = 0.0) -> dict[str, Any]:
     """One setting: the episodes' programs run in client processes of their own (so their JSON work
     does not queue behind the gateway's in one event loop), waiting about `tool_s` between calls; the
-    engine alone is timed here on the same prompts afterwards. With `plain`, the same programs (the same
-    tool times) are then timed against a plain HTTP server on the same engine (`plain_continued`)."""
+    engine alone is timed here on the same prompts afterwards."""
     from rollway.gateway import Gateway
 
     engine = ZeroLatencyEngine(latency_s, chat)
@@ -199,15 +204,6 @@ async def measure(recorder: Any, episodes: int, prompt_tokens: int, calls: int, 
         cpu = time.process_time() - cpu
     finally:
         await gateway.stop()
-    plain_timings = None
-    if plain:
-        server = _PlainServer(engine, api)
-        await server.start()
-        try:
-            await _run_clients(server, 1, _filler(engine.chat, 256), 2, api, 0.0)
-            _, plain_timings, _ = await _run_clients(server, episodes, filler, calls, api, tool_s)
-        finally:
-            await server.stop()
     direct = await _direct_timings(engine, handles, calls)
     first = [(t[0], d) for t, d in zip(timings, direct, strict=True)]
     later = [(x, d) for t, d in zip(timings, direct, strict=True) for x in t[1:]]
@@ -215,12 +211,26 @@ async def measure(recorder: Any, episodes: int, prompt_tokens: int, calls: int, 
     # CPU of this process (the gateway, its recorder's client, the engine) per call: what bounds the
     # calls/s one gateway process serves, whatever the machine's other load.
     recorded = sorted(timed.seconds)
-    result = {"continued": _summary(later), "first_call": _summary(first), "calls_per_s": round(total / wall, 1),
-              "gateway_cpu_ms_per_call": _ms(cpu / total),
-              "record_p50_ms": _ms(_pct(recorded, 50)), "record_p99_ms": _ms(_pct(recorded, 99))}
-    if plain_timings is not None:
-        result["plain_continued"] = _summary([(x, d) for t, d in zip(plain_timings, direct, strict=True) for x in t[1:]])
-    return result
+    return {"continued": _summary(later), "first_call": _summary(first), "calls_per_s": round(total / wall, 1),
+            "gateway_cpu_ms_per_call": _ms(cpu / total),
+            "record_p50_ms": _ms(_pct(recorded, 50)), "record_p99_ms": _ms(_pct(recorded, 99))}
+
+
+async def measure_plain(episodes: int, prompt_tokens: int, calls: int, api: str, latency_s: float, chat: ChatFormat,
+                        tool_s: float) -> dict[str, float]:
+    """The same programs (the same prompts and tool times) against a plain HTTP server on the same engine:
+    the continued calls' summary, as `measure` gives the gateway's."""
+    engine = ZeroLatencyEngine(latency_s, chat)
+    server = _PlainServer(engine, api)
+    await server.start()
+    try:
+        await _run_clients(server, 1, _filler(engine.chat, 256), 2, api, 0.0)
+        filler = await asyncio.to_thread(_filler, engine.chat, prompt_tokens)
+        handles, timings, _ = await _run_clients(server, episodes, filler, calls, api, tool_s)
+    finally:
+        await server.stop()
+    direct = await _direct_timings(engine, handles, calls)
+    return _summary([(x, d) for t, d in zip(timings, direct, strict=True) for x in t[1:]])
 
 
 class _PlainServer:
