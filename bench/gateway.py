@@ -204,7 +204,7 @@ async def measure(recorder: Any, episodes: int, prompt_tokens: int, calls: int, 
         cpu = time.process_time() - cpu
     finally:
         await gateway.stop()
-    direct = await _direct_timings(engine, handles, calls)
+    direct = await _direct_timings(engine, handles, calls, tool_s)
     first = [(t[0], d) for t, d in zip(timings, direct, strict=True)]
     later = [(x, d) for t, d in zip(timings, direct, strict=True) for x in t[1:]]
     total = episodes * calls
@@ -229,7 +229,7 @@ async def measure_plain(episodes: int, prompt_tokens: int, calls: int, api: str,
         handles, timings, _ = await _run_clients(server, episodes, filler, calls, api, tool_s)
     finally:
         await server.stop()
-    direct = await _direct_timings(engine, handles, calls)
+    direct = await _direct_timings(engine, handles, calls, tool_s)
     return _summary([(x, d) for t, d in zip(timings, direct, strict=True) for x in t[1:]])
 
 
@@ -352,20 +352,25 @@ async def _run_clients(gateway: Any, episodes: int, filler: str, calls: int,
     return handles, timings, max(result["wall_s"] for result in results)
 
 
-async def _direct_timings(engine: ZeroLatencyEngine, handles: list[Any], calls: int) -> list[float]:
+async def _direct_timings(engine: ZeroLatencyEngine, handles: list[Any], calls: int, tool_s: float = 0.0) -> list[float]:
     """The engine alone, once per episode (median of `calls` calls each); the episodes side by side, as the
     engine's time does not depend on the prompt's content or on other calls (64 episodes of 4 calls at 500
-    ms took 128 s one after another)."""
+    ms took 128 s one after another), and a tool's time apart as the programs' calls are: the engine's timer
+    overshoots by another amount when 64 end in the same millisecond (0.1-1 ms at the median, by where that
+    millisecond falls) than when they are spread (about 0.2 ms), so a baseline timed in step would take the
+    wrong amount out of calls that were not."""
 
-    async def one() -> float:
+    async def one(rng: random.Random) -> float:
         times = []
-        for _ in range(calls):
+        for i in range(calls):
+            if i and tool_s:
+                await asyncio.sleep(rng.uniform(0, 2 * tool_s))
             start = time.perf_counter()
             await engine.generate([0] * 16, SamplingParams())
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    return list(await asyncio.gather(*(one() for _ in handles)))
+    return list(await asyncio.gather(*(one(random.Random(i)) for i in range(len(handles)))))
 
 
 async def client_main(spec: dict[str, Any]) -> dict[str, Any]:
