@@ -2,8 +2,8 @@
 
 separate (rollway's default): the agent's workspace (the task's working directory) is copied out of its
 container by the engine, as data (regular files, folders and links, ownership and special bits dropped,
-nothing under .rollway/, bounded by the workspace's size), into a fresh container of the task's image that
-the agent never ran in. Only then are tests/ copied in and test.sh run, as `[verifier] user` with
+nothing under .rollway/, bounded by the workspace's size and by a time limit of its own), into a fresh
+container of the task's image that the agent never ran in. Only then are tests/ copied in and test.sh run, as `[verifier] user` with
 `[verifier] env`. shared (when a task asks for it): test.sh runs in the agent's container.
 
 In both, /tests and /logs are rollway's (KEEPER's folder JUDGE, out of the workspace), made afresh just
@@ -29,6 +29,7 @@ import re
 import shlex
 import tarfile
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -56,6 +57,11 @@ VERIFIER_TIMEOUT_S = 600.0
 """test.sh's time limit when task.toml sets no [verifier] timeout_sec (Harbor's default)."""
 
 
+class CarryTimedOut(Exception):
+    """The agent's workspace was not carried into the verifier within the carry's time limit: what the agent
+    left there (files by the hundred thousand) is the cause, so it is graded, not retried."""
+
+
 class HarborEnvError(SandboxError):
     """The verifier could not do its work (env_error). Retried only where it was found before the agent's
     files reached a sandbox (its container did not start); a test.sh that could not be run to its end
@@ -81,8 +87,11 @@ async def copy_folder(sandbox: Sandbox, files: list[tuple[str, Path]], dest: str
 
 
 async def verify(task: HarborTask, sandbox: Sandbox, provider: SandboxProvider, spec: SandboxSpec,
-                 tests: list[tuple[str, Path]]) -> Grade:
-    """Grade the agent's work in `sandbox` (made from `spec`) with the task's tests (files of tests/)."""
+                 tests: list[tuple[str, Path]], carry_timeout_s: float) -> Grade:
+    """Grade the agent's work in `sandbox` (made from `spec`) with the task's tests (files of tests/). In
+    separate mode the workspace's carry into the verifier (copied out, rewritten as data, unpacked) has
+    `carry_timeout_s` in all, the verifier's start not counted (`HarborTaskSet.grading_time_limit_s` counts
+    it, so the scheduler waits for it): past it the grade is 0."""
     settings: VerifierSettings = task.verifier
     details: dict[str, Any] = {"task": task.name, "verifier_mode": settings.mode}
     if settings.mode == "shared":
@@ -91,13 +100,24 @@ async def verify(task: HarborTask, sandbox: Sandbox, provider: SandboxProvider, 
         raise found_before_agent_code(SandboxError("tasks.type=harbor needs sandbox.type=docker (the verifier runs "
                                                    "in the task's image)"))
     limit_mb = provider.limits(spec)[2]  # type: ignore[attr-defined]  # the agent's volume held no more
-    carried = await asyncio.to_thread(export_workspace, provider, sandbox, limit_mb << 20)
+    started = time.monotonic()
+    try:
+        carried = await asyncio.to_thread(export_workspace, provider, sandbox, limit_mb << 20,
+                                          started + carry_timeout_s)
+    except CarryTimedOut:
+        details.update(outcome="workspace_carry_timeout", carry_timeout_s=carry_timeout_s)
+        return Grade(0.0, False, details=details)
     if carried is None:
         details.update(outcome="workspace_too_large", limit_mb=limit_mb)
         return Grade(0.0, False, details=details)
+    left = carry_timeout_s - (time.monotonic() - started)
     verifier = await start_verifier(task, provider, spec, sandbox.name, limit_mb)
     try:
-        problem = await import_workspace(verifier, carried)
+        try:
+            problem = await import_workspace(verifier, carried, left)
+        except CarryTimedOut:
+            details.update(outcome="workspace_carry_timeout", carry_timeout_s=carry_timeout_s)
+            return Grade(0.0, False, details=details)
         if problem is not None:  # the agent's files could not be unpacked: its doing, graded
             details.update(outcome="workspace_not_carried", error=problem)
             return Grade(0.0, False, details=details)
@@ -121,9 +141,11 @@ async def start_verifier(task: HarborTask, provider: SandboxProvider, spec: Sand
                                                      f"could not start: {exc}")) from exc
 
 
-def export_workspace(provider: Any, sandbox: DockerSandbox, limit_bytes: int) -> bytes | None:
+def export_workspace(provider: Any, sandbox: DockerSandbox, limit_bytes: int, deadline: float = math.inf) -> bytes | None:
     """The agent's workspace as a tar of plain data (see `as_data`), read by the engine (no process of
-    the agent takes part); None when the archive passes `limit_bytes` (plus tar headers)."""
+    the agent takes part); None when the archive passes `limit_bytes` (plus tar headers). CarryTimedOut
+    when not done by `deadline` (time.monotonic()): a workspace of many small files is slow to archive and
+    rewrite well within its size."""
     limit = limit_bytes + (64 << 20)
     with engine_errors("copy the workspace out", sandbox.name), tempfile.TemporaryFile() as raw:
         stream, _stat = sandbox.client.api.get_archive(sandbox.container_id, WORKSPACE)  # its own engine's
@@ -132,21 +154,31 @@ def export_workspace(provider: Any, sandbox: DockerSandbox, limit_bytes: int) ->
             size += len(chunk)
             if size > limit:
                 return None
+            if time.monotonic() > deadline:
+                break
             raw.write(chunk)
-        raw.seek(0)
-        return as_data(raw)
+        else:
+            raw.seek(0)
+            return as_data(raw, deadline)
+        # Dropped before raising (a traceback would keep this frame's stream, and its connection, open): the
+        # engine ends the archive when its connection closes, and removing the container waited on it.
+        stream.close()
+        del stream
+    raise CarryTimedOut
 
 
-def as_data(raw: IO[bytes]) -> bytes:
+def as_data(raw: IO[bytes], deadline: float = math.inf) -> bytes:
     """The archive of /workspace rewritten as data: names made relative, nothing under .rollway/ (where
     /logs and /tests point), only regular files, folders, links and hard links to kept files; owner set
     to the sandbox user, set-id and sticky bits dropped; nothing below a link (a link to /tmp cannot
-    carry files there)."""
+    carry files there). CarryTimedOut when not done by `deadline`."""
     out = io.BytesIO()
     links: set[str] = set()
     kept: set[str] = set()
     with tarfile.open(fileobj=raw, mode="r|") as src, tarfile.open(fileobj=out, mode="w") as dst:
         for member in src:
+            if time.monotonic() > deadline:
+                raise CarryTimedOut
             name = _carried_name(member.name)
             if name is None or any(str(parent) in links for parent in PurePosixPath(name).parents):
                 continue
@@ -179,11 +211,15 @@ def _carried_name(name: str) -> str | None:
     return "/".join(rest)
 
 
-async def import_workspace(verifier: Sandbox, carried: bytes) -> str | None:
+async def import_workspace(verifier: Sandbox, carried: bytes, timeout_s: float) -> str | None:
     """The carried tar unpacked into the verifier's workspace by its unprivileged user (modes kept,
-    owner the user); None when it worked, else tar's complaint."""
+    owner the user); None when it worked, else tar's complaint; CarryTimedOut when the unpacking outlasts
+    `timeout_s` (at least a second)."""
     await verifier.write_bytes(CARRY, carried)
-    out = await verifier.exec(f"tar -C {WORKSPACE} -xpf {CARRY} --no-same-owner; rc=$?; rm -f {CARRY}; exit $rc")
+    out = await verifier.exec(f"tar -C {WORKSPACE} -xpf {CARRY} --no-same-owner; rc=$?; rm -f {CARRY}; exit $rc",
+                              timeout_s=max(1.0, timeout_s))
+    if out.timed_out:
+        raise CarryTimedOut
     return None if out.exit_code == 0 else out.output[-1000:]
 
 

@@ -22,8 +22,8 @@ import pytest
 from docker_engine import ensure_engine
 
 from rollway.envs.config import TasksConfig
-from rollway.envs.harbor import HarborTaskError, HarborTaskSet, check_task, load_tasks
-from rollway.envs.harbor_verifier import verify
+from rollway.envs.harbor import HarborTaskError, HarborTaskSet, check_task, load_tasks, run_solution
+from rollway.envs.harbor_verifier import VERIFIER_TIMEOUT_S, verify
 from rollway.sandboxes.base import SandboxError
 from rollway.sandboxes.config import SandboxConfig
 from rollway.sandboxes.docker import DockerSandboxProvider
@@ -195,13 +195,44 @@ def test_no_process_of_the_verifier_user_outlives_its_test(tmp_path):
         spec = taskset.spec_for(task)
         box = await provider.create(spec, f"leftover-{uuid.uuid4().hex[:6]}")
         try:
-            grade = await verify(task, box, provider, spec, task.files("tests"))
+            grade = await verify(task, box, provider, spec, task.files("tests"), provider.config.keeper_timeout_s)
             return grade.reward, (await box.exec("ps -o pid=,args= -u daemon; true")).output
         finally:
             await box.destroy()
 
     reward, left = asyncio.run(go())
     assert (reward, left.strip()) == (0.0, "")
+
+
+def test_a_workspace_too_slow_to_carry_is_graded_zero_within_the_carrys_limit(tmp_path):
+    """The agent fills its workspace with 200,000 empty files (a few seconds' work), so that carrying it into
+    the verifier (the engine's archive of it, rewritten as data, unpacked) takes far longer than the grading's
+    limits leave for it: its grading then outlasted the scheduler's wait, was re-issued, and the agent's 0
+    never counted. The carry has a limit of its own (here 2 s; this flood takes tens of seconds on the CPU
+    machine), which the task set counts in its grading time: past it the grade is 0, outcome
+    workspace_carry_timeout, the agent's doing."""
+    ensure_engine()
+    flood = ("python3 -c \"import os\nos.makedirs('flood', exist_ok=True)\n"
+             "for i in range(200000): open(f'flood/{i}', 'w').close()\"\n")
+    task_dir = _task(tmp_path, "carry-flood", f"cd /app\n{flood}")
+    taskset = HarborTaskSet(TasksConfig(type="harbor", path=str(task_dir)))
+    task = taskset.by_name["carry-flood"]
+    provider = DockerSandboxProvider(SandboxConfig(type="docker"))
+
+    async def go():
+        spec = taskset.spec_for(task)
+        box = await provider.create(spec, f"carry-{uuid.uuid4().hex[:6]}")
+        try:
+            await run_solution(task, box)
+            return await verify(task, box, provider, spec, task.files("tests"), carry_timeout_s=2.0)
+        finally:
+            await box.destroy()
+
+    grade = asyncio.run(go())
+    assert (grade.reward, grade.details.get("outcome")) == (0.0, "workspace_carry_timeout"), grade.details
+    taskset.sandbox_config = SandboxConfig(type="docker", exec_timeout_s=10)
+    # test.sh's 60 s and the carry's limit, the keeper's (4 x exec_timeout_s)
+    assert taskset.grading_time_limit_s(taskset.get("carry-flood")) == task.timeout("verifier", VERIFIER_TIMEOUT_S) + 40 == 100
 
 
 def test_a_symlink_to_a_host_file_is_refused(tmp_path):
