@@ -57,11 +57,6 @@ VERIFIER_TIMEOUT_S = 600.0
 """test.sh's time limit when task.toml sets no [verifier] timeout_sec (Harbor's default)."""
 
 
-class CarryTimedOut(Exception):
-    """The agent's workspace was not carried into the verifier within the carry's time limit: what the agent
-    left there (files by the hundred thousand) is the cause, so it is graded, not retried."""
-
-
 class HarborEnvError(SandboxError):
     """The verifier could not do its work (env_error). Retried only where it was found before the agent's
     files reached a sandbox (its container did not start); a test.sh that could not be run to its end
@@ -101,25 +96,16 @@ async def verify(task: HarborTask, sandbox: Sandbox, provider: SandboxProvider, 
                                                    "in the task's image)"))
     limit_mb = provider.limits(spec)[2]  # type: ignore[attr-defined]  # the agent's volume held no more
     started = time.monotonic()
-    try:
-        carried = await asyncio.to_thread(export_workspace, provider, sandbox, limit_mb << 20,
-                                          started + carry_timeout_s)
-    except CarryTimedOut:
-        details.update(outcome="workspace_carry_timeout", carry_timeout_s=carry_timeout_s)
-        return Grade(0.0, False, details=details)
-    if carried is None:
-        details.update(outcome="workspace_too_large", limit_mb=limit_mb)
+    carried = await asyncio.to_thread(export_workspace, provider, sandbox, limit_mb << 20, started + carry_timeout_s)
+    if isinstance(carried, str):  # the agent's doing (its files' size or number): graded
+        details.update(outcome=carried, limit_mb=limit_mb, carry_timeout_s=carry_timeout_s)
         return Grade(0.0, False, details=details)
     left = carry_timeout_s - (time.monotonic() - started)
     verifier = await start_verifier(task, provider, spec, sandbox.name, limit_mb)
     try:
-        try:
-            problem = await import_workspace(verifier, carried, left)
-        except CarryTimedOut:
-            details.update(outcome="workspace_carry_timeout", carry_timeout_s=carry_timeout_s)
-            return Grade(0.0, False, details=details)
-        if problem is not None:  # the agent's files could not be unpacked: its doing, graded
-            details.update(outcome="workspace_not_carried", error=problem)
+        outcome, problem = await import_workspace(verifier, carried, left)
+        if outcome is not None:  # the agent's files could not be unpacked (in time): its doing, graded
+            details.update(outcome=outcome, error=problem, carry_timeout_s=carry_timeout_s)
             return Grade(0.0, False, details=details)
         return await run_tests(task, verifier, tests, details)
     finally:
@@ -141,44 +127,40 @@ async def start_verifier(task: HarborTask, provider: SandboxProvider, spec: Sand
                                                      f"could not start: {exc}")) from exc
 
 
-def export_workspace(provider: Any, sandbox: DockerSandbox, limit_bytes: int, deadline: float = math.inf) -> bytes | None:
+def export_workspace(provider: Any, sandbox: DockerSandbox, limit_bytes: int, deadline: float = math.inf) -> bytes | str:
     """The agent's workspace as a tar of plain data (see `as_data`), read by the engine (no process of
-    the agent takes part); None when the archive passes `limit_bytes` (plus tar headers). CarryTimedOut
-    when not done by `deadline` (time.monotonic()): a workspace of many small files is slow to archive and
-    rewrite well within its size."""
+    the agent takes part); else the outcome that stopped it: `workspace_too_large` when the archive passes
+    `limit_bytes` (plus tar headers), `workspace_carry_timeout` when it is not done by `deadline`
+    (time.monotonic(): a workspace of many small files is slow to archive and rewrite well within its size).
+    Returned, not raised: nothing of the agent's making may pass for the engine's failure here."""
     limit = limit_bytes + (64 << 20)
     with engine_errors("copy the workspace out", sandbox.name), tempfile.TemporaryFile() as raw:
         stream, _stat = sandbox.client.api.get_archive(sandbox.container_id, WORKSPACE)  # its own engine's
         size = 0
         for chunk in stream:
             size += len(chunk)
-            if size > limit:
-                return None
-            if time.monotonic() > deadline:
-                break
+            stop = "workspace_too_large" if size > limit else "workspace_carry_timeout" if time.monotonic() > deadline else None
+            if stop is not None:
+                stream.close()  # its connection too, once this frame is gone: the engine then ends its archive
+                return stop
             raw.write(chunk)
-        else:
-            raw.seek(0)
-            return as_data(raw, deadline)
-        # Dropped before raising (a traceback would keep this frame's stream, and its connection, open): the
-        # engine ends the archive when its connection closes, and removing the container waited on it.
-        stream.close()
-        del stream
-    raise CarryTimedOut
+        raw.seek(0)
+        carried = as_data(raw, deadline)
+        return "workspace_carry_timeout" if carried is None else carried
 
 
-def as_data(raw: IO[bytes], deadline: float = math.inf) -> bytes:
+def as_data(raw: IO[bytes], deadline: float = math.inf) -> bytes | None:
     """The archive of /workspace rewritten as data: names made relative, nothing under .rollway/ (where
     /logs and /tests point), only regular files, folders, links and hard links to kept files; owner set
     to the sandbox user, set-id and sticky bits dropped; nothing below a link (a link to /tmp cannot
-    carry files there). CarryTimedOut when not done by `deadline`."""
+    carry files there). None when not done by `deadline` (time.monotonic())."""
     out = io.BytesIO()
     links: set[str] = set()
     kept: set[str] = set()
     with tarfile.open(fileobj=raw, mode="r|") as src, tarfile.open(fileobj=out, mode="w") as dst:
         for member in src:
             if time.monotonic() > deadline:
-                raise CarryTimedOut
+                return None
             name = _carried_name(member.name)
             if name is None or any(str(parent) in links for parent in PurePosixPath(name).parents):
                 continue
@@ -211,16 +193,16 @@ def _carried_name(name: str) -> str | None:
     return "/".join(rest)
 
 
-async def import_workspace(verifier: Sandbox, carried: bytes, timeout_s: float) -> str | None:
+async def import_workspace(verifier: Sandbox, carried: bytes, timeout_s: float) -> tuple[str | None, str]:
     """The carried tar unpacked into the verifier's workspace by its unprivileged user (modes kept,
-    owner the user); None when it worked, else tar's complaint; CarryTimedOut when the unpacking outlasts
-    `timeout_s` (at least a second)."""
+    owner the user), within `timeout_s` (at least a second): (None, "") when it worked, else the outcome
+    (`workspace_not_carried`, `workspace_carry_timeout`) and the end of tar's output."""
     await verifier.write_bytes(CARRY, carried)
     out = await verifier.exec(f"tar -C {WORKSPACE} -xpf {CARRY} --no-same-owner; rc=$?; rm -f {CARRY}; exit $rc",
                               timeout_s=max(1.0, timeout_s))
     if out.timed_out:
-        raise CarryTimedOut
-    return None if out.exit_code == 0 else out.output[-1000:]
+        return "workspace_carry_timeout", out.output[-1000:]
+    return (None, "") if out.exit_code == 0 else ("workspace_not_carried", out.output[-1000:])
 
 
 def _prepare_script(stage: str) -> str:

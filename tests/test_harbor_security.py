@@ -235,6 +235,27 @@ def test_a_workspace_too_slow_to_carry_is_graded_zero_within_the_carrys_limit(tm
     assert taskset.grading_time_limit_s(taskset.get("carry-flood")) == task.timeout("verifier", VERIFIER_TIMEOUT_S) + 40 == 100
 
 
+def test_the_rewrite_of_a_carried_workspace_stops_at_its_deadline_and_shared_mode_carries_nothing(tmp_path):
+    """The carry's second step, the engine's archive rewritten as data, gives up at the carry's deadline
+    (the e2e above may end in either step, by the machine's speed); a shared-mode task has no carry, so its
+    grading time is test.sh's limit alone."""
+    import io
+    import tarfile
+    import time
+
+    from rollway.envs.harbor_verifier import as_data
+
+    archive = io.BytesIO()
+    with tarfile.open(fileobj=archive, mode="w") as tar:
+        for i in range(3):
+            tar.addfile(tarfile.TarInfo(f"workspace/f{i}"), io.BytesIO())
+    assert as_data(io.BytesIO(archive.getvalue()), time.monotonic() - 1) is None
+    assert len(tarfile.open(fileobj=io.BytesIO(as_data(io.BytesIO(archive.getvalue())))).getnames()) == 3
+    taskset = HarborTaskSet(TasksConfig(type="harbor", path=str(_task(tmp_path, "shared-carry", "true\n",
+                                                                        verifier='environment_mode = "shared"\n'))))
+    assert taskset.grading_time_limit_s(taskset.get("shared-carry")) == 60
+
+
 def test_a_symlink_to_a_host_file_is_refused(tmp_path):
     """A task folder whose tests/ (or build context) holds a link to a host file is refused at load, naming
     the task and the file; a link that stays inside the task folder is fine."""
