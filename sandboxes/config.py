@@ -27,7 +27,9 @@ class SandboxConfig(SectionConfig):
     root: str | None = None
     """Folder under which episode workspaces are created; default a temp folder shared by workers."""
     exec_timeout_s: float = Field(30.0, gt=0)
-    """Default wall-time limit for one command in the sandbox."""
+    """Default wall-time limit for one command in the sandbox. Four times it bounds rollway's own work over
+    a workspace the agent filled (a SWE task's diff, a Harbor workspace's carry into its verifier), which
+    the scheduler's wait for a grading counts."""
 
     @property
     def keeper_timeout_s(self) -> float:
