@@ -134,16 +134,20 @@ def export_workspace(provider: Any, sandbox: DockerSandbox, limit_bytes: int, de
     (time.monotonic(): a workspace of many small files is slow to archive and rewrite well within its size).
     Returned, not raised: nothing of the agent's making may pass for the engine's failure here."""
     limit = limit_bytes + (64 << 20)
-    with engine_errors("copy the workspace out", sandbox.name), tempfile.TemporaryFile() as raw:
-        stream, _stat = sandbox.client.api.get_archive(sandbox.container_id, WORKSPACE)  # its own engine's
-        size = 0
-        for chunk in stream:
-            size += len(chunk)
-            stop = "workspace_too_large" if size > limit else "workspace_carry_timeout" if time.monotonic() > deadline else None
-            if stop is not None:
-                stream.close()  # its connection too, once this frame is gone: the engine then ends its archive
-                return stop
-            raw.write(chunk)
+    with tempfile.TemporaryFile() as raw:
+        with engine_errors("copy the workspace out", sandbox.name):
+            stream, _stat = sandbox.client.api.get_archive(sandbox.container_id, WORKSPACE)  # its own engine's
+            size = 0
+            for chunk in stream:
+                size += len(chunk)
+                stop = ("workspace_too_large" if size > limit
+                        else "workspace_carry_timeout" if time.monotonic() > deadline else None)
+                if stop is not None:
+                    stream.close()  # its connection too, once this frame is gone: the engine then ends its archive
+                    return stop
+                raw.write(chunk)
+        # Out of engine_errors, which makes any error in it the engine's (retried): what the agent's files make
+        # of the rewrite is not.
         raw.seek(0)
         carried = as_data(raw, deadline)
         return "workspace_carry_timeout" if carried is None else carried
