@@ -453,13 +453,9 @@ class HarborTaskSet(TaskSet):
     def grading_time_limit_s(self, task: Task) -> float:
         """test.sh's limit, and in separate mode the carry of the agent's workspace into the verifier."""
         harbor_task = self.by_name[task.task_id]
-        carry = self.carry_timeout_s() if harbor_task.verifier.mode == "separate" else 0.0
+        separate = harbor_task.verifier.mode == "separate"
+        carry = (self.sandbox_config or SandboxConfig()).keeper_timeout_s if separate else 0.0
         return harbor_task.timeout("verifier", VERIFIER_TIMEOUT_S) + carry
-
-    def carry_timeout_s(self) -> float:
-        """The limit of the agent's workspace's carry into a separate verifier: the sandbox's limit for the
-        keeper's work over a workspace the agent filled (`SandboxConfig.keeper_timeout_s`)."""
-        return (self.sandbox_config or SandboxConfig()).keeper_timeout_s
 
     def spec_for(self, task: HarborTask) -> SandboxSpec:
         return SandboxSpec(image=self.images.image_for(task), **task.resources(), setup_commands=[
@@ -482,7 +478,7 @@ class HarborTaskSet(TaskSet):
         """Graded apart from the agent (envs/harbor_verifier.py)."""
         harbor_task = self.by_name[task.task_id]
         spec = await asyncio.to_thread(self.spec_for, harbor_task)
-        return await verify(harbor_task, sandbox, provider, spec, harbor_task.files("tests"), self.carry_timeout_s())
+        return await verify(harbor_task, sandbox, provider, spec, harbor_task.files("tests"))
 
 
 async def check_task(task: HarborTask, provider: SandboxProvider, spec: SandboxSpec, oracle: bool,
@@ -503,8 +499,7 @@ async def _check_once(task: HarborTask, provider: SandboxProvider, spec: Sandbox
     try:
         if oracle:
             await run_solution(task, sandbox)
-        return await verify(task, sandbox, provider, spec, task.files("tests"),
-                            getattr(provider, "config", SandboxConfig()).keeper_timeout_s)
+        return await verify(task, sandbox, provider, spec, task.files("tests"))
     finally:
         await sandbox.destroy()
 

@@ -82,11 +82,12 @@ async def copy_folder(sandbox: Sandbox, files: list[tuple[str, Path]], dest: str
 
 
 async def verify(task: HarborTask, sandbox: Sandbox, provider: SandboxProvider, spec: SandboxSpec,
-                 tests: list[tuple[str, Path]], carry_timeout_s: float) -> Grade:
+                 tests: list[tuple[str, Path]], carry_timeout_s: float | None = None) -> Grade:
     """Grade the agent's work in `sandbox` (made from `spec`) with the task's tests (files of tests/). In
     separate mode the workspace's carry into the verifier (copied out, rewritten as data, unpacked) has
-    `carry_timeout_s` in all, the verifier's start not counted (`HarborTaskSet.grading_time_limit_s` counts
-    it, so the scheduler waits for it): past it the grade is 0."""
+    `carry_timeout_s` in all (default: the sandbox's limit for rollway's own work over the workspace,
+    `keeper_timeout_s`, which `HarborTaskSet.grading_time_limit_s` counts so that the scheduler waits for
+    it), the verifier's start not counted: past it the grade is 0."""
     settings: VerifierSettings = task.verifier
     details: dict[str, Any] = {"task": task.name, "verifier_mode": settings.mode}
     if settings.mode == "shared":
@@ -95,6 +96,8 @@ async def verify(task: HarborTask, sandbox: Sandbox, provider: SandboxProvider, 
         raise found_before_agent_code(SandboxError("tasks.type=harbor needs sandbox.type=docker (the verifier runs "
                                                    "in the task's image)"))
     limit_mb = provider.limits(spec)[2]  # type: ignore[attr-defined]  # the agent's volume held no more
+    if carry_timeout_s is None:
+        carry_timeout_s = provider.config.keeper_timeout_s  # type: ignore[attr-defined]  # as its keeper's commands
     started = time.monotonic()
     carried = await asyncio.to_thread(export_workspace, provider, sandbox, limit_mb << 20, started + carry_timeout_s)
     if isinstance(carried, str):  # the agent's doing (its files' size or number): graded

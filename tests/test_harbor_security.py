@@ -10,11 +10,14 @@ agent's bash tool would run them): that script is the scripted policy; everythin
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import re
 import shutil
 import socket
 import subprocess
+import tarfile
+import time
 import uuid
 from pathlib import Path
 
@@ -23,7 +26,7 @@ from docker_engine import ensure_engine
 
 from rollway.envs.config import TasksConfig
 from rollway.envs.harbor import HarborTaskError, HarborTaskSet, check_task, load_tasks, run_solution
-from rollway.envs.harbor_verifier import VERIFIER_TIMEOUT_S, verify
+from rollway.envs.harbor_verifier import VERIFIER_TIMEOUT_S, as_data, verify
 from rollway.sandboxes.base import SandboxError
 from rollway.sandboxes.config import SandboxConfig
 from rollway.sandboxes.docker import DockerSandboxProvider
@@ -195,7 +198,7 @@ def test_no_process_of_the_verifier_user_outlives_its_test(tmp_path):
         spec = taskset.spec_for(task)
         box = await provider.create(spec, f"leftover-{uuid.uuid4().hex[:6]}")
         try:
-            grade = await verify(task, box, provider, spec, task.files("tests"), provider.config.keeper_timeout_s)
+            grade = await verify(task, box, provider, spec, task.files("tests"))
             return grade.reward, (await box.exec("ps -o pid=,args= -u daemon; true")).output
         finally:
             await box.destroy()
@@ -239,12 +242,6 @@ def test_the_rewrite_of_a_carried_workspace_stops_at_its_deadline_and_shared_mod
     """The carry's second step, the engine's archive rewritten as data, gives up at the carry's deadline
     (the e2e above may end in either step, by the machine's speed); a shared-mode task has no carry, so its
     grading time is test.sh's limit alone."""
-    import io
-    import tarfile
-    import time
-
-    from rollway.envs.harbor_verifier import as_data
-
     archive = io.BytesIO()
     with tarfile.open(fileobj=archive, mode="w") as tar:
         for i in range(3):
