@@ -509,7 +509,7 @@ class Gateway:
             episode=handle.episode, call_index=capture.next_index, segment=capture.segment + int(opens),
             segment_reason=plan.segment_reason, retry_of=plan.retry_of, continues_call=plan.continues,
             prompt_start=plan.prompt_start,
-            prompt_ids=plan.delta, output_ids=output, logprobs=list(generation.logprobs[: len(output)]),
+            prompt_ids=list(plan.delta), output_ids=output, logprobs=list(generation.logprobs[: len(output)]),
             finish_reason=reply.finish_reason, policy_version=generation.policy_version, api=api,
             new_messages=plan.new_messages, tools=plan.tools if opens and api in CHAT_APIS else None,
             raw_text=reply.raw_text, content=reply.content, tool_calls=reply.tool_calls, created_at=time.time())

@@ -586,6 +586,44 @@ def test_a_capture_restored_from_its_records_continues_where_the_live_one_stood(
         assert getattr(restored, name) == getattr(live, name), name
 
 
+def test_the_prompts_held_while_the_engine_samples_are_not_walked_by_the_garbage_collector():
+    """Every prompt the engine receives (a first call, a continued one, a retry, a rewrite, a completions
+    call) and the episode's token stream are objects whose ids the collector does not walk (what it visits
+    is what `gc.get_referents` lists): with 64 long prompts in flight, lists of their ids made every
+    young-generation pass walk some 400,000 items (docs/benchmarks.md)."""
+    import gc
+
+    class Tracking(LoggedEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tracked: list[int] = []
+
+        async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+            self.tracked.append(len(gc.get_referents(prompt_ids)))
+            return await super().generate(prompt_ids, params)
+
+    async def scenario():
+        engine = Tracking()
+        gateway, _ = await serve(engine)
+        chat, completions = gateway.open_episode(key("chat")), gateway.open_episode(key("completions"))
+        program = _DictProgram(Program(client_for(gateway, chat)))
+        try:
+            messages = await tool_episode(program)
+            await program.call(messages[:4], [SHELL])  # a retry of call 1
+            await program.call([messages[0], {"role": "user", "content": "Summary."}, *messages[4:]], [SHELL])
+            client = client_for(gateway, completions)
+            first = list(BytesChatML().encode("count: 1"))
+            await client.completions.create(model="m", prompt=first, max_tokens=4)
+            await client.completions.create(model="m", prompt=first + list(BytesChatML().encode(" 2")), max_tokens=4)
+        finally:
+            await gateway.stop()
+        return engine, [chat.capture, completions.capture]
+
+    engine, captures = run(scenario())
+    assert len(engine.tracked) == 7 and max(engine.tracked) <= 1, engine.tracked  # at most its type
+    assert [len(gc.get_referents(c.stream)) <= 1 < len(c.stream) for c in captures] == [True, True]
+
+
 def test_concurrent_calls_of_one_episode_are_serialised_and_episodes_stay_apart():
     """Two identical calls of one episode at once (a program that retried before its first answer)
     are one call and its retry; a second episode's calls, interleaved, land only in its own record."""
