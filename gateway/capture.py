@@ -262,7 +262,7 @@ class EpisodeCapture:
 def ids(tokens: Sequence[int]) -> array:
     """Token ids as a C array: a long prompt held while the engine samples is one object the garbage
     collector does not walk (a list of 16k ids is walked item by item on every young-generation pass,
-    about 1 ms per pass with 64 such prompts in flight). Ids are below 2**31 (`protocol.MAX_TOKEN_ID`)."""
+    about 1 ms per pass with 64 such prompts in flight). Ids are below `MAX_TOKEN_ID` (2**31)."""
     return array("i", tokens)
 
 

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollway.policies.base import MAX_TOKEN_ID
 from rollway.tools.parsing import parse_tool_calls
 
 
@@ -24,8 +25,6 @@ class RequestError(ValueError):
         return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
 
 
-MAX_TOKEN_ID = 2**31
-"""Token ids a prompt may hold (vocabularies are far smaller; larger ids are not ids)."""
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _IGNORED_MESSAGE_KEYS = {"refusal", "annotations", "audio", "reasoning_content", "reasoning"}
 """Keys clients echo back from our own responses (null or informational); they do not reach the model."""

@@ -100,15 +100,20 @@ class EngineAnswerUnreadable(ConnectionError):
     client does not send it again (the engine would answer alike)."""
 
 
+MAX_TOKEN_ID = 2**31
+"""Token ids are below this (vocabularies are far smaller; larger ids are not ids): a prompt a program sends
+and an engine's answer are refused past it, and the gateway holds ids as 32-bit C ints."""
+
+
 def read_answer(what: str, parse: Callable[..., Generation], *args: Any) -> Generation:
     """`parse(*args)`, the engine's answer to `what` read as a Generation, with what it cannot read and a
-    Generation that is not one (ids that are not non-negative ints, logprobs of another length) raised
-    as EngineAnswerUnreadable."""
+    Generation that is not one (ids that are not ints in [0, MAX_TOKEN_ID), logprobs of another length)
+    raised as EngineAnswerUnreadable."""
     try:
         gen = parse(*args)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as err:
         raise EngineAnswerUnreadable(f"could not read the inference engine's answer to {what}: {err!r}") from None
-    ids_ok = all(type(t) is int and t >= 0 for t in gen.token_ids)
+    ids_ok = all(type(t) is int and 0 <= t < MAX_TOKEN_ID for t in gen.token_ids)
     if not ids_ok or len(gen.logprobs) != len(gen.token_ids) or type(gen.policy_version) is not int:
         raise EngineAnswerUnreadable(f"could not read the inference engine's answer to {what}: "
                                      f"{len(gen.token_ids)} token ids (all ints: {ids_ok}), {len(gen.logprobs)} "

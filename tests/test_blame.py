@@ -199,8 +199,11 @@ _ONE_CHOICE = {"token_ids": [1, 2], "logprobs": {"token_logprobs": [-0.1, -0.2]}
     json.dumps({"object": "error"}).encode(),
     json.dumps({"choices": [{**_ONE_CHOICE, "logprobs": {"token_logprobs": [-0.1]}}]}).encode(),  # not token ids
     json.dumps({"choices": [{**_ONE_CHOICE, "token_ids": ["a", "b"]}]}).encode(),
+    json.dumps({"choices": [{**_ONE_CHOICE, "token_ids": [1, 2**31]}]}).encode(),  # past any vocabulary
+    json.dumps({"choices": [{**_ONE_CHOICE, "token_ids": [1, 2**70]}]}).encode(),  # past what MessagePack holds
     json.dumps([1, 2]).encode(),
-], ids=["not-json", "no-choices", "no-choices-key", "logprobs-short", "ids-not-ints", "a-list"])
+], ids=["not-json", "no-choices", "no-choices-key", "logprobs-short", "ids-not-ints", "ids-past-2-31", "ids-past-2-64",
+        "a-list"])
 def test_an_engine_answer_the_client_cannot_read_is_infrastructure(body):
     """What the engine answers is the engine's (or its settings') doing: no program and no model shapes its
     JSON. An answer the client cannot read must be the OSError the agent stage and the gateway take for the
