@@ -20,7 +20,9 @@ runs one suite against both engines):
   log order, as in the aiokafka worker.
 - `priority` with `prefetch` > 0: up to `prefetch` events beyond the concurrency wait in the same
   priority backlog as the aiokafka worker's (re-ranked when `priority_epoch` changes).
-- `tick`, `done`, `on_error`, dead letters, outputs that can never be produced (the input dead-lettered,
+- `done`: the worker first reads its inputs to where they ended when the actor became done (late
+  messages about finished work, at most `LATE_READ_S`), as the aiokafka worker does.
+- `tick`, `on_error`, dead letters, outputs that can never be produced (the input dead-lettered,
   the episode failed: `deliver`), `StaleMessage` skips and telemetry (one line per handled message,
   runtime/telemetry.py) as in the aiokafka worker, through the same functions.
 - Exactly-once effect: for init, reward, learner and sink, the stage keeps a Faust `Table` per input
@@ -37,6 +39,9 @@ runs one suite against both engines):
   entries of a batch and a restarted worker handled their episodes again (`_changelog_ends`).
 - Refused: `broker.fetch_max_wait_ms` set for a stage on Faust (Faust fixes it at 1500 ms); see
   `unsupported_settings`, checked when the config loads and again when a worker starts.
+- Metrics: the aiokafka worker's series (runtime/metrics.py: heartbeat, in flight, backlog, handled
+  and dead-lettered messages, consumer lag per owned input partition as the log's end minus the
+  offset Faust committed), so the shipped alerts and dashboard watch a Faust stage too.
 - Groups: the consumer group is the aiokafka worker's, so a stage can switch engines between runs
   and keep its committed offsets. Do not run both engines in one group at once: Faust's assignor
   (protocol "faust") and aiokafka's ("roundrobin") have no protocol in common.
@@ -61,6 +66,7 @@ from aiokafka.errors import IllegalStateError
 from rollway.base.broker import BrokerConfig, unsupported_settings
 from rollway.base.config import ConfigError
 from rollway.base.files import write_json_atomic
+from rollway.runtime import metrics
 from rollway.runtime.actor import Actor, MessageMeta, Output
 from rollway.runtime.kafka import client_kwargs, create_topics, log_end_offsets, start_with_retry, topic_name
 from rollway.runtime.queue import Backlog, KeyLocks
@@ -68,6 +74,9 @@ from rollway.runtime.settings import StreamConfig
 from rollway.runtime.telemetry import TelemetryLog
 from rollway.runtime.worker import (
     COMMIT_INTERVAL_S,
+    LAG_INTERVAL_S,
+    LAG_TIMEOUT_S,
+    LATE_READ_S,
     STATUS_INTERVAL_S,
     TICK_INTERVAL_S,
     OutputSender,
@@ -273,6 +282,12 @@ class FaustStage:
         self.sender = OutputSender(actor.name, cfg, self._produce, self.stats)
         self.failure: BaseException | None = None
         self.closing = False
+        self.metrics = metrics.WorkerMetrics(actor.name, concurrency)
+        self._read: dict[TopicPartition, int] = {}
+        """Per input partition, the offset after the last event taken (a done stage reads up to the end)."""
+        self._committed_before: dict[TopicPartition, int] = {}
+        """The group's committed offset (the log's start where none) of input partitions as Faust sought
+        them, for the lag of a partition this worker has not committed yet."""
         self._register()
 
     @property
@@ -309,8 +324,11 @@ class FaustStage:
         committed = await self._seek_to_committed()
         fresh = [TopicPartition(tp.topic, tp.partition) for tp, offset in committed.items()
                  if not offset and tp.topic in self.specs]
+        self._committed_before.update({TopicPartition(tp.topic, tp.partition): offset
+                                       for tp, offset in committed.items() if offset and tp.topic in self.specs})
         if fresh:
             starts = await (await self._probe()).beginning_offsets(fresh)
+            self._committed_before.update(starts)
             try:
                 await self.app.consumer._thread.seek_wait(starts)
             except IllegalStateError:  # a rebalance took a partition meanwhile: its next owner seeks it
@@ -357,6 +375,8 @@ class FaustStage:
                      prefetch=self.prefetch)
             await self._wait(stop)
             await self._drain()
+            await self.app.consumer.commit()  # what app.stop would commit, so that the last lag figure counts it
+            await self.observe_lag()  # the final figures a last scrape reads
         finally:
             self.closing = True
             self._drop_unfinished()
@@ -371,13 +391,64 @@ class FaustStage:
             raise self.failure
 
     async def _wait(self, stop: asyncio.Event) -> None:
-        last_status = 0.0
-        while not (stop.is_set() or self.actor.done or self.failure or self.app.should_stop):
+        last_status = last_lag = 0.0
+        finish: tuple[float, dict[TopicPartition, int]] | None = None
+        while not (stop.is_set() or self.failure or self.app.should_stop):
+            if self.actor.done:  # as the aiokafka worker: its inputs read to where they ended then (LATE_READ_S)
+                finish = finish or (time.monotonic() + LATE_READ_S, await self._input_ends())
+                if self._read_up_to(*finish):
+                    break
             self._release_held()
             if time.monotonic() - last_status >= STATUS_INTERVAL_S:
                 self.write_status()
                 last_status = time.monotonic()
+            if time.monotonic() - last_lag >= LAG_INTERVAL_S:
+                await self.observe_lag()
+                last_lag = time.monotonic()
+            full = len(self.tasks) + len(self.backlog) >= self.concurrency + self.prefetch
+            self.metrics.loop(self.in_flight, len(self.backlog), full, self._input_partitions())
             await asyncio.sleep(0.1)
+
+    async def observe_lag(self) -> None:
+        """Per owned input partition: the log's end minus the group's committed offset (Kafka's consumer
+        lag), the end as a fetch reports it (runtime/kafka.py: log_end_offsets)."""
+        try:
+            tps = self._owned_inputs()
+            ends = await asyncio.wait_for(self._log_ends(tps), LAG_TIMEOUT_S) if tps else {}
+        except Exception as err:  # noqa: BLE001 - a metric never stops the stage (a broker away, a rebalance)
+            log.debug("consumer lag not measured this round", stage=self.actor.name, error=repr(err))
+            return
+        committed = self.app.consumer._committed_offset  # noqa: SLF001 - what Faust committed, per partition
+        lags = {}
+        for tp in tps:
+            done = max(committed.get(tp) or 0, self._committed_before.get(tp, 0))  # a partition owned before
+            lags[(tp.topic, tp.partition)] = max(0, ends.get(tp, 0) - done)
+        self.metrics.lag(lags)
+
+    async def _log_ends(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+        return await log_end_offsets(await self._probe(), tps)
+
+    def _owned_inputs(self) -> list[TopicPartition]:
+        return sorted(TopicPartition(tp.topic, tp.partition) for tp in self.app.consumer.assignment()
+                      if tp.topic in self.specs)
+
+    async def _input_ends(self) -> dict[TopicPartition, int]:
+        try:
+            tps = self._owned_inputs()
+            return await asyncio.wait_for(self._log_ends(tps), LAG_TIMEOUT_S) if tps else {}
+        except Exception:  # noqa: BLE001 - a broker away: nothing more is read
+            return {}
+
+    def _read_up_to(self, until: float, ends: dict[TopicPartition, int]) -> bool:
+        """Whether a done stage has handled its inputs up to `ends` (or `until` has passed): see
+        StageWorker._read_up_to."""
+        if time.monotonic() > until:
+            return True
+        if self.tasks or self.backlog:
+            return False
+        owned = set(self._owned_inputs())
+        return all(self._read.get(tp, self._committed_before.get(tp, 0)) >= end
+                   for tp, end in ends.items() if tp in owned)
 
     async def _drain(self, timeout_s: float = 30.0) -> None:
         """Stop taking events and let running handlers finish (their acks commit at app.stop)."""
@@ -415,6 +486,8 @@ class FaustStage:
         if self.closing:
             self._forget(event)  # never acked: redelivered to whoever owns the partition next
             return
+        where = TopicPartition(event.message.topic, event.message.partition)
+        self._read[where] = max(self._read.get(where, 0), event.message.offset + 1)
         acks = self.acks.setdefault(event.message.tp, PartitionAcks())
         acks.start(event.message.offset)
         now = time.time()
@@ -471,6 +544,7 @@ class FaustStage:
             now = time.time()
             self.telemetry.record(message.topic, message.partition, message.offset, timestamp_ms, event.value, None,
                                   now, now, outcome="undecodable")
+            self.metrics.handled(message.topic, "undecodable", message.timestamp, now, now)
             await send_dead_letter(self.sender, self._dead_letter(event, f"decode: {err}"))
             self._finish(event, acks)
             return
@@ -489,8 +563,10 @@ class FaustStage:
                 started = time.time()
                 outputs = await handle_or_dead_letter(self.actor, msg, meta, lambda r: self._dead_letter(event, r))
                 self.stats["handled"] += 1
+                ended = time.time()
                 self.telemetry.record(message.topic, message.partition, message.offset, timestamp_ms, event.value,
-                                      msg, started, time.time())
+                                      msg, started, ended)
+                self.metrics.handled(message.topic, "handled", message.timestamp, started, ended)
             await deliver(self.sender, self.actor, outputs, msg, lambda r: self._dead_letter(event, r))
             held = self._where(event) in self.actor.held_offsets()
             if table is not None and key is not None and not held:
@@ -567,11 +643,13 @@ class FaustStage:
             for event in acks.drop(lowest.get(tp)):
                 self._forget(event)
         self.acks = {}  # events fetched after the rebalance start new books
+        self._read = {}  # a partition owned again is read again from its committed offset
         self.table_keys = {}  # rebuilt from the tables as restored after the rebalance
 
     def _dead_letter(self, event: Any, reason: str) -> Output:
         m = event.message
         self.stats["dead_lettered"] += 1
+        self.metrics.dead_letter(reason)
         return dead_letter(self.actor.name, m.topic, m.partition, m.offset, event.key, event.value, reason)
 
     async def _produce(self, topic: str, key: bytes | None, value: bytes) -> None:

@@ -364,18 +364,24 @@ def test_a_new_priority_epoch_reranks_the_backlog(engine, broker, topic_prefix, 
     assert [t for _, t, _ in run(scenario()).seen] == [0, 1, 2, 3, 4, 5, 9]
 
 
-def test_done_actor_stops_its_worker(engine, broker, topic_prefix, tmp_path):
+def test_done_actor_stops_its_worker_once_its_inputs_are_read_to_their_end(engine, broker, topic_prefix, tmp_path):
+    """A done actor (the scheduler once every episode ended) stops its worker, which first reads its inputs
+    to where they ended then and commits them: late messages about the finished work (reward requests of
+    graded episodes) are not left as lag at the run's end, nor handed to a restart again."""
     cfg = config(topic_prefix, partitions=1)
+    group = f"{topic_prefix}probe"
 
     async def scenario():
-        await prepare(cfg, broker.bootstrap, [step("a", 0), step("last", 0, stop=True)])
-        w = Running(engine, Probe(), cfg, broker.bootstrap, f"{topic_prefix}probe", tmp_path)
+        late = [step(f"late{i}", 0, sleep_s=0.05) for i in range(20)]  # a second of work after done
+        await prepare(cfg, broker.bootstrap, [step("a", 0), step("last", 0, stop=True), *late])
+        w = Running(engine, Probe(), cfg, broker.bootstrap, group, tmp_path)
         await w.__aenter__()
         await asyncio.wait_for(w.task, 60)  # no stop event: the worker ends because the actor is done
-        return w.actor
+        return w.actor, await committed(cfg, broker.bootstrap, group)
 
-    actor = run(scenario())
-    assert [e for e, _, _ in actor.seen] == ["a", "last"] and actor.closed
+    actor, offset = run(scenario())
+    assert [e for e, _, _ in actor.seen] == ["a", "last", *(f"late{i}" for i in range(20))] and actor.closed
+    assert offset == 22
 
 
 @pytest.mark.parametrize("fetch_times", [False, True], ids=["plain", "run.trace"])
