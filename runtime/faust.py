@@ -415,10 +415,10 @@ class FaustStage:
         try:
             tps = self._owned_inputs()
             ends = await asyncio.wait_for(self._log_ends(tps), LAG_TIMEOUT_S) if tps else {}
+            committed = dict(self.app.consumer._committed_offset)  # noqa: SLF001 - what Faust committed, per partition
         except Exception as err:  # noqa: BLE001 - a metric never stops the stage (a broker away, a rebalance)
             log.debug("consumer lag not measured this round", stage=self.actor.name, error=repr(err))
             return
-        committed = self.app.consumer._committed_offset  # noqa: SLF001 - what Faust committed, per partition
         lags = {}
         for tp in tps:
             done = max(committed.get(tp) or 0, self._committed_before.get(tp, 0))  # a partition owned before
