@@ -25,6 +25,7 @@ from rollway.base.http import http_get, http_post
 from rollway.base.run_dir import RunDir
 from rollway.bench.bench_dir import BenchDir
 from rollway.policies.launch import ServerProcess
+from rollway.policies.vllm import parse_metrics
 
 ENGINE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 ENGINE_COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:prefix_cache_hits_total",
@@ -166,18 +167,6 @@ def real_run_config(rc: RealBenchConfig, tasks_path: Path, run_dir: Path, url: s
 
 
 # ------------------------------------------------------------------ sampling the engine and the CPU
-
-
-def parse_metrics(text: str, names: tuple[str, ...]) -> dict[str, float]:
-    """Sum of each named Prometheus series over its labels (one engine, one model: one series each)."""
-    out = dict.fromkeys(names, 0.0)
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        key = line.split("{", 1)[0].split(" ", 1)[0]
-        if key in out:
-            out[key] += float(line.rsplit(" ", 1)[1])
-    return out
 
 
 def proc_table() -> dict[int, tuple[int, float, int]]:

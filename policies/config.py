@@ -133,7 +133,8 @@ class OpenAIPolicyConfig(EnginePolicyConfig):
     """Per-request timeout to the inference server. A generation is not given up for being long (its length
     is the model's and the program's doing): each time this passes without its answer, the server is asked
     GET /v1/models, and the generation is given up (the engine's failure, retried) only when that goes
-    unanswered too."""
+    unanswered too, or, on vLLM, when the server, not paused, processed no token since the last such check
+    (a whole timeout without work: its engine is stuck; keep it above the engine's longest step)."""
     max_retries: int = Field(5, ge=0)
     """Retries (exponential backoff from 0.5 s) on connection errors and 5xx answers."""
 

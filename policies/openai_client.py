@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -131,15 +132,16 @@ class OpenAICompletionsClient(InferenceClient):
         return self._session
 
     async def _request(self, method: str, url: str, body: Any = None, retries: int | None = None,
-                       alive_url: str | None = None) -> tuple[dict, Any]:
+                       alive_url: str | None = None,
+                       work: Callable[[], Awaitable[float | None]] | None = None) -> tuple[dict, Any]:
         """JSON answer and headers; retries transport failures (no connection, a body cut short by an engine
         restart) and 5xx with exponential backoff, then raises ConnectionError: an OSError, the engine's failure
-        (base/blame.py), never the agent's. `alive_url`: see `_exchange`."""
+        (base/blame.py), never the agent's. `alive_url` and `work`: see `_exchange`."""
         retries = self.max_retries if retries is None else retries
         for attempt in range(retries + 1):
             try:
                 data = None if body is None else _encode_json(body)
-                status, raw, headers = await self._exchange(method, url, data, alive_url)
+                status, raw, headers = await self._exchange(method, url, data, alive_url, work)
                 if status < 400:  # some routes (vLLM's /health) answer with no body
                     return _read_json(f"{method} {url}", raw), headers
                 text = raw.decode("utf-8", "replace")
@@ -154,14 +156,16 @@ class OpenAICompletionsClient(InferenceClient):
         raise ConnectionError(f"{method} {url} failed after {retries + 1} attempts: {error!r}; "
                               "is the inference server running (rollway serve / vllm serve)?") from error
 
-    async def _exchange(self, method: str, url: str, data: bytes | None,
-                        alive_url: str | None) -> tuple[int, bytes, Any]:
+    async def _exchange(self, method: str, url: str, data: bytes | None, alive_url: str | None,
+                        work: Callable[[], Awaitable[float | None]] | None = None) -> tuple[int, bytes, Any]:
         """Status, body and headers of one request. Without `alive_url`, given up after the client's timeout
         (`policy.request_timeout_s`). With it (a generation), never for being long: how long a generation runs
         is the program's and the model's doing (max_tokens, a reply that never stops), and a timeout would turn
         it into a retried infrastructure failure that is never graded. Each time the timeout passes without an
-        answer the engine is asked `alive_url` instead; the request is given up (TimeoutError) only when that
-        is not answered either. The episode's own deadline still bounds the wait."""
+        answer the engine is asked `alive_url` instead; the request is given up (TimeoutError) when that is not
+        answered either, or when `work` (the tokens the engine has processed, None when unknown or meaningless
+        now) reads the same at two checks in a row: a whole timeout in which an engine that answers did nothing
+        (its core hung), which no program or model can cause. The episode's own deadline still bounds the wait."""
         async def exchange(**timeout: aiohttp.ClientTimeout) -> tuple[int, bytes, Any]:
             async with self._http().request(method, url, data=data, headers=JSON_HEADERS, **timeout) as resp:
                 return resp.status, await resp.read(), resp.headers
@@ -169,6 +173,7 @@ class OpenAICompletionsClient(InferenceClient):
         if alive_url is None:
             return await exchange()
         call = asyncio.ensure_future(exchange(timeout=aiohttp.ClientTimeout(sock_connect=self.timeout.total)))
+        before: float | None = None
         try:
             while True:
                 done, _ = await asyncio.wait({call}, timeout=self.timeout.total)
@@ -177,6 +182,12 @@ class OpenAICompletionsClient(InferenceClient):
                 if not await self._answers(alive_url):
                     raise TimeoutError(f"no answer in {self.timeout.total:g} s (policy.request_timeout_s), and "
                                        f"the engine did not answer GET {alive_url} either")
+                now = await work() if work is not None else None
+                if now is not None and now == before:
+                    raise TimeoutError(f"no answer, and in the last {self.timeout.total:g} s (policy.request_timeout_s) "
+                                       f"the engine, which answers and is not paused, processed no token (its count "
+                                       f"stayed at {now:g}): it is stuck")
+                before = now
         finally:
             call.cancel()
 

@@ -46,14 +46,24 @@ import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import structlog
 
 from rollway.policies.base import Generation, SamplingParams, read_answer
-from rollway.policies.openai_client import OpenAICompletionsClient, _model_id, _split_credentials
+from rollway.policies.openai_client import (
+    ALIVE_TIMEOUT_S,
+    OpenAICompletionsClient,
+    _model_id,
+    _split_credentials,
+)
 
 log = structlog.get_logger()
 
 VLLM_VENV = ".venv-vllm"
+WORK_COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
+"""vLLM's counters of the tokens its engines processed: prefill (every chunk as it is computed) and generation."""
+METRICS_READ_LIMIT = 16 * 2**20
+"""The most of a server's /metrics page read for them (vLLM's is some 100 KB)."""
 """The environment `scripts/setup-vllm.sh` builds, at the root of the rollway checkout."""
 VLLM_PYTHON_ENV = "ROLLWAY_VLLM_PYTHON"
 """Overrides the interpreter that runs vLLM (any environment where `import vllm` works)."""
@@ -254,6 +264,26 @@ class VLLMClient(OpenAICompletionsClient):
                 return sticky
         return least
 
+    async def _work_done(self, root: str) -> float | None:
+        """Tokens the server at `root` has processed, prefill and generation, over all its engines (its
+        /metrics); None when that says nothing now: the server paused (a weight update: no work is its state,
+        not a fault) or its pause state unknown, /metrics unreadable or without the counters, or none counted
+        (statistics off)."""
+        limit = aiohttp.ClientTimeout(min(self.timeout.total, ALIVE_TIMEOUT_S))
+        try:
+            async with self._http().get(f"{root}/is_paused", timeout=limit) as resp:
+                state = await resp.json(content_type=None) if resp.status == 200 else None
+            if not isinstance(state, dict) or state.get("is_paused") is not False:
+                return None
+            async with self._http().get(f"{root}/metrics", timeout=limit) as resp:
+                if resp.status != 200:
+                    return None
+                text = (await resp.content.read(METRICS_READ_LIMIT)).decode("utf-8", "replace")
+        except (TimeoutError, aiohttp.ClientError, ValueError):
+            return None
+        total = sum(parse_metrics(text, WORK_COUNTERS).values())
+        return total if total > 0 else None
+
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         payload = generate_payload(await self.model_name(), prompt_ids, params)
         for attempt in range(self.max_retries + 1):
@@ -261,7 +291,7 @@ class VLLMClient(OpenAICompletionsClient):
             self._inflight[root] += 1
             try:
                 body, _ = await self._request("POST", f"{root}/inference/v1/generate", payload, retries=0,
-                                              alive_url=f"{root}/v1/models")
+                                              alive_url=f"{root}/v1/models", work=lambda r=root: self._work_done(r))
             except ConnectionError:
                 self._dead_until[root] = time.monotonic() + self.dead_for_s
                 self.replica_failures += 1
@@ -351,3 +381,19 @@ class VLLMClient(OpenAICompletionsClient):
         if len(labels) != 1:
             raise RuntimeError(f"vLLM replicas serve different policy versions: {sorted(labels)}")
         return labels.pop()
+
+
+def parse_metrics(text: str, names: tuple[str, ...]) -> dict[str, float]:
+    """Sum of each named Prometheus series over its labels (its engines; one model per server); a line that
+    is not a sample is skipped."""
+    out = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        key = line.split("{", 1)[0].split(" ", 1)[0]
+        if key in out:
+            try:
+                out[key] += float(line.rsplit(" ", 1)[1])
+            except (IndexError, ValueError):
+                continue
+    return out

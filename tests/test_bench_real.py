@@ -19,11 +19,11 @@ from rollway.bench.real import (
     RealBenchConfig,
     Sampler,
     descendants,
-    parse_metrics,
     proc_table,
     real_run_config,
 )
 from rollway.config.run import load_config
+from rollway.policies.vllm import parse_metrics
 
 METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge

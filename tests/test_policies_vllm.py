@@ -3,6 +3,8 @@ tests are in test_vllm_server.py)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from pydantic import ValidationError
 
@@ -317,3 +319,78 @@ def test_a_launched_cpu_engines_readers_spin_a_tenth_of_a_second_not_a_second():
                             for bad in ("-1", "nan", "soon")], launched
     # Without the plugin folder (a server rollway did not launch): vLLM's own second.
     assert spins({k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "-") == ["1/0 poll -/- yields 5"]
+
+
+class _StuckVLLM:
+    """A stand-in for a vLLM server whose engine stopped working while its HTTP front still answers (fake: an
+    aiohttp app, no model; a real engine cannot be made to hang on demand). /v1/models and /is_paused answer,
+    /metrics reports the engine's token counters, and a generation is never answered. `working` makes the
+    counters move on every scrape (a long generation in progress); `paused` reports a weight update's pause."""
+
+    def __init__(self, working: bool = False, paused: bool = False) -> None:
+        self.working, self.paused, self.tokens, self.generations = working, paused, 40.0, 0
+
+    async def start(self) -> str:
+        from aiohttp import web
+
+        async def models(_request):
+            return web.json_response({"object": "list", "data": [{"id": "m", "max_model_len": 2048}]})
+
+        async def is_paused(_request):
+            return web.json_response({"is_paused": self.paused})
+
+        async def metrics(_request):
+            self.tokens += 7 if self.working else 0
+            return web.Response(text=(
+                "# TYPE vllm:prompt_tokens_total counter\n"
+                f'vllm:prompt_tokens_total{{engine="0",model_name="m"}} {self.tokens}\n'
+                '# TYPE vllm:generation_tokens_total counter\n'
+                f'vllm:generation_tokens_total{{engine="0",model_name="m"}} {self.tokens / 2}\n'
+                'vllm:generation_tokens_created{engine="0",model_name="m"} 1.7e9\n'))
+
+        async def generate(_request):
+            self.generations += 1
+            await asyncio.Event().wait()  # never answered
+
+        app = web.Application()
+        app.router.add_get("/v1/models", models)
+        app.router.add_get("/is_paused", is_paused)
+        app.router.add_get("/metrics", metrics)
+        app.router.add_post("/inference/v1/generate", generate)
+        self.runner = web.AppRunner(app, shutdown_timeout=0.1)  # its hung generation is not waited for
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1"  # noqa: SLF001
+
+
+@pytest.mark.parametrize("case", ["stuck", "working", "paused"])
+def test_a_generation_on_an_engine_that_answers_but_does_no_work_is_given_up_as_the_engines_failure(case):
+    """An engine whose front answers /v1/models while its engine does nothing (a hang in the engine core) held
+    every call to the agent's deadline, graded as the agent's 0. The call is now given up, as the engine's
+    failure (an OSError, retried: base/blame.py), once a whole `request_timeout_s` passes in which the server,
+    not paused, counted no prefill or generated token. Still never for being long: an engine whose counters
+    move (a long generation) is waited for, and so is a paused one (a weight update)."""
+    import asyncio as aio
+
+    async def go():
+        server = _StuckVLLM(working=case == "working", paused=case == "paused")
+        url = await server.start()
+        client = VLLMClient([url], model="m", timeout=0.3, max_retries=0)
+        call = aio.ensure_future(client.generate([1, 2, 3], SamplingParams(max_tokens=8)))
+        try:
+            done, _ = await aio.wait({call}, timeout=5)
+            if case == "stuck":
+                assert done, "a call on an engine that does no work was never given up"
+                with pytest.raises(ConnectionError, match="processed no token"):
+                    call.result()
+            else:
+                assert not done, call.result()  # still waited for after some 15 of its timeouts
+            return server.generations
+        finally:
+            call.cancel()
+            await aio.gather(call, return_exceptions=True)
+            await client.close()
+            await server.runner.cleanup()
+
+    assert asyncio.run(go()) == 1  # given up, not sent again to a server that answers alike

@@ -124,6 +124,35 @@ def test_a_seeded_request_prefilled_in_chunks_keeps_the_engine_alive(vllm_url):
     assert len(after.token_ids) == 4  # the engine still serves
 
 
+def test_the_work_count_a_stuck_call_is_judged_by_moves_with_each_generation_and_says_nothing_while_paused(vllm_url):
+    """A generation past `policy.request_timeout_s` is given up as the engine's failure when the server, not
+    paused, processed no token over a whole timeout (tests/test_policies_vllm.py, on a stand-in that hangs).
+    Read here from the real server: the count grows with a generation's prompt and output, and a paused
+    server (a weight update) gives no count, so a call waiting out a pause is never given up."""
+
+    async def go():
+        client = client_for(vllm_url)
+        root = client.roots[0]
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+            await client.generate(PROMPT, params)  # a fresh server has counted nothing: its count is unknown
+            before = await client._work_done(root)
+            gen = await client.generate(PROMPT, params)
+            after = await client._work_done(root)
+            await client._request("POST", f"{root}/pause?mode=wait", retries=2)
+            try:
+                paused = await client._work_done(root)
+            finally:
+                await client._request("POST", f"{root}/resume", retries=2)
+            return before, len(gen.token_ids), after, paused, await client._work_done(root)
+        finally:
+            await client.close()
+
+    before, generated, after, paused, resumed = run(go())
+    assert before is not None and after is not None and after >= before + generated, (before, after)  # its prompt cached
+    assert paused is None and resumed == after
+
+
 def test_the_gateway_reads_vllms_context_and_passes_its_refusals_to_the_program_as_400s(vllm_url):
     """A program's history past vLLM's context is refused as programs compact on, before vLLM sees it; an
     id outside the vocabulary, which vLLM refuses, reaches the program as a 400 in vLLM's words (before:
@@ -415,7 +444,7 @@ def _generated_tokens(url: str) -> float:
     """Tokens the engine has generated so far (its Prometheus counter; /metrics is open without the key)."""
     import urllib.request
 
-    from rollway.bench.real import parse_metrics
+    from rollway.policies.vllm import parse_metrics
 
     with urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=30) as resp:
         return parse_metrics(resp.read().decode(), ("vllm:generation_tokens_total",))["vllm:generation_tokens_total"]
