@@ -416,29 +416,29 @@ class FaustStage:
         """Per owned input partition: the log's end minus the group's committed offset (Kafka's consumer
         lag), the end as a fetch reports it (runtime/kafka.py: log_end_offsets)."""
         try:
-            tps = self._owned_inputs()
-            ends = await asyncio.wait_for(self._log_ends(tps), LAG_TIMEOUT_S) if tps else {}
+            ends = await self._log_ends()
             committed = dict(self.app.consumer._committed_offset)  # noqa: SLF001 - what Faust committed, per partition
         except Exception as err:  # noqa: BLE001 - a metric never stops the stage (a broker away, a rebalance)
             log.debug("consumer lag not measured this round", stage=self.actor.name, error=repr(err))
             return
         lags = {}
-        for tp in tps:
+        for tp, end in ends.items():
             done = max(committed.get(tp) or 0, self._committed_before.get(tp, 0))  # a partition owned before
-            lags[(tp.topic, tp.partition)] = max(0, ends.get(tp, 0) - done)
+            lags[(tp.topic, tp.partition)] = max(0, end - done)
         self.metrics.lag(lags)
-
-    async def _log_ends(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
-        return await log_end_offsets(await self._probe(), tps)
 
     def _owned_inputs(self) -> list[TopicPartition]:
         return sorted(TopicPartition(tp.topic, tp.partition) for tp in self.app.consumer.assignment()
                       if tp.topic in self.specs)
 
+    async def _log_ends(self) -> dict[TopicPartition, int]:
+        """The log's end of each owned input partition, as a fetch reports it (within LAG_TIMEOUT_S)."""
+        tps = self._owned_inputs()
+        return await asyncio.wait_for(log_end_offsets(await self._probe(), tps), LAG_TIMEOUT_S) if tps else {}
+
     async def _input_ends(self) -> dict[TopicPartition, int]:
         try:
-            tps = self._owned_inputs()
-            return await asyncio.wait_for(self._log_ends(tps), LAG_TIMEOUT_S) if tps else {}
+            return await self._log_ends()
         except Exception:  # noqa: BLE001 - a broker away: nothing more is read
             return {}
 
